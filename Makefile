@@ -1,0 +1,25 @@
+# Two commands a new user needs: `make plan` (a capacity plan) and `make test` (the suite).
+# Each bootstraps .venv on first use; torch is pinned to the CPU build via constraints-dev.txt.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: plan test bench clean
+
+$(STAMP): pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[test]'
+	touch $(STAMP)
+
+plan: $(STAMP)
+	$(BIN)/hicache plan $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

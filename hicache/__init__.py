@@ -1,0 +1,10 @@
+"""hicache: bring up very large host KV-cache pools for LLM inference, safely and fast.
+
+Plan the cudaHostRegister calls as pure data (hicache.plan), apply them as a transaction
+(hicache.effects), and own host KV pools built on both (hicache.pools). Heavy modules (torch,
+cuda-python) are imported only by the layers that need them.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

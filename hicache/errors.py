@@ -1,0 +1,117 @@
+"""The whole hicache error tree (see ARCHITECTURE.md, "Stable public API").
+
+A leaf module: every layer may import it, and it imports nothing of hicache. Errors carry data
+(codes, pointers, ranges) as attributes so callers can branch on them, not only a string.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HicacheError",
+    "LayoutError",
+    "PlanError",
+    "CapacityError",
+    "CudaCallError",
+    "CudaUnavailableError",
+    "HostAlreadyRegisteredError",
+    "HostNotRegisteredError",
+    "StickyCudaError",
+    "ApplyError",
+    "RollbackError",
+    "ReleaseError",
+    "RegistrationStateError",
+    "HostOutOfMemoryError",
+]
+
+
+class HicacheError(Exception):
+    """Base of every error hicache raises on purpose."""
+
+
+class LayoutError(HicacheError, ValueError):
+    """A layout descriptor is malformed: bad field value or unsupported family x layout pair."""
+
+
+class PlanError(HicacheError, ValueError):
+    """No registration plan satisfies the inputs (the message carries the numbers)."""
+
+
+class CapacityError(PlanError):
+    """The host cannot hold the requested pool within its budget."""
+
+
+class CudaCallError(HicacheError, RuntimeError):
+    """A CUDA runtime call failed.
+
+    ``op`` is the call (``"cudaHostRegister"``), ``code`` the integer ``cudaError_t``, ``name``
+    its enum name (``"cudaErrorHostMemoryAlreadyRegistered"``), ``ptr``/``size`` the range it
+    was about (``None`` when not applicable).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str,
+        code: int,
+        name: str,
+        ptr: int | None = None,
+        size: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.code = code
+        self.name = name
+        self.ptr = ptr
+        self.size = size
+
+
+class CudaUnavailableError(CudaCallError):
+    """No usable CUDA: no driver, a driver too old, or no device (codes 35, 100, ...)."""
+
+
+class HostAlreadyRegisteredError(CudaCallError):
+    """712 cudaErrorHostMemoryAlreadyRegistered: the range overlaps a registration."""
+
+
+class HostNotRegisteredError(CudaCallError):
+    """713 cudaErrorHostMemoryNotRegistered: unregister of a pointer that is not a base."""
+
+
+class StickyCudaError(CudaCallError):
+    """A code that poisons the CUDA context: no further CUDA work can succeed in this process."""
+
+
+class ApplyError(HicacheError, RuntimeError):
+    """Applying a plan failed and everything it had registered was unregistered again.
+
+    ``__cause__`` is the original failure.
+    """
+
+
+class RollbackError(ApplyError):
+    """Applying a plan failed and the rollback could not undo everything.
+
+    ``leaked`` lists the ``(ptr, size)`` ranges that are still registered; the memory behind
+    them must not be unmapped or freed.
+    """
+
+    def __init__(self, message: str, *, leaked: tuple[tuple[int, int], ...]) -> None:
+        super().__init__(message)
+        self.leaked = tuple(leaked)
+
+
+class ReleaseError(HicacheError, RuntimeError):
+    """Releasing a registration left ranges registered (``leaked``: ``(ptr, size)`` pairs)."""
+
+    def __init__(self, message: str, *, leaked: tuple[tuple[int, int], ...]) -> None:
+        super().__init__(message)
+        self.leaked = tuple(leaked)
+
+
+class RegistrationStateError(HicacheError, RuntimeError):
+    """A registration was used in a state that does not allow it (e.g. concurrent misuse)."""
+
+
+class HostOutOfMemoryError(HicacheError, MemoryError):
+    """The host could not provide the memory (mmap or pre-fault returned ENOMEM)."""

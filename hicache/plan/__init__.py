@@ -1,0 +1,69 @@
+"""hicache.plan: the pure core. Layouts and limits in, frozen registration plans out.
+
+No I/O, environment, clocks, randomness, torch or CUDA here (ARCHITECTURE.md, "The one rule");
+tests/test_purity.py enforces it.
+"""
+
+from hicache.plan._capacity import (
+    DEFAULT_RESERVE_BYTES,
+    BudgetVerdict,
+    PoolSize,
+    assess_budget,
+    check_budget,
+    size_pool,
+)
+from hicache.plan._codec import SCHEMA_VERSION, from_jsonable, to_jsonable
+from hicache.plan._layouts import (
+    LAYOUT_CLASSES,
+    LAYOUT_RULES,
+    AsymmetricMHALayout,
+    BufferSpec,
+    DeepSeekV4PagedLayout,
+    DeepSeekV4StateLayout,
+    DSAIndexerLayout,
+    MambaLayout,
+    MHAKOnlyLayout,
+    MHALayout,
+    MLALayout,
+)
+from hicache.plan._limits import DRIVER_CEILING_BYTES, KERNEL_PIN_CAP_BYTES, Limits
+from hicache.plan._planner import RegistrationPlan, plan_registration, replan
+from hicache.plan._pool import BufferPlan, PoolPlan, plan_pool
+from hicache.plan._range import Range
+from hicache.plan._units import format_bytes, format_gb, parse_size
+
+__all__ = [
+    "AsymmetricMHALayout",
+    "BudgetVerdict",
+    "BufferPlan",
+    "BufferSpec",
+    "DEFAULT_RESERVE_BYTES",
+    "DRIVER_CEILING_BYTES",
+    "DSAIndexerLayout",
+    "DeepSeekV4PagedLayout",
+    "DeepSeekV4StateLayout",
+    "KERNEL_PIN_CAP_BYTES",
+    "LAYOUT_CLASSES",
+    "LAYOUT_RULES",
+    "Limits",
+    "MHAKOnlyLayout",
+    "MHALayout",
+    "MLALayout",
+    "MambaLayout",
+    "PoolPlan",
+    "PoolSize",
+    "Range",
+    "RegistrationPlan",
+    "SCHEMA_VERSION",
+    "assess_budget",
+    "check_budget",
+    "format_bytes",
+    "format_gb",
+    "from_jsonable",
+    "parse_size",
+    "plan_pool",
+    "plan_registration",
+    "replan",
+    "size_pool",
+    "to_jsonable",
+]

@@ -1,0 +1,114 @@
+"""`Limits`: the caps and alignments one `cudaHostRegister` call must respect.
+
+Owns the per-call caps (chunk limit, driver ceiling, kernel cap) and the alignments the planner
+may assume. Values come in as arguments (the effects layer probes them); this module never reads
+the machine. Pure: imports attrs and hicache.errors only.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hicache.errors import PlanError
+from hicache.plan._checks import check_int, check_power_of_two
+
+GiB = 2**30
+MiB = 2**20
+
+#: NVIDIA r580+ drivers fail one registration of 2**39 bytes (512 GiB) or more: the flat page
+#: table (16 B per 4 KiB page, kvzalloc) passes INT_MAX ("NVRM: failed to allocate page table";
+#: vLLM #51080, open-gpu-kernel-modules PR #1234). 511 GiB stays below it and is a multiple of
+#: every OS and hugepage size, so it never costs alignment.
+DRIVER_CEILING_BYTES = 2**39 - GiB
+
+#: Linux 6.11-6.13 pin at most ~2 GB per call (MAX_RW_COUNT = INT_MAX & PAGE_MASK); TensorRT-LLM
+#: registers 2 GiB chunks on those kernels. 2 GiB - 2 MiB stays under it and keeps 2 MiB pages.
+KERNEL_PIN_CAP_BYTES = 2**31 - 2 * MiB
+
+
+def _positive_or_none(field: str):
+    def check(instance, attribute, value):
+        if value is not None:
+            check_int(PlanError, "Limits", field, value)
+
+    return check
+
+
+def _power_of_two_or_none(field: str):
+    def check(instance, attribute, value):
+        if value is not None:
+            check_power_of_two(PlanError, "Limits", field, value)
+
+    return check
+
+
+def _default_base_alignment(limits: "Limits") -> int:
+    # hicache's own mmap allocator returns OS-page aligned bases, hugepage aligned when the
+    # buffer is hugepage-backed.
+    return limits.hugepage_bytes or limits.os_page_bytes
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """Caps on one registration call and alignments the plan may assume.
+
+    ``chunk_limit_bytes``: the operator's cap per call (SGLang's 256 GiB, vLLM's 64 GiB, ...).
+    ``hard_ceiling_bytes``: what the driver refuses at or above (default just under 2**39).
+    ``kernel_cap_bytes``: a kernel's per-pin cap, or None (see ``KERNEL_PIN_CAP_BYTES``).
+    ``os_page_bytes``: the base page size. ``hugepage_bytes``: the page size of a
+    hugepage-backed buffer, or None. ``base_alignment_bytes``: what the buffer's base address is
+    known to be aligned to (default: the hugepage or OS page, as hicache's mmap guarantees).
+    """
+
+    chunk_limit_bytes: int = attrs.field(
+        validator=lambda i, a, v: check_int(PlanError, "Limits", "chunk_limit_bytes", v)
+    )
+    os_page_bytes: int = attrs.field(
+        default=4096,
+        validator=lambda i, a, v: check_power_of_two(PlanError, "Limits", "os_page_bytes", v),
+    )
+    hard_ceiling_bytes: int = attrs.field(
+        default=DRIVER_CEILING_BYTES,
+        validator=lambda i, a, v: check_int(PlanError, "Limits", "hard_ceiling_bytes", v),
+    )
+    kernel_cap_bytes: int | None = attrs.field(
+        default=None, validator=_positive_or_none("kernel_cap_bytes")
+    )
+    hugepage_bytes: int | None = attrs.field(
+        default=None, validator=_power_of_two_or_none("hugepage_bytes")
+    )
+    base_alignment_bytes: int = attrs.field(
+        default=attrs.Factory(_default_base_alignment, takes_self=True),
+        validator=lambda i, a, v: check_power_of_two(PlanError, "Limits", "base_alignment_bytes", v),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.hugepage_bytes is not None and self.hugepage_bytes % self.os_page_bytes:
+            raise PlanError(
+                f"Limits.hugepage_bytes ({self.hugepage_bytes}) must be a multiple of "
+                f"os_page_bytes ({self.os_page_bytes})"
+            )
+
+    def caps(self) -> dict[str, int]:
+        """Every per-call cap that is set, by name (``chunk_limit``, ``driver_ceiling``, ...)."""
+        caps = {"chunk_limit": self.chunk_limit_bytes, "driver_ceiling": self.hard_ceiling_bytes}
+        if self.kernel_cap_bytes is not None:
+            caps["kernel_cap"] = self.kernel_cap_bytes
+        return caps
+
+    @property
+    def effective_cap_bytes(self) -> int:
+        """The largest size one call may have: the minimum of every cap."""
+        return min(self.caps().values())
+
+    @property
+    def hard_cap_bytes(self) -> int:
+        """The largest call the machine accepts at all (driver ceiling and kernel cap)."""
+        caps = self.caps()
+        del caps["chunk_limit"]
+        return min(caps.values())
+
+    def binding_caps(self) -> tuple[str, ...]:
+        """Names of the caps equal to the effective cap (the ones that decide the chunk size)."""
+        cap = self.effective_cap_bytes
+        return tuple(name for name, value in self.caps().items() if value == cap)

@@ -1,0 +1,254 @@
+"""The planner: one buffer's size, copy unit and `Limits` -> a frozen `RegistrationPlan`.
+
+Owns the chunking rule (greedy steps of the largest aligned size under the effective cap), the
+invariants every plan satisfies (checked on construction, so a plan from anywhere - JSON, evolve,
+replan - is safe to apply) and the pure retry policy `replan`.
+Pure: imports attrs, the standard library and hicache.errors only.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import accumulate, repeat
+
+import attrs
+
+from hicache.errors import PlanError
+from hicache.plan._checks import check_int
+from hicache.plan._limits import Limits
+from hicache.plan._range import Range, trusted_ranges
+from hicache.plan._units import format_bytes
+
+
+def _check_plan(plan: "RegistrationPlan") -> None:
+    """Raise PlanError naming the first range that breaks a plan invariant."""
+    total, unit, ranges = plan.total_bytes, plan.granularity_bytes, plan.ranges
+    # One unsplittable call is bounded only by the machine's caps (driver, kernel).
+    cap = plan.limits.hard_cap_bytes if unit is None else plan.limits.effective_cap_bytes
+    if unit is None and len(ranges) > 1:
+        raise PlanError("a plan without a copy unit must be a single range")
+    # Fast whole-tuple checks in C loops (65,536 ranges in a few ms); the slow scan below only
+    # runs to name the offending range.
+    if not ranges and total == 0:
+        return
+    if ranges and all(type(item) is Range for item in ranges):
+        ends = list(accumulate(item[1] for item in ranges))
+        interior = ends[:-1]
+        if (
+            [item[0] for item in ranges] == [0, *interior]
+            and ends[-1] == total
+            and max((item[1] for item in ranges), default=0) <= cap
+            and (unit is None or not any(map(unit.__rmod__, interior)))
+        ):
+            return
+    _explain_bad_plan(ranges, total, cap, unit)
+
+
+def _explain_bad_plan(ranges, total: int, cap: int, unit: int | None) -> None:
+    last = len(ranges) - 1
+    position = 0
+    for index, item in enumerate(ranges):
+        if type(item) is not Range:
+            raise PlanError(f"ranges[{index}] must be a Range, got {item!r}")
+        if item.offset != position:
+            kind = "overlaps the previous range" if item.offset < position else "leaves a gap"
+            raise PlanError(f"ranges[{index}] {item} {kind}: expected offset {position}")
+        if item.size > cap:
+            raise PlanError(f"ranges[{index}] {item} is {item.size} bytes, over the cap of {cap}")
+        position = item.end
+        if index < last and unit is not None and position % unit:
+            raise PlanError(
+                f"ranges[{index}] {item} ends at {position}, not a multiple of the copy unit {unit}"
+            )
+    raise PlanError(f"ranges cover [0, {position}) but total_bytes is {total}")
+
+
+@attrs.frozen
+class RegistrationPlan:
+    """How to register one buffer: ``ranges`` tile ``[0, total_bytes)`` in order.
+
+    ``granularity_bytes`` is the page-copy unit every interior boundary is a multiple of (None:
+    the buffer cannot be split). ``step_bytes`` is the size of every range but the last;
+    ``alignment_bytes`` the multiple boundaries were placed on (the unit, raised to the OS page
+    or hugepage when that fits under the cap). ``notes`` say why anything was clamped or dropped.
+    """
+
+    total_bytes: int
+    granularity_bytes: int | None
+    step_bytes: int
+    limits: Limits
+    ranges: tuple[Range, ...] = attrs.field(converter=tuple)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    alignment_bytes: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        check_int(PlanError, "RegistrationPlan", "total_bytes", self.total_bytes, minimum=0)
+        check_int(PlanError, "RegistrationPlan", "step_bytes", self.step_bytes, minimum=0)
+        if not isinstance(self.limits, Limits):
+            raise PlanError(f"RegistrationPlan.limits must be a Limits, got {self.limits!r}")
+        if self.granularity_bytes is not None:
+            check_int(PlanError, "RegistrationPlan", "granularity_bytes", self.granularity_bytes)
+        _check_plan(self)
+
+    @property
+    def call_count(self) -> int:
+        """How many ``cudaHostRegister`` calls the plan makes."""
+        return len(self.ranges)
+
+    @property
+    def largest_call_bytes(self) -> int:
+        """The size of the largest call (0 for an empty plan)."""
+        return max((r.size for r in self.ranges), default=0)
+
+
+def _clamp_notes(limits: Limits) -> list[str]:
+    if limits.chunk_limit_bytes <= limits.hard_cap_bytes:
+        return []
+    which = "driver ceiling" if limits.hard_cap_bytes == limits.hard_ceiling_bytes else "kernel cap"
+    return [
+        f"chunk limit {format_bytes(limits.chunk_limit_bytes)} clamped to the {which} of "
+        f"{format_bytes(limits.hard_cap_bytes)} ({limits.hard_cap_bytes} bytes)"
+    ]
+
+
+def _boundary_alignment(granularity: int, cap: int, limits: Limits) -> tuple[int, list[str]]:
+    """The multiple chunk boundaries go on, and notes for any alignment given up.
+
+    Correctness needs only the copy unit (a page copy inside one registration). OS-page and
+    hugepage boundaries additionally keep two registrations from sharing a page (vLLM PR
+    #51081); they are kept whenever their common multiple with the unit fits under the cap.
+    """
+    notes: list[str] = []
+    alignment = granularity
+    if limits.base_alignment_bytes % limits.os_page_bytes:
+        notes.append(
+            f"base address only known aligned to {limits.base_alignment_bytes} B, below the "
+            f"{limits.os_page_bytes} B OS page: boundaries follow the copy unit only"
+        )
+        return alignment, notes
+    for field, page in (("OS page", limits.os_page_bytes), ("hugepage", limits.hugepage_bytes)):
+        if page is None:
+            continue
+        if field == "hugepage" and limits.base_alignment_bytes % page:
+            notes.append(
+                f"base address only known aligned to {limits.base_alignment_bytes} B, below the "
+                f"{format_bytes(page)} hugepage: boundaries not hugepage-aligned"
+            )
+            break
+        wanted = math.lcm(alignment, page)
+        if wanted > cap:
+            notes.append(
+                f"boundaries not {field}-aligned: the common multiple of the copy unit "
+                f"({alignment} B) and the {field} ({page} B) is {wanted} B, over the per-call "
+                f"cap of {cap} B; copy-unit alignment is kept"
+            )
+            break
+        alignment = wanted
+    return alignment, notes
+
+
+def _tile(total: int, step: int) -> tuple[Range, ...]:
+    # Offsets are < total <= 2**63 - 1 and sizes positive: valid by construction.
+    full = total // step * step
+    ranges = trusted_ranges(zip(range(0, full, step), repeat(step)))
+    if full < total:
+        ranges += trusted_ranges([(full, total - full)])
+    return ranges
+
+
+def plan_registration(
+    total_bytes: int, *, granularity_bytes: int | None, limits: Limits
+) -> RegistrationPlan:
+    """Split a ``total_bytes`` buffer into ``cudaHostRegister`` calls.
+
+    Every call is at most ``limits.effective_cap_bytes``; every interior boundary is a multiple
+    of ``granularity_bytes`` (the page-copy unit: no page copy straddles two registrations, which
+    ``cudaMemcpyBatchAsync`` rejects, sglang PR #36798), and of the OS page/hugepage when that
+    fits; the fewest calls for that step. ``granularity_bytes=None``: the buffer cannot be split,
+    one call if it fits under the driver/kernel caps.
+
+    Raises ``PlanError`` for bad input, a unit larger than the cap, or an unsplittable buffer
+    over the hard cap; the message names the numbers.
+    """
+    total = check_int(PlanError, "plan_registration", "total_bytes", total_bytes, minimum=0)
+    if not isinstance(limits, Limits):
+        raise PlanError(f"plan_registration: limits must be a Limits, got {limits!r}")
+    notes = _clamp_notes(limits)
+    if granularity_bytes is None:
+        return _plan_unsplittable(total, limits, notes)
+    granularity = check_int(
+        PlanError, "plan_registration", "granularity_bytes", granularity_bytes
+    )
+    cap = limits.effective_cap_bytes
+    if granularity > cap:
+        raise PlanError(
+            f"granularity_bytes={granularity} ({format_bytes(granularity)}) is larger than the "
+            f"per-call cap {cap} ({format_bytes(cap)}, {' = '.join(limits.binding_caps())}): "
+            "no call can hold one page copy"
+        )
+    alignment, alignment_notes = _boundary_alignment(granularity, cap, limits)
+    step = cap // alignment * alignment
+    ranges = _tile(total, step)
+    if len(ranges) > 1:
+        notes.extend(alignment_notes)
+    if total == 0:
+        notes.append("zero-byte buffer: nothing to register")
+    return RegistrationPlan(
+        total_bytes=total,
+        granularity_bytes=granularity,
+        step_bytes=step,
+        limits=limits,
+        ranges=ranges,
+        notes=tuple(notes),
+        alignment_bytes=alignment,
+    )
+
+
+def _plan_unsplittable(total: int, limits: Limits, notes: list[str]) -> RegistrationPlan:
+    if total == 0:
+        notes.append("zero-byte buffer: nothing to register")
+        return RegistrationPlan(total, None, 0, limits, (), tuple(notes))
+    if total > limits.hard_cap_bytes:
+        raise PlanError(
+            f"a {total}-byte ({format_bytes(total)}) buffer without a copy unit must be "
+            f"registered in one call, but the machine accepts at most {limits.hard_cap_bytes} "
+            f"bytes ({format_bytes(limits.hard_cap_bytes)}) per call; pass granularity_bytes "
+            "(the layout's page-copy unit) so it can be split"
+        )
+    if total > limits.chunk_limit_bytes:
+        notes.append(
+            f"no copy unit: registered in one {format_bytes(total)} call, over the chunk limit "
+            f"of {format_bytes(limits.chunk_limit_bytes)}"
+        )
+    return RegistrationPlan(total, None, total, limits, (Range(0, total),), tuple(notes))
+
+
+def replan(plan: RegistrationPlan, *, failed_index: int) -> RegistrationPlan:
+    """The retry policy: after call ``failed_index`` failed (not stickily), halve the rest.
+
+    Returns a plan that keeps ``ranges[:failed_index]`` (already registered) and re-splits
+    ``[ranges[failed_index].offset, total)`` into chunks of half the failed size, rounded down
+    to the plan's boundary alignment - never below the copy unit (sglang PR #39744 halves down
+    to 4 KiB and so breaks copy alignment). Raises ``PlanError`` when the chunk cannot shrink.
+    """
+    if not isinstance(plan, RegistrationPlan):
+        raise PlanError(f"replan: plan must be a RegistrationPlan, got {plan!r}")
+    index = check_int(
+        PlanError, "replan", "failed_index", failed_index, minimum=0, maximum=len(plan.ranges) - 1
+    )
+    failed = plan.ranges[index]
+    unit = plan.granularity_bytes
+    if unit is None:
+        raise PlanError(f"replan: the buffer has no copy unit, so {failed} cannot be split")
+    half = failed.size // 2
+    alignment = plan.alignment_bytes or unit
+    step = half // alignment * alignment or half // unit * unit
+    if step < unit:
+        raise PlanError(
+            f"replan: ranges[{index}] {failed} cannot shrink: half of it ({half} B) is below "
+            f"the copy unit of {unit} B"
+        )
+    rest = _tile(plan.total_bytes - failed.offset, step)
+    ranges = plan.ranges[:index] + tuple(Range(failed.offset + r.offset, r.size) for r in rest)
+    note = f"retry: ranges[{index}] {failed} failed; the rest re-split into {format_bytes(step)} calls"
+    return attrs.evolve(plan, step_bytes=step, ranges=ranges, notes=plan.notes + (note,))

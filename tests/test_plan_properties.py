@@ -1,0 +1,117 @@
+"""Laws of plan_registration and plan_pool, for every family x layout."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import attrs
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from hicache.plan import (
+    Limits,
+    Range,
+    from_jsonable,
+    plan_pool,
+    plan_registration,
+    to_jsonable,
+)
+from tests.strategies import buffer_inputs, layouts, limits_for
+
+
+def _wanted_alignment(unit: int, limits: Limits) -> int:
+    """The boundary multiple a plan should use, restated from the spec (not the planner)."""
+    cap = min(limits.caps().values())
+    alignment = unit
+    pages = [limits.os_page_bytes]
+    if limits.hugepage_bytes:
+        pages.append(limits.hugepage_bytes)
+    for page in pages:
+        if limits.base_alignment_bytes % page or math.lcm(alignment, page) > cap:
+            break
+        alignment = math.lcm(alignment, page)
+    return alignment
+
+
+def assert_plan_laws(plan, total: int, unit: int, limits: Limits) -> None:
+    cap = min(limits.caps().values())
+    ranges = plan.ranges
+    # tiling: in order, no gap, no overlap, exactly [0, total)
+    position = 0
+    for item in ranges:
+        assert isinstance(item, Range)
+        assert item.offset == position and item.size > 0
+        position = item.end
+    assert position == total
+    # caps
+    assert all(item.size <= cap for item in ranges)
+    # alignment of every interior boundary
+    alignment = _wanted_alignment(unit, limits)
+    for item in ranges[:-1]:
+        assert item.end % unit == 0
+        assert item.end % alignment == 0
+    if alignment != math.lcm(unit, limits.os_page_bytes, limits.hugepage_bytes or 1) and len(
+        ranges
+    ) > 1:
+        assert any("aligned" in note for note in plan.notes), plan.notes
+    # fewest ranges for the step: the step is the largest aligned size under the cap
+    assert plan.step_bytes % alignment == 0
+    assert plan.step_bytes <= cap < plan.step_bytes + alignment
+    assert len(ranges) == -(-total // plan.step_bytes)
+
+
+@given(buffer_inputs())
+@example((2500 * 2**20, 300 * 2**20, Limits(chunk_limit_bytes=2**30)))
+@example((0, 7, Limits(chunk_limit_bytes=7)))
+def test_generic_plans_obey_the_laws(inputs):
+    """Any buffer's plan tiles it, respects every cap and alignment, with the fewest ranges."""
+    total, unit, limits = inputs
+    plan = plan_registration(total, granularity_bytes=unit, limits=limits)
+    assert_plan_laws(plan, total, unit, limits)
+    assert plan == plan_registration(total, granularity_bytes=unit, limits=limits)
+
+
+@st.composite
+def layout_and_limits(draw):
+    layout = draw(layouts)
+    units = [spec.copy_unit_bytes for spec in layout.buffers()] or [1]
+    return layout, draw(limits_for(max(units)))
+
+
+@given(layout_and_limits())
+def test_every_layout_plans_every_buffer_lawfully(case):
+    """Each buffer of every family x layout gets a lawful plan on its own copy unit."""
+    layout, limits = case
+    pool = plan_pool(layout, limits)
+    assert [b.spec for b in pool.buffers] == list(layout.buffers())
+    for buffer in pool.buffers:
+        assert_plan_laws(buffer.plan, buffer.spec.nbytes, buffer.spec.copy_unit_bytes, limits)
+    assert pool == plan_pool(layout, limits)
+
+
+@given(layout_and_limits(), st.integers(1, 8))
+def test_raising_the_chunk_limit_never_adds_ranges(case, factor):
+    """A larger chunk limit gives at most as many calls, for every buffer."""
+    layout, limits = case
+    bigger = attrs.evolve(limits, chunk_limit_bytes=limits.chunk_limit_bytes * factor)
+    small, large = plan_pool(layout, limits), plan_pool(layout, bigger)
+    for a, b in zip(small.buffers, large.buffers):
+        assert b.plan.call_count <= a.plan.call_count
+
+
+@given(layout_and_limits())
+def test_pool_plans_round_trip_through_json(case):
+    """to_jsonable -> json text -> from_jsonable gives back an equal pool plan."""
+    pool = plan_pool(*case)
+    text = json.dumps(to_jsonable(pool), sort_keys=True)
+    assert from_jsonable(json.loads(text)) == pool
+    assert json.dumps(to_jsonable(from_jsonable(json.loads(text))), sort_keys=True) == text
+
+
+@given(buffer_inputs())
+def test_registration_plans_round_trip_through_json(inputs):
+    """A single buffer's plan survives a JSON round trip exactly."""
+    total, unit, limits = inputs
+    plan = plan_registration(total, granularity_bytes=unit, limits=limits)
+    assert from_jsonable(json.loads(json.dumps(to_jsonable(plan)))) == plan
