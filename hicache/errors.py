@@ -93,12 +93,20 @@ class RollbackError(ApplyError):
     """Applying a plan failed and the rollback could not undo everything.
 
     ``leaked`` lists the ``(ptr, size)`` ranges that are still registered; the memory behind
-    them must not be unmapped or freed.
+    them must not be unmapped or freed. ``uncertain`` lists a register call an interrupt cut
+    short whose undo also failed: it may or may not be registered, so treat it as leaked too.
     """
 
-    def __init__(self, message: str, *, leaked: tuple[tuple[int, int], ...]) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        leaked: tuple[tuple[int, int], ...],
+        uncertain: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.leaked = tuple(leaked)
+        self.uncertain = tuple(uncertain)
 
 
 class ReleaseError(HicacheError, RuntimeError):

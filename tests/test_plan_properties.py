@@ -9,12 +9,14 @@ import attrs
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from hicache.errors import PlanError
 from hicache.plan import (
     Limits,
     Range,
     from_jsonable,
     plan_pool,
     plan_registration,
+    replan,
     to_jsonable,
 )
 from tests.strategies import buffer_inputs, layouts, limits_for
@@ -115,3 +117,23 @@ def test_registration_plans_round_trip_through_json(inputs):
     total, unit, limits = inputs
     plan = plan_registration(total, granularity_bytes=unit, limits=limits)
     assert from_jsonable(json.loads(json.dumps(to_jsonable(plan)))) == plan
+
+
+@given(buffer_inputs(), st.data())
+def test_replan_keeps_the_done_part_and_stays_on_copy_units(inputs, data):
+    """replan keeps ranges before the failure, re-tiles the rest in smaller unit-aligned steps."""
+    total, unit, limits = inputs
+    plan = plan_registration(total, granularity_bytes=unit, limits=limits)
+    if not plan.ranges:
+        return
+    index = data.draw(st.integers(0, len(plan.ranges) - 1))
+    failed = plan.ranges[index]
+    try:
+        retry = replan(plan, failed_index=index)
+    except PlanError:
+        assert failed.size // 2 < unit  # only refused when a half cannot hold one unit
+        return
+    assert retry.ranges[:index] == plan.ranges[:index]
+    assert retry.ranges[-1].end == total and retry.total_bytes == total
+    assert all(item.size <= failed.size // 2 for item in retry.ranges[index:])
+    assert all(r.end % unit == 0 for r in retry.ranges[:-1])

@@ -1,0 +1,70 @@
+"""hicache.effects: the shell. The only layer that touches CUDA, mmap/madvise, /proc, /sys,
+environment variables, psutil, locks and clocks. Heavy imports (torch, cuda-python, psutil)
+are lazy: importing this package costs little."""
+
+from hicache.effects._executor import (
+    ProgressEvent,
+    RegisteredRange,
+    Registration,
+    RegistrationStatus,
+    apply_plan,
+    apply_pool_plan,
+)
+from hicache.effects._host_memory import (
+    HostBuffer,
+    PrefaultReport,
+    allocate_host,
+    free_hugepages,
+    os_page_bytes,
+    prefault,
+)
+from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
+from hicache.effects._lock import BudgetLock, budget_lock, runtime_dir
+from hicache.effects._probes import (
+    DEFAULT_CHUNK_LIMIT_BYTES,
+    ENV_VARS,
+    CudaFacts,
+    EnvError,
+    HugepagePool,
+    MachineFacts,
+    kernel_pin_cap,
+    probe_cuda,
+    probe_limits,
+    probe_machine,
+    ranks_per_host,
+)
+from hicache.effects._runtime import CudaPythonRuntime, HostRuntime, TorchCudartRuntime
+
+__all__ = [
+    "BudgetLock",
+    "CudaFacts",
+    "CudaPythonRuntime",
+    "DEFAULT_CHUNK_LIMIT_BYTES",
+    "ENV_VARS",
+    "EnvError",
+    "HostBuffer",
+    "HostLedger",
+    "HostRuntime",
+    "HugepagePool",
+    "MachineFacts",
+    "PROCESS_LEDGER",
+    "PrefaultReport",
+    "ProgressEvent",
+    "RegisteredRange",
+    "Registration",
+    "RegistrationStatus",
+    "TorchCudartRuntime",
+    "allocate_host",
+    "apply_plan",
+    "apply_pool_plan",
+    "budget_lock",
+    "free_hugepages",
+    "kernel_pin_cap",
+    "os_page_bytes",
+    "prefault",
+    "probe_cuda",
+    "probe_limits",
+    "probe_machine",
+    "ranks_per_host",
+    "runtime_dir",
+]

@@ -1,0 +1,274 @@
+"""Host memory for large pools: page-aligned anonymous mmap, optional hugepages, pre-fault.
+
+Owns mapping, pre-faulting and unmapping. Not `torch.empty(pin_memory=True)`: PyTorch's host
+allocator rounds every pinned block up to a power of two (80 GiB pins 128 GiB; sglang PR
+#37285) and malloc'd bases are not page aligned. Memory still registered with CUDA is never
+unmapped (the ledger says what is).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import attrs
+
+from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
+from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
+from hicache.plan._checks import check_int
+
+MAP_HUGETLB = 0x40000  # linux/mman.h
+MAP_HUGE_SHIFT = 26
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing data
+PREFAULT_PIECE_BYTES = 512 * 2**20  # TensorRT-LLM's piece size for parallel pre-fault
+HUGEPAGE_MODES = ("off", "prefer", "required")
+
+
+def os_page_bytes() -> int:
+    """The base page size of this machine."""
+    return os.sysconf("SC_PAGE_SIZE")
+
+
+def free_hugepages(size_bytes: int, *, root: str = "/") -> tuple[int, int]:
+    """``(total, free)`` reserved hugepages of ``size_bytes`` from sysfs (0, 0 if none)."""
+    base = Path(root, f"sys/kernel/mm/hugepages/hugepages-{size_bytes // 1024}kB")
+    try:
+        total = int((base / "nr_hugepages").read_text())
+        free = int((base / "free_hugepages").read_text())
+    except (OSError, ValueError):
+        return 0, 0
+    return total, free
+
+
+@attrs.define(eq=False)
+class HostBuffer:
+    """An anonymous mapping exposed as a flat ``uint8`` torch tensor of ``nbytes``.
+
+    ``ptr`` is page (or hugepage) aligned; ``mapped_bytes`` is ``nbytes`` rounded up to the
+    page. The tensor keeps the mapping alive: `free` never leaves a view dangling.
+    """
+
+    nbytes: int
+    mapped_bytes: int
+    page_bytes: int
+    hugepage_bytes: int | None
+    notes: tuple[str, ...]
+    _mapping: mmap.mmap | None
+    _tensor: object
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @property
+    def tensor(self):
+        """The memory as a flat uint8 tensor (raises once freed)."""
+        if self._tensor is None:
+            raise RegistrationStateError("this HostBuffer was freed")
+        return self._tensor
+
+    @property
+    def ptr(self) -> int:
+        """The base address (0 for an empty buffer)."""
+        return self.tensor.data_ptr() if self.nbytes else 0
+
+    @property
+    def freed(self) -> bool:
+        return self._tensor is None
+
+    def view(self, dtype, shape):
+        """The memory as a tensor of ``dtype`` and ``shape`` (must cover exactly nbytes)."""
+        return self.tensor.view(dtype).view(shape)
+
+    def free(self, *, ledger: HostLedger | None = None) -> None:
+        """Unmap the memory; idempotent. Refuses while any of it is registered with CUDA.
+
+        When other tensors still view the memory, the mapping is released when the last of
+        them dies (never a dangling pointer); otherwise it is unmapped now.
+        """
+        ledger = PROCESS_LEDGER if ledger is None else ledger
+        with self._lock:
+            if self._tensor is None:
+                return
+            if self.nbytes:
+                held = ledger.overlapping(self.ptr, self.mapped_bytes)
+                if held is not None:
+                    raise RegistrationStateError(
+                        f"refusing to unmap [0x{self.ptr:x}, +{self.mapped_bytes}): "
+                        f"[0x{held[0]:x}, +{held[1]}) is still registered with CUDA"
+                    )
+            mapping, tensor = self._mapping, self._tensor
+            self._mapping = self._tensor = None
+            if mapping is not None and _sole_user(tensor):
+                del tensor
+                mapping.close()
+
+    def __enter__(self) -> "HostBuffer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.free()
+
+
+def _sole_user(tensor) -> bool:
+    """True when ``tensor`` is the only tensor on its storage (so unmapping is safe now)."""
+    try:
+        import torch
+
+        storage = tensor.untyped_storage()
+        return torch._C._storage_Use_Count(storage._cdata) <= 2  # tensor + this handle
+    except Exception:  # private API: when unsure, let the last view release the mapping
+        return False
+
+
+def _map(length: int, flags: int) -> mmap.mmap:
+    return mmap.mmap(
+        -1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
+
+
+def allocate_host(
+    nbytes: int,
+    *,
+    hugepages: str = "off",
+    hugepage_bytes: int = 2 * 2**20,
+    transparent_hugepages: bool = False,
+    sysfs_root: str = "/",
+) -> HostBuffer:
+    """Map ``nbytes`` of page-aligned anonymous memory, exposed as a torch uint8 tensor.
+
+    ``hugepages``: ``"off"``, ``"prefer"`` (hugetlbfs pages of ``hugepage_bytes`` when the
+    reserved pool has them, else normal pages with a note) or ``"required"`` (raise
+    ``HostOutOfMemoryError`` saying how many pages are free vs needed). Transparent huge pages
+    are opt-in: with THP ``always``, compaction can drop fault rates from GB/s to GB/min
+    (TensorRT-LLM #15430), so by default the mapping asks for none.
+    """
+    import torch  # lazy: the plan path must not pay for it
+
+    nbytes = check_int(PlanError, "allocate_host", "nbytes", nbytes, minimum=0)
+    if hugepages not in HUGEPAGE_MODES:
+        raise PlanError(f"allocate_host.hugepages must be one of {HUGEPAGE_MODES}, got {hugepages!r}")
+    page = os_page_bytes()
+    if nbytes == 0:
+        return HostBuffer(0, 0, page, None, (), None, torch.empty(0, dtype=torch.uint8))
+    notes: list[str] = []
+    mapping = huge = None
+    if hugepages != "off":
+        if hugepage_bytes & (hugepage_bytes - 1) or hugepage_bytes < page:
+            raise PlanError(f"allocate_host.hugepage_bytes must be a power of two >= {page}, got {hugepage_bytes}")
+        length = -(-nbytes // hugepage_bytes) * hugepage_bytes
+        flags = MAP_HUGETLB | (hugepage_bytes.bit_length() - 1) << MAP_HUGE_SHIFT
+        try:
+            mapping, huge = _map(length, flags), hugepage_bytes
+            # hugetlb mappings may succeed and SIGBUS on first touch when the pool runs dry;
+            # MAP_POPULATE is not used, so check the reserve explicitly.
+            total, free = free_hugepages(hugepage_bytes, root=sysfs_root)
+            if free < length // hugepage_bytes:
+                mapping.close()
+                mapping = huge = None
+                raise OSError(errno.ENOMEM, "not enough free hugepages")
+        except OSError as error:
+            total, free = free_hugepages(hugepage_bytes, root=sysfs_root)
+            needed = length // hugepage_bytes
+            message = (
+                f"hugetlbfs mapping of {length} bytes failed ({os.strerror(error.errno or 0)}): "
+                f"needs {needed} pages of {hugepage_bytes // 2**20} MiB, {free} free of {total} "
+                f"reserved (/sys/kernel/mm/hugepages/hugepages-{hugepage_bytes // 1024}kB)"
+            )
+            if hugepages == "required":
+                raise HostOutOfMemoryError(message) from error
+            notes.append(message + "; using normal pages")
+    if mapping is None:
+        length = -(-nbytes // page) * page
+        try:
+            mapping = _map(length, 0)
+        except OSError as error:
+            if error.errno == errno.ENOMEM:
+                raise HostOutOfMemoryError(f"mmap of {length} bytes failed: out of memory") from error
+            raise
+        advice = mmap.MADV_HUGEPAGE if transparent_hugepages else mmap.MADV_NOHUGEPAGE
+        try:
+            mapping.madvise(advice)
+        except OSError:
+            notes.append("madvise(THP) refused; the system default applies")
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+    return HostBuffer(nbytes, length, page, huge, tuple(notes), mapping, tensor)
+
+
+@attrs.frozen
+class PrefaultReport:
+    """How a pre-fault ran: method (``madvise`` or ``touch``), threads, seconds, GB/s."""
+
+    method: str
+    threads: int
+    pieces: int
+    seconds: float
+
+    def gbps(self, nbytes: int) -> float:
+        return nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+_libc = None
+
+
+def _madvise():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _libc.madvise.restype = ctypes.c_int
+    return _libc.madvise
+
+
+def prefault(
+    buffer: HostBuffer, *, threads: int | None = None, piece_bytes: int = PREFAULT_PIECE_BYTES,
+) -> PrefaultReport:
+    """Fault every page of ``buffer`` in now, from ``threads`` threads, outside any CUDA call.
+
+    ``MADV_POPULATE_WRITE`` through ctypes, so the GIL is released (CPython's ``mmap.madvise``
+    holds it); on kernels without it (EINVAL/ENOSYS) each page is touched instead, keeping its
+    contents. ENOMEM becomes ``HostOutOfMemoryError`` rather than a visit from the OOM killer.
+    Pages not faulted here are faulted single-threaded inside ``cudaHostRegister``.
+    """
+    start = time.perf_counter()
+    if buffer.nbytes == 0:
+        return PrefaultReport("none", 0, 0, 0.0)
+    unit = buffer.hugepage_bytes or buffer.page_bytes
+    piece = max(unit, piece_bytes // unit * unit)
+    offsets = list(range(0, buffer.mapped_bytes, piece))
+    workers = max(1, min(threads or min(os.cpu_count() or 1, 16), len(offsets)))
+    base, tensor = buffer.ptr, buffer.tensor
+    madvise = _madvise()
+    methods: set[str] = set()
+
+    def fault(offset: int) -> None:
+        length = min(piece, buffer.mapped_bytes - offset)
+        if madvise(base + offset, length, MADV_POPULATE_WRITE) == 0:
+            methods.add("madvise")
+            return
+        code = ctypes.get_errno()
+        if code in (errno.EINVAL, errno.ENOSYS):
+            view = tensor[offset : min(offset + length, buffer.nbytes) : buffer.page_bytes]
+            view.add_(0)  # a write fault per page that keeps the bytes
+            methods.add("touch")
+            return
+        if code == errno.ENOMEM:
+            raise HostOutOfMemoryError(
+                f"pre-faulting {length} bytes at offset {offset} failed: out of memory "
+                f"(buffer of {buffer.nbytes} bytes)"
+            )
+        raise OSError(code, f"madvise(MADV_POPULATE_WRITE) at offset {offset}: {os.strerror(code)}")
+
+    if workers == 1:
+        for offset in offsets:
+            fault(offset)
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hicache-prefault") as pool:
+            for future in [pool.submit(fault, offset) for offset in offsets]:
+                future.result()
+    method = "+".join(sorted(methods)) or "none"
+    return PrefaultReport(method, workers, len(offsets), time.perf_counter() - start)

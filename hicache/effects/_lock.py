@@ -1,0 +1,137 @@
+"""A cross-process lock around "check the budget + allocate", with a record of who allocated.
+
+Ranks on one host that start together otherwise each see the others' pools as used memory and
+count them twice (sglang #38156). The lock file lives in a private runtime directory (mode 0700,
+owned by us, not a symlink) and is opened without following symlinks.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+from hicache.errors import RegistrationStateError
+
+
+def runtime_dir(env=None) -> Path:
+    """HICACHE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/hicache, else /tmp/hicache-<uid>."""
+    env = os.environ if env is None else env
+    if env.get("HICACHE_RUNTIME_DIR"):
+        return Path(env["HICACHE_RUNTIME_DIR"])
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"], "hicache")
+    return Path(f"/tmp/hicache-{os.getuid()}")
+
+
+def _private_dir(path: Path) -> Path:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise RegistrationStateError(f"lock directory {path} is not a plain directory")
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RegistrationStateError(
+            f"lock directory {path} must be owned by uid {os.getuid()} with mode 0700 "
+            f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
+        )
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class BudgetLock:
+    """Hold with ``with budget_lock() as lock:``; ``peers()`` lists live processes that
+    allocated pools, ``record(nbytes)`` / ``forget()`` keep this process's entry."""
+
+    def __init__(self, directory: Path | None = None, *, timeout_s: float | None = None) -> None:
+        self.path = _private_dir(directory or runtime_dir()) / "budget.lock"
+        self.timeout_s = timeout_s
+        self._fd: int | None = None
+
+    def __enter__(self) -> "BudgetLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline else 0))
+                    break
+                except OSError as error:
+                    if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                    if time.monotonic() > deadline:
+                        raise RegistrationStateError(
+                            f"timed out after {self.timeout_s} s waiting for {self.path}"
+                        ) from None
+                    time.sleep(0.05)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _entries(self) -> dict[int, int]:
+        if self._fd is None:
+            raise RegistrationStateError("BudgetLock used outside its with-block")
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        raw = b""
+        while chunk := os.read(self._fd, 65536):
+            raw += chunk
+        try:
+            data = json.loads(raw or b"{}")
+            return {int(pid): int(nbytes) for pid, nbytes in data.items()}
+        except (ValueError, AttributeError):
+            return {}  # a torn or foreign file: start over rather than block every rank
+
+    def _write(self, entries: dict[int, int]) -> None:
+        payload = json.dumps({str(p): n for p, n in sorted(entries.items())}).encode()
+        os.ftruncate(self._fd, 0)
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        os.write(self._fd, payload)
+
+    def peers(self) -> dict[int, int]:
+        """Live other processes that allocated host pools: pid -> bytes."""
+        me = os.getpid()
+        return {p: n for p, n in self._entries().items() if p != me and _alive(p)}
+
+    def record(self, nbytes: int) -> None:
+        """Add ``nbytes`` to this process's entry (dead processes' entries are pruned)."""
+        entries = {p: n for p, n in self._entries().items() if _alive(p)}
+        entries[os.getpid()] = entries.get(os.getpid(), 0) + nbytes
+        self._write(entries)
+
+    def forget(self, nbytes: int | None = None) -> None:
+        """Remove ``nbytes`` (or all) from this process's entry."""
+        entries = {p: n for p, n in self._entries().items() if _alive(p)}
+        left = 0 if nbytes is None else entries.get(os.getpid(), 0) - nbytes
+        if left > 0:
+            entries[os.getpid()] = left
+        else:
+            entries.pop(os.getpid(), None)
+        self._write(entries)
+
+
+def budget_lock(*, directory: Path | None = None, timeout_s: float | None = None) -> BudgetLock:
+    """The host-wide budget lock (see `BudgetLock`)."""
+    return BudgetLock(directory, timeout_s=timeout_s)

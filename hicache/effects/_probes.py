@@ -1,0 +1,245 @@
+"""Machine probes: the only place hicache reads the environment, /proc and /sys.
+
+Owns turning the machine into data (`MachineFacts`, `CudaFacts`) and into `Limits`
+(`probe_limits`). Environment variables are parsed strictly: a bad value is an error naming
+the variable and the value, never a silent default. ``root`` re-roots /proc and /sys reads
+so tests can feed a fake tree.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+from pathlib import Path
+
+import attrs
+
+from hicache.effects._host_memory import os_page_bytes
+from hicache.errors import PlanError
+from hicache.plan import DRIVER_CEILING_BYTES, KERNEL_PIN_CAP_BYTES, Limits, parse_size
+
+#: The chunk limit when HICACHE_REGISTER_CHUNK is unset: vLLM's and LMCache's 64 GiB - each
+#: call then holds the driver lock for seconds, not minutes (TensorRT-LLM #17429).
+DEFAULT_CHUNK_LIMIT_BYTES = 64 * 2**30
+
+ENV_VARS = {
+    "HICACHE_REGISTER_CHUNK": "chunk limit per cudaHostRegister call, e.g. 64GiB",
+    "HICACHE_KERNEL_PIN_CAP": "per-pin cap of the kernel (a size, or 'none'); default: by release",
+    "HICACHE_DRIVER_CEILING": "largest single registration the driver accepts; default 511GiB",
+    "HICACHE_HUGEPAGE_SIZE": "hugetlbfs page size of hugepage-backed pools, e.g. 2MiB or 1GiB",
+    "HICACHE_RANKS_PER_HOST": "ranks sharing this host's memory (default LOCAL_WORLD_SIZE or 1)",
+}
+
+
+class EnvError(PlanError):
+    """An environment variable holds a value hicache cannot read."""
+
+
+def _env_size(env, name: str, *, allow_none: bool = False):
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    if allow_none and raw.strip().lower() == "none":
+        return "none"
+    try:
+        return parse_size(raw, what=name)
+    except PlanError as error:
+        raise EnvError(f"environment variable {name}={raw!r} is invalid: {error}") from None
+
+
+def _env_int(env, name: str):
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    if not re.fullmatch(r"\s*[1-9]\d*\s*", raw):
+        raise EnvError(f"environment variable {name}={raw!r} must be a positive integer")
+    return int(raw)
+
+
+def kernel_pin_cap(release: str) -> int | None:
+    """The per-pin cap of a kernel release: Linux 6.11-6.13 pin at most ~2 GB per call."""
+    match = re.match(r"(\d+)\.(\d+)", release)
+    if match and (6, 11) <= (int(match[1]), int(match[2])) < (6, 14):
+        return KERNEL_PIN_CAP_BYTES
+    return None
+
+
+@attrs.frozen
+class HugepagePool:
+    size_bytes: int
+    total: int
+    free: int
+
+
+@attrs.frozen
+class MachineFacts:
+    """What this machine will do to a plan (see `hicache doctor`)."""
+
+    kernel_release: str
+    kernel_pin_cap_bytes: int | None
+    os_page_bytes: int
+    thp_enabled: str | None
+    thp_defrag: str | None
+    hugepages: tuple[HugepagePool, ...]
+    memlock_soft: int | None  # None: unlimited
+    memlock_hard: int | None
+    max_map_count: int | None
+    total_bytes: int
+    available_bytes: int
+    cgroup_limit_bytes: int | None
+    cgroup_usage_bytes: int | None
+    numa_nodes: int
+    ranks_per_host: int
+
+
+def _read(root: str, path: str) -> str | None:
+    try:
+        return Path(root, path.lstrip("/")).read_text().strip()
+    except OSError:
+        return None
+
+
+def _selected(text: str | None) -> str | None:
+    """'always [madvise] never' -> 'madvise'."""
+    if text is None:
+        return None
+    match = re.search(r"\[(\w+)\]", text)
+    return match[1] if match else text
+
+
+def _rlimit(value: int) -> int | None:
+    return None if value == resource.RLIM_INFINITY else value
+
+
+def _cgroup(root: str) -> tuple[int | None, int | None]:
+    """cgroup v2 memory.max / memory.current of this process's cgroup."""
+    line = _read(root, "/proc/self/cgroup") or ""
+    relative = next((l.split("::", 1)[1] for l in line.splitlines() if l.startswith("0::")), "/")
+    for directory in (relative, "/"):
+        limit = _read(root, f"/sys/fs/cgroup/{directory.strip('/')}/memory.max".replace("//", "/"))
+        if limit is not None:
+            usage = _read(root, f"/sys/fs/cgroup/{directory.strip('/')}/memory.current".replace("//", "/"))
+            parsed = None if limit == "max" else int(limit)
+            return parsed, int(usage) if usage and usage.isdigit() else None
+    return None, None
+
+
+def _numa_nodes(root: str) -> int:
+    online = _read(root, "/sys/devices/system/node/online")
+    if not online:
+        return 1
+    count = 0
+    for part in online.split(","):
+        low, _, high = part.partition("-")
+        count += int(high or low) - int(low) + 1
+    return count
+
+
+def _hugepages(root: str) -> tuple[HugepagePool, ...]:
+    base = Path(root, "sys/kernel/mm/hugepages")
+    pools = []
+    for entry in sorted(base.glob("hugepages-*kB")) if base.is_dir() else ():
+        size = int(entry.name[len("hugepages-") : -len("kB")]) * 1024
+        total = int(_read(root, f"/sys/kernel/mm/hugepages/{entry.name}/nr_hugepages") or 0)
+        free = int(_read(root, f"/sys/kernel/mm/hugepages/{entry.name}/free_hugepages") or 0)
+        pools.append(HugepagePool(size, total, free))
+    return tuple(sorted(pools, key=lambda p: p.size_bytes))
+
+
+def ranks_per_host(env=None) -> int:
+    """HICACHE_RANKS_PER_HOST, else LOCAL_WORLD_SIZE, else 1 (strictly parsed)."""
+    env = os.environ if env is None else env
+    return _env_int(env, "HICACHE_RANKS_PER_HOST") or _env_int(env, "LOCAL_WORLD_SIZE") or 1
+
+
+def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
+    """Read this machine's memory, kernel and limit facts (no CUDA)."""
+    import psutil  # lazy: the plan path must not import it
+
+    env = os.environ if env is None else env
+    release = _read(root, "/proc/sys/kernel/osrelease") or os.uname().release
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    max_map = _read(root, "/proc/sys/vm/max_map_count")
+    memory = psutil.virtual_memory()
+    limit, usage = _cgroup(root)
+    return MachineFacts(
+        kernel_release=release,
+        kernel_pin_cap_bytes=kernel_pin_cap(release),
+        os_page_bytes=os_page_bytes(),
+        thp_enabled=_selected(_read(root, "/sys/kernel/mm/transparent_hugepage/enabled")),
+        thp_defrag=_selected(_read(root, "/sys/kernel/mm/transparent_hugepage/defrag")),
+        hugepages=_hugepages(root),
+        memlock_soft=_rlimit(soft),
+        memlock_hard=_rlimit(hard),
+        max_map_count=int(max_map) if max_map and max_map.isdigit() else None,
+        total_bytes=memory.total,
+        available_bytes=memory.available,
+        cgroup_limit_bytes=limit,
+        cgroup_usage_bytes=usage,
+        numa_nodes=_numa_nodes(root),
+        ranks_per_host=ranks_per_host(env),
+    )
+
+
+def probe_limits(*, env=None, root: str = "/", chunk_limit_bytes: int | None = None) -> Limits:
+    """`Limits` for this machine: environment overrides, else the kernel's and driver's caps.
+
+    ``chunk_limit_bytes`` (an explicit argument) beats ``HICACHE_REGISTER_CHUNK``, which beats
+    the 64 GiB default. Raises ``EnvError`` naming a variable whose value cannot be read.
+    """
+    env = os.environ if env is None else env
+    chunk = chunk_limit_bytes or _env_size(env, "HICACHE_REGISTER_CHUNK") or DEFAULT_CHUNK_LIMIT_BYTES
+    cap = _env_size(env, "HICACHE_KERNEL_PIN_CAP", allow_none=True)
+    if cap is None:
+        release = _read(root, "/proc/sys/kernel/osrelease") or os.uname().release
+        cap = kernel_pin_cap(release)
+    elif cap == "none":
+        cap = None
+    hugepage = _env_size(env, "HICACHE_HUGEPAGE_SIZE")
+    ceiling = _env_size(env, "HICACHE_DRIVER_CEILING") or DRIVER_CEILING_BYTES
+    try:
+        return Limits(
+            chunk_limit_bytes=chunk, os_page_bytes=os_page_bytes(), hard_ceiling_bytes=ceiling,
+            kernel_cap_bytes=cap, hugepage_bytes=hugepage,
+        )
+    except PlanError as error:
+        raise EnvError(f"environment gives invalid limits: {error}") from None
+
+
+@attrs.frozen
+class CudaFacts:
+    """CUDA as cuda-python sees it, probed without creating a context."""
+
+    available: bool
+    driver_version: int | None
+    runtime_version: int | None
+    device_count: int
+    error: str | None
+
+
+def probe_cuda(binding=None) -> CudaFacts:
+    """Driver/runtime versions and device count; ``available`` False with the reason."""
+    try:
+        if binding is None:
+            from cuda.bindings import runtime as binding
+    except Exception as error:  # an unusable cuda-python install is a finding, not a crash
+        return CudaFacts(False, None, None, 0, f"cuda-python cannot be imported: {error}")
+
+    def ask(name):
+        try:
+            status, value = getattr(binding, name)()
+        except Exception as error:
+            return None, f"{name}: {error}"
+        if int(status) != 0:
+            return None, f"{name} returned {getattr(status, 'name', status)} ({int(status)})"
+        return int(value), None
+
+    driver, driver_error = ask("cudaDriverGetVersion")
+    runtime_version, _ = ask("cudaRuntimeGetVersion")
+    count, count_error = ask("cudaGetDeviceCount")
+    error = count_error or driver_error
+    if not driver:
+        error = "no CUDA driver found (driver version 0)" + (f"; {count_error}" if count_error else "")
+    available = bool(driver) and bool(count)
+    return CudaFacts(available, driver or None, runtime_version, count or 0, None if available else error)

@@ -1,0 +1,148 @@
+"""The CUDA boundary: a `HostRuntime` protocol and adapters over cuda-python and torch.
+
+Owns turning return codes into classified `CudaCallError`s (with the enum's name - never
+`cudaGetErrorString(int)`, which raises TypeError, sglang PR #38509) and draining the pending
+error after a failed call (a stale error otherwise surfaces in an unrelated call, vLLM #51081).
+The bindings are imported lazily, on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from hicache.effects import _codes
+
+
+@runtime_checkable
+class HostRuntime(Protocol):
+    """What the executor needs from CUDA: register a range, unregister a base pointer.
+
+    Both raise a `CudaCallError` subclass on failure and return None on success.
+    """
+
+    def register(self, ptr: int, size: int, flags: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class CudaPythonRuntime:
+    """`HostRuntime` over ``cuda.bindings.runtime`` (calls return ``(cudaError_t, ...)``).
+
+    ``binding``: any object with that call convention (``cudaHostRegister``,
+    ``cudaHostUnregister``, ``cudaGetLastError``, ``cudaGetErrorName``, ``cudaGetErrorString``),
+    so a fake stands in without monkeypatching. Default: the real cuda-python module.
+    """
+
+    def __init__(self, binding=None) -> None:
+        if binding is None:
+            from cuda.bindings import runtime as binding  # lazy: heavy, and absent on some hosts
+        self.binding = binding
+
+    def __repr__(self) -> str:
+        return f"CudaPythonRuntime(binding={getattr(self.binding, '__name__', self.binding)!r})"
+
+    def register(self, ptr: int, size: int, flags: int) -> None:
+        self._check(self.binding.cudaHostRegister(ptr, size, flags), "cudaHostRegister", ptr, size)
+
+    def unregister(self, ptr: int) -> None:
+        self._check(self.binding.cudaHostUnregister(ptr), "cudaHostUnregister", ptr, None)
+
+    def _check(self, result, op: str, ptr: int, size: int | None) -> None:
+        status = result[0] if isinstance(result, tuple) else result
+        code = int(status)
+        if code == _codes.SUCCESS:
+            return
+        self._drain()
+        raise _codes.cuda_error(
+            op, code, self._text("cudaGetErrorName", status, code),
+            self._text("cudaGetErrorString", status, code), ptr=ptr, size=size,
+            found=self._found(),
+        )
+
+    def _enum(self, status, code):
+        enum = getattr(self.binding, "cudaError_t", None)
+        if enum is not None and not isinstance(status, enum):
+            try:
+                return enum(code)
+            except ValueError:
+                return status
+        return status
+
+    def _text(self, getter: str, status, code: int) -> str:
+        fallback = _codes.NAMES.get(code, f"cudaError({code})")
+        try:
+            result = getattr(self.binding, getter)(self._enum(status, code))
+            text = result[1] if isinstance(result, tuple) else result
+            return text.decode() if isinstance(text, bytes) else str(text)
+        except Exception:  # naming an error must never hide it
+            return fallback if getter == "cudaGetErrorName" else "(no description)"
+
+    def _drain(self) -> None:
+        try:
+            self.binding.cudaGetLastError()
+        except Exception:
+            pass  # the original failure is what the caller needs to see
+
+    def _found(self) -> str:
+        parts = []
+        for label, getter in (("driver", "cudaDriverGetVersion"), ("runtime", "cudaRuntimeGetVersion")):
+            try:
+                result = getattr(self.binding, getter)()
+                version = int(result[1]) if int(result[0]) == 0 else None
+            except Exception:
+                continue
+            parts.append(f"{label} {_version(version)}")
+        return "found " + ", ".join(parts) if parts else ""
+
+
+def _version(value: int | None) -> str:
+    if not value:
+        return "none"
+    return f"{value // 1000}.{value % 1000 // 10}"
+
+
+class TorchCudartRuntime:
+    """`HostRuntime` over ``torch.cuda.cudart()`` (calls return plain int codes).
+
+    For processes that already use torch's binding. Error names come from hicache's own table
+    (and cuda-python's enum when installed), never from ``cudaGetErrorString(int)``.
+    """
+
+    def __init__(self, cudart=None) -> None:
+        if cudart is None:
+            import torch  # lazy
+
+            cudart = torch.cuda.cudart()
+        self.cudart = cudart
+
+    def register(self, ptr: int, size: int, flags: int) -> None:
+        self._check(self.cudart.cudaHostRegister(ptr, size, flags), "cudaHostRegister", ptr, size)
+
+    def unregister(self, ptr: int) -> None:
+        self._check(self.cudart.cudaHostUnregister(ptr), "cudaHostUnregister", ptr, None)
+
+    def _check(self, result, op: str, ptr: int, size: int | None) -> None:
+        code = int(result[0] if isinstance(result, tuple) else result)
+        if code == _codes.SUCCESS:
+            return
+        drain = getattr(self.cudart, "cudaGetLastError", None)
+        if drain is not None:
+            try:
+                drain()
+            except Exception:
+                pass
+        name, detail = _names_from_cuda_python(code)
+        raise _codes.cuda_error(op, code, name, detail, ptr=ptr, size=size)
+
+
+def _names_from_cuda_python(code: int) -> tuple[str, str]:
+    name = _codes.NAMES.get(code, f"cudaError({code})")
+    try:
+        from cuda.bindings import runtime
+
+        enum = runtime.cudaError_t(code)
+        name = enum.name
+        status, text = runtime.cudaGetErrorString(enum)
+        return name, text.decode() if isinstance(text, bytes) else str(text)
+    except Exception:
+        return name, "(no description)"

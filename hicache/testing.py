@@ -1,0 +1,214 @@
+"""Public test doubles: a fault-injecting fake CUDA, and a conformance check for runtimes.
+
+`FakeCudart` models what the executor relies on from the CUDA runtime - overlap is 712, an
+unregister of a non-base pointer is 713, a failed call leaves an error pending until
+`cudaGetLastError`, a sticky code poisons every later call - and fails on a script (the k-th
+register, chosen unregisters, a sticky code, a KeyboardInterrupt before or after a call).
+`FakeRuntime` is the real torch-cudart adapter over it; `FakeCudaBinding` gives it
+cuda-python's tuple convention. Used by hicache's tests and by anyone testing code on top.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from hicache.effects._codes import (
+    ALREADY_REGISTERED,
+    NAMES,
+    NOT_REGISTERED,
+    STICKY,
+    SUCCESS,
+)
+from hicache.effects._runtime import CudaPythonRuntime, TorchCudartRuntime
+from hicache.errors import CudaCallError, HostAlreadyRegisteredError, HostNotRegisteredError
+
+__all__ = [
+    "FakeCudart",
+    "FakeCudaBinding",
+    "FakeRuntime",
+    "FakeInvariantError",
+    "check_runtime_conformance",
+]
+
+MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation: the typical non-sticky register failure
+
+
+class FakeInvariantError(AssertionError):
+    """The fake saw its caller break CUDA's contract (e.g. an undrained pending error)."""
+
+
+class FakeCudart:
+    """A CUDA runtime in a dict, with int return codes like ``torch.cuda.cudart()``.
+
+    Faults, by 0-based call index of that function: ``fail_register={k: code}``,
+    ``fail_unregister={k: code}`` (a sticky code there poisons the context from then on),
+    ``interrupt_register={k: "before" | "after"}`` raises KeyboardInterrupt before the call
+    takes effect or after it did. ``registered`` maps base pointer -> size.
+    """
+
+    def __init__(self, *, fail_register=None, fail_unregister=None, interrupt_register=None):
+        self.fail_register = dict(fail_register or {})
+        self.fail_unregister = dict(fail_unregister or {})
+        self.interrupt_register = dict(interrupt_register or {})
+        self.registered: dict[int, int] = {}
+        self.register_calls = 0
+        self.unregister_calls = 0
+        self.pending = SUCCESS
+        self.sticky = SUCCESS
+        self.log: list[tuple] = []
+
+    def _fail(self, code: int) -> int:
+        self.pending = code
+        if code in STICKY:
+            self.sticky = code
+        return code
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        call = self.register_calls
+        self.register_calls += 1
+        self.log.append(("register", ptr, size, flags))
+        if self.sticky:
+            return self.sticky
+        if self.interrupt_register.get(call) == "before":
+            raise KeyboardInterrupt(f"fake interrupt before register call {call}")
+        if call in self.fail_register:
+            return self._fail(self.fail_register[call])
+        if size <= 0:
+            return self._fail(1)
+        for base, held in self.registered.items():
+            if base < ptr + size and ptr < base + held:
+                return self._fail(ALREADY_REGISTERED)
+        self.registered[ptr] = size
+        if self.interrupt_register.get(call) == "after":
+            raise KeyboardInterrupt(f"fake interrupt after register call {call}")
+        return SUCCESS
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        call = self.unregister_calls
+        self.unregister_calls += 1
+        self.log.append(("unregister", ptr))
+        if self.sticky:
+            return self.sticky
+        if call in self.fail_unregister:
+            return self._fail(self.fail_unregister[call])
+        if ptr not in self.registered:
+            return self._fail(NOT_REGISTERED)
+        del self.registered[ptr]
+        return SUCCESS
+
+    def cudaGetLastError(self) -> int:
+        code, self.pending = self.pending, self.sticky
+        return code
+
+    def cudaGetErrorString(self, code):
+        if not isinstance(code, enum.Enum):  # as cuda-python does: sglang PR #38509
+            raise TypeError("cudaGetErrorString() argument must be cudaError_t, not int")
+        return NAMES.get(int(code), "unknown error")
+
+    def check_valid(self) -> None:
+        """Raise FakeInvariantError if the caller left CUDA in a state it should not."""
+        spans = sorted(self.registered.items())
+        for (a, sa), (b, _) in zip(spans, spans[1:]):
+            if a + sa > b:
+                raise FakeInvariantError(f"overlapping registrations at 0x{a:x} and 0x{b:x}")
+        if self.pending and not self.sticky:
+            raise FakeInvariantError(
+                f"error {NAMES.get(self.pending, self.pending)} left pending: a failed call "
+                "was not drained with cudaGetLastError"
+            )
+
+    def held(self) -> set[tuple[int, int]]:
+        """The registered ranges as ``(ptr, size)``."""
+        return set(self.registered.items())
+
+
+class _Status(enum.IntEnum):
+    """Stand-in for cuda-python's ``cudaError_t`` when cuda-python is not installed."""
+
+    cudaSuccess = 0
+
+
+def _status_enum():
+    try:
+        from cuda.bindings import runtime
+
+        return runtime.cudaError_t
+    except Exception:  # pragma: no cover - cuda-python is a dependency
+        return None
+
+
+class FakeCudaBinding:
+    """`FakeCudart` behind cuda-python's convention: every call returns a tuple."""
+
+    def __init__(self, cudart: FakeCudart | None = None, **faults) -> None:
+        self.cudart = cudart or FakeCudart(**faults)
+        self.cudaError_t = _status_enum()
+
+    def _status(self, code: int):
+        return (self.cudaError_t(code) if self.cudaError_t else code,)
+
+    def cudaHostRegister(self, ptr, size, flags):
+        return self._status(self.cudart.cudaHostRegister(ptr, size, flags))
+
+    def cudaHostUnregister(self, ptr):
+        return self._status(self.cudart.cudaHostUnregister(ptr))
+
+    def cudaGetLastError(self):
+        return self._status(self.cudart.cudaGetLastError())
+
+    def cudaGetErrorName(self, status):
+        return (self._status(0)[0], NAMES.get(int(status), f"cudaError({int(status)})").encode())
+
+    def cudaGetErrorString(self, status):
+        return (self._status(0)[0], b"fake error description")
+
+
+class FakeRuntime(TorchCudartRuntime):
+    """The real int-code adapter over a `FakeCudart` (pass faults as keywords)."""
+
+    def __init__(self, cudart: FakeCudart | None = None, **faults) -> None:
+        super().__init__(cudart or FakeCudart(**faults))
+
+    def held(self) -> set[tuple[int, int]]:
+        return self.cudart.held()
+
+    def check_valid(self) -> None:
+        self.cudart.check_valid()
+
+
+def check_runtime_conformance(runtime, ptr: int, size: int, *, page_bytes: int = 4096) -> list[str]:
+    """Check that ``runtime`` behaves as the executor assumes, on host memory at ``ptr``.
+
+    Needs ``size >= 3 * page_bytes`` of page-aligned memory that nothing has registered.
+    Returns the names of the checks that passed; raises AssertionError on the first failure.
+    Leaves nothing registered.
+    """
+    if size < 3 * page_bytes or ptr % page_bytes:
+        raise ValueError("conformance needs >= 3 page-aligned pages of unregistered memory")
+    passed = []
+    runtime.register(ptr, page_bytes, 0)
+    runtime.unregister(ptr)
+    passed.append("register-unregister")
+    runtime.register(ptr, 2 * page_bytes, 0)
+    try:
+        try:
+            runtime.register(ptr + page_bytes, page_bytes, 0)
+        except HostAlreadyRegisteredError as error:
+            assert error.code == ALREADY_REGISTERED and error.ptr == ptr + page_bytes
+            passed.append("overlap-is-712")
+        else:
+            runtime.unregister(ptr + page_bytes)
+            raise AssertionError("an overlapping register succeeded (expected 712)")
+        try:
+            runtime.unregister(ptr + page_bytes)
+        except CudaCallError as error:
+            assert isinstance(error, HostNotRegisteredError) or error.code == 1, error
+            passed.append("interior-unregister-fails")
+        else:
+            raise AssertionError("unregistering an interior pointer succeeded")
+        runtime.register(ptr + 2 * page_bytes, page_bytes, 0)  # pending errors were drained
+        runtime.unregister(ptr + 2 * page_bytes)
+        passed.append("errors-drained")
+    finally:
+        runtime.unregister(ptr)
+    return passed

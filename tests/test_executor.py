@@ -1,0 +1,229 @@
+"""The transactional executor: all or nothing, rollback in reverse, leaks reported exactly."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from hicache.effects import HostLedger, apply_plan, apply_pool_plan
+from hicache.errors import (
+    ApplyError,
+    HostAlreadyRegisteredError,
+    PlanError,
+    ReleaseError,
+    RollbackError,
+)
+from hicache.plan import Limits, MambaLayout, plan_pool, plan_registration
+from hicache.testing import FakeRuntime
+
+MiB, GiB = 2**20, 2**30
+BASE = 1 << 40
+SGLANG_PLAN = plan_registration(2500 * MiB, granularity_bytes=300 * MiB, limits=Limits(chunk_limit_bytes=GiB))
+
+
+def apply(plan=SGLANG_PLAN, **kwargs):
+    kwargs.setdefault("ledger", HostLedger())
+    kwargs.setdefault("base_ptr", BASE)
+    return apply_plan(plan, **kwargs)
+
+
+def three_buffer_pool():
+    layout = MambaLayout(
+        "page_first", layer_num=2, slots=64, temporal_shape=(4, 8), temporal_itemsize=4,
+        conv_shapes=((4, 4), (2, 8)), conv_itemsize=2,
+    )
+    pool = plan_pool(layout, Limits(chunk_limit_bytes=4096, os_page_bytes=64))
+    bases = [BASE, BASE + 2**30, BASE + 2**31]
+    return pool, bases
+
+
+def test_registers_in_plan_order_with_flags():
+    """Each range is registered at base + offset, in order, with the given flags."""
+    runtime = FakeRuntime()
+    with apply(runtime=runtime, flags=1) as registration:
+        assert runtime.cudart.log == [
+            ("register", BASE, 900 * MiB, 1),
+            ("register", BASE + 900 * MiB, 900 * MiB, 1),
+            ("register", BASE + 1800 * MiB, 700 * MiB, 1),
+        ]
+        assert registration.status().state == "active"
+    assert runtime.held() == set() and registration.status().state == "released"
+    assert [op for op, *_ in runtime.cudart.log[3:]] == ["unregister"] * 3
+    assert [ptr for _, ptr in runtime.cudart.log[3:]] == [BASE + 1800 * MiB, BASE + 900 * MiB, BASE]
+
+
+def test_second_chunk_failure_rolls_back_the_first_and_names_the_offset():
+    """SGLang's case: chunk 2 fails, chunk 1 is unregistered, the error names offset=943718400."""
+    runtime = FakeRuntime(fail_register={1: 2})
+    with pytest.raises(ApplyError, match=r"chunk 2 of 3 \(offset=943718400, size=943718400") as info:
+        apply(runtime=runtime)
+    assert not isinstance(info.value, RollbackError)
+    assert info.value.__cause__.code == 2
+    assert runtime.held() == set()
+    runtime.check_valid()
+
+
+def test_pool_is_one_transaction_third_buffer_failure_undoes_the_first_two():
+    """When the third buffer fails, the first two buffers are unregistered too."""
+    pool, bases = three_buffer_pool()
+    calls = sum(b.plan.call_count for b in pool.buffers[:2])
+    runtime = FakeRuntime(fail_register={calls: 2})
+    with pytest.raises(ApplyError, match="buffer 'conv1' chunk 1"):
+        apply_pool_plan(pool, base_ptrs=bases, runtime=runtime, ledger=HostLedger())
+    assert runtime.held() == set()
+    assert runtime.cudart.unregister_calls == calls
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_keyboard_interrupt_mid_plan_rolls_back(when):
+    """Ctrl-C before or after a register call took effect leaves nothing registered."""
+    runtime = FakeRuntime(interrupt_register={1: when})
+    ledger = HostLedger()
+    with pytest.raises(ApplyError) as info:
+        apply(runtime=runtime, ledger=ledger)
+    assert isinstance(info.value.__cause__, KeyboardInterrupt)
+    assert runtime.held() == set() and ledger.held() == ()
+    runtime.check_valid()
+
+
+def test_sticky_error_during_rollback_stops_and_reports_exact_leaks():
+    """A sticky unregister failure stops the rollback; every range still held is in .leaked."""
+    runtime = FakeRuntime(fail_register={2: 2}, fail_unregister={0: 700})
+    ledger = HostLedger()
+    with pytest.raises(RollbackError, match="must not be unmapped") as info:
+        apply(runtime=runtime, ledger=ledger)
+    assert set(info.value.leaked) == runtime.held() == {(BASE, 900 * MiB), (BASE + 900 * MiB, 900 * MiB)}
+    assert runtime.cudart.unregister_calls == 1  # nothing after a sticky code
+    assert set(ledger.held()) == runtime.held()  # still held: no one may free or reuse it
+
+
+def test_non_sticky_undo_failure_keeps_going():
+    """A non-sticky unregister failure is reported, and the other undos still run."""
+    runtime = FakeRuntime(fail_register={2: 2}, fail_unregister={0: 1})
+    with pytest.raises(RollbackError) as info:
+        apply(runtime=runtime)
+    assert info.value.leaked == ((BASE + 900 * MiB, 900 * MiB),)
+    assert runtime.held() == {(BASE + 900 * MiB, 900 * MiB)}
+
+
+def test_overlap_with_a_held_range_is_refused_before_cuda():
+    """A plan overlapping what this process holds is refused without any CUDA call."""
+    runtime, ledger = FakeRuntime(), HostLedger()
+    with apply(runtime=runtime, ledger=ledger):
+        calls = len(runtime.cudart.log)
+        with pytest.raises(HostAlreadyRegisteredError, match="refused before calling CUDA") as info:
+            apply(runtime=runtime, ledger=ledger, base_ptr=BASE + 1800 * MiB)
+        assert info.value.code == 712
+        assert len(runtime.cudart.log) == calls
+    runtime.check_valid()
+
+
+def test_a_double_registration_via_cuda_is_drained():
+    """When CUDA itself reports 712, the pending error is drained (check_valid passes)."""
+    runtime = FakeRuntime()
+    runtime.cudart.registered[BASE] = 4096  # registered behind hicache's back
+    with pytest.raises(ApplyError) as info:
+        apply(runtime=runtime)
+    assert isinstance(info.value.__cause__, HostAlreadyRegisteredError)
+    runtime.check_valid()
+
+
+def test_retry_halves_on_copy_units():
+    """With retries, a failed chunk is re-split in halves that stay copy-unit multiples."""
+    runtime = FakeRuntime(fail_register={1: 2})
+    with apply(runtime=runtime, retry_halvings=1) as registration:
+        sizes = [r.size for r in registration.ranges]
+        assert sizes == [900 * MiB, 300 * MiB, 300 * MiB, 300 * MiB, 300 * MiB, 300 * MiB, 100 * MiB]
+        assert all((r.ptr - BASE + r.size) % (300 * MiB) == 0 for r in registration.ranges[:-1])
+        assert registration.status().retries == 1
+        assert sum(sizes) == 2500 * MiB
+
+
+def test_retry_never_goes_below_the_unit():
+    """When halving would go below the copy unit, the original failure is raised."""
+    plan = plan_registration(4 * MiB, granularity_bytes=MiB, limits=Limits(chunk_limit_bytes=MiB))
+    with pytest.raises(ApplyError, match="cudaErrorMemoryAllocation"):
+        apply(plan, runtime=FakeRuntime(fail_register={0: 2}), retry_halvings=3)
+
+
+def test_sticky_register_failure_is_not_retried():
+    """A sticky code is never retried."""
+    runtime = FakeRuntime(fail_register={1: 700})
+    with pytest.raises(ApplyError):
+        apply(runtime=runtime, retry_halvings=5)
+    assert runtime.cudart.register_calls == 2
+
+
+def test_progress_reports_every_chunk_and_can_abort():
+    """Progress is called after each chunk; raising from it rolls everything back."""
+    events = []
+    runtime = FakeRuntime()
+    apply(runtime=runtime, progress=events.append).release()
+    assert [(e.chunk_index, e.chunk_count) for e in events] == [(1, 3), (2, 3), (3, 3)]
+    assert events[-1].bytes_done == events[-1].bytes_total == 2500 * MiB
+
+    def stop(event):
+        if event.chunk_index == 2:
+            raise RuntimeError("operator cancelled")
+
+    with pytest.raises(ApplyError, match="operator cancelled"):
+        apply(runtime=runtime, progress=stop)
+    assert runtime.held() == set()
+
+
+def test_release_is_idempotent_and_reports_leaks():
+    """release() twice is fine; a failed unregister raises ReleaseError with the leak, again."""
+    runtime = FakeRuntime(fail_unregister={1: 1})
+    registration = apply(runtime=runtime)
+    with pytest.raises(ReleaseError) as info:
+        registration.release()
+    assert info.value.leaked == ((BASE + 900 * MiB, 900 * MiB),)
+    calls = runtime.cudart.unregister_calls
+    with pytest.raises(ReleaseError):
+        registration.release()
+    assert runtime.cudart.unregister_calls == calls
+    assert registration.status().state == "leaked"
+
+
+def test_status_is_a_frozen_snapshot_with_timings():
+    """status() carries ranges, bytes, calls and a GB/s figure, and does not change later."""
+    runtime = FakeRuntime()
+    registration = apply(runtime=runtime)
+    before = registration.status()
+    registration.release()
+    assert before.state == "active" and before.call_count == 3
+    assert before.registered_bytes == 2500 * MiB and before.register_gbps >= 0
+    assert registration.status().release_seconds is not None
+
+
+def test_forgotten_registration_is_released_by_the_finalizer_with_a_warning():
+    """A registration dropped without release() is released at collection, with a warning."""
+    runtime = FakeRuntime()
+    registration = apply(runtime=runtime)
+    with pytest.warns(ResourceWarning, match="garbage-collected without release"):
+        del registration
+        gc.collect()
+    assert runtime.held() == set()
+
+
+def test_bad_arguments_are_clear_errors():
+    """Misaligned bases, wrong base counts and non-runtimes are refused before CUDA."""
+    runtime = FakeRuntime()
+    with pytest.raises(PlanError, match="not aligned to the 4096 B"):
+        apply(runtime=runtime, base_ptr=BASE + 64)
+    pool, bases = three_buffer_pool()
+    with pytest.raises(PlanError, match="2 base_ptrs for 3 buffers"):
+        apply_pool_plan(pool, base_ptrs=bases[:2], runtime=runtime)
+    with pytest.raises(TypeError, match="runtime must provide"):
+        apply(runtime=object())
+    assert runtime.cudart.log == []
+
+
+def test_pool_buffers_overlapping_each_other_are_refused():
+    """Two buffers of one pool given overlapping bases are refused before CUDA."""
+    pool, bases = three_buffer_pool()
+    runtime = FakeRuntime()
+    with pytest.raises(HostAlreadyRegisteredError):
+        apply_pool_plan(pool, base_ptrs=[BASE, BASE, BASE + 2**31], runtime=runtime, ledger=HostLedger())
+    assert runtime.cudart.log == []

@@ -1,0 +1,80 @@
+"""Probes: the machine and environment become data; bad environment values are errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.effects import EnvError, kernel_pin_cap, probe_limits, probe_machine, ranks_per_host
+from hicache.plan import DRIVER_CEILING_BYTES, KERNEL_PIN_CAP_BYTES
+
+
+def fake_root(tmp_path, *, release="6.12.8", cgroup="max"):
+    def put(path, text):
+        target = tmp_path / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+    put("proc/sys/kernel/osrelease", release + "\n")
+    put("proc/sys/vm/max_map_count", "65530\n")
+    put("proc/self/cgroup", "0::/job\n")
+    put("sys/fs/cgroup/job/memory.max", cgroup + "\n")
+    put("sys/fs/cgroup/job/memory.current", "1000\n")
+    put("sys/kernel/mm/transparent_hugepage/enabled", "[always] madvise never\n")
+    put("sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages", "512\n")
+    put("sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages", "500\n")
+    put("sys/devices/system/node/online", "0-1,3\n")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "release, capped",
+    [("6.10.3", False), ("6.11.0", True), ("6.13.12-generic", True), ("6.14.1", False), ("5.15.0", False)],
+)
+def test_kernel_cap_by_release(release, capped):
+    """Only 6.11-6.13 get the ~2 GB per-pin cap."""
+    assert (kernel_pin_cap(release) == KERNEL_PIN_CAP_BYTES) is capped
+
+
+def test_probe_machine_reads_a_fake_tree(tmp_path):
+    """Kernel, THP, hugepages, cgroup and NUMA facts come from /proc and /sys under root."""
+    facts = probe_machine(root=fake_root(tmp_path, cgroup="64000000000"), env={})
+    assert facts.kernel_release == "6.12.8" and facts.kernel_pin_cap_bytes == KERNEL_PIN_CAP_BYTES
+    assert facts.thp_enabled == "always" and facts.max_map_count == 65530
+    assert [(p.size_bytes, p.total, p.free) for p in facts.hugepages] == [(2 * 2**20, 512, 500)]
+    assert facts.cgroup_limit_bytes == 64_000_000_000 and facts.cgroup_usage_bytes == 1000
+    assert facts.numa_nodes == 3 and facts.ranks_per_host == 1
+    assert facts.available_bytes > 0
+
+
+def test_probe_limits_from_environment(tmp_path):
+    """HICACHE_* variables set the chunk limit, kernel cap and hugepage size."""
+    root = fake_root(tmp_path)
+    limits = probe_limits(env={"HICACHE_REGISTER_CHUNK": "1GiB", "HICACHE_HUGEPAGE_SIZE": "2MiB"}, root=root)
+    assert limits.chunk_limit_bytes == 2**30 and limits.hugepage_bytes == 2**21
+    assert limits.kernel_cap_bytes == KERNEL_PIN_CAP_BYTES and limits.hard_ceiling_bytes == DRIVER_CEILING_BYTES
+    assert probe_limits(env={"HICACHE_KERNEL_PIN_CAP": "none"}, root=root).kernel_cap_bytes is None
+    assert probe_limits(env={}, root=root, chunk_limit_bytes=4096).chunk_limit_bytes == 4096
+
+
+@pytest.mark.parametrize(
+    "env, pattern",
+    [
+        ({"HICACHE_REGISTER_CHUNK": "12XB"}, r"HICACHE_REGISTER_CHUNK='12XB' is invalid: .*unknown unit 'XB'"),
+        ({"HICACHE_REGISTER_CHUNK": "-1GiB"}, r"HICACHE_REGISTER_CHUNK='-1GiB' is invalid"),
+        ({"HICACHE_REGISTER_CHUNK": "0"}, r"HICACHE_REGISTER_CHUNK='0' is invalid"),
+        ({"HICACHE_HUGEPAGE_SIZE": "3MiB"}, r"hugepage_bytes must be a power of two"),
+        ({"HICACHE_RANKS_PER_HOST": "eight"}, r"HICACHE_RANKS_PER_HOST='eight' must be a positive integer"),
+    ],
+)
+def test_bad_environment_values_name_variable_and_value(tmp_path, env, pattern):
+    """A bad value is an EnvError naming the variable and value, never a silent default."""
+    with pytest.raises(EnvError, match=pattern):
+        probe_limits(env=env, root=fake_root(tmp_path))
+        ranks_per_host(env)
+
+
+def test_ranks_per_host_falls_back_to_local_world_size():
+    """HICACHE_RANKS_PER_HOST beats LOCAL_WORLD_SIZE, which beats 1."""
+    assert ranks_per_host({"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert ranks_per_host({"LOCAL_WORLD_SIZE": "8", "HICACHE_RANKS_PER_HOST": "4"}) == 4
+    assert ranks_per_host({}) == 1

@@ -1,0 +1,87 @@
+"""The CUDA boundary: codes become classified errors with names; the no-driver path is real."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.effects import CudaPythonRuntime, HostLedger, TorchCudartRuntime, apply_plan, probe_cuda
+from hicache.errors import (
+    ApplyError,
+    CudaCallError,
+    CudaUnavailableError,
+    HostAlreadyRegisteredError,
+    HostNotRegisteredError,
+    StickyCudaError,
+)
+from hicache.plan import Limits, plan_registration
+from hicache.testing import FakeCudaBinding, FakeCudart, FakeRuntime, check_runtime_conformance
+
+BASE = 1 << 40
+
+
+@pytest.mark.parametrize(
+    "code, cls, name",
+    [
+        (712, HostAlreadyRegisteredError, "cudaErrorHostMemoryAlreadyRegistered"),
+        (713, HostNotRegisteredError, "cudaErrorHostMemoryNotRegistered"),
+        (700, StickyCudaError, "cudaErrorIllegalAddress"),
+        (719, StickyCudaError, "cudaErrorLaunchFailure"),
+        (35, CudaUnavailableError, "cudaErrorInsufficientDriver"),
+        (100, CudaUnavailableError, "cudaErrorNoDevice"),
+        (2, CudaCallError, "cudaErrorMemoryAllocation"),
+    ],
+)
+@pytest.mark.parametrize("adapter", ["cuda-python", "torch-cudart"])
+def test_codes_become_classified_errors_with_names(code, cls, name, adapter):
+    """Each code maps to its exception class carrying op, code, name, ptr and size."""
+    cudart = FakeCudart(fail_register={0: code})
+    runtime = CudaPythonRuntime(FakeCudaBinding(cudart)) if adapter == "cuda-python" else TorchCudartRuntime(cudart)
+    with pytest.raises(cls) as info:
+        runtime.register(BASE, 4096, 0)
+    error = info.value
+    assert type(error) is cls
+    assert (error.op, error.code, error.name, error.ptr, error.size) == ("cudaHostRegister", code, name, BASE, 4096)
+    cudart.check_valid()  # the pending error was drained through the same binding
+
+
+def test_int_codes_never_reach_cuda_get_error_string():
+    """torch's int codes are named without cudaGetErrorString(int), which raises TypeError."""
+    cudart = FakeCudart(fail_register={0: 2})
+    with pytest.raises(CudaCallError, match="cudaErrorMemoryAllocation"):
+        TorchCudartRuntime(cudart).register(BASE, 4096, 0)
+
+
+def test_fake_runtime_conforms():
+    """The fake passes the conformance check any runtime can run."""
+    runtime = FakeRuntime()
+    assert check_runtime_conformance(runtime, BASE, 3 * 4096) == [
+        "register-unregister", "overlap-is-712", "interior-unregister-fails", "errors-drained",
+    ]
+    assert runtime.held() == set()
+    runtime.check_valid()
+
+
+def test_real_cuda_python_without_a_driver_is_cuda_unavailable():
+    """On this CPU-only machine the real binding fails with CudaUnavailableError, and nothing
+    is registered or leaked."""
+    if probe_cuda().available:
+        pytest.skip("a CUDA driver is present; the no-driver path cannot be exercised")
+    runtime = CudaPythonRuntime()
+    with pytest.raises(CudaUnavailableError, match=r"CUDA unavailable: .*cudaErrorInsufficientDriver|cudaErrorNoDevice") as info:
+        runtime.register(BASE, 4096, 0)
+    assert info.value.code in (35, 100, 34, 3)
+    ledger = HostLedger()
+    plan = plan_registration(3 * 4096, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=4096))
+    with pytest.raises(ApplyError) as applied:
+        apply_plan(plan, base_ptr=BASE, runtime=runtime, ledger=ledger)
+    assert isinstance(applied.value.__cause__, CudaUnavailableError)
+    assert "rolled back 0 registration(s)" in str(applied.value)
+    assert ledger.held() == ()
+
+
+def test_probe_cuda_says_what_it_found():
+    """probe_cuda reports availability with a reason instead of raising."""
+    facts = probe_cuda()
+    assert facts.available or facts.error
+    broken = probe_cuda(binding=object())
+    assert not broken.available and broken.error
