@@ -90,5 +90,5 @@ def test_tampered_pool_dumps_fail_naming_the_bad_part(pool_dump, tamper, pattern
 
 def test_to_jsonable_refuses_other_objects():
     """to_jsonable of something that is not a plan is a PlanError."""
-    with pytest.raises(PlanError, match="expected a RegistrationPlan or PoolPlan"):
+    with pytest.raises(PlanError, match="expected a RegistrationPlan, PoolPlan or CapacityPlan"):
         to_jsonable({"ranges": []})

@@ -9,6 +9,7 @@ from hicache.effects._executor import (
     RegistrationStatus,
     apply_plan,
     apply_pool_plan,
+    apply_pool_plans,
 )
 from hicache.effects._host_memory import (
     HostBuffer,
@@ -57,6 +58,7 @@ __all__ = [
     "allocate_host",
     "apply_plan",
     "apply_pool_plan",
+    "apply_pool_plans",
     "budget_lock",
     "free_hugepages",
     "kernel_pin_cap",

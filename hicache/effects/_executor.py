@@ -360,3 +360,36 @@ def apply_pool_plan(
         items, runtime=runtime, flags=flags, progress=progress,
         retry_halvings=retry_halvings, ledger=ledger,
     )
+
+
+def apply_pool_plans(
+    pools,
+    *,
+    runtime: HostRuntime,
+    flags: int = 0,
+    progress=None,
+    retry_halvings: int = 0,
+    ledger: HostLedger | None = None,
+) -> Registration:
+    """Register several pools - ``(pool_plan, base_ptrs)`` pairs - as **one** transaction.
+
+    A model's pools on one rank (MLA ``kv`` + DSA ``indexer``, attention + Mamba state) come up
+    together or not at all. Buffers are named ``pool_index/buffer`` in errors and progress.
+    """
+    items = []
+    for index, (pool_plan, base_ptrs) in enumerate(pools):
+        if not isinstance(pool_plan, PoolPlan):
+            raise PlanError(f"apply_pool_plans: pools[{index}] is not a PoolPlan: {pool_plan!r}")
+        base_ptrs = tuple(base_ptrs)
+        if len(base_ptrs) != len(pool_plan.buffers):
+            raise PlanError(
+                f"apply_pool_plans: pools[{index}] has {len(pool_plan.buffers)} buffers but "
+                f"{len(base_ptrs)} base_ptrs"
+            )
+        items += [
+            (f"{index}/{b.spec.name}", ptr, b.plan) for b, ptr in zip(pool_plan.buffers, base_ptrs)
+        ]
+    return _apply(
+        items, runtime=runtime, flags=flags, progress=progress,
+        retry_halvings=retry_halvings, ledger=ledger,
+    )

@@ -17,11 +17,13 @@ import attrs
 
 from hicache.effects._host_memory import os_page_bytes
 from hicache.errors import PlanError
-from hicache.plan import DRIVER_CEILING_BYTES, KERNEL_PIN_CAP_BYTES, Limits, parse_size
-
-#: The chunk limit when HICACHE_REGISTER_CHUNK is unset: vLLM's and LMCache's 64 GiB - each
-#: call then holds the driver lock for seconds, not minutes (TensorRT-LLM #17429).
-DEFAULT_CHUNK_LIMIT_BYTES = 64 * 2**30
+from hicache.plan import (
+    DEFAULT_CHUNK_LIMIT_BYTES,
+    DRIVER_CEILING_BYTES,
+    Limits,
+    kernel_pin_cap,
+    parse_size,
+)
 
 ENV_VARS = {
     "HICACHE_REGISTER_CHUNK": "chunk limit per cudaHostRegister call, e.g. 64GiB",
@@ -55,14 +57,6 @@ def _env_int(env, name: str):
     if not re.fullmatch(r"\s*[1-9]\d*\s*", raw):
         raise EnvError(f"environment variable {name}={raw!r} must be a positive integer")
     return int(raw)
-
-
-def kernel_pin_cap(release: str) -> int | None:
-    """The per-pin cap of a kernel release: Linux 6.11-6.13 pin at most ~2 GB per call."""
-    match = re.match(r"(\d+)\.(\d+)", release)
-    if match and (6, 11) <= (int(match[1]), int(match[2])) < (6, 14):
-        return KERNEL_PIN_CAP_BYTES
-    return None
 
 
 @attrs.frozen

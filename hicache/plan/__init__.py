@@ -12,6 +12,7 @@ from hicache.plan._capacity import (
     check_budget,
     size_pool,
 )
+from hicache.plan._capacity_plan import CapacityPlan, NamedPool, plan_capacity
 from hicache.plan._codec import SCHEMA_VERSION, from_jsonable, to_jsonable
 from hicache.plan._layouts import (
     LAYOUT_CLASSES,
@@ -26,8 +27,22 @@ from hicache.plan._layouts import (
     MHALayout,
     MLALayout,
 )
-from hicache.plan._limits import DRIVER_CEILING_BYTES, KERNEL_PIN_CAP_BYTES, Limits
+from hicache.plan._limits import (
+    DEFAULT_CHUNK_LIMIT_BYTES,
+    DRIVER_CEILING_BYTES,
+    KERNEL_PIN_CAP_BYTES,
+    Limits,
+    kernel_pin_cap,
+)
 from hicache.plan._planner import RegistrationPlan, plan_registration, replan
+from hicache.plan._models import (
+    DEFAULT_MODEL,
+    KV_DTYPES,
+    PRESETS,
+    ConfigError,
+    ModelSpec,
+    model_from_hf_config,
+)
 from hicache.plan._pool import BufferPlan, PoolPlan, plan_pool
 from hicache.plan._range import Range
 from hicache.plan._units import format_bytes, format_gb, parse_size
@@ -37,6 +52,16 @@ __all__ = [
     "BudgetVerdict",
     "BufferPlan",
     "BufferSpec",
+    "CapacityPlan",
+    "ConfigError",
+    "DEFAULT_MODEL",
+    "KV_DTYPES",
+    "ModelSpec",
+    "NamedPool",
+    "PRESETS",
+    "model_from_hf_config",
+    "plan_capacity",
+    "DEFAULT_CHUNK_LIMIT_BYTES",
     "DEFAULT_RESERVE_BYTES",
     "DRIVER_CEILING_BYTES",
     "DSAIndexerLayout",
@@ -59,6 +84,7 @@ __all__ = [
     "check_budget",
     "format_bytes",
     "format_gb",
+    "kernel_pin_cap",
     "from_jsonable",
     "parse_size",
     "plan_pool",

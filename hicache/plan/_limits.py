@@ -7,6 +7,8 @@ the machine. Pure: imports attrs and hicache.errors only.
 
 from __future__ import annotations
 
+import re
+
 import attrs
 
 from hicache.errors import PlanError
@@ -24,6 +26,18 @@ DRIVER_CEILING_BYTES = 2**39 - GiB
 #: Linux 6.11-6.13 pin at most ~2 GB per call (MAX_RW_COUNT = INT_MAX & PAGE_MASK); TensorRT-LLM
 #: registers 2 GiB chunks on those kernels. 2 GiB - 2 MiB stays under it and keeps 2 MiB pages.
 KERNEL_PIN_CAP_BYTES = 2**31 - 2 * MiB
+
+#: The chunk limit when none is given: vLLM's and LMCache's 64 GiB - each call then holds the
+#: driver lock for seconds, not minutes (TensorRT-LLM #17429). SGLang defaults to 256 GiB.
+DEFAULT_CHUNK_LIMIT_BYTES = 64 * GiB
+
+
+def kernel_pin_cap(release: str) -> int | None:
+    """The per-pin cap of a Linux release string: 6.11-6.13 pin at most ~2 GB per call."""
+    match = re.match(r"(\d+)\.(\d+)", release)
+    if match and (6, 11) <= (int(match[1]), int(match[2])) < (6, 14):
+        return KERNEL_PIN_CAP_BYTES
+    return None
 
 
 def _positive_or_none(field: str):

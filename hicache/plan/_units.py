@@ -25,7 +25,7 @@ _UNITS = {
     "tb": 10**12,
     "pb": 10**15,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$"  # compiled on first use (start-up time)
 
 
 def parse_size(text: str, *, what: str = "size", minimum: int = 1) -> int:
@@ -35,7 +35,7 @@ def parse_size(text: str, *, what: str = "size", minimum: int = 1) -> int:
     of 1000. A fractional size must come out a whole number of bytes. Raises ``PlanError``
     naming ``what`` and the text for anything else (``12XB``, ``-1``, ``0`` below ``minimum``).
     """
-    match = _SIZE.match(text) if isinstance(text, str) else None
+    match = re.match(_SIZE, text) if isinstance(text, str) else None
     if match is None:
         raise PlanError(f"{what}: cannot read {text!r} as a size (examples: 64GiB, 512MiB, 4096)")
     number, unit = match.groups()
@@ -64,7 +64,10 @@ def format_bytes(nbytes: int) -> str:
     else:
         unit, scale = "KiB", 2**10
     value = nbytes / scale
-    text = f"{value:.2f}".rstrip("0").rstrip(".")
+    text = f"{value:.2f}"
+    if float(text) == round(value) and nbytes % scale:  # never round 1.998 up to a whole "2"
+        text = f"{value:.3f}"
+    text = text.rstrip("0").rstrip(".")
     return f"{text} {unit}"
 
 

@@ -1,0 +1,136 @@
+"""`plan_capacity`: a model, a parallel layout and a host size -> every pool a rank registers.
+
+Owns the arithmetic a capacity reviewer reads: tokens and pages per rank, each pool's buffers
+and registration plans, the caps that applied, and the budget verdict when the host's memory is
+given. Never reads the machine. Pure: the rest of hicache.plan only.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import attrs
+
+from hicache.errors import CapacityError, PlanError
+from hicache.plan._capacity import DEFAULT_RESERVE_BYTES, BudgetVerdict, PoolSize, assess_budget, size_pool
+from hicache.plan._checks import check_int
+from hicache.plan._limits import Limits
+from hicache.plan._models import ModelSpec, kv_itemsize, model_pools
+from hicache.plan._pool import PoolPlan, plan_pool
+from hicache.plan._units import format_gb
+
+
+@attrs.frozen
+class NamedPool:
+    """One pool of a model on a rank (``kv``, ``indexer``, ``mamba``, ...) and its plan."""
+
+    name: str
+    plan: PoolPlan
+
+
+@attrs.frozen
+class CapacityPlan:
+    """Everything one rank registers, with the inputs it was computed from."""
+
+    model: ModelSpec
+    tp: int
+    page_size: int
+    layout: str
+    kv_dtype: str
+    mamba_slots: int
+    host_bytes: int | None
+    device_tokens: int | None
+    host_to_device_ratio: str | None
+    size: PoolSize
+    limits: Limits
+    pools: tuple[NamedPool, ...]
+    ranks_per_host: int | None
+    host_memory_bytes: int | None
+    reserve_bytes: int
+    budget: BudgetVerdict | None
+    notes: tuple[str, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.plan.total_bytes for p in self.pools)
+
+    @property
+    def call_count(self) -> int:
+        return sum(p.plan.call_count for p in self.pools)
+
+    @property
+    def largest_call_bytes(self) -> int:
+        return max((p.plan.largest_call_bytes for p in self.pools), default=0)
+
+    @property
+    def max_calls_per_host(self) -> int:
+        """Registration calls (and so memory mappings) of all ranks on one host."""
+        return self.call_count * (self.ranks_per_host or 1)
+
+
+def plan_capacity(
+    model: ModelSpec,
+    *,
+    limits: Limits,
+    tp: int = 1,
+    page_size: int = 64,
+    layout: str = "page_first_direct",
+    kv_dtype: str | None = None,
+    host_gb=None,
+    device_tokens: int | None = None,
+    host_to_device_ratio=None,
+    mamba_slots: int = 256,
+    ranks_per_host: int | None = None,
+    host_memory_bytes: int | None = None,
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+) -> CapacityPlan:
+    """Plan every host pool ``model`` needs on one rank.
+
+    Pool size: ``host_gb`` decimal GB per rank (SGLang's ``--hicache-size``), or
+    ``device_tokens * host_to_device_ratio``. Per-request state (linear attention) comes out
+    of ``host_gb`` first. With ``host_memory_bytes`` the budget verdict is computed for
+    ``ranks_per_host`` ranks; otherwise it is None (not checked).
+    """
+    tp = check_int(PlanError, "plan_capacity", "tp", tp)
+    page_size = check_int(PlanError, "plan_capacity", "page_size", page_size)
+    mamba_slots = check_int(PlanError, "plan_capacity", "mamba_slots", mamba_slots)
+    dtype = kv_dtype or model.facts.get("torch_dtype") or "bfloat16"
+    itemsize = kv_itemsize(dtype)
+    recipe = model_pools(model, tp=tp, page_size=page_size, layout=layout, itemsize=itemsize, mamba_slots=mamba_slots)
+    state_bytes = sum(state.total_bytes for _, state in recipe.state_pools)
+    per_token = sum(build(1).size_per_token_bytes() for _, build in recipe.token_pools)
+    host_bytes = None
+    if host_gb is not None:
+        host_bytes = int(Decimal(str(host_gb)) * 10**9) if not isinstance(host_gb, bool) else host_gb
+        if not isinstance(host_bytes, int) or host_bytes <= 0:
+            raise PlanError(f"host_gb must be a positive number, got {host_gb!r}")
+        left = host_bytes - state_bytes
+        if left <= 0:
+            raise CapacityError(
+                f"host size {format_gb(host_bytes)} does not even hold the per-request state "
+                f"({format_gb(state_bytes)})"
+            )
+        size = size_pool(size_per_token_bytes=per_token, page_size=page_size, host_gb=Decimal(left) / 10**9, device_tokens=device_tokens)
+    else:
+        size = size_pool(
+            size_per_token_bytes=per_token, page_size=page_size, device_tokens=device_tokens,
+            host_to_device_ratio=host_to_device_ratio,
+        )
+    pools = [NamedPool(name, plan_pool(build(size.page_num), limits)) for name, build in recipe.token_pools]
+    pools += [NamedPool(name, plan_pool(state, limits)) for name, state in recipe.state_pools]
+    total = sum(p.plan.total_bytes for p in pools)
+    budget = None
+    if host_memory_bytes is not None:
+        budget = assess_budget(
+            total, available_bytes=host_memory_bytes, reserve_bytes=reserve_bytes,
+            ranks_per_host=ranks_per_host or 1,
+        )
+    notes = tuple(size.notes) + recipe.notes
+    for pool in pools:
+        for buffer in pool.plan.buffers:
+            notes += tuple(f"{pool.name}/{buffer.spec.name}: {n}" for n in buffer.plan.notes)
+    ratio = None if host_to_device_ratio is None else str(Decimal(str(host_to_device_ratio)))
+    return CapacityPlan(
+        model, tp, page_size, layout, dtype, mamba_slots, host_bytes, device_tokens, ratio, size,
+        limits, tuple(pools), ranks_per_host, host_memory_bytes, reserve_bytes, budget, notes,
+    )

@@ -1,0 +1,211 @@
+"""The `hicache` CLI: plan output, golden files, errors and exit codes, no heavy imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from hicache.cli import main
+from hicache.plan import CapacityPlan, from_jsonable
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_no_arguments_plans_the_default_preset_and_says_so(capsys):
+    """`hicache plan` alone plans llama-3.1-70b on defaults and lists the defaults it used."""
+    code, out, err = run(capsys, "plan")
+    assert code == 0
+    assert "default preset" in err
+    assert "defaults used: --model llama-3.1-70b --tp 8" in out
+    assert "2,441,408 tokens in 38,147 pages of 64" in out
+    assert "budget: not checked" in out and "doctor --plan" in out
+
+
+def test_list_models_shows_every_required_preset(capsys):
+    """--list-models lists at least one model of each family."""
+    code, out, _ = run(capsys, "plan", "--list-models")
+    assert code == 0
+    for name in ("llama-3.1-8b", "llama-3.1-70b", "qwen3-32b", "qwen3-235b-a22b", "deepseek-v3",
+                 "deepseek-v3.2", "kimi-k2", "qwen3-next-80b-a3b", "mimo-v2-flash"):
+        assert name in out
+
+
+GOLDEN_CASES = {
+    "llama-3.1-70b-tp8.txt": ["--model", "llama-3.1-70b", "--tp", "8", "--host-gb", "200", "--chunk-limit", "64GiB"],
+    "deepseek-v3.2-layer-first.json": ["--model", "deepseek-v3.2", "--tp", "8", "--layout", "layer_first", "--host-gb", "300",
+                                       "--format", "json", "--host-memory", "3TB", "--ranks-per-host", "8"],
+    "qwen3-next-kernel-6.12.md": ["--model", "qwen3-next-80b-a3b", "--tp", "4", "--host-gb", "50",
+                                  "--kernel-release", "6.12.3", "--format", "markdown"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden_outputs(capsys, name):
+    """Table, JSON and markdown of a few presets match the reviewed golden files."""
+    code, out, _ = run(capsys, "plan", *GOLDEN_CASES[name])
+    assert code == 0
+    path = GOLDEN / name
+    if os.environ.get("HICACHE_UPDATE_GOLDEN"):
+        path.write_text(out)
+    assert out == path.read_text()
+
+
+def test_json_is_deterministic_and_reads_back(capsys):
+    """JSON output: sorted keys, integer bytes, documented buffer keys; from_jsonable loads it."""
+    args = GOLDEN_CASES["deepseek-v3.2-layer-first.json"]
+    _, first, _ = run(capsys, "plan", *args)
+    _, second, _ = run(capsys, "plan", *args)
+    assert first == second
+    data = json.loads(first)
+    assert data["schema_version"] == 1 and list(data) == sorted(data)
+    buffer = data["pools"][0]["plan"]["buffers"][0]
+    for key in ("name", "layout", "shape", "itemsize", "nbytes", "copy_unit_bytes", "ranges"):
+        assert key in buffer
+    assert isinstance(data["totals"]["total_bytes"], int)
+    plan = from_jsonable(data)
+    assert isinstance(plan, CapacityPlan) and plan.call_count == data["totals"]["call_count"]
+
+
+def test_out_writes_a_file(capsys, tmp_path):
+    """--out writes the output to a file and says so on stderr."""
+    target = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", "--format", "json", "--out", str(target))
+    assert code == 0 and out == "" and "wrote" in err
+    assert from_jsonable(json.loads(target.read_text()))
+
+
+def test_refused_budget_exits_1(capsys):
+    """A budget the host cannot hold prints the verdict and exits 1."""
+    code, out, err = run(capsys, "plan", "--host-gb", "300", "--host-memory", "1TB", "--ranks-per-host", "8")
+    assert code == 1
+    assert "REFUSED" in out
+    assert "\nerror[budget-refused]: " in err and "\nhint: " in err
+
+
+def test_kernel_cap_applies_and_is_explained(capsys):
+    """--kernel-release 6.12 caps every call under ~2 GB and the table says why."""
+    code, out, _ = run(capsys, "plan", "--kernel-release", "6.12.1")
+    assert code == 0
+    assert "2 GiB  kernel cap (Linux 6.11-6.13" in out or "kernel cap (Linux 6.11-6.13 pin at most ~2 GB per call)  <- decides" in out
+
+
+@pytest.mark.parametrize(
+    "argv, ref, code",
+    [
+        (["plan", "--bogus"], "usage", 2),
+        (["plan", "--model", "gpt-5"], "unknown-model", 2),
+        (["plan", "--chunk-limit", "12XB"], "bad-size", 2),
+        (["plan", "--chunk-limit", "0"], "bad-size", 2),
+        (["plan", "--host-gb", "-5"], "bad-size", 2),
+        (["plan", "--host-gb", "0"], "bad-size", 2),
+        (["plan", "--tp", "0"], "bad-number", 2),
+        (["plan", "--tp", "3"], "bad-config", 2),
+        (["plan", "--host-gb", "10", "--ratio", "2", "--device-tokens", "100"], "conflicting-flags", 2),
+        (["plan", "--ratio", "2"], "missing-flag", 2),
+        (["plan", "--model", "llama-3.1-8b", "--config", "x.json"], "conflicting-flags", 2),
+        (["plan", "--config", "/nonexistent/config.json"], "bad-config", 2),
+        (["plan", "--kv-dtype", "int3"], "bad-dtype", 2),
+        (["plan", "--model", "mimo-v2-flash", "--layout", "layer_first"], "unsupported-layout", 2),
+        (["plan", "--chunk-limit", "1MiB"], "infeasible-plan", 1),
+        (["doctor", "--plan", "/nonexistent.json"], "bad-plan", 2),
+    ],
+)
+def test_user_mistakes_print_one_error_line_and_a_hint(capsys, argv, ref, code):
+    """Each mistake: `error[ref]: ...` and `hint: ...` on stderr, no traceback, its exit code."""
+    got, out, err = run(capsys, *argv)
+    assert got == code
+    lines = err.strip().splitlines()
+    assert lines[-2].startswith(f"error[{ref}]: "), err
+    assert lines[-1].startswith("hint: ")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "content, ref",
+    [
+        ("{not json", "bad-config"),
+        (json.dumps({"num_attention_heads": 8}), "bad-config"),
+    ],
+)
+def test_malformed_config_json_is_a_usage_error(capsys, tmp_path, content, ref):
+    """Malformed JSON or a config without a needed key exits 2 naming the problem."""
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    code, _, err = run(capsys, "plan", "--config", str(path))
+    assert code == 2 and f"error[{ref}]" in err
+    if "num_attention_heads" in content:
+        assert "'num_hidden_layers' not found" in err
+
+
+@pytest.mark.parametrize(
+    "config, family, buffer_count",
+    [
+        ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}, "mha", 1),
+        ({"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, "mla", 1),
+        ({"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}, "dsa_indexer", 2),
+    ],
+)
+def test_config_json_picks_the_family(capsys, tmp_path, config, family, buffer_count):
+    """head_dim is derived when absent; MLA and index keys select MLA and the DSA indexer."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, _ = run(capsys, "plan", "--config", str(path), "--tp", "1", "--format", "json")
+    assert code == 0
+    data = json.loads(out)
+    assert len(data["pools"]) == buffer_count
+    assert data["pools"][-1]["plan"]["family"] == family
+    if family == "mha":
+        assert data["model"]["facts"]["head_dim"] == 128
+
+
+def test_apply_without_cuda_stops_before_allocating(capsys):
+    """`hicache apply` on a machine without CUDA exits 3 with the clear error, nothing done."""
+    from hicache.effects import PROCESS_LEDGER, probe_cuda
+
+    if probe_cuda().available:
+        pytest.skip("CUDA is available here")
+    code, out, err = run(capsys, "apply", "--host-gb", "1")
+    assert code == 3 and out == ""
+    assert err.startswith("error[cuda-unavailable]: CUDA unavailable")
+    assert PROCESS_LEDGER.held() == ()
+
+
+def test_doctor_json(capsys, tmp_path):
+    """doctor --format json lists every check with a status."""
+    plan = tmp_path / "plan.json"
+    run(capsys, "plan", "--host-gb", "1", "--format", "json", "--out", str(plan))
+    code, out, _ = run(capsys, "doctor", "--plan", str(plan), "--format", "json")
+    checks = {c["name"]: c["status"] for c in json.loads(out)["checks"]}
+    assert set(checks) == {"kernel", "thp", "hugepages", "memlock", "max_map_count", "memory", "numa", "cuda"}
+    assert code == (1 if "fail" in checks.values() else 0)
+
+
+def test_plan_path_imports_no_torch_cuda_or_psutil():
+    """`hicache plan` runs with torch, cuda and psutil blocked from import."""
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'cuda', 'cuda.bindings', 'psutil'):\n"
+        "    sys.modules[name] = None\n"
+        "from hicache.cli import main\n"
+        "raise SystemExit(main(['plan', '--model', 'deepseek-v3.2', '--format', 'json']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["kind"] == "capacity"
+
+
+def test_python_dash_m_runs_the_cli():
+    """`python -m hicache plan --list-models` works like the console script."""
+    result = subprocess.run([sys.executable, "-m", "hicache", "plan", "--list-models"], capture_output=True, text=True)
+    assert result.returncode == 0 and "deepseek-v3" in result.stdout
