@@ -7,9 +7,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: plan test bench clean
 
+# editable_mode=compat: a plain .pth entry, so start-up is what a regular install would see.
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
-	# compat mode: a plain .pth entry, so start-up is measured as a regular install would see it
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[test]' --config-settings editable_mode=compat
 	touch $(STAMP)
 

@@ -10,6 +10,7 @@ from hicache.effects._executor import (
     apply_plan,
     apply_pool_plan,
     apply_pool_plans,
+    unregister_ranges,
 )
 from hicache.effects._host_memory import (
     HostBuffer,
@@ -69,4 +70,5 @@ __all__ = [
     "probe_machine",
     "ranks_per_host",
     "runtime_dir",
+    "unregister_ranges",
 ]

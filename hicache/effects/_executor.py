@@ -393,3 +393,15 @@ def apply_pool_plans(
         items, runtime=runtime, flags=flags, progress=progress,
         retry_halvings=retry_halvings, ledger=ledger,
     )
+
+
+def unregister_ranges(runtime: HostRuntime, ranges) -> list[tuple[int, int]]:
+    """Unregister ``(ptr, size)`` ranges in reverse order with the executor's undo rules.
+
+    For ranges registered outside a `Registration` (records kept elsewhere, e.g. on an SGLang
+    tensor). Attempts every one, stops at a sticky error; returns those still registered.
+    """
+    entries = [RegisteredRange("range", i, int(ptr), int(size)) for i, (ptr, size) in enumerate(ranges)]
+    leaked, _ = _undo(runtime, entries)
+    order = {(e.ptr, e.size): e.index for e in entries}
+    return sorted(leaked, key=lambda pair: order[pair])

@@ -1,0 +1,1 @@
+"""Drop-in replacements for other projects' registration helpers (see hicache.compat.sglang)."""

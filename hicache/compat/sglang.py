@@ -1,0 +1,189 @@
+"""Drop-in for SGLang's `pool_host/common.py` registration helpers, under SGLang's names.
+
+Keeps what SGLang's tests pin (chunking by registration granularity under
+SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB, ranges recorded on the tensor, reverse rollback,
+RuntimeError naming the offset, exactly-once teardown) and fixes what it still gets wrong: int
+codes named without cudaGetErrorString(int) (PR #38509), an already-registered buffer is a
+no-op instead of a sticky 712 (PR #38832), pending errors drained, KeyboardInterrupt rolled
+back, and an unsplittable buffer at the 512 GiB driver ceiling refused before CUDA sees it.
+Chunking and rollback are hicache's (plan_registration, apply_plan); nothing is re-implemented.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+
+from hicache.effects import (
+    TorchCudartRuntime,
+    apply_plan,
+    unregister_ranges,
+)
+from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError
+from hicache.plan import Limits, plan_registration
+from hicache.pools._allocator import HostTensorAllocator, get_allocator_from_storage
+
+__all__ = [
+    "ALLOC_MEMORY_FUNCS",
+    "HostTensorAllocator",
+    "_CUDA_HOST_REGISTERED_RANGES_ATTR",
+    "_cuda_host_register",
+    "_cuda_host_unregister",
+    "_cuda_host_unregister_ranges",
+    "alloc_with_host_register",
+    "alloc_with_pin_memory",
+    "get_allocator_from_storage",
+    "host_register_chunk_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+_CUDA_HOST_REGISTERED_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
+_REGISTRATION_ATTR = "_hicache_registration"
+CHUNK_ENV = "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB"
+DEFAULT_CHUNK_GB = 256
+
+
+def host_register_chunk_bytes(env=None) -> int:
+    """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it: GiB, at least 1, default 256.
+
+    A value that is not an integer is an error naming the variable (SGLang's env reader would
+    fail too); zero or negative is raised to 1, as SGLang's ``max(value, 1)`` does.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(CHUNK_ENV)
+    if raw is None or raw.strip() == "":
+        gib = DEFAULT_CHUNK_GB
+    else:
+        try:
+            gib = int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {CHUNK_ENV}={raw!r} must be an integer number of GiB") from None
+    return max(gib, 1) * 2**30
+
+
+def _cudart():
+    import torch
+
+    return torch.cuda.cudart()  # looked up at call time: SGLang's tests substitute a fake here
+
+
+def _base_alignment(ptr: int) -> int:
+    # What the plan may assume about the base: the largest power of two dividing it, at most a
+    # page. torch.empty bases are often only 64-byte aligned; the plan then keeps copy-unit
+    # boundaries and says page alignment was impossible.
+    return min(ptr & -ptr, 4096) if ptr else 4096
+
+
+def _cuda_host_register(buffer, registration_granularity_bytes: int | None = None) -> None:
+    """Register ``buffer`` with CUDA in chunks no page copy straddles; record the ranges.
+
+    Chunks are at most SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB GiB, rounded down to a multiple of
+    ``registration_granularity_bytes`` (None: one call, as SGLang does for layer-first). A
+    buffer whose record already holds ranges is left alone. On failure every registered chunk
+    is unregistered in reverse and a RuntimeError names offset and size; a KeyboardInterrupt
+    is rolled back and re-raised. ValueError for a granularity <= 0 or above the chunk limit.
+    """
+    if getattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, None):
+        logger.debug("host buffer at 0x%x is already registered; not registering again", buffer.data_ptr())
+        return
+    limit = host_register_chunk_bytes()
+    granularity = registration_granularity_bytes
+    if granularity is not None:
+        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0:
+            raise PlanError(f"registration_granularity_bytes must be positive, got {granularity!r}")
+        if granularity > limit:
+            raise PlanError(
+                "host registration granularity exceeds the configured chunk limit: "
+                f"granularity={granularity}, chunk_limit={limit} ({CHUNK_ENV})"
+            )
+    base = buffer.data_ptr()
+    total = buffer.numel() * buffer.element_size()
+    plan = plan_registration(
+        total, granularity_bytes=granularity,
+        limits=Limits(chunk_limit_bytes=limit, base_alignment_bytes=_base_alignment(base)),
+    )
+    if not plan.ranges:
+        setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [])
+        return
+    runtime = TorchCudartRuntime(_cudart())
+    try:
+        registration = apply_plan(plan, base_ptr=base, runtime=runtime, name="host buffer")
+    except HostAlreadyRegisteredError as error:  # overlaps a registration this process holds
+        raise RuntimeError(f"cudaHostRegister refused: {error}") from error
+    except ApplyError as error:
+        leaked = list(getattr(error, "leaked", ()))
+        if leaked:  # what stays registered stays recorded, so teardown can retry it
+            setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, leaked)
+        if isinstance(error.__cause__, KeyboardInterrupt):
+            raise error.__cause__ from error
+        raise
+    setattr(buffer, _REGISTRATION_ATTR, registration)
+    setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [(r.ptr, r.size) for r in registration.ranges])
+
+
+def _cuda_host_unregister_ranges(cudart, ranges, *, operation: str) -> list[tuple[int, int]]:
+    """Unregister ``(ptr, size)`` ranges in reverse order; return those still registered.
+
+    Every range is attempted (a sticky error stops the rest, which are returned); failures are
+    logged with the CUDA error name - never via cudaGetErrorString(int).
+    """
+    remaining = unregister_ranges(TorchCudartRuntime(cudart), list(ranges))
+    if remaining:
+        logger.warning(
+            "%s left %d host range(s) registered: %s; their memory must not be freed",
+            operation, len(remaining), ", ".join(f"(0x{p:x}, {s})" for p, s in remaining),
+        )
+    return remaining
+
+
+def _cuda_host_unregister(buffer) -> None:
+    """Unregister every recorded chunk of ``buffer`` exactly once, in reverse order.
+
+    A second teardown does nothing. A buffer without a record is unregistered as one
+    ``(data_ptr, nbytes)`` range. Ranges that fail stay recorded.
+    """
+    registration = getattr(buffer, _REGISTRATION_ATTR, None)
+    if registration is not None:
+        try:
+            registration.release()
+            remaining = []
+        except Exception as error:  # ReleaseError: keep what leaked recorded
+            remaining = list(getattr(error, "leaked", ()))
+            logger.warning("teardown left %d host range(s) registered: %s", len(remaining), error)
+        delattr(buffer, _REGISTRATION_ATTR)
+        setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, remaining)
+        return
+    ranges = getattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, None)
+    if ranges is None:
+        ranges = [(buffer.data_ptr(), buffer.numel() * buffer.element_size())]
+    if not ranges:
+        return
+    remaining = _cuda_host_unregister_ranges(_cudart(), ranges, operation="teardown")
+    setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, remaining)
+
+
+def alloc_with_host_register(
+    dims, dtype, device, pin_memory, allocator, registration_granularity_bytes: int | None = None
+):
+    """Allocate with ``allocator`` and, when ``pin_memory``, register in copy-unit chunks."""
+    buffer = allocator.allocate(dims, dtype=dtype, device=device)
+    if pin_memory:
+        _cuda_host_register(buffer, registration_granularity_bytes)
+    return buffer
+
+
+def alloc_with_pin_memory(
+    dims, dtype, device, pin_memory, allocator, registration_granularity_bytes: int | None = None
+):
+    """Allocate pinned through the framework (NPU, MUSA): no cudaHostRegister involved."""
+    del registration_granularity_bytes  # the framework's pinned allocator is one block
+    return allocator.allocate(dims, dtype=dtype, device=device, pin_memory=pin_memory)
+
+
+#: Allocation function by device type: CUDA and unknown types register; npu/musa pin via torch.
+ALLOC_MEMORY_FUNCS = defaultdict(
+    lambda: alloc_with_host_register,
+    {"cuda": alloc_with_host_register, "npu": alloc_with_pin_memory, "musa": alloc_with_pin_memory},
+)

@@ -1,0 +1,201 @@
+"""hicache.compat.sglang: SGLang's helpers, SGLang's pinned behaviour, SGLang's defects fixed.
+
+Like SGLang's own tests, these substitute a fake for torch.cuda.cudart() that returns ints.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import hicache.compat.sglang as sg
+from hicache.errors import PlanError
+from hicache.testing import FakeCudart
+
+torch = pytest.importorskip("torch")
+
+MiB, GiB = 2**20, 2**30
+BASE = 1 << 44
+
+
+class FakeBuffer:
+    """A tensor stand-in with SGLang's used surface: data_ptr, numel, element_size."""
+
+    def __init__(self, nbytes: int, base: int = BASE) -> None:
+        self.nbytes, self.base = nbytes, base
+
+    def data_ptr(self) -> int:
+        return self.base
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setenv(sg.CHUNK_ENV, "1")
+    return fake
+
+
+def registrations(fake):
+    return [(ptr - BASE, size) for op, ptr, *rest in fake.log if op == "register" for size in rest[:1]]
+
+
+def test_2500_mib_at_300_mib_registers_900_900_700(cudart):
+    """SGLang's case: 2500 MiB at 300 MiB granularity under 1 GiB is 900/900/700 MiB at 0/900/1800."""
+    buffer = FakeBuffer(2500 * MiB)
+    sg._cuda_host_register(buffer, registration_granularity_bytes=300 * MiB)
+    assert registrations(cudart) == [(0, 900 * MiB), (900 * MiB, 900 * MiB), (1800 * MiB, 700 * MiB)]
+    assert getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR) == [
+        (BASE, 900 * MiB), (BASE + 900 * MiB, 900 * MiB), (BASE + 1800 * MiB, 700 * MiB)
+    ]
+    sg._cuda_host_unregister(buffer)
+    assert cudart.held() == set()
+
+
+def test_second_chunk_failure_rolls_back_and_names_the_offset(cudart):
+    """Chunk 2 fails: chunk 1 is unregistered and the RuntimeError names offset=1073741824."""
+    cudart.fail_register = {1: 2}
+    buffer = FakeBuffer(2 * GiB + 17)
+    with pytest.raises(RuntimeError, match="offset=1073741824"):
+        sg._cuda_host_register(buffer, registration_granularity_bytes=GiB)
+    assert cudart.held() == set()
+    assert [op for op, *_ in cudart.log] == ["register", "register", "unregister"]
+    cudart.check_valid()  # the failed call's pending error was drained
+
+
+def test_no_granularity_registers_in_one_call(cudart):
+    """Without a granularity a 2 GiB + 17 B buffer is one call, as in SGLang."""
+    buffer = FakeBuffer(2 * GiB + 17)
+    sg._cuda_host_register(buffer)
+    assert registrations(cudart) == [(0, 2 * GiB + 17)]
+    sg._cuda_host_unregister(buffer)
+
+
+@pytest.mark.parametrize("granularity", [0, -4096, 2 * GiB])
+def test_bad_granularity_is_a_value_error(cudart, granularity):
+    """granularity <= 0 or above the limit is a ValueError before any CUDA call."""
+    with pytest.raises(ValueError, match="granularity"):
+        sg._cuda_host_register(FakeBuffer(4 * GiB), registration_granularity_bytes=granularity)
+    assert cudart.log == []
+
+
+def test_int_error_codes_are_named_without_cuda_get_error_string(cudart):
+    """The fake's cudaGetErrorString(int) raises TypeError (as cuda-python's); we name the code."""
+    cudart.fail_register = {0: 2}
+    with pytest.raises(RuntimeError, match="cudaErrorMemoryAllocation") as info:
+        sg._cuda_host_register(FakeBuffer(GiB), registration_granularity_bytes=MiB)
+    assert not isinstance(info.value.__cause__, TypeError)
+
+
+def test_already_registered_buffer_is_a_no_op(cudart):
+    """Registering a buffer whose record holds ranges does nothing (no sticky 712)."""
+    buffer = FakeBuffer(GiB)
+    sg._cuda_host_register(buffer, registration_granularity_bytes=MiB)
+    calls = len(cudart.log)
+    sg._cuda_host_register(buffer, registration_granularity_bytes=MiB)
+    assert len(cudart.log) == calls
+    cudart.check_valid()
+    sg._cuda_host_unregister(buffer)
+
+
+def test_keyboard_interrupt_mid_registration_rolls_back(cudart):
+    """Ctrl-C after chunk 2 took effect: everything is unregistered, KeyboardInterrupt raised."""
+    cudart.interrupt_register = {1: "after"}
+    buffer = FakeBuffer(3 * GiB)
+    with pytest.raises(KeyboardInterrupt):
+        sg._cuda_host_register(buffer, registration_granularity_bytes=GiB)
+    assert cudart.held() == set()
+    assert not getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR, None)
+
+
+def test_unsplittable_buffer_at_the_driver_ceiling_fails_before_cuda(cudart):
+    """No granularity and >= 512 GiB: a clear error, and CUDA never sees the call."""
+    with pytest.raises(PlanError, match="granularity_bytes"):
+        sg._cuda_host_register(FakeBuffer(512 * GiB))
+    assert cudart.log == []
+
+
+def test_teardown_unregisters_each_chunk_once_in_reverse(cudart):
+    """Teardown unregisters every chunk once, last first; a second teardown does nothing."""
+    buffer = FakeBuffer(3 * GiB)
+    sg._cuda_host_register(buffer, registration_granularity_bytes=GiB)
+    sg._cuda_host_unregister(buffer)
+    sg._cuda_host_unregister(buffer)
+    unregistered = [ptr - BASE for op, ptr, *_ in cudart.log if op == "unregister"]
+    assert unregistered == [2 * GiB, GiB, 0]
+
+
+def test_teardown_without_a_record_uses_the_whole_buffer(cudart):
+    """A buffer registered elsewhere (no record) is unregistered as one (data_ptr, nbytes)."""
+    buffer = FakeBuffer(GiB)
+    cudart.registered[BASE] = GiB
+    sg._cuda_host_unregister(buffer)
+    assert cudart.held() == set()
+    assert [entry for entry in cudart.log] == [("unregister", BASE)]
+
+
+def test_unregister_ranges_returns_and_logs_what_failed(cudart, caplog):
+    """Failed unregisters are returned in order and logged with the CUDA error name."""
+    for i in range(3):
+        cudart.registered[BASE + i * GiB] = GiB
+    cudart.fail_unregister = {1: 1}
+    ranges = [(BASE + i * GiB, GiB) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="hicache.compat.sglang"):
+        remaining = sg._cuda_host_unregister_ranges(cudart, ranges, operation="teardown")
+    assert remaining == [(BASE + GiB, GiB)]
+    assert "teardown left 1 host range(s) registered" in caplog.text
+
+
+def test_failed_teardown_keeps_the_leak_recorded(cudart):
+    """A chunk whose unregister failed stays recorded, so a later teardown can retry it."""
+    buffer = FakeBuffer(2 * GiB)
+    sg._cuda_host_register(buffer, registration_granularity_bytes=GiB)
+    cudart.fail_unregister = {cudart.unregister_calls: 1}
+    sg._cuda_host_unregister(buffer)
+    assert getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR) == [(BASE + GiB, GiB)]
+
+
+@pytest.mark.parametrize("value, expected", [(None, 256 * GiB), ("1", GiB), ("0", GiB), ("-3", GiB), ("64", 64 * GiB)])
+def test_chunk_env_is_read_as_sglang_does(value, expected):
+    """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB: GiB, minimum 1, default 256."""
+    env = {} if value is None else {sg.CHUNK_ENV: value}
+    assert sg.host_register_chunk_bytes(env) == expected
+
+
+def test_chunk_env_that_is_not_a_number_is_named():
+    """A non-integer value is an error naming the variable, not a silent default."""
+    with pytest.raises(ValueError, match="SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB='lots'"):
+        sg.host_register_chunk_bytes({sg.CHUNK_ENV: "lots"})
+
+
+def test_alloc_functions_by_device(cudart):
+    """CUDA and unknown devices register; npu and musa pin through the framework."""
+    assert sg.ALLOC_MEMORY_FUNCS["cuda"] is sg.alloc_with_host_register
+    assert sg.ALLOC_MEMORY_FUNCS["xpu"] is sg.alloc_with_host_register
+    assert sg.ALLOC_MEMORY_FUNCS["npu"] is sg.alloc_with_pin_memory
+    assert sg.ALLOC_MEMORY_FUNCS["musa"] is sg.alloc_with_pin_memory
+    allocator = sg.get_allocator_from_storage("default")
+    tensor = sg.alloc_with_host_register((4, 1024), torch.bfloat16, "cpu", True, allocator,
+                                         registration_granularity_bytes=2048)
+    assert tensor.shape == (4, 1024) and tensor.data_ptr() % 4096 == 0
+    assert len(getattr(tensor, sg._CUDA_HOST_REGISTERED_RANGES_ATTR)) == 1
+    sg._cuda_host_unregister(tensor)
+    plain = sg.alloc_with_host_register((2, 2), torch.float32, "cpu", False, allocator)
+    assert not hasattr(plain, sg._CUDA_HOST_REGISTERED_RANGES_ATTR)
+    pinned = sg.alloc_with_pin_memory((2, 2), torch.float32, "cpu", False, sg.get_allocator_from_storage("torch"))
+    assert pinned.shape == (2, 2)
+    allocator.free_all()
+
+
+def test_unknown_allocator_type_lists_the_known_ones():
+    """An unknown allocator type is an error listing the known ones, unless a fallback is asked."""
+    with pytest.raises(PlanError, match="unknown allocator_type 'nvme'; known: default, torch"):
+        sg.get_allocator_from_storage("nvme")
+    assert isinstance(sg.get_allocator_from_storage("nvme", fallback="default"), sg.HostTensorAllocator)
