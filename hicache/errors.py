@@ -21,6 +21,7 @@ __all__ = [
     "ReleaseError",
     "RegistrationStateError",
     "HostOutOfMemoryError",
+    "TransferError",
 ]
 
 
@@ -123,3 +124,7 @@ class RegistrationStateError(HicacheError, RuntimeError):
 
 class HostOutOfMemoryError(HicacheError, MemoryError):
     """The host could not provide the memory (mmap or pre-fault returned ENOMEM)."""
+
+
+class TransferError(HicacheError, ValueError):
+    """A page transfer was asked with bad indices, layer ids or an unsupported backend/layout."""

@@ -5,13 +5,22 @@ unregister of a non-base pointer is 713, a failed call leaves an error pending u
 `cudaGetLastError`, a sticky code poisons every later call - and fails on a script (the k-th
 register, chosen unregisters, a sticky code, a KeyboardInterrupt before or after a call).
 `FakeRuntime` is the real torch-cudart adapter over it; `FakeCudaBinding` gives it
-cuda-python's tuple convention. Used by hicache's tests and by anyone testing code on top.
+cuda-python's tuple convention. CPU stand-ins for SGLang's device pools (`MHADevicePool`, ...)
+come from hicache._stand_ins. Used by hicache's tests and by anyone testing code on top.
 """
 
 from __future__ import annotations
 
 import enum
 
+from hicache._stand_ins import (
+    AsymmetricMHADevicePool,
+    DeepSeekV4DevicePool,
+    DSAIndexerDevicePool,
+    MambaDevicePool,
+    MHADevicePool,
+    MLADevicePool,
+)
 from hicache.effects._codes import (
     ALREADY_REGISTERED,
     NAMES,
@@ -23,6 +32,12 @@ from hicache.effects._runtime import CudaPythonRuntime, TorchCudartRuntime
 from hicache.errors import CudaCallError, HostAlreadyRegisteredError, HostNotRegisteredError
 
 __all__ = [
+    "AsymmetricMHADevicePool",
+    "DSAIndexerDevicePool",
+    "DeepSeekV4DevicePool",
+    "MLADevicePool",
+    "MHADevicePool",
+    "MambaDevicePool",
     "FakeCudart",
     "FakeCudaBinding",
     "FakeRuntime",

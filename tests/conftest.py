@@ -26,3 +26,20 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"needs CUDA: {facts.error}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_runtime_dir(tmp_path_factory):
+    """Budget-lock files of the tests live in a private temporary directory."""
+    directory = tmp_path_factory.mktemp("hicache-runtime")
+    directory.chmod(0o700)
+    previous = os.environ.get("HICACHE_RUNTIME_DIR")
+    os.environ["HICACHE_RUNTIME_DIR"] = str(directory)
+    yield
+    if previous is None:
+        os.environ.pop("HICACHE_RUNTIME_DIR", None)
+    else:
+        os.environ["HICACHE_RUNTIME_DIR"] = previous

@@ -13,12 +13,14 @@ from hicache.effects._executor import (
     unregister_ranges,
 )
 from hicache.effects._host_memory import (
+    QUARANTINE,
     HostBuffer,
     PrefaultReport,
     allocate_host,
     free_hugepages,
     os_page_bytes,
     prefault,
+    quarantine,
 )
 from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._lock import BudgetLock, budget_lock, runtime_dir
@@ -50,6 +52,7 @@ __all__ = [
     "HugepagePool",
     "MachineFacts",
     "PROCESS_LEDGER",
+    "QUARANTINE",
     "PrefaultReport",
     "ProgressEvent",
     "RegisteredRange",
@@ -66,6 +69,7 @@ __all__ = [
     "os_page_bytes",
     "prefault",
     "probe_cuda",
+    "quarantine",
     "probe_limits",
     "probe_machine",
     "ranks_per_host",

@@ -30,6 +30,18 @@ PREFAULT_PIECE_BYTES = 512 * 2**20  # TensorRT-LLM's piece size for parallel pre
 HUGEPAGE_MODES = ("off", "prefer", "required")
 
 
+#: Buffers whose memory CUDA may still have pinned (a release or rollback leaked): kept here
+#: for the life of the process so that garbage collection can never unmap them.
+QUARANTINE: list = []
+_QUARANTINE_LOCK = threading.Lock()
+
+
+def quarantine(*buffers) -> None:
+    """Keep ``buffers`` mapped until the process exits (their registration leaked)."""
+    with _QUARANTINE_LOCK:
+        QUARANTINE.extend(buffers)
+
+
 def os_page_bytes() -> int:
     """The base page size of this machine."""
     return os.sysconf("SC_PAGE_SIZE")

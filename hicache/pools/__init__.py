@@ -1,0 +1,44 @@
+"""hicache.pools: SGLang's host KV pool layer (`HostKVCache` and one pool per family), built on
+hicache's plan (sizing, copy units) and effects (allocation, one-transaction registration)."""
+
+from hicache.pools._allocator import (
+    HostTensorAllocator,
+    TorchHostTensorAllocator,
+    get_allocator_from_storage,
+    known_allocators,
+    register_allocator,
+)
+from hicache.pools._base import HostKVCache, Stream, synchronized
+from hicache.pools._families import (
+    AsymmetricMHATokenToKVPoolHost,
+    DeepSeekV4PagedHostPool,
+    DeepSeekV4StateHostPool,
+    DSAIndexerPoolHost,
+    MambaPoolHost,
+    MHATokenToKOnlyPoolHost,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPoolHost,
+)
+from hicache.pools._hisparse import HiSparseHostPoolMixin
+from hicache.pools._page_allocator import PageAllocator
+
+__all__ = [
+    "AsymmetricMHATokenToKVPoolHost",
+    "DSAIndexerPoolHost",
+    "DeepSeekV4PagedHostPool",
+    "DeepSeekV4StateHostPool",
+    "HiSparseHostPoolMixin",
+    "HostKVCache",
+    "HostTensorAllocator",
+    "MHATokenToKOnlyPoolHost",
+    "MHATokenToKVPoolHost",
+    "MLATokenToKVPoolHost",
+    "MambaPoolHost",
+    "PageAllocator",
+    "Stream",
+    "TorchHostTensorAllocator",
+    "get_allocator_from_storage",
+    "known_allocators",
+    "register_allocator",
+    "synchronized",
+]

@@ -1,0 +1,358 @@
+"""`HostKVCache`: the base of every host KV pool - sizing, allocation, registration, pages.
+
+Owns a pool's lifetime: size it (ceil pages, decimal GB per rank), check the budget under the
+host-wide lock together with the allocation, allocate every buffer, register them all as one
+transaction (or none, and the memory is freed), hand out pages, move pages to and from the
+device pool, and `destroy()` - release the registration, then free the memory. Subclasses
+say only what their buffers and device views look like.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from functools import wraps
+from typing import NamedTuple
+
+from hicache.effects import (
+    CudaPythonRuntime,
+    apply_pool_plan,
+    budget_lock,
+    probe_limits,
+    probe_machine,
+    quarantine,
+)
+from hicache.errors import (
+    CapacityError,
+    LayoutError,
+    RegistrationStateError,
+    ReleaseError,
+    RollbackError,
+    TransferError,
+)
+from hicache.plan import check_budget, format_gb, plan_pool, size_pool
+from hicache.pools._allocator import get_allocator_from_storage
+from hicache.pools._page_allocator import PageAllocator
+from hicache.pools._transfer import (
+    Descriptors,
+    aligned_pages,
+    check_backend,
+    check_indices,
+    copy_blocks,
+    copy_tokens,
+)
+from hicache.pools._views import layer_token_view, page_slice
+
+logger = logging.getLogger(__name__)
+
+_FRAMEWORK_PINNED = ("npu", "musa")  # devices whose framework pins host memory itself
+
+
+def synchronized(func):
+    """Run the method holding ``self.lock`` (an RLock), as SGLang's decorator does."""
+
+    @wraps(func)
+    def wrapper(self, *args, **kwargs):
+        with self.lock:
+            return func(self, *args, **kwargs)
+
+    return wrapper
+
+
+class Stream(NamedTuple):
+    """One host<->device copy stream: a host buffer (and K/V half) and its device tensor."""
+
+    buffer: int
+    kv: int | None
+    device: object  # callable(device_pool, layer) -> device tensor for that layer
+    rows: bool = False  # whole page rows (DSA, DeepSeek-V4) instead of token slots
+
+
+def _device_type(device_pool) -> str:
+    device = getattr(device_pool, "device", "cpu")
+    return str(device).split(":")[0]
+
+
+class HostKVCache(abc.ABC):
+    """Abstract host KV pool with SGLang's constructor and interface.
+
+    ``host_size`` is decimal GB per rank (SGLang's ``--hicache-size``; 0 to size by
+    ``host_to_device_ratio``). Keywords beyond SGLang's: ``runtime`` (a `HostRuntime`;
+    default cuda-python), ``limits`` (default `probe_limits()`), ``host_memory_bytes`` (the
+    budget's available memory; default psutil's), ``allocator_fallback``.
+    """
+
+    family = ""
+    has_allocator = True
+
+    def __init__(
+        self,
+        device_pool,
+        host_to_device_ratio: float,
+        host_size: float,
+        page_size: int,
+        layout: str,
+        pin_memory: bool,
+        device: str,
+        allocator_type: str = "default",
+        *,
+        runtime=None,
+        limits=None,
+        host_memory_bytes: int | None = None,
+        allocator_fallback: str | None = None,
+        page_num: int | None = None,
+        ledger=None,
+    ) -> None:
+        self.device_pool = device_pool
+        self.page_size = page_size
+        self.layout = layout
+        self.pin_memory = pin_memory
+        self.device = device
+        self.runtime = runtime
+        self.ledger = ledger  # None: the process ledger (what CUDA holds for this process)
+        self.allocator = get_allocator_from_storage(allocator_type, fallback=allocator_fallback)
+        self.dtype = device_pool.store_dtype
+        self.start_layer = getattr(device_pool, "start_layer", 0) or 0
+        self.layer_num = self._layer_count(device_pool)
+        self.end_layer = getattr(device_pool, "end_layer", None) or self.start_layer + self.layer_num
+        supported = self.descriptor_class().supported()
+        if layout not in supported:
+            raise LayoutError(f"{type(self).__name__}: layout {layout!r} is not supported; supported: {', '.join(supported)}")
+        self.size_per_token = self.get_size_per_token()
+        if page_num is None:
+            sized = size_pool(
+                size_per_token_bytes=self.size_per_token, page_size=page_size,
+                host_gb=host_size if host_size and host_size > 0 else None,
+                device_tokens=getattr(device_pool, "size", None) or None,
+                host_to_device_ratio=host_to_device_ratio,
+            )
+            for note in sized.notes:
+                logger.warning("%s: %s", type(self).__name__, note)
+            page_num = sized.page_num
+        self.page_num = page_num
+        self.size = page_num * page_size
+        self.descriptor = self.layout_descriptor(page_num)
+        self.pool_plan = plan_pool(self.descriptor, limits if limits is not None else probe_limits())
+        self.lock = threading.RLock()
+        self.registration = None
+        self.kv_buffer = None
+        self._destroyed = False
+        self._host_memory_bytes = host_memory_bytes
+        self._reserve()
+        self._pages = PageAllocator(page_num, page_size) if self.has_allocator else None
+
+    # -- what subclasses say ---------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def descriptor_class(cls):
+        """The hicache.plan layout descriptor class of this family."""
+
+    @abc.abstractmethod
+    def layout_descriptor(self, page_num: int):
+        """This pool's layout descriptor for ``page_num`` pages."""
+
+    @abc.abstractmethod
+    def streams(self) -> list[Stream]:
+        """The copy streams between host buffers and the device pool."""
+
+    def _layer_count(self, device_pool) -> int:
+        return device_pool.layer_num
+
+    def buffer_dtypes(self) -> list:
+        """The torch dtype of each buffer (default: the device pool's store dtype)."""
+        return [self.dtype] * len(self.descriptor.buffers())
+
+    def get_size_per_token(self) -> int:
+        """Bytes one token (or slot) takes across all layers and buffers."""
+        return self.layout_descriptor(1).size_per_token_bytes()
+
+    # -- bring-up ---------------------------------------------------------------------------
+    def _reserve(self) -> None:
+        """Check the budget and allocate under the host-wide lock (sglang #38156)."""
+        total = self.pool_plan.total_bytes
+        with budget_lock() as lock:
+            facts = probe_machine()
+            available = self._host_memory_bytes if self._host_memory_bytes is not None else facts.available_bytes
+            ranks = facts.ranks_per_host
+            check_budget(
+                total, available_bytes=available, ranks_per_host=ranks,
+                ranks_already_allocated=min(len(lock.peers()), ranks - 1),
+                cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0,
+            )
+            self.kv_buffer = self.init_kv_buffer()
+            lock.record(total)
+        self._budget_bytes = total
+
+    def init_kv_buffer(self):
+        """Allocate every buffer; when pinning, register them all as one transaction."""
+        import torch
+
+        specs = self.descriptor.buffers()
+        framework_pin = self.pin_memory and _device_type(self.device_pool) in _FRAMEWORK_PINNED
+        tensors = []
+        try:
+            for spec, dtype in zip(specs, self.buffer_dtypes()):
+                if framework_pin:
+                    tensors.append(torch.empty(spec.shape, dtype=dtype, pin_memory=True))
+                else:
+                    tensors.append(self.allocator.allocate(spec.shape, dtype=dtype, device=self.device))
+            if self.pin_memory and not framework_pin and specs:
+                runtime = self.runtime if self.runtime is not None else CudaPythonRuntime()
+                self.registration = apply_pool_plan(
+                    self.pool_plan, base_ptrs=[t.data_ptr() for t in tensors], runtime=runtime,
+                    ledger=self.ledger,
+                )
+        except RollbackError:
+            quarantine(*self.allocator.buffers)  # CUDA still pins some of it: never unmap
+            raise
+        except BaseException:
+            del tensors
+            self.allocator.free_all(ledger=self.ledger)  # the executor rolled everything back
+            raise
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    @property
+    def buffers(self) -> list:
+        """The host buffers as a list (one per BufferSpec)."""
+        if self.kv_buffer is None:
+            raise RegistrationStateError(f"{type(self).__name__} was destroyed")
+        return self.kv_buffer if isinstance(self.kv_buffer, list) else [self.kv_buffer]
+
+    # -- pages ------------------------------------------------------------------------------
+    def _allocator_or_raise(self) -> PageAllocator:
+        if self._pages is None:
+            raise RegistrationStateError(
+                f"{type(self).__name__} has no allocator of its own: it reuses the indices of "
+                "the pool it shadows (SGLang's SWA pool for DeepSeek-V4 state)"
+            )
+        return self._pages
+
+    @synchronized
+    def alloc(self, need_size: int):
+        """``need_size`` token slots (a multiple of page_size), or None when short."""
+        return self._allocator_or_raise().alloc(need_size)
+
+    @synchronized
+    def free(self, indices) -> int:
+        """Return slots; double frees and unaligned runs raise."""
+        return self._allocator_or_raise().free(indices)
+
+    @synchronized
+    def clear(self) -> None:
+        """Every page free again."""
+        self._allocator_or_raise().clear()
+
+    @synchronized
+    def available_size(self) -> int:
+        """Free token slots, exactly."""
+        return self._allocator_or_raise().available_size()
+
+    # -- storage pages ----------------------------------------------------------------------
+    def _page_parts(self, index: int):
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.size:
+            raise TransferError(f"page index {index!r} out of range [0, {self.size})")
+        page = index // self.page_size
+        family, layout = self.descriptor.family, self.layout
+        return [page_slice(t, family, layout, page, self.page_size) for t in self.buffers]
+
+    def get_data_page(self, index: int, flat: bool = True):
+        """The page holding token ``index`` (all layers, K and V); flat: one 1-D tensor."""
+        import torch
+
+        parts = self._page_parts(index)
+        if not flat:
+            return parts[0] if len(parts) == 1 else parts
+        if len({p.dtype for p in parts}) > 1:  # mixed dtypes (Mamba): raw bytes
+            return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+        return torch.cat([p.flatten() for p in parts])
+
+    def set_from_flat_data_page(self, index: int, data_page) -> None:
+        """Write a page produced by `get_data_page` back at token ``index``."""
+        import torch
+
+        parts = self._page_parts(index)
+        mixed = len({p.dtype for p in parts}) > 1
+        sizes = [p.numel() * (p.element_size() if mixed else 1) for p in parts]
+        if data_page.numel() != sum(sizes):
+            raise TransferError(f"data_page has {data_page.numel()} elements; a page has {sum(sizes)}")
+        offset = 0
+        for part, size in zip(parts, sizes):
+            chunk = data_page[offset : offset + size]
+            if mixed:
+                chunk = chunk.view(torch.uint8).view(part.dtype)
+            part.copy_(chunk.view(part.shape) if chunk.is_contiguous() else chunk.reshape(part.shape))
+            offset += size
+
+    # -- transfers --------------------------------------------------------------------------
+    def _host_view(self, stream: Stream, layer: int):
+        tensor = self.buffers[stream.buffer]
+        return layer_token_view(tensor, self.descriptor.family, self.layout, layer, stream.kv, self.page_size)
+
+    def _check_layer(self, layer_id: int) -> int:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not self.start_layer <= layer_id < self.end_layer:
+            raise TransferError(f"layer_id {layer_id!r} out of range [{self.start_layer}, {self.end_layer})")
+        return layer_id - self.start_layer
+
+    def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
+        check_backend(io_backend, self.layout, self.descriptor_class().supported())
+        streams = self.streams()
+        first = streams[0].device(device_pool, 0)
+        device_slots = first.shape[0] * (self.page_size if streams[0].rows else 1)
+        hidx, didx = check_indices(host_indices, device_indices, host_slots=self.size, device_slots=device_slots)
+        hpages, dpages = aligned_pages(hidx, self.page_size), aligned_pages(didx, self.page_size)
+        batch = Descriptors()  # every layer's page copies, issued together
+        for layer in layers:
+            for stream in streams:
+                hv, dv = self._host_view(stream, layer), stream.device(device_pool, layer)
+                if stream.rows or (hpages is not None and dpages is not None and dv.shape[0] % self.page_size == 0):
+                    if hpages is None or dpages is None:
+                        raise TransferError(f"{type(self).__name__} moves whole pages: indices must be page-aligned runs")
+                    dblocks = dv if stream.rows else dv.unflatten(0, (-1, self.page_size))
+                    if to_host:
+                        copy_blocks(hv, hpages, dblocks, dpages, batch)
+                    else:
+                        copy_blocks(dblocks, dpages, hv, hpages, batch)
+                else:
+                    copy_tokens(hv, hidx, dv, didx, self.page_size, to_host=to_host)
+        batch.run()
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
+        """Copy the given slots of one layer host -> device."""
+        layer = self._check_layer(layer_id)
+        self._transfer(device_pool, host_indices, device_indices, [layer], io_backend, to_host=False)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
+        """Copy the given slots of every layer device -> host."""
+        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), io_backend, to_host=True)
+
+    # -- teardown ---------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Release the registration, then free the memory; idempotent.
+
+        If a range cannot be unregistered, `ReleaseError` is raised and the memory is kept
+        (memory CUDA still has pinned is never freed).
+        """
+        with self.lock:
+            if self._destroyed:
+                return
+            if self.registration is not None:
+                try:
+                    self.registration.release()
+                except ReleaseError:
+                    quarantine(*self.allocator.buffers)  # CUDA still pins some of it
+                    raise
+            self.kv_buffer = None
+            self.allocator.free_all(ledger=self.ledger)
+            with budget_lock() as lock:
+                lock.forget(self._budget_bytes)
+            self._destroyed = True
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.layout} {self.page_num} pages x {self.page_size}, "
+            f"{format_gb(self.pool_plan.total_bytes)}>"
+        )
+
+
+__all__ = ["HostKVCache", "Stream", "synchronized", "CapacityError"]

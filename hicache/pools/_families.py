@@ -1,0 +1,223 @@
+"""The concrete host pools, one per SGLang family: their buffers and their device views.
+
+Each class says only how big a token is, which layout descriptor it has, and which device
+tensors its buffers pair with; sizing, allocation, registration and transfers are the base's.
+Device pools are duck-typed on SGLang's attribute names (``k_buffer``/``v_buffer`` per layer for
+MHA, ``kv_buffer`` for MLA, ``index_k_with_scale_buffer`` for the DSA indexer,
+``mamba_cache.temporal``/``.conv`` for Mamba).
+"""
+
+from __future__ import annotations
+
+from hicache.plan import (
+    AsymmetricMHALayout,
+    DeepSeekV4PagedLayout,
+    DeepSeekV4StateLayout,
+    DSAIndexerLayout,
+    MambaLayout,
+    MHAKOnlyLayout,
+    MHALayout,
+    MLALayout,
+)
+from hicache.pools._base import HostKVCache, Stream
+from hicache.pools._hisparse import HiSparseHostPoolMixin
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class MHATokenToKVPoolHost(HostKVCache):
+    """Multi-head attention: K and V in one buffer with a leading axis of 2."""
+
+    @classmethod
+    def descriptor_class(cls):
+        return MHALayout
+
+    def _dims(self, device_pool=None):
+        pool = device_pool or self.device_pool
+        return dict(layer_num=self.layer_num, head_num=pool.head_num, head_dim=pool.head_dim,
+                    page_size=self.page_size, itemsize=_itemsize(self.dtype))
+
+    def layout_descriptor(self, page_num: int):
+        return self.descriptor_class()(self.layout, page_num=page_num, **self._dims())
+
+    def streams(self):
+        return [
+            Stream(0, 0, lambda pool, layer: pool.k_buffer[layer]),
+            Stream(0, 1, lambda pool, layer: pool.v_buffer[layer]),
+        ]
+
+
+class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
+    """MHA keys only (the index-K of sparse-attention models); sized like its anchor pool."""
+
+    @classmethod
+    def descriptor_class(cls):
+        return MHAKOnlyLayout
+
+    def streams(self):
+        return [Stream(0, None, lambda pool, layer: pool.k_buffer[layer])]
+
+
+class AsymmetricMHATokenToKVPoolHost(HostKVCache):
+    """MHA with different K and V head dims: buffers ``k`` and ``v``."""
+
+    @classmethod
+    def descriptor_class(cls):
+        return AsymmetricMHALayout
+
+    def layout_descriptor(self, page_num: int):
+        pool = self.device_pool
+        return AsymmetricMHALayout(
+            self.layout, layer_num=self.layer_num, head_num=pool.head_num, k_head_dim=pool.k_head_dim,
+            v_head_dim=pool.v_head_dim, page_size=self.page_size, page_num=page_num,
+            itemsize=_itemsize(self.dtype),
+        )
+
+    def streams(self):
+        return [
+            Stream(0, None, lambda pool, layer: pool.k_buffer[layer]),
+            Stream(1, None, lambda pool, layer: pool.v_buffer[layer]),
+        ]
+
+
+class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
+    """Multi-head latent attention: one ``kv_lora_rank + qk_rope_head_dim`` vector per token."""
+
+    @classmethod
+    def descriptor_class(cls):
+        return MLALayout
+
+    def layout_descriptor(self, page_num: int):
+        pool = self.device_pool
+        return MLALayout(
+            self.layout, layer_num=self.layer_num, kv_cache_dim=pool.kv_lora_rank + pool.qk_rope_head_dim,
+            page_size=self.page_size, page_num=page_num, itemsize=_itemsize(self.dtype),
+        )
+
+    def streams(self):
+        return [Stream(0, None, lambda pool, layer: pool.kv_buffer[layer])]
+
+
+class DSAIndexerPoolHost(HostKVCache):
+    """DeepSeek sparse-attention index keys (FP8 + fp32 scales, uint8), in whole page rows.
+
+    Pass ``anchor_pool`` (the MLA host pool) to size it as SGLang does: ``(tokens + page_size
+    + 1) // page_size`` pages.
+    """
+
+    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                 allocator_type="default", *, anchor_pool=None, **kwargs):
+        if anchor_pool is not None:
+            kwargs.setdefault("page_num", (anchor_pool.size + page_size + 1) // page_size)
+        super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory,
+                         device, allocator_type, **kwargs)
+
+    @classmethod
+    def descriptor_class(cls):
+        return DSAIndexerLayout
+
+    def buffer_dtypes(self):
+        import torch
+
+        return [torch.uint8]
+
+    def layout_descriptor(self, page_num: int):
+        pool = self.device_pool
+        return DSAIndexerLayout(
+            self.layout, layer_num=self.layer_num, index_head_dim=pool.index_head_dim,
+            page_size=self.page_size, page_num=page_num,
+            quant_block_size=getattr(pool, "quant_block_size", 128),
+        )
+
+    def streams(self):
+        return [Stream(0, None, lambda pool, layer: pool.index_k_with_scale_buffer[layer], rows=True)]
+
+
+class MambaPoolHost(HostKVCache):
+    """Linear-attention state: one slot per request (page size 1), temporal + conv states."""
+
+    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                 allocator_type="default", **kwargs):
+        super().__init__(device_pool, host_to_device_ratio, host_size, 1, layout, pin_memory, device,
+                         allocator_type, **kwargs)
+
+    @classmethod
+    def descriptor_class(cls):
+        return MambaLayout
+
+    def _layer_count(self, device_pool) -> int:
+        return device_pool.mamba_cache.temporal.shape[0]
+
+    def _states(self):
+        cache = self.device_pool.mamba_cache
+        return [cache.temporal, *cache.conv]
+
+    def buffer_dtypes(self):
+        return [t.dtype for t in self._states() if t[0, 0].numel()]
+
+    def layout_descriptor(self, page_num: int):
+        cache = self.device_pool.mamba_cache
+        return MambaLayout(
+            self.layout, layer_num=self.layer_num, slots=page_num,
+            temporal_shape=tuple(cache.temporal.shape[2:]), temporal_itemsize=cache.temporal.element_size(),
+            conv_shapes=tuple(tuple(c.shape[2:]) for c in cache.conv),
+            conv_itemsize=cache.conv[0].element_size() if cache.conv else 1,
+        )
+
+    def streams(self):
+        states = [i for i, t in enumerate(self._states()) if t[0, 0].numel()]
+        return [
+            Stream(buffer, None, lambda pool, layer, i=i: ([pool.mamba_cache.temporal, *pool.mamba_cache.conv][i])[layer])
+            for buffer, i in enumerate(states)
+        ]
+
+
+class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
+    """DeepSeek-V4 paged pool: ``item_bytes`` per page row per layer (device ``kv_buffer``)."""
+
+    row_attribute = "item_bytes"
+    device_attribute = "kv_buffer"
+
+    @classmethod
+    def descriptor_class(cls):
+        return DeepSeekV4PagedLayout
+
+    def get_size_per_token(self) -> int:
+        return self.layer_num * getattr(self.device_pool, self.row_attribute) // self.page_size or 1
+
+    def buffer_dtypes(self):
+        import torch
+
+        return [torch.uint8] * len(self.descriptor.buffers())
+
+    def layout_descriptor(self, page_num: int):
+        return self.descriptor_class()(
+            self.layout, layer_num=self.layer_num, page_num=page_num,
+            **{self.row_attribute: getattr(self.device_pool, self.row_attribute)},
+        )
+
+    def _host_view(self, stream, layer):
+        if self.layout == "layer_first":  # one buffer per layer
+            return self.buffers[layer]
+        return super()._host_view(stream, layer)
+
+    def streams(self):
+        attribute = self.device_attribute
+        return [Stream(0, None, lambda pool, layer: getattr(pool, attribute)[layer], rows=True)]
+
+
+class DeepSeekV4StateHostPool(DeepSeekV4PagedHostPool):
+    """DeepSeek-V4 state pool (ring of slots per page); reuses the SWA pool's indices, so it
+    has no allocator of its own."""
+
+    row_attribute = "state_page_bytes"
+    device_attribute = "state_buffer"
+    has_allocator = False
+
+    @classmethod
+    def descriptor_class(cls):
+        return DeepSeekV4StateLayout

@@ -1,0 +1,281 @@
+"""Host KV pools: every family x layout moves pages both ways byte-exactly; lifetimes are safe."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.effects import HostLedger
+from hicache.errors import (
+    ApplyError,
+    CapacityError,
+    LayoutError,
+    PlanError,
+    RegistrationStateError,
+    TransferError,
+)
+from hicache.plan import Limits
+from hicache.pools import (
+    AsymmetricMHATokenToKVPoolHost,
+    DeepSeekV4PagedHostPool,
+    DeepSeekV4StateHostPool,
+    DSAIndexerPoolHost,
+    HostKVCache,
+    MambaPoolHost,
+    MHATokenToKOnlyPoolHost,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPoolHost,
+)
+from hicache.testing import (
+    AsymmetricMHADevicePool,
+    DeepSeekV4DevicePool,
+    DSAIndexerDevicePool,
+    FakeRuntime,
+    MambaDevicePool,
+    MHADevicePool,
+    MLADevicePool,
+)
+
+torch = pytest.importorskip("torch")
+P = 4
+LIMITS = Limits(chunk_limit_bytes=8192, os_page_bytes=64)
+
+
+def _mha(**kw):
+    return MHADevicePool(size=64, layer_num=3, head_num=2, head_dim=8, page_size=P, **kw)
+
+
+FAMILIES = {
+    "mha": (MHATokenToKVPoolHost, lambda: _mha()),
+    "mha_k_only": (MHATokenToKOnlyPoolHost, lambda: _mha(k_only=True)),
+    "asymmetric": (AsymmetricMHATokenToKVPoolHost,
+                   lambda: AsymmetricMHADevicePool(size=64, layer_num=3, head_num=2, k_head_dim=12, v_head_dim=4, page_size=P)),
+    "mla": (MLATokenToKVPoolHost, lambda: MLADevicePool(size=64, layer_num=3, kv_lora_rank=16, qk_rope_head_dim=4, page_size=P)),
+    "dsa": (DSAIndexerPoolHost, lambda: DSAIndexerDevicePool(size=64, layer_num=3, index_head_dim=16, quant_block_size=8, page_size=P)),
+    "mamba": (MambaPoolHost, lambda: MambaDevicePool(size=16, layer_num=3, temporal_shape=(2, 4), conv_shapes=((3, 2),), page_size=1)),
+    "v4_paged": (DeepSeekV4PagedHostPool, lambda: DeepSeekV4DevicePool(size=64, layer_num=3, item_bytes=24, page_size=P)),
+    "v4_state": (DeepSeekV4StateHostPool, lambda: DeepSeekV4DevicePool(size=64, layer_num=3, state_page_bytes=40, page_size=P)),
+}
+CASES = [(name, layout) for name, (cls, _) in FAMILIES.items() for layout in cls.descriptor_class().supported()]
+
+
+def make(name, layout, **kw):
+    cls, device = FAMILIES[name]
+    device_pool = device()
+    kw.setdefault("limits", LIMITS)
+    pool = cls(device_pool, 2.0, 0, device_pool.page_size, layout, kw.pop("pin_memory", False), "cpu", **kw)
+    return pool, device_pool
+
+
+def _slots(pool, pages):
+    """Host slots for ``pages`` pages (from the allocator when the pool has one)."""
+    if pool.has_allocator:
+        return pool.alloc(pages * pool.page_size)
+    return torch.arange(pages * pool.page_size)
+
+
+@pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-{l}" for n, l in CASES])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_backup_then_load_round_trips_random_pages(name, layout, seed):
+    """Back up random device pages, clear the device, load them back layer by layer: same bytes."""
+    pool, device = make(name, layout)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        device.randomize(seed)
+        page = pool.page_size
+        device_pages = torch.randperm(device.slots // page - 1, generator=generator)[:5] + 1
+        device_idx = (device_pages[:, None] * page + torch.arange(page)).reshape(-1)
+        host_idx = _slots(pool, 5)
+        original = [t.clone() for t in device.tensors()]
+        pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+        device.zero()
+        for layer in range(pool.start_layer, pool.end_layer):
+            pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+        rows = device_pages if any(s.rows for s in pool.streams()) else device_idx
+        for before, after in zip(original, device.tensors()):
+            axis = 1 if name == "mamba" else 0
+            assert torch.equal(before.index_select(axis, rows), after.index_select(axis, rows))
+        # flat data pages round-trip
+        first, second = int(host_idx[0]), int(host_idx[page])
+        data = pool.get_data_page(first)
+        assert data.dim() == 1
+        pool.set_from_flat_data_page(second, data)
+        assert torch.equal(pool.get_data_page(second), data)
+    finally:
+        pool.destroy()
+
+
+def test_unaligned_token_runs_use_the_token_path():
+    """MHA slots that are not whole pages still round-trip token by token."""
+    pool, device = make("mha", "page_head")
+    device.randomize(3)
+    host_idx = pool.alloc(2 * P)
+    device_idx = torch.tensor([5, 9, 2, 7, 33, 34, 35, 11])
+    original = [t[device_idx].clone() for t in device.tensors()]
+    pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+    device.zero()
+    for layer in range(3):
+        pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+    assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
+    pool.destroy()
+
+
+def test_sizing_uses_ceil_pages_and_decimal_gb():
+    """host_size is decimal GB; a page-aligned token count gets no extra page."""
+    pool, device = make("mha", "page_first")
+    assert pool.size == 2 * device.size and pool.page_num == 2 * device.size // P
+    pool.destroy()
+    sized, _ = make("mha", "page_first", page_num=None)
+    sized.destroy()
+    per_token = 2 * 3 * 2 * 8 * 2
+    gb_pool = MHATokenToKVPoolHost(_mha(), 0, 0.001, P, "page_first", False, "cpu", limits=LIMITS)
+    assert gb_pool.page_num == -(-(10**6 // per_token) // P)
+    gb_pool.destroy()
+
+
+def test_host_smaller_than_device_is_a_warning(caplog):
+    """A ratio below 1 logs a warning and builds the pool anyway."""
+    device = _mha()
+    pool = MHATokenToKVPoolHost(device, 0.5, 0, P, "page_first", False, "cpu", limits=LIMITS)
+    assert "smaller than the device pool" in caplog.text
+    pool.destroy()
+
+
+def test_refused_budget_is_a_capacity_error_before_allocating():
+    """A pool bigger than the host's memory fails with GB figures; nothing is mapped."""
+    with pytest.raises(CapacityError, match=r"GB"):
+        MHATokenToKVPoolHost(_mha(), 2.0, 0, P, "page_first", False, "cpu", limits=LIMITS, host_memory_bytes=10)
+
+
+def test_pinning_registers_every_buffer_as_one_transaction():
+    """pin_memory registers all buffers through the runtime; destroy unregisters and frees."""
+    runtime, ledger = FakeRuntime(), HostLedger()
+    pool, _ = make("asymmetric", "page_first_direct", pin_memory=True, runtime=runtime, ledger=ledger)
+    assert pool.registration.status().state == "active"
+    assert {b for b, _ in runtime.held()} >= {pool.buffers[0].data_ptr(), pool.buffers[1].data_ptr()}
+    pool.destroy()
+    assert runtime.held() == set() and ledger.held() == ()
+    pool.destroy()  # idempotent
+
+
+def test_a_failing_third_buffer_leaves_nothing_registered_or_mapped(monkeypatch):
+    """Mamba with three state buffers: the third fails, all roll back, all memory is unmapped."""
+    from hicache.pools import HostTensorAllocator
+
+    made = []
+    original = HostTensorAllocator.allocate
+
+    def tracking(self, dims, dtype, device="cpu", pin_memory=False):
+        made.append(self)
+        return original(self, dims, dtype, device, pin_memory)
+
+    monkeypatch.setattr(HostTensorAllocator, "allocate", tracking)
+    device = MambaDevicePool(size=16, layer_num=3, temporal_shape=(2, 4), conv_shapes=((3, 2), (5,)), page_size=1)
+    probe = MambaPoolHost(device, 2.0, 0, 1, "page_first", False, "cpu", limits=LIMITS)
+    counts = [b.plan.call_count for b in probe.pool_plan.buffers]
+    assert len(counts) == 3
+    probe.destroy()
+    made.clear()
+    runtime, ledger = FakeRuntime(fail_register={counts[0] + counts[1]: 2}), HostLedger()
+    with pytest.raises(ApplyError, match="conv1"):
+        MambaPoolHost(device, 2.0, 0, 1, "page_first", True, "cpu", limits=LIMITS, runtime=runtime, ledger=ledger)
+    assert runtime.held() == set() and ledger.held() == ()
+    assert made and all(allocator.buffers == [] for allocator in made)  # every buffer unmapped
+
+
+def test_destroy_keeps_memory_a_failed_release_left_registered():
+    """If an unregister fails, destroy raises and does not free the memory behind it."""
+    from hicache.effects import QUARANTINE
+    from hicache.errors import ReleaseError
+
+    runtime, ledger = FakeRuntime(fail_unregister={0: 1}), HostLedger()
+    pool, _ = make("mla", "page_first", pin_memory=True, runtime=runtime, ledger=ledger)
+    with pytest.raises(ReleaseError, match="must not be unmapped"):
+        pool.destroy()
+    buffer = pool.allocator.buffers[0]
+    assert not buffer.freed and buffer in QUARANTINE  # kept mapped even after the pool dies
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4.0), torch.arange(4), 0, "direct"), "1-D int64 or int32"),
+        (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(8), 0, "direct"), "has 4 entries but device_indices has 8"),
+        (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 7, "direct"), r"layer_id 7 out of range \[0, 3\)"),
+        (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 0, "kernel"), "supported: direct/layer_first"),
+        (lambda p, d: p.backup_from_device_all_layer(d, torch.tensor([10**6]), torch.tensor([1]), "direct"), "host_indices out of range"),
+        (lambda p, d: p.backup_from_device_all_layer(d, [0, 1], torch.tensor([1, 2]), "direct"), "must be a torch tensor"),
+        (lambda p, d: p.get_data_page(10**6), "page index"),
+        (lambda p, d: p.alloc(3), "not a multiple of the page size"),
+        (lambda p, d: p.free(torch.tensor([1, 2, 3, 4])), "page-aligned runs"),
+    ],
+)
+def test_bad_input_is_a_clear_error(call, pattern):
+    """Wrong dtypes, lengths, layers, backends, ranges and unaligned sizes are named."""
+    pool, device = make("mha", "layer_first")
+    with pytest.raises((TransferError, PlanError), match=pattern):
+        call(pool, device)
+    pool.destroy()
+
+
+def test_unsupported_layout_lists_the_supported_ones():
+    """A layout the family does not support is a LayoutError listing the others."""
+    with pytest.raises(LayoutError, match="supported: page_first, page_first_direct"):
+        make("asymmetric", "layer_first")
+
+
+def test_dsa_needs_whole_pages():
+    """The DSA indexer moves page rows: unaligned slots are refused, not half-copied."""
+    pool, device = make("dsa", "page_first")
+    with pytest.raises(TransferError, match="whole pages"):
+        pool.backup_from_device_all_layer(device, torch.arange(1, 5), torch.arange(4, 8), "direct")
+    pool.destroy()
+
+
+def test_deepseek_v4_state_pool_has_no_allocator():
+    """alloc/free on the V4 state pool raise a clear error: it reuses the SWA pool's indices."""
+    pool, _ = make("v4_state", "page_first")
+    with pytest.raises(RegistrationStateError, match="no allocator of its own"):
+        pool.alloc(P)
+    with pytest.raises(RegistrationStateError, match="no allocator of its own"):
+        pool.free(torch.arange(P))
+    pool.destroy()
+
+
+def test_unknown_allocator_type_is_an_error_unless_fallback():
+    """allocator_type must be known, or a fallback named."""
+    with pytest.raises(PlanError, match="unknown allocator_type 'hf3fs'"):
+        make("mha", "page_first", allocator_type="hf3fs")
+    pool, _ = make("mha", "page_first", allocator_type="hf3fs", allocator_fallback="torch")
+    pool.destroy()
+
+
+def test_dsa_indexer_follows_its_anchor():
+    """With an anchor pool the indexer has SGLang's (tokens + page + 1) // page pages."""
+    anchor, _ = make("mla", "page_first")
+    pool, _ = make("dsa", "page_first", anchor_pool=anchor)
+    assert pool.page_num == (anchor.size + P + 1) // P
+    pool.destroy()
+    anchor.destroy()
+
+
+def test_hisparse_rows_grow_by_whole_pages():
+    """alloc_paged_token_slots grows a request's row by pages and fails clearly when short."""
+    pool, _ = make("mla", "page_first")
+    table = torch.full((2, 64), -1, dtype=torch.int64)
+    held = torch.zeros(2, dtype=torch.int64)
+    slots = pool.alloc_paged_token_slots(table, held, 0, 0, 5)
+    assert slots.numel() == 5 and int(held[0]) == 2 * P
+    again = pool.alloc_paged_token_slots(table, held, 0, 2, 3)  # inside what it holds
+    assert int(held[0]) == 2 * P and torch.equal(again, table[0, 2:5])
+    assert pool.allocated_host_indices(table, held, 0).numel() == 2 * P
+    assert pool._round_up_to_page_size(5) == 8
+    pool.alloc(pool.available_size())
+    with pytest.raises(CapacityError, match="out of host pages"):
+        pool.alloc_page(1)
+    pool.destroy()
+
+
+def test_host_kv_cache_is_abstract():
+    """HostKVCache cannot be built without a family."""
+    with pytest.raises(TypeError):
+        HostKVCache(_mha(), 2.0, 0, P, "page_first", False, "cpu")
