@@ -54,7 +54,20 @@ class CliError(Exception):
         self.ref, self.hint, self.code = ref, hint, code
 
 
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    # An explicit width keeps argparse from importing shutil for the terminal size on every
+    # start (argparse builds a formatter per add_argument); `hicache plan` must start fast.
+    import os
+
+    columns = os.environ.get("COLUMNS", "")
+    return argparse.HelpFormatter(prog, width=int(columns) - 2 if columns.isdigit() else 98)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # argparse's own usage errors, in our format
         raise CliError("usage", message, f"run `{self.prog} --help`")
 

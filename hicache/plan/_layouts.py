@@ -12,7 +12,7 @@ import math
 import attrs
 
 from hicache.errors import LayoutError
-from hicache.plan._checks import MAX_BYTES, check_int, check_name
+from hicache.plan._checks import MAX_BYTES, as_tuple, check_int, check_name
 
 # The copy unit of a layout is the largest contiguous byte run one page copy touches; every such
 # run starts a whole number of units from the base. Tables: layout -> (shape, unit), both as
@@ -61,7 +61,7 @@ class BufferSpec:
 
     name: str
     layout: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=as_tuple)
     itemsize: int
     copy_unit_bytes: int
 

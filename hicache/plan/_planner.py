@@ -14,7 +14,7 @@ from itertools import accumulate, repeat
 import attrs
 
 from hicache.errors import PlanError
-from hicache.plan._checks import check_int
+from hicache.plan._checks import as_tuple, check_int
 from hicache.plan._limits import Limits
 from hicache.plan._range import Range, trusted_ranges
 from hicache.plan._units import format_bytes
@@ -77,8 +77,8 @@ class RegistrationPlan:
     granularity_bytes: int | None
     step_bytes: int
     limits: Limits
-    ranges: tuple[Range, ...] = attrs.field(converter=tuple)
-    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    ranges: tuple[Range, ...] = attrs.field(converter=as_tuple)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=as_tuple)
     alignment_bytes: int | None = None
 
     def __attrs_post_init__(self) -> None:

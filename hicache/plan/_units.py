@@ -7,7 +7,7 @@ message says which. Pure: standard library and hicache.errors only.
 from __future__ import annotations
 
 import re
-from fractions import Fraction
+from decimal import Decimal
 
 from hicache.errors import PlanError
 
@@ -43,8 +43,8 @@ def parse_size(text: str, *, what: str = "size", minimum: int = 1) -> int:
         raise PlanError(
             f"{what}: unknown unit {unit!r} in {text!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
         )
-    exact = Fraction(number) * _UNITS[unit.lower()]
-    if exact.denominator != 1:
+    exact = Decimal(number) * _UNITS[unit.lower()]
+    if exact != exact.to_integral_value():
         raise PlanError(f"{what}: {text!r} is not a whole number of bytes")
     value = int(exact)
     if value < minimum:
