@@ -227,3 +227,18 @@ def test_pool_buffers_overlapping_each_other_are_refused():
     with pytest.raises(HostAlreadyRegisteredError):
         apply_pool_plan(pool, base_ptrs=[BASE, BASE, BASE + 2**31], runtime=runtime, ledger=HostLedger())
     assert runtime.cudart.log == []
+
+
+def test_several_pools_are_one_transaction():
+    """apply_pool_plans: the second pool failing rolls the first back; names say which pool."""
+    from hicache.effects import apply_pool_plans
+
+    pool, bases = three_buffer_pool()
+    second = [b + 2**33 for b in bases]
+    calls = sum(b.plan.call_count for b in pool.buffers)
+    runtime = FakeRuntime(fail_register={calls + 1: 2})
+    with pytest.raises(ApplyError, match="buffer '1/temporal' chunk 2"):
+        apply_pool_plans([(pool, bases), (pool, second)], runtime=runtime, ledger=HostLedger())
+    assert runtime.held() == set()
+    with apply_pool_plans([(pool, bases), (pool, second)], runtime=FakeRuntime(), ledger=HostLedger()) as registration:
+        assert registration.status().call_count == 2 * calls

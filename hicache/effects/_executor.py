@@ -333,6 +333,16 @@ def apply_plan(
     )
 
 
+def _pool_items(pool_plan, base_ptrs, where: str, prefix: str = "") -> list:
+    """(name, base_ptr, plan) per buffer of ``pool_plan``, after checking the pointers fit."""
+    if not isinstance(pool_plan, PoolPlan):
+        raise PlanError(f"{where}: expected a PoolPlan, got {pool_plan!r}")
+    base_ptrs = tuple(base_ptrs)
+    if len(base_ptrs) != len(pool_plan.buffers):
+        raise PlanError(f"{where}: {len(base_ptrs)} base_ptrs for {len(pool_plan.buffers)} buffers")
+    return [(prefix + b.spec.name, ptr, b.plan) for b, ptr in zip(pool_plan.buffers, base_ptrs)]
+
+
 def apply_pool_plan(
     pool_plan: PoolPlan,
     *,
@@ -348,14 +358,7 @@ def apply_pool_plan(
     ``base_ptrs``: one base address per buffer, in the plan's order. If the third buffer fails,
     the first two are rolled back too (SGLang leaves them pinned).
     """
-    if not isinstance(pool_plan, PoolPlan):
-        raise PlanError(f"apply_pool_plan: expected a PoolPlan, got {pool_plan!r}")
-    base_ptrs = tuple(base_ptrs)
-    if len(base_ptrs) != len(pool_plan.buffers):
-        raise PlanError(
-            f"apply_pool_plan: {len(base_ptrs)} base_ptrs for {len(pool_plan.buffers)} buffers"
-        )
-    items = [(b.spec.name, ptr, b.plan) for b, ptr in zip(pool_plan.buffers, base_ptrs)]
+    items = _pool_items(pool_plan, base_ptrs, "apply_pool_plan")
     return _apply(
         items, runtime=runtime, flags=flags, progress=progress,
         retry_halvings=retry_halvings, ledger=ledger,
@@ -378,17 +381,7 @@ def apply_pool_plans(
     """
     items = []
     for index, (pool_plan, base_ptrs) in enumerate(pools):
-        if not isinstance(pool_plan, PoolPlan):
-            raise PlanError(f"apply_pool_plans: pools[{index}] is not a PoolPlan: {pool_plan!r}")
-        base_ptrs = tuple(base_ptrs)
-        if len(base_ptrs) != len(pool_plan.buffers):
-            raise PlanError(
-                f"apply_pool_plans: pools[{index}] has {len(pool_plan.buffers)} buffers but "
-                f"{len(base_ptrs)} base_ptrs"
-            )
-        items += [
-            (f"{index}/{b.spec.name}", ptr, b.plan) for b, ptr in zip(pool_plan.buffers, base_ptrs)
-        ]
+        items += _pool_items(pool_plan, base_ptrs, f"apply_pool_plans: pools[{index}]", f"{index}/")
     return _apply(
         items, runtime=runtime, flags=flags, progress=progress,
         retry_halvings=retry_halvings, ledger=ledger,
