@@ -193,7 +193,27 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def run_apply(args, build_plan) -> int:
+def _tear_down(registration, buffers, ledger) -> None:
+    """Release, then free every buffer nothing still pins; a buffer CUDA may still pin (a
+    failed release or rollback) is quarantined, never unmapped."""
+    from hicache.effects import quarantine
+    from hicache.errors import RegistrationStateError, ReleaseError
+
+    try:
+        if registration is not None:
+            registration.release()
+    except ReleaseError:
+        quarantine(*buffers)
+        raise
+    for buffer in buffers:
+        try:
+            buffer.free(ledger=ledger)
+        except RegistrationStateError:  # a rollback left part of it registered
+            quarantine(buffer)
+
+
+def run_apply(args, build_plan, *, runtime=None, cuda_binding=None, ledger=None) -> int:
+    """`hicache apply`. ``runtime``/``cuda_binding``/``ledger`` stand in for CUDA in tests."""
     from hicache.effects import (
         CudaPythonRuntime,
         allocate_host,
@@ -210,7 +230,7 @@ def run_apply(args, build_plan) -> int:
     except ValueError:
         raise CliError("bad-number", f"--hold must be seconds, got {args.hold!r}", "e.g. --hold 30", USAGE) from None
     threads = int(args.threads) if args.threads else None
-    cuda = probe_cuda()
+    cuda = probe_cuda(cuda_binding)
     if not cuda.available:  # before allocating anything
         raise CudaUnavailableError(f"CUDA unavailable: {cuda.error}", op="probe", code=35, name="cudaErrorInsufficientDriver")
     pools = _pool_plans(plan)
@@ -238,7 +258,10 @@ def run_apply(args, build_plan) -> int:
             pointers.append((pool, [next(cursor).ptr for _ in pool.buffers]))
         progress = _Progress(sum(p.call_count for _, p in pools))
         try:
-            registration = apply_pool_plans(pointers, runtime=CudaPythonRuntime(), progress=progress)
+            registration = apply_pool_plans(
+                pointers, runtime=runtime if runtime is not None else CudaPythonRuntime(),
+                progress=progress, ledger=ledger,
+            )
         finally:
             progress.close()
         status = registration.status()
@@ -248,10 +271,7 @@ def run_apply(args, build_plan) -> int:
             time.sleep(hold)
     finally:
         start = time.perf_counter()
-        if registration is not None:
-            registration.release()
-        for buffer in buffers:
-            buffer.free()
+        _tear_down(registration, buffers, ledger)
         if buffers:
             with budget_lock() as lock:
                 lock.forget(total)

@@ -177,6 +177,15 @@ class FakeCudaBinding:
     def cudaGetErrorString(self, status):
         return (self._status(0)[0], b"fake error description")
 
+    def cudaDriverGetVersion(self):
+        return (self._status(0)[0], 13000)
+
+    def cudaRuntimeGetVersion(self):
+        return (self._status(0)[0], 13050)
+
+    def cudaGetDeviceCount(self):
+        return (self._status(0)[0], 1)
+
 
 class FakeRuntime(TorchCudartRuntime):
     """The real int-code adapter over a `FakeCudart` (pass faults as keywords)."""

@@ -209,3 +209,42 @@ def test_python_dash_m_runs_the_cli():
     """`python -m hicache plan --list-models` works like the console script."""
     result = subprocess.run([sys.executable, "-m", "hicache", "plan", "--list-models"], capture_output=True, text=True)
     assert result.returncode == 0 and "deepseek-v3" in result.stdout
+
+
+def _apply_args(*extra):
+    from hicache.cli import make_parser
+
+    return make_parser().parse_args(["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.02",
+                                     "--chunk-limit", "4MiB", *extra])
+
+
+def test_apply_brings_a_plan_up_and_down(capsys):
+    """apply on a (fake) CUDA machine: allocate, pre-fault, register, release, print timings."""
+    from hicache import _cli_machine
+    from hicache.cli import build_plan
+    from hicache.effects import HostLedger
+    from hicache.testing import FakeCudaBinding, FakeRuntime
+
+    runtime, ledger = FakeRuntime(), HostLedger()
+    code = _cli_machine.run_apply(_apply_args("--format", "json"), build_plan, runtime=runtime,
+                                  cuda_binding=FakeCudaBinding(), ledger=ledger)
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["calls"] > 1 and out["bytes"] > 0
+    assert set(out) >= {"allocate_s", "prefault_s", "register_s", "release_s"}
+    assert runtime.held() == set() and ledger.held() == ()
+    assert runtime.cudart.register_calls == out["calls"]
+
+
+def test_apply_interrupted_leaves_nothing_registered(capsys):
+    """Ctrl-C in the middle of registering: everything rolled back, memory freed."""
+    from hicache import _cli_machine
+    from hicache.cli import build_plan
+    from hicache.effects import HostLedger
+    from hicache.errors import ApplyError
+    from hicache.testing import FakeCudaBinding, FakeRuntime
+
+    runtime, ledger = FakeRuntime(interrupt_register={2: "after"}), HostLedger()
+    with pytest.raises(ApplyError) as info:
+        _cli_machine.run_apply(_apply_args(), build_plan, runtime=runtime, cuda_binding=FakeCudaBinding(), ledger=ledger)
+    assert isinstance(info.value.__cause__, KeyboardInterrupt)
+    assert runtime.held() == set() and ledger.held() == ()
