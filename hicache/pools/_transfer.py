@@ -112,19 +112,32 @@ def _cpu_copy(dsts, srcs, sizes) -> None:
         future.result()
 
 
-def _cuda_copy(dsts, srcs, sizes) -> None:
-    from cuda.bindings import runtime
+def _cuda_copy(dsts, srcs, sizes, binding=None) -> str:
+    """Issue the copies with cudaMemcpyBatchAsync, per page on an old driver; wait for them.
+
+    Returns ``"batched"`` or ``"per-page"``.
+    """
+    if binding is None:
+        from cuda.bindings import runtime as binding
 
     from hicache.effects._copies import FALLBACK_CODES, memcpy, memcpy_batch
 
+    how = "batched"
     try:
-        memcpy_batch(dsts, srcs, sizes)
+        memcpy_batch(dsts, srcs, sizes, binding=binding)
     except CudaCallError as error:
         if error.code not in FALLBACK_CODES:
             raise
+        how = "per-page"
         for dst, src, size in zip(dsts, srcs, sizes):  # old driver: one copy per page
-            memcpy(dst, src, size)
-    runtime.cudaStreamSynchronize(0)
+            memcpy(dst, src, size, binding=binding)
+    status = binding.cudaStreamSynchronize(0)
+    code = int(status[0] if isinstance(status, tuple) else status)
+    if code:
+        from hicache.effects._codes import NAMES, cuda_error
+
+        raise cuda_error("cudaStreamSynchronize", code, NAMES.get(code, str(code)), "waiting for copies")
+    return how
 
 
 class Descriptors:
