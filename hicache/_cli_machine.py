@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from hicache.cli import CliError, USAGE
-from hicache.errors import CudaUnavailableError, HicacheError, PlanError
+from hicache.errors import CudaUnavailableError, PlanError
 from hicache.plan import (
     CapacityPlan,
     PoolPlan,

@@ -23,7 +23,6 @@ from hicache.errors import (
     PlanError,
 )
 from hicache.plan import (
-    DEFAULT_CHUNK_LIMIT_BYTES,
     DEFAULT_MODEL,
     DEFAULT_RESERVE_BYTES,
     KV_DTYPES,
@@ -31,7 +30,6 @@ from hicache.plan import (
     CapacityPlan,
     ConfigError,
     Limits,
-    format_bytes,
     kernel_pin_cap,
     model_from_hf_config,
     parse_size,

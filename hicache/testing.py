@@ -28,7 +28,7 @@ from hicache.effects._codes import (
     STICKY,
     SUCCESS,
 )
-from hicache.effects._runtime import CudaPythonRuntime, TorchCudartRuntime
+from hicache.effects._runtime import TorchCudartRuntime
 from hicache.errors import CudaCallError, HostAlreadyRegisteredError, HostNotRegisteredError
 
 __all__ = [

@@ -24,7 +24,6 @@ from hicache.effects import (
     quarantine,
 )
 from hicache.errors import (
-    CapacityError,
     LayoutError,
     RegistrationStateError,
     ReleaseError,
@@ -354,5 +353,3 @@ class HostKVCache(abc.ABC):
             f"{format_gb(self.pool_plan.total_bytes)}>"
         )
 
-
-__all__ = ["HostKVCache", "Stream", "synchronized", "CapacityError"]

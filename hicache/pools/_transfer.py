@@ -74,7 +74,9 @@ def aligned_pages(indices, page_size: int):
 
 def _unit_contiguous(blocks) -> bool:
     """True when each ``blocks[i]`` is one contiguous run of memory."""
-    return blocks.dim() < 2 or blocks[0].is_contiguous() if blocks.shape[0] else True
+    if blocks.shape[0] == 0 or blocks.dim() < 2:
+        return True
+    return blocks[0].is_contiguous()
 
 
 def _coalesce(dst_addrs, src_addrs, unit: int):
