@@ -90,18 +90,23 @@ def test_bad_arguments():
         allocate_host(4096, hugepages="yes")
 
 
+def _failing_madvise(code):
+    import ctypes
+
+    def madvise(addr, length, advice):
+        ctypes.set_errno(code)
+        return -1
+
+    return lambda: madvise
+
+
 def test_prefault_falls_back_to_touching_pages(monkeypatch):
     """On a kernel without MADV_POPULATE_WRITE (EINVAL) every page is touched, data kept."""
-    import ctypes
     import errno
 
     from hicache.effects import _host_memory
 
-    def no_populate(addr, length, advice):
-        ctypes.set_errno(errno.EINVAL)
-        return -1
-
-    monkeypatch.setattr(_host_memory, "_madvise", lambda: no_populate)
+    monkeypatch.setattr(_host_memory, "_madvise", _failing_madvise(errno.EINVAL))
     buffer = allocate_host(4 * 2**20)
     buffer.tensor[4096 * 3] = 9
     report = prefault(buffer, threads=2, piece_bytes=2**20)
@@ -111,16 +116,11 @@ def test_prefault_falls_back_to_touching_pages(monkeypatch):
 
 def test_prefault_enomem_is_host_out_of_memory(monkeypatch):
     """ENOMEM from MADV_POPULATE_WRITE becomes HostOutOfMemoryError, not the OOM killer."""
-    import ctypes
     import errno
 
     from hicache.effects import _host_memory
 
-    def no_memory(addr, length, advice):
-        ctypes.set_errno(errno.ENOMEM)
-        return -1
-
-    monkeypatch.setattr(_host_memory, "_madvise", lambda: no_memory)
+    monkeypatch.setattr(_host_memory, "_madvise", _failing_madvise(errno.ENOMEM))
     buffer = allocate_host(2 * 2**20)
     with pytest.raises(HostOutOfMemoryError, match="out of memory"):
         prefault(buffer, threads=1)
