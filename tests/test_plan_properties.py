@@ -137,3 +137,4 @@ def test_replan_keeps_the_done_part_and_stays_on_copy_units(inputs, data):
     assert retry.ranges[-1].end == total and retry.total_bytes == total
     assert all(item.size <= failed.size // 2 for item in retry.ranges[index:])
     assert all(r.end % unit == 0 for r in retry.ranges[:-1])
+    assert all(r.end % retry.alignment_bytes == 0 for r in retry.ranges[index:-1])

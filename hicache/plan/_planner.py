@@ -68,7 +68,8 @@ class RegistrationPlan:
     """How to register one buffer: ``ranges`` tile ``[0, total_bytes)`` in order.
 
     ``granularity_bytes`` is the page-copy unit every interior boundary is a multiple of (None:
-    the buffer cannot be split). ``step_bytes`` is the size of every range but the last;
+    the buffer cannot be split). ``step_bytes`` is the size of every range but the last (after
+    a `replan`: of every re-split range but the last);
     ``alignment_bytes`` the multiple boundaries were placed on (the unit, raised to the OS page
     or hugepage when that fits under the cap). ``notes`` say why anything was clamped or dropped.
     """
@@ -242,7 +243,9 @@ def replan(plan: RegistrationPlan, *, failed_index: int) -> RegistrationPlan:
         raise PlanError(f"replan: the buffer has no copy unit, so {failed} cannot be split")
     half = failed.size // 2
     alignment = plan.alignment_bytes or unit
-    step = half // alignment * alignment or half // unit * unit
+    if half < alignment:  # the page-aligned step no longer fits: keep copy-unit alignment
+        alignment = unit
+    step = half // alignment * alignment
     if step < unit:
         raise PlanError(
             f"replan: ranges[{index}] {failed} cannot shrink: half of it ({half} B) is below "
@@ -251,4 +254,8 @@ def replan(plan: RegistrationPlan, *, failed_index: int) -> RegistrationPlan:
     rest = _tile(plan.total_bytes - failed.offset, step)
     ranges = plan.ranges[:index] + tuple(Range(failed.offset + r.offset, r.size) for r in rest)
     note = f"retry: ranges[{index}] {failed} failed; the rest re-split into {format_bytes(step)} calls"
-    return attrs.evolve(plan, step_bytes=step, ranges=ranges, notes=plan.notes + (note,))
+    if alignment != (plan.alignment_bytes or unit):
+        note += f" aligned to the copy unit only ({unit} B)"
+    return attrs.evolve(
+        plan, step_bytes=step, ranges=ranges, notes=plan.notes + (note,), alignment_bytes=alignment
+    )
