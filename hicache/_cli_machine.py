@@ -228,7 +228,9 @@ def run_apply(args, build_plan, *, runtime=None, cuda_binding=None, ledger=None)
     try:
         hold = float(args.hold)
     except ValueError:
-        raise CliError("bad-number", f"--hold must be seconds, got {args.hold!r}", "e.g. --hold 30", USAGE) from None
+        hold = -1.0
+    if not hold >= 0:  # also refuses nan
+        raise CliError("bad-number", f"--hold must be seconds >= 0 or inf, got {args.hold!r}", "e.g. --hold 30", USAGE)
     threads = int(args.threads) if args.threads else None
     cuda = probe_cuda(cuda_binding)
     if not cuda.available:  # before allocating anything
@@ -268,7 +270,9 @@ def run_apply(args, build_plan, *, runtime=None, cuda_binding=None, ledger=None)
         timings["register_s"] = status.register_seconds
         if hold > 0:
             print(f"holding {format_bytes(total)} registered for {hold:g} s (Ctrl-C releases)", file=sys.stderr)
-            time.sleep(hold)
+            deadline = time.monotonic() + hold
+            while time.monotonic() < deadline:  # --hold inf: until interrupted
+                time.sleep(min(deadline - time.monotonic(), 3600))
     finally:
         start = time.perf_counter()
         _tear_down(registration, buffers, ledger)

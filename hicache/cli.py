@@ -215,7 +215,7 @@ def _apply_command(commands) -> None:
     apply = commands.add_parser("apply", help="allocate, pre-fault and register a plan for real")
     _add_plan_arguments(apply)
     apply.add_argument("--plan", dest="plan_file", help="a saved JSON plan (instead of plan arguments)")
-    apply.add_argument("--hold", default="0", help="seconds to hold the registration (default 0)")
+    apply.add_argument("--hold", default="0", help="seconds to hold the registration, or inf: until Ctrl-C (default 0)")
     apply.add_argument("--hugepages", choices=("off", "prefer", "required"), default="off")
     apply.add_argument("--threads", help="pre-fault threads (default: cores, at most 16)")
     apply.add_argument("--format", choices=("table", "json"), default="table")

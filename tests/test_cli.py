@@ -248,3 +248,10 @@ def test_apply_interrupted_leaves_nothing_registered(capsys):
         _cli_machine.run_apply(_apply_args(), build_plan, runtime=runtime, cuda_binding=FakeCudaBinding(), ledger=ledger)
     assert isinstance(info.value.__cause__, KeyboardInterrupt)
     assert runtime.held() == set() and ledger.held() == ()
+
+
+@pytest.mark.parametrize("hold", ["-1", "soon", "nan"])
+def test_apply_refuses_a_bad_hold(capsys, hold):
+    """--hold must be seconds >= 0 or inf: a usage error before anything is allocated."""
+    code, out, err = run(capsys, "apply", "--host-gb", "1", "--hold", hold)
+    assert code == 2 and "error[bad-number]: --hold" in err

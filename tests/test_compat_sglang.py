@@ -35,6 +35,17 @@ class FakeBuffer:
         return 1
 
 
+@pytest.fixture(autouse=True)
+def _fresh_process_ledger():
+    """Each test is its own process as far as held ranges go (fake pointers are reused)."""
+    from hicache.effects import PROCESS_LEDGER
+
+    before = set(PROCESS_LEDGER.held())
+    yield
+    added = [ptr for ptr, _ in PROCESS_LEDGER.held() if (ptr, _) not in before]
+    PROCESS_LEDGER.replace(added, [])
+
+
 @pytest.fixture
 def cudart(monkeypatch):
     fake = FakeCudart()
