@@ -58,13 +58,18 @@ class FakeCudart:
     Faults, by 0-based call index of that function: ``fail_register={k: code}``,
     ``fail_unregister={k: code}`` (a sticky code there poisons the context from then on),
     ``interrupt_register={k: "before" | "after"}`` raises KeyboardInterrupt before the call
-    takes effect or after it did. ``registered`` maps base pointer -> size.
+    takes effect or after it did; ``interrupt_unregister`` likewise for unregister calls.
+    ``registered`` maps base pointer -> size.
     """
 
-    def __init__(self, *, fail_register=None, fail_unregister=None, interrupt_register=None):
+    def __init__(
+        self, *, fail_register=None, fail_unregister=None, interrupt_register=None,
+        interrupt_unregister=None,
+    ):
         self.fail_register = dict(fail_register or {})
         self.fail_unregister = dict(fail_unregister or {})
         self.interrupt_register = dict(interrupt_register or {})
+        self.interrupt_unregister = dict(interrupt_unregister or {})
         self.registered: dict[int, int] = {}
         self.register_calls = 0
         self.unregister_calls = 0
@@ -104,11 +109,15 @@ class FakeCudart:
         self.log.append(("unregister", ptr))
         if self.sticky:
             return self.sticky
+        if self.interrupt_unregister.get(call) == "before":
+            raise KeyboardInterrupt(f"fake interrupt before unregister call {call}")
         if call in self.fail_unregister:
             return self._fail(self.fail_unregister[call])
         if ptr not in self.registered:
             return self._fail(NOT_REGISTERED)
         del self.registered[ptr]
+        if self.interrupt_unregister.get(call) == "after":
+            raise KeyboardInterrupt(f"fake interrupt after unregister call {call}")
         return SUCCESS
 
     def cudaGetLastError(self) -> int:

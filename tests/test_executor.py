@@ -242,3 +242,27 @@ def test_several_pools_are_one_transaction():
     assert runtime.held() == set()
     with apply_pool_plans([(pool, bases), (pool, second)], runtime=FakeRuntime(), ledger=HostLedger()) as registration:
         assert registration.status().call_count == 2 * calls
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_ctrl_c_during_release_finishes_the_undo_then_raises(when):
+    """An interrupt mid-release: every other range is still unregistered, then it propagates;
+    the interrupted range counts as leaked (its fate is unknown), so its memory is kept."""
+    runtime, ledger = FakeRuntime(interrupt_unregister={1: when}), HostLedger()
+    registration = apply(runtime=runtime, ledger=ledger)
+    with pytest.raises(KeyboardInterrupt):
+        registration.release()
+    assert runtime.cudart.unregister_calls == 3
+    status = registration.status()
+    assert status.state == "leaked" and status.leaked == ((BASE + 900 * MiB, 900 * MiB),)
+    assert set(ledger.held()) == set(status.leaked)
+    assert runtime.held() <= set(status.leaked)
+
+
+def test_ctrl_c_during_rollback_propagates_with_the_books_attached():
+    """A failure, then Ctrl-C while rolling back: KeyboardInterrupt, caused by the RollbackError."""
+    runtime = FakeRuntime(fail_register={2: 2}, interrupt_unregister={0: "before"})
+    with pytest.raises(KeyboardInterrupt) as info:
+        apply(runtime=runtime)
+    assert isinstance(info.value.__cause__, RollbackError)
+    assert runtime.cudart.unregister_calls == 2  # the other undo still ran

@@ -95,15 +95,17 @@ class _State:
 def _undo(runtime, entries, uncertain=None):
     """Unregister ``entries`` in reverse order, attempting every one.
 
-    Returns ``(leaked, unknown)``: ranges certainly still registered, and the interrupted
-    in-flight range (``uncertain``) when its fate cannot be known. A sticky error poisons the
-    context: nothing after it can succeed, so the rest is reported without further calls. A
-    non-sticky failure (or an interrupt during the undo) leaves that range registered and moves
-    on. ``uncertain`` - a register call an interrupt cut short, registered or not - is undone
-    first, and a 713 (not registered) counts as undone.
+    Returns ``(leaked, unknown, interrupt)``: ranges certainly still registered; the
+    interrupted in-flight range (``uncertain``) when its fate cannot be known; and a
+    KeyboardInterrupt/SystemExit that arrived meanwhile, for the caller to re-raise once the
+    books are straight. A sticky error poisons the context: nothing after it can succeed, so
+    the rest is reported without further calls. Any other failure leaves that range counted as
+    registered and moves on. A 713 (not registered) means the range is not pinned: undone.
+    ``uncertain`` - a register call an interrupt cut short - is undone first.
     """
     leaked: list[tuple[int, int]] = []
     unknown: list[tuple[int, int]] = []
+    interrupt = None
     pending = list(reversed(entries))
     if uncertain is not None:
         pending.insert(0, uncertain)
@@ -113,15 +115,17 @@ def _undo(runtime, entries, uncertain=None):
         try:
             runtime.unregister(entry.ptr)
         except HostNotRegisteredError:
-            if entry is not uncertain:
-                leaked.append((entry.ptr, entry.size))
+            pass  # CUDA holds no registration there: nothing is pinned
         except StickyCudaError:
             bucket.append((entry.ptr, entry.size))
             leaked.extend((e.ptr, e.size) for e in pending)
             break
-        except BaseException:  # noqa: BLE001 - every undo is attempted; the range stays held
+        except Exception:  # every undo is attempted; this range stays counted as held
             bucket.append((entry.ptr, entry.size))
-    return sorted(leaked), unknown
+        except BaseException as error:  # Ctrl-C mid-undo: finish the undo, then re-raise
+            bucket.append((entry.ptr, entry.size))  # its outcome is unknown: assume pinned
+            interrupt = interrupt or error
+    return sorted(leaked), unknown, interrupt
 
 
 def _release(state: _State) -> None:
@@ -131,11 +135,13 @@ def _release(state: _State) -> None:
         if state.state == "leaked":
             raise ReleaseError(_leak_message("release", state.leaked), leaked=state.leaked)
         start = time.perf_counter()
-        leaked, _ = _undo(state.runtime, state.entries)
+        leaked, _, interrupt = _undo(state.runtime, state.entries)
         state.release_seconds = time.perf_counter() - start
         state.ledger.replace([ptr for ptr, _ in state.spans], leaked)
         state.leaked = tuple(leaked)
         state.state = "leaked" if leaked else "released"
+        if interrupt is not None:
+            raise interrupt
         if leaked:
             raise ReleaseError(_leak_message("release", state.leaked), leaked=state.leaked)
 
@@ -286,7 +292,7 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger) -> Regist
                         time.perf_counter() - start,
                     ))
     except BaseException as failure:
-        leaked, unknown = _undo(runtime, journal, in_flight)
+        leaked, unknown, interrupt = _undo(runtime, journal, in_flight)
         ledger.replace([ptr for ptr, _ in spans], leaked + unknown)  # both stay off-limits
         head = f"registering {where} failed: {type(failure).__name__}: {failure}"
         if leaked or unknown:
@@ -296,12 +302,14 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger) -> Regist
                     f"; the interrupted call at 0x{unknown[0][0]:x} (+{unknown[0][1]}) may be "
                     "registered too (its undo failed)"
                 )
-            raise RollbackError(
-                f"{head}; {detail}", leaked=tuple(leaked), uncertain=tuple(unknown)
-            ) from failure
-        raise ApplyError(
-            f"{head}; rolled back {len(journal)} registration(s), nothing is left registered"
-        ) from failure
+            error = RollbackError(f"{head}; {detail}", leaked=tuple(leaked), uncertain=tuple(unknown))
+        else:
+            error = ApplyError(
+                f"{head}; rolled back {len(journal)} registration(s), nothing is left registered"
+            )
+        if interrupt is not None:  # Ctrl-C during the rollback itself: honour it, with the books
+            raise interrupt from error
+        raise error from failure
     return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))
 
 
@@ -395,6 +403,8 @@ def unregister_ranges(runtime: HostRuntime, ranges) -> list[tuple[int, int]]:
     tensor). Attempts every one, stops at a sticky error; returns those still registered.
     """
     entries = [RegisteredRange("range", i, int(ptr), int(size)) for i, (ptr, size) in enumerate(ranges)]
-    leaked, _ = _undo(runtime, entries)
+    leaked, _, interrupt = _undo(runtime, entries)
+    if interrupt is not None:
+        raise interrupt
     order = {(e.ptr, e.size): e.index for e in entries}
     return sorted(leaked, key=lambda pair: order[pair])
