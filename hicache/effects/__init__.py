@@ -4,12 +4,14 @@ are lazy: importing this package costs little."""
 
 from hicache.effects._executor import (
     ProgressEvent,
-    RegisteredRange,
-    Registration,
-    RegistrationStatus,
     apply_plan,
     apply_pool_plan,
     apply_pool_plans,
+)
+from hicache.effects._registration import (
+    RegisteredRange,
+    Registration,
+    RegistrationStatus,
     unregister_ranges,
 )
 from hicache.effects._host_memory import (

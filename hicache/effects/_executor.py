@@ -1,21 +1,25 @@
 """The executor: apply a plan (or a whole pool's) as one all-or-nothing transaction.
 
-Owns the journal (a range is journaled only after its register call succeeded), the reverse
-rollback that attempts every undo and stops only at a sticky error, the `Registration` handle
-with its idempotent release and finalizer, and progress reporting. It holds no policy: the
-retry shape comes from the pure `replan`. Never frees memory; see _host_memory for that.
+Owns the journal (a range is journaled only after its register call succeeded), the rollback
+on any failure (with _registration's undo rules), overlap refusal through the ledger, and
+progress reporting. It holds no policy: the retry shape comes from the pure `replan`. Never
+frees memory; see _host_memory for that.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import warnings
-import weakref
 
 import attrs
 
 from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
+from hicache.effects._registration import (
+    RegisteredRange,
+    Registration,
+    _leak_message,
+    _State,
+    _undo,
+)
 from hicache.effects._runtime import HostRuntime
 from hicache.errors import (
     ApplyError,
@@ -24,7 +28,6 @@ from hicache.errors import (
     HostAlreadyRegisteredError,
     HostNotRegisteredError,
     PlanError,
-    ReleaseError,
     RollbackError,
     StickyCudaError,
 )
@@ -44,178 +47,6 @@ class ProgressEvent:
     bytes_done: int
     bytes_total: int
     elapsed_s: float
-
-
-@attrs.frozen
-class RegisteredRange:
-    """One successful ``cudaHostRegister``: which buffer, which chunk, where."""
-
-    buffer: str
-    index: int
-    ptr: int
-    size: int
-
-
-@attrs.frozen
-class RegistrationStatus:
-    """A frozen snapshot of a `Registration`.
-
-    ``state`` is ``"active"``, ``"released"`` or ``"leaked"`` (a release left ranges
-    registered: ``leaked`` lists them as ``(ptr, size)``).
-    """
-
-    state: str
-    ranges: tuple[RegisteredRange, ...]
-    registered_bytes: int
-    call_count: int
-    retries: int
-    register_seconds: float
-    register_gbps: float
-    release_seconds: float | None
-    leaked: tuple[tuple[int, int], ...]
-
-
-class _State:
-    """Everything release needs, kept apart from `Registration` so its finalizer can run."""
-
-    def __init__(self, runtime, ledger, entries, spans, retries, seconds) -> None:
-        self.lock = threading.Lock()
-        self.runtime = runtime
-        self.ledger = ledger
-        self.entries: list[RegisteredRange] = entries
-        self.spans = spans  # ledger claims: (ptr, size) per buffer
-        self.retries = retries
-        self.register_seconds = seconds
-        self.registered_bytes = sum(e.size for e in entries)
-        self.state = "active"
-        self.leaked: tuple[tuple[int, int], ...] = ()
-        self.release_seconds: float | None = None
-
-
-def _undo(runtime, entries, uncertain=None):
-    """Unregister ``entries`` in reverse order, attempting every one.
-
-    Returns ``(leaked, unknown, interrupt)``: ranges certainly still registered; the
-    interrupted in-flight range (``uncertain``) when its fate cannot be known; and a
-    KeyboardInterrupt/SystemExit that arrived meanwhile, for the caller to re-raise once the
-    books are straight. A sticky error poisons the context: nothing after it can succeed, so
-    the rest is reported without further calls. Any other failure leaves that range counted as
-    registered and moves on. A 713 (not registered) means the range is not pinned: undone.
-    ``uncertain`` - a register call an interrupt cut short - is undone first.
-    """
-    leaked: list[tuple[int, int]] = []
-    unknown: list[tuple[int, int]] = []
-    interrupt = None
-    pending = list(reversed(entries))
-    if uncertain is not None:
-        pending.insert(0, uncertain)
-    while pending:
-        entry = pending.pop(0)
-        bucket = unknown if entry is uncertain else leaked
-        try:
-            runtime.unregister(entry.ptr)
-        except HostNotRegisteredError:
-            pass  # CUDA holds no registration there: nothing is pinned
-        except StickyCudaError:
-            bucket.append((entry.ptr, entry.size))
-            leaked.extend((e.ptr, e.size) for e in pending)
-            break
-        except Exception:  # every undo is attempted; this range stays counted as held
-            bucket.append((entry.ptr, entry.size))
-        except BaseException as error:  # Ctrl-C mid-undo: finish the undo, then re-raise
-            bucket.append((entry.ptr, entry.size))  # its outcome is unknown: assume pinned
-            interrupt = interrupt or error
-    return sorted(leaked), unknown, interrupt
-
-
-def _release(state: _State) -> None:
-    with state.lock:
-        if state.state == "released":
-            return
-        if state.state == "leaked":
-            raise ReleaseError(_leak_message("release", state.leaked), leaked=state.leaked)
-        start = time.perf_counter()
-        leaked, _, interrupt = _undo(state.runtime, state.entries)
-        state.release_seconds = time.perf_counter() - start
-        state.ledger.replace([ptr for ptr, _ in state.spans], leaked)
-        state.leaked = tuple(leaked)
-        state.state = "leaked" if leaked else "released"
-        if interrupt is not None:
-            raise interrupt
-        if leaked:
-            raise ReleaseError(_leak_message("release", state.leaked), leaked=state.leaked)
-
-
-def _leak_message(what: str, leaked) -> str:
-    shown = ", ".join(f"(0x{p:x}, {s})" for p, s in leaked[:8])
-    more = f" and {len(leaked) - 8} more" if len(leaked) > 8 else ""
-    return (
-        f"{what} left {len(leaked)} range(s) registered: {shown}{more}; the memory behind "
-        "them must not be unmapped or freed"
-    )
-
-
-def _finalize(state: _State) -> None:
-    if state.state != "active":
-        return
-    warnings.warn(
-        f"a Registration of {state.registered_bytes} bytes in {len(state.entries)} call(s) "
-        "was garbage-collected without release(); releasing it now",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    try:
-        _release(state)
-    except ReleaseError as error:
-        warnings.warn(str(error), ResourceWarning, stacklevel=2)
-
-
-class Registration:
-    """Host memory registered by `apply_plan` / `apply_pool_plan`; release it when done.
-
-    A context manager. `release()` attempts every unregister, is idempotent, and raises
-    `ReleaseError` (``.leaked``) when some range stays registered. A registration that is
-    garbage-collected unreleased is released by a finalizer, with a `ResourceWarning`.
-    """
-
-    def __init__(self, state: _State) -> None:
-        self._state = state
-        self._finalizer = weakref.finalize(self, _finalize, state)
-
-    def __enter__(self) -> "Registration":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """Unregister every range (in reverse); safe to call twice."""
-        _release(self._state)
-
-    @property
-    def ranges(self) -> tuple[RegisteredRange, ...]:
-        """The registered ranges, in the order they were registered."""
-        return tuple(self._state.entries)
-
-    def status(self) -> RegistrationStatus:
-        """A frozen snapshot: state, ranges, bytes, calls, timings, GB/s, leaks."""
-        state = self._state
-        seconds = state.register_seconds
-        return RegistrationStatus(
-            state=state.state,
-            ranges=tuple(state.entries),
-            registered_bytes=state.registered_bytes,
-            call_count=len(state.entries),
-            retries=state.retries,
-            register_seconds=seconds,
-            register_gbps=state.registered_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-            release_seconds=state.release_seconds,
-            leaked=state.leaked,
-        )
-
-    def __repr__(self) -> str:
-        s = self._state
-        return f"<Registration {s.state}: {s.registered_bytes} bytes in {len(s.entries)} call(s)>"
 
 
 _NOT_RETRYABLE = (
@@ -394,17 +225,3 @@ def apply_pool_plans(
         items, runtime=runtime, flags=flags, progress=progress,
         retry_halvings=retry_halvings, ledger=ledger,
     )
-
-
-def unregister_ranges(runtime: HostRuntime, ranges) -> list[tuple[int, int]]:
-    """Unregister ``(ptr, size)`` ranges in reverse order with the executor's undo rules.
-
-    For ranges registered outside a `Registration` (records kept elsewhere, e.g. on an SGLang
-    tensor). Attempts every one, stops at a sticky error; returns those still registered.
-    """
-    entries = [RegisteredRange("range", i, int(ptr), int(size)) for i, (ptr, size) in enumerate(ranges)]
-    leaked, _, interrupt = _undo(runtime, entries)
-    if interrupt is not None:
-        raise interrupt
-    order = {(e.ptr, e.size): e.index for e in entries}
-    return sorted(leaked, key=lambda pair: order[pair])
