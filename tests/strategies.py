@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hicache.plan import (
     LAYOUT_CLASSES,
     Limits,
+    plan_registration,
 )
 
 small = st.integers(min_value=1, max_value=4)
@@ -84,3 +85,27 @@ def buffer_inputs(draw):
             limits, kernel_cap_bytes=draw(st.integers(unit, 2 * limits.chunk_limit_bytes))
         )
     return total, unit, limits
+
+
+@st.composite
+def layout_and_limits(draw, family: str | None = None):
+    """A layout (of ``family``, or any) and limits that force several chunks on it."""
+    layout = draw(LAYOUT_STRATEGIES[family] if family else layouts)
+    units = [spec.copy_unit_bytes for spec in layout.buffers()] or [1]
+    return layout, draw(limits_for(max(units)))
+
+
+PAGE = 4096
+
+#: Small registration plans on 4 KiB pages, for the executor's state machine.
+registration_plans = st.builds(
+    lambda units, unit_pages, chunk_units: plan_registration(
+        units * unit_pages * PAGE,
+        granularity_bytes=unit_pages * PAGE,
+        limits=Limits(chunk_limit_bytes=chunk_units * unit_pages * PAGE),
+    ),
+    st.integers(1, 12), st.integers(1, 3), st.integers(1, 4),
+)
+
+#: CUDA error codes a fault script injects: non-sticky ones, and 700 (sticky).
+fault_codes = st.sampled_from([2, 1, 999, 700])

@@ -266,3 +266,14 @@ def test_ctrl_c_during_rollback_propagates_with_the_books_attached():
         apply(runtime=runtime)
     assert isinstance(info.value.__cause__, RollbackError)
     assert runtime.cudart.unregister_calls == 2  # the other undo still ran
+
+
+def test_interrupted_call_whose_undo_fails_is_reported_uncertain():
+    """Found by the state machine: Ctrl-C before call 1 took effect, and the undo of that
+    in-flight range fails too - it is reported as *uncertain*, not as leaked."""
+    runtime = FakeRuntime(interrupt_register={0: "before"}, fail_unregister={0: 2})
+    with pytest.raises(RollbackError) as info:
+        apply(runtime=runtime)
+    assert info.value.leaked == () and info.value.uncertain == ((BASE, 900 * MiB),)
+    assert runtime.held() == set()
+    assert isinstance(info.value.__cause__, KeyboardInterrupt)

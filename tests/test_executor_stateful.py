@@ -16,21 +16,11 @@ from hicache.errors import (
     ReleaseError,
     RollbackError,
 )
-from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeRuntime
+from tests.strategies import fault_codes, registration_plans
 
 BASE, SLOT = 1 << 40, 1 << 32
-PAGE = 4096
-
-plans = st.builds(
-    lambda units, unit_pages, chunk_units: plan_registration(
-        units * unit_pages * PAGE,
-        granularity_bytes=unit_pages * PAGE,
-        limits=Limits(chunk_limit_bytes=chunk_units * unit_pages * PAGE),
-    ),
-    st.integers(1, 12), st.integers(1, 3), st.integers(1, 4),
-)
-codes = st.sampled_from([2, 1, 999, 700])  # 700 is sticky
+plans, codes = registration_plans, fault_codes
 
 
 class ExecutorMachine(RuleBasedStateMachine):

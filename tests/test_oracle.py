@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.plan import plan_pool
-from tests.strategies import LAYOUT_STRATEGIES, limits_for
+from tests.strategies import LAYOUT_STRATEGIES, layout_and_limits
 
 torch = pytest.importorskip("torch")
 
@@ -86,18 +86,11 @@ def page_copies(layout, name: str, t):
                 yield from (t[p, l] for l in range(layout.layer_num))
 
 
-@st.composite
-def oracle_cases(draw, family):
-    layout = draw(LAYOUT_STRATEGIES[family])
-    units = [spec.copy_unit_bytes for spec in layout.buffers()] or [1]
-    return layout, draw(limits_for(max(units)))
-
-
 @pytest.mark.parametrize("family", sorted(LAYOUT_STRATEGIES))
 @given(data=st.data())
 def test_no_page_copy_straddles_two_registrations(family, data):
     """Every byte interval a page copy touches lies inside exactly one planned range."""
-    layout, limits = data.draw(oracle_cases(family))
+    layout, limits = data.draw(layout_and_limits(family))
     pool = plan_pool(layout, limits)
     for buffer in pool.buffers:
         spec = buffer.spec

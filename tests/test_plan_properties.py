@@ -19,7 +19,7 @@ from hicache.plan import (
     replan,
     to_jsonable,
 )
-from tests.strategies import buffer_inputs, layouts, limits_for
+from tests.strategies import buffer_inputs, layout_and_limits
 
 
 def _wanted_alignment(unit: int, limits: Limits) -> int:
@@ -72,13 +72,6 @@ def test_generic_plans_obey_the_laws(inputs):
     plan = plan_registration(total, granularity_bytes=unit, limits=limits)
     assert_plan_laws(plan, total, unit, limits)
     assert plan == plan_registration(total, granularity_bytes=unit, limits=limits)
-
-
-@st.composite
-def layout_and_limits(draw):
-    layout = draw(layouts)
-    units = [spec.copy_unit_bytes for spec in layout.buffers()] or [1]
-    return layout, draw(limits_for(max(units)))
 
 
 @given(layout_and_limits())
