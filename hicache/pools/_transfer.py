@@ -85,6 +85,8 @@ def _coalesce(dst_addrs, src_addrs, unit: int):
 
     if dst_addrs.numel() == 0:
         return [], [], []
+    order = torch.argsort(dst_addrs)  # walk the destination in address order: runs coalesce,
+    dst_addrs, src_addrs = dst_addrs[order], src_addrs[order]  # and writes stream forward
     step_d = dst_addrs[1:] - dst_addrs[:-1]
     step_s = src_addrs[1:] - src_addrs[:-1]
     breaks = torch.nonzero((step_d != unit) | (step_s != unit)).flatten() + 1
