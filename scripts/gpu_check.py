@@ -85,6 +85,7 @@ def main() -> int:
         count = len(descriptors) * layout.layer_num
         device = check(rt.cudaMalloc(count * layer_bytes), "cudaMalloc")
         back = allocate_host(count * layer_bytes)
+        runtime.register(back.ptr, back.nbytes, 0)  # pinned destination for the D2H batch
         srcs = [host.ptr + p * page_bytes + l * layer_bytes for p in descriptors for l in range(layout.layer_num)]
         dsts = [int(device) + i * layer_bytes for i in range(count)]
         stream = check(rt.cudaStreamCreate(), "cudaStreamCreate")
@@ -94,6 +95,8 @@ def main() -> int:
         expected = torch.cat([host.tensor[s - host.ptr: s - host.ptr + layer_bytes] for s in srcs])
         matched = bool(torch.equal(expected, back.tensor))
         out.update(boundary_pages=len(descriptors), copies_checked=count, bytes_match=matched)
+        runtime.unregister(back.ptr)
+        back.free()
 
         # Copy bandwidth: every page of every layer host -> device in one batch.
         big = check(rt.cudaMalloc(nbytes), "cudaMalloc")
