@@ -279,3 +279,17 @@ def test_host_kv_cache_is_abstract():
     """HostKVCache cannot be built without a family."""
     with pytest.raises(TypeError):
         HostKVCache(_mha(), 2.0, 0, P, "page_first", False, "cpu")
+
+
+def test_a_failure_after_registration_releases_and_frees(monkeypatch):
+    """If the pool cannot finish (the budget record fails), nothing stays pinned or mapped."""
+    from hicache.effects import _lock
+
+    def broken(self, nbytes):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_lock.BudgetLock, "record", broken)
+    runtime, ledger = FakeRuntime(), HostLedger()
+    with pytest.raises(OSError, match="disk full"):
+        make("mha", "page_first_direct", pin_memory=True, runtime=runtime, ledger=ledger)
+    assert runtime.cudart.register_calls > 0 and runtime.held() == set() and ledger.held() == ()

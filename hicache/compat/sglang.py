@@ -18,9 +18,10 @@ from collections import defaultdict
 from hicache.effects import (
     TorchCudartRuntime,
     apply_plan,
+    quarantine,
     unregister_ranges,
 )
-from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError
+from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, ReleaseError
 from hicache.plan import Limits, plan_registration
 from hicache.pools._allocator import HostTensorAllocator, get_allocator_from_storage
 
@@ -113,9 +114,10 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
     except HostAlreadyRegisteredError as error:  # overlaps a registration this process holds
         raise RuntimeError(f"cudaHostRegister refused: {error}") from error
     except ApplyError as error:
-        leaked = list(getattr(error, "leaked", ()))
-        if leaked:  # what stays registered stays recorded, so teardown can retry it
+        leaked = list(getattr(error, "leaked", ())) + list(getattr(error, "uncertain", ()))
+        if leaked:  # what stays registered stays recorded, so teardown can retry it, and the
             setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, leaked)
+            quarantine(buffer)  # tensor is kept alive: its memory must never be freed
         if isinstance(error.__cause__, KeyboardInterrupt):
             raise error.__cause__ from error
         raise
@@ -149,8 +151,9 @@ def _cuda_host_unregister(buffer) -> None:
         try:
             registration.release()
             remaining = []
-        except Exception as error:  # ReleaseError: keep what leaked recorded
-            remaining = list(getattr(error, "leaked", ()))
+        except ReleaseError as error:  # keep what leaked recorded, and its memory alive
+            remaining = list(error.leaked)
+            quarantine(buffer)
             logger.warning("teardown left %d host range(s) registered: %s", len(remaining), error)
         delattr(buffer, _REGISTRATION_ATTR)
         setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, remaining)
@@ -162,6 +165,8 @@ def _cuda_host_unregister(buffer) -> None:
         return
     remaining = _cuda_host_unregister_ranges(_cudart(), ranges, operation="teardown")
     setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, remaining)
+    if remaining:
+        quarantine(buffer)
 
 
 def alloc_with_host_register(

@@ -138,8 +138,13 @@ class HostKVCache(abc.ABC):
         self.kv_buffer = None
         self._destroyed = False
         self._host_memory_bytes = host_memory_bytes
+        self._budget_bytes = 0
         self._reserve()
-        self._pages = PageAllocator(page_num, page_size) if self.has_allocator else None
+        try:
+            self._pages = PageAllocator(page_num, page_size) if self.has_allocator else None
+        except BaseException:  # never leave a half-built pool holding pinned memory
+            self.destroy()
+            raise
 
     # -- what subclasses say ---------------------------------------------------------------
     @classmethod
@@ -180,8 +185,12 @@ class HostKVCache(abc.ABC):
                 cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0,
             )
             self.kv_buffer = self.init_kv_buffer()
-            lock.record(total)
-        self._budget_bytes = total
+            try:
+                lock.record(total)
+            except BaseException:
+                self.destroy()  # release and free what init_kv_buffer brought up
+                raise
+            self._budget_bytes = total
 
     def init_kv_buffer(self):
         """Allocate every buffer; when pinning, register them all as one transaction."""
@@ -343,9 +352,10 @@ class HostKVCache(abc.ABC):
                     raise
             self.kv_buffer = None
             self.allocator.free_all(ledger=self.ledger)
-            with budget_lock() as lock:
-                lock.forget(self._budget_bytes)
             self._destroyed = True
+            if self._budget_bytes:
+                with budget_lock() as lock:
+                    lock.forget(self._budget_bytes)
 
     def __repr__(self) -> str:
         return (
