@@ -79,10 +79,11 @@ class HostKVCache(abc.ABC):
     ``host_size`` is decimal GB per rank (SGLang's ``--hicache-size``; 0 to size by
     ``host_to_device_ratio``). Keywords beyond SGLang's: ``runtime`` (a `HostRuntime`;
     default cuda-python), ``limits`` (default `probe_limits()`), ``host_memory_bytes`` (the
-    budget's available memory; default psutil's), ``allocator_fallback``.
+    budget's available memory; default psutil's), ``allocator_fallback`` (an allocator type
+    for unknown ones), ``page_num`` (size like an anchor pool instead), ``ledger`` (default:
+    the process's).
     """
 
-    family = ""
     has_allocator = True
 
     def __init__(
