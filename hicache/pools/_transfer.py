@@ -107,10 +107,10 @@ def _cpu_copy(dsts, srcs, sizes) -> None:
     if total < _PARALLEL_BYTES or workers == 1 or len(sizes) < 2:
         _memmove_all(dsts, srcs, sizes)
         return
-    share = -(-len(sizes) // workers)
-    futures = [
-        _threads().submit(_memmove_all, dsts[i : i + share], srcs[i : i + share], sizes[i : i + share])
-        for i in range(0, len(sizes), share)
+    workers = min(workers, len(sizes))
+    futures = [  # interleaved shares: every thread walks the whole range, in step with the rest
+        _threads().submit(_memmove_all, dsts[i::workers], srcs[i::workers], sizes[i::workers])
+        for i in range(workers)
     ]
     for future in futures:
         future.result()
