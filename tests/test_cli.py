@@ -175,10 +175,11 @@ def test_apply_without_cuda_stops_before_allocating(capsys):
 
     if probe_cuda().available:
         pytest.skip("CUDA is available here")
+    before = PROCESS_LEDGER.held()
     code, out, err = run(capsys, "apply", "--host-gb", "1")
     assert code == 3 and out == ""
     assert err.startswith("error[cuda-unavailable]: CUDA unavailable")
-    assert PROCESS_LEDGER.held() == ()
+    assert PROCESS_LEDGER.held() == before
 
 
 def test_doctor_json(capsys, tmp_path):
