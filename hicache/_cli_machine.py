@@ -142,12 +142,31 @@ def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None) ->
     checks.append(Check("numa", "pass" if numa == 1 else "warn", f"{numa} NUMA node(s)",
                         "" if numa == 1 else "bind each rank's pool to its GPU's node (numactl --membind / --cpunodebind)"))
 
+    checks.append(_host_copy_check(env))
     cuda = probe_cuda(cuda_binding)
     if cuda.available:
         checks.append(Check("cuda", "pass", f"driver {cuda.driver_version}, runtime {cuda.runtime_version}, {cuda.device_count} device(s)"))
     else:
         checks.append(Check("cuda", "fail", f"CUDA unavailable: {cuda.error}", "install the NVIDIA driver or run on a GPU node"))
     return checks
+
+
+def _host_copy_check(env) -> Check:
+    """Whether host<->host page copies run through the native helper (see effects/_host_copy)."""
+    from hicache.effects import _host_copy
+    from hicache.effects._probes import EnvError
+
+    try:
+        mode = _host_copy.host_copy_mode(env)
+    except EnvError as error:
+        return Check("host_copy", "fail", str(error), f"unset {_host_copy.ENV_VAR} or set it to auto")
+    threads = _host_copy.copy_threads()
+    if mode == "native":
+        return Check("host_copy", "pass", f"native batched host copies, up to {threads} thread(s)")
+    if _host_copy._native is None:
+        return Check("host_copy", "warn", "native copy helper not built: CPU page copies use ctypes memmove (slower)",
+                     "reinstall hicache where a C compiler (gcc/cc) is available")
+    return Check("host_copy", "pass", f"ctypes memmove copies, as {_host_copy.ENV_VAR} asks")
 
 
 def render_checks(checks: list[Check], fmt: str) -> str:

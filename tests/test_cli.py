@@ -188,8 +188,20 @@ def test_doctor_json(capsys, tmp_path):
     run(capsys, "plan", "--host-gb", "1", "--format", "json", "--out", str(plan))
     code, out, _ = run(capsys, "doctor", "--plan", str(plan), "--format", "json")
     checks = {c["name"]: c["status"] for c in json.loads(out)["checks"]}
-    assert set(checks) == {"kernel", "thp", "hugepages", "memlock", "max_map_count", "memory", "numa", "cuda"}
+    assert set(checks) == {"kernel", "thp", "hugepages", "memlock", "max_map_count", "memory", "numa", "host_copy", "cuda"}
     assert code == (1 if "fail" in checks.values() else 0)
+
+
+def test_doctor_reports_how_host_pages_are_copied(monkeypatch):
+    from hicache._cli_machine import _host_copy_check
+    from hicache.effects import _host_copy
+
+    bad = _host_copy_check({"HICACHE_HOST_COPY": "turbo"})
+    assert (bad.status, bad.name) == ("fail", "host_copy") and "'turbo' is not one of" in bad.finding
+    assert "as HICACHE_HOST_COPY asks" in _host_copy_check({"HICACHE_HOST_COPY": "python"}).finding
+    monkeypatch.setattr(_host_copy, "_native", None)
+    missing = _host_copy_check({})
+    assert missing.status == "warn" and "C compiler" in missing.hint
 
 
 def test_plan_path_imports_no_torch_cuda_or_psutil():

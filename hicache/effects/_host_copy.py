@@ -1,0 +1,121 @@
+"""Batched host-memory block copies: many (dst, src, bytes) blocks in one call.
+
+The CPU side of a page transfer (host pool <-> a CPU device pool) is hundreds of blocks of
+32-256 KiB. The native helper `_hostcopy` (C, optional at build time) copies them all in one
+call without the GIL, splitting the bytes evenly over threads, with non-temporal stores for
+large batches. Where it was not built, or ``HICACHE_HOST_COPY=python``, the same copies go
+through ctypes memmove from a few threads (ctypes releases the GIL during each call): correct,
+about a fifth slower on 64-token pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor, wait
+
+try:
+    from hicache.effects import _hostcopy as _native
+except ImportError:  # built without a C compiler: the memmove path below
+    _native = None
+
+ENV_VAR = "HICACHE_HOST_COPY"
+MODES = ("auto", "native", "python")
+PARALLEL_BYTES = 4 * 2**20  # below this one thread is faster than handing work out
+STREAM_BYTES = 8 * 2**20  # above this the batch outgrows the caches: stream past them
+MAX_THREADS = 8  # a socket's memory bandwidth is saturated well before this
+_pool: ThreadPoolExecutor | None = None
+
+
+def copy_threads() -> int:
+    """Threads a large copy uses: the CPUs this process may run on, at most `MAX_THREADS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_THREADS))
+
+
+def host_copy_mode(env=None) -> str:
+    """``"native"`` or ``"python"``: what `copy_host_blocks` will use, after ``HICACHE_HOST_COPY``."""
+    from hicache.effects._probes import EnvError
+
+    env = os.environ if env is None else env
+    wanted = env.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if wanted not in MODES:
+        raise EnvError(f"{ENV_VAR}={env[ENV_VAR]!r} is not one of {', '.join(MODES)}")
+    if wanted == "native" and _native is None:
+        raise EnvError(f"{ENV_VAR}=native but hicache.effects._hostcopy was not built (no C compiler at install?)")
+    if wanted == "python" or _native is None:
+        return "python"
+    return "native"
+
+
+def _check(name: str, tensor, count: int | None):
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int64 or tensor.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D int64 tensor, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
+    if tensor.device.type != "cpu":
+        raise TypeError(f"{name} must be on the CPU, got {tensor.device}")
+    if count is not None and tensor.numel() != count:
+        raise ValueError(f"{name} has {tensor.numel()} entries, expected {count}")
+    return tensor.contiguous()
+
+
+def copy_host_blocks(dst_addrs, src_addrs, sizes, *, threads: int | None = None) -> str:
+    """Copy ``sizes[i]`` bytes from address ``src_addrs[i]`` to ``dst_addrs[i]``, for every i.
+
+    All three are 1-D int64 CPU tensors. The addresses must stay valid for the call (the
+    caller keeps the tensors they point into alive). Blocks must not overlap each other's
+    destinations. Returns the path taken: ``"native"`` or ``"python"``.
+    """
+    sizes = _check("sizes", sizes, None)
+    dst_addrs = _check("dst_addrs", dst_addrs, sizes.numel())
+    src_addrs = _check("src_addrs", src_addrs, sizes.numel())
+    mode = host_copy_mode()
+    if sizes.numel() == 0:
+        return mode
+    if int(sizes.min()) < 0:
+        raise ValueError(f"sizes must be >= 0, got {int(sizes.min())}")
+    total = int(sizes.sum())
+    workers = 1 if total < PARALLEL_BYTES else (threads or copy_threads())
+    if mode == "native":
+        _native.copy_blocks(
+            dst_addrs.data_ptr(), src_addrs.data_ptr(), sizes.data_ptr(), sizes.numel(), workers, total >= STREAM_BYTES
+        )
+    else:
+        _memmove_threads(dst_addrs.tolist(), src_addrs.tolist(), sizes.tolist(), workers)
+    return mode
+
+
+def _memmove_all(dsts, srcs, sizes) -> None:
+    move = ctypes.memmove
+    for dst, src, size in zip(dsts, srcs, sizes):
+        move(dst, src, size)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:  # threads start lazily, as many as the largest copy asked for
+        _pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="hicache-copy")
+    return _pool
+
+
+def _memmove_threads(dsts, srcs, sizes, workers: int) -> None:
+    workers = min(workers, len(sizes), MAX_THREADS)
+    if workers <= 1:
+        _memmove_all(dsts, srcs, sizes)
+        return
+    futures = [  # interleaved shares: every thread walks the whole range, in step with the rest
+        _executor().submit(_memmove_all, dsts[i::workers], srcs[i::workers], sizes[i::workers])
+        for i in range(workers)
+    ]
+    try:
+        for future in futures:
+            future.result()
+    except BaseException:
+        # Ctrl-C while waiting: let every share finish before the caller may free the memory
+        # the threads are still writing into, then re-raise.
+        wait(futures)
+        raise

@@ -1,0 +1,159 @@
+"""Batched host block copies: the native helper and the memmove fallback copy exactly the bytes asked."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicache.effects import _host_copy
+from hicache.effects._probes import EnvError
+
+torch = pytest.importorskip("torch")
+native = pytest.mark.skipif(_host_copy._native is None, reason="hicache.effects._hostcopy was not built (no C compiler)")
+
+
+def _scenario(sizes, gaps, seed):
+    """Source/destination arenas and descriptors: destinations disjoint, at odd alignments, shuffled."""
+    rng = random.Random(seed)
+    src = torch.randint(0, 256, (sum(sizes) + 4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    dst = torch.zeros(sum(sizes) + sum(gaps) + 64, dtype=torch.uint8)
+    blocks, cursor = [], 0
+    for size, gap in zip(sizes, gaps):
+        cursor += gap
+        blocks.append((cursor, rng.randrange(0, src.numel() - size + 1), size))
+        cursor += size
+    rng.shuffle(blocks)
+    return src, dst, blocks
+
+
+def _expected(src, dst, blocks):
+    """Independent oracle: the same copies done with Python bytes slicing."""
+    out = bytearray(bytes(dst.tolist()))
+    data = bytes(src.tolist())
+    for d, s, n in blocks:
+        out[d : d + n] = data[s : s + n]
+    return bytes(out)
+
+
+def _addresses(src, dst, blocks):
+    dsts = torch.tensor([dst.data_ptr() + d for d, _, _ in blocks], dtype=torch.int64)
+    srcs = torch.tensor([src.data_ptr() + s for _, s, _ in blocks], dtype=torch.int64)
+    sizes = torch.tensor([n for _, _, n in blocks], dtype=torch.int64)
+    return dsts, srcs, sizes
+
+
+blocks_strategy = st.integers(1, 24).flatmap(
+    lambda n: st.tuples(st.lists(st.integers(0, 5000), min_size=n, max_size=n), st.lists(st.integers(0, 70), min_size=n, max_size=n))
+)
+
+
+@native
+@given(blocks_strategy, st.integers(1, 5), st.booleans(), st.integers(0, 2**16))
+def test_native_copy_matches_the_oracle(size_gaps, threads, streaming, seed):
+    """Any sizes, odd alignments, shares split mid-block, streamed or not: exactly the oracle's bytes."""
+    sizes, gaps = size_gaps
+    src, dst, blocks = _scenario(sizes, gaps, seed)
+    expected = _expected(src, dst, blocks)
+    dsts, srcs, lengths = _addresses(src, dst, blocks)
+    _host_copy._native.copy_blocks(dsts.data_ptr(), srcs.data_ptr(), lengths.data_ptr(), len(blocks), threads, streaming)
+    assert bytes(dst.tolist()) == expected
+
+
+@pytest.mark.parametrize("mode", ["native", "python"])
+@given(blocks_strategy, st.integers(0, 2**16))
+def test_copy_host_blocks_matches_the_oracle_in_both_modes(mode, size_gaps, seed):
+    if mode == "native" and _host_copy._native is None:
+        pytest.skip("hicache.effects._hostcopy was not built")
+    sizes, gaps = size_gaps
+    src, dst, blocks = _scenario(sizes, gaps, seed)
+    expected = _expected(src, dst, blocks)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(_host_copy.ENV_VAR, mode)
+        patch.setattr(_host_copy, "PARALLEL_BYTES", 0)  # threads and streaming on small inputs too
+        patch.setattr(_host_copy, "STREAM_BYTES", 0)
+        assert _host_copy.copy_host_blocks(*_addresses(src, dst, blocks), threads=3) == mode
+    assert bytes(dst.tolist()) == expected
+
+
+@native
+@pytest.mark.parametrize("shift", [-5, 5, 0])
+def test_a_block_overlapping_its_source_is_a_memmove(shift):
+    buffer = torch.arange(200, dtype=torch.uint8)
+    expected = bytearray(bytes(buffer.tolist()))
+    expected[50 + shift : 150 + shift] = bytes(buffer.tolist())[50:150]
+    base = buffer.data_ptr()
+    dsts, srcs, sizes = (torch.tensor([v], dtype=torch.int64) for v in (base + 50 + shift, base + 50, 100))
+    _host_copy._native.copy_blocks(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), 1, 4, True)
+    assert bytes(buffer.tolist()) == bytes(expected)
+
+
+def test_a_large_copy_uses_threads_and_matches(monkeypatch):
+    """Past the thresholds (real sizes): a 12 MiB batch of 64 KiB blocks in reverse order."""
+    src = torch.randint(0, 256, (12 * 2**20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    unit, count = 2**16, 192
+    order = torch.arange(count).flip(0)
+    dsts = order * unit + dst.data_ptr()
+    srcs = torch.arange(count) * unit + src.data_ptr()
+    for mode in ("auto", "python"):
+        dst.zero_()
+        monkeypatch.setenv(_host_copy.ENV_VAR, mode)
+        _host_copy.copy_host_blocks(dsts, srcs, torch.full((count,), unit))
+        assert torch.equal(dst.view(count, unit), src.view(count, unit).flip(0))
+
+
+def test_the_mode_follows_the_environment(monkeypatch):
+    monkeypatch.setenv(_host_copy.ENV_VAR, "python")
+    assert _host_copy.host_copy_mode() == "python"
+    monkeypatch.setenv(_host_copy.ENV_VAR, "turbo")
+    with pytest.raises(EnvError, match="HICACHE_HOST_COPY='turbo' is not one of auto, native, python"):
+        _host_copy.host_copy_mode()
+    monkeypatch.setattr(_host_copy, "_native", None)
+    monkeypatch.setenv(_host_copy.ENV_VAR, "native")
+    with pytest.raises(EnvError, match="was not built"):
+        _host_copy.host_copy_mode()
+    monkeypatch.setenv(_host_copy.ENV_VAR, "auto")
+    assert _host_copy.host_copy_mode() == "python"
+
+
+@pytest.mark.parametrize(
+    "args, error, pattern",
+    [
+        (([1.0], [0], [0]), TypeError, "dst_addrs must be a 1-D int64 tensor"),
+        (([0, 0], [0], [0, 0]), ValueError, "src_addrs has 1 entries, expected 2"),
+        (([0], [0], [-1]), ValueError, "sizes must be >= 0, got -1"),
+    ],
+)
+def test_bad_descriptors_are_refused(args, error, pattern):
+    dsts, srcs, sizes = (torch.tensor(a) for a in args)
+    with pytest.raises(error, match=pattern):
+        _host_copy.copy_host_blocks(dsts, srcs, sizes)
+
+
+def test_ctrl_c_in_the_fallback_waits_for_every_share(monkeypatch):
+    """A KeyboardInterrupt while waiting re-raises only after no thread still writes."""
+    done, release = [], threading.Event()
+
+    def share(dsts, srcs, sizes):
+        if dsts[0] == 0:
+            raise KeyboardInterrupt
+        release.wait(5)
+        done.append(dsts[0])
+
+    waited = []
+    real_wait = _host_copy.wait
+
+    def wait(futures):
+        release.set()
+        waited.append(len(futures))
+        return real_wait(futures)
+
+    monkeypatch.setattr(_host_copy, "_memmove_all", share)
+    monkeypatch.setattr(_host_copy, "wait", wait)
+    with pytest.raises(KeyboardInterrupt):
+        _host_copy._memmove_threads([0, 1, 2], [0, 0, 0], [1, 1, 1], 3)
+    assert waited == [3] and sorted(done) == [1, 2]
