@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.effects import HostLedger
+from hicache.effects import HostLedger, _host_copy
 from hicache.errors import (
     ApplyError,
     CapacityError,
@@ -74,9 +74,16 @@ def _slots(pool, pages):
 
 
 @pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-{l}" for n, l in CASES])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_backup_then_load_round_trips_random_pages(name, layout, seed):
+@pytest.mark.parametrize(
+    "seed, copy_mode, threshold",  # host copies: native as shipped, native threaded+streamed, fallback
+    [(0, "auto", None), (1, "auto", 0), (2, "python", 0)],
+)
+def test_backup_then_load_round_trips_random_pages(name, layout, seed, copy_mode, threshold, monkeypatch):
     """Back up random device pages, clear the device, load them back layer by layer: same bytes."""
+    monkeypatch.setenv(_host_copy.ENV_VAR, copy_mode)
+    if threshold is not None:
+        monkeypatch.setattr(_host_copy, "PARALLEL_BYTES", threshold)
+        monkeypatch.setattr(_host_copy, "STREAM_BYTES", threshold)
     pool, device = make(name, layout)
     try:
         generator = torch.Generator().manual_seed(seed)
@@ -116,6 +123,30 @@ def test_unaligned_token_runs_use_the_token_path():
     for layer in range(3):
         pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
     assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
+    pool.destroy()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_indices_changed_in_place_between_layers_are_honoured(layout):
+    """The per-layer index memo reuses work only for equal values: an in-place change misses."""
+    pool, device = make("mha", layout)
+    device.randomize(4)
+    host_idx = pool.alloc(2 * P)
+    device_idx = torch.arange(4 * P, 6 * P)
+    pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+    memo = pool._index_memo
+    first = memo.check(host_idx, device_idx, host_slots=pool.size, device_slots=64, page_size=P)
+    again = memo.check(host_idx.clone(), device_idx.clone(), host_slots=pool.size, device_slots=64, page_size=P)
+    assert again is first  # equal values in new tensors: a hit
+    expected = [t.clone() for t in device.tensors()]
+    device_idx += 4 * P  # same tensor object, new pages 8 and 9
+    for layer in range(3):
+        pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+    for before, after in zip(expected, device.tensors()):
+        assert torch.equal(after[8 * P : 10 * P], before[4 * P : 6 * P])
+    with pytest.raises(TransferError, match="device_indices out of range"):
+        device_idx += 64  # still the same object, now out of range: checked again
+        pool.load_to_device_per_layer(device, host_idx, device_idx, 0, "direct")
     pool.destroy()
 
 

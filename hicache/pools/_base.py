@@ -35,9 +35,8 @@ from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._transfer import (
     Descriptors,
-    aligned_pages,
+    IndexMemo,
     check_backend,
-    check_indices,
     copy_blocks,
     copy_tokens,
 )
@@ -138,6 +137,8 @@ class HostKVCache(abc.ABC):
         self.registration = None
         self.kv_buffer = None
         self._destroyed = False
+        self._index_memo = IndexMemo()  # indices of the last transfer, checked
+        self._views: dict = {}  # (buffer, kv, layer) -> host view, for transfers
         self._host_memory_bytes = host_memory_bytes
         self._budget_bytes = 0
         self._reserve()
@@ -308,20 +309,26 @@ class HostKVCache(abc.ABC):
         streams = self.streams()
         first = streams[0].device(device_pool, 0)
         device_slots = first.shape[0] * (self.page_size if streams[0].rows else 1)
-        hidx, didx = check_indices(host_indices, device_indices, host_slots=self.size, device_slots=device_slots)
-        hpages, dpages = aligned_pages(hidx, self.page_size), aligned_pages(didx, self.page_size)
+        checked = self._index_memo.check(
+            host_indices, device_indices, host_slots=self.size, device_slots=device_slots, page_size=self.page_size
+        )
+        hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
+        patterns, views = checked.patterns, self._views
         batch = Descriptors()  # every layer's page copies, issued together
         for layer in layers:
             for stream in streams:
-                hv, dv = self._host_view(stream, layer), stream.device(device_pool, layer)
+                hv = views.get((stream.buffer, stream.kv, layer))
+                if hv is None:  # views of our own buffers: made once, dropped by destroy()
+                    hv = views[(stream.buffer, stream.kv, layer)] = self._host_view(stream, layer)
+                dv = stream.device(device_pool, layer)
                 if stream.rows or (hpages is not None and dpages is not None and dv.shape[0] % self.page_size == 0):
                     if hpages is None or dpages is None:
                         raise TransferError(f"{type(self).__name__} moves whole pages: indices must be page-aligned runs")
                     dblocks = dv if stream.rows else dv.unflatten(0, (-1, self.page_size))
                     if to_host:
-                        copy_blocks(hv, hpages, dblocks, dpages, batch)
+                        copy_blocks(hv, hpages, dblocks, dpages, batch, patterns)
                     else:
-                        copy_blocks(dblocks, dpages, hv, hpages, batch)
+                        copy_blocks(dblocks, dpages, hv, hpages, batch, patterns)
                 else:
                     copy_tokens(hv, hidx, dv, didx, self.page_size, to_host=to_host)
         batch.run()
@@ -352,6 +359,8 @@ class HostKVCache(abc.ABC):
                     quarantine(*self.allocator.buffers)  # CUDA still pins some of it
                     raise
             self.kv_buffer = None
+            self._index_memo.forget()
+            self._views = {}
             self.allocator.free_all(ledger=self.ledger)
             self._destroyed = True
             if self._budget_bytes:
