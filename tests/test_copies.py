@@ -63,3 +63,29 @@ def test_other_batch_errors_are_raised_with_their_name():
     with pytest.raises(CudaCallError, match="cudaMemcpyBatchAsync .* cudaErrorInvalidValue"):
         memcpy_batch([100], [1000], [64], binding=binding)
     assert binding.singles == []
+
+
+def test_descriptors_for_cuda_reach_the_batch_call_as_int_lists(monkeypatch):
+    """A CUDA-side batch: layers' patterns concatenated, addresses as Python ints, one call."""
+    import torch
+
+    from hicache.pools import _transfer
+
+    seen = []
+    monkeypatch.setattr(_transfer, "_cuda_copy", lambda *lists: seen.append(lists) or "batched")
+    dst, src = torch.zeros(8, 16), torch.ones(8, 16)
+    pattern = _transfer.block_pattern(torch.tensor([5, 1, 2]), 64, torch.tensor([0, 3, 4]), 64, 64)
+    batch = _transfer.Descriptors()
+    batch.add(dst, src, pattern)
+    batch.add(dst, src[4:], pattern)
+    batch.cuda = True
+    batch.run()
+    (dsts, srcs, sizes), = seen
+    base_d, base_s = dst.data_ptr(), src.data_ptr()
+    assert all(type(v) is int for v in dsts + srcs + sizes)
+    # blocks 1 and 2 <- 3 and 4 coalesce into one 128-byte copy; block 5 <- 0 stays alone
+    assert list(zip(dsts, srcs, sizes)) == [
+        (base_d + 64, base_s + 192, 128), (base_d + 320, base_s, 64),
+        (base_d + 64, base_s + 256 + 192, 128), (base_d + 320, base_s + 256, 64),
+    ]
+    assert batch.parts == [] and batch.keep == []
