@@ -19,19 +19,23 @@ class FakeCopyBinding:
     cudaMemcpySrcAccessOrder = cuda_runtime.cudaMemcpySrcAccessOrder
     cudaMemcpyKind = cuda_runtime.cudaMemcpyKind
 
-    def __init__(self, *, old_convention=False, batch_code=0):
-        self.old_convention, self.batch_code = old_convention, batch_code
-        self.batches, self.singles, self.synced = [], [], 0
+    def __init__(self, *, old_convention=False, batch_code=0, log=None):
+        self.old_convention, self.batch_code, self.log = old_convention, batch_code, log
+        self.batches, self.singles, self.synced, self.streams = [], [], 0, []
 
     def cudaMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, *rest):
         if len(rest) != (2 if self.old_convention else 1):
             raise TypeError("wrong number of arguments")
         assert count == len(sizes) and attrs_idxs == [0] and num_attrs == 1
         self.batches.append(list(zip(dsts, srcs, sizes)))
+        self.streams.append(rest[-1])
+        if self.log is not None:
+            self.log.append(("batch", rest[-1]))
         return (cuda_runtime.cudaError_t(self.batch_code),)
 
     def cudaMemcpyAsync(self, dst, src, size, kind, stream):
         self.singles.append((dst, src, size))
+        self.streams.append(stream)
         return (cuda_runtime.cudaError_t(0),)
 
     def cudaStreamSynchronize(self, stream):
@@ -46,23 +50,31 @@ class FakeCopyBinding:
 def test_one_batch_call_with_one_descriptor_per_block(old):
     """Every (dst, src, bytes) goes into one cudaMemcpyBatchAsync, in either convention."""
     binding = FakeCopyBinding(old_convention=old)
-    assert _cuda_copy([100, 200], [1000, 2000], [64, 64], binding=binding) == "batched"
-    assert binding.batches == [[(100, 1000, 64), (200, 2000, 64)]] and binding.synced == 1
+    assert _cuda_copy([100, 200], [1000, 2000], [64, 64], stream=7, binding=binding) == "batched"
+    assert binding.batches == [[(100, 1000, 64), (200, 2000, 64)]] and binding.streams == [7]
+    assert binding.synced == 0  # asynchronous: the caller orders later work on its stream
 
 
 def test_not_supported_falls_back_to_per_page_copies():
     """cudaErrorNotSupported (801) from the batch call: one cudaMemcpyAsync per block."""
     binding = FakeCopyBinding(batch_code=801)
-    assert _cuda_copy([100, 200], [1000, 2000], [64, 64], binding=binding) == "per-page"
-    assert binding.singles == [(100, 1000, 64), (200, 2000, 64)]
+    assert _cuda_copy([100, 200], [1000, 2000], [64, 64], stream=7, binding=binding) == "per-page"
+    assert binding.singles == [(100, 1000, 64), (200, 2000, 64)] and binding.streams == [7, 7, 7]
 
 
 def test_other_batch_errors_are_raised_with_their_name():
     """invalid argument (1) - e.g. a source spanning two registrations - is not retried."""
     binding = FakeCopyBinding(batch_code=1)
     with pytest.raises(CudaCallError, match="cudaMemcpyBatchAsync .* cudaErrorInvalidValue"):
-        memcpy_batch([100], [1000], [64], binding=binding)
+        memcpy_batch([100], [1000], [64], stream=7, binding=binding)
     assert binding.singles == []
+
+
+def test_the_legacy_null_stream_is_refused_before_any_call():
+    binding = FakeCopyBinding()
+    with pytest.raises(ValueError, match="legacy NULL stream"):
+        memcpy_batch([100], [1000], [64], stream=0, binding=binding)
+    assert binding.batches == []
 
 
 def test_descriptors_for_cuda_reach_the_batch_call_as_int_lists(monkeypatch):
@@ -72,13 +84,13 @@ def test_descriptors_for_cuda_reach_the_batch_call_as_int_lists(monkeypatch):
     from hicache.pools import _transfer
 
     seen = []
-    monkeypatch.setattr(_transfer, "_cuda_copy", lambda *lists: seen.append(lists) or "batched")
+    monkeypatch.setattr(_transfer, "issue_cuda_copies", lambda device, *lists: seen.append(lists) or "batched")
     dst, src = torch.zeros(8, 16), torch.ones(8, 16)
     pattern = _transfer.block_pattern(torch.tensor([5, 1, 2]), 64, torch.tensor([0, 3, 4]), 64, 64)
     batch = _transfer.Descriptors()
     batch.add(dst, src, pattern)
     batch.add(dst, src[4:], pattern)
-    batch.cuda = True
+    batch.cuda = torch.device("cuda", 0)
     batch.run()
     (dsts, srcs, sizes), = seen
     base_d, base_s = dst.data_ptr(), src.data_ptr()
@@ -89,3 +101,61 @@ def test_descriptors_for_cuda_reach_the_batch_call_as_int_lists(monkeypatch):
         (base_d + 64, base_s + 256 + 192, 128), (base_d + 320, base_s + 256, 64),
     ]
     assert batch.parts == [] and batch.keep == []
+
+
+class FakeStream:
+    def __init__(self, handle, log):
+        self.cuda_stream, self.log = handle, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.cuda_stream, other.cuda_stream))
+
+
+class FakeTorchCuda:
+    """torch.cuda's stream calls, logged."""
+
+    def __init__(self, current_handle):
+        self.log, self.created = [], 0
+        self.current = FakeStream(current_handle, self.log)
+
+    def device(self, device):
+        import contextlib
+
+        self.log.append(("device", device))
+        return contextlib.nullcontext()
+
+    def current_stream(self, device):
+        return self.current
+
+    def Stream(self, device):  # noqa: N802 - torch.cuda's name
+        self.created += 1
+        return FakeStream(100 + self.created, self.log)
+
+
+def test_copies_go_on_the_callers_current_stream(monkeypatch):
+    from hicache.pools import _transfer
+
+    cuda, binding = FakeTorchCuda(current_handle=42), FakeCopyBinding()
+    assert _transfer.issue_cuda_copies("dev", [1], [2], [64], cuda=cuda, binding=binding) == "batched"
+    assert binding.streams == [42] and cuda.created == 0 and cuda.log == [("device", "dev")]
+
+
+@pytest.mark.parametrize("batch_code", [0, 1])
+def test_from_the_null_stream_a_side_stream_is_ordered_both_ways(monkeypatch, batch_code):
+    """torch's default stream is the legacy NULL stream: the batch runs on a side stream
+    that waits for it and that it then waits for - also when the batch call fails."""
+    from hicache.pools import _transfer
+
+    monkeypatch.setattr(_transfer, "_side_streams", {})
+    cuda = FakeTorchCuda(current_handle=0)
+    for _ in range(2):
+        cuda.log.clear()
+        binding = FakeCopyBinding(batch_code=batch_code, log=cuda.log)
+        if batch_code:
+            with pytest.raises(CudaCallError):
+                _transfer.issue_cuda_copies("dev", [1], [2], [64], cuda=cuda, binding=binding)
+        else:
+            _transfer.issue_cuda_copies("dev", [1], [2], [64], cuda=cuda, binding=binding)
+        assert binding.streams == [101]
+        assert cuda.log == [("device", "dev"), ("wait", 101, 0), ("batch", 101), ("wait", 0, 101)]
+    assert cuda.created == 1  # made once per device, then reused

@@ -52,3 +52,39 @@ def test_gpu_check_without_cuda_says_so():
     out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "CUDA unavailable" in json.loads(out.stdout)["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_pool_round_trip_on_cuda(layout, side_stream):
+    """A registered MHA pool backs up GPU pages and loads them back per layer, from torch's
+    default (NULL) stream - batched on a side stream - or from a stream of the caller's."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of torch (the development pin is the CPU build)")
+    from hicache.pools import MHATokenToKVPoolHost
+    from hicache.testing import MHADevicePool
+
+    device = MHADevicePool(size=4096, layer_num=4, head_num=8, head_dim=128, page_size=64)
+    device.randomize(5)
+    device.k_buffer = [t.cuda() for t in device.k_buffer]
+    device.v_buffer = [t.cuda() for t in device.v_buffer]
+    device.device = "cuda"
+    pool = MHATokenToKVPoolHost(device, 1.0, 0, 64, layout, True, "cpu", limits=Limits(chunk_limit_bytes=4 * 2**20))
+    try:
+        pages = torch.randperm(4096 // 64 - 1, generator=torch.Generator().manual_seed(1))[:16] + 1
+        device_idx = (pages[:, None] * 64 + torch.arange(64)).reshape(-1).cuda()
+        host_idx = pool.alloc(device_idx.numel())
+        original = [t[device_idx].clone() for t in device.tensors()]
+        stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+            for t in device.tensors():
+                t.zero_()
+            for layer in range(4):
+                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+        stream.synchronize()
+        assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
+    finally:
+        pool.destroy()

@@ -150,6 +150,25 @@ def test_indices_changed_in_place_between_layers_are_honoured(layout):
     pool.destroy()
 
 
+def test_destroy_waits_for_asynchronous_cuda_copies_first(monkeypatch):
+    """CUDA transfers are asynchronous: destroy synchronizes every device before unpinning."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index: calls.append(("sync", index)))
+    pool, device = make("mha", "layer_first", pin_memory=True, runtime=FakeRuntime())
+    device.device = "cuda:0"  # as if the device pool lived on a GPU
+    release = pool.registration.release
+    monkeypatch.setattr(pool.registration, "release", lambda: calls.append("release") or release())
+    pool.destroy()
+    assert calls == [("sync", 0), ("sync", 1), "release"]
+    cpu_pool, _ = make("mha", "layer_first")
+    calls.clear()
+    cpu_pool.destroy()
+    assert calls == []  # a CPU pool has nothing in flight
+
+
 def test_sizing_uses_ceil_pages_and_decimal_gb():
     """host_size is decimal GB; a page-aligned token count gets no extra page."""
     pool, device = make("mha", "page_first")

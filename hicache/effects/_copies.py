@@ -18,11 +18,19 @@ def _status(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def memcpy_batch(dsts, srcs, sizes, *, stream=0, binding=None) -> None:
+def memcpy_batch(dsts, srcs, sizes, *, stream, binding=None) -> None:
     """Copy ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` (ints: pointers) on ``stream``.
 
+    ``stream`` must be a created stream: cudaMemcpyBatchAsync rejects the legacy NULL stream
+    (0), so that is refused here with a ValueError before any call.
     Raises a `CudaCallError` (``.code`` 801 or 36 means: use per-page copies instead).
     """
+    try:
+        handle = int(stream)
+    except TypeError:
+        handle = None
+    if handle == 0:
+        raise ValueError("stream 0 (the legacy NULL stream) is rejected by cudaMemcpyBatchAsync; pass a created stream")
     if binding is None:
         from cuda.bindings import runtime as binding
     count = len(sizes)

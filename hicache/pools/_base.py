@@ -352,6 +352,7 @@ class HostKVCache(abc.ABC):
         with self.lock:
             if self._destroyed:
                 return
+            self._wait_for_device_copies()
             if self.registration is not None:
                 try:
                     self.registration.release()
@@ -366,6 +367,16 @@ class HostKVCache(abc.ABC):
             if self._budget_bytes:
                 with budget_lock() as lock:
                     lock.forget(self._budget_bytes)
+
+    def _wait_for_device_copies(self) -> None:
+        """Transfers run asynchronously on CUDA streams: none may still use memory we unpin or free."""
+        if _device_type(self.device_pool) != "cuda":
+            return
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(index)
 
     def __repr__(self) -> str:
         return (
