@@ -1,11 +1,9 @@
 """Batched host-memory block copies: many (dst, src, bytes) blocks in one call.
 
-The CPU side of a page transfer (host pool <-> a CPU device pool) is hundreds of blocks of
-32-256 KiB. The native helper `_hostcopy` (C, optional at build time) copies them all in one
-call without the GIL, splitting the bytes evenly over threads, with non-temporal stores for
-large batches. Where it was not built, or ``HICACHE_HOST_COPY=python``, the same copies go
-through ctypes memmove from a few threads (ctypes releases the GIL during each call): correct,
-about a fifth slower on 64-token pages.
+A CPU page transfer is hundreds of 32-256 KiB blocks. The optional C helper `_hostcopy` copies
+them in one call without the GIL, over threads, streaming past the cache for large batches.
+Where it was not built, or with ``HICACHE_HOST_COPY=python``, ctypes memmove from a few threads
+does the same copies, about a third slower on 64-token pages (bench_transfer).
 """
 
 from __future__ import annotations
