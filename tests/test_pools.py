@@ -332,7 +332,21 @@ def test_host_kv_cache_is_abstract():
 
 
 def test_a_failure_after_registration_releases_and_frees(monkeypatch):
-    """If the pool cannot finish (the budget record fails), nothing stays pinned or mapped."""
+    """If the pool cannot finish (its page allocator fails), nothing stays pinned or mapped."""
+    from hicache.pools import _base
+
+    def broken(*args):
+        raise MemoryError("page allocator")
+
+    monkeypatch.setattr(_base, "PageAllocator", broken)
+    runtime, ledger = FakeRuntime(), HostLedger()
+    with pytest.raises(MemoryError, match="page allocator"):
+        make("mha", "page_first_direct", pin_memory=True, runtime=runtime, ledger=ledger)
+    assert runtime.cudart.register_calls > 0 and runtime.held() == set() and ledger.held() == ()
+
+
+def test_a_failed_budget_record_allocates_and_registers_nothing(monkeypatch):
+    """The budget entry is written before any memory exists: a failure there leaves nothing."""
     from hicache.effects import _lock
 
     def broken(self, nbytes):
@@ -342,4 +356,4 @@ def test_a_failure_after_registration_releases_and_frees(monkeypatch):
     runtime, ledger = FakeRuntime(), HostLedger()
     with pytest.raises(OSError, match="disk full"):
         make("mha", "page_first_direct", pin_memory=True, runtime=runtime, ledger=ledger)
-    assert runtime.cudart.register_calls > 0 and runtime.held() == set() and ledger.held() == ()
+    assert runtime.cudart.register_calls == 0 and runtime.held() == set() and ledger.held() == ()

@@ -37,11 +37,46 @@ from hicache.effects._probes import (
     probe_cuda,
     probe_limits,
     probe_machine,
+    probe_resolved_limits,
     ranks_per_host,
 )
-from hicache.effects._runtime import CudaPythonRuntime, HostRuntime, TorchCudartRuntime
+from hicache.effects._runtime import (
+    CudaPythonRuntime,
+    HostRuntime,
+    TorchCudartRuntime,
+    default_binding,
+    default_runtime,
+    torch_runtime,
+)
+from hicache.effects._allocators import (
+    FrameworkPinnedAllocator,
+    HostTensorAllocator,
+    TorchHostTensorAllocator,
+)
+from hicache.effects._bringup import (
+    BufferRequest,
+    HostPools,
+    bring_up,
+    bring_up_buffers,
+    pool_requests,
+)
+from hicache.effects._interrupts import deferred_interrupts
 
 __all__ = [
+    "FrameworkPinnedAllocator",
+    "HostTensorAllocator",
+    "TorchHostTensorAllocator",
+    "BufferRequest",
+    "HostPools",
+    "bring_up",
+    "bring_up_buffers",
+    "pool_requests",
+    "deferred_interrupts",
+    "default_binding",
+    "default_runtime",
+    "torch_runtime",
+    "probe_resolved_limits",
+
     "BudgetLock",
     "CudaFacts",
     "CudaPythonRuntime",

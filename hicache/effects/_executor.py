@@ -12,6 +12,7 @@ import time
 
 import attrs
 
+from hicache.effects._interrupts import deferred_interrupts, interrupt_requested
 from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._registration import (
     RegisteredRange,
@@ -90,58 +91,66 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger) -> Regist
     in_flight = None  # a call whose outcome an interrupt may have hidden
     where = "before the first call"
     start = time.perf_counter()
-    try:
-        for buffer_index, (name, base, plan) in enumerate(items):
-            halvings, index = retry_halvings, 0
-            while index < len(plan.ranges):
-                item = plan.ranges[index]
-                where = (
-                    f"buffer {name!r} chunk {index + 1} of {len(plan.ranges)} "
-                    f"(offset={item.offset}, size={item.size}, ptr=0x{base + item.offset:x})"
-                )
-                in_flight = RegisteredRange(name, index, base + item.offset, item.size)
-                try:
-                    runtime.register(base + item.offset, item.size, flags)
-                except CudaCallError as error:
-                    in_flight = None  # CUDA answered: the range is certainly not registered
-                    if halvings <= 0 or isinstance(error, _NOT_RETRYABLE):
-                        raise
+    # Ctrl-C is held while a call and its journal entry are kept together, and honoured between
+    # calls (and after the last one, before the handle exists) through the rollback below.
+    with deferred_interrupts() as held:
+        try:
+            for buffer_index, (name, base, plan) in enumerate(items):
+                halvings, index = retry_halvings, 0
+                while index < len(plan.ranges):
+                    interrupt_requested(held)
+                    item = plan.ranges[index]
+                    where = (
+                        f"buffer {name!r} chunk {index + 1} of {len(plan.ranges)} "
+                        f"(offset={item.offset}, size={item.size}, ptr=0x{base + item.offset:x})"
+                    )
+                    in_flight = RegisteredRange(name, index, base + item.offset, item.size)
                     try:
-                        plan = replan(plan, failed_index=index)
-                    except PlanError:
-                        raise error from None
-                    halvings -= 1
-                    retries += 1
-                    continue
-                journal.append(in_flight)
-                in_flight = None
-                done += item.size
-                index += 1
-                if progress is not None:
-                    progress(ProgressEvent(
-                        name, buffer_index, index, len(plan.ranges), done, total,
-                        time.perf_counter() - start,
-                    ))
-    except BaseException as failure:
-        leaked, unknown, interrupt = _undo(runtime, journal, in_flight)
-        ledger.replace([ptr for ptr, _ in spans], leaked + unknown)  # both stay off-limits
-        head = f"registering {where} failed: {type(failure).__name__}: {failure}"
-        if leaked or unknown:
-            detail = _leak_message("rollback", leaked) if leaked else "rollback"
-            if unknown:
-                detail += (
-                    f"; the interrupted call at 0x{unknown[0][0]:x} (+{unknown[0][1]}) may be "
-                    "registered too (its undo failed)"
+                        runtime.register(base + item.offset, item.size, flags)
+                    except CudaCallError as error:
+                        in_flight = None  # CUDA answered: the range is certainly not registered
+                        if halvings <= 0 or isinstance(error, _NOT_RETRYABLE):
+                            raise
+                        try:
+                            plan = replan(plan, failed_index=index)
+                        except PlanError:
+                            raise error from None
+                        halvings -= 1
+                        retries += 1
+                        continue
+                    journal.append(in_flight)
+                    in_flight = None
+                    done += item.size
+                    index += 1
+                    if progress is not None:
+                        progress(ProgressEvent(
+                            name, buffer_index, index, len(plan.ranges), done, total,
+                            time.perf_counter() - start,
+                        ))
+            where = "after the last call"
+            interrupt_requested(held)
+            return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))
+        except BaseException as failure:
+            leaked, unknown, interrupt = _undo(runtime, journal, in_flight)
+            ledger.replace([ptr for ptr, _ in spans], leaked + unknown)  # both stay off-limits
+            if interrupt is None and held.consume():
+                interrupt = KeyboardInterrupt()
+            head = f"registering {where} failed: {type(failure).__name__}: {failure}"
+            if leaked or unknown:
+                detail = _leak_message("rollback", leaked) if leaked else "rollback"
+                if unknown:
+                    detail += (
+                        f"; the interrupted call at 0x{unknown[0][0]:x} (+{unknown[0][1]}) may be "
+                        "registered too (its undo failed)"
+                    )
+                error = RollbackError(f"{head}; {detail}", leaked=tuple(leaked), uncertain=tuple(unknown))
+            else:
+                error = ApplyError(
+                    f"{head}; rolled back {len(journal)} registration(s), nothing is left registered"
                 )
-            error = RollbackError(f"{head}; {detail}", leaked=tuple(leaked), uncertain=tuple(unknown))
-        else:
-            error = ApplyError(
-                f"{head}; rolled back {len(journal)} registration(s), nothing is left registered"
-            )
-        if interrupt is not None:  # Ctrl-C during the rollback itself: honour it, with the books
-            raise interrupt from error
-        raise error from failure
-    return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))
+            if interrupt is not None:  # Ctrl-C during the rollback itself: honour it, with the books
+                raise interrupt from error
+            raise error from failure
 
 
 def apply_plan(

@@ -16,38 +16,22 @@ from pathlib import Path
 import attrs
 
 from hicache.effects._host_memory import os_page_bytes
-from hicache.errors import PlanError
+from hicache.effects._runtime import default_binding
 from hicache.plan import (
     DEFAULT_CHUNK_LIMIT_BYTES,
-    DRIVER_CEILING_BYTES,
+    SETTINGS_ENV,
+    EnvError,
     Limits,
+    ResolvedLimits,
     kernel_pin_cap,
-    parse_size,
+    resolve_limits,
 )
 
 ENV_VARS = {
-    "HICACHE_REGISTER_CHUNK": "chunk limit per cudaHostRegister call, e.g. 64GiB",
-    "HICACHE_KERNEL_PIN_CAP": "per-pin cap of the kernel (a size, or 'none'); default: by release",
-    "HICACHE_DRIVER_CEILING": "largest single registration the driver accepts; default 511GiB",
-    "HICACHE_HUGEPAGE_SIZE": "hugetlbfs page size of hugepage-backed pools, e.g. 2MiB or 1GiB",
+    **SETTINGS_ENV,
     "HICACHE_RANKS_PER_HOST": "ranks sharing this host's memory (default LOCAL_WORLD_SIZE or 1)",
+    "HICACHE_HOST_COPY": "host page copies: auto (native helper when built), native or python",
 }
-
-
-class EnvError(PlanError):
-    """An environment variable holds a value hicache cannot read."""
-
-
-def _env_size(env, name: str, *, allow_none: bool = False):
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return None
-    if allow_none and raw.strip().lower() == "none":
-        return "none"
-    try:
-        return parse_size(raw, what=name)
-    except PlanError as error:
-        raise EnvError(f"environment variable {name}={raw!r} is invalid: {error}") from None
 
 
 def _env_int(env, name: str):
@@ -176,29 +160,28 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
     )
 
 
+def probe_resolved_limits(
+    *, env=None, root: str = "/", chunk_limit_bytes: int | None = None,
+    kernel_release: str | None = None, hugepage_bytes: int | None = None, flag_names=None,
+) -> ResolvedLimits:
+    """`resolve_limits` with this machine's environment, kernel release and page size: the
+    limits every entry point that touches the machine plans with, and the source of each cap."""
+    env = os.environ if env is None else env
+    release = _read(root, "/proc/sys/kernel/osrelease") or os.uname().release
+    return resolve_limits(
+        env=env, chunk_limit_bytes=chunk_limit_bytes, kernel_release=kernel_release,
+        hugepage_bytes=hugepage_bytes, machine_kernel_release=release,
+        os_page_bytes=os_page_bytes(), flag_names=flag_names,
+    )
+
+
 def probe_limits(*, env=None, root: str = "/", chunk_limit_bytes: int | None = None) -> Limits:
     """`Limits` for this machine: environment overrides, else the kernel's and driver's caps.
 
     ``chunk_limit_bytes`` (an explicit argument) beats ``HICACHE_REGISTER_CHUNK``, which beats
     the 64 GiB default. Raises ``EnvError`` naming a variable whose value cannot be read.
     """
-    env = os.environ if env is None else env
-    chunk = chunk_limit_bytes or _env_size(env, "HICACHE_REGISTER_CHUNK") or DEFAULT_CHUNK_LIMIT_BYTES
-    cap = _env_size(env, "HICACHE_KERNEL_PIN_CAP", allow_none=True)
-    if cap is None:
-        release = _read(root, "/proc/sys/kernel/osrelease") or os.uname().release
-        cap = kernel_pin_cap(release)
-    elif cap == "none":
-        cap = None
-    hugepage = _env_size(env, "HICACHE_HUGEPAGE_SIZE")
-    ceiling = _env_size(env, "HICACHE_DRIVER_CEILING") or DRIVER_CEILING_BYTES
-    try:
-        return Limits(
-            chunk_limit_bytes=chunk, os_page_bytes=os_page_bytes(), hard_ceiling_bytes=ceiling,
-            kernel_cap_bytes=cap, hugepage_bytes=hugepage,
-        )
-    except PlanError as error:
-        raise EnvError(f"environment gives invalid limits: {error}") from None
+    return probe_resolved_limits(env=env, root=root, chunk_limit_bytes=chunk_limit_bytes).limits
 
 
 @attrs.frozen
@@ -216,7 +199,7 @@ def probe_cuda(binding=None) -> CudaFacts:
     """Driver/runtime versions and device count; ``available`` False with the reason."""
     try:
         if binding is None:
-            from cuda.bindings import runtime as binding
+            binding = default_binding()
     except Exception as error:  # an unusable cuda-python install is a finding, not a crash
         return CudaFacts(False, None, None, 0, f"cuda-python cannot be imported: {error}")
 

@@ -14,6 +14,7 @@ import weakref
 
 import attrs
 
+from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._runtime import HostRuntime
 from hicache.errors import HostNotRegisteredError, ReleaseError, StickyCudaError
 
@@ -101,7 +102,7 @@ def _undo(runtime, entries, uncertain=None):
 
 
 def _release(state: _State) -> None:
-    with state.lock:
+    with state.lock, deferred_interrupts():  # a Ctrl-C waits until the books are straight
         if state.state == "released":
             return
         if state.state == "leaked":

@@ -146,3 +146,31 @@ def _names_from_cuda_python(code: int) -> tuple[str, str]:
         return name, text.decode() if isinstance(text, bytes) else str(text)
     except Exception:
         return name, "(no description)"
+
+
+#: Stand-ins installed by `hicache.testing.fake_cuda`: (runtime, cuda-python-style binding).
+#: Empty in production; every default below then means the real CUDA.
+_STAND_INS: list = []
+
+
+def default_runtime() -> HostRuntime:
+    """The runtime a bring-up uses when none is given: cuda-python (or the active fake)."""
+    if _STAND_INS:
+        return _STAND_INS[-1][0]
+    return CudaPythonRuntime()
+
+
+def default_binding():
+    """The cuda-python-style binding probes use when none is given (or the active fake's)."""
+    if _STAND_INS:
+        return _STAND_INS[-1][1]
+    from cuda.bindings import runtime as binding
+
+    return binding
+
+
+def torch_runtime(lookup_cudart) -> HostRuntime:
+    """A runtime over ``lookup_cudart()`` (SGLang passes ``torch.cuda.cudart``), or the fake."""
+    if _STAND_INS:
+        return _STAND_INS[-1][0]
+    return TorchCudartRuntime(lookup_cudart())

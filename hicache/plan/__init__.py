@@ -45,9 +45,15 @@ from hicache.plan._models import (
 )
 from hicache.plan._pool import BufferPlan, PoolPlan, plan_pool
 from hicache.plan._range import Range
+from hicache.plan._settings import SETTINGS_ENV, EnvError, ResolvedLimits, env_size, resolve_limits
 from hicache.plan._units import format_bytes, format_gb, parse_size
 
 __all__ = [
+    "SETTINGS_ENV",
+    "EnvError",
+    "ResolvedLimits",
+    "env_size",
+    "resolve_limits",
     "AsymmetricMHALayout",
     "BudgetVerdict",
     "BufferPlan",

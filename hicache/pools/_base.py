@@ -16,21 +16,13 @@ from functools import wraps
 from typing import NamedTuple
 
 from hicache.effects import (
-    CudaPythonRuntime,
-    apply_pool_plan,
-    budget_lock,
+    FrameworkPinnedAllocator,
+    bring_up,
+    deferred_interrupts,
     probe_limits,
-    probe_machine,
-    quarantine,
 )
-from hicache.errors import (
-    LayoutError,
-    RegistrationStateError,
-    ReleaseError,
-    RollbackError,
-    TransferError,
-)
-from hicache.plan import check_budget, format_gb, plan_pool, size_pool
+from hicache.errors import LayoutError, RegistrationStateError, TransferError
+from hicache.plan import format_gb, plan_pool, size_pool
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._transfer import (
@@ -77,10 +69,12 @@ class HostKVCache(abc.ABC):
 
     ``host_size`` is decimal GB per rank (SGLang's ``--hicache-size``; 0 to size by
     ``host_to_device_ratio``). Keywords beyond SGLang's: ``runtime`` (a `HostRuntime`;
-    default cuda-python), ``limits`` (default `probe_limits()`), ``host_memory_bytes`` (the
-    budget's available memory; default psutil's), ``allocator_fallback`` (an allocator type
-    for unknown ones), ``page_num`` (size like an anchor pool instead), ``ledger`` (default:
-    the process's).
+    default cuda-python, or `hicache.testing.fake_cuda`'s), ``limits`` (default
+    `probe_limits()`), ``machine`` (`MachineFacts` for the budget; default `probe_machine()`),
+    ``host_memory_bytes`` (overrides the machine's available memory), ``budget_lock`` (default:
+    the host-wide lock), ``allocator_fallback`` (an allocator type for unknown ones),
+    ``page_num`` (size like an anchor pool instead), ``ledger`` (default: the process's).
+    Bring-up and teardown go through `hicache.effects.bring_up`.
     """
 
     has_allocator = True
@@ -102,6 +96,8 @@ class HostKVCache(abc.ABC):
         allocator_fallback: str | None = None,
         page_num: int | None = None,
         ledger=None,
+        machine=None,
+        budget_lock=None,
     ) -> None:
         self.device_pool = device_pool
         self.page_size = page_size
@@ -140,7 +136,9 @@ class HostKVCache(abc.ABC):
         self._index_memo = IndexMemo()  # indices of the last transfer, checked
         self._views: dict = {}  # (buffer, kv, layer) -> host view, for transfers
         self._host_memory_bytes = host_memory_bytes
-        self._budget_bytes = 0
+        self._machine = machine
+        self._budget_lock = budget_lock
+        self._host = None  # the effects.HostPools handle: memory, registration, budget entry
         self._reserve()
         try:
             self._pages = PageAllocator(page_num, page_size) if self.has_allocator else None
@@ -175,52 +173,28 @@ class HostKVCache(abc.ABC):
 
     # -- bring-up ---------------------------------------------------------------------------
     def _reserve(self) -> None:
-        """Check the budget and allocate under the host-wide lock (sglang #38156)."""
-        total = self.pool_plan.total_bytes
-        with budget_lock() as lock:
-            facts = probe_machine()
-            available = self._host_memory_bytes if self._host_memory_bytes is not None else facts.available_bytes
-            ranks = facts.ranks_per_host
-            check_budget(
-                total, available_bytes=available, ranks_per_host=ranks,
-                ranks_already_allocated=min(len(lock.peers()), ranks - 1),
-                cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0,
-            )
+        """Budget, allocate, pre-fault and register through the one bring-up (sglang #38156)."""
+        try:
             self.kv_buffer = self.init_kv_buffer()
-            try:
-                lock.record(total)
-            except BaseException:
-                self.destroy()  # release and free what init_kv_buffer brought up
-                raise
-            self._budget_bytes = total
+        except BaseException:
+            self.destroy()  # whatever came up goes down; leaked memory stays quarantined
+            raise
 
     def init_kv_buffer(self):
-        """Allocate every buffer; when pinning, register them all as one transaction."""
-        import torch
-
-        specs = self.descriptor.buffers()
+        """Bring every buffer up (budget, allocate, pre-fault; when pinning, register them all
+        as one transaction) and return the buffer (a list when there are several)."""
         framework_pin = self.pin_memory and _device_type(self.device_pool) in _FRAMEWORK_PINNED
-        tensors = []
-        try:
-            for spec, dtype in zip(specs, self.buffer_dtypes()):
-                if framework_pin:
-                    tensors.append(torch.empty(spec.shape, dtype=dtype, pin_memory=True))
-                else:
-                    tensors.append(self.allocator.allocate(spec.shape, dtype=dtype, device=self.device))
-            if self.pin_memory and not framework_pin and specs:
-                runtime = self.runtime if self.runtime is not None else CudaPythonRuntime()
-                self.registration = apply_pool_plan(
-                    self.pool_plan, base_ptrs=[t.data_ptr() for t in tensors], runtime=runtime,
-                    ledger=self.ledger,
-                )
-        except RollbackError:
-            quarantine(*self.allocator.buffers)  # CUDA still pins some of it: never unmap
-            raise
-        except BaseException:
-            del tensors
-            self.allocator.free_all(ledger=self.ledger)  # the executor rolled everything back
-            raise
-        return tensors[0] if len(tensors) == 1 else tensors
+        with deferred_interrupts():  # a Ctrl-C lands once the handle is stored
+            self._host = bring_up(
+                self.pool_plan, dtypes=self.buffer_dtypes(),
+                register=self.pin_memory and not framework_pin,
+                allocator=FrameworkPinnedAllocator() if framework_pin else self.allocator,
+                runtime=self.runtime, machine=self._machine, host_memory_bytes=self._host_memory_bytes,
+                lock=self._budget_lock, ledger=self.ledger, device=self.device,
+            )
+        self.registration = self._host.registration
+        tensors = self._host.tensors
+        return tensors[0] if len(tensors) == 1 else list(tensors)
 
     @property
     def buffers(self) -> list:
@@ -353,20 +327,12 @@ class HostKVCache(abc.ABC):
             if self._destroyed:
                 return
             self._wait_for_device_copies()
-            if self.registration is not None:
-                try:
-                    self.registration.release()
-                except ReleaseError:
-                    quarantine(*self.allocator.buffers)  # CUDA still pins some of it
-                    raise
+            if self._host is not None:
+                self._host.release()  # unregister, free, forget the budget (leaks: quarantined)
             self.kv_buffer = None
             self._index_memo.forget()
             self._views = {}
-            self.allocator.free_all(ledger=self.ledger)
             self._destroyed = True
-            if self._budget_bytes:
-                with budget_lock() as lock:
-                    lock.forget(self._budget_bytes)
 
     def _wait_for_device_copies(self) -> None:
         """Transfers run asynchronously on CUDA streams: none may still use memory we unpin or free."""

@@ -1,0 +1,71 @@
+"""Holding Ctrl-C while books are kept: a SIGINT that lands mid-bookkeeping waits for it.
+
+Owns `deferred_interrupts`, used by the executor, release and the bring-up around the few
+statements that must run together (a register call and its journal entry; storing a handle).
+A held interrupt is visible as ``.pending`` so long loops can stop between calls, and is
+delivered to the previous handler on exit. Only the main thread receives signals; elsewhere
+this does nothing. Imports signal and threading only.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+
+class deferred_interrupts:
+    """``with deferred_interrupts() as held:`` - SIGINT is recorded, not raised, until exit.
+
+    On exit the recorded signal goes to the handler that was installed before (Python's
+    default raises KeyboardInterrupt there). ``consume()`` takes it instead, for a caller that
+    honours it itself (e.g. by rolling back and raising). Nesting works: the inner block
+    delivers to the outer one's recorder.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._frame = None
+        self._previous = None
+        self._installed = False
+
+    def _hold(self, signum, frame) -> None:
+        self.pending = True
+        self._frame = frame
+
+    def __enter__(self) -> "deferred_interrupts":
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):  # SIG_IGN / SIG_DFL / None: nothing Python-level to defer
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._hold)
+                self._installed = True
+        return self
+
+    def consume(self) -> bool:
+        """True (and forgotten) when an interrupt was held."""
+        pending, self.pending = self.pending, False
+        return pending
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._installed:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        self._installed = False
+        if self.consume() and not _caused_by_interrupt(exc):
+            self._previous(signal.SIGINT, self._frame)  # default handler: KeyboardInterrupt
+
+
+def _caused_by_interrupt(error) -> bool:
+    """True when ``error`` is, or was caused by, a KeyboardInterrupt (already being honoured)."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def interrupt_requested(held: deferred_interrupts | None) -> None:
+    """Raise KeyboardInterrupt now when ``held`` recorded one (a loop's safe stopping point)."""
+    if held is not None and held.consume():
+        raise KeyboardInterrupt

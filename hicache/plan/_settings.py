@@ -1,0 +1,122 @@
+"""The one place registration caps are resolved: flags, ``HICACHE_*`` settings, machine facts.
+
+Owns the precedence (a flag beats the environment, which beats a machine fact, which beats
+the default; the driver ceiling and any kernel cap always hold, as `Limits` takes the
+minimum) and the record of which source decided each cap. Pure: the environment comes in as a
+mapping and the machine's kernel release as a string - `hicache.effects.probe_limits` passes
+the real ones, `hicache plan` passes the environment but no machine unless asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from hicache.errors import PlanError
+from hicache.plan._limits import (
+    DEFAULT_CHUNK_LIMIT_BYTES,
+    DRIVER_CEILING_BYTES,
+    Limits,
+    kernel_pin_cap,
+)
+from hicache.plan._units import parse_size
+
+#: The user settings read from the environment, and what each sets.
+SETTINGS_ENV = {
+    "HICACHE_REGISTER_CHUNK": "chunk limit per cudaHostRegister call, e.g. 64GiB",
+    "HICACHE_KERNEL_PIN_CAP": "per-pin cap of the kernel (a size, or 'none'); default: by release",
+    "HICACHE_DRIVER_CEILING": "largest single registration the driver accepts; default 511GiB",
+    "HICACHE_HUGEPAGE_SIZE": "hugetlbfs page size of hugepage-backed pools, e.g. 2MiB or 1GiB",
+}
+
+
+class EnvError(PlanError):
+    """An environment variable holds a value hicache cannot read."""
+
+
+def env_size(env: Mapping, name: str, *, allow_none: bool = False):
+    """The size in ``env[name]`` (None when unset or empty; ``"none"`` when allowed and given)."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    if allow_none and raw.strip().lower() == "none":
+        return "none"
+    try:
+        return parse_size(raw, what=name)
+    except PlanError as error:
+        raise EnvError(f"environment variable {name}={raw!r} is invalid: {error}") from None
+
+
+@attrs.frozen
+class ResolvedLimits:
+    """`Limits` and, per cap (``chunk_limit``, ``driver_ceiling``, ``kernel_cap``,
+    ``hugepage``), the source that decided it: a flag, a variable, the machine or the default."""
+
+    limits: Limits
+    sources: dict = attrs.field(converter=dict)
+
+
+def resolve_limits(
+    *,
+    env: Mapping | None = None,
+    chunk_limit_bytes: int | None = None,
+    kernel_release: str | None = None,
+    hugepage_bytes: int | None = None,
+    machine_kernel_release: str | None = None,
+    os_page_bytes: int = 4096,
+    flag_names: Mapping | None = None,
+) -> ResolvedLimits:
+    """Merge explicit values (flags), ``env`` (``HICACHE_*``) and the machine into `Limits`.
+
+    ``kernel_release`` (a flag) applies that release's per-pin cap; ``machine_kernel_release``
+    is the running kernel's, used only when neither the flag nor ``HICACHE_KERNEL_PIN_CAP``
+    says otherwise. ``flag_names`` names the flags in ``sources`` (default ``--chunk-limit``,
+    ``--kernel-release``, ``--hugepage-size``). Raises `EnvError` naming a bad variable.
+    """
+    env = {} if env is None else env
+    flags = {"chunk_limit": "--chunk-limit", "kernel_release": "--kernel-release", "hugepage": "--hugepage-size"}
+    flags.update(flag_names or {})
+    sources: dict[str, str] = {}
+
+    if chunk_limit_bytes is not None:
+        chunk, sources["chunk_limit"] = chunk_limit_bytes, flags["chunk_limit"]
+    elif (value := env_size(env, "HICACHE_REGISTER_CHUNK")) is not None:
+        chunk, sources["chunk_limit"] = value, "HICACHE_REGISTER_CHUNK"
+    else:
+        chunk, sources["chunk_limit"] = DEFAULT_CHUNK_LIMIT_BYTES, "default"
+
+    env_cap = env_size(env, "HICACHE_KERNEL_PIN_CAP", allow_none=True)
+    if kernel_release is not None:
+        cap = kernel_pin_cap(kernel_release)
+        sources["kernel_cap"] = f"{flags['kernel_release']} {kernel_release}"
+    elif env_cap is not None:
+        cap = None if env_cap == "none" else env_cap
+        sources["kernel_cap"] = "HICACHE_KERNEL_PIN_CAP"
+    elif machine_kernel_release is not None:
+        cap = kernel_pin_cap(machine_kernel_release)
+        sources["kernel_cap"] = f"this machine (Linux {machine_kernel_release})"
+    else:
+        cap, sources["kernel_cap"] = None, "not checked"
+
+    if (ceiling := env_size(env, "HICACHE_DRIVER_CEILING")) is not None:
+        sources["driver_ceiling"] = "HICACHE_DRIVER_CEILING"
+    else:
+        ceiling, sources["driver_ceiling"] = DRIVER_CEILING_BYTES, "default"
+
+    if hugepage_bytes is not None:
+        hugepage, sources["hugepage"] = hugepage_bytes, flags["hugepage"]
+    elif (hugepage := env_size(env, "HICACHE_HUGEPAGE_SIZE")) is not None:
+        sources["hugepage"] = "HICACHE_HUGEPAGE_SIZE"
+    else:
+        sources["hugepage"] = "not set"
+
+    try:
+        limits = Limits(
+            chunk_limit_bytes=chunk, os_page_bytes=os_page_bytes, hard_ceiling_bytes=ceiling,
+            kernel_cap_bytes=cap, hugepage_bytes=hugepage,
+        )
+    except PlanError as error:
+        named = ", ".join(f"{k} from {v}" for k, v in sources.items() if v not in ("default", "not set", "not checked"))
+        raise EnvError(f"invalid limits ({named or 'defaults'}): {error}") from None
+    return ResolvedLimits(limits, sources)
