@@ -31,6 +31,22 @@ def pytest_collection_modifyitems(config, items):
 import pytest  # noqa: E402
 
 
+#: Settings of the machine running the tests that would change what the tests see.
+_MACHINE_SETTINGS = (
+    "HICACHE_REGISTER_CHUNK", "HICACHE_KERNEL_PIN_CAP", "HICACHE_DRIVER_CEILING",
+    "HICACHE_HUGEPAGE_SIZE", "HICACHE_RANKS_PER_HOST", "HICACHE_HOST_COPY", "LOCAL_WORLD_SIZE",
+    "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB",
+)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_machine_settings():
+    """Tests set the HICACHE_* variables they test; the runner's own never leak in."""
+    saved = {name: os.environ.pop(name) for name in _MACHINE_SETTINGS if name in os.environ}
+    yield
+    os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_runtime_dir(tmp_path_factory):
     """Budget-lock files of the tests live in a private temporary directory."""
@@ -43,3 +59,27 @@ def _private_runtime_dir(tmp_path_factory):
         os.environ.pop("HICACHE_RUNTIME_DIR", None)
     else:
         os.environ["HICACHE_RUNTIME_DIR"] = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _a_small_machine():
+    """psutil reports a 4 GB machine with 3 GB available for the whole run: a test that reads
+    the real machine's memory instead of injecting facts (tests/machine.py) fails everywhere,
+    not only on small CI boxes."""
+    import collections
+
+    import psutil
+
+    from machine import SMALL_AVAILABLE, SMALL_TOTAL
+
+    real = psutil.virtual_memory
+    Memory = collections.namedtuple("svmem", real()._fields)
+
+    def small():
+        values = real()._asdict()
+        values.update(total=SMALL_TOTAL, available=SMALL_AVAILABLE, free=SMALL_AVAILABLE)
+        return Memory(**values)
+
+    psutil.virtual_memory = small
+    yield
+    psutil.virtual_memory = real

@@ -14,6 +14,7 @@ from hicache.cli import main
 from hicache.plan import CapacityPlan, from_jsonable
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
+from machine import ROOMY  # noqa: E402
 
 
 def run(capsys, *argv):
@@ -23,12 +24,13 @@ def run(capsys, *argv):
 
 
 def test_no_arguments_plans_the_default_preset_and_says_so(capsys):
-    """`hicache plan` alone plans llama-3.1-70b on defaults and lists the defaults it used."""
+    """`hicache plan` alone plans llama-3.1-70b on defaults (TP 1, as SGLang's --tp-size and
+    plan_capacity) and lists the defaults it used."""
     code, out, err = run(capsys, "plan")
     assert code == 0
     assert "default preset" in err
-    assert "defaults used: --model llama-3.1-70b --tp 8" in out
-    assert "2,441,408 tokens in 38,147 pages of 64" in out
+    assert "defaults used: --model llama-3.1-70b --tp 1" in out
+    assert "305,216 tokens in 4,769 pages of 64" in out
     assert "budget: not checked" in out and "doctor --plan" in out
 
 
@@ -97,7 +99,7 @@ def test_kernel_cap_applies_and_is_explained(capsys):
     """--kernel-release 6.12 caps every call under ~2 GB and the table says why."""
     code, out, _ = run(capsys, "plan", "--kernel-release", "6.12.1")
     assert code == 0
-    assert "2 GiB  kernel cap (Linux 6.11-6.13" in out or "kernel cap (Linux 6.11-6.13 pin at most ~2 GB per call)  <- decides" in out
+    assert "kernel cap (Linux 6.11-6.13 pin at most ~2 GB per call); from --kernel-release 6.12.1  <- decides" in out
 
 
 @pytest.mark.parametrize(
@@ -188,12 +190,12 @@ def test_doctor_json(capsys, tmp_path):
     run(capsys, "plan", "--host-gb", "1", "--format", "json", "--out", str(plan))
     code, out, _ = run(capsys, "doctor", "--plan", str(plan), "--format", "json")
     checks = {c["name"]: c["status"] for c in json.loads(out)["checks"]}
-    assert set(checks) == {"kernel", "thp", "hugepages", "memlock", "max_map_count", "memory", "numa", "host_copy", "cuda"}
+    assert set(checks) == {"kernel", "limits", "thp", "hugepages", "memlock", "max_map_count", "memory", "numa", "host_copy", "cuda"}
     assert code == (1 if "fail" in checks.values() else 0)
 
 
 def test_doctor_reports_how_host_pages_are_copied(monkeypatch):
-    from hicache._cli_machine import _host_copy_check
+    from hicache.cli._doctor import host_copy_check as _host_copy_check
     from hicache.effects import _host_copy
 
     bad = _host_copy_check({"HICACHE_HOST_COPY": "turbo"})
@@ -233,14 +235,13 @@ def _apply_args(*extra):
 
 def test_apply_brings_a_plan_up_and_down(capsys):
     """apply on a (fake) CUDA machine: allocate, pre-fault, register, release, print timings."""
-    from hicache import _cli_machine
-    from hicache.cli import build_plan
+    from hicache.cli import _apply
     from hicache.effects import HostLedger
     from hicache.testing import FakeCudaBinding, FakeRuntime
 
     runtime, ledger = FakeRuntime(), HostLedger()
-    code = _cli_machine.run_apply(_apply_args("--format", "json"), build_plan, runtime=runtime,
-                                  cuda_binding=FakeCudaBinding(), ledger=ledger)
+    code = _apply.run(_apply_args("--format", "json"), runtime=runtime, machine=ROOMY,
+                      cuda_binding=FakeCudaBinding(), ledger=ledger)
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["calls"] > 1 and out["bytes"] > 0
     assert set(out) >= {"allocate_s", "prefault_s", "register_s", "release_s"}
@@ -250,15 +251,14 @@ def test_apply_brings_a_plan_up_and_down(capsys):
 
 def test_apply_interrupted_leaves_nothing_registered(capsys):
     """Ctrl-C in the middle of registering: everything rolled back, memory freed."""
-    from hicache import _cli_machine
-    from hicache.cli import build_plan
+    from hicache.cli import _apply
     from hicache.effects import HostLedger
     from hicache.errors import ApplyError
     from hicache.testing import FakeCudaBinding, FakeRuntime
 
     runtime, ledger = FakeRuntime(interrupt_register={2: "after"}), HostLedger()
     with pytest.raises(ApplyError) as info:
-        _cli_machine.run_apply(_apply_args(), build_plan, runtime=runtime, cuda_binding=FakeCudaBinding(), ledger=ledger)
+        _apply.run(_apply_args(), runtime=runtime, machine=ROOMY, cuda_binding=FakeCudaBinding(), ledger=ledger)
     assert isinstance(info.value.__cause__, KeyboardInterrupt)
     assert runtime.held() == set() and ledger.held() == ()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from machine import ROOMY
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -66,7 +67,7 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 def test_threads_never_share_a_slot():
     """Several threads allocating and freeing at once never hold the same slot."""
     device = MHADevicePool(size=512, layer_num=1, head_num=1, head_dim=4, page_size=PAGE)
-    pool = MHATokenToKVPoolHost(device, 1.0, 0, PAGE, "page_first", False, "cpu", limits=Limits(chunk_limit_bytes=2**20))
+    pool = MHATokenToKVPoolHost(device, 1.0, 0, PAGE, "page_first", False, "cpu", limits=Limits(chunk_limit_bytes=2**20), machine=ROOMY)
     owner = torch.full((pool.size,), -1, dtype=torch.int64)
     errors = []
     guard = threading.Lock()

@@ -7,6 +7,7 @@ token, K/V) to the element SGLang's layout puts it in, with explicit indexing pe
 from __future__ import annotations
 
 import pytest
+from machine import ROOMY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +42,7 @@ def test_mha_backup_puts_each_token_where_the_layout_says(layout, page_size, see
     """After backup, host element (K/V, layer, slot) equals the device token it came from."""
     device = MHADevicePool(size=32, layer_num=3, head_num=2, head_dim=4, page_size=page_size)
     device.randomize(seed)
-    pool = MHATokenToKVPoolHost(device, 1.0, 0, page_size, layout, False, "cpu", limits=LIMITS)
+    pool = MHATokenToKVPoolHost(device, 1.0, 0, page_size, layout, False, "cpu", limits=LIMITS, machine=ROOMY)
     try:
         generator = torch.Generator().manual_seed(seed)
         host_idx = pool.alloc(4 * page_size)
@@ -65,7 +66,7 @@ def test_mla_backup_puts_each_token_where_the_layout_says(layout):
     """MLA: host (layer, slot) holds the device latent vector of that token."""
     device = MLADevicePool(size=32, layer_num=2, kv_lora_rank=6, qk_rope_head_dim=2, page_size=4)
     device.randomize(5)
-    pool = MLATokenToKVPoolHost(device, 1.0, 0, 4, layout, False, "cpu", limits=LIMITS)
+    pool = MLATokenToKVPoolHost(device, 1.0, 0, 4, layout, False, "cpu", limits=LIMITS, machine=ROOMY)
     host_idx = pool.alloc(8)
     device_idx = torch.arange(12, 20)
     pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")

@@ -35,6 +35,8 @@ from hicache.testing import (
     MLADevicePool,
 )
 
+from machine import ROOMY
+
 torch = pytest.importorskip("torch")
 P = 4
 LIMITS = Limits(chunk_limit_bytes=8192, os_page_bytes=64)
@@ -62,6 +64,7 @@ def make(name, layout, **kw):
     cls, device = FAMILIES[name]
     device_pool = device()
     kw.setdefault("limits", LIMITS)
+    kw.setdefault("machine", ROOMY)
     pool = cls(device_pool, 2.0, 0, device_pool.page_size, layout, kw.pop("pin_memory", False), "cpu", **kw)
     return pool, device_pool
 
@@ -177,7 +180,7 @@ def test_sizing_uses_ceil_pages_and_decimal_gb():
     sized, _ = make("mha", "page_first", page_num=None)
     sized.destroy()
     per_token = 2 * 3 * 2 * 8 * 2
-    gb_pool = MHATokenToKVPoolHost(_mha(), 0, 0.001, P, "page_first", False, "cpu", limits=LIMITS)
+    gb_pool = MHATokenToKVPoolHost(_mha(), 0, 0.001, P, "page_first", False, "cpu", limits=LIMITS, machine=ROOMY)
     assert gb_pool.page_num == -(-(10**6 // per_token) // P)
     gb_pool.destroy()
 
@@ -185,7 +188,7 @@ def test_sizing_uses_ceil_pages_and_decimal_gb():
 def test_host_smaller_than_device_is_a_warning(caplog):
     """A ratio below 1 logs a warning and builds the pool anyway."""
     device = _mha()
-    pool = MHATokenToKVPoolHost(device, 0.5, 0, P, "page_first", False, "cpu", limits=LIMITS)
+    pool = MHATokenToKVPoolHost(device, 0.5, 0, P, "page_first", False, "cpu", limits=LIMITS, machine=ROOMY)
     assert "smaller than the device pool" in caplog.text
     pool.destroy()
 
@@ -220,14 +223,14 @@ def test_a_failing_third_buffer_leaves_nothing_registered_or_mapped(monkeypatch)
 
     monkeypatch.setattr(HostTensorAllocator, "allocate", tracking)
     device = MambaDevicePool(size=16, layer_num=3, temporal_shape=(2, 4), conv_shapes=((3, 2), (5,)), page_size=1)
-    probe = MambaPoolHost(device, 2.0, 0, 1, "page_first", False, "cpu", limits=LIMITS)
+    probe = MambaPoolHost(device, 2.0, 0, 1, "page_first", False, "cpu", limits=LIMITS, machine=ROOMY)
     counts = [b.plan.call_count for b in probe.pool_plan.buffers]
     assert len(counts) == 3
     probe.destroy()
     made.clear()
     runtime, ledger = FakeRuntime(fail_register={counts[0] + counts[1]: 2}), HostLedger()
     with pytest.raises(ApplyError, match="conv1"):
-        MambaPoolHost(device, 2.0, 0, 1, "page_first", True, "cpu", limits=LIMITS, runtime=runtime, ledger=ledger)
+        MambaPoolHost(device, 2.0, 0, 1, "page_first", True, "cpu", limits=LIMITS, runtime=runtime, ledger=ledger, machine=ROOMY)
     assert runtime.held() == set() and ledger.held() == ()
     assert made and all(allocator.buffers == [] for allocator in made)  # every buffer unmapped
 

@@ -16,14 +16,17 @@ import os
 from collections import defaultdict
 
 from hicache.effects import (
-    TorchCudartRuntime,
+    BufferRequest,
+    HostTensorAllocator,
     apply_plan,
+    bring_up_buffers,
     quarantine,
+    torch_runtime,
     unregister_ranges,
 )
 from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, ReleaseError
 from hicache.plan import Limits, plan_registration
-from hicache.pools._allocator import HostTensorAllocator, get_allocator_from_storage
+from hicache.pools._allocator import get_allocator_from_storage
 
 __all__ = [
     "ALLOC_MEMORY_FUNCS",
@@ -77,6 +80,37 @@ def _base_alignment(ptr: int) -> int:
     return min(ptr & -ptr, 4096) if ptr else 4096
 
 
+def _chunk_plan(total: int, granularity, base_alignment: int):
+    """The registration plan of a ``total``-byte buffer under SGLang's chunk setting."""
+    limit = host_register_chunk_bytes()
+    if granularity is not None:
+        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0:
+            raise PlanError(f"registration_granularity_bytes must be positive, got {granularity!r}")
+        if granularity > limit:
+            raise PlanError(
+                "host registration granularity exceeds the configured chunk limit: "
+                f"granularity={granularity}, chunk_limit={limit} ({CHUNK_ENV})"
+            )
+    return plan_registration(
+        total, granularity_bytes=granularity,
+        limits=Limits(chunk_limit_bytes=limit, base_alignment_bytes=base_alignment),
+    )
+
+
+def _raise_for_apply(error: ApplyError):
+    """SGLang's callers expect RuntimeError for a refused register, and a plain Ctrl-C."""
+    if isinstance(error, HostAlreadyRegisteredError):
+        raise RuntimeError(f"cudaHostRegister refused: {error}") from error
+    if isinstance(error.__cause__, KeyboardInterrupt):
+        raise error.__cause__ from error
+    raise error
+
+
+def _record(buffer, registration) -> None:
+    setattr(buffer, _REGISTRATION_ATTR, registration)
+    setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [(r.ptr, r.size) for r in registration.ranges])
+
+
 def _cuda_host_register(buffer, registration_granularity_bytes: int | None = None) -> None:
     """Register ``buffer`` with CUDA in chunks no page copy straddles; record the ranges.
 
@@ -89,28 +123,14 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
     if getattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, None):
         logger.debug("host buffer at 0x%x is already registered; not registering again", buffer.data_ptr())
         return
-    limit = host_register_chunk_bytes()
-    granularity = registration_granularity_bytes
-    if granularity is not None:
-        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0:
-            raise PlanError(f"registration_granularity_bytes must be positive, got {granularity!r}")
-        if granularity > limit:
-            raise PlanError(
-                "host registration granularity exceeds the configured chunk limit: "
-                f"granularity={granularity}, chunk_limit={limit} ({CHUNK_ENV})"
-            )
     base = buffer.data_ptr()
     total = buffer.numel() * buffer.element_size()
-    plan = plan_registration(
-        total, granularity_bytes=granularity,
-        limits=Limits(chunk_limit_bytes=limit, base_alignment_bytes=_base_alignment(base)),
-    )
+    plan = _chunk_plan(total, registration_granularity_bytes, _base_alignment(base))
     if not plan.ranges:
         setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [])
         return
-    runtime = TorchCudartRuntime(_cudart())
     try:
-        registration = apply_plan(plan, base_ptr=base, runtime=runtime, name="host buffer")
+        registration = apply_plan(plan, base_ptr=base, runtime=torch_runtime(_cudart), name="host buffer")
     except HostAlreadyRegisteredError as error:  # overlaps a registration this process holds
         raise RuntimeError(f"cudaHostRegister refused: {error}") from error
     except ApplyError as error:
@@ -118,11 +138,8 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
         if leaked:  # what stays registered stays recorded, so teardown can retry it, and the
             setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, leaked)
             quarantine(buffer)  # tensor is kept alive: its memory must never be freed
-        if isinstance(error.__cause__, KeyboardInterrupt):
-            raise error.__cause__ from error
-        raise
-    setattr(buffer, _REGISTRATION_ATTR, registration)
-    setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [(r.ptr, r.size) for r in registration.ranges])
+        _raise_for_apply(error)
+    _record(buffer, registration)
 
 
 def _cuda_host_unregister_ranges(cudart, ranges, *, operation: str) -> list[tuple[int, int]]:
@@ -131,7 +148,7 @@ def _cuda_host_unregister_ranges(cudart, ranges, *, operation: str) -> list[tupl
     Every range is attempted (a sticky error stops the rest, which are returned); failures are
     logged with the CUDA error name - never via cudaGetErrorString(int).
     """
-    remaining = unregister_ranges(TorchCudartRuntime(cudart), list(ranges))
+    remaining = unregister_ranges(torch_runtime(lambda: cudart), list(ranges))
     if remaining:
         logger.warning(
             "%s left %d host range(s) registered: %s; their memory must not be freed",
@@ -172,10 +189,35 @@ def _cuda_host_unregister(buffer) -> None:
 def alloc_with_host_register(
     dims, dtype, device, pin_memory, allocator, registration_granularity_bytes: int | None = None
 ):
-    """Allocate with ``allocator`` and, when ``pin_memory``, register in copy-unit chunks."""
-    buffer = allocator.allocate(dims, dtype=dtype, device=device)
-    if pin_memory:
-        _cuda_host_register(buffer, registration_granularity_bytes)
+    """Allocate with ``allocator`` and, when ``pin_memory``, register in copy-unit chunks.
+
+    Through hicache's one bring-up (`hicache.effects.bring_up_buffers`) without a budget check
+    (SGLang's pool budgets before it calls this): the plan is made for the real base address
+    (a ``torch.empty`` base is often only 64-byte aligned; boundaries then follow the copy
+    unit). Errors as `_cuda_host_register`; on failure nothing stays registered, or what does
+    is quarantined with its memory.
+    """
+    if not pin_memory:
+        return allocator.allocate(dims, dtype=dtype, device=device)
+    import torch
+
+    dims = tuple(int(d) for d in dims)
+    total = torch.empty((), dtype=dtype).element_size()
+    for d in dims:
+        total *= d
+    plan = _chunk_plan(total, registration_granularity_bytes, 4096)
+    try:
+        handle = bring_up_buffers(
+            [BufferRequest("host buffer", dims, dtype, plan)], runtime=torch_runtime(_cudart),
+            allocator=allocator, budget=False, owns_memory=False, device=device,
+        )
+    except (ApplyError, HostAlreadyRegisteredError) as error:
+        _raise_for_apply(error)
+    buffer = handle.tensors[0]
+    if handle.registration is None:  # a zero-byte buffer has nothing to register
+        setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [])
+    else:
+        _record(buffer, handle.registration)
     return buffer
 
 

@@ -37,6 +37,7 @@ from hicache.effects._probes import (
     probe_cuda,
     probe_limits,
     probe_machine,
+    probe_kernel_release,
     probe_resolved_limits,
     ranks_per_host,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "default_runtime",
     "torch_runtime",
     "probe_resolved_limits",
+    "probe_kernel_release",
 
     "BudgetLock",
     "CudaFacts",

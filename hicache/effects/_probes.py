@@ -160,6 +160,11 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
     )
 
 
+def probe_kernel_release(*, root: str = "/") -> str:
+    """The running kernel's release string (``/proc/sys/kernel/osrelease`` under ``root``)."""
+    return _read(root, "/proc/sys/kernel/osrelease") or os.uname().release
+
+
 def probe_resolved_limits(
     *, env=None, root: str = "/", chunk_limit_bytes: int | None = None,
     kernel_release: str | None = None, hugepage_bytes: int | None = None, flag_names=None,
@@ -167,7 +172,7 @@ def probe_resolved_limits(
     """`resolve_limits` with this machine's environment, kernel release and page size: the
     limits every entry point that touches the machine plans with, and the source of each cap."""
     env = os.environ if env is None else env
-    release = _read(root, "/proc/sys/kernel/osrelease") or os.uname().release
+    release = probe_kernel_release(root=root)
     return resolve_limits(
         env=env, chunk_limit_bytes=chunk_limit_bytes, kernel_release=kernel_release,
         hugepage_bytes=hugepage_bytes, machine_kernel_release=release,

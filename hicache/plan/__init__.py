@@ -12,7 +12,7 @@ from hicache.plan._capacity import (
     check_budget,
     size_pool,
 )
-from hicache.plan._capacity_plan import CapacityPlan, NamedPool, plan_capacity
+from hicache.plan._capacity_plan import CAPACITY_DEFAULTS, CapacityPlan, NamedPool, plan_capacity
 from hicache.plan._codec import SCHEMA_VERSION, from_jsonable, to_jsonable
 from hicache.plan._layouts import (
     LAYOUT_CLASSES,
@@ -49,6 +49,7 @@ from hicache.plan._settings import SETTINGS_ENV, EnvError, ResolvedLimits, env_s
 from hicache.plan._units import format_bytes, format_gb, parse_size
 
 __all__ = [
+    "CAPACITY_DEFAULTS",
     "SETTINGS_ENV",
     "EnvError",
     "ResolvedLimits",

@@ -15,7 +15,7 @@ from hicache.errors import CapacityError, PlanError
 from hicache.plan._capacity import DEFAULT_RESERVE_BYTES, BudgetVerdict, PoolSize, assess_budget, size_pool
 from hicache.plan._checks import check_int
 from hicache.plan._limits import Limits
-from hicache.plan._models import ModelSpec, kv_itemsize, model_pools
+from hicache.plan._models import DEFAULT_MODEL, ModelSpec, kv_itemsize, model_pools
 from hicache.plan._pool import PoolPlan, plan_pool
 from hicache.plan._units import format_gb
 
@@ -68,18 +68,27 @@ class CapacityPlan:
         return self.call_count * (self.ranks_per_host or 1)
 
 
+#: The defaults of a capacity plan, shared by `plan_capacity` and the CLI: TP 1 as SGLang's
+#: ``--tp-size``, 64-token pages, the zero-copy ``page_first_direct`` layout, 100 GB per rank
+#: (the CLI's; the library needs a size), 256 linear-attention state slots.
+CAPACITY_DEFAULTS = {
+    "model": DEFAULT_MODEL, "tp": 1, "page_size": 64, "layout": "page_first_direct",
+    "host_gb": 100, "mamba_slots": 256,
+}
+
+
 def plan_capacity(
     model: ModelSpec,
     *,
     limits: Limits,
-    tp: int = 1,
-    page_size: int = 64,
-    layout: str = "page_first_direct",
+    tp: int = CAPACITY_DEFAULTS["tp"],
+    page_size: int = CAPACITY_DEFAULTS["page_size"],
+    layout: str = CAPACITY_DEFAULTS["layout"],
     kv_dtype: str | None = None,
     host_gb=None,
     device_tokens: int | None = None,
     host_to_device_ratio=None,
-    mamba_slots: int = 256,
+    mamba_slots: int = CAPACITY_DEFAULTS["mamba_slots"],
     ranks_per_host: int | None = None,
     host_memory_bytes: int | None = None,
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,

@@ -11,15 +11,19 @@ from hicache.plan import CapacityPlan, format_bytes, format_gb, to_jsonable
 
 _DTYPE_BY_ITEMSIZE = {1: "uint8", 2: "bf16", 4: "float32", 8: "float64"}
 _CAP_WHY = {
-    "chunk_limit": "chunk limit (--chunk-limit / HICACHE_REGISTER_CHUNK)",
+    "chunk_limit": "chunk limit",
     "driver_ceiling": "driver ceiling (r580+ drivers refuse one call of 512 GiB or more)",
     "kernel_cap": "kernel cap (Linux 6.11-6.13 pin at most ~2 GB per call)",
 }
 
 
-def render_json(plan: CapacityPlan) -> str:
-    """Deterministic JSON: schema version, sorted keys, integer bytes."""
-    return json.dumps(to_jsonable(plan), sort_keys=True, indent=2) + "\n"
+def render_json(plan: CapacityPlan, sources: dict | None = None) -> str:
+    """Deterministic JSON: schema version, sorted keys, integer bytes; ``cap_sources`` names
+    what decided each cap (a flag, a HICACHE_* variable, the machine or the default)."""
+    data = to_jsonable(plan)
+    if sources:
+        data["cap_sources"] = dict(sources)
+    return json.dumps(data, sort_keys=True, indent=2) + "\n"
 
 
 def _dtype(plan: CapacityPlan, pool: str, itemsize: int) -> str:
@@ -60,16 +64,20 @@ def _size_line(plan: CapacityPlan) -> str:
     )
 
 
-def _caps_lines(plan: CapacityPlan) -> list[str]:
+def _caps_lines(plan: CapacityPlan, sources: dict | None = None) -> list[str]:
     binding = set(plan.limits.binding_caps())
+    sources = sources or {}
     lines = []
     caps = plan.limits.caps()
     for name in ("chunk_limit", "driver_ceiling", "kernel_cap"):
+        source = sources.get(name)
         if name in caps:
             mark = "  <- decides the chunk size" if name in binding else ""
-            lines.append(f"{format_bytes(caps[name]):>10}  {_CAP_WHY[name]}{mark}")
+            origin = f"; from {source}" if source else ""
+            lines.append(f"{format_bytes(caps[name]):>10}  {_CAP_WHY[name]}{origin}{mark}")
         else:
-            lines.append(f"{'not set':>10}  {_CAP_WHY[name]}; --kernel-release applies it")
+            origin = f" (from {source})" if source and source != "not checked" else ""
+            lines.append(f"{'not set':>10}  {_CAP_WHY[name]}{origin}; --kernel-release or HICACHE_KERNEL_PIN_CAP applies it")
     return lines
 
 
@@ -105,7 +113,7 @@ def _summary(plan: CapacityPlan) -> list[str]:
     ]
 
 
-def render_table(plan: CapacityPlan, *, defaults: tuple[str, ...] = ()) -> str:
+def render_table(plan: CapacityPlan, *, defaults: tuple[str, ...] = (), sources: dict | None = None) -> str:
     """Aligned plain-text tables for a capacity reviewer."""
     rows = [_HEAD, *_rows(plan)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_HEAD))]
@@ -116,7 +124,7 @@ def render_table(plan: CapacityPlan, *, defaults: tuple[str, ...] = ()) -> str:
     ]
     lines = _header(plan, defaults)
     lines += ["", "host pool: " + _size_line(plan), "", *table, "", *_summary(plan), "caps per call:"]
-    lines += ["  " + line for line in _caps_lines(plan)]
+    lines += ["  " + line for line in _caps_lines(plan, sources)]
     if plan.notes:
         lines.append("notes:")
         lines += [f"  - {note}" for note in plan.notes]
@@ -124,7 +132,7 @@ def render_table(plan: CapacityPlan, *, defaults: tuple[str, ...] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_markdown(plan: CapacityPlan, *, defaults: tuple[str, ...] = ()) -> str:
+def render_markdown(plan: CapacityPlan, *, defaults: tuple[str, ...] = (), sources: dict | None = None) -> str:
     """The same content as markdown, for a review document."""
     header = _header(plan, defaults)
     lines = [f"## {header[0]}", ""]
@@ -134,7 +142,7 @@ def render_markdown(plan: CapacityPlan, *, defaults: tuple[str, ...] = ()) -> st
     lines.append("|" + "|".join("---:" if i >= 6 else "---" for i in range(len(_HEAD))) + "|")
     lines += ["| " + " | ".join(f"`{c}`" if i == 4 else c for i, c in enumerate(row)) + " |" for row in _rows(plan)]
     lines += ["", *[f"- {line}" for line in _summary(plan)], "- caps per call:"]
-    lines += [f"  - {line.strip()}" for line in _caps_lines(plan)]
+    lines += [f"  - {line.strip()}" for line in _caps_lines(plan, sources)]
     if plan.notes:
         lines.append("- notes:")
         lines += [f"  - {note}" for note in plan.notes]
@@ -142,9 +150,9 @@ def render_markdown(plan: CapacityPlan, *, defaults: tuple[str, ...] = ()) -> st
     return "\n".join(lines) + "\n"
 
 
-def render(plan: CapacityPlan, fmt: str, *, defaults: tuple[str, ...] = ()) -> str:
+def render(plan: CapacityPlan, fmt: str, *, defaults: tuple[str, ...] = (), sources: dict | None = None) -> str:
     if fmt == "json":
-        return render_json(plan)
+        return render_json(plan, sources)
     if fmt == "markdown":
-        return render_markdown(plan, defaults=defaults)
-    return render_table(plan, defaults=defaults)
+        return render_markdown(plan, defaults=defaults, sources=sources)
+    return render_table(plan, defaults=defaults, sources=sources)

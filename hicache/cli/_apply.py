@@ -1,0 +1,142 @@
+"""`hicache apply`: bring a plan up for real through the one bring-up, hold it, release it.
+
+Owns the command's sequence around `hicache.effects.bring_up` (CUDA check -> plan with this
+machine's caps -> bring-up with a progress bar on stderr -> hold -> release) and its report.
+Plans made here use `probe_resolved_limits`: the kernel cap of this machine, the HICACHE_*
+settings and the flags (a flag wins). Loaded only by `apply`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from hicache.cli._common import INFEASIBLE, USAGE, CliError, positive_int
+from hicache.cli._plan_args import add_plan_arguments, build_plan, limits_from_args
+from hicache.cli._saved import load_plan, pool_plans
+from hicache.errors import CudaUnavailableError
+from hicache.plan import format_bytes
+
+DESCRIPTION = (
+    "Allocate, pre-fault and register a plan on this machine, all or nothing, as the pools "
+    "would (budget under the host-wide lock, one transaction), hold it, then release it. "
+    "Plans with this machine's kernel cap and the HICACHE_* settings unless --plan is given. "
+    "Example: hicache apply --model llama-3.1-8b --host-gb 4 --hold 30"
+)
+
+
+class _Progress:
+    """A one-line progress bar on stderr (a line per buffer when stderr is not a terminal)."""
+
+    def __init__(self, total_calls: int) -> None:
+        self.total_calls = total_calls
+        self.calls = 0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, event) -> None:
+        self.calls += 1
+        rate = event.bytes_done / event.elapsed_s / 1e9 if event.elapsed_s > 0 else 0.0
+        line = (f"registering {format_bytes(event.bytes_done)} / {format_bytes(event.bytes_total)}  "
+                f"calls {self.calls}/{self.total_calls}  {rate:.1f} GB/s")
+        if self.tty:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+        elif event.chunk_index == event.chunk_count:
+            print(f"{line}  ({event.buffer} done)", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def add_command(commands) -> None:
+    apply = commands.add_parser("apply", help="allocate, pre-fault and register a plan for real", description=DESCRIPTION)
+    add_plan_arguments(apply)
+    apply.add_argument("--plan", dest="plan_file", help="a saved JSON plan (instead of plan arguments)")
+    apply.add_argument("--hold", default="0", help="seconds to hold the registration, or inf: until Ctrl-C (default 0)")
+    apply.add_argument("--hugepages", choices=("off", "prefer", "required"), default="off")
+    apply.add_argument("--threads", help="pre-fault threads (default: cores, at most 16)")
+    apply.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def _hold_seconds(text: str) -> float:
+    try:
+        hold = float(text)
+    except ValueError:
+        hold = -1.0
+    if not hold >= 0:  # also refuses nan
+        raise CliError("bad-number", f"--hold must be seconds >= 0 or inf, got {text!r}", "e.g. --hold 30", USAGE)
+    return hold
+
+
+def _machine_plan(args):
+    """The plan to bring up and the source of each cap: a saved plan must fit this machine."""
+    from hicache.effects import os_page_bytes, probe_kernel_release, probe_resolved_limits
+    from hicache.plan import EnvError
+
+    if args.plan_file:
+        plan = load_plan(args.plan_file)
+        try:
+            machine = probe_resolved_limits()
+        except EnvError as error:
+            raise CliError("bad-limits", str(error), "fix or unset the HICACHE_* variable it names") from None
+        largest = max((p.largest_call_bytes for _, p in pool_plans(plan)), default=0)
+        if largest > machine.limits.hard_cap_bytes:
+            raise CliError(
+                "plan-exceeds-machine",
+                f"the saved plan's largest call is {format_bytes(largest)}, over this machine's "
+                f"{format_bytes(machine.limits.hard_cap_bytes)} cap (kernel cap: "
+                f"{machine.sources['kernel_cap']}; driver ceiling: {machine.sources['driver_ceiling']})",
+                "re-plan here: hicache apply with plan arguments instead of --plan", INFEASIBLE,
+            )
+        return plan, {"all": f"saved plan {args.plan_file}"}
+    resolved = limits_from_args(args, machine_kernel_release=probe_kernel_release(), os_page_bytes=os_page_bytes())
+    plan, _, sources = build_plan(args, resolved)
+    return plan, sources
+
+
+def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
+    """`hicache apply`. ``runtime``/``cuda_binding``/``ledger``/``machine``/``lock`` stand in for
+    CUDA and the machine in tests (`hicache.testing.fake_cuda` does the first two for all)."""
+    from hicache.effects import HostTensorAllocator, bring_up, deferred_interrupts, probe_cuda
+
+    hold = _hold_seconds(args.hold)
+    threads = positive_int(args.threads, "--threads") if args.threads else None
+    plan, sources = _machine_plan(args)
+    cuda = probe_cuda(cuda_binding)
+    if not cuda.available:  # before allocating anything
+        raise CudaUnavailableError(f"CUDA unavailable: {cuda.error}", op="probe", code=35, name="cudaErrorInsufficientDriver")
+    pools = [p for _, p in pool_plans(plan)]
+    hugepage = pools[0].limits.hugepage_bytes if pools else None
+    allocator = HostTensorAllocator(prefault_threads=threads, hugepages=args.hugepages, hugepage_bytes=hugepage)
+    progress = _Progress(sum(p.call_count for p in pools))
+    handle = None
+    try:
+        with deferred_interrupts():  # a Ctrl-C lands once the handle is stored
+            handle = bring_up(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
+                              ledger=ledger, progress=progress)
+        progress.close()
+        status = handle.registration.status() if handle.registration is not None else None
+        if hold > 0:
+            total = handle.total_bytes
+            print(f"holding {format_bytes(total)} registered for {hold:g} s (Ctrl-C releases)", file=sys.stderr)
+            deadline = time.monotonic() + hold
+            while time.monotonic() < deadline:  # --hold inf: until interrupted
+                time.sleep(min(deadline - time.monotonic(), 3600))
+    finally:
+        if handle is not None:
+            handle.release()
+    report = {
+        "bytes": handle.total_bytes, "calls": status.call_count if status else 0,
+        "register_gbps": round(status.register_gbps, 2) if status else 0.0,
+        "allocate_s": round(allocator.allocate_s, 4), "prefault_s": round(allocator.prefault_s, 4),
+        "register_s": round(handle.timings.get("register_s", 0.0), 4),
+        "release_s": round(handle.timings.get("release_s", 0.0), 4),
+        "largest_call": max((p.largest_call_bytes for p in pools), default=0),
+    }
+    if args.format == "json":
+        sys.stdout.write(json.dumps({**report, "cap_sources": sources}, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write("".join(f"{k:<14} {v}\n" for k, v in report.items()))
+        sys.stdout.write("caps from     " + ", ".join(f"{k}: {v}" for k, v in sorted(sources.items())) + "\n")
+    return 0

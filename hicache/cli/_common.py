@@ -1,0 +1,87 @@
+"""What every `hicache` command shares: the user-facing error, exit codes, the parser class,
+and strict readers of numbers and sizes. Imports hicache.plan and the standard library only
+(the `plan` path must not load torch, cuda or psutil).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from decimal import Decimal, InvalidOperation
+
+from hicache.errors import PlanError
+from hicache.plan import parse_size
+
+USAGE, INFEASIBLE, CUDA_FAILURE, INTERRUPTED = 2, 1, 3, 130
+
+
+class CliError(Exception):
+    """A user-facing failure: one ``error[ref]: message`` line, a hint, an exit code."""
+
+    def __init__(self, ref: str, message: str, hint: str, code: int = USAGE) -> None:
+        super().__init__(message)
+        self.ref, self.hint, self.code = ref, hint, code
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    # An explicit width keeps argparse from importing shutil for the terminal size on every
+    # start (argparse builds a formatter per add_argument); `hicache plan` must start fast.
+    columns = os.environ.get("COLUMNS", "")
+    width = int(columns) - 2 if columns.isascii() and columns.isdigit() and int(columns) > 20 else 98
+    return argparse.HelpFormatter(prog, width=min(width, 98))
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # argparse's own usage errors, in our format
+        raise CliError("usage", message, f"run `{self.prog} --help`")
+
+
+def positive_int(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise CliError("bad-number", f"{flag} must be a whole number, got {text!r}", f"e.g. {flag} 8") from None
+    if value <= 0:
+        raise CliError("bad-number", f"{flag} must be positive, got {value}", f"e.g. {flag} 8")
+    return value
+
+
+def positive_decimal(text: str, flag: str) -> Decimal:
+    try:
+        value = Decimal(str(text))
+    except (InvalidOperation, TypeError):
+        raise CliError("bad-size", f"{flag} must be a number, got {text!r}", f"e.g. {flag} 100") from None
+    if not value.is_finite() or value <= 0:
+        raise CliError("bad-size", f"{flag} must be a positive number, got {text!r}", f"e.g. {flag} 100")
+    return value
+
+
+def size(text: str, flag: str) -> int:
+    try:
+        return parse_size(text, what=flag)
+    except PlanError as error:
+        raise CliError("bad-size", str(error), f"sizes look like 64GiB, 512MiB, 2TB or 4096 ({flag})") from None
+
+
+def emit(text: str, out: str | None) -> None:
+    """Write ``text`` to ``out`` (a path) or stdout."""
+    if out:
+        try:
+            with open(out, "w") as handle:
+                handle.write(text)
+        except OSError as error:
+            raise CliError("bad-output", f"cannot write {out}: {error.strerror}", "pass a writable --out path") from None
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+
+
+def fail(ref: str, message: str, hint: str, code: int) -> int:
+    print(f"error[{ref}]: {message}", file=sys.stderr)
+    print(f"hint: {hint}", file=sys.stderr)
+    return code

@@ -1,0 +1,225 @@
+"""`hicache doctor`: what this machine will do to a plan, as a table of rules.
+
+Each rule reads one `Context` (the plan, if any, the machine's facts, the caps this machine
+resolves with their sources, CUDA) and returns one `Check` (pass / warn / fail, a hint).
+Loaded only by `doctor`; it imports hicache.effects when it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import attrs
+
+from hicache.cli._saved import load_plan, pool_plans
+from hicache.plan import CapacityPlan, assess_budget, format_bytes, format_gb
+
+DESCRIPTION = (
+    "Check this machine against a saved plan (or in general): kernel pin cap, the caps this "
+    "machine plans with and where each comes from, hugepages, memlock, mappings, memory budget, "
+    "NUMA, the host copy path and CUDA. Exit 1 when a check fails."
+)
+
+
+@attrs.frozen
+class Check:
+    """One doctor finding."""
+
+    name: str
+    status: str  # pass | warn | fail
+    finding: str
+    hint: str = ""
+
+
+@attrs.frozen
+class Context:
+    """Everything the rules read."""
+
+    plan: object
+    facts: object
+    resolved: object  # ResolvedLimits of this machine, or an EnvError
+    env: object
+    cuda_binding: object
+    total: int
+    calls: int
+    largest: int
+    ranks: int
+    limits: object  # the plan's Limits, or None
+
+
+def _kernel(c: Context) -> Check:
+    cap = c.facts.kernel_pin_cap_bytes
+    if cap is None:
+        return Check("kernel", "pass", f"Linux {c.facts.kernel_release}: no per-pin cap")
+    if c.plan is not None and c.largest > cap:
+        return Check("kernel", "fail",
+                     f"Linux {c.facts.kernel_release} pins at most {format_bytes(cap)} per call; the plan's largest call is {format_bytes(c.largest)}",
+                     f"re-plan with --kernel-release {c.facts.kernel_release} (or HICACHE_KERNEL_PIN_CAP)")
+    return Check("kernel", "warn", f"Linux {c.facts.kernel_release} pins at most {format_bytes(cap)} per call",
+                 "hicache apply and the pools keep calls under it; for saved plans use --kernel-release")
+
+
+def _limits(c: Context) -> Check:
+    from hicache.plan import EnvError
+
+    if isinstance(c.resolved, EnvError):
+        return Check("limits", "fail", str(c.resolved), "fix or unset the HICACHE_* variable it names")
+    limits, sources = c.resolved.limits, c.resolved.sources
+    parts = [f"chunk limit {format_bytes(limits.chunk_limit_bytes)} ({sources['chunk_limit']})",
+             f"driver ceiling {format_bytes(limits.hard_ceiling_bytes)} ({sources['driver_ceiling']})"]
+    cap = limits.kernel_cap_bytes
+    parts.append(f"kernel cap {format_bytes(cap) if cap else 'none'} ({sources['kernel_cap']})")
+    if limits.hugepage_bytes:
+        parts.append(f"hugepage {format_bytes(limits.hugepage_bytes)} ({sources['hugepage']})")
+    finding = "this machine plans with " + ", ".join(parts)
+    if c.plan is not None and c.largest > limits.effective_cap_bytes:
+        return Check("limits", "warn", finding + f"; the saved plan's largest call is {format_bytes(c.largest)}",
+                     "re-plan on this machine (hicache apply without --plan does)")
+    return Check("limits", "pass", finding)
+
+
+def _thp(c: Context) -> Check:
+    if c.facts.thp_enabled == "always":
+        return Check("thp", "warn", f"transparent huge pages: always (defrag: {c.facts.thp_defrag})",
+                     "compaction can stall pre-fault; hicache's mappings opt out unless asked")
+    return Check("thp", "pass", f"transparent huge pages: {c.facts.thp_enabled or 'unknown'}")
+
+
+def _hugepages(c: Context) -> Check:
+    pools_text = ", ".join(f"{format_bytes(p.size_bytes)}: {p.free}/{p.total} free" for p in c.facts.hugepages) or "none"
+    hugepage = c.limits.hugepage_bytes if c.limits is not None else None
+    if not hugepage:
+        return Check("hugepages", "pass", f"reserved hugepages: {pools_text}")
+    pool = next((p for p in c.facts.hugepages if p.size_bytes == hugepage), None)
+    needed = -(-c.total // hugepage) * c.ranks
+    if pool is None or pool.free < needed:
+        free = pool.free if pool else 0
+        return Check("hugepages", "fail", f"the plan needs {needed} pages of {format_bytes(hugepage)} for {c.ranks} rank(s), {free} free ({pools_text})",
+                     f"reserve them: echo {needed} > /sys/kernel/mm/hugepages/hugepages-{hugepage // 1024}kB/nr_hugepages")
+    return Check("hugepages", "pass", f"{pool.free} free pages of {format_bytes(hugepage)} cover {needed} needed")
+
+
+def _memlock(c: Context) -> Check:
+    memlock = c.facts.memlock_soft
+    text = "unlimited" if memlock is None else format_bytes(memlock)
+    if memlock is not None and c.plan is not None and memlock < c.total:
+        return Check("memlock", "warn", f"RLIMIT_MEMLOCK {text} is below the plan's {format_bytes(c.total)}",
+                     "cudaHostRegister pins through the driver, but RDMA registration of the same memory (Mooncake, NIXL) counts against it: ulimit -l unlimited")
+    return Check("memlock", "pass", f"RLIMIT_MEMLOCK {text}")
+
+
+def _max_map_count(c: Context) -> Check:
+    if c.facts.max_map_count is None or c.plan is None:
+        return Check("max_map_count", "pass", f"vm.max_map_count {c.facts.max_map_count}")
+    need = 2 * c.calls * c.ranks  # a registration can split a mapping; be generous
+    status = "fail" if need > c.facts.max_map_count else "pass"
+    return Check("max_map_count", status, f"vm.max_map_count {c.facts.max_map_count:,}; the plan needs about {need:,} mappings for {c.ranks} rank(s)",
+                 "" if status == "pass" else "raise vm.max_map_count or --chunk-limit")
+
+
+def _memory(c: Context) -> Check:
+    f = c.facts
+    text = f"{format_gb(f.available_bytes)} available of {format_gb(f.total_bytes)}"
+    if f.cgroup_limit_bytes is not None:
+        text += f"; cgroup limit {format_gb(f.cgroup_limit_bytes)}"
+    if c.plan is None:
+        return Check("memory", "pass", text)
+    verdict = assess_budget(c.total, available_bytes=f.available_bytes, ranks_per_host=c.ranks,
+                            cgroup_limit_bytes=f.cgroup_limit_bytes, cgroup_usage_bytes=f.cgroup_usage_bytes or 0)
+    return Check("memory", "pass" if verdict.ok else "fail", f"{text}; {verdict.explain()}",
+                 "" if verdict.ok else "lower --host-gb or the ranks per host")
+
+
+def _numa(c: Context) -> Check:
+    numa = c.facts.numa_nodes
+    return Check("numa", "pass" if numa == 1 else "warn", f"{numa} NUMA node(s)",
+                 "" if numa == 1 else "bind each rank's pool to its GPU's node (numactl --membind / --cpunodebind)")
+
+
+def _host_copy(c: Context) -> Check:
+    return host_copy_check(c.env)
+
+
+def host_copy_check(env) -> Check:
+    """Whether host<->host page copies run through the native helper (see effects/_host_copy)."""
+    from hicache.effects import _host_copy
+    from hicache.effects._probes import EnvError
+
+    try:
+        mode = _host_copy.host_copy_mode(env)
+    except EnvError as error:
+        return Check("host_copy", "fail", str(error), f"unset {_host_copy.ENV_VAR} or set it to auto")
+    threads = _host_copy.copy_threads()
+    if mode == "native":
+        return Check("host_copy", "pass", f"native batched host copies, up to {threads} thread(s)")
+    if _host_copy._native is None:
+        return Check("host_copy", "warn", "native copy helper not built: CPU page copies use ctypes memmove (slower)",
+                     "reinstall hicache where a C compiler (gcc/cc) is available")
+    return Check("host_copy", "pass", f"ctypes memmove copies, as {_host_copy.ENV_VAR} asks")
+
+
+def _cuda(c: Context) -> Check:
+    from hicache.effects import probe_cuda
+
+    cuda = probe_cuda(c.cuda_binding)
+    if cuda.available:
+        return Check("cuda", "pass", f"driver {cuda.driver_version}, runtime {cuda.runtime_version}, {cuda.device_count} device(s)")
+    return Check("cuda", "fail", f"CUDA unavailable: {cuda.error}", "install the NVIDIA driver or run on a GPU node")
+
+
+#: The rules, in the order they print.
+RULES = (_kernel, _limits, _thp, _hugepages, _memlock, _max_map_count, _memory, _numa, _host_copy, _cuda)
+
+
+def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, facts=None) -> list[Check]:
+    """Every rule of `hicache doctor`, against ``plan`` when one is given. ``facts``: injected
+    `MachineFacts` (default: probed under ``root``)."""
+    import os
+
+    from hicache.effects import probe_machine, probe_resolved_limits
+    from hicache.plan import EnvError
+
+    env = os.environ if env is None else env
+    facts = probe_machine(root=root, env=env) if facts is None else facts
+    try:
+        resolved = probe_resolved_limits(env=env, root=root)
+    except EnvError as error:
+        resolved = error
+    pools = pool_plans(plan) if plan is not None else []
+    ranks = facts.ranks_per_host
+    if isinstance(plan, CapacityPlan) and plan.ranks_per_host:
+        ranks = plan.ranks_per_host
+    context = Context(
+        plan=plan, facts=facts, resolved=resolved, env=env, cuda_binding=cuda_binding,
+        total=sum(p.total_bytes for _, p in pools), calls=sum(p.call_count for _, p in pools),
+        largest=max((p.largest_call_bytes for _, p in pools), default=0), ranks=ranks,
+        limits=pools[0][1].limits if pools else None,
+    )
+    return [rule(context) for rule in RULES]
+
+
+def render_checks(checks: list[Check], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps({"schema": "hicache.doctor", "schema_version": 1,
+                           "checks": [attrs.asdict(c) for c in checks]}, sort_keys=True, indent=2) + "\n"
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status.upper():<4}  {c.name:<{width}}  {c.finding}")
+        if c.hint:
+            lines.append(f"{'':<4}  {'':<{width}}  hint: {c.hint}")
+    return "\n".join(lines) + "\n"
+
+
+def add_command(commands) -> None:
+    doctor = commands.add_parser("doctor", help="what this machine will do to a plan", description=DESCRIPTION)
+    doctor.add_argument("--plan", dest="plan_file", help="a saved JSON plan to check against this machine")
+    doctor.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def run(args) -> int:
+    plan = load_plan(args.plan_file) if args.plan_file else None
+    checks = doctor_checks(plan)
+    sys.stdout.write(render_checks(checks, args.format))
+    return 1 if any(c.status == "fail" for c in checks) else 0

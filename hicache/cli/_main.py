@@ -1,0 +1,76 @@
+"""`hicache` entry point: the parser of every command, and errors turned into exit codes.
+
+Exit codes: 0 ok, 1 infeasible plan / refused budget / failed check, 2 usage, 3 CUDA failure,
+130 interrupted. Only the command being run is imported (the `plan` path stays light).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hicache.cli._common import CUDA_FAILURE, INFEASIBLE, INTERRUPTED, CliError, Parser, fail
+from hicache.errors import ApplyError, CapacityError, CudaCallError, HicacheError, PlanError, RollbackError
+
+_COMMANDS = ("plan", "doctor", "apply")
+
+
+def _module(name: str):
+    if name == "plan":
+        from hicache.cli import _plan as module
+    elif name == "doctor":
+        from hicache.cli import _doctor as module
+    else:
+        from hicache.cli import _apply as module
+    return module
+
+
+def make_parser(only: str | None = None) -> Parser:
+    """The argument parser; ``only`` builds just that subcommand (start-up time of `plan`)."""
+    parser = Parser(prog="hicache", description="Plan, check and apply cudaHostRegister of host KV-cache pools.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name in _COMMANDS:
+        if only in (None, name):
+            _module(name).add_command(commands)
+    return parser
+
+
+def _what_is_left(error: BaseException | None) -> str:
+    """The hint after an interrupt or failure: never "nothing is left" when a rollback leaked."""
+    while error is not None:
+        if isinstance(error, RollbackError):
+            ranges = len(error.leaked) + len(getattr(error, "uncertain", ()))
+            return (f"{ranges} range(s) may stay registered (listed above); this process must not "
+                    "free their memory - exiting releases them")
+        error = error.__cause__ or error.__context__
+    return "nothing is left registered"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `hicache` and `python -m hicache`; returns the exit code."""
+    try:
+        argv = sys.argv[1:] if argv is None else list(argv)
+        only = argv[0] if argv and argv[0] in _COMMANDS else None
+        args = make_parser(only).parse_args(argv)
+        return _module(args.command).run(args)
+    except CliError as error:
+        return fail(error.ref, str(error), error.hint, error.code)
+    except CapacityError as error:
+        return fail("budget-refused", str(error), "lower the pool size or free host memory", INFEASIBLE)
+    except ApplyError as error:
+        cause = error.__cause__
+        if isinstance(cause, KeyboardInterrupt):
+            return fail("interrupted", str(error), _what_is_left(error), INTERRUPTED)
+        if isinstance(cause, CudaCallError):
+            return fail("cuda-error", str(error), "run `hicache doctor`", CUDA_FAILURE)
+        return fail("apply-failed", str(error), "run `hicache doctor`", INFEASIBLE)
+    except CudaCallError as error:
+        ref = "cuda-unavailable" if error.__class__.__name__ == "CudaUnavailableError" else "cuda-error"
+        return fail(ref, str(error), "run `hicache doctor` on this machine", CUDA_FAILURE)
+    except PlanError as error:
+        return fail("infeasible-plan", str(error), "raise --chunk-limit or change --layout/--page-size", INFEASIBLE)
+    except HicacheError as error:
+        return fail("error", str(error), "run `hicache doctor`", INFEASIBLE)
+    except KeyboardInterrupt as interrupt:
+        detail = interrupt.__cause__ or interrupt.__context__
+        message = f"interrupted ({detail})" if detail is not None else "interrupted"
+        return fail("interrupted", message, _what_is_left(interrupt), INTERRUPTED)

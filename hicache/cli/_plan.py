@@ -1,0 +1,50 @@
+"""`hicache plan`: the offline capacity review. Pure: reads flags and the ``HICACHE_*``
+settings, never the machine (no torch, cuda or psutil import)."""
+
+from __future__ import annotations
+
+import sys
+
+from hicache.cli._common import INFEASIBLE, CliError, emit
+from hicache.cli._plan_args import add_plan_arguments, build_plan
+from hicache.plan import CAPACITY_DEFAULTS, PRESETS
+
+DESCRIPTION = (
+    "Plan every host pool a model needs on one rank: buffer shapes, page-copy units and the "
+    "cudaHostRegister calls each buffer is split into, with the cap that decided the split. "
+    "Never touches the machine."
+)
+
+
+def add_command(commands) -> None:
+    plan = commands.add_parser("plan", help="capacity plan of a model's host pools (offline, pure)", description=DESCRIPTION)
+    add_plan_arguments(plan)
+    plan.add_argument("--list-models", action="store_true", help="list the embedded presets")
+    plan.add_argument("--format", choices=("table", "json", "markdown"), default="table")
+    plan.add_argument("--out", help="write the output to FILE instead of stdout")
+
+
+def _list_models() -> str:
+    lines = [f"{'preset':<20} {'family':<14} source"]
+    for name, spec in PRESETS.items():
+        mark = "  (default)" if name == CAPACITY_DEFAULTS["model"] else ""
+        lines.append(f"{name:<20} {spec.kind:<14} {spec.source}{mark}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    from hicache.cli._render import render
+
+    if args.list_models:
+        emit(_list_models(), args.out)
+        return 0
+    plan, defaults, sources = build_plan(args)
+    if defaults and not any(getattr(args, k) for k in ("model", "config")):
+        print("hicache plan: no model given; planning the default preset on default settings", file=sys.stderr)
+    emit(render(plan, args.format, defaults=defaults, sources=sources), args.out)
+    if plan.budget is not None and not plan.budget.ok:
+        raise CliError(
+            "budget-refused", plan.budget.explain(),
+            "lower --host-gb, run fewer --ranks-per-host, or add host memory", INFEASIBLE,
+        )
+    return 0

@@ -1,0 +1,143 @@
+"""The plan arguments `plan` and `apply` share, and the capacity plan they describe.
+
+Owns turning flags (and the ``HICACHE_*`` settings, through `hicache.plan.resolve_limits`, the
+one place caps are merged) into a `CapacityPlan`, the cap sources and the defaults used.
+Defaults come from `hicache.plan.CAPACITY_DEFAULTS`. Pure: no machine access unless the
+caller passes a probed kernel release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hicache.cli._common import CliError, positive_decimal, positive_int, size
+from hicache.errors import LayoutError
+from hicache.plan import (
+    CAPACITY_DEFAULTS,
+    DEFAULT_CHUNK_LIMIT_BYTES,
+    DEFAULT_RESERVE_BYTES,
+    KV_DTYPES,
+    PRESETS,
+    CapacityPlan,
+    ConfigError,
+    EnvError,
+    ResolvedLimits,
+    model_from_hf_config,
+    plan_capacity,
+    resolve_limits,
+)
+
+LAYOUTS = ("page_first_direct", "page_first", "layer_first", "page_head")
+
+
+def _model(args):
+    if args.config and args.model:
+        raise CliError("conflicting-flags", "--model and --config both given", "pass one of them")
+    if args.config:
+        path = args.config
+        try:
+            with open(path) as handle:
+                data = json.loads(handle.read())
+        except OSError as error:
+            raise CliError("bad-config", f"cannot read {path}: {error.strerror}", "pass the path of a HuggingFace config.json") from None
+        except ValueError as error:
+            raise CliError("bad-config", f"{path} is not valid JSON: {error}", "pass the path of a HuggingFace config.json") from None
+        try:
+            return model_from_hf_config(data, name=str(path))
+        except ConfigError as error:
+            raise CliError("bad-config", str(error), "check the config.json, or use --model with a preset") from None
+    name = args.model or CAPACITY_DEFAULTS["model"]
+    if name not in PRESETS:
+        raise CliError("unknown-model", f"unknown model {name!r}", "`hicache plan --list-models` lists the presets; or pass --config config.json")
+    return PRESETS[name]
+
+
+def _defaults_used(args, sources: dict) -> tuple[str, ...]:
+    used = []
+    if not args.model and not args.config:
+        used.append(f"--model {CAPACITY_DEFAULTS['model']}")
+    for flag, key in (("--tp", "tp"), ("--page-size", "page_size"), ("--layout", "layout")):
+        if getattr(args, key) is None:
+            used.append(f"{flag} {CAPACITY_DEFAULTS[key]}")
+    if sources.get("chunk_limit") == "default":
+        used.append(f"--chunk-limit {DEFAULT_CHUNK_LIMIT_BYTES // 2**30}GiB")
+    if args.host_gb is None and args.ratio is None:
+        used.append(f"--host-gb {CAPACITY_DEFAULTS['host_gb']}")
+    return tuple(used)
+
+
+def limits_from_args(args, *, env=None, machine_kernel_release: str | None = None, os_page_bytes: int = 4096) -> ResolvedLimits:
+    """The caps the flags ask for, merged with ``env``'s ``HICACHE_*`` settings (a flag wins)."""
+    chunk = size(args.chunk_limit, "--chunk-limit") if args.chunk_limit else None
+    hugepage = size(args.hugepage_size, "--hugepage-size") if args.hugepage_size else None
+    try:
+        return resolve_limits(
+            env=os.environ if env is None else env, chunk_limit_bytes=chunk,
+            kernel_release=args.kernel_release or None, hugepage_bytes=hugepage,
+            machine_kernel_release=machine_kernel_release, os_page_bytes=os_page_bytes,
+        )
+    except EnvError as error:
+        raise CliError("bad-limits", str(error), "check --chunk-limit, --hugepage-size and the HICACHE_* variables") from None
+
+
+def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPlan, tuple[str, ...], dict]:
+    """The capacity plan the `plan`/`apply` arguments describe, the defaults it used and the
+    source of each cap. ``resolved``: caps already resolved (``apply`` probes the machine)."""
+    model = _model(args)
+    if args.host_gb is not None and args.ratio is not None:
+        raise CliError("conflicting-flags", "--host-gb and --ratio both given", "size the pool by one of them")
+    if args.ratio is not None and args.device_tokens is None:
+        raise CliError("missing-flag", "--ratio needs --device-tokens", "e.g. --ratio 2 --device-tokens 500000")
+    tp = positive_int(args.tp or str(CAPACITY_DEFAULTS["tp"]), "--tp")
+    page_size = positive_int(args.page_size or str(CAPACITY_DEFAULTS["page_size"]), "--page-size")
+    if args.kv_dtype is not None and args.kv_dtype not in KV_DTYPES:
+        raise CliError("bad-dtype", f"unknown --kv-dtype {args.kv_dtype!r}", f"one of {', '.join(sorted(KV_DTYPES))}")
+    resolved = limits_from_args(args) if resolved is None else resolved
+    host_gb = None
+    if args.ratio is None:
+        host_gb = positive_decimal(args.host_gb or CAPACITY_DEFAULTS["host_gb"], "--host-gb")
+    ratio = positive_decimal(args.ratio, "--ratio") if args.ratio is not None else None
+    device_tokens = positive_int(args.device_tokens, "--device-tokens") if args.device_tokens else None
+    ranks = positive_int(args.ranks_per_host, "--ranks-per-host") if args.ranks_per_host else None
+    memory = size(args.host_memory, "--host-memory") if args.host_memory else None
+    if ranks and memory is None:
+        raise CliError("missing-flag", "--ranks-per-host needs --host-memory for the budget", "e.g. --host-memory 2TB --ranks-per-host 8")
+    reserve = size(args.reserve, "--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
+    try:
+        plan = plan_capacity(
+            model, limits=resolved.limits, tp=tp, page_size=page_size,
+            layout=args.layout or CAPACITY_DEFAULTS["layout"], kv_dtype=args.kv_dtype, host_gb=host_gb,
+            device_tokens=device_tokens, host_to_device_ratio=ratio,
+            mamba_slots=positive_int(args.mamba_slots, "--mamba-slots"), ranks_per_host=ranks,
+            host_memory_bytes=memory, reserve_bytes=reserve,
+        )
+    except ConfigError as error:
+        raise CliError("bad-config", str(error), "check --tp against the model's KV heads, or --kv-dtype") from None
+    except LayoutError as error:
+        raise CliError("unsupported-layout", str(error), "pick a --layout the model's pools support") from None
+    return plan, _defaults_used(args, resolved.sources), resolved.sources
+
+
+def add_plan_arguments(parser) -> None:
+    what = parser.add_argument_group("model and parallelism")
+    what.add_argument("--model", help=f"embedded preset (default {CAPACITY_DEFAULTS['model']}; --list-models)")
+    what.add_argument("--config", help="a HuggingFace config.json instead of a preset")
+    what.add_argument("--tp", help=f"tensor-parallel size (default {CAPACITY_DEFAULTS['tp']}, as SGLang's --tp-size)")
+    what.add_argument("--page-size", help=f"tokens per page (default {CAPACITY_DEFAULTS['page_size']})")
+    what.add_argument("--layout", choices=LAYOUTS, help=f"host pool layout (default {CAPACITY_DEFAULTS['layout']})")
+    what.add_argument("--kv-dtype", help="KV cache dtype (default: the model's; bf16, fp8, ...)")
+    what.add_argument("--mamba-slots", default=str(CAPACITY_DEFAULTS["mamba_slots"]),
+                      help=f"linear-attention state slots (default {CAPACITY_DEFAULTS['mamba_slots']})")
+    size_group = parser.add_argument_group("pool size (one of)")
+    size_group.add_argument("--host-gb", help=f"host pool per rank in decimal GB, as SGLang's --hicache-size (default {CAPACITY_DEFAULTS['host_gb']})")
+    size_group.add_argument("--ratio", help="host-to-device ratio; needs --device-tokens")
+    size_group.add_argument("--device-tokens", help="tokens of the device KV pool")
+    caps = parser.add_argument_group("registration caps (a flag beats HICACHE_REGISTER_CHUNK / HICACHE_KERNEL_PIN_CAP / HICACHE_HUGEPAGE_SIZE)")
+    caps.add_argument("--chunk-limit", help="largest cudaHostRegister call (default: HICACHE_REGISTER_CHUNK, else 64GiB)")
+    caps.add_argument("--kernel-release", help="apply the per-pin cap of this Linux release (6.11-6.13)")
+    caps.add_argument("--hugepage-size", help="hugetlbfs page size of the pool (e.g. 2MiB, 1GiB)")
+    budget = parser.add_argument_group("budget (plan never reads the machine)")
+    budget.add_argument("--host-memory", help="memory available on the host (e.g. 2TB, 1.5TiB)")
+    budget.add_argument("--ranks-per-host", help="ranks sharing the host memory")
+    budget.add_argument("--reserve", help="memory kept back (default 10GiB)")
