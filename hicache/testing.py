@@ -11,7 +11,9 @@ come from hicache._stand_ins. Used by hicache's tests and by anyone testing code
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
 
 from hicache._stand_ins import (
     AsymmetricMHADevicePool,
@@ -28,6 +30,7 @@ from hicache.effects._codes import (
     STICKY,
     SUCCESS,
 )
+from hicache.effects import _runtime
 from hicache.effects._runtime import TorchCudartRuntime
 from hicache.errors import CudaCallError, HostAlreadyRegisteredError, HostNotRegisteredError
 
@@ -43,6 +46,7 @@ __all__ = [
     "FakeRuntime",
     "FakeInvariantError",
     "check_runtime_conformance",
+    "fake_cuda",
 ]
 
 MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation: the typical non-sticky register failure
@@ -245,3 +249,28 @@ def check_runtime_conformance(runtime, ptr: int, size: int, *, page_bytes: int =
     finally:
         runtime.unregister(ptr)
     return passed
+
+
+_FAKE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def fake_cuda(**faults):
+    """Within the block every default CUDA runtime is one `FakeRuntime` over
+    ``FakeCudart(**faults)``, which is yielded (``.held()``, ``.cudart.log``).
+
+    Covers what picks a runtime itself: the pools (``runtime=None``), the
+    `hicache.compat.sglang` helpers (instead of ``torch.cuda.cudart()``), ``hicache apply`` and
+    `hicache.effects.probe_cuda` (which then sees one device). Process-wide, so threads the
+    code under test starts see it too; blocks nest (the innermost wins). For code that runs on
+    a CPU box and would otherwise call the real CUDA.
+    """
+    runtime = FakeRuntime(**faults)
+    entry = (runtime, FakeCudaBinding(runtime.cudart))
+    with _FAKE_LOCK:
+        _runtime._STAND_INS.append(entry)
+    try:
+        yield runtime
+    finally:
+        with _FAKE_LOCK:
+            _runtime._STAND_INS.remove(entry)

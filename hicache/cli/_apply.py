@@ -12,11 +12,11 @@ import json
 import sys
 import time
 
-from hicache.cli._common import INFEASIBLE, USAGE, CliError, positive_int
+from hicache.cli._common import INFEASIBLE, USAGE, CliError, positive_int, size
 from hicache.cli._plan_args import add_plan_arguments, build_plan, limits_from_args
 from hicache.cli._saved import load_plan, pool_plans
 from hicache.errors import CudaUnavailableError
-from hicache.plan import format_bytes
+from hicache.plan import DEFAULT_RESERVE_BYTES, format_bytes
 
 DESCRIPTION = (
     "Allocate, pre-fault and register a plan on this machine, all or nothing, as the pools "
@@ -102,6 +102,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
 
     hold = _hold_seconds(args.hold)
     threads = positive_int(args.threads, "--threads") if args.threads else None
+    reserve = size(args.reserve, "--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
     plan, sources = _machine_plan(args)
     cuda = probe_cuda(cuda_binding)
     if not cuda.available:  # before allocating anything
@@ -114,7 +115,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     try:
         with deferred_interrupts():  # a Ctrl-C lands once the handle is stored
             handle = bring_up(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
-                              ledger=ledger, progress=progress)
+                              ledger=ledger, progress=progress, reserve_bytes=reserve)
         progress.close()
         status = handle.registration.status() if handle.registration is not None else None
         if hold > 0:

@@ -1,0 +1,59 @@
+"""One rank of tests/test_ranks.py: import everything, wait at a file barrier, then bring a
+1 GB pool up through `hicache apply` or a pool class, under `hicache.testing.fake_cuda`.
+
+psutil reports a machine with ``HICACHE_TEST_BASE`` bytes available at the barrier, minus
+whatever the host really lost since then (the other ranks' resident pools), so the budget sees
+the ranks that came up before it exactly as it would on a real host of that size.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import psutil
+import torch  # noqa: F401  (imported before the barrier: not counted as a pool)
+
+from hicache.cli import main
+from hicache.errors import CapacityError
+from hicache.pools import MHATokenToKVPoolHost
+from hicache.testing import MHADevicePool, fake_cuda
+
+
+def _machine_from(start: int, base: int):
+    real = psutil.virtual_memory
+
+    def virtual_memory():
+        values = real()._asdict()
+        values["available"] = max(0, base - max(0, start - values["available"]))
+        return type(real())(**values)
+
+    return virtual_memory
+
+
+def main_rank(mode: str, barrier: str, pool_gb: str, hold_s: float) -> int:
+    open(os.path.join(barrier, f"ready-{os.getpid()}"), "w").close()
+    go = os.path.join(barrier, "go")
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    time.sleep(0.05)  # the parent writes, then renames: the content is there
+    start = int(open(go).read())
+    psutil.virtual_memory = _machine_from(start, int(os.environ["HICACHE_TEST_BASE"]))
+    with fake_cuda():
+        if mode == "apply":
+            return main(["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", pool_gb,
+                         "--chunk-limit", "256MiB", "--hold", str(hold_s), "--reserve", "1GiB"])
+        device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=64)
+        try:
+            pool = MHATokenToKVPoolHost(device, 2.0, float(pool_gb), 64, "page_first_direct", True, "cpu")
+        except CapacityError as error:
+            print(f"error[budget-refused]: {error}", file=sys.stderr)
+            return 1
+        time.sleep(hold_s)
+        pool.destroy()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_rank(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])))

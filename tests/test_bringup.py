@@ -1,0 +1,190 @@
+"""The one bring-up: budget under the lock until resident, one transaction, ordered release;
+the fake CUDA every entry point shares; caps from one source, end to end."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+
+import pytest
+from machine import GB, ROOMY, facts
+
+from hicache.effects import (
+    BudgetLock,
+    BufferRequest,
+    HostLedger,
+    HostTensorAllocator,
+    bring_up,
+    bring_up_buffers,
+    probe_cuda,
+)
+from hicache.errors import CapacityError, RollbackError
+from hicache.plan import Limits, MHALayout, plan_pool, plan_registration
+from hicache.pools import MHATokenToKVPoolHost
+from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda
+
+torch = pytest.importorskip("torch")
+LIMITS = Limits(chunk_limit_bytes=64 * 1024, os_page_bytes=4096)
+
+
+def _pool_plan(pages=64):
+    layout = MHALayout("page_first_direct", layer_num=2, head_num=2, head_dim=64, page_size=4, page_num=pages, itemsize=2)
+    return plan_pool(layout, LIMITS)
+
+
+@pytest.fixture
+def lock(tmp_path):
+    directory = tmp_path / "run"
+    directory.mkdir(mode=0o700)
+    return BudgetLock(directory)
+
+
+def _entries(lock):
+    with lock:
+        return lock._entries()
+
+
+def test_bring_up_registers_everything_and_release_undoes_it_in_order(lock):
+    runtime, ledger = FakeRuntime(), HostLedger()
+    plan = _pool_plan()
+    handle = bring_up(plan, runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger)
+    assert handle.state == "active" and handle.registration.status().call_count == plan.call_count
+    assert _entries(lock) == {os.getpid(): plan.total_bytes}
+    assert len(runtime.held()) == plan.call_count and len(ledger.held()) == 1
+    handle.release()
+    handle.release()  # idempotent
+    assert runtime.held() == set() and ledger.held() == () and _entries(lock) == {}
+    assert [op[0] for op in runtime.cudart.log].count("unregister") == plan.call_count
+
+
+def test_the_budget_lock_is_held_until_the_memory_is_resident(lock):
+    """Allocation and pre-fault run under the host-wide lock: a rank starting meanwhile waits,
+    then sees this pool as used memory (sglang #38156; `apply` used to pre-fault after)."""
+    seen = []
+
+    class Probe(HostTensorAllocator):
+        def allocate(self, dims, dtype, device="cpu", pin_memory=False):
+            fd = os.open(lock.path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("free")
+            except OSError as error:
+                seen.append("held" if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else error)
+            finally:
+                os.close(fd)
+            return super().allocate(dims, dtype, device)
+
+    handle = bring_up(_pool_plan(), runtime=FakeRuntime(), machine=ROOMY, lock=lock, allocator=Probe(), ledger=HostLedger())
+    handle.release()
+    assert seen == ["held"]
+
+
+def test_the_budget_divides_by_ranks_and_counts_peers_that_allocated(lock):
+    plan = _pool_plan()
+    size = plan.total_bytes
+    reserve = 1 << 20
+    tight = facts(available_bytes=reserve + 4 * size - 1, ranks_per_host=4)  # < size per rank of 4
+
+    def attempt():
+        handle = bring_up(plan, runtime=FakeRuntime(), machine=tight, lock=lock, reserve_bytes=reserve, ledger=HostLedger())
+        handle.release()
+
+    with pytest.raises(CapacityError, match="4 rank"):
+        attempt()
+    with lock:  # a live peer (our parent) already allocated: 3 ranks share what is left
+        lock._write({os.getppid(): size})
+    attempt()
+    assert _entries(lock) == {os.getppid(): size}
+
+
+def test_a_refused_budget_allocates_and_registers_nothing(lock):
+    runtime = FakeRuntime()
+    allocator = HostTensorAllocator()
+    with pytest.raises(CapacityError):
+        bring_up(_pool_plan(), runtime=runtime, machine=facts(available_bytes=GB), lock=lock, allocator=allocator)
+    assert runtime.cudart.log == [] and allocator.owned() == [] and _entries(lock) == {}
+
+
+def test_a_rollback_that_leaks_quarantines_the_buffers_and_drops_the_budget(lock):
+    from hicache.effects import QUARANTINE
+
+    runtime, ledger = FakeRuntime(fail_register={2: 2}, fail_unregister={0: 1}), HostLedger()
+    allocator = HostTensorAllocator()
+    before = len(QUARANTINE)
+    with pytest.raises(RollbackError) as info:
+        bring_up(_pool_plan(), runtime=runtime, machine=ROOMY, lock=lock, allocator=allocator, ledger=ledger)
+    leaked = set(info.value.leaked)
+    assert leaked and runtime.held() == leaked and set(ledger.held()) == leaked
+    kept = QUARANTINE[before:]
+    assert any(b in kept for b in allocator.owned()) and all(not b.freed for b in allocator.owned())
+    assert _entries(lock) == {}
+
+
+def test_a_base_less_aligned_than_planned_is_replanned_not_refused():
+    """A 64-byte aligned torch.empty base (compat's allocators): boundaries on the copy unit."""
+    unit = 1536  # not a multiple of the OS page: page alignment would need lcm(1536, 4096)
+    plan = plan_registration(unit * 40, granularity_bytes=unit, limits=Limits(chunk_limit_bytes=8192))
+
+    class Offset:  # hands out tensors at a base that is 64 but not 128-byte aligned
+        def __init__(self):
+            self.keep = []
+
+        def allocate(self, dims, dtype, device="cpu"):
+            raw = torch.empty(dims[0] + 256, dtype=torch.uint8)
+            shift = next(s for s in range(256) if (raw.data_ptr() + s) % 128 == 64)
+            self.keep.append(raw)
+            return raw[shift: shift + dims[0]]
+
+        def free_all(self, ledger=None):
+            self.keep = []
+
+    runtime = FakeRuntime()
+    handle = bring_up_buffers([BufferRequest("b", (plan.total_bytes,), None, plan)], runtime=runtime,
+                              allocator=Offset(), budget=False, ledger=HostLedger())
+    (used,) = handle.plans
+    assert handle.tensors[0].data_ptr() % 128 == 64
+    assert used.limits.base_alignment_bytes == 64 and used.step_bytes % unit == 0
+    assert any("copy unit only" in note for note in used.notes)
+    assert sorted(size for _, size in runtime.held()) == sorted(r.size for r in used.ranges)
+    handle.release()
+    assert runtime.held() == set()
+
+
+# -- hicache.testing.fake_cuda: one fake for every default runtime -----------------------------
+def test_fake_cuda_is_what_pools_compat_apply_and_probes_use_by_default(lock, capsys):
+    from hicache.cli import main
+    from hicache.compat.sglang import HostTensorAllocator as CompatAllocator
+    from hicache.compat.sglang import _cuda_host_unregister, alloc_with_host_register
+
+    with fake_cuda() as fake:
+        assert probe_cuda().available and probe_cuda().device_count == 1
+        device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=8, page_size=4)
+        pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu",
+                                    limits=LIMITS, machine=ROOMY, budget_lock=lock)
+        assert fake.held() and fake.held() == {(r.ptr, r.size) for r in pool.registration.ranges}
+        pool.destroy()
+        buffer = alloc_with_host_register((4096,), torch.uint8, "cpu", True, CompatAllocator())
+        assert len(fake.held()) == 1
+        _cuda_host_unregister(buffer)
+        code = main(["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.01",
+                     "--chunk-limit", "1MiB", "--reserve", "1MiB", "--format", "json"])
+        out = json.loads(capsys.readouterr().out)
+        assert code == 0 and out["calls"] > 1
+        assert fake.held() == set() and fake.cudart.log[-1][0] == "unregister"
+        assert fake.cudart.register_calls == out["calls"] + 1 + pool.pool_plan.call_count
+    from hicache.effects import _runtime
+
+    assert _runtime._STAND_INS == []
+
+
+def test_fake_cuda_passes_faults_and_ends_with_the_block():
+    from hicache.effects import _runtime
+
+    with fake_cuda(fail_register={0: 2}) as fake:
+        assert fake.cudart.fail_register == {0: 2}
+        with fake_cuda() as inner:
+            assert _runtime.default_runtime() is inner
+        assert _runtime.default_runtime() is fake
+    assert not _runtime._STAND_INS

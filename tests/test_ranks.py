@@ -1,0 +1,51 @@
+"""Ranks that start together on one host never overcommit it: with room for one pool, exactly
+one of four is admitted (`hicache apply` and the pools alike), the others exit 1 with the
+budget message. Real processes, real memory (1 GB), fake CUDA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+RANKS = 4
+POOL_GB = "1"
+
+
+@pytest.mark.parametrize("mode", ["apply", "pool"])
+def test_ranks_starting_together_admit_exactly_one(tmp_path, mode):
+    import psutil
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    # room for one 1 GB pool beyond the reserve, not for two (pool_host reserve: 10 GiB; apply's --reserve 1GiB)
+    reserve = 2**30 if mode == "apply" else 10 * 2**30
+    env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime), "HICACHE_RANKS_PER_HOST": "1",
+           "HICACHE_TEST_BASE": str(reserve + int(1.6e9))}
+    child = Path(__file__).parent / "rank_child.py"
+    ranks = [subprocess.Popen([sys.executable, str(child), mode, str(barrier), POOL_GB, "2"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(RANKS)]
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(barrier.glob("ready-*"))) < RANKS:
+            assert time.monotonic() < deadline and all(r.poll() is None for r in ranks), [r.communicate() for r in ranks if r.poll() is not None]
+            time.sleep(0.02)
+        real = getattr(psutil.virtual_memory, "__wrapped__", psutil.virtual_memory)  # conftest shrinks it
+        (barrier / "go.tmp").write_text(str(real().available))
+        (barrier / "go.tmp").rename(barrier / "go")
+        results = [(r.wait(timeout=120), *r.communicate()) for r in ranks]
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0] + [1] * (RANKS - 1), results
+    for code, _, err in results:
+        if code:
+            assert "error[budget-refused]" in err and "host memory budget refused" in err, err
