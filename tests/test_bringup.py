@@ -188,3 +188,65 @@ def test_fake_cuda_passes_faults_and_ends_with_the_block():
             assert _runtime.default_runtime() is inner
         assert _runtime.default_runtime() is fake
     assert not _runtime._STAND_INS
+
+
+# -- one source of caps, end to end ------------------------------------------------------------
+PLAN_ARGS = ["--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.02"]
+
+
+@pytest.mark.parametrize(
+    "env, flags, cap",
+    [
+        ({"HICACHE_KERNEL_PIN_CAP": "1MiB"}, [], 2**20),
+        ({"HICACHE_REGISTER_CHUNK": "2MiB"}, [], 2 * 2**20),
+        ({"HICACHE_REGISTER_CHUNK": "8MiB"}, ["--chunk-limit", "2MiB"], 2 * 2**20),  # a flag beats the env
+        ({"HICACHE_KERNEL_PIN_CAP": "1MiB"}, ["--chunk-limit", "4MiB"], 2**20),  # the kernel cap holds
+        ({"HICACHE_DRIVER_CEILING": "3MiB", "HICACHE_REGISTER_CHUNK": "8MiB"}, [], 3 * 2**20),
+    ],
+    ids=["kernel-env", "chunk-env", "flag-beats-env", "kernel-cap-holds", "driver-ceiling-env"],
+)
+def test_apply_never_calls_above_the_cap_that_wins_and_plan_agrees(monkeypatch, capsys, env, flags, cap):
+    from hicache.cli import main
+    from hicache.plan import from_jsonable
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with fake_cuda() as fake:
+        code = main(["apply", *PLAN_ARGS, *flags, "--reserve", "1MiB", "--format", "json"])
+        applied = json.loads(capsys.readouterr().out)
+    assert code == 0, capsys.readouterr().err
+    calls = [entry[2] for entry in fake.cudart.log if entry[0] == "register"]
+    assert max(calls) <= cap and len(calls) == applied["calls"] > 1
+    assert main(["plan", *PLAN_ARGS, *flags, "--format", "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    planned = from_jsonable(printed)
+    assert [r.size for pool in planned.pools for b in pool.plan.buffers for r in b.plan.ranges] == calls
+    assert printed["cap_sources"] == applied["cap_sources"] | {"kernel_cap": printed["cap_sources"]["kernel_cap"]}
+
+
+def test_apply_on_a_kernel_that_caps_pins_plans_under_it_without_a_flag(monkeypatch):
+    """The README's example on Linux 6.12: every call under ~2 GB, the machine named as source."""
+    import hicache.effects
+    from hicache.cli import make_parser
+    from hicache.cli._apply import _machine_plan
+    from hicache.plan import KERNEL_PIN_CAP_BYTES
+
+    monkeypatch.setattr(hicache.effects, "probe_kernel_release", lambda **_: "6.12.3-generic")
+    args = make_parser().parse_args(["apply", "--model", "llama-3.1-70b", "--tp", "8", "--host-gb", "100"])
+    plan, sources = _machine_plan(args)
+    assert plan.largest_call_bytes <= KERNEL_PIN_CAP_BYTES < 2**31 and plan.call_count > 40
+    assert sources["kernel_cap"] == "this machine (Linux 6.12.3-generic)"
+
+
+def test_plan_reads_the_settings_but_never_the_machine(monkeypatch, capsys):
+    from hicache.cli import main
+
+    monkeypatch.setenv("HICACHE_REGISTER_CHUNK", "16GiB")
+    assert main(["plan", "--format", "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["caps"]["chunk_limit"] == 16 * 2**30
+    assert printed["cap_sources"]["chunk_limit"] == "HICACHE_REGISTER_CHUNK"
+    assert printed["cap_sources"]["kernel_cap"] == "not checked"
+    monkeypatch.setenv("HICACHE_REGISTER_CHUNK", "lots")
+    assert main(["plan"]) == 2
+    assert "error[bad-limits]: environment variable HICACHE_REGISTER_CHUNK='lots'" in capsys.readouterr().err

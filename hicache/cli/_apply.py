@@ -98,7 +98,7 @@ def _machine_plan(args):
 def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
     """`hicache apply`. ``runtime``/``cuda_binding``/``ledger``/``machine``/``lock`` stand in for
     CUDA and the machine in tests (`hicache.testing.fake_cuda` does the first two for all)."""
-    from hicache.effects import HostTensorAllocator, bring_up, deferred_interrupts, probe_cuda
+    from hicache.effects import HostTensorAllocator, bring_up, probe_cuda
 
     hold = _hold_seconds(args.hold)
     threads = positive_int(args.threads, "--threads") if args.threads else None
@@ -113,9 +113,8 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     progress = _Progress(sum(p.call_count for p in pools))
     handle = None
     try:
-        with deferred_interrupts():  # a Ctrl-C lands once the handle is stored
-            handle = bring_up(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
-                              ledger=ledger, progress=progress, reserve_bytes=reserve)
+        handle = bring_up(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
+                          ledger=ledger, progress=progress, reserve_bytes=reserve)
         progress.close()
         status = handle.registration.status() if handle.registration is not None else None
         if hold > 0:

@@ -17,12 +17,12 @@ import attrs
 
 from hicache.effects._allocators import HostTensorAllocator
 from hicache.effects._executor import _apply
-from hicache.effects._host_memory import quarantine
+from hicache.effects._host_pools import HostPools
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._lock import budget_lock
 from hicache.effects._probes import probe_machine
 from hicache.effects._runtime import default_runtime
-from hicache.errors import PlanError, RegistrationStateError, ReleaseError, RollbackError
+from hicache.errors import PlanError
 from hicache.plan import DEFAULT_RESERVE_BYTES, PoolPlan, RegistrationPlan, check_budget, plan_registration
 
 
@@ -70,95 +70,6 @@ def _aligned_plan(plan: RegistrationPlan, ptr: int) -> RegistrationPlan:
     return plan_registration(plan.total_bytes, granularity_bytes=plan.granularity_bytes, limits=limits)
 
 
-class HostPools:
-    """Host buffers brought up together: ``tensors`` (one per request, in order),
-    ``registration`` (None when nothing is registered), ``plans`` (as registered), ``timings``.
-
-    `release()` unregisters, then frees, then drops the budget entry; it is idempotent and
-    raises `ReleaseError` when a range stays registered (that memory is quarantined).
-    """
-
-    def __init__(self, requests, allocator, ledger, *, owns_memory: bool) -> None:
-        self.requests = tuple(requests)
-        self.allocator = allocator
-        self.ledger = ledger
-        self.owns_memory = owns_memory
-        self.tensors: list = []
-        self.plans: list = []
-        self.registration = None
-        self.timings: dict[str, float] = {}
-        self.state = "bringing-up"
-        self.leaked: tuple = ()  # (ptr, size) still registered after a failed undo
-        self._budget = None  # (lock, bytes) while this process's budget entry holds them
-        self._lock = threading.Lock()
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(_nbytes(r) for r in self.requests)
-
-    def _quarantine(self) -> None:
-        owned = getattr(self.allocator, "owned", None)
-        quarantine(*self.tensors, *(owned() if owned else ()))
-
-    def release(self) -> None:
-        """Unregister, free, forget the budget; safe to call twice."""
-        with self._lock, deferred_interrupts():
-            if self.state in ("released", "leaked"):
-                if self.state == "leaked":
-                    raise ReleaseError(
-                        f"{len(self.leaked)} range(s) stay registered; their memory is kept mapped",
-                        leaked=self.leaked,
-                    )
-                return
-            start = time.perf_counter()
-            try:
-                if self.registration is not None:
-                    self.registration.release()
-            except ReleaseError as error:
-                self._quarantine()  # CUDA still pins some of it: never unmap
-                self.state, self.leaked = "leaked", tuple(error.leaked)
-                self._forget_budget()
-                raise
-            self.tensors = []
-            if self.owns_memory:
-                try:
-                    self.allocator.free_all(ledger=self.ledger)
-                except RegistrationStateError:  # a rollback left part of it registered
-                    self._quarantine()
-            self._forget_budget()
-            self.state = "released"
-            self.timings["release_s"] = time.perf_counter() - start
-
-    def _forget_budget(self) -> None:
-        if self._budget is not None:
-            lock, nbytes = self._budget
-            with lock:
-                lock.forget(nbytes)
-            self._budget = None
-
-    def _abort(self, error: BaseException) -> None:
-        """Undo a bring-up that failed: memory the executor could not unregister is kept."""
-        rollback = error if isinstance(error, RollbackError) else error.__cause__
-        if isinstance(rollback, RollbackError):
-            with self._lock:
-                self._quarantine()
-                self.tensors = []
-                self.state = "leaked"
-                self.leaked = tuple(rollback.leaked) + tuple(getattr(rollback, "uncertain", ()))
-                self._forget_budget()
-            return
-        self.release()
-
-    def __enter__(self) -> "HostPools":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"<HostPools {self.state}: {len(self.requests)} buffer(s), {self.total_bytes} bytes>"
-
-
 def _nbytes(request: BufferRequest) -> int:
     if request.plan is not None:
         return request.plan.total_bytes
@@ -203,7 +114,7 @@ def bring_up_buffers(
         if not isinstance(request, BufferRequest):
             raise PlanError(f"expected BufferRequests, got {request!r}")
     allocator = HostTensorAllocator() if allocator is None else allocator
-    handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory)
+    handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory, nbytes=[_nbytes(r) for r in requests])
     try:
         start = time.perf_counter()
         if budget:
@@ -218,7 +129,7 @@ def bring_up_buffers(
                     ranks_already_allocated=min(len(lock.peers()), ranks - 1),
                     cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0,
                 )
-                handle._budget = (lock, total)  # set first: forgetting more than recorded is harmless
+                handle._books.budget = (lock, total)  # set first: forgetting more than recorded is harmless
                 lock.record(total)
                 _allocate(handle, device)
         else:
@@ -235,8 +146,10 @@ def bring_up_buffers(
                     retry_halvings=retry_halvings, ledger=ledger,
                 )
             handle.timings["register_s"] = handle.registration.status().register_seconds
-        handle.state = "active"
+        handle._books.state = "active"
     except BaseException as error:
+        if budget and lock is not None and lock.held:
+            lock.release_all()  # an interrupt at the with-exit skipped BudgetLock.__exit__
         handle._abort(error)
         raise
     return handle

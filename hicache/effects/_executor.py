@@ -75,25 +75,25 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger) -> Regist
     _check_items(items, runtime, flags)
     ledger = PROCESS_LEDGER if ledger is None else ledger
     spans = [(base, plan.total_bytes) for _, base, plan in items if plan.total_bytes]
-    conflict = ledger.claim(spans)
-    if conflict is not None:
-        (ptr, size), (held_ptr, held_size) = conflict
-        raise HostAlreadyRegisteredError(
-            f"refused before calling CUDA: [0x{ptr:x}, +{size}) overlaps [0x{held_ptr:x}, "
-            f"+{held_size}) which this process already holds (or requested twice); CUDA would "
-            "fail with a sticky 712",
-            op="cudaHostRegister", code=ALREADY_REGISTERED, name=NAMES[ALREADY_REGISTERED],
-            ptr=ptr, size=size,
-        )
     journal: list[RegisteredRange] = []
     total = sum(plan.total_bytes for _, _, plan in items)
     done = retries = 0
     in_flight = None  # a call whose outcome an interrupt may have hidden
     where = "before the first call"
     start = time.perf_counter()
-    # Ctrl-C is held while a call and its journal entry are kept together, and honoured between
-    # calls (and after the last one, before the handle exists) through the rollback below.
+    # Ctrl-C is held while a claim or a call and its journal entry are kept together, and
+    # honoured between calls (and after the last one, before the handle exists) by the rollback.
     with deferred_interrupts() as held:
+        conflict = ledger.claim(spans)
+        if conflict is not None:
+            (ptr, size), (held_ptr, held_size) = conflict
+            raise HostAlreadyRegisteredError(
+                f"refused before calling CUDA: [0x{ptr:x}, +{size}) overlaps [0x{held_ptr:x}, "
+                f"+{held_size}) which this process already holds (or requested twice); CUDA would "
+                "fail with a sticky 712",
+                op="cudaHostRegister", code=ALREADY_REGISTERED, name=NAMES[ALREADY_REGISTERED],
+                ptr=ptr, size=size,
+            )
         try:
             for buffer_index, (name, base, plan) in enumerate(items):
                 halvings, index = retry_halvings, 0

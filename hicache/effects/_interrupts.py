@@ -24,13 +24,11 @@ class deferred_interrupts:
 
     def __init__(self) -> None:
         self.pending = False
-        self._frame = None
         self._previous = None
         self._installed = False
 
     def _hold(self, signum, frame) -> None:
-        self.pending = True
-        self._frame = frame
+        self.pending = True  # the frame is not kept: it would keep its locals alive
 
     def __enter__(self) -> "deferred_interrupts":
         if threading.current_thread() is threading.main_thread():
@@ -52,7 +50,7 @@ class deferred_interrupts:
         signal.signal(signal.SIGINT, self._previous)
         self._installed = False
         if self.consume() and not _caused_by_interrupt(exc):
-            self._previous(signal.SIGINT, self._frame)  # default handler: KeyboardInterrupt
+            self._previous(signal.SIGINT, None)  # Python's default handler: KeyboardInterrupt
 
 
 def _caused_by_interrupt(error) -> bool:

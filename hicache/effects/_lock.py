@@ -62,8 +62,17 @@ class BudgetLock:
         self.path = _private_dir(directory or runtime_dir()) / "budget.lock"
         self.timeout_s = timeout_s
         self._fd: int | None = None
+        self._depth = 0  # re-entrant: teardown may run inside a with-block an interrupt cut short
+
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock."""
+        return self._fd is not None
 
     def __enter__(self) -> "BudgetLock":
+        if self._fd is not None:
+            self._depth += 1
+            return self
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         try:
@@ -82,11 +91,18 @@ class BudgetLock:
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
+        self._fd, self._depth = fd, 1
         return self
 
     def __exit__(self, *exc_info) -> None:
-        fd, self._fd = self._fd, None
+        self._depth -= 1
+        if self._depth <= 0:
+            self.release_all()
+
+    def release_all(self) -> None:
+        """Let the lock go however deep it is held (after an interrupt skipped an ``__exit__``:
+        CPython cannot promise ``__exit__`` runs when a KeyboardInterrupt lands at its call)."""
+        fd, self._fd, self._depth = self._fd, None, 0
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

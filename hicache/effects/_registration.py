@@ -131,16 +131,16 @@ def _leak_message(what: str, leaked) -> str:
 def _finalize(state: _State) -> None:
     if state.state != "active":
         return
+    try:
+        _release(state)  # first: a warning turned into an error must not skip it
+    except ReleaseError as error:
+        warnings.warn(str(error), ResourceWarning, stacklevel=2)
     warnings.warn(
         f"a Registration of {state.registered_bytes} bytes in {len(state.entries)} call(s) "
-        "was garbage-collected without release(); releasing it now",
+        "was garbage-collected without release(); released it",
         ResourceWarning,
         stacklevel=2,
     )
-    try:
-        _release(state)
-    except ReleaseError as error:
-        warnings.warn(str(error), ResourceWarning, stacklevel=2)
 
 
 class Registration:

@@ -18,7 +18,6 @@ from typing import NamedTuple
 from hicache.effects import (
     FrameworkPinnedAllocator,
     bring_up,
-    deferred_interrupts,
     probe_limits,
 )
 from hicache.errors import LayoutError, RegistrationStateError, TransferError
@@ -184,14 +183,13 @@ class HostKVCache(abc.ABC):
         """Bring every buffer up (budget, allocate, pre-fault; when pinning, register them all
         as one transaction) and return the buffer (a list when there are several)."""
         framework_pin = self.pin_memory and _device_type(self.device_pool) in _FRAMEWORK_PINNED
-        with deferred_interrupts():  # a Ctrl-C lands once the handle is stored
-            self._host = bring_up(
-                self.pool_plan, dtypes=self.buffer_dtypes(),
-                register=self.pin_memory and not framework_pin,
-                allocator=FrameworkPinnedAllocator() if framework_pin else self.allocator,
-                runtime=self.runtime, machine=self._machine, host_memory_bytes=self._host_memory_bytes,
-                lock=self._budget_lock, ledger=self.ledger, device=self.device,
-            )
+        self._host = bring_up(
+            self.pool_plan, dtypes=self.buffer_dtypes(),
+            register=self.pin_memory and not framework_pin,
+            allocator=FrameworkPinnedAllocator() if framework_pin else self.allocator,
+            runtime=self.runtime, machine=self._machine, host_memory_bytes=self._host_memory_bytes,
+            lock=self._budget_lock, ledger=self.ledger, device=self.device,
+        )  # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration
         tensors = self._host.tensors
         return tensors[0] if len(tensors) == 1 else list(tensors)

@@ -1,0 +1,244 @@
+"""A Ctrl-C at any line of the bring-up, the executor or release leaves nothing registered,
+mapped or budgeted once the caller's own cleanup ran - or reports exactly what is.
+
+The interrupt is delivered the way CPython delivers SIGINT: the handler installed at that
+moment runs between two lines (Python's default raises KeyboardInterrupt there; hicache's
+`deferred_interrupts` records it). A trace function picks the line.
+"""
+
+from __future__ import annotations
+
+import signal
+import re
+import sys
+import warnings
+
+import pytest
+from machine import ROOMY
+
+from hicache.effects import (
+    BudgetLock,
+    Registration,
+    apply_plan,
+    HostLedger,
+    HostTensorAllocator,
+    bring_up,
+    deferred_interrupts,
+)
+from hicache.effects import _bringup, _executor, _host_pools, _interrupts, _registration
+from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
+from hicache.plan import Limits, MHALayout, plan_pool
+from hicache.testing import FakeRuntime
+
+pytest.importorskip("torch")
+FILES = {m.__file__ for m in (_bringup, _executor, _host_pools, _registration, _interrupts)}
+PLAN = plan_pool(
+    MHALayout("page_first_direct", layer_num=2, head_num=2, head_dim=64, page_size=4, page_num=32, itemsize=2),
+    Limits(chunk_limit_bytes=64 * 1024),
+)
+
+
+def _return_line(owner, function: str, statement: str) -> tuple[str, int]:
+    import inspect
+
+    code = getattr(owner, function)
+    lines, first = inspect.getsourcelines(code)
+    return inspect.getsourcefile(code), first + next(i for i, line in enumerate(lines) if line.strip() == statement)
+
+
+#: Handing a handle back is the one step no code can make atomic: a Ctrl-C landing on the
+#: `return` (or, for the executor called directly, after its last check for one) drops it, and
+#: its finalizer releases it (unregister, then free) with a ResourceWarning that says so.
+_HANDLE = _return_line(_bringup, "bring_up_buffers", "return handle")
+_LAST_CHECK = _return_line(_executor, "_apply", 'where = "after the last call"')
+_RETURN = _return_line(_executor, "_apply", "return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))")
+_CONSUME = _return_line(_interrupts.deferred_interrupts, "consume", "return pending")
+_WITH_EXIT = _return_line(_executor, "_apply", "with deferred_interrupts() as held:")  # after the return
+
+
+def _body(function) -> tuple[str, range]:
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    return inspect.getsourcefile(function), range(first, first + len(lines))
+
+
+#: what `return Registration(_State(...))` runs
+_BUILD = [_body(_registration._State.__init__), _body(_registration.Registration.__init__),
+          _body(_interrupts.deferred_interrupts.__exit__)]
+
+
+def _at_hand_over(where) -> bool:
+    if len(where) != 1:
+        return False
+    (file, line), = where
+    return (
+        (file, line) in (_HANDLE, _WITH_EXIT)
+        or any(file == f and line in lines for f, lines in _BUILD)
+        or (file == _RETURN[0] and _LAST_CHECK[1] < line <= _RETURN[1])
+        or (file == _CONSUME[0] and _CONSUME[1] - 2 <= line <= _CONSUME[1])
+    )
+
+
+def _in_finalizer(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "_finalize" and frame.f_code.co_filename in FILES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _tracer(target: int, counter: list, where: list):
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename not in FILES:
+            return None
+        if event == "call" and _in_finalizer(frame):
+            return None  # garbage of an earlier run being finalized: not this run's lines
+        if event == "line":
+            counter[0] += 1
+            if counter[0] == target:
+                where.append((frame.f_code.co_filename, frame.f_lineno))
+                handler = signal.getsignal(signal.SIGINT)
+                handler(signal.SIGINT, frame)  # what a Ctrl-C landing here does
+        return trace
+
+    return trace
+
+
+def _deferring_caller(runtime, ledger, lock, allocator, holder: list):
+    """A caller that stores the handle with Ctrl-C held, then releases in finally."""
+    try:
+        with deferred_interrupts():
+            holder.append(bring_up(PLAN, runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger, allocator=allocator))
+    finally:
+        if holder:
+            holder[0].release()
+
+
+def _plain_caller(runtime, ledger, lock, allocator, holder: list):
+    """How pools and `hicache apply` hold a bring-up: no deferral of their own (Ctrl-C stays
+    prompt during a long pre-fault), release in finally."""
+    try:
+        holder.append(bring_up(PLAN, runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger, allocator=allocator))
+    finally:
+        if holder:
+            holder[0].release()
+
+
+def _register_only_caller(runtime, ledger, lock, allocator, holder: list):
+    """compat's `_cuda_host_register`: memory from elsewhere, the executor alone."""
+    import torch
+
+    tensor = allocator.allocate((PLAN.buffers[0].spec.nbytes,), torch.uint8)
+    try:
+        holder.append(apply_plan(PLAN.buffers[0].plan, base_ptr=tensor.data_ptr(), runtime=runtime, ledger=ledger))
+    finally:
+        try:
+            if holder:
+                holder[0].release()
+        finally:
+            del tensor
+            try:
+                allocator.free_all(ledger=ledger)
+            except RegistrationStateError:
+                pass  # still registered: kept mapped, as it must be
+
+
+CALLERS = {"deferring": _deferring_caller, "plain": _plain_caller, "register-only": _register_only_caller}
+
+
+def _run(target, tmp_path, caller="deferring", **faults):
+    directory = tmp_path / f"run-{target}"
+    directory.mkdir(mode=0o700)
+    runtime, ledger, lock, allocator = FakeRuntime(**faults), HostLedger(), BudgetLock(directory), HostTensorAllocator()
+    counter, holder, where = [0], [], []
+    error = None
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        sys.settrace(_tracer(target, counter, where))
+        try:
+            CALLERS[caller](runtime, ledger, lock, allocator, holder)
+        except BaseException as caught:  # the interrupt, or what it became
+            error = caught
+        finally:
+            sys.settrace(None)
+        chain = error
+        while chain is not None:  # let the frames go now: what they dropped finalizes here
+            chain.__traceback__ = None
+            chain = chain.__cause__ or chain.__context__
+    # a handle or Registration dropped on the floor (its finalizer warns) was never reported,
+    # except where nothing can prevent it: the hand-over itself
+    dropped = [str(w.message) for w in caught_warnings if issubclass(w.category, ResourceWarning)]
+    assert not dropped or _at_hand_over(where), (f"interrupt at traced line {target}", where, error, dropped)
+    if dropped:
+        error = _Dropped(dropped)
+    if holder and _state(holder[0]) == "active":
+        # the Ctrl-C landed in the caller's own release, before it began: the handle still
+        # says exactly what is held, and releasing it again finishes the job
+        registration = holder[0] if isinstance(holder[0], Registration) else holder[0].registration
+        assert runtime.held() == {(r.ptr, r.size) for r in registration.ranges}
+        try:
+            holder[0].release()
+        except ReleaseError as failed:
+            error = failed
+    with lock:
+        entries = lock._entries()
+    return counter[0], error, runtime, ledger, entries, allocator
+
+
+def _state(handle) -> str:
+    return handle.status().state if isinstance(handle, Registration) else handle.state
+
+
+class _Dropped(KeyboardInterrupt):
+    """The handle was dropped at the hand-over; its finalizer's warnings say what it did."""
+
+    def __init__(self, messages):
+        super().__init__("; ".join(messages))
+        self.leaked = {(int(p, 16), int(s)) for m in messages for p, s in re.findall(r"\(0x([0-9a-f]+), (\d+)\)", m)}
+
+
+def _lines(tmp_path, caller) -> int:
+    lines, error, *_ = _run(0, tmp_path, caller)
+    assert error is None
+    return lines
+
+
+@pytest.mark.parametrize("caller", sorted(CALLERS))
+def test_every_line_interrupted_leaves_nothing_behind(tmp_path, caller):
+    total = _lines(tmp_path, caller)
+    assert total > 100
+    for target in range(1, total + 1):
+        _, error, runtime, ledger, entries, allocator = _run(target, tmp_path, caller)
+        where = f"interrupt at traced line {target} of {total}"
+        assert error is not None, where
+        interrupted = error if isinstance(error, KeyboardInterrupt) else error.__cause__
+        assert isinstance(interrupted, KeyboardInterrupt) or isinstance(error, KeyboardInterrupt), (where, error)
+        assert runtime.held() == set() and ledger.held() == (), (where, error)
+        assert entries == {}, (where, error)
+        if caller != "register-only":  # there the caller frees, before a dropped handle's finalizer ran
+            assert all(b.freed for b in allocator.owned()), (where, error)
+        runtime.check_valid()
+
+
+@pytest.mark.parametrize("caller", sorted(CALLERS))
+def test_every_line_interrupted_with_a_failing_undo_reports_exactly_what_stays(tmp_path, caller):
+    """When an unregister fails, whatever stays registered is what the error (or the handle)
+    reports, and that memory stays mapped."""
+    total = _lines(tmp_path, caller)
+    for target in range(1, total + 1):
+        _, error, runtime, ledger, entries, allocator = _run(target, tmp_path, caller, fail_unregister={0: 1})
+        where = f"interrupt at traced line {target} of {total}"
+        held = runtime.held()
+        reported = set()
+        chain = error
+        while chain is not None:
+            if isinstance(chain, (RollbackError, ReleaseError, _Dropped)):
+                reported = set(chain.leaked) | set(getattr(chain, "uncertain", ()))
+                break
+            chain = chain.__cause__ or chain.__context__
+        assert held == reported, (where, error, held, reported)
+        assert set(ledger.held()) == held, where
+        for buffer in allocator.owned():
+            assert not buffer.freed or not held, where
+        assert entries == {}, where
