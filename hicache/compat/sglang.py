@@ -214,10 +214,11 @@ def alloc_with_host_register(
     except (ApplyError, HostAlreadyRegisteredError) as error:
         _raise_for_apply(error)
     buffer = handle.tensors[0]
-    if handle.registration is None:  # a zero-byte buffer has nothing to register
+    registration = handle.detach()  # the tensor's owner releases it (_cuda_host_unregister)
+    if registration is None:  # a zero-byte buffer has nothing to register
         setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [])
     else:
-        _record(buffer, handle.registration)
+        _record(buffer, registration)
     return buffer
 
 

@@ -146,6 +146,21 @@ class HostPools:
             if self._books.release_s is not None:
                 self.timings["release_s"] = self._books.release_s
 
+    def detach(self):
+        """Hand the registration over to the caller (who now releases it) and let the rest go
+        without undoing anything: the budget entry is dropped, memory stays where it is.
+        For helpers whose caller owns the tensors (compat.sglang). Returns the `Registration`
+        (None when nothing was registered)."""
+        books = self._books
+        with deferred_interrupts(), books.lock:
+            if books.state != "active":
+                raise RegistrationStateError(f"cannot detach a HostPools handle that is {books.state}")
+            registration, books.registration = books.registration, None
+            books.tensors = []
+            books.forget_budget()
+            books.state = "released"
+        return registration
+
     def _abort(self, error: BaseException) -> None:
         """Undo a bring-up that failed: memory the executor could not unregister is kept."""
         books = self._books
