@@ -7,7 +7,7 @@ import pytest
 
 from hicache.effects._copies import memcpy_batch
 from hicache.errors import CudaCallError
-from hicache.pools._transfer import _cuda_copy
+from hicache.effects._copy_engine import CopyEngine, cuda_copy as _cuda_copy
 
 cuda_runtime = pytest.importorskip("cuda.bindings.runtime")
 
@@ -84,10 +84,11 @@ def test_descriptors_for_cuda_reach_the_batch_call_as_int_lists(monkeypatch):
     from hicache.pools import _transfer
 
     seen = []
-    monkeypatch.setattr(_transfer, "issue_cuda_copies", lambda device, *lists: seen.append(lists) or "batched")
+    engine = CopyEngine(host_copy_mode="python")
+    monkeypatch.setattr(engine, "issue_cuda_copies", lambda device, *lists: seen.append(lists) or "batched")
     dst, src = torch.zeros(8, 16), torch.ones(8, 16)
     pattern = _transfer.block_pattern(torch.tensor([5, 1, 2]), 64, torch.tensor([0, 3, 4]), 64, 64)
-    batch = _transfer.Descriptors()
+    batch = _transfer.Descriptors(engine)
     batch.add(dst, src, pattern)
     batch.add(dst, src[4:], pattern)
     batch.cuda = torch.device("cuda", 0)
@@ -136,7 +137,7 @@ def test_copies_go_on_the_callers_current_stream(monkeypatch):
     from hicache.pools import _transfer
 
     cuda, binding = FakeTorchCuda(current_handle=42), FakeCopyBinding()
-    assert _transfer.issue_cuda_copies("dev", [1], [2], [64], cuda=cuda, binding=binding) == "batched"
+    assert CopyEngine(host_copy_mode="python", cuda=cuda, binding=binding).issue_cuda_copies("dev", [1], [2], [64]) == "batched"
     assert binding.streams == [42] and cuda.created == 0 and cuda.log == [("device", "dev")]
 
 
@@ -144,18 +145,16 @@ def test_copies_go_on_the_callers_current_stream(monkeypatch):
 def test_from_the_null_stream_a_side_stream_is_ordered_both_ways(monkeypatch, batch_code):
     """torch's default stream is the legacy NULL stream: the batch runs on a side stream
     that waits for it and that it then waits for - also when the batch call fails."""
-    from hicache.pools import _transfer
-
-    monkeypatch.setattr(_transfer, "_side_streams", {})
     cuda = FakeTorchCuda(current_handle=0)
+    engine = CopyEngine(host_copy_mode="python", cuda=cuda)
     for _ in range(2):
         cuda.log.clear()
-        binding = FakeCopyBinding(batch_code=batch_code, log=cuda.log)
+        binding = engine._binding = FakeCopyBinding(batch_code=batch_code, log=cuda.log)
         if batch_code:
             with pytest.raises(CudaCallError):
-                _transfer.issue_cuda_copies("dev", [1], [2], [64], cuda=cuda, binding=binding)
+                engine.issue_cuda_copies("dev", [1], [2], [64])
         else:
-            _transfer.issue_cuda_copies("dev", [1], [2], [64], cuda=cuda, binding=binding)
+            engine.issue_cuda_copies("dev", [1], [2], [64])
         assert binding.streams == [101]
         assert cuda.log == [("device", "dev"), ("wait", 101, 0), ("batch", 101), ("wait", 0, 101)]
     assert cuda.created == 1  # made once per device, then reused

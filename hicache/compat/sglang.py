@@ -12,7 +12,6 @@ Chunking and rollback are hicache's (plan_registration, apply_plan); nothing is 
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 
 from hicache.effects import (
@@ -21,9 +20,11 @@ from hicache.effects import (
     apply_plan,
     bring_up_buffers,
     quarantine,
+    sglang_register_chunk_bytes,
     torch_runtime,
     unregister_ranges,
 )
+from hicache.effects._probes import SGLANG_CHUNK_ENV
 from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, ReleaseError
 from hicache.plan import Limits, plan_registration
 from hicache.pools._allocator import get_allocator_from_storage
@@ -45,26 +46,14 @@ logger = logging.getLogger(__name__)
 
 _CUDA_HOST_REGISTERED_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
 _REGISTRATION_ATTR = "_hicache_registration"
-CHUNK_ENV = "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB"
+CHUNK_ENV = SGLANG_CHUNK_ENV
 DEFAULT_CHUNK_GB = 256
 
 
 def host_register_chunk_bytes(env=None) -> int:
-    """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it: GiB, at least 1, default 256.
-
-    A value that is not an integer is an error naming the variable (SGLang's env reader would
-    fail too); zero or negative is raised to 1, as SGLang's ``max(value, 1)`` does.
-    """
-    env = os.environ if env is None else env
-    raw = env.get(CHUNK_ENV)
-    if raw is None or raw.strip() == "":
-        gib = DEFAULT_CHUNK_GB
-    else:
-        try:
-            gib = int(raw)
-        except ValueError:
-            raise ValueError(f"environment variable {CHUNK_ENV}={raw!r} must be an integer number of GiB") from None
-    return max(gib, 1) * 2**30
+    """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it: GiB, at least 1, default 256
+    (read by `hicache.effects.sglang_register_chunk_bytes`; a non-integer is a ValueError)."""
+    return sglang_register_chunk_bytes(env, default_gib=DEFAULT_CHUNK_GB)
 
 
 def _cudart():

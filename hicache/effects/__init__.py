@@ -40,6 +40,7 @@ from hicache.effects._probes import (
     probe_kernel_release,
     probe_resolved_limits,
     ranks_per_host,
+    sglang_register_chunk_bytes,
 )
 from hicache.effects._runtime import (
     CudaPythonRuntime,
@@ -62,8 +63,11 @@ from hicache.effects._bringup import (
     pool_requests,
 )
 from hicache.effects._interrupts import deferred_interrupts
+from hicache.effects._copy_engine import CopyEngine
 
 __all__ = [
+    "sglang_register_chunk_bytes",
+    "CopyEngine",
     "FrameworkPinnedAllocator",
     "HostTensorAllocator",
     "TorchHostTensorAllocator",

@@ -61,17 +61,21 @@ def _check(name: str, tensor, count: int | None):
     return tensor.contiguous()
 
 
-def copy_host_blocks(dst_addrs, src_addrs, sizes, *, threads: int | None = None) -> str:
+def copy_host_blocks(dst_addrs, src_addrs, sizes, *, threads: int | None = None, mode: str | None = None) -> str:
     """Copy ``sizes[i]`` bytes from address ``src_addrs[i]`` to ``dst_addrs[i]``, for every i.
 
     All three are 1-D int64 CPU tensors. The addresses must stay valid for the call (the
     caller keeps the tensors they point into alive). Blocks must not overlap each other's
-    destinations. Returns the path taken: ``"native"`` or ``"python"``.
+    destinations. ``mode``: ``"native"`` or ``"python"`` (default: `host_copy_mode()`, from
+    the environment). Returns the path taken.
     """
     sizes = _check("sizes", sizes, None)
     dst_addrs = _check("dst_addrs", dst_addrs, sizes.numel())
     src_addrs = _check("src_addrs", src_addrs, sizes.numel())
-    mode = host_copy_mode()
+    if mode is None:
+        mode = host_copy_mode()
+    elif mode not in ("native", "python") or (mode == "native" and _native is None):
+        raise ValueError(f"mode must be 'python' or (when the helper is built) 'native', got {mode!r}")
     if sizes.numel() == 0:
         return mode
     if int(sizes.min()) < 0:

@@ -225,3 +225,25 @@ def probe_cuda(binding=None) -> CudaFacts:
         error = "no CUDA driver found (driver version 0)" + (f"; {count_error}" if count_error else "")
     available = bool(driver) and bool(count)
     return CudaFacts(available, driver or None, runtime_version, count or 0, None if available else error)
+
+
+#: SGLang's own setting for its registration helpers (hicache.compat.sglang reads it here).
+SGLANG_CHUNK_ENV = "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB"
+
+
+def sglang_register_chunk_bytes(env=None, *, default_gib: int = 256) -> int:
+    """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it: GiB, at least 1, default 256.
+
+    A value that is not an integer is a ValueError naming the variable (SGLang's env reader
+    would fail too); zero or negative is raised to 1, as SGLang's ``max(value, 1)`` does.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(SGLANG_CHUNK_ENV)
+    if raw is None or raw.strip() == "":
+        gib = default_gib
+    else:
+        try:
+            gib = int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {SGLANG_CHUNK_ENV}={raw!r} must be an integer number of GiB") from None
+    return max(gib, 1) * 2**30

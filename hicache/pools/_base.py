@@ -16,6 +16,7 @@ from functools import wraps
 from typing import NamedTuple
 
 from hicache.effects import (
+    CopyEngine,
     FrameworkPinnedAllocator,
     bring_up,
     probe_limits,
@@ -72,7 +73,8 @@ class HostKVCache(abc.ABC):
     `probe_limits()`), ``machine`` (`MachineFacts` for the budget; default `probe_machine()`),
     ``host_memory_bytes`` (overrides the machine's available memory), ``budget_lock`` (default:
     the host-wide lock), ``allocator_fallback`` (an allocator type for unknown ones),
-    ``page_num`` (size like an anchor pool instead), ``ledger`` (default: the process's).
+    ``page_num`` (size like an anchor pool instead), ``ledger`` (default: the process's),
+    ``copy_engine`` (a `CopyEngine`; default: one with the host copy mode the probes resolve).
     Bring-up and teardown go through `hicache.effects.bring_up`.
     """
 
@@ -97,6 +99,7 @@ class HostKVCache(abc.ABC):
         ledger=None,
         machine=None,
         budget_lock=None,
+        copy_engine=None,
     ) -> None:
         self.device_pool = device_pool
         self.page_size = page_size
@@ -138,6 +141,7 @@ class HostKVCache(abc.ABC):
         self._machine = machine
         self._budget_lock = budget_lock
         self._host = None  # the effects.HostPools handle: memory, registration, budget entry
+        self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
         self._reserve()
         try:
             self._pages = PageAllocator(page_num, page_size) if self.has_allocator else None
@@ -286,7 +290,7 @@ class HostKVCache(abc.ABC):
         )
         hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
         patterns, views = checked.patterns, self._views
-        batch = Descriptors()  # every layer's page copies, issued together
+        batch = Descriptors(self.copy_engine)  # every layer's page copies, issued together
         for layer in layers:
             for stream in streams:
                 hv = views.get((stream.buffer, stream.kv, layer))
@@ -334,13 +338,8 @@ class HostKVCache(abc.ABC):
 
     def _wait_for_device_copies(self) -> None:
         """Transfers run asynchronously on CUDA streams: none may still use memory we unpin or free."""
-        if _device_type(self.device_pool) != "cuda":
-            return
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for index in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(index)
+        if _device_type(self.device_pool) == "cuda":
+            self.copy_engine.synchronize()
 
     def __repr__(self) -> str:
         return (

@@ -1,20 +1,18 @@
 """Page transfers between a host pool and a device pool: validation and the copy engine.
 
-Owns the checks on indices and layer ids, and the copy itself. Where one page of one layer is
+Owns the checks on indices and layer ids, and the descriptors. Where one page of one layer is
 a contiguous block on both sides (layer_first, page_first_direct, Mamba slots, DSA/V4 rows), a
 transfer is a list of (dst, src, bytes) descriptors, kept as int64 tensors: consecutive pages
-are coalesced, then copied in one call on the CPU (`hicache.effects._host_copy`) or with
-cudaMemcpyBatchAsync on the current CUDA stream (falling back to per-page copies on
-cudaErrorNotSupported), asynchronously as SGLang's transfers are.
-Other layouts go through torch index operations.
+are coalesced, then handed to `hicache.effects.CopyEngine` in one batch (a host copy, or
+cudaMemcpyBatchAsync on the current CUDA stream - this module makes no CUDA call). Other
+layouts go through torch index operations.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from hicache.effects._host_copy import copy_host_blocks
-from hicache.errors import CudaCallError, TransferError
+from hicache.errors import TransferError
 
 IO_BACKENDS = ("direct",)
 
@@ -104,61 +102,11 @@ def block_pattern(dst_ids, dst_step: int, src_ids, src_step: int, unit: int) -> 
     return BlockPattern(dst_offsets[starts], src_offsets[starts], (ends - starts) * unit)
 
 
-def _cuda_copy(dsts, srcs, sizes, *, stream: int, binding=None) -> str:
-    """Enqueue the copies on ``stream`` with cudaMemcpyBatchAsync (per page on an old driver).
-
-    Asynchronous, as SGLang's transfers are: the caller orders later work after them on the
-    stream (or waits on an event). Returns ``"batched"`` or ``"per-page"``.
-    """
-    if binding is None:
-        from cuda.bindings import runtime as binding
-
-    from hicache.effects._copies import FALLBACK_CODES, memcpy, memcpy_batch
-
-    try:
-        memcpy_batch(dsts, srcs, sizes, stream=stream, binding=binding)
-        return "batched"
-    except CudaCallError as error:
-        if error.code not in FALLBACK_CODES:
-            raise
-    for dst, src, size in zip(dsts, srcs, sizes):  # old driver: one copy per page
-        memcpy(dst, src, size, stream=stream, binding=binding)
-    return "per-page"
-
-
-_side_streams: dict = {}  # device -> torch.cuda.Stream, for copies issued from the NULL stream
-
-
-def issue_cuda_copies(device, dsts, srcs, sizes, *, cuda=None, binding=None) -> str:
-    """Copies on ``device``'s current torch stream, ordered after the work already queued there.
-
-    cudaMemcpyBatchAsync rejects the legacy NULL stream (torch's default stream), so from it
-    the copies go on a side stream that first waits for the current one, and the current one
-    then waits for the side stream: to the caller it is as if they ran on its stream.
-    ``cuda`` is ``torch.cuda`` (a stand-in in tests).
-    """
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda
-    with cuda.device(device):
-        current = cuda.current_stream(device)
-        if current.cuda_stream != 0:
-            return _cuda_copy(dsts, srcs, sizes, stream=current.cuda_stream, binding=binding)
-        side = _side_streams.get(device)
-        if side is None:
-            side = _side_streams.setdefault(device, cuda.Stream(device))
-        side.wait_stream(current)
-        try:
-            return _cuda_copy(dsts, srcs, sizes, stream=side.cuda_stream, binding=binding)
-        finally:
-            current.wait_stream(side)  # even after an error: whatever was enqueued is ordered
-
-
 class Descriptors:
     """(dst, src, bytes) copies collected over layers and streams, issued in one go."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine=None) -> None:
+        self.engine = engine  # a CopyEngine; None: a default one when first needed
         self.parts: list[tuple] = []  # (dst_addrs, src_addrs, sizes) int64 tensors
         self.cuda = None  # the CUDA device when either side of a copy is on one
         self.keep: list = []  # the tensors the addresses point into, alive until issued
@@ -177,10 +125,11 @@ class Descriptors:
         if not self.parts:
             return
         dsts, srcs, sizes = (torch.cat(column) if len(column) > 1 else column[0] for column in zip(*self.parts))
-        if self.cuda is not None:
-            issue_cuda_copies(self.cuda, dsts.tolist(), srcs.tolist(), sizes.tolist())
-        else:
-            copy_host_blocks(dsts, srcs, sizes)
+        if self.engine is None:
+            from hicache.effects import CopyEngine
+
+            self.engine = CopyEngine()
+        self.engine.copy(dsts, srcs, sizes, device=self.cuda)
         self.parts, self.keep = [], []
 
 

@@ -1,0 +1,101 @@
+"""The copy engine: where a pool's batched page copies go, and how to wait for them.
+
+Owns the dispatch of (dst, src, bytes) descriptor batches - host<->host through the batched
+host copy (`_host_copy`, mode resolved once), anything touching a CUDA device through
+cudaMemcpyBatchAsync on that device's current torch stream (`_copies`; per page on drivers
+without it) - and synchronizing the devices before pinned memory is let go. Pools call this;
+they make no CUDA call themselves. ``cuda`` (torch.cuda) and ``binding`` (cuda-python) are
+parameters so tests stand in for both.
+"""
+
+from __future__ import annotations
+
+from hicache.effects._host_copy import copy_host_blocks, host_copy_mode
+from hicache.errors import CudaCallError
+
+
+def cuda_copy(dsts, srcs, sizes, *, stream: int, binding=None) -> str:
+    """Enqueue the copies on ``stream`` with cudaMemcpyBatchAsync (per page on an old driver).
+
+    Asynchronous, as SGLang's transfers are: the caller orders later work after them on the
+    stream (or waits on an event). Returns ``"batched"`` or ``"per-page"``.
+    """
+    if binding is None:
+        from cuda.bindings import runtime as binding
+
+    from hicache.effects._copies import FALLBACK_CODES, memcpy, memcpy_batch
+
+    try:
+        memcpy_batch(dsts, srcs, sizes, stream=stream, binding=binding)
+        return "batched"
+    except CudaCallError as error:
+        if error.code not in FALLBACK_CODES:
+            raise
+    for dst, src, size in zip(dsts, srcs, sizes):  # old driver: one copy per page
+        memcpy(dst, src, size, stream=stream, binding=binding)
+    return "per-page"
+
+
+class CopyEngine:
+    """Issues batched page copies and waits for them.
+
+    ``host_copy_mode``: ``"native"`` or ``"python"`` (default: `host_copy_mode()`, which reads
+    ``HICACHE_HOST_COPY`` once, here). ``cuda``: torch.cuda or a stand-in; ``binding``:
+    cuda-python's runtime or a stand-in (both looked up on first CUDA use).
+    """
+
+    def __init__(self, *, host_copy_mode: str | None = None, cuda=None, binding=None) -> None:
+        self.host_copy_mode = host_copy_mode if host_copy_mode is not None else _probe_mode()
+        self._cuda = cuda
+        self._binding = binding
+        self._side_streams: dict = {}  # device -> stream, for copies issued from the NULL stream
+
+    def __repr__(self) -> str:
+        return f"CopyEngine(host_copy_mode={self.host_copy_mode!r})"
+
+    def _torch_cuda(self):
+        if self._cuda is None:
+            import torch
+
+            self._cuda = torch.cuda
+        return self._cuda
+
+    def copy(self, dsts, srcs, sizes, *, device=None) -> str:
+        """Copy ``sizes[i]`` bytes ``srcs[i]`` -> ``dsts[i]`` (1-D int64 CPU tensors). ``device``:
+        the CUDA device when either side is on one (asynchronous, on its current stream), else
+        None (a host copy, done when this returns). Returns the path taken."""
+        if device is None:
+            return copy_host_blocks(dsts, srcs, sizes, mode=self.host_copy_mode)
+        return self.issue_cuda_copies(device, dsts.tolist(), srcs.tolist(), sizes.tolist())
+
+    def issue_cuda_copies(self, device, dsts, srcs, sizes) -> str:
+        """Copies on ``device``'s current torch stream, ordered after the work already queued.
+
+        cudaMemcpyBatchAsync rejects the legacy NULL stream (torch's default stream), so from it
+        the copies go on a side stream that first waits for the current one, and the current one
+        then waits for the side stream: to the caller it is as if they ran on its stream.
+        """
+        cuda = self._torch_cuda()
+        with cuda.device(device):
+            current = cuda.current_stream(device)
+            if current.cuda_stream != 0:
+                return cuda_copy(dsts, srcs, sizes, stream=current.cuda_stream, binding=self._binding)
+            side = self._side_streams.get(device)
+            if side is None:
+                side = self._side_streams.setdefault(device, cuda.Stream(device))
+            side.wait_stream(current)
+            try:
+                return cuda_copy(dsts, srcs, sizes, stream=side.cuda_stream, binding=self._binding)
+            finally:
+                current.wait_stream(side)  # even after an error: whatever was enqueued is ordered
+
+    def synchronize(self) -> None:
+        """Wait for every copy in flight on every CUDA device (before memory is unpinned)."""
+        cuda = self._torch_cuda()
+        if cuda.is_available() and cuda.is_initialized():
+            for index in range(cuda.device_count()):
+                cuda.synchronize(index)
+
+
+def _probe_mode() -> str:
+    return host_copy_mode()
