@@ -1,0 +1,221 @@
+"""One test per guard the "one bring-up" issue lists: each fails when its line is broken.
+
+Ledger overlaps from either side; leaked interior chunks keep memory mapped; the pool budget
+divides by ranks and counts peers; a leaking rollback during pool construction raises and
+quarantines; compat quarantines and records what a failed register or teardown leaves;
+compat registers a 64-byte-aligned torch.empty buffer on copy-unit boundaries; hugepage
+alignment only when the base has it; `hicache apply` exits 130 on Ctrl-C and 1 on a refused
+budget.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from machine import facts
+
+import hicache.compat.sglang as sg
+from hicache.effects import QUARANTINE, BudgetLock, HostLedger, allocate_host
+from hicache.errors import CapacityError, RegistrationStateError, RollbackError
+from hicache.plan import Limits, plan_registration
+from hicache.pools import MHATokenToKVPoolHost
+from hicache.testing import FakeCudart, FakeRuntime, MHADevicePool, fake_cuda
+
+torch = pytest.importorskip("torch")
+MiB = 2**20
+
+
+# -- the ledger -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "request_, refused",
+    [((80, 30), True), ((140, 20), True), ((60, 200), True), ((110, 10), True),  # from the left, right, around, inside
+     ((50, 50), False), ((150, 10), False)],  # touching either end is not overlapping
+)
+def test_the_ledger_refuses_an_overlap_from_either_side(request_, refused):
+    ledger = HostLedger()
+    assert ledger.claim([(100, 50)]) is None
+    conflict = ledger.claim([request_])
+    assert (conflict is not None) is refused
+    assert (ledger.overlapping(*request_) is not None) is refused
+
+
+def test_the_ledger_refuses_overlaps_within_one_claim():
+    ledger = HostLedger()
+    assert ledger.claim([(100, 50), (120, 50)]) is not None and ledger.held() == ()
+
+
+# -- memory CUDA may still pin -----------------------------------------------------------------
+def test_memory_with_a_leaked_interior_chunk_is_never_unmapped():
+    buffer = allocate_host(4 * 4096)
+    ledger = HostLedger()
+    ledger.claim([(buffer.ptr + 2 * 4096, 4096)])  # the third page stayed registered
+    with pytest.raises(RegistrationStateError, match="still registered"):
+        buffer.free(ledger=ledger)
+    assert not buffer.freed
+    buffer.tensor[-1] = 7  # still mapped and writable
+    ledger.replace([buffer.ptr + 2 * 4096], [])
+    buffer.free(ledger=ledger)
+    assert buffer.freed
+
+
+# -- the pool's budget -------------------------------------------------------------------------
+def _pool(lock, machine, **kw):
+    device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=64)
+    return MHATokenToKVPoolHost(device, 1.0, 0, 64, "page_first_direct", True, "cpu",
+                                limits=Limits(chunk_limit_bytes=MiB), runtime=FakeRuntime(),
+                                ledger=HostLedger(), machine=machine, budget_lock=lock, **kw)
+
+
+def test_pool_bring_up_divides_the_budget_by_ranks_and_counts_peers(tmp_path):
+    directory = tmp_path / "run"
+    directory.mkdir(mode=0o700)
+    lock = BudgetLock(directory)
+    probe = _pool(lock, facts())
+    size = probe.pool_plan.total_bytes
+    probe.destroy()
+    reserve = 10 * 2**30
+    tight = facts(available_bytes=reserve + 4 * size - 1, ranks_per_host=4)
+    with pytest.raises(CapacityError, match=r"/ 4 rank"):
+        _pool(lock, tight)
+    _pool(lock, facts(available_bytes=reserve + 4 * size - 1, ranks_per_host=1)).destroy()
+    with lock:
+        lock._write({os.getppid(): size})  # a live peer already allocated
+    pool = _pool(lock, tight)  # now 3 ranks share what is left
+    with lock:
+        assert lock._entries() == {os.getppid(): size, os.getpid(): size}
+    pool.destroy()
+    with lock:
+        assert lock._entries() == {os.getppid(): size}
+
+
+def test_a_rollback_that_leaks_during_pool_construction_raises_and_quarantines(tmp_path):
+    directory = tmp_path / "run"
+    directory.mkdir(mode=0o700)
+    device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=64)
+    limits = Limits(chunk_limit_bytes=64 * 1024)
+    runtime, ledger = FakeRuntime(fail_register={2: 2}, fail_unregister={0: 1}), HostLedger()
+    before = len(QUARANTINE)
+    with pytest.raises(RollbackError) as info:
+        MHATokenToKVPoolHost(device, 8.0, 0, 64, "page_first_direct", True, "cpu",
+                             limits=limits, runtime=runtime, ledger=ledger,
+                             machine=facts(), budget_lock=BudgetLock(directory))
+    assert runtime.cudart.register_calls == 3  # two registered, the third failed
+    leaked = set(info.value.leaked)
+    assert leaked and runtime.held() == leaked == set(ledger.held())
+    kept = [b for b in QUARANTINE[before:] if hasattr(b, "freed")]
+    assert kept and all(not b.freed for b in kept)
+    assert any(b.ptr <= ptr < b.ptr + b.nbytes for b in kept for ptr, _ in leaked)
+
+
+# -- compat ------------------------------------------------------------------------------------
+@pytest.fixture
+def cudart(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setenv(sg.CHUNK_ENV, "1")
+    return fake
+
+
+class FakeBuffer:
+    """SGLang's used tensor surface at a fake address (nothing is touched)."""
+
+    def __init__(self, nbytes: int, base: int = 1 << 44) -> None:
+        self.nbytes, self.base = nbytes, base
+
+    def data_ptr(self) -> int:
+        return self.base
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+
+def test_a_failed_compat_registration_quarantines_and_records_what_stays(cudart):
+    buffer = FakeBuffer(3 * 2**30)  # three 1 GiB chunks
+    cudart.fail_register = {2: 2}
+    cudart.fail_unregister = {0: 1}
+    before = len(QUARANTINE)
+    with pytest.raises(RollbackError):
+        sg._cuda_host_register(buffer, registration_granularity_bytes=2**30)
+    recorded = getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR)
+    assert recorded and set(recorded) == cudart.held()
+    assert any(b is buffer for b in QUARANTINE[before:])
+    cudart.fail_unregister = {}
+    sg._cuda_host_unregister(buffer)  # teardown retries exactly what stayed
+    assert cudart.held() == set() and getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+
+
+def test_a_failed_compat_teardown_quarantines_and_records_what_stays(cudart, monkeypatch):
+    monkeypatch.setenv(sg.CHUNK_ENV, "1")
+    buffer = sg.alloc_with_host_register((3 * 2**20,), torch.uint8, "cpu", True, sg.HostTensorAllocator(),
+                                         registration_granularity_bytes=2**20)
+    assert len(cudart.held()) == 1
+    cudart.fail_unregister = {cudart.unregister_calls: 1}
+    before = len(QUARANTINE)
+    sg._cuda_host_unregister(buffer)
+    assert getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR) == sorted(cudart.held())
+    assert any(b is buffer for b in QUARANTINE[before:])
+
+
+def test_compat_registers_a_64_byte_aligned_torch_empty_buffer_on_copy_unit_boundaries(cudart, monkeypatch):
+    """torch.empty bases are often only 64-byte aligned: boundaries then follow the copy unit
+    only (page alignment cannot be promised), and every byte is registered exactly once."""
+    monkeypatch.setenv(sg.CHUNK_ENV, "1")
+    raw = torch.empty(2**30 + 8192, dtype=torch.uint8)
+    shift = next(s for s in range(0, 8192, 64) if (raw.data_ptr() + s) % 4096 == 64)
+    buffer = raw[shift: shift + 600 * 1536 * 1024]  # 1536-byte copy unit x 614400: ~900 MiB
+    sg._cuda_host_register(buffer, registration_granularity_bytes=1536 * 1024)
+    calls = sorted(cudart.held())
+    assert calls[0][0] == buffer.data_ptr() and buffer.data_ptr() % 4096 == 64
+    assert all((ptr - buffer.data_ptr()) % (1536 * 1024) == 0 for ptr, _ in calls)
+    assert sum(size for _, size in calls) == buffer.numel()
+    sg._cuda_host_unregister(buffer)
+    assert cudart.held() == set()
+
+
+# -- the planner's hugepage claim --------------------------------------------------------------
+def test_hugepage_alignment_is_claimed_only_when_the_base_is_hugepage_aligned():
+    huge = 2 * MiB
+    aligned = plan_registration(64 * huge, granularity_bytes=4096,
+                                limits=Limits(chunk_limit_bytes=5 * huge, hugepage_bytes=huge))
+    assert aligned.alignment_bytes % huge == 0 and aligned.step_bytes == 5 * huge
+    base_4k = plan_registration(64 * huge, granularity_bytes=4096,
+                                limits=Limits(chunk_limit_bytes=5 * huge, hugepage_bytes=huge, base_alignment_bytes=4096))
+    assert base_4k.alignment_bytes % huge != 0
+    assert any("not hugepage-aligned" in note for note in base_4k.notes)
+
+
+# -- hicache apply's exit codes ----------------------------------------------------------------
+APPLY = ["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.01", "--chunk-limit", "1MiB"]
+
+
+def test_apply_exits_130_on_ctrl_c_and_leaves_nothing(capsys):
+    from hicache.cli import main
+
+    with fake_cuda(interrupt_register={2: "after"}) as fake:
+        code = main([*APPLY, "--reserve", "1MiB"])
+    err = capsys.readouterr().err
+    assert code == 130 and "error[interrupted]" in err and "nothing is left registered" in err
+    assert fake.held() == set()
+
+
+def test_apply_after_a_leaking_rollback_never_says_nothing_is_left(capsys):
+    from hicache.cli import main
+
+    with fake_cuda(interrupt_register={2: "after"}, fail_unregister={0: 1}) as fake:
+        code = main([*APPLY, "--reserve", "1MiB"])
+    err = capsys.readouterr().err
+    assert code == 130 and fake.held() and "nothing is left registered" not in err
+    assert "may stay registered" in err
+
+
+def test_apply_exits_1_on_a_refused_budget(capsys):
+    from hicache.cli import main
+
+    with fake_cuda() as fake:  # psutil reports 3 GB available (conftest); the reserve is 10 GiB
+        code = main(APPLY)
+    err = capsys.readouterr().err
+    assert code == 1 and "error[budget-refused]" in err and fake.cudart.log == []
