@@ -35,9 +35,9 @@ MiB = 2**20
 def test_the_ledger_refuses_an_overlap_from_either_side(request_, refused):
     ledger = HostLedger()
     assert ledger.claim([(100, 50)]) is None
+    assert (ledger.overlapping(*request_) is not None) is refused
     conflict = ledger.claim([request_])
     assert (conflict is not None) is refused
-    assert (ledger.overlapping(*request_) is not None) is refused
 
 
 def test_the_ledger_refuses_overlaps_within_one_claim():
