@@ -21,3 +21,29 @@ def line(name: str, value: float, unit: str, baseline_name: str, baseline: float
         f"{name}: {value:.3f} {unit} | baseline {baseline_name}: {baseline:.3f} {unit} | "
         f"ratio {value / baseline:.2f}x"
     )
+
+
+def interleaved(fns: dict, *, rounds: int = 7) -> dict:
+    """Seconds of every call of each function in ``fns`` (name -> fn), called in turn for
+    ``rounds`` rounds so that machine noise hits them alike."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median_line(name: str, ours: list, baseline_name: str, baseline: list, unit: str = "s") -> str:
+    """Medians of interleaved rounds, the ratio baseline/ours (> 1: we are faster) of the
+    medians, and the min-max of the per-round ratios."""
+    import statistics
+
+    ours_median, base_median = statistics.median(ours), statistics.median(baseline)
+    ratios = [b / o for o, b in zip(ours, baseline)]
+    return (
+        f"{name}: median {ours_median:.3f} {unit} | baseline {baseline_name}: median "
+        f"{base_median:.3f} {unit} | speed {base_median / ours_median:.2f}x of baseline "
+        f"(per round {min(ratios):.2f}-{max(ratios):.2f}x, {len(ours)} interleaved rounds)"
+    )
