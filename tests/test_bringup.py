@@ -250,3 +250,16 @@ def test_plan_reads_the_settings_but_never_the_machine(monkeypatch, capsys):
     monkeypatch.setenv("HICACHE_REGISTER_CHUNK", "lots")
     assert main(["plan"]) == 2
     assert "error[bad-limits]: environment variable HICACHE_REGISTER_CHUNK='lots'" in capsys.readouterr().err
+
+
+def test_plan_reads_the_kernel_release_only_when_asked(monkeypatch, capsys):
+    import hicache.effects
+    from hicache.cli import main
+
+    monkeypatch.setattr(hicache.effects, "probe_kernel_release", lambda **_: "6.13.0")
+    assert main(["plan", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cap_sources"]["kernel_cap"] == "not checked"
+    assert main(["plan", "--this-machine", "--format", "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["cap_sources"]["kernel_cap"] == "this machine (Linux 6.13.0)"
+    assert printed["caps"]["kernel_cap"] < 2**31

@@ -19,6 +19,8 @@ DESCRIPTION = (
 def add_command(commands) -> None:
     plan = commands.add_parser("plan", help="capacity plan of a model's host pools (offline, pure)", description=DESCRIPTION)
     add_plan_arguments(plan)
+    plan.add_argument("--this-machine", action="store_true",
+                      help="also apply this machine's kernel pin cap (reads its kernel release; nothing else)")
     plan.add_argument("--list-models", action="store_true", help="list the embedded presets")
     plan.add_argument("--format", choices=("table", "json", "markdown"), default="table")
     plan.add_argument("--out", help="write the output to FILE instead of stdout")
@@ -38,7 +40,13 @@ def run(args) -> int:
     if args.list_models:
         emit(_list_models(), args.out)
         return 0
-    plan, defaults, sources = build_plan(args)
+    resolved = None
+    if args.this_machine:
+        from hicache.cli._plan_args import limits_from_args
+        from hicache.effects import probe_kernel_release  # asked for: the one machine fact used
+
+        resolved = limits_from_args(args, machine_kernel_release=probe_kernel_release())
+    plan, defaults, sources = build_plan(args, resolved)
     if defaults and not any(getattr(args, k) for k in ("model", "config")):
         print("hicache plan: no model given; planning the default preset on default settings", file=sys.stderr)
     emit(render(plan, args.format, defaults=defaults, sources=sources), args.out)
