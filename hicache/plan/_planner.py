@@ -10,14 +10,35 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate, repeat
+from operator import itemgetter
 
 import attrs
 
 from hicache.errors import PlanError
 from hicache.plan._checks import as_tuple, check_int
 from hicache.plan._limits import Limits
-from hicache.plan._range import Range, trusted_ranges
+from hicache.plan._range import Range, Tiling, collector_paused, tiling, trusted_ranges
 from hicache.plan._units import format_bytes
+
+
+_offset, _size = itemgetter(0), itemgetter(1)
+
+
+def _tiling_holds(ranges: Tiling, cap: int, unit: int | None) -> bool:
+    """The laws for a planner tiling, by arithmetic: ``count`` ranges of ``step`` from 0, the
+    last one the rest - so they tile ``[0, total)``; each within the cap; every interior
+    boundary a multiple of ``step``, hence of the unit when ``step`` is."""
+    step, total, count = ranges.step, ranges.total, len(ranges)
+    last = total - (count - 1) * step
+    return (
+        step > 0 and count == -(-total // step) and 0 < last <= step and step <= cap
+        and (count == 1 or (unit is not None and step % unit == 0))
+    )
+
+
+def _as_ranges(value) -> tuple:
+    """attrs converter: a planner `Tiling` stays one (its laws are then checked by arithmetic)."""
+    return value if type(value) is Tiling else tuple(value)
 
 
 def _check_plan(plan: "RegistrationPlan") -> None:
@@ -31,13 +52,18 @@ def _check_plan(plan: "RegistrationPlan") -> None:
     # runs to name the offending range.
     if not ranges and total == 0:
         return
-    if ranges and all(type(item) is Range for item in ranges):
-        ends = list(accumulate(item[1] for item in ranges))
+    if type(ranges) is Tiling and ranges.total == total and _tiling_holds(ranges, cap, unit):
+        return
+    if ranges and set(map(type, ranges)) == {Range}:
+        offsets = list(map(_offset, ranges))
+        sizes = list(map(_size, ranges))
+        ends = list(accumulate(sizes))
         interior = ends[:-1]
         if (
-            [item[0] for item in ranges] == [0, *interior]
+            offsets[0] == 0
+            and offsets[1:] == interior
             and ends[-1] == total
-            and max((item[1] for item in ranges), default=0) <= cap
+            and max(sizes) <= cap
             and (unit is None or not any(map(unit.__rmod__, interior)))
         ):
             return
@@ -78,7 +104,7 @@ class RegistrationPlan:
     granularity_bytes: int | None
     step_bytes: int
     limits: Limits
-    ranges: tuple[Range, ...] = attrs.field(converter=as_tuple)
+    ranges: tuple[Range, ...] = attrs.field(converter=_as_ranges)
     notes: tuple[str, ...] = attrs.field(default=(), converter=as_tuple)
     alignment_bytes: int | None = None
 
@@ -150,13 +176,10 @@ def _boundary_alignment(granularity: int, cap: int, limits: Limits) -> tuple[int
 
 def _tile(total: int, step: int) -> tuple[Range, ...]:
     # Offsets are < total <= 2**63 - 1 and sizes positive: valid by construction.
-    full = total // step * step
-    ranges = trusted_ranges(zip(range(0, full, step), repeat(step)))
-    if full < total:
-        ranges += trusted_ranges([(full, total - full)])
-    return ranges
+    return tiling(total, step)
 
 
+@collector_paused
 def plan_registration(
     total_bytes: int, *, granularity_bytes: int | None, limits: Limits
 ) -> RegistrationPlan:
@@ -224,6 +247,7 @@ def _plan_unsplittable(total: int, limits: Limits, notes: list[str]) -> Registra
     return RegistrationPlan(total, None, total, limits, (Range(0, total),), tuple(notes))
 
 
+@collector_paused
 def replan(plan: RegistrationPlan, *, failed_index: int) -> RegistrationPlan:
     """The retry policy: after call ``failed_index`` failed (not stickily), halve the rest.
 

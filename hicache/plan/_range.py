@@ -8,7 +8,9 @@ several times more per instance. Pure: imports hicache.errors only.
 
 from __future__ import annotations
 
-from itertools import repeat
+import gc
+from functools import wraps
+from itertools import chain, repeat
 from typing import NamedTuple
 
 from hicache.errors import PlanError
@@ -45,6 +47,48 @@ class Range(_RangeFields):
         return f"[{self[0]}, {self[0] + self[1]})"
 
 
+class Tiling(tuple):
+    """Ranges the planner tiled as offsets ``0, step, 2*step, ...`` (the last one maybe
+    shorter), known by construction: a plan checks them by arithmetic on ``step`` and
+    ``total`` instead of walking every range. Compares and hashes as the plain tuple."""
+
+    step: int
+    total: int
+
+
+def tiling(total: int, step: int) -> Tiling:
+    """``[0, total)`` in ranges of ``step`` bytes (the last one what is left); unchecked input."""
+    full = total // step * step
+    pieces = zip(range(0, full, step), repeat(step))
+    if full < total:
+        pieces = chain(pieces, ((full, total - full),))
+    result = Tiling(map(tuple.__new__, repeat(Range), pieces))
+    result.step, result.total = step, total
+    return result
+
+
 def trusted_ranges(offsets_and_sizes) -> tuple[Range, ...]:
     """Build ranges the caller has already proven valid (the planner's tiling), unchecked."""
     return tuple(map(tuple.__new__, repeat(Range), offsets_and_sizes))
+
+
+def collector_paused(func):
+    """Run ``func`` with Python's cyclic garbage collector paused (then restored as it was).
+
+    A plan builds up to tens of thousands of small tuples in one go; in a process with a large
+    heap (torch imported: an SGLang server) those allocations trigger a full collection that
+    walks the whole heap - 64 TiB at 1 GiB chunks took 100+ ms instead of ~25 ms. Ranges hold
+    no reference cycles, so nothing is lost by not collecting while they are built.
+    """
+
+    @wraps(func)
+    def paused(*args, **kwargs):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
