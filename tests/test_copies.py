@@ -90,7 +90,7 @@ def test_descriptors_for_cuda_reach_the_batch_call_as_int_lists(monkeypatch):
     pattern = _transfer.block_pattern(torch.tensor([5, 1, 2]), 64, torch.tensor([0, 3, 4]), 64, 64)
     batch = _transfer.Descriptors(engine)
     batch.add(dst, src, pattern)
-    batch.add(dst, src[4:], pattern)
+    batch.add(dst, src[3:], pattern)  # 5 rows: block 4 (bytes 256-320) is still inside
     batch.cuda = torch.device("cuda", 0)
     batch.run()
     (dsts, srcs, sizes), = seen
@@ -99,7 +99,7 @@ def test_descriptors_for_cuda_reach_the_batch_call_as_int_lists(monkeypatch):
     # blocks 1 and 2 <- 3 and 4 coalesce into one 128-byte copy; block 5 <- 0 stays alone
     assert list(zip(dsts, srcs, sizes)) == [
         (base_d + 64, base_s + 192, 128), (base_d + 320, base_s, 64),
-        (base_d + 64, base_s + 256 + 192, 128), (base_d + 320, base_s + 256, 64),
+        (base_d + 64, base_s + 192 + 192, 128), (base_d + 320, base_s + 192, 64),
     ]
     assert batch.parts == [] and batch.keep == []
 
@@ -158,3 +158,22 @@ def test_from_the_null_stream_a_side_stream_is_ordered_both_ways(monkeypatch, ba
         assert binding.streams == [101]
         assert cuda.log == [("device", "dev"), ("wait", 101, 0), ("batch", 101), ("wait", 0, 101)]
     assert cuda.created == 1  # made once per device, then reused
+
+
+def test_a_block_past_the_end_of_either_tensor_is_refused_before_any_copy():
+    """Memory safety: a pattern reaching past a (shorter) tensor never becomes a descriptor."""
+    import torch
+
+    from hicache.errors import TransferError
+    from hicache.pools import _transfer
+
+    engine = CopyEngine(host_copy_mode="python")
+    dst, src = torch.zeros(8, 16), torch.ones(8, 16)
+    pattern = _transfer.block_pattern(torch.tensor([5, 1, 2]), 64, torch.tensor([0, 3, 4]), 64, 64)
+    batch = _transfer.Descriptors(engine)
+    with pytest.raises(TransferError, match="layer 3, buffer 0, V: a block reaches byte 320 of the source"):
+        batch.add(dst, src[4:], pattern, where="layer 3, buffer 0, V")  # 4 rows: block 4 is past it
+    with pytest.raises(TransferError, match="destination tensor, which holds 320 bytes"):
+        batch.add(dst[:5], src, pattern)  # block 5 of the destination is past its 5 rows
+    batch.add(dst[:6], src[:5], pattern)  # exactly up to the last byte of each: fine
+    assert len(batch.parts) == 1

@@ -360,3 +360,53 @@ def test_a_failed_budget_record_allocates_and_registers_nothing(monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         make("mha", "page_first_direct", pin_memory=True, runtime=runtime, ledger=ledger)
     assert runtime.cudart.register_calls == 0 and runtime.held() == set() and ledger.held() == ()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_the_per_layer_fast_path_notices_every_change(layout):
+    """Reused transfers: the same layer loaded again after the indices changed in place, after
+    new equal-valued index tensors, and after the device pool swapped a layer's tensor - each
+    copies exactly what a fresh transfer would (compared with torch indexing)."""
+    pool, device = make("mha", layout)
+    device.randomize(7)
+    host_idx = pool.alloc(4 * P)
+    pool.backup_from_device_all_layer(device, host_idx, torch.arange(1 * P, 5 * P), "direct")
+    device_idx = torch.arange(8 * P, 12 * P)
+
+    def load_and_check(layer, idx):
+        for t in device.tensors():
+            t.zero_()
+        pool.load_to_device_per_layer(device, host_idx, idx, layer, "direct")
+        for name in ("k_buffer", "v_buffer"):
+            got = getattr(device, name)[layer][idx]
+            assert got.count_nonzero() > 0, (layer, name)  # something arrived, at exactly idx
+            others = torch.ones(getattr(device, name)[layer].shape[0], dtype=torch.bool)
+            others[idx] = False
+            assert getattr(device, name)[layer][others].count_nonzero() == 0
+
+    load_and_check(0, device_idx)
+    load_and_check(0, device_idx)  # reused
+    device_idx += 4 * P  # in place: pages 12..15 now
+    load_and_check(0, device_idx)
+    load_and_check(1, device_idx.clone())  # equal values, new object
+    old = device.k_buffer[1]
+    device.k_buffer[1] = torch.zeros_like(old)  # the device pool reallocated layer 1's K
+    old.zero_()
+    load_and_check(1, device_idx)  # into the new tensor ...
+    assert old.count_nonzero() == 0  # ... and not into the one the cached copy was built for
+    pool.destroy()
+
+
+def test_a_shorter_later_layer_or_v_tensor_is_refused_not_overrun():
+    """Bounds are checked against every tensor a copy touches, not layer 0's K only."""
+    pool, device = make("mha", "page_first_direct")
+    host_idx = pool.alloc(2 * P)
+    device_idx = torch.arange(12 * P, 14 * P)  # inside layer 0's K (64 + 4 slots)
+    device.v_buffer[2] = device.v_buffer[2][: 8 * P].clone()  # a short V tensor in layer 2
+    before = [t.clone() for t in device.tensors()]
+    with pytest.raises(TransferError, match=r"layer 2, buffer 0, V: a block reaches byte"):
+        pool.load_to_device_per_layer(device, host_idx, device_idx, 2, "direct")
+    with pytest.raises(TransferError, match=r"layer 2, buffer 0, V"):
+        pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+    assert all(torch.equal(a, b) for a, b in zip(before, device.tensors()))  # nothing copied
+    pool.destroy()

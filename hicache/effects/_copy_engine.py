@@ -10,7 +10,7 @@ parameters so tests stand in for both.
 
 from __future__ import annotations
 
-from hicache.effects._host_copy import copy_host_blocks, host_copy_mode
+from hicache.effects._host_copy import copy_checked_blocks, copy_host_blocks, host_copy_mode
 from hicache.errors import CudaCallError
 
 
@@ -68,6 +68,11 @@ class CopyEngine:
             return copy_host_blocks(dsts, srcs, sizes, mode=self.host_copy_mode)
         return self.issue_cuda_copies(device, dsts.tolist(), srcs.tolist(), sizes.tolist())
 
+    def prepare(self, dsts, srcs, sizes, *, device=None) -> "PreparedCopy":
+        """Check a batch once, for issuing it many times (SGLang loads the same pages layer by
+        layer, batch after batch): `PreparedCopy.run()` then costs one call."""
+        return PreparedCopy(self, dsts, srcs, sizes, device)
+
     def issue_cuda_copies(self, device, dsts, srcs, sizes) -> str:
         """Copies on ``device``'s current torch stream, ordered after the work already queued.
 
@@ -95,6 +100,36 @@ class CopyEngine:
         if cuda.is_available() and cuda.is_initialized():
             for index in range(cuda.device_count()):
                 cuda.synchronize(index)
+
+
+class PreparedCopy:
+    """One checked batch of copies, issued by `run()` as often as needed. The caller keeps the
+    memory its addresses point into alive and unchanged."""
+
+    def __init__(self, engine: CopyEngine, dsts, srcs, sizes, device) -> None:
+        import torch
+
+        for name, tensor in (("dsts", dsts), ("srcs", srcs), ("sizes", sizes)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.device.type != "cpu":
+                raise TypeError(f"{name} must be a 1-D int64 CPU tensor")
+        if not dsts.numel() == srcs.numel() == sizes.numel():
+            raise ValueError(f"{dsts.numel()} dsts, {srcs.numel()} srcs and {sizes.numel()} sizes")
+        if sizes.numel() and int(sizes.min()) < 0:
+            raise ValueError(f"sizes must be >= 0, got {int(sizes.min())}")
+        self.engine, self.device = engine, device
+        self.count = sizes.numel()
+        self.total = int(sizes.sum()) if self.count else 0
+        if device is None:
+            self.tensors = (dsts.contiguous(), srcs.contiguous(), sizes.contiguous())
+        else:
+            self.lists = (dsts.tolist(), srcs.tolist(), sizes.tolist())
+
+    def run(self) -> str:
+        if not self.count:
+            return "empty"
+        if self.device is None:
+            return copy_checked_blocks(*self.tensors, self.total, mode=self.engine.host_copy_mode)
+        return self.engine.issue_cuda_copies(self.device, *self.lists)
 
 
 def _probe_mode() -> str:

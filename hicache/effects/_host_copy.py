@@ -80,7 +80,13 @@ def copy_host_blocks(dst_addrs, src_addrs, sizes, *, threads: int | None = None,
         return mode
     if int(sizes.min()) < 0:
         raise ValueError(f"sizes must be >= 0, got {int(sizes.min())}")
-    total = int(sizes.sum())
+    return copy_checked_blocks(dst_addrs, src_addrs, sizes, int(sizes.sum()), mode=mode, threads=threads)
+
+
+def copy_checked_blocks(dst_addrs, src_addrs, sizes, total: int, *, mode: str, threads: int | None = None) -> str:
+    """`copy_host_blocks` for descriptors already checked (contiguous int64 CPU tensors of one
+    length, sizes >= 0 adding up to ``total``, ``mode`` valid): the per-call path of a
+    prepared, reused batch."""
     workers = 1 if total < PARALLEL_BYTES else (threads or copy_threads())
     if mode == "native":
         _native.copy_blocks(

@@ -28,6 +28,7 @@ from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._transfer import (
     Descriptors,
     IndexMemo,
+    ReadyCopy,
     check_backend,
     copy_blocks,
     copy_tokens,
@@ -288,26 +289,50 @@ class HostKVCache(abc.ABC):
         checked = self._index_memo.check(
             host_indices, device_indices, host_slots=self.size, device_slots=device_slots, page_size=self.page_size
         )
+        device_tensors = tuple(stream.device(device_pool, layer) for layer in layers for stream in streams)
+        key = (to_host, tuple(layers), id(device_pool))
+        ready = checked.ready.get(key)
+        if ready is not None and ready.matches(device_tensors):  # the same copies as last time
+            if ready.prepared is not None:
+                ready.prepared.run()
+            return
+        ready = self._build_transfer(checked, streams, layers, device_tensors, to_host=to_host)
+        if ready is not None:
+            checked.ready[key] = ready
+
+    def _build_transfer(self, checked, streams, layers, device_tensors, *, to_host: bool):
+        """Check and issue one transfer; return it prepared for reuse (None when part of it
+        went through torch indexing, which is not reusable)."""
         hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
         patterns, views = checked.patterns, self._views
         batch = Descriptors(self.copy_engine)  # every layer's page copies, issued together
+        reusable = True
+        tensors = iter(device_tensors)
         for layer in layers:
             for stream in streams:
                 hv = views.get((stream.buffer, stream.kv, layer))
                 if hv is None:  # views of our own buffers: made once, dropped by destroy()
                     hv = views[(stream.buffer, stream.kv, layer)] = self._host_view(stream, layer)
-                dv = stream.device(device_pool, layer)
+                dv = next(tensors)
                 if stream.rows or (hpages is not None and dpages is not None and dv.shape[0] % self.page_size == 0):
                     if hpages is None or dpages is None:
                         raise TransferError(f"{type(self).__name__} moves whole pages: indices must be page-aligned runs")
                     dblocks = dv if stream.rows else dv.unflatten(0, (-1, self.page_size))
+                    where = f"layer {layer + self.start_layer}, buffer {stream.buffer}" + (
+                        "" if stream.kv is None else f", {'KV'[stream.kv]}")
                     if to_host:
-                        copy_blocks(hv, hpages, dblocks, dpages, batch, patterns)
+                        reusable &= copy_blocks(hv, hpages, dblocks, dpages, batch, patterns, where)
                     else:
-                        copy_blocks(dblocks, dpages, hv, hpages, batch, patterns)
+                        reusable &= copy_blocks(dblocks, dpages, hv, hpages, batch, patterns, where)
                 else:
                     copy_tokens(hv, hidx, dv, didx, self.page_size, to_host=to_host)
-        batch.run()
+                    reusable = False
+        prepared = batch.prepare()
+        if prepared is not None:
+            prepared.run()
+        if not reusable:
+            return None
+        return ReadyCopy(device_tensors, tuple(t.data_ptr() for t in device_tensors), prepared)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
         """Copy the given slots of one layer host -> device."""

@@ -111,43 +111,62 @@ class Descriptors:
         self.cuda = None  # the CUDA device when either side of a copy is on one
         self.keep: list = []  # the tensors the addresses point into, alive until issued
 
-    def add(self, dst, src, pattern: BlockPattern) -> None:
-        """Queue ``pattern``'s copies from tensor ``src`` into tensor ``dst``."""
+    def add(self, dst, src, pattern: BlockPattern, *, where: str = "") -> None:
+        """Queue ``pattern``'s copies from tensor ``src`` into tensor ``dst``, after checking
+        that every block lies inside both tensors."""
+        if pattern.sizes.numel():
+            for side, tensor, offsets in (("destination", dst, pattern.dst), ("source", src, pattern.src)):
+                reach = int((offsets + pattern.sizes).max())
+                if reach > extent_bytes(tensor) or int(offsets.min()) < 0:
+                    raise TransferError(
+                        f"{where or 'copy'}: a block reaches byte {reach} of the {side} tensor, "
+                        f"which holds {extent_bytes(tensor)} bytes (shape {tuple(tensor.shape)}): an index "
+                        "past the end of a shorter layer or K/V tensor; nothing was copied"
+                    )
         self.parts.append((pattern.dst + dst.data_ptr(), pattern.src + src.data_ptr(), pattern.sizes))
         for tensor in (dst, src):
             if tensor.device.type == "cuda":
                 self.cuda = tensor.device
         self.keep += [dst, src]
 
-    def run(self) -> None:
+    def prepare(self):
+        """The collected copies as one `PreparedCopy` (None when there are none)."""
         import torch
 
         if not self.parts:
-            return
+            return None
         dsts, srcs, sizes = (torch.cat(column) if len(column) > 1 else column[0] for column in zip(*self.parts))
         if self.engine is None:
             from hicache.effects import CopyEngine
 
             self.engine = CopyEngine()
-        self.engine.copy(dsts, srcs, sizes, device=self.cuda)
+        return self.engine.prepare(dsts, srcs, sizes, device=self.cuda)
+
+    def run(self) -> None:
+        prepared = self.prepare()
+        if prepared is not None:
+            prepared.run()
         self.parts, self.keep = [], []
 
 
-def copy_blocks(dst, dst_ids, src, src_ids, descriptors: Descriptors | None = None, patterns: dict | None = None) -> None:
+def copy_blocks(dst, dst_ids, src, src_ids, descriptors: Descriptors | None = None, patterns: dict | None = None,
+                where: str = "") -> bool:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for whole blocks along dim 0 (pages or slots).
 
     When every block is contiguous on both sides the copies are added to ``descriptors``
     (issued by the caller, batched with other layers) or issued now; otherwise torch indexing.
     ``patterns`` (a dict owned by the caller, for these very id tensors) keeps the coalesced
-    pattern for the next layer or call with the same strides.
+    pattern for the next layer or call with the same strides. Returns True when the copies went
+    into descriptors (reusable), False when torch indexing did them. Every block must lie
+    inside both tensors (`TransferError` naming ``where`` otherwise): never a wild copy.
     """
     if dst_ids.numel() == 0:
-        return
+        return True
     unit = block_unit(dst, src)
     if unit is None:
         values = src[src_ids.to(src.device)]
         dst[dst_ids.to(dst.device)] = values.to(dst.device).reshape((values.shape[0], *dst.shape[1:]))
-        return
+        return False
     steps = (dst.stride(0) * dst.element_size(), src.stride(0) * src.element_size())
     key = (id(dst_ids), id(src_ids), *steps, unit)
     pattern = patterns.get(key) if patterns is not None else None
@@ -156,9 +175,18 @@ def copy_blocks(dst, dst_ids, src, src_ids, descriptors: Descriptors | None = No
         if patterns is not None:
             patterns[key] = pattern
     batch = descriptors if descriptors is not None else Descriptors()
-    batch.add(dst, src, pattern)
+    batch.add(dst, src, pattern, where=where)
     if descriptors is None:
         batch.run()
+    return True
+
+
+def extent_bytes(tensor) -> int:
+    """Bytes from ``tensor.data_ptr()`` to one past its last element (0 when empty)."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
 
 
 class CheckedIndices(NamedTuple):
@@ -172,6 +200,23 @@ class CheckedIndices(NamedTuple):
     hpages: object  # page ids, or None when not whole aligned pages
     dpages: object
     patterns: dict
+    ready: dict  # (direction, layers, device pool) -> ReadyCopy: descriptors built and checked
+    seen: tuple  # weak references to the tensor objects given, with their versions
+
+
+def _seen(host_indices, device_indices) -> tuple:
+    import weakref
+
+    return (weakref.ref(host_indices), host_indices._version, weakref.ref(device_indices), device_indices._version)
+
+
+def _same_objects(seen: tuple, host_indices, device_indices) -> bool:
+    """The very tensors of the last call, not modified in place since (their version counter)."""
+    host_ref, host_version, device_ref, device_version = seen
+    return (
+        host_ref() is host_indices and device_ref() is device_indices
+        and host_indices._version == host_version and device_indices._version == device_version
+    )
 
 
 def _same(saved, given) -> bool:
@@ -183,12 +228,28 @@ def _same(saved, given) -> bool:
     )
 
 
+class ReadyCopy(NamedTuple):
+    """A transfer's checked, prepared copies, and the device tensors they were built from
+    (kept alive, so their addresses stay valid; reused only while the pool hands out the very
+    same tensors at the same addresses)."""
+
+    device_tensors: tuple
+    addresses: tuple
+    prepared: object  # PreparedCopy or None
+
+    def matches(self, tensors) -> bool:
+        return all(a is b for a, b in zip(self.device_tensors, tensors)) and len(tensors) == len(self.device_tensors) and all(
+            t.data_ptr() == address for t, address in zip(tensors, self.addresses)
+        )
+
+
 class IndexMemo:
     """The last transfer's checked indices and block patterns, reused while the indices are equal.
 
     SGLang loads layer by layer with the same two index tensors; checking them, finding the
     pages and coalescing cost ~0.4 ms a call in Python - a tenth of a 64 MiB layer's copy.
-    A hit needs equal values (not the same tensor object): a tensor changed in place misses.
+    A hit is the same tensor objects unchanged since (their version counter), or equal values;
+    a tensor changed in place misses.
     """
 
     def __init__(self) -> None:
@@ -197,12 +258,19 @@ class IndexMemo:
     def check(self, host_indices, device_indices, *, host_slots: int, device_slots: int, page_size: int) -> CheckedIndices:
         bounds = (host_slots, device_slots, page_size)
         last = self._last  # one read: another thread may replace it meanwhile
-        if last is not None and last.bounds == bounds and _same(last.host, host_indices) and _same(last.device, device_indices):
-            return last
+        if last is not None and last.bounds == bounds:
+            try:
+                if _same_objects(last.seen, host_indices, device_indices):
+                    return last  # the common case: the same tensors, layer after layer
+            except (AttributeError, TypeError):
+                pass  # not tensors: checked (and refused) below
+            if _same(last.host, host_indices) and _same(last.device, device_indices):
+                return last
         hidx, didx = check_indices(host_indices, device_indices, host_slots=host_slots, device_slots=device_slots)
         entry = CheckedIndices(
             host_indices.clone(), device_indices.clone(), bounds, hidx, didx,
-            aligned_pages(hidx, page_size), aligned_pages(didx, page_size), {},
+            aligned_pages(hidx, page_size), aligned_pages(didx, page_size), {}, {},
+            _seen(host_indices, device_indices),
         )
         self._last = entry
         return entry
