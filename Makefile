@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: plan test bench clean
 
 # editable_mode=compat: a plain .pth entry, so start-up is what a regular install would see.
-$(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_hostcopy.c
+$(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_hostcopy.c hicache/pools/_pagestack.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[test]' --config-settings editable_mode=compat
 	touch $(STAMP)

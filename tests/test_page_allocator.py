@@ -15,15 +15,26 @@ from hicache.testing import MHADevicePool
 
 torch = pytest.importorskip("torch")
 
-PAGES, PAGE = 12, 4
+PAGES, PAGE = 40, 4
+
+
+def _pagestack_built() -> bool:
+    from hicache.pools import _page_allocator
+
+    return _page_allocator._native is not None
+
+
+NATIVE = [False] + ([True] if _pagestack_built() else [])
 
 
 class AllocatorMachine(RuleBasedStateMachine):
     """alloc / free / clear / double free checked against a set of free pages."""
 
+    native = False
+
     def __init__(self):
         super().__init__()
-        self.allocator = PageAllocator(PAGES, PAGE)
+        self.allocator = PageAllocator(PAGES, PAGE, native=self.native)
         self.free_pages = set(range(PAGES))
         self.held: list = []
 
@@ -50,6 +61,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         with pytest.raises(RuntimeError, match="double free"):
             self.allocator.free(slots)
 
+    @rule(data=st.data())
+    def fill_to_95_percent(self, data):
+        """Steady state of a full, evicting cache: allocate until at most 5 % is free."""
+        while len(self.free_pages) > PAGES // 20:
+            self.alloc(data.draw(st.integers(1, max(1, len(self.free_pages) - PAGES // 20))))
+
+    @rule(data=st.data())
+    def free_then_double_free_in_one_call(self, data):
+        """A free that names a page twice, or a page not held, changes nothing."""
+        if not self.held:
+            return
+        slots = self.held[data.draw(st.integers(0, len(self.held) - 1))]
+        before = self.allocator.available_size()
+        with pytest.raises(RuntimeError, match="double free"):
+            self.allocator.free(torch.cat([slots, slots[:PAGE]]))
+        assert self.allocator.available_size() == before
+
     @rule()
     def clear(self):
         self.allocator.clear()
@@ -62,6 +90,59 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+class NativeAllocatorMachine(AllocatorMachine):
+    native = True
+
+
+if True in NATIVE:
+    TestNativeAllocatorMachine = NativeAllocatorMachine.TestCase
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_eight_threads_at_high_occupancy_never_share_a_page(native):
+    """8 threads alloc and free through one lock (as the pool holds it) around 95 % full."""
+    allocator, lock = PageAllocator(400, PAGE, native=native), threading.Lock()
+    with lock:
+        base = [allocator.alloc(PAGE) for _ in range(380)]  # 95 % full
+    owner = torch.full((400 * PAGE,), -1, dtype=torch.int64)
+    errors = []
+
+    def worker(me: int):
+        rng = torch.Generator().manual_seed(me)
+        mine = []
+        try:
+            for _ in range(400):
+                with lock:
+                    slots = allocator.alloc(int(torch.randint(1, 3, (1,), generator=rng)) * PAGE)
+                    if slots is not None:
+                        if (owner[slots] != -1).any():
+                            errors.append(f"slot handed out twice: {slots.tolist()}")
+                        owner[slots] = me
+                        mine.append(slots)
+                if mine and int(torch.randint(0, 2, (1,), generator=rng)):
+                    with lock:
+                        freed = mine.pop(0)
+                        owner[freed] = -1
+                        allocator.free(freed)
+            with lock:
+                for freed in mine:
+                    owner[freed] = -1
+                    allocator.free(freed)
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert allocator.available_size() == 20 * PAGE
+    for slots in base:
+        allocator.free(slots)
+    assert allocator.available_size() == 400 * PAGE
 
 
 def test_threads_never_share_a_slot():
@@ -97,3 +178,15 @@ def test_threads_never_share_a_slot():
     assert errors == []
     assert pool.available_size() == pool.size
     pool.destroy()
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_a_free_page_marked_handed_out_is_reported_as_corruption(native):
+    """The books disagree (a page on the free list is marked handed out): alloc refuses to
+    hand it out a second time instead of corrupting whoever holds it."""
+    allocator = PageAllocator(8, PAGE, native=native)
+    marks = allocator._marks if native else allocator._allocated
+    marks[0] = 1  # page 0 is next out, but marked as already handed out
+    with pytest.raises(RuntimeError, match="corrupted"):
+        allocator.alloc(PAGE)
+    assert allocator.available_size() == 8 * PAGE  # nothing was handed out
