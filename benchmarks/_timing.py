@@ -23,9 +23,13 @@ def line(name: str, value: float, unit: str, baseline_name: str, baseline: float
     )
 
 
-def interleaved(fns: dict, *, rounds: int = 7) -> dict:
+def interleaved(fns: dict, *, rounds: int = 7, warmup: int = 1) -> dict:
     """Seconds of every call of each function in ``fns`` (name -> fn), called in turn for
-    ``rounds`` rounds so that machine noise hits them alike."""
+    ``rounds`` rounds so that machine noise hits them alike; ``warmup`` rounds first, not
+    counted (first touches of buffers, caches, lazily built state)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():

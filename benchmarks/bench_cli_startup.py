@@ -1,6 +1,6 @@
 """`hicache plan` start-up against a bare Python that imports attrs (target: <= 1.5x).
 
-Both run as fresh processes; best of N wall-clock runs each, interleaved.
+Both run as fresh processes; medians of N interleaved wall-clock runs each, with the range.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _timing import line  # noqa: E402
+from _timing import interleaved, median_line  # noqa: E402
 
 # The console script a user runs (as pip writes it): no runpy, unlike `python -m hicache`.
 PLAN = [sys.executable, "-c", "import sys; from hicache.cli import main; sys.exit(main(['plan', '--format', 'json']))"]
@@ -30,12 +30,9 @@ def main() -> None:
     # pip byte-compiles installed packages; do the same for a fair comparison with attrs.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(__file__).parents[1] / "hicache")], check=True)
     rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "15"))
-    once(PLAN), once(BARE)  # warm the page cache
-    plan = bare = float("inf")
-    for _ in range(rounds):
-        plan = min(plan, once(PLAN))
-        bare = min(bare, once(BARE))
-    print(line("hicache plan (default preset, JSON) start-to-exit", plan * 1e3, "ms", "python -c 'import attrs'", bare * 1e3))
+    times = interleaved({"plan": lambda: once(PLAN), "bare": lambda: once(BARE)}, rounds=rounds)  # warm-up: page cache
+    print(median_line("hicache plan (default preset, JSON) start-to-exit", [t * 1e3 for t in times["plan"]],
+                      "python -c 'import attrs'", [t * 1e3 for t in times["bare"]], "ms"))
 
 
 if __name__ == "__main__":

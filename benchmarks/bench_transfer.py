@@ -3,27 +3,27 @@
 Layouts page_first_direct and layer_first; random host and device page sets (the hard case:
 nothing coalesces). Target: >= 0.7 of the plain copy for pages of 64 tokens and more.
 The plain copy (torch's copy_ of one contiguous tensor) and the transfers are timed in
-interleaved rounds (HICACHE_BENCH_ROUNDS, 7) and the best of each is kept, so drift on a shared
-machine hits all of them alike. GB/s. Two reference lines put the ratios in context: the same
-bytes as one block through hicache's own host copy (non-temporal stores, which the plain copy
-does not use), and, for 64-token pages, the transfers on the ctypes memmove fallback
-(HICACHE_HOST_COPY=python: what an install without a C compiler gets).
+interleaved rounds (HICACHE_BENCH_ROUNDS, 7); each line gives medians and the per-round range,
+so drift on a shared machine hits all of them alike. Two reference lines put the ratios in
+context: the same bytes as one block through hicache's own host copy (non-temporal stores,
+which the plain copy does not use), and, for 64-token pages, the transfers on the ctypes
+memmove fallback (what an install without a C compiler gets). Last, the per-layer call
+overhead with the copy itself stubbed out, against a plain copy of one layer's bytes.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _timing import line  # noqa: E402
+from _timing import interleaved, median_line  # noqa: E402
 
 import torch  # noqa: E402
 
-from hicache.effects import _host_copy  # noqa: E402
+from hicache.effects import CopyEngine, _host_copy  # noqa: E402
 from hicache.plan import Limits  # noqa: E402
 from hicache.pools import MHATokenToKVPoolHost  # noqa: E402
 from hicache.testing import MHADevicePool  # noqa: E402
@@ -33,18 +33,18 @@ MOVED_PAGES = 256
 LAYOUTS = ("page_first_direct", "layer_first")
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+class StubEngine(CopyEngine):
+    """Prepares (checks) every batch as usual and then copies nothing: the overhead alone."""
+
+    def prepare(self, dsts, srcs, sizes, *, device=None):
+        prepared = super().prepare(dsts, srcs, sizes, device=device)
+        prepared.run = lambda: "stub"
+        return prepared
 
 
-def fallback(job) -> None:
-    os.environ[_host_copy.ENV_VAR] = "python"
-    try:
-        job()
-    finally:
-        del os.environ[_host_copy.ENV_VAR]
+def make_pool(device, page_size, layout, **kw):
+    return MHATokenToKVPoolHost(device, 1.0, 0, page_size, layout, False, "cpu", limits=Limits(chunk_limit_bytes=2**30),
+                                host_memory_bytes=10**15, **kw)
 
 
 def bench_page_size(page_size: int, rounds: int) -> None:
@@ -57,37 +57,73 @@ def bench_page_size(page_size: int, rounds: int) -> None:
     moved = device_idx.numel() * HEADS * DIM * 2 * 2 * LAYERS  # K and V, bf16, all layers
     source = torch.empty(moved // 2, dtype=torch.bfloat16).random_()
     target = torch.empty_like(source)
-    for layout in LAYOUTS:  # one pool at a time: the budget check is real
-        pool = MHATokenToKVPoolHost(device, 1.0, 0, page_size, layout, False, "cpu", limits=Limits(chunk_limit_bytes=2**30))
+    for layout in LAYOUTS:  # one pool at a time
+        pool = make_pool(device, page_size, layout)
+        slow = make_pool(device, page_size, layout, copy_engine=CopyEngine(host_copy_mode="python")) if page_size == 64 else None
         slots = pool.alloc(device_idx.numel())
         host_idx = slots.view(-1, page_size)[torch.randperm(MOVED_PAGES, generator=generator)].reshape(-1)
-        backup = lambda: pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")  # noqa: E731
-        load = lambda: [  # noqa: E731
-            pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct") for layer in range(LAYERS)
-        ]
+
+        def backup(p=pool):
+            p.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+
+        def load(p=pool):
+            for layer in range(LAYERS):
+                p.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+
         jobs = {"plain": lambda: target.copy_(source), "backup all layers": backup, "load per layer": load}
         if layout == LAYOUTS[0]:
             jobs["one block, hicache host copy"] = lambda: _host_copy.copy_host_blocks(
                 torch.tensor([target.data_ptr()]), torch.tensor([source.data_ptr()]), torch.tensor([moved])
             )
-        if page_size == 64:
-            jobs["backup all layers, memmove fallback"] = lambda: fallback(backup)
-            jobs["load per layer, memmove fallback"] = lambda: fallback(load)
-        best = {name: float("inf") for name in jobs}
-        for _ in range(rounds):
-            for name, job in jobs.items():
-                best[name] = min(best[name], timed(job))
-        plain = moved / best.pop("plain") / 1e9
-        for what, seconds in best.items():
-            print(line(f"{layout} {what}, {page_size}-token pages", moved / seconds / 1e9, "GB/s",
-                       "plain copy of the same bytes", plain))
+        if slow is not None:
+            jobs["backup all layers, memmove fallback"] = lambda: backup(slow)
+            jobs["load per layer, memmove fallback"] = lambda: load(slow)
+        times = interleaved(jobs, rounds=rounds)
+        plain = times.pop("plain")
+        for what, seconds in times.items():
+            print(median_line(f"{layout} {what}, {page_size}-token pages", [t * 1e3 for t in seconds],
+                              "plain copy of the same bytes", [t * 1e3 for t in plain], "ms"))
         pool.destroy()
+        if slow is not None:
+            slow.destroy()
+
+
+def bench_overhead(page_size: int, rounds: int) -> None:
+    """Per-layer load cost with the copy stubbed: what SGLang pays per layer beyond the bytes."""
+    tokens = 4 * MOVED_PAGES * page_size
+    device = MHADevicePool(size=tokens, layer_num=LAYERS, head_num=HEADS, head_dim=DIM, page_size=page_size)
+    pool = make_pool(device, page_size, "page_first_direct", copy_engine=StubEngine())
+    host_idx = pool.alloc(MOVED_PAGES * page_size)
+    device_idx = torch.arange(MOVED_PAGES * page_size) + page_size
+    layer_bytes = device_idx.numel() * HEADS * DIM * 2 * 2
+    source = torch.empty(layer_bytes // 2, dtype=torch.bfloat16).random_()
+    target = torch.empty_like(source)
+    pool.load_to_device_per_layer(device, host_idx, device_idx, 0, "direct")  # the batch's first layer
+
+    batches = 50
+
+    def later_layers():  # the same batch loaded again and again: each layer after the first
+        for _ in range(batches):
+            for layer in range(1, LAYERS):
+                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+
+    def one_layer_copy():
+        target.copy_(source)
+
+    times = interleaved({"stub": later_layers, "plain": one_layer_copy}, rounds=rounds)
+    per_layer = [t / (batches * (LAYERS - 1)) * 1e6 for t in times["stub"]]
+    plain = [t * 1e6 for t in times["plain"]]
+    print(median_line(f"load_to_device_per_layer call overhead, copy stubbed, {page_size}-token pages, after the "
+                      f"first layer", per_layer, f"plain copy of one layer's {layer_bytes / 2**20:.0f} MiB", plain, "us"))
+    pool.destroy()
 
 
 def main() -> None:
     rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "7"))
     for page_size in (16, 64, 128):
         bench_page_size(page_size, rounds)
+    for page_size in (16, 64):
+        bench_overhead(page_size, rounds)
 
 
 if __name__ == "__main__":

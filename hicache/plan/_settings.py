@@ -10,8 +10,7 @@ the real ones, `hicache plan` passes the environment but no machine unless asked
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import attrs
+from typing import NamedTuple
 
 from hicache.errors import PlanError
 from hicache.plan._limits import (
@@ -48,13 +47,13 @@ def env_size(env: Mapping, name: str, *, allow_none: bool = False):
         raise EnvError(f"environment variable {name}={raw!r} is invalid: {error}") from None
 
 
-@attrs.frozen
-class ResolvedLimits:
+class ResolvedLimits(NamedTuple):
     """`Limits` and, per cap (``chunk_limit``, ``driver_ceiling``, ``kernel_cap``,
-    ``hugepage``), the source that decided it: a flag, a variable, the machine or the default."""
+    ``hugepage``), the source that decided it: a flag, a variable, the machine or the default.
+    (A NamedTuple, not an attrs class: `hicache plan` imports this on every start.)"""
 
     limits: Limits
-    sources: dict = attrs.field(converter=dict)
+    sources: dict
 
 
 def resolve_limits(
