@@ -14,7 +14,9 @@ overhead with the copy itself stubbed out, against a plain copy of one layer's b
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,8 +38,8 @@ LAYOUTS = ("page_first_direct", "layer_first")
 class StubEngine(CopyEngine):
     """Prepares (checks) every batch as usual and then copies nothing: the overhead alone."""
 
-    def prepare(self, dsts, srcs, sizes, *, device=None):
-        prepared = super().prepare(dsts, srcs, sizes, device=device)
+    def prepare_parts(self, parts, *, device=None):
+        prepared = super().prepare_parts(parts, device=device)
         prepared.run = lambda: "stub"
         return prepared
 
@@ -89,32 +91,46 @@ def bench_page_size(page_size: int, rounds: int) -> None:
 
 
 def bench_overhead(page_size: int, rounds: int) -> None:
-    """Per-layer load cost with the copy stubbed: what SGLang pays per layer beyond the bytes."""
+    """Per-layer load cost with the copy stubbed: what SGLang pays per layer beyond the bytes.
+
+    Every batch brings new index tensors (other pages, as a server's batches do); its first
+    layer pays for checking them, each later layer for its own descriptors: those later layers
+    are what is timed, against a plain copy of one layer's bytes."""
     tokens = 4 * MOVED_PAGES * page_size
     device = MHADevicePool(size=tokens, layer_num=LAYERS, head_num=HEADS, head_dim=DIM, page_size=page_size)
     pool = make_pool(device, page_size, "page_first_direct", copy_engine=StubEngine())
-    host_idx = pool.alloc(MOVED_PAGES * page_size)
-    device_idx = torch.arange(MOVED_PAGES * page_size) + page_size
-    layer_bytes = device_idx.numel() * HEADS * DIM * 2 * 2
+    host_slots = pool.alloc(MOVED_PAGES * page_size).view(-1, page_size)
+    layer_bytes = MOVED_PAGES * page_size * HEADS * DIM * 2 * 2
     source = torch.empty(layer_bytes // 2, dtype=torch.bfloat16).random_()
     target = torch.empty_like(source)
-    pool.load_to_device_per_layer(device, host_idx, device_idx, 0, "direct")  # the batch's first layer
+    generator = torch.Generator().manual_seed(page_size)
+    batches = []
+    for _ in range(20):  # fresh index tensors per batch: random host and device pages
+        device_pages = torch.randperm(tokens // page_size - 1, generator=generator)[:MOVED_PAGES] + 1
+        batches.append((
+            host_slots[torch.randperm(MOVED_PAGES, generator=generator)].reshape(-1),
+            (device_pages[:, None] * page_size + torch.arange(page_size)).reshape(-1),
+        ))
+    later = []
 
-    batches = 50
-
-    def later_layers():  # the same batch loaded again and again: each layer after the first
-        for _ in range(batches):
+    def fresh_batches():
+        for host_idx, device_idx in batches:
+            pool.load_to_device_per_layer(device, host_idx, device_idx, 0, "direct")
+            start = time.perf_counter()
             for layer in range(1, LAYERS):
                 pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+            later.append((time.perf_counter() - start) / (LAYERS - 1))
 
     def one_layer_copy():
         target.copy_(source)
 
-    times = interleaved({"stub": later_layers, "plain": one_layer_copy}, rounds=rounds)
-    per_layer = [t / (batches * (LAYERS - 1)) * 1e6 for t in times["stub"]]
+    times = interleaved({"stub": fresh_batches, "plain": one_layer_copy}, rounds=rounds)
+    per_round = len(batches)
+    per_layer = [statistics.median(later[i:i + per_round]) * 1e6 for i in range(per_round, len(later), per_round)]
     plain = [t * 1e6 for t in times["plain"]]
-    print(median_line(f"load_to_device_per_layer call overhead, copy stubbed, {page_size}-token pages, after the "
-                      f"first layer", per_layer, f"plain copy of one layer's {layer_bytes / 2**20:.0f} MiB", plain, "us"))
+    print(median_line(f"load_to_device_per_layer call overhead, copy stubbed, {page_size}-token pages, fresh "
+                      "batch, layers after its first", per_layer, f"plain copy of one layer's {layer_bytes / 2**20:.0f} MiB",
+                      plain, "us"))
     pool.destroy()
 
 

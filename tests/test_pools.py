@@ -410,3 +410,17 @@ def test_a_shorter_later_layer_or_v_tensor_is_refused_not_overrun():
         pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
     assert all(torch.equal(a, b) for a, b in zip(before, device.tensors()))  # nothing copied
     pool.destroy()
+
+
+def test_a_device_tensor_shrunk_in_place_is_noticed():
+    """The same tensor object re-pointed at a shorter storage (``set_``): cached copy plans
+    are rebuilt and the now out-of-range copy is refused, never written to the old address."""
+    pool, device = make("mha", "page_first_direct")
+    host_idx = pool.alloc(2 * P)
+    device_idx = torch.arange(12 * P, 14 * P)
+    pool.load_to_device_per_layer(device, host_idx, device_idx, 2, "direct")  # plans cached
+    v = device.v_buffer[2]
+    v.set_(v[: 8 * P].clone())  # same object: new, shorter storage
+    with pytest.raises(TransferError, match=r"layer 2, buffer 0, V"):
+        pool.load_to_device_per_layer(device, host_idx, device_idx, 2, "direct")
+    pool.destroy()

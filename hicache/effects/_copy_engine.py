@@ -10,7 +10,7 @@ parameters so tests stand in for both.
 
 from __future__ import annotations
 
-from hicache.effects._host_copy import copy_checked_blocks, copy_host_blocks, host_copy_mode
+from hicache.effects._host_copy import copy_based_blocks, copy_host_blocks, host_copy_mode
 from hicache.errors import CudaCallError
 
 
@@ -68,10 +68,28 @@ class CopyEngine:
             return copy_host_blocks(dsts, srcs, sizes, mode=self.host_copy_mode)
         return self.issue_cuda_copies(device, dsts.tolist(), srcs.tolist(), sizes.tolist())
 
-    def prepare(self, dsts, srcs, sizes, *, device=None) -> "PreparedCopy":
+    def prepare(self, dsts, srcs, sizes, *, device=None, total: int | None = None) -> "PreparedCopy":
         """Check a batch once, for issuing it many times (SGLang loads the same pages layer by
-        layer, batch after batch): `PreparedCopy.run()` then costs one call."""
-        return PreparedCopy(self, dsts, srcs, sizes, device)
+        layer, batch after batch): `PreparedCopy.run()` then costs one call. ``total``: the
+        bytes of ``sizes`` when the caller built them non-negative and knows their sum."""
+        import torch
+
+        for name, tensor in (("dsts", dsts), ("srcs", srcs), ("sizes", sizes)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.device.type != "cpu":
+                raise TypeError(f"{name} must be a 1-D int64 CPU tensor")
+        if not dsts.numel() == srcs.numel() == sizes.numel():
+            raise ValueError(f"{dsts.numel()} dsts, {srcs.numel()} srcs and {sizes.numel()} sizes")
+        if total is None:
+            if sizes.numel() and int(sizes.min()) < 0:
+                raise ValueError(f"sizes must be >= 0, got {int(sizes.min())}")
+            total = int(sizes.sum()) if sizes.numel() else 0
+        return PreparedCopy(self, [(dsts.contiguous(), srcs.contiguous(), sizes.contiguous(), total, 0, 0)], device)
+
+    def prepare_parts(self, parts, *, device=None) -> "PreparedCopy":
+        """Like `prepare`, for parts ``(dst_offsets, src_offsets, sizes, total, dst_base,
+        src_base)`` built by the caller (contiguous int64 CPU tensors, sizes >= 0 adding up to
+        ``total``): each block goes from ``src_base + src_offsets[i]`` to ``dst_base + ...``."""
+        return PreparedCopy(self, parts, device)
 
     def issue_cuda_copies(self, device, dsts, srcs, sizes) -> str:
         """Copies on ``device``'s current torch stream, ordered after the work already queued.
@@ -106,30 +124,26 @@ class PreparedCopy:
     """One checked batch of copies, issued by `run()` as often as needed. The caller keeps the
     memory its addresses point into alive and unchanged."""
 
-    def __init__(self, engine: CopyEngine, dsts, srcs, sizes, device) -> None:
-        import torch
-
-        for name, tensor in (("dsts", dsts), ("srcs", srcs), ("sizes", sizes)):
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.device.type != "cpu":
-                raise TypeError(f"{name} must be a 1-D int64 CPU tensor")
-        if not dsts.numel() == srcs.numel() == sizes.numel():
-            raise ValueError(f"{dsts.numel()} dsts, {srcs.numel()} srcs and {sizes.numel()} sizes")
-        if sizes.numel() and int(sizes.min()) < 0:
-            raise ValueError(f"sizes must be >= 0, got {int(sizes.min())}")
-        self.engine, self.device = engine, device
-        self.count = sizes.numel()
-        self.total = int(sizes.sum()) if self.count else 0
-        if device is None:
-            self.tensors = (dsts.contiguous(), srcs.contiguous(), sizes.contiguous())
-        else:
-            self.lists = (dsts.tolist(), srcs.tolist(), sizes.tolist())
+    def __init__(self, engine: CopyEngine, parts, device) -> None:
+        self.engine, self.device, self.parts = engine, device, parts
+        self.total = sum([part[3] for part in parts])
+        if device is not None:  # cudaMemcpyBatchAsync takes Python int lists: built once
+            dsts, srcs, sizes = [], [], []
+            for dst_offsets, src_offsets, part_sizes, _, dst_base, src_base in self.parts:
+                dsts += [offset + dst_base for offset in dst_offsets.tolist()]
+                srcs += [offset + src_base for offset in src_offsets.tolist()]
+                sizes += part_sizes.tolist()
+            self.lists = (dsts, srcs, sizes)
 
     def run(self) -> str:
-        if not self.count:
+        if not self.total:
             return "empty"
-        if self.device is None:
-            return copy_checked_blocks(*self.tensors, self.total, mode=self.engine.host_copy_mode)
-        return self.engine.issue_cuda_copies(self.device, *self.lists)
+        if self.device is not None:
+            return self.engine.issue_cuda_copies(self.device, *self.lists)
+        mode = self.engine.host_copy_mode
+        for dst_offsets, src_offsets, sizes, total, dst_base, src_base in self.parts:
+            copy_based_blocks(dst_offsets, src_offsets, sizes, total, dst_base, src_base, mode=mode)
+        return mode
 
 
 def _probe_mode() -> str:

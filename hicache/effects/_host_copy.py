@@ -97,6 +97,20 @@ def copy_checked_blocks(dst_addrs, src_addrs, sizes, total: int, *, mode: str, t
     return mode
 
 
+def copy_based_blocks(dst_offsets, src_offsets, sizes, total: int, dst_base: int, src_base: int, *, mode: str,
+                      threads: int | None = None) -> None:
+    """`copy_checked_blocks` for offsets relative to ``dst_base`` / ``src_base`` (checked
+    contiguous int64 CPU tensors): one layer of a transfer whose pattern every layer shares."""
+    if mode == "native":
+        workers = 1 if total < PARALLEL_BYTES else (threads or copy_threads())
+        _native.copy_blocks(dst_offsets.data_ptr(), src_offsets.data_ptr(), sizes.data_ptr(), sizes.numel(), workers,
+                            total >= STREAM_BYTES, dst_base, src_base)
+        return
+    dsts = [offset + dst_base for offset in dst_offsets.tolist()]
+    srcs = [offset + src_base for offset in src_offsets.tolist()]
+    _memmove_threads(dsts, srcs, sizes.tolist(), 1 if total < PARALLEL_BYTES else (threads or copy_threads()))
+
+
 def _memmove_all(dsts, srcs, sizes) -> None:
     move = ctypes.memmove
     for dst, src, size in zip(dsts, srcs, sizes):

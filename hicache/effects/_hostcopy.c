@@ -8,8 +8,10 @@
  * too) and, when asked, writes with non-temporal stores (SSE2, baseline on x86-64): a KV page
  * moved to the other pool is not read again by this CPU soon. Elsewhere it uses memcpy.
  *
- * copy_blocks(dst_addrs, src_addrs, sizes, count, threads, streaming): the first three are
- * addresses of int64 arrays of `count` entries (the Python side passes tensors' data_ptr()).
+ * copy_blocks(dst_addrs, src_addrs, sizes, count, threads, streaming[, dst_base, src_base]): the
+ * first three are addresses of int64 arrays of `count` entries (the Python side passes tensors'
+ * data_ptr()); the optional bases are added to every address (a pattern of offsets reused for
+ * every layer of a transfer, each layer at its own base).
  * Blocks that overlap their own source are copied with memmove, all on the calling thread.
  */
 #define PY_SSIZE_T_CLEAN
@@ -30,6 +32,7 @@
 
 typedef struct {
     const int64_t *dst, *src, *size;
+    int64_t dst_base, src_base;
     int64_t count;
     int64_t first_block, first_offset; /* where this share starts */
     int64_t bytes;                     /* how many bytes it copies */
@@ -65,8 +68,8 @@ static void *run_share(void *arg) {
     while (left > 0 && block < s->count) {
         int64_t n = s->size[block] - offset;
         if (n > left) n = left;
-        copy_span((char *)(intptr_t)s->dst[block] + offset, (const char *)(intptr_t)s->src[block] + offset,
-                  (size_t)n, s->streaming);
+        copy_span((char *)(intptr_t)(s->dst[block] + s->dst_base) + offset,
+                  (const char *)(intptr_t)(s->src[block] + s->src_base) + offset, (size_t)n, s->streaming);
         left -= n;
         block += 1, offset = 0;
     }
@@ -76,20 +79,22 @@ static void *run_share(void *arg) {
     return NULL;
 }
 
-static int overlapping(const int64_t *dst, const int64_t *src, const int64_t *size, int64_t count) {
+static int overlapping(const int64_t *dst, const int64_t *src, const int64_t *size, int64_t count,
+                       int64_t dst_base, int64_t src_base) {
     for (int64_t i = 0; i < count; i++) {
-        if (dst[i] < src[i] + size[i] && src[i] < dst[i] + size[i]) return 1;
+        int64_t d = dst[i] + dst_base, s = src[i] + src_base;
+        if (d < s + size[i] && s < d + size[i]) return 1;
     }
     return 0;
 }
 
 static void copy_all(const int64_t *dst, const int64_t *src, const int64_t *size, int64_t count, int threads,
-                     int streaming) {
+                     int streaming, int64_t dst_base, int64_t src_base) {
     int64_t total = 0;
     for (int64_t i = 0; i < count; i++) total += size[i];
-    if (overlapping(dst, src, size, count)) {
+    if (overlapping(dst, src, size, count, dst_base, src_base)) {
         for (int64_t i = 0; i < count; i++)
-            memmove((void *)(intptr_t)dst[i], (const void *)(intptr_t)src[i], (size_t)size[i]);
+            memmove((void *)(intptr_t)(dst[i] + dst_base), (const void *)(intptr_t)(src[i] + src_base), (size_t)size[i]);
         return;
     }
     if (threads < 1) threads = 1;
@@ -101,7 +106,7 @@ static void copy_all(const int64_t *dst, const int64_t *src, const int64_t *size
     int64_t block = 0, offset = 0;
     for (int t = 0; t < threads; t++) { /* consecutive, near-equal byte shares */
         int64_t bytes = total / threads + (t < total % threads ? 1 : 0);
-        shares[t] = (share_t){dst, src, size, count, block, offset, bytes, streaming};
+        shares[t] = (share_t){dst, src, size, dst_base, src_base, count, block, offset, bytes, streaming};
         int64_t skip = bytes; /* advance the cursor to where share t+1 begins */
         while (skip > 0 && block < count) {
             int64_t rest = size[block] - offset;
@@ -126,25 +131,26 @@ static void copy_all(const int64_t *dst, const int64_t *src, const int64_t *size
 
 static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     unsigned long long dst, src, size;
-    long long count;
+    long long count, dst_base = 0, src_base = 0;
     int threads, streaming;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKKLip", &dst, &src, &size, &count, &threads, &streaming)) return NULL;
+    if (!PyArg_ParseTuple(args, "KKKLip|LL", &dst, &src, &size, &count, &threads, &streaming, &dst_base, &src_base))
+        return NULL;
     if (count < 0) {
         PyErr_Format(PyExc_ValueError, "count must be >= 0, got %lld", count);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     copy_all((const int64_t *)(uintptr_t)dst, (const int64_t *)(uintptr_t)src, (const int64_t *)(uintptr_t)size,
-             (int64_t)count, threads, streaming);
+             (int64_t)count, threads, streaming, (int64_t)dst_base, (int64_t)src_base);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"copy_blocks", copy_blocks, METH_VARARGS,
-     "copy_blocks(dst_addrs, src_addrs, sizes, count, threads, streaming): copy `count` blocks; the first three "
-     "are addresses of int64 arrays."},
+     "copy_blocks(dst_addrs, src_addrs, sizes, count, threads, streaming[, dst_base, src_base]): copy `count` "
+     "blocks; the first three are addresses of int64 arrays, the bases are added to every address."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -28,7 +28,9 @@ from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._transfer import (
     Descriptors,
     IndexMemo,
+    Link,
     ReadyCopy,
+    make_link,
     check_backend,
     copy_blocks,
     copy_tokens,
@@ -138,6 +140,7 @@ class HostKVCache(abc.ABC):
         self._destroyed = False
         self._index_memo = IndexMemo()  # indices of the last transfer, checked
         self._views: dict = {}  # (buffer, kv, layer) -> host view, for transfers
+        self._links: dict = {}  # (buffer, kv, layer, direction, device tensor) -> Link
         self._host_memory_bytes = host_memory_bytes
         self._machine = machine
         self._budget_lock = budget_lock
@@ -281,9 +284,16 @@ class HostKVCache(abc.ABC):
             raise TransferError(f"layer_id {layer_id!r} out of range [{self.start_layer}, {self.end_layer})")
         return layer_id - self.start_layer
 
+    def _stream_list(self) -> list:
+        streams = self.__dict__.get("_streams_cache")
+        if streams is None:  # what streams() says is fixed for the pool's life
+            streams = self._streams_cache = self.streams()
+        return streams
+
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
-        check_backend(io_backend, self.layout, self.descriptor_class().supported())
-        streams = self.streams()
+        if io_backend != "direct":  # the layout was checked when the pool was built
+            check_backend(io_backend, self.layout, self.descriptor_class().supported())
+        streams = self._stream_list()
         first = streams[0].device(device_pool, 0)
         device_slots = first.shape[0] * (self.page_size if streams[0].rows else 1)
         checked = self._index_memo.check(
@@ -300,32 +310,37 @@ class HostKVCache(abc.ABC):
         if ready is not None:
             checked.ready[key] = ready
 
+    def _link(self, stream, layer: int, dv, *, to_host: bool) -> Link:
+        """How one layer of one stream copies (block views, unit, steps, extents), cached per
+        host view and device tensor - rebuilt when the device tensor moved or changed shape."""
+        hv = self._views.get((stream.buffer, stream.kv, layer))
+        if hv is None:  # views of our own buffers: made once, dropped by destroy()
+            hv = self._views[(stream.buffer, stream.kv, layer)] = self._host_view(stream, layer)
+        key = (stream.buffer, stream.kv, layer, to_host, id(dv))
+        link = self._links.get(key)
+        if link is None or not link.fits(dv):
+            link = self._links[key] = make_link(hv, dv, self.page_size, rows=stream.rows, to_host=to_host)
+        return link
+
     def _build_transfer(self, checked, streams, layers, device_tensors, *, to_host: bool):
         """Check and issue one transfer; return it prepared for reuse (None when part of it
         went through torch indexing, which is not reusable)."""
         hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
-        patterns, views = checked.patterns, self._views
+        patterns = checked.patterns
         batch = Descriptors(self.copy_engine)  # every layer's page copies, issued together
         reusable = True
         tensors = iter(device_tensors)
         for layer in layers:
             for stream in streams:
-                hv = views.get((stream.buffer, stream.kv, layer))
-                if hv is None:  # views of our own buffers: made once, dropped by destroy()
-                    hv = views[(stream.buffer, stream.kv, layer)] = self._host_view(stream, layer)
                 dv = next(tensors)
-                if stream.rows or (hpages is not None and dpages is not None and dv.shape[0] % self.page_size == 0):
+                link = self._link(stream, layer, dv, to_host=to_host)
+                if stream.rows or (hpages is not None and dpages is not None and link.whole_pages):
                     if hpages is None or dpages is None:
                         raise TransferError(f"{type(self).__name__} moves whole pages: indices must be page-aligned runs")
-                    dblocks = dv if stream.rows else dv.unflatten(0, (-1, self.page_size))
-                    where = f"layer {layer + self.start_layer}, buffer {stream.buffer}" + (
-                        "" if stream.kv is None else f", {'KV'[stream.kv]}")
-                    if to_host:
-                        reusable &= copy_blocks(hv, hpages, dblocks, dpages, batch, patterns, where)
-                    else:
-                        reusable &= copy_blocks(dblocks, dpages, hv, hpages, batch, patterns, where)
+                    dst_ids, src_ids = (hpages, dpages) if to_host else (dpages, hpages)
+                    reusable &= link.copy(dst_ids, src_ids, batch, patterns, where=(self, layer, stream))
                 else:
-                    copy_tokens(hv, hidx, dv, didx, self.page_size, to_host=to_host)
+                    copy_tokens(link.host_view, hidx, dv, didx, self.page_size, to_host=to_host)
                     reusable = False
         prepared = batch.prepare()
         if prepared is not None:
@@ -333,6 +348,10 @@ class HostKVCache(abc.ABC):
         if not reusable:
             return None
         return ReadyCopy(device_tensors, tuple(t.data_ptr() for t in device_tensors), prepared)
+
+    def _where(self, layer: int, stream) -> str:
+        """Names a copy in errors: layer (as SGLang numbers it), buffer, K or V."""
+        return f"layer {layer + self.start_layer}, buffer {stream.buffer}" + ("" if stream.kv is None else f", {'KV'[stream.kv]}")
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
         """Copy the given slots of one layer host -> device."""
@@ -359,6 +378,7 @@ class HostKVCache(abc.ABC):
             self.kv_buffer = None
             self._index_memo.forget()
             self._views = {}
+            self._links = {}
             self._destroyed = True
 
     def _wait_for_device_copies(self) -> None:

@@ -61,30 +61,45 @@ def aligned_pages(indices, page_size: int):
     return starts // page_size
 
 
-def _unit_contiguous(blocks) -> bool:
-    """True when each ``blocks[i]`` is one contiguous run of memory."""
-    if blocks.shape[0] == 0 or blocks.dim() < 2:
-        return True
-    return blocks[0].is_contiguous()
+def _block_bytes(tensor) -> int | None:
+    """Bytes of one dim-0 block when each block is one contiguous run, else None (shape and
+    stride arithmetic only: no view is made)."""
+    shape, stride = tensor.shape, tensor.stride()
+    expected = 1
+    for size, step in zip(reversed(shape[1:]), reversed(stride[1:])):
+        if size != 1 and step != expected:
+            return None
+        expected *= size
+    return expected * tensor.element_size()
 
 
 def block_unit(dst, src) -> int | None:
     """Bytes per dim-0 block when blocks are contiguous, equally sized and typed on both sides."""
-    unit = dst[0].numel() * dst.element_size() if dst.shape[0] else 0
-    if (
-        dst.dtype != src.dtype or src.shape[0] == 0 or src[0].numel() * src.element_size() != unit
-        or not _unit_contiguous(dst) or not _unit_contiguous(src)
-    ):
+    if dst.dtype != src.dtype or not dst.shape or not src.shape or src.shape[0] == 0:
+        return None
+    unit = _block_bytes(dst)
+    if unit is None or _block_bytes(src) != unit:
         return None
     return unit
 
 
 class BlockPattern(NamedTuple):
-    """Coalesced block copies as byte offsets from the two tensors' base addresses."""
+    """Coalesced block copies as byte offsets from the two tensors' base addresses, and how far
+    they reach into each tensor (checked against every tensor they are used on)."""
 
     dst: object  # int64 tensors
     src: object
     sizes: object
+    dst_reach: int = 0  # one past the last byte written, from the destination's base
+    src_reach: int = 0
+    total: int = 0  # bytes copied
+
+
+def _pattern(dst_offsets, src_offsets, sizes) -> BlockPattern:
+    if not sizes.numel():
+        return BlockPattern(dst_offsets, src_offsets, sizes)
+    return BlockPattern(dst_offsets, src_offsets, sizes, int((dst_offsets + sizes).max()),
+                        int((src_offsets + sizes).max()), int(sizes.sum()))
 
 
 def block_pattern(dst_ids, dst_step: int, src_ids, src_step: int, unit: int) -> BlockPattern:
@@ -96,51 +111,68 @@ def block_pattern(dst_ids, dst_step: int, src_ids, src_step: int, unit: int) -> 
     dst_offsets, src_offsets = dst_offsets[order], src_offsets[order]  # and writes stream forward
     joins = (dst_offsets[1:] - dst_offsets[:-1] == unit) & (src_offsets[1:] - src_offsets[:-1] == unit)
     if not joins.any():
-        return BlockPattern(dst_offsets, src_offsets, torch.full_like(dst_offsets, unit))
+        return _pattern(dst_offsets, src_offsets, torch.full_like(dst_offsets, unit))
     starts = torch.nonzero(torch.cat([joins.new_ones(1), ~joins])).flatten()
     ends = torch.cat([starts[1:], starts.new_tensor([dst_offsets.numel()])])
-    return BlockPattern(dst_offsets[starts], src_offsets[starts], (ends - starts) * unit)
+    return _pattern(dst_offsets[starts], src_offsets[starts], (ends - starts) * unit)
 
 
 class Descriptors:
-    """(dst, src, bytes) copies collected over layers and streams, issued in one go."""
+    """(dst, src, bytes) copies collected over layers and streams, issued in one go. Each part
+    is a block pattern (offsets) at a destination and a source base address: patterns are
+    shared by every layer, so a layer costs no tensor arithmetic."""
 
     def __init__(self, engine=None) -> None:
         self.engine = engine  # a CopyEngine; None: a default one when first needed
-        self.parts: list[tuple] = []  # (dst_addrs, src_addrs, sizes) int64 tensors
+        self.parts: list[tuple] = []  # (pattern, dst base address, src base address)
         self.cuda = None  # the CUDA device when either side of a copy is on one
         self.keep: list = []  # the tensors the addresses point into, alive until issued
+        self.total = 0  # bytes queued
 
     def add(self, dst, src, pattern: BlockPattern, *, where: str = "") -> None:
         """Queue ``pattern``'s copies from tensor ``src`` into tensor ``dst``, after checking
         that every block lies inside both tensors."""
-        if pattern.sizes.numel():
-            for side, tensor, offsets in (("destination", dst, pattern.dst), ("source", src, pattern.src)):
-                reach = int((offsets + pattern.sizes).max())
-                if reach > extent_bytes(tensor) or int(offsets.min()) < 0:
-                    raise TransferError(
-                        f"{where or 'copy'}: a block reaches byte {reach} of the {side} tensor, "
-                        f"which holds {extent_bytes(tensor)} bytes (shape {tuple(tensor.shape)}): an index "
-                        "past the end of a shorter layer or K/V tensor; nothing was copied"
-                    )
-        self.parts.append((pattern.dst + dst.data_ptr(), pattern.src + src.data_ptr(), pattern.sizes))
+        if not pattern.sizes.numel():
+            return
+        if pattern.total == 0 and pattern.dst_reach == 0:  # built elsewhere: measure it now
+            pattern = _pattern(pattern.dst, pattern.src, pattern.sizes)
+        for side, tensor, reach in (("destination", dst, pattern.dst_reach), ("source", src, pattern.src_reach)):
+            if reach > extent_bytes(tensor):  # offsets are >= 0: ids are checked non-negative
+                raise TransferError(
+                    f"{where or 'copy'}: a block reaches byte {reach} of the {side} tensor, "
+                    f"which holds {extent_bytes(tensor)} bytes (shape {tuple(tensor.shape)}): an index "
+                    "past the end of a shorter layer or K/V tensor; nothing was copied"
+                )
+        self.total += pattern.total
+        self.parts.append((pattern, dst.data_ptr(), src.data_ptr()))
         for tensor in (dst, src):
             if tensor.device.type == "cuda":
                 self.cuda = tensor.device
         self.keep += [dst, src]
 
+    def add_checked(self, pattern: BlockPattern, link: Link, where) -> None:
+        """`add` for a link whose extents are known: two comparisons, one append."""
+        if not pattern.total:
+            return
+        if pattern.dst_reach > link.dst_extent or pattern.src_reach > link.src_extent:
+            pool, layer, stream = where
+            self.add(link.dst, link.src, pattern, where=pool._where(layer, stream))  # raises, naming it
+        self.total += pattern.total
+        self.parts.append((pattern, link.dst_ptr, link.src_ptr))
+        if self.cuda is None and link.device.device.type == "cuda":
+            self.cuda = link.device.device
+        self.keep.append(link)
+
     def prepare(self):
         """The collected copies as one `PreparedCopy` (None when there are none)."""
-        import torch
-
         if not self.parts:
             return None
-        dsts, srcs, sizes = (torch.cat(column) if len(column) > 1 else column[0] for column in zip(*self.parts))
         if self.engine is None:
             from hicache.effects import CopyEngine
 
             self.engine = CopyEngine()
-        return self.engine.prepare(dsts, srcs, sizes, device=self.cuda)
+        parts = [(p.dst, p.src, p.sizes, p.total, dst_base, src_base) for p, dst_base, src_base in self.parts]
+        return self.engine.prepare_parts(parts, device=self.cuda)
 
     def run(self) -> None:
         prepared = self.prepare()
@@ -187,6 +219,47 @@ def extent_bytes(tensor) -> int:
         return 0
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     return (last + 1) * tensor.element_size()
+
+
+class Link:
+    """One layer of one stream, both ways: the block views, the unit, the steps, how far each
+    side reaches - all fixed while the device tensor is the same object at the same address
+    and shape, so a fresh batch costs a pattern lookup and one descriptor part per layer."""
+
+    __slots__ = ("host_view", "device", "device_ptr", "device_shape", "dst", "src", "unit", "dst_step",
+                 "src_step", "dst_extent", "src_extent", "dst_ptr", "src_ptr", "whole_pages")
+
+    def fits(self, device) -> bool:
+        return self.device is device and self.device_ptr == device.data_ptr() and self.device_shape == device.shape
+
+    def copy(self, dst_ids, src_ids, descriptors: "Descriptors", patterns: dict, *, where) -> bool:
+        """Queue ``dst[dst_ids[i]] = src[src_ids[i]]`` (True), or do it with torch indexing
+        when blocks are not contiguous (False)."""
+        if dst_ids.numel() == 0:
+            return True
+        if self.unit is None:
+            return copy_blocks(self.dst, dst_ids, self.src, src_ids)
+        key = (id(dst_ids), id(src_ids), self.dst_step, self.src_step, self.unit)
+        pattern = patterns.get(key)
+        if pattern is None:
+            pattern = patterns[key] = block_pattern(dst_ids, self.dst_step, src_ids, self.src_step, self.unit)
+        descriptors.add_checked(pattern, self, where)
+        return True
+
+
+def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool) -> Link:
+    link = Link()
+    link.host_view, link.device = host_view, device
+    link.device_ptr, link.device_shape = device.data_ptr(), device.shape
+    link.whole_pages = rows or device.shape[0] % page_size == 0
+    blocks = device if rows or not link.whole_pages else device.unflatten(0, (-1, page_size))
+    link.dst, link.src = (host_view, blocks) if to_host else (blocks, host_view)
+    link.unit = block_unit(link.dst, link.src)
+    link.dst_step = link.dst.stride(0) * link.dst.element_size() if link.dst.dim() else 0
+    link.src_step = link.src.stride(0) * link.src.element_size() if link.src.dim() else 0
+    link.dst_extent, link.src_extent = extent_bytes(link.dst), extent_bytes(link.src)
+    link.dst_ptr, link.src_ptr = link.dst.data_ptr(), link.src.data_ptr()
+    return link
 
 
 class CheckedIndices(NamedTuple):
