@@ -10,7 +10,7 @@ parameters so tests stand in for both.
 
 from __future__ import annotations
 
-from hicache.effects._host_copy import copy_based_blocks, copy_host_blocks, host_copy_mode
+from hicache.effects._host_copy import copy_host_blocks, copy_parts, host_copy_mode
 from hicache.errors import CudaCallError
 
 
@@ -141,8 +141,7 @@ class PreparedCopy:
         if self.device is not None:
             return self.engine.issue_cuda_copies(self.device, *self.lists)
         mode = self.engine.host_copy_mode
-        for dst_offsets, src_offsets, sizes, total, dst_base, src_base in self.parts:
-            copy_based_blocks(dst_offsets, src_offsets, sizes, total, dst_base, src_base, mode=mode)
+        copy_parts(self.parts, self.total, mode=mode)  # every layer and stream in one call
         return mode
 
 

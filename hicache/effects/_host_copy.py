@@ -111,6 +111,22 @@ def copy_based_blocks(dst_offsets, src_offsets, sizes, total: int, dst_base: int
     _memmove_threads(dsts, srcs, sizes.tolist(), 1 if total < PARALLEL_BYTES else (threads or copy_threads()))
 
 
+def copy_parts(parts, total: int, *, mode: str, threads: int | None = None) -> None:
+    """Copy every part ``(dst_offsets, src_offsets, sizes, total, dst_base, src_base)`` (checked
+    contiguous int64 CPU tensors) in one call, the ``total`` bytes shared by the threads."""
+    workers = 1 if total < PARALLEL_BYTES else (threads or copy_threads())
+    if mode == "native":
+        native = [(d.data_ptr(), s.data_ptr(), z.data_ptr(), z.numel(), db, sb) for d, s, z, _, db, sb in parts]
+        _native.copy_parts(native, workers, total >= STREAM_BYTES)
+        return
+    dsts, srcs, sizes = [], [], []
+    for dst_offsets, src_offsets, part_sizes, _, dst_base, src_base in parts:
+        dsts += [offset + dst_base for offset in dst_offsets.tolist()]
+        srcs += [offset + src_base for offset in src_offsets.tolist()]
+        sizes += part_sizes.tolist()
+    _memmove_threads(dsts, srcs, sizes, workers)
+
+
 def _memmove_all(dsts, srcs, sizes) -> None:
     move = ctypes.memmove
     for dst, src, size in zip(dsts, srcs, sizes):

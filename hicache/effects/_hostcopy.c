@@ -147,7 +147,121 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* copy_parts(parts, threads, streaming): every part is a tuple (dst_addrs, src_addrs, sizes, count,
+ * dst_base, src_base) as copy_blocks takes them; all parts are copied in one call, their bytes
+ * split evenly over the threads (a transfer's layers and K/V streams, each at its own bases). */
+typedef struct {
+    const int64_t *dst, *src, *size;
+    int64_t count, dst_base, src_base;
+} part_t;
+
+typedef struct {
+    const part_t *parts;
+    int64_t nparts, first_part, first_block, first_offset, bytes;
+    int streaming;
+} pshare_t;
+
+static void *run_pshare(void *arg) {
+    pshare_t *s = (pshare_t *)arg;
+    int64_t part = s->first_part, block = s->first_block, offset = s->first_offset, left = s->bytes;
+    while (left > 0 && part < s->nparts) {
+        const part_t *p = &s->parts[part];
+        if (block >= p->count) {
+            part += 1, block = 0, offset = 0;
+            continue;
+        }
+        int64_t n = p->size[block] - offset;
+        if (n > left) n = left;
+        copy_span((char *)(intptr_t)(p->dst[block] + p->dst_base) + offset,
+                  (const char *)(intptr_t)(p->src[block] + p->src_base) + offset, (size_t)n, s->streaming);
+        left -= n;
+        block += 1, offset = 0;
+    }
+#if HICACHE_HAVE_STREAM
+    if (s->streaming) _mm_sfence();
+#endif
+    return NULL;
+}
+
+static void copy_all_parts(const part_t *parts, int64_t nparts, int threads, int streaming) {
+    int64_t total = 0;
+    for (int64_t k = 0; k < nparts; k++) {
+        const part_t *p = &parts[k];
+        if (overlapping(p->dst, p->src, p->size, p->count, p->dst_base, p->src_base)) { /* rare: one by one */
+            for (int64_t j = 0; j < nparts; j++)
+                copy_all(parts[j].dst, parts[j].src, parts[j].size, parts[j].count, 1, 0, parts[j].dst_base,
+                         parts[j].src_base);
+            return;
+        }
+        for (int64_t i = 0; i < p->count; i++) total += p->size[i];
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (total < threads) threads = 1;
+    pshare_t shares[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t part = 0, block = 0, offset = 0;
+    for (int t = 0; t < threads; t++) { /* consecutive, near-equal byte shares across parts */
+        int64_t bytes = total / threads + (t < total % threads ? 1 : 0);
+        shares[t] = (pshare_t){parts, nparts, part, block, offset, bytes, streaming};
+        int64_t skip = bytes;
+        while (skip > 0 && part < nparts) {
+            if (block >= parts[part].count) {
+                part += 1, block = 0, offset = 0;
+                continue;
+            }
+            int64_t rest = parts[part].size[block] - offset;
+            if (rest > skip) {
+                offset += skip;
+                skip = 0;
+            } else {
+                skip -= rest;
+                block += 1, offset = 0;
+            }
+        }
+    }
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_pshare, &shares[t]) == 0;
+    run_pshare(&shares[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            run_pshare(&shares[t]);
+    }
+}
+
+static PyObject *copy_parts(PyObject *self, PyObject *args) {
+    PyObject *list;
+    int threads, streaming;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!ip", &PyList_Type, &list, &threads, &streaming)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    part_t *parts = (part_t *)PyMem_Malloc((size_t)(n ? n : 1) * sizeof(part_t));
+    if (!parts) return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < n; k++) {
+        unsigned long long dst, src, size;
+        long long count, dst_base, src_base;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, k), "KKKLLL", &dst, &src, &size, &count, &dst_base, &src_base) ||
+            count < 0) {
+            PyMem_Free(parts);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "count must be >= 0");
+            return NULL;
+        }
+        parts[k] = (part_t){(const int64_t *)(uintptr_t)dst, (const int64_t *)(uintptr_t)src,
+                            (const int64_t *)(uintptr_t)size, count, dst_base, src_base};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_all_parts(parts, (int64_t)n, threads, streaming);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(parts);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"copy_parts", copy_parts, METH_VARARGS,
+     "copy_parts(parts, threads, streaming): copy every part (dst_addrs, src_addrs, sizes, count, dst_base, "
+     "src_base) in one call, the bytes split evenly over the threads."},
     {"copy_blocks", copy_blocks, METH_VARARGS,
      "copy_blocks(dst_addrs, src_addrs, sizes, count, threads, streaming[, dst_base, src_base]): copy `count` "
      "blocks; the first three are addresses of int64 arrays, the bases are added to every address."},
