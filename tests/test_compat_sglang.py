@@ -205,8 +205,16 @@ def test_alloc_functions_by_device(cudart):
     allocator.free_all()
 
 
-def test_unknown_allocator_type_lists_the_known_ones():
-    """An unknown allocator type is an error listing the known ones, unless a fallback is asked."""
+@pytest.mark.parametrize("backend", [None, "file", "hf3fs", "nixl", "mooncake", "eic", "mori", "simm", "aibrix", "dynamic"])
+def test_every_storage_backend_name_gets_the_default_allocator(backend, caplog):
+    """As SGLang's: names without an allocator of their own get the default one (logged)."""
+    with caplog.at_level(logging.INFO, logger="hicache.pools._allocator"):
+        assert isinstance(sg.get_allocator_from_storage(backend), sg.HostTensorAllocator)
+    if backend is not None:
+        assert f"storage back end {backend!r}: using 'default'" in caplog.text
+
+
+def test_the_strict_allocator_check_is_opt_in():
+    """hicache's stricter check: an unknown name is an error listing the known ones."""
     with pytest.raises(PlanError, match="unknown allocator_type 'nvme'; known: default, torch"):
-        sg.get_allocator_from_storage("nvme")
-    assert isinstance(sg.get_allocator_from_storage("nvme", fallback="default"), sg.HostTensorAllocator)
+        sg.get_allocator_from_storage("nvme", strict=True)

@@ -294,11 +294,17 @@ def test_deepseek_v4_state_pool_has_no_allocator():
     pool.destroy()
 
 
-def test_unknown_allocator_type_is_an_error_unless_fallback():
-    """allocator_type must be known, or a fallback named."""
+def test_storage_backend_names_get_the_default_allocator_unless_strict():
+    """SGLang passes --hicache-storage-backend as allocator_type: unknown names (and None) get
+    the default allocator; strict_allocator=True makes them an error; a fallback can be named."""
+    for backend in (None, "hf3fs", "mooncake"):
+        pool, _ = make("mha", "page_first", allocator_type=backend)
+        assert type(pool.allocator).__name__ == "HostTensorAllocator"
+        pool.destroy()
     with pytest.raises(PlanError, match="unknown allocator_type 'hf3fs'"):
-        make("mha", "page_first", allocator_type="hf3fs")
+        make("mha", "page_first", allocator_type="hf3fs", strict_allocator=True)
     pool, _ = make("mha", "page_first", allocator_type="hf3fs", allocator_fallback="torch")
+    assert type(pool.allocator).__name__ == "TorchHostTensorAllocator"
     pool.destroy()
 
 
@@ -320,11 +326,15 @@ def test_hisparse_rows_grow_by_whole_pages():
     assert slots.numel() == 5 and int(held[0]) == 2 * P
     again = pool.alloc_paged_token_slots(table, held, 0, 2, 3)  # inside what it holds
     assert int(held[0]) == 2 * P and torch.equal(again, table[0, 2:5])
-    assert pool.allocated_host_indices(table, held, 0).numel() == 2 * P
+    assert pool.allocated_host_indices(table, 0, 5).numel() == 2 * P  # SGLang's argument order
+    assert pool.allocated_host_indices(table, 1, 0).numel() == 0
+    assert pool.alloc_paged_token_slots(table, held, 1, 3, 0).numel() == 0  # nothing asked: empty
     assert pool._round_up_to_page_size(5) == 8
     pool.alloc(pool.available_size())
-    with pytest.raises(CapacityError, match="out of host pages"):
-        pool.alloc_page(1)
+    assert pool.alloc_page(1) is None  # short: None, as SGLang's alloc
+    with pytest.raises(RuntimeError, match="out of host pages"):  # as SGLang's callers catch it
+        pool.alloc_paged_token_slots(table, held, 1, 0, 3)
+    assert int(held[1]) == 0 and (table[1] == -1).all()  # nothing half-done
     pool.destroy()
 
 

@@ -18,11 +18,15 @@ from hicache.pools._families import (
     MHATokenToKOnlyPoolHost,
     MHATokenToKVPoolHost,
     MLATokenToKVPoolHost,
+    get_mha_host_pool_cls,
 )
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._page_allocator import PageAllocator
+from hicache.pools._storage import HICACHE_HOST_MEMORY_RESERVE_BYTES
 
 __all__ = [
+    "HICACHE_HOST_MEMORY_RESERVE_BYTES",
+    "get_mha_host_pool_cls",
     "AsymmetricMHATokenToKVPoolHost",
     "DSAIndexerPoolHost",
     "DeepSeekV4PagedHostPool",

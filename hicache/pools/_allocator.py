@@ -7,10 +7,13 @@ Storage back ends add theirs with `register_allocator`.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from hicache.effects import HostTensorAllocator, TorchHostTensorAllocator
 from hicache.errors import PlanError
+
+logger = logging.getLogger(__name__)
 
 _REGISTRY = {"default": HostTensorAllocator, "torch": TorchHostTensorAllocator}
 _REGISTRY_LOCK = threading.Lock()
@@ -29,14 +32,23 @@ def known_allocators() -> tuple[str, ...]:
         return tuple(sorted(_REGISTRY))
 
 
-def get_allocator_from_storage(allocator_type: str = "default", *, fallback: str | None = None):
-    """A new allocator of ``allocator_type``; unknown types are an error listing the known ones,
-    unless ``fallback`` names one to use instead."""
+def get_allocator_from_storage(allocator_type: str | None = "default", *, fallback: str | None = "default",
+                               strict: bool = False):
+    """A new allocator for a storage back end, as SGLang's does: ``allocator_type`` is the
+    ``--hicache-storage-backend`` name (``None``, ``"file"``, ``"mooncake"``, ...), and every
+    name without an allocator of its own gets the ``fallback`` (the default allocator), with a
+    log line naming the fallback. ``strict=True`` (hicache's stricter check) makes an unknown
+    name an error listing the known ones instead."""
+    name = "default" if allocator_type is None else allocator_type
     with _REGISTRY_LOCK:
-        factory = _REGISTRY.get(allocator_type) or (_REGISTRY.get(fallback) if fallback else None)
+        factory = _REGISTRY.get(name)
+        if factory is None and not strict and fallback is not None:
+            factory = _REGISTRY.get(fallback)
+            if factory is not None:
+                logger.info("no host allocator registered for storage back end %r: using %r", name, fallback)
     if factory is None:
         raise PlanError(
             f"unknown allocator_type {allocator_type!r}; known: {', '.join(known_allocators())} "
-            "(register_allocator adds one; fallback= picks one for unknown types)"
+            "(register_allocator adds one; strict=False falls back to the default)"
         )
     return factory()

@@ -35,7 +35,8 @@ from hicache.pools._transfer import (
     copy_blocks,
     copy_tokens,
 )
-from hicache.pools._views import layer_token_view, page_slice
+from hicache.pools._storage import StoragePagesMixin, as_index as _as_index
+from hicache.pools._views import layer_token_view
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,15 @@ def _device_type(device_pool) -> str:
     return str(device).split(":")[0]
 
 
-class HostKVCache(abc.ABC):
+class HostKVCache(StoragePagesMixin, abc.ABC):
     """Abstract host KV pool with SGLang's constructor and interface.
 
     ``host_size`` is decimal GB per rank (SGLang's ``--hicache-size``; 0 to size by
-    ``host_to_device_ratio``). Keywords beyond SGLang's: ``runtime`` (a `HostRuntime`;
+    ``host_to_device_ratio``). SGLang's defaults: ``pin_memory=True``, ``device="cpu"``,
+    ``allocator_type="default"`` (any storage back end's name, ``None`` included: names
+    without an allocator of their own get the default one), ``pool_label="kv"``. Layer ids are
+    pool-local (``0..layer_num-1``), as SGLang's controller passes them. Keywords beyond
+    SGLang's (keyword-only): ``strict_allocator`` (an unknown ``allocator_type`` is an error), ``runtime`` (a `HostRuntime`;
     default cuda-python, or `hicache.testing.fake_cuda`'s), ``limits`` (default
     `probe_limits()`), ``machine`` (`MachineFacts` for the budget; default `probe_machine()`),
     ``host_memory_bytes`` (overrides the machine's available memory), ``budget_lock`` (default:
@@ -90,10 +95,12 @@ class HostKVCache(abc.ABC):
         host_size: float,
         page_size: int,
         layout: str,
-        pin_memory: bool,
-        device: str,
-        allocator_type: str = "default",
+        pin_memory: bool = True,
+        device: str = "cpu",
+        allocator_type: str | None = "default",
         *,
+        pool_label: str = "kv",
+        strict_allocator: bool = False,
         runtime=None,
         limits=None,
         host_memory_bytes: int | None = None,
@@ -111,11 +118,16 @@ class HostKVCache(abc.ABC):
         self.device = device
         self.runtime = runtime
         self.ledger = ledger  # None: the process ledger (what CUDA holds for this process)
-        self.allocator = get_allocator_from_storage(allocator_type, fallback=allocator_fallback)
-        self.dtype = device_pool.store_dtype
+        self.pool_label = pool_label
+        self.allocator = get_allocator_from_storage(
+            allocator_type, fallback=allocator_fallback or "default", strict=strict_allocator
+        )
+        self.dtype = self._store_dtype(device_pool)
         self.start_layer = getattr(device_pool, "start_layer", 0) or 0
         self.layer_num = self._layer_count(device_pool)
-        self.end_layer = getattr(device_pool, "end_layer", None) or self.start_layer + self.layer_num
+        # Never from device_pool.end_layer: SGLang sets it inclusive when the caller gave none
+        # and exclusive when ModelRunner passes one; layer ids here are pool-local anyway.
+        self.end_layer = self.start_layer + self.layer_num
         supported = self.descriptor_class().supported()
         if layout not in supported:
             raise LayoutError(f"{type(self).__name__}: layout {layout!r} is not supported; supported: {', '.join(supported)}")
@@ -170,6 +182,9 @@ class HostKVCache(abc.ABC):
     def _layer_count(self, device_pool) -> int:
         return device_pool.layer_num
 
+    def _store_dtype(self, device_pool):
+        return getattr(device_pool, "store_dtype", None) or device_pool.dtype
+
     def buffer_dtypes(self) -> list:
         """The torch dtype of each buffer (default: the device pool's store dtype)."""
         return [self.dtype] * len(self.descriptor.buffers())
@@ -210,7 +225,12 @@ class HostKVCache(abc.ABC):
         return self.kv_buffer if isinstance(self.kv_buffer, list) else [self.kv_buffer]
 
     # -- pages ------------------------------------------------------------------------------
+    def _alive(self) -> None:
+        if self._destroyed:
+            raise RegistrationStateError(f"{type(self).__name__} was destroyed: its memory is gone")
+
     def _allocator_or_raise(self) -> PageAllocator:
+        self._alive()
         if self._pages is None:
             raise RegistrationStateError(
                 f"{type(self).__name__} has no allocator of its own: it reuses the indices of "
@@ -238,51 +258,17 @@ class HostKVCache(abc.ABC):
         """Free token slots, exactly."""
         return self._allocator_or_raise().available_size()
 
-    # -- storage pages ----------------------------------------------------------------------
-    def _page_parts(self, index: int):
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.size:
-            raise TransferError(f"page index {index!r} out of range [0, {self.size})")
-        page = index // self.page_size
-        family, layout = self.descriptor.family, self.layout
-        return [page_slice(t, family, layout, page, self.page_size) for t in self.buffers]
-
-    def get_data_page(self, index: int, flat: bool = True):
-        """The page holding token ``index`` (all layers, K and V); flat: one 1-D tensor."""
-        import torch
-
-        parts = self._page_parts(index)
-        if not flat:
-            return parts[0] if len(parts) == 1 else parts
-        if len({p.dtype for p in parts}) > 1:  # mixed dtypes (Mamba): raw bytes
-            return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
-        return torch.cat([p.flatten() for p in parts])
-
-    def set_from_flat_data_page(self, index: int, data_page) -> None:
-        """Write a page produced by `get_data_page` back at token ``index``."""
-        import torch
-
-        parts = self._page_parts(index)
-        mixed = len({p.dtype for p in parts}) > 1
-        sizes = [p.numel() * (p.element_size() if mixed else 1) for p in parts]
-        if data_page.numel() != sum(sizes):
-            raise TransferError(f"data_page has {data_page.numel()} elements; a page has {sum(sizes)}")
-        offset = 0
-        for part, size in zip(parts, sizes):
-            chunk = data_page[offset : offset + size]
-            if mixed:
-                chunk = chunk.view(torch.uint8).view(part.dtype)
-            part.copy_(chunk.view(part.shape) if chunk.is_contiguous() else chunk.reshape(part.shape))
-            offset += size
-
     # -- transfers --------------------------------------------------------------------------
     def _host_view(self, stream: Stream, layer: int):
         tensor = self.buffers[stream.buffer]
         return layer_token_view(tensor, self.descriptor.family, self.layout, layer, stream.kv, self.page_size)
 
     def _check_layer(self, layer_id: int) -> int:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not self.start_layer <= layer_id < self.end_layer:
-            raise TransferError(f"layer_id {layer_id!r} out of range [{self.start_layer}, {self.end_layer})")
-        return layer_id - self.start_layer
+        """A pool-local layer id (``0..layer_num-1``: what SGLang's controller passes, also on a
+        pipeline stage whose ``start_layer > 0``)."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
+            raise TransferError(f"layer_id {layer_id!r} out of range [0, {self.layer_num}) (pool-local ids)")
+        return layer_id
 
     def _stream_list(self) -> list:
         streams = self.__dict__.get("_streams_cache")
@@ -291,6 +277,7 @@ class HostKVCache(abc.ABC):
         return streams
 
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
+        self._alive()
         if io_backend != "direct":  # the layout was checked when the pool was built
             check_backend(io_backend, self.layout, self.descriptor_class().supported())
         streams = self._stream_list()
@@ -351,7 +338,7 @@ class HostKVCache(abc.ABC):
 
     def _where(self, layer: int, stream) -> str:
         """Names a copy in errors: layer (as SGLang numbers it), buffer, K or V."""
-        return f"layer {layer + self.start_layer}, buffer {stream.buffer}" + ("" if stream.kv is None else f", {'KV'[stream.kv]}")
+        return f"layer {layer}, buffer {stream.buffer}" + ("" if stream.kv is None else f", {'KV'[stream.kv]}")
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
         """Copy the given slots of one layer host -> device."""

@@ -50,6 +50,25 @@ class MHATokenToKVPoolHost(HostKVCache):
             Stream(0, 1, lambda pool, layer: pool.v_buffer[layer]),
         ]
 
+    @property
+    def k_buffer(self):
+        """The K half of ``kv_buffer`` (a view), as SGLang's MHA host pool exposes it."""
+        return self.buffers[0][0]
+
+    @property
+    def v_buffer(self):
+        """The V half of ``kv_buffer`` (a view); storage back ends branch on its presence."""
+        return self.buffers[0][1]
+
+
+def get_mha_host_pool_cls(device_pool):
+    """SGLang's chooser: the asymmetric MHA host pool when K and V head dims differ."""
+    head_dim = getattr(device_pool, "head_dim", None)
+    v_head_dim = getattr(device_pool, "v_head_dim", head_dim)
+    if head_dim is None and hasattr(device_pool, "k_head_dim"):
+        head_dim = device_pool.k_head_dim
+    return AsymmetricMHATokenToKVPoolHost if v_head_dim != head_dim else MHATokenToKVPoolHost
+
 
 class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
     """MHA keys only (the index-K of sparse-attention models); sized like its anchor pool."""
@@ -85,16 +104,25 @@ class AsymmetricMHATokenToKVPoolHost(HostKVCache):
 
 
 class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
-    """Multi-head latent attention: one ``kv_lora_rank + qk_rope_head_dim`` vector per token."""
+    """Multi-head latent attention: one ``kv_lora_rank + qk_rope_head_dim`` vector per token
+    (``override_kv_cache_dim``: another width, as SGLang's HiSparse coordinator passes the
+    device pool's ``kv_cache_dim``; ``token_stride_size`` is its bytes)."""
+
+    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory=True,
+                 device="cpu", allocator_type="default", *, override_kv_cache_dim=None, **kwargs):
+        pool = device_pool
+        self.kv_cache_dim = override_kv_cache_dim or pool.kv_lora_rank + pool.qk_rope_head_dim
+        super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                         allocator_type, **kwargs)
+        self.token_stride_size = self.kv_cache_dim * _itemsize(self.dtype)
 
     @classmethod
     def descriptor_class(cls):
         return MLALayout
 
     def layout_descriptor(self, page_num: int):
-        pool = self.device_pool
         return MLALayout(
-            self.layout, layer_num=self.layer_num, kv_cache_dim=pool.kv_lora_rank + pool.qk_rope_head_dim,
+            self.layout, layer_num=self.layer_num, kv_cache_dim=self.kv_cache_dim,
             page_size=self.page_size, page_num=page_num, itemsize=_itemsize(self.dtype),
         )
 

@@ -1,0 +1,191 @@
+"""SGLang's call sites, called exactly as SGLang calls them (../shared/reference/sglang-callsites.md):
+constructors with SGLang's defaults, pool-local layer ids on a pipeline stage, flat pages and
+zero-copy meta for L3 back ends, HiSparse helpers, and a destroyed pool refusing work."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from machine import ROOMY
+
+from hicache.errors import RegistrationStateError, TransferError
+from hicache.plan import Limits
+from hicache.pools import (
+    HICACHE_HOST_MEMORY_RESERVE_BYTES,
+    AsymmetricMHATokenToKVPoolHost,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPoolHost,
+    get_mha_host_pool_cls,
+)
+from hicache.testing import AsymmetricMHADevicePool, MHADevicePool, MLADevicePool, fake_cuda
+
+torch = pytest.importorskip("torch")
+P = 4
+
+
+@pytest.fixture
+def roomy_psutil(monkeypatch):
+    """SGLang's calls pass no machine facts: psutil reports a roomy machine for them."""
+    import psutil
+
+    real = getattr(psutil.virtual_memory, "__wrapped__", psutil.virtual_memory)
+    Memory = collections.namedtuple("svmem", real()._fields)
+
+    def roomy():
+        values = real()._asdict()
+        values.update(total=ROOMY.total_bytes, available=ROOMY.available_bytes)
+        return Memory(**values)
+
+    monkeypatch.setattr(psutil, "virtual_memory", roomy)
+
+
+def _mha(**kw):
+    kw.setdefault("size", 64)
+    return MHADevicePool(layer_num=3, head_num=2, head_dim=8, page_size=P, **kw)
+
+
+def test_hiradix_cache_constructs_the_mha_pool_with_sglang_defaults(roomy_psutil):
+    """HiRadixCache: MHATokenToKVPoolHost(kv_cache, ratio, size, page_size, layout) - pinned,
+    on the CPU, default allocator; on a CPU box under hicache.testing.fake_cuda."""
+    with fake_cuda() as cuda:
+        host = MHATokenToKVPoolHost(_mha(), 2.0, 0, P, "page_first_direct")
+        assert host.pin_memory is True and host.device == "cpu" and host.pool_label == "kv"
+        assert cuda.held() == {(r.ptr, r.size) for r in host.registration.ranges}
+        host.destroy()
+        assert cuda.held() == set()
+
+
+def test_the_assembler_passes_the_storage_backend_and_a_pool_label(roomy_psutil):
+    """hybrid_pool_assembler: cls(kv_pool, ratio, size, page_size, layout,
+    allocator_type=server_args.hicache_storage_backend, pool_label=...)."""
+    for backend in (None, "file", "mooncake", "nixl"):
+        host = MHATokenToKVPoolHost(_mha(), 2.0, 0, P, "page_first", allocator_type=backend, pool_label="full",
+                                    pin_memory=False)
+        assert host.pool_label == "full"
+        host.destroy()
+
+
+def test_get_mha_host_pool_cls_picks_asymmetric_when_head_dims_differ():
+    assert get_mha_host_pool_cls(_mha()) is MHATokenToKVPoolHost
+    asym = AsymmetricMHADevicePool(size=64, layer_num=3, head_num=2, k_head_dim=12, v_head_dim=4, page_size=P)
+    assert get_mha_host_pool_cls(asym) is AsymmetricMHATokenToKVPoolHost
+
+
+def test_hisparse_builds_mla_with_keywords_and_an_overridden_dim(roomy_psutil):
+    """hisparse_coordinator: MLATokenToKVPoolHost(device_pool=..., host_to_device_ratio=...,
+    host_size=0, page_size=..., layout="layer_first", override_kv_cache_dim=...) and then
+    reads token_stride_size."""
+    device = MLADevicePool(size=64, layer_num=3, kv_lora_rank=16, qk_rope_head_dim=4, page_size=P)
+    host = MLATokenToKVPoolHost(device_pool=device, host_to_device_ratio=2.0, host_size=0, page_size=P,
+                                layout="layer_first", override_kv_cache_dim=24, pin_memory=False)
+    assert host.kv_cache_dim == 24 and host.token_stride_size == 24 * 2
+    assert host.kv_buffer.shape[-1] == 24
+    host.destroy()
+
+
+def _pool(device, layout, cls=MHATokenToKVPoolHost, **kw):
+    return cls(device, 2.0, 0, P, layout, False, "cpu", limits=Limits(chunk_limit_bytes=8192), machine=ROOMY, **kw)
+
+
+@pytest.mark.parametrize("end_layer", ["exclusive", "inclusive"])
+def test_a_pipeline_stage_loads_every_layer_by_pool_local_id(end_layer):
+    """A stage with start_layer 4: the controller loads ids 0..layer_num-1 (never from
+    end_layer, which SGLang sets inclusive when the caller gave none)."""
+    device = _mha(start_layer=4)
+    device.end_layer = 4 + 3 if end_layer == "exclusive" else 4 + 3 - 1
+    device.randomize(1)
+    host = _pool(device, "layer_first")
+    host_idx = host.alloc(2 * P)
+    device_idx = torch.arange(4 * P, 6 * P)
+    host.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+    expected = [t[4 * P:6 * P].clone() for t in device.tensors()]
+    device.zero()
+    for i in range(device.layer_num):
+        host.load_to_device_per_layer(device, host_idx, device_idx, i, "direct")
+    assert all(torch.equal(t[4 * P:6 * P], e) for t, e in zip(device.tensors(), expected))
+    with pytest.raises(TransferError, match=r"layer_id 3 out of range \[0, 3\)"):
+        host.load_to_device_per_layer(device, host_idx, device_idx, 3, "direct")
+    host.destroy()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("family", ["mha", "mla"])
+def test_flat_pages_are_the_buffer_page_narrowed_on_the_token_axis(family, layout):
+    """get_data_page(i) with an int or a 0-d tensor = the page slice of kv_buffer, flattened in
+    the buffer's dims (as SGLang's, so an L3 store is shared); set_from_flat_data_page inverts it;
+    the dummy page has its shape."""
+    if family == "mha":
+        device, cls = _mha(), MHATokenToKVPoolHost
+    else:
+        device, cls = MLADevicePool(size=64, layer_num=3, kv_lora_rank=16, qk_rope_head_dim=4, page_size=P), MLATokenToKVPoolHost
+    host = _pool(device, layout, cls)
+    buffer = host.kv_buffer
+    buffer.copy_(torch.randn(buffer.shape).to(buffer.dtype))
+    token_axis = {"mha": {"layer_first": 2, "page_first": 1}, "mla": {"layer_first": 1, "page_first": 0}}[family].get(layout)
+    index = torch.tensor(2 * P)  # a 0-d tensor, as host_indices[i * page_size]
+    page = host.get_data_page(index, flat=True)
+    if token_axis is not None:
+        assert torch.equal(page, buffer.narrow(token_axis, 2 * P, P).flatten())
+    else:  # page_first_direct: pages are an axis of their own
+        page_axis = 1 if family == "mha" else 0
+        assert torch.equal(page, buffer.narrow(page_axis, 2, 1).flatten())
+    dummy = host.get_dummy_flat_data_page()
+    assert dummy.shape == page.shape and dummy.dtype == page.dtype and dummy.is_contiguous()
+    host.set_from_flat_data_page(3 * P, page)
+    assert torch.equal(host.get_data_page(3 * P), page)
+    host.destroy()
+
+
+def test_zero_copy_meta_sizes_and_alignment_as_the_backends_read_them():
+    """mooncake/nixl: per page a K and a V pointer (MHA) or one (MLA), inside kv_buffer;
+    ksize per token; stride alignment False for layer_first; k_buffer/v_buffer views."""
+    host = _pool(_mha(), "page_first")
+    ptrs, sizes = host.get_page_buffer_meta(torch.arange(2 * P, 4 * P))
+    per_block = host.layer_num * 2 * P * 2 * 8  # layers x itemsize x page x heads x dim
+    assert sizes == [per_block] * 4 and len(ptrs) == 4
+    base, end = host.kv_buffer.data_ptr(), host.kv_buffer.data_ptr() + host.kv_buffer.numel() * 2
+    assert all(base <= p and p + s <= end for p, s in zip(ptrs, sizes))
+    assert ptrs[0] == host.k_buffer[2 * P:].data_ptr() and ptrs[1] == host.v_buffer[2 * P:].data_ptr()
+    assert host.get_ksize_per_token() == host.size_per_token // 2
+    assert torch.equal(host.k_buffer, host.kv_buffer[0]) and hasattr(host, "v_buffer")
+    host.destroy()
+    mla = _pool(MLADevicePool(size=64, layer_num=3, kv_lora_rank=16, qk_rope_head_dim=4, page_size=P),
+                "page_first_direct", MLATokenToKVPoolHost)
+    ptrs, sizes = mla.get_page_buffer_meta([0, 1, 2, 3])
+    assert len(ptrs) == 1 and sizes == [3 * 2 * P * 20] and not hasattr(mla, "v_buffer")
+    assert mla.get_ksize_per_token() == mla.size_per_token
+    mla.destroy()
+    layer_first = _pool(_mha(), "layer_first")
+    assert layer_first.is_stride_page_aligned(64) is False
+    with pytest.raises(TransferError, match="page_first"):
+        layer_first.get_page_buffer_meta(torch.arange(P))
+    layer_first.destroy()
+    assert HICACHE_HOST_MEMORY_RESERVE_BYTES == 10 * 1024**3
+
+
+def test_a_destroyed_pool_refuses_every_use():
+    host = _pool(_mha(), "page_first")
+    slots = host.alloc(P)
+    host.destroy()
+    host.destroy()  # idempotent
+    for call in (lambda: host.alloc(P), lambda: host.free(slots), host.available_size, host.clear,
+                 lambda: host.get_data_page(0),
+                 lambda: host.load_to_device_per_layer(_mha(), slots, torch.arange(P), 0, "direct")):
+        with pytest.raises(RegistrationStateError, match="destroyed"):
+            call()
+
+
+@pytest.mark.parametrize("page_size", [1, P])
+def test_an_index_equal_to_the_slot_count_is_refused(page_size):
+    device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=8, page_size=page_size)
+    host = MHATokenToKVPoolHost(device, 2.0, 0, page_size, "page_first", False, "cpu",
+                                limits=Limits(chunk_limit_bytes=8192), machine=ROOMY)
+    slots = torch.arange(host.size - page_size, host.size)  # the last page: fine
+    host.backup_from_device_all_layer(device, slots, torch.arange(page_size), "direct")
+    with pytest.raises(TransferError, match="host_indices out of range"):
+        host.backup_from_device_all_layer(device, slots + 1, torch.arange(page_size), "direct")
+    device_slots = device.k_buffer[0].shape[0]
+    with pytest.raises(TransferError, match="device_indices out of range"):
+        host.load_to_device_per_layer(device, slots, torch.arange(device_slots - page_size + 1, device_slots + 1), 0, "direct")
+    host.destroy()
