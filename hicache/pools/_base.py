@@ -315,6 +315,7 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
         hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
         patterns = checked.patterns
         batch = Descriptors(self.copy_engine)  # every layer's page copies, issued together
+        later: list = []  # torch-indexing copies: run only once every part passed its checks
         reusable = True
         tensors = iter(device_tensors)
         for layer in layers:
@@ -325,10 +326,18 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
                     if hpages is None or dpages is None:
                         raise TransferError(f"{type(self).__name__} moves whole pages: indices must be page-aligned runs")
                     dst_ids, src_ids = (hpages, dpages) if to_host else (dpages, hpages)
-                    reusable &= link.copy(dst_ids, src_ids, batch, patterns, where=(self, layer, stream))
+                    reusable &= link.copy(dst_ids, src_ids, batch, patterns, where=(self, layer, stream), later=later)
                 else:
-                    copy_tokens(link.host_view, hidx, dv, didx, self.page_size, to_host=to_host)
+                    if didx.numel() and int(didx.max()) >= dv.shape[0]:
+                        raise TransferError(
+                            f"{self._where(layer, stream)}: device index {int(didx.max())} is past the end of "
+                            f"that tensor ({dv.shape[0]} slots); nothing was copied"
+                        )
+                    later.append(lambda hv=link.host_view, dv=dv: copy_tokens(hv, hidx, dv, didx, self.page_size,
+                                                                              to_host=to_host))
                     reusable = False
+        for copy in later:
+            copy()
         prepared = batch.prepare()
         if prepared is not None:
             prepared.run()

@@ -232,13 +232,22 @@ class Link:
     def fits(self, device) -> bool:
         return self.device is device and self.device_ptr == device.data_ptr() and self.device_shape == device.shape
 
-    def copy(self, dst_ids, src_ids, descriptors: "Descriptors", patterns: dict, *, where) -> bool:
-        """Queue ``dst[dst_ids[i]] = src[src_ids[i]]`` (True), or do it with torch indexing
-        when blocks are not contiguous (False)."""
+    def copy(self, dst_ids, src_ids, descriptors: "Descriptors", patterns: dict, *, where, later: list) -> bool:
+        """Queue ``dst[dst_ids[i]] = src[src_ids[i]]`` as descriptors (True), or - blocks not
+        contiguous - as a torch-indexing copy appended to ``later`` (False): nothing is copied
+        until every part of the transfer passed its bounds checks."""
         if dst_ids.numel() == 0:
             return True
-        if self.unit is None:
-            return copy_blocks(self.dst, dst_ids, self.src, src_ids)
+        if self.unit is None:  # torch indexing: bounds-checked here, never an IndexError midway
+            for side, tensor, ids in (("destination", self.dst, dst_ids), ("source", self.src, src_ids)):
+                if int(ids.max()) >= tensor.shape[0]:
+                    pool, layer, stream = where
+                    raise TransferError(
+                        f"{pool._where(layer, stream)}: block {int(ids.max())} is past the end of the {side} "
+                        f"tensor ({tensor.shape[0]} blocks); nothing was copied"
+                    )
+            later.append(lambda dst=self.dst, src=self.src: copy_blocks(dst, dst_ids, src, src_ids))
+            return False
         key = (id(dst_ids), id(src_ids), self.dst_step, self.src_step, self.unit)
         pattern = patterns.get(key)
         if pattern is None:
