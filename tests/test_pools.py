@@ -65,7 +65,10 @@ def make(name, layout, **kw):
     device_pool = device()
     kw.setdefault("limits", LIMITS)
     kw.setdefault("machine", ROOMY)
-    pool = cls(device_pool, 2.0, 0, device_pool.page_size, layout, kw.pop("pin_memory", False), "cpu", **kw)
+    if cls is MambaPoolHost:  # SGLang's signature: no page size, layout a keyword
+        pool = cls(device_pool, 2.0, 0, kw.pop("pin_memory", False), "cpu", layout=layout, **kw)
+    else:
+        pool = cls(device_pool, 2.0, 0, device_pool.page_size, layout, kw.pop("pin_memory", False), "cpu", **kw)
     return pool, device_pool
 
 
@@ -223,14 +226,14 @@ def test_a_failing_third_buffer_leaves_nothing_registered_or_mapped(monkeypatch)
 
     monkeypatch.setattr(HostTensorAllocator, "allocate", tracking)
     device = MambaDevicePool(size=16, layer_num=3, temporal_shape=(2, 4), conv_shapes=((3, 2), (5,)), page_size=1)
-    probe = MambaPoolHost(device, 2.0, 0, 1, "page_first", False, "cpu", limits=LIMITS, machine=ROOMY)
+    probe = MambaPoolHost(device, 2.0, 0, False, "cpu", layout="page_first", limits=LIMITS, machine=ROOMY)
     counts = [b.plan.call_count for b in probe.pool_plan.buffers]
     assert len(counts) == 3
     probe.destroy()
     made.clear()
     runtime, ledger = FakeRuntime(fail_register={counts[0] + counts[1]: 2}), HostLedger()
     with pytest.raises(ApplyError, match="conv1"):
-        MambaPoolHost(device, 2.0, 0, 1, "page_first", True, "cpu", limits=LIMITS, runtime=runtime, ledger=ledger, machine=ROOMY)
+        MambaPoolHost(device, 2.0, 0, True, "cpu", layout="page_first", limits=LIMITS, runtime=runtime, ledger=ledger, machine=ROOMY)
     assert runtime.held() == set() and ledger.held() == ()
     assert made and all(allocator.buffers == [] for allocator in made)  # every buffer unmapped
 

@@ -189,3 +189,91 @@ def test_an_index_equal_to_the_slot_count_is_refused(page_size):
     with pytest.raises(TransferError, match="device_indices out of range"):
         host.load_to_device_per_layer(device, slots, torch.arange(device_slots - page_size + 1, device_slots + 1), 0, "direct")
     host.destroy()
+
+
+def test_the_assembler_builds_the_mamba_pool_as_sglang_does(roomy_psutil):
+    """MambaPoolHost(mamba_pool, ratio, size, allocator_type=..., layout=...) against SGLang's
+    MambaPool, which has num_mamba_layers and mamba_cache but no store_dtype or layer_num."""
+    from types import SimpleNamespace
+
+    from hicache.pools import MambaPoolHost
+
+    layers, slots = 3, 16
+    cache = SimpleNamespace(
+        temporal=torch.randn(layers, slots + 1, 2, 4),
+        conv=[torch.randn(layers, slots + 1, 3, 2).to(torch.bfloat16)],
+    )
+    mamba_pool = SimpleNamespace(num_mamba_layers=layers, mamba_cache=cache, size=slots, device="cpu")
+    with fake_cuda() as cuda:
+        host = MambaPoolHost(mamba_pool, 2.0, 0, allocator_type="file", layout="page_first")
+        assert host.layer_num == layers and host.page_size == 1 and host.dtype == torch.bfloat16
+        assert cuda.held()
+        slots_ = host.alloc(2)
+        device_idx = torch.tensor([3, 7])
+        expected = [cache.temporal[:, device_idx].clone(), cache.conv[0][:, device_idx].clone()]
+        host.backup_from_device_all_layer(mamba_pool, slots_, device_idx, "direct")
+        cache.temporal.zero_()
+        cache.conv[0].zero_()
+        for layer in range(layers):
+            host.load_to_device_per_layer(mamba_pool, slots_, device_idx, layer, "direct")
+        assert torch.equal(cache.temporal[:, device_idx], expected[0])
+        assert torch.equal(cache.conv[0][:, device_idx], expected[1])
+        host.destroy()
+        assert cuda.held() == set()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_deepseek_v4_paged_pool_as_sglang_builds_it(layout):
+    """DeepSeekV4PagedHostPool(pool_name=..., device_buffers=..., item_bytes=...,
+    num_host_pages=..., slot_page_size=..., layout=...): transfers use the device buffers
+    given at construction (the device_pool argument is ignored, as SGLang's does), alloc
+    rounds up to slot pages, pages and page meta are per layer (layer_first) or one row."""
+    from hicache.pools import DeepSeekV4PagedHostPool
+
+    layers, rows, item, slot_page = 3, 12, 48, 4
+    buffers = [torch.randint(0, 256, (rows, item), dtype=torch.uint8) for _ in range(layers)]
+    host = DeepSeekV4PagedHostPool(pool_name="c4", device_buffers=buffers, item_bytes=item, num_host_pages=8,
+                                   slot_page_size=slot_page, layout=layout, pin_memory=False,
+                                   machine=ROOMY, limits=Limits(chunk_limit_bytes=8192))
+    assert host.layer_num == layers and host.size == 8 * slot_page and host.get_ksize_per_token() == item
+    slots = host.alloc(5)  # rounded up to two slot pages
+    assert slots.numel() == 2 * slot_page
+    device_idx = torch.arange(3 * slot_page, 5 * slot_page)  # device rows 3 and 4
+    expected = [b[3:5].clone() for b in buffers]
+    host.backup_from_device_all_layer(object(), slots, device_idx, "direct")
+    for b in buffers:
+        b.zero_()
+    for layer in range(layers):
+        host.load_to_device_per_layer(object(), slots, device_idx, layer, "direct")
+    assert all(torch.equal(b[3:5], e) for b, e in zip(buffers, expected))
+    page = host.get_data_page(slots[slot_page])  # the second host page: device row 4
+    assert torch.equal(page, torch.stack([e[1] for e in expected]).flatten())
+    ptrs, sizes = host.get_page_buffer_meta(slots)
+    assert sizes == ([item] * layers * 2 if layout == "layer_first" else [layers * item] * 2)
+    host.destroy()
+
+
+def test_deepseek_v4_state_pool_as_sglang_builds_it():
+    """DeepSeekV4StateHostPool(pool_name, state_pools, num_host_pages, swa_page_size, ...):
+    a page row is ring_size state slots; it reuses SWA indices (alloc is NotImplementedError)."""
+    from types import SimpleNamespace
+
+    from hicache.pools import DeepSeekV4StateHostPool
+
+    ring, swa_page = 2, 4
+    states = [SimpleNamespace(kv_score_buffer=SimpleNamespace(kv_score=torch.randn(9, 3, 2)), ring_size=ring)
+              for _ in range(2)]
+    host = DeepSeekV4StateHostPool("state", states, 6, swa_page, layout="page_first", pin_memory=False,
+                                   machine=ROOMY, limits=Limits(chunk_limit_bytes=8192))
+    assert host.size_per_token == ring * 3 * 2 * 4  # ring_size x slot bytes
+    with pytest.raises(NotImplementedError):
+        host.alloc(swa_page)
+    host_idx, device_idx = torch.arange(2 * swa_page, 3 * swa_page), torch.arange(swa_page, 2 * swa_page)
+    expected = [s.kv_score_buffer.kv_score[ring:2 * ring].clone() for s in states]  # device page 1
+    host.backup_from_device_all_layer(None, host_idx, device_idx, "direct")
+    for s in states:
+        s.kv_score_buffer.kv_score.zero_()
+    for layer in range(2):
+        host.load_to_device_per_layer(None, host_idx, device_idx, layer, "direct")
+    assert all(torch.equal(s.kv_score_buffer.kv_score[ring:2 * ring], e) for s, e in zip(states, expected))
+    host.destroy()

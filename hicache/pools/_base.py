@@ -63,6 +63,11 @@ class Stream(NamedTuple):
     rows: bool = False  # whole page rows (DSA, DeepSeek-V4) instead of token slots
 
 
+class NoAllocatorError(RegistrationStateError, NotImplementedError):
+    """A pool that reuses another pool's indices has no allocator (SGLang raises
+    NotImplementedError there; this is both)."""
+
+
 def _device_type(device_pool) -> str:
     device = getattr(device_pool, "device", "cpu")
     return str(device).split(":")[0]
@@ -232,7 +237,7 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
     def _allocator_or_raise(self) -> PageAllocator:
         self._alive()
         if self._pages is None:
-            raise RegistrationStateError(
+            raise NoAllocatorError(
                 f"{type(self).__name__} has no allocator of its own: it reuses the indices of "
                 "the pool it shadows (SGLang's SWA pool for DeepSeek-V4 state)"
             )

@@ -166,10 +166,17 @@ class DSAIndexerPoolHost(HostKVCache):
 
 
 class MambaPoolHost(HostKVCache):
-    """Linear-attention state: one slot per request (page size 1), temporal + conv states."""
+    """Linear-attention state: one slot per request (page size 1), temporal + conv states.
 
-    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
-                 allocator_type="default", **kwargs):
+    SGLang's constructor: ``MambaPoolHost(mamba_pool, ratio, size, pin_memory=True,
+    device="cpu", allocator_type="default", layout="layer_first")`` - no page size; like
+    SGLang's, only the page-first layouts are supported, so callers pass ``layout``. The device
+    pool is SGLang's `MambaPool` (``num_mamba_layers``, ``mamba_cache.temporal`` / ``.conv``,
+    ``size``, ``device``; no ``store_dtype`` or ``layer_num``).
+    """
+
+    def __init__(self, device_pool, host_to_device_ratio, host_size, pin_memory=True, device="cpu",
+                 allocator_type="default", layout="layer_first", **kwargs):
         super().__init__(device_pool, host_to_device_ratio, host_size, 1, layout, pin_memory, device,
                          allocator_type, **kwargs)
 
@@ -178,7 +185,12 @@ class MambaPoolHost(HostKVCache):
         return MambaLayout
 
     def _layer_count(self, device_pool) -> int:
-        return device_pool.mamba_cache.temporal.shape[0]
+        layers = getattr(device_pool, "num_mamba_layers", None)
+        return layers if layers is not None else device_pool.mamba_cache.temporal.shape[0]
+
+    def _store_dtype(self, device_pool):
+        cache = device_pool.mamba_cache
+        return cache.conv[0].dtype if cache.conv else cache.temporal.dtype
 
     def _states(self):
         cache = self.device_pool.mamba_cache
@@ -205,10 +217,25 @@ class MambaPoolHost(HostKVCache):
 
 
 class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
-    """DeepSeek-V4 paged pool: ``item_bytes`` per page row per layer (device ``kv_buffer``)."""
+    """DeepSeek-V4 paged pool: ``item_bytes`` per page row per layer (device ``kv_buffer``).
+
+    SGLang's constructor: ``DeepSeekV4PagedHostPool(pool_name, device_buffers, item_bytes,
+    num_host_pages, slot_page_size, layout="layer_first", device="cpu", pin_memory=True,
+    allocator_type="default")`` - transfers then copy to and from ``device_buffers`` whatever
+    device pool the controller passes, as SGLang's does. The family-uniform constructor
+    ``(device_pool, ratio, host_size, page_size, layout, ...)`` also works (a device pool with
+    ``kv_buffer`` and ``item_bytes``).
+    """
 
     row_attribute = "item_bytes"
     device_attribute = "kv_buffer"
+
+    def __init__(self, *args, **kwargs):
+        if (args and isinstance(args[0], str)) or "pool_name" in kwargs:
+            _init_v4_from_sglang(self, *args, **kwargs)
+        else:
+            self.pool_name = None
+            super().__init__(*args, **kwargs)
 
     @classmethod
     def descriptor_class(cls):
@@ -237,15 +264,49 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
         attribute = self.device_attribute
         return [Stream(0, None, lambda pool, layer: getattr(pool, attribute)[layer], rows=True)]
 
+    def _transfer(self, device_pool, *args, **kwargs):
+        if self.pool_name is not None:  # SGLang's: the device buffers given at construction
+            device_pool = self.device_pool
+        return super()._transfer(device_pool, *args, **kwargs)
+
+    def alloc(self, need_size: int):
+        """SGLang's V4 pools round ``need_size`` up to whole slot pages."""
+        if self.pool_name is not None and isinstance(need_size, int) and not isinstance(need_size, bool) and need_size > 0:
+            need_size = -(-need_size // self.page_size) * self.page_size
+        return super().alloc(need_size)
+
 
 class DeepSeekV4StateHostPool(DeepSeekV4PagedHostPool):
     """DeepSeek-V4 state pool (ring of slots per page); reuses the SWA pool's indices, so it
-    has no allocator of its own."""
+    has no allocator of its own.
+
+    SGLang's constructor: ``DeepSeekV4StateHostPool(pool_name, state_pools, num_host_pages,
+    swa_page_size, layout="layer_first", device="cpu", pin_memory=True,
+    allocator_type="default")``: one page row is ``ring_size`` slots of each state pool's
+    ``kv_score_buffer.kv_score`` (all pools share ring size and slot bytes).
+    """
 
     row_attribute = "state_page_bytes"
     device_attribute = "state_buffer"
     has_allocator = False
 
+    def alloc(self, need_size: int):
+        return HostKVCache.alloc(self, need_size)
+
     @classmethod
     def descriptor_class(cls):
         return DeepSeekV4StateLayout
+
+
+def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
+    from hicache.pools._deepseek_v4 import paged_device, state_device
+
+    if isinstance(pool, DeepSeekV4StateHostPool):
+        device_pool, num_host_pages, page_size, rest, kwargs = state_device(pool_name, *args, **kwargs)
+    else:
+        device_pool, num_host_pages, page_size, rest, kwargs = paged_device(pool_name, *args, **kwargs)
+    layout, device, pin_memory, allocator_type = rest
+    pool.pool_name = pool_name
+    HostKVCache.__init__(pool, device_pool, 1.0, 0, page_size, layout, pin_memory, device, allocator_type,
+                         page_num=num_host_pages, **kwargs)
+    pool.size_per_token = getattr(device_pool, pool.row_attribute)  # SGLang's: one row's bytes
