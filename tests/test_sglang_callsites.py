@@ -277,3 +277,63 @@ def test_deepseek_v4_state_pool_as_sglang_builds_it():
         host.load_to_device_per_layer(None, host_idx, device_idx, layer, "direct")
     assert all(torch.equal(s.kv_score_buffer.kv_score[ring:2 * ring], e) for s, e in zip(states, expected))
     host.destroy()
+
+
+@pytest.mark.parametrize("start_layer, end_layer", [(0, "exclusive"), (0, "inclusive"), (4, "exclusive")])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+@pytest.mark.parametrize("family", ["mha", "mla"])
+def test_backup_then_l3_then_load_of_every_layer_is_byte_exact(roomy_psutil, family, layout, start_layer, end_layer):
+    """The whole HiCache path as SGLang drives it: the pool built as HiRadixCache builds it,
+    backup, pages out to an L3 store (file-style flat pages; zero-copy page pointers where the
+    layout allows), the host copies dropped, pages back from L3 into other host slots, then
+    every layer loaded by pool-local id - byte-exact, also on a pipeline stage."""
+    import ctypes
+
+    if family == "mha":
+        device = MHADevicePool(size=64, layer_num=3, head_num=2, head_dim=8, page_size=P, start_layer=start_layer)
+        cls = MHATokenToKVPoolHost
+    else:
+        device = MLADevicePool(size=64, layer_num=3, kv_lora_rank=16, qk_rope_head_dim=4, page_size=P,
+                               start_layer=start_layer)
+        cls = MLATokenToKVPoolHost
+    device.end_layer = start_layer + 3 if end_layer == "exclusive" else start_layer + 2
+    assert all(t.shape[0] == 64 + P for t in device.tensors())  # SGLang's padding page
+    device.randomize(11)
+    original = [t.clone() for t in device.tensors()]
+    device_idx = torch.cat([torch.arange(2 * P, 3 * P), torch.arange(9 * P, 11 * P)])  # pages 2, 9, 10
+    with fake_cuda() as cuda:
+        host = cls(device, 2.0, 0, P, layout)  # as HiRadixCache calls it
+        host_idx = host.alloc(device_idx.numel())
+        host.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+        pages = [host_idx[i * P] for i in range(device_idx.numel() // P)]  # 0-d tensors, as the controller
+        store = {i: host.get_data_page(page, flat=True).clone() for i, page in enumerate(pages)}
+        zero_copy = {}
+        if layout == "page_first_direct":
+            ptrs, sizes = host.get_page_buffer_meta(host_idx)
+            per_page = len(ptrs) // len(pages)
+            zero_copy = {i: [ctypes.string_at(p, s) for p, s in zip(ptrs[i * per_page:(i + 1) * per_page],
+                                                                     sizes[i * per_page:(i + 1) * per_page])]
+                         for i in range(len(pages))}
+        host.free(host_idx)
+        host.kv_buffer.zero_()  # the host copies are gone; L3 has them
+        restored = host.alloc(device_idx.numel() + P)[P:]  # other slots than before
+        for i in range(len(pages)):
+            slot = restored[i * P]
+            if zero_copy:
+                ptrs, sizes = host.get_page_buffer_meta(restored[i * P:(i + 1) * P])
+                for ptr, size, blob in zip(ptrs, sizes, zero_copy[i]):
+                    assert len(blob) == size
+                    ctypes.memmove(ptr, blob, size)
+                assert torch.equal(host.get_data_page(slot), store[i])  # both stores agree
+            else:
+                host.set_from_flat_data_page(slot, store[i])
+        device.zero()
+        for layer_id in range(device.layer_num):
+            host.load_to_device_per_layer(device, restored, device_idx, layer_id, "direct")
+        for before, after in zip(original, device.tensors()):
+            assert torch.equal(after[device_idx], before[device_idx])
+            untouched = torch.ones(after.shape[0], dtype=torch.bool)
+            untouched[device_idx] = False
+            assert after[untouched].count_nonzero() == 0
+        host.destroy()
+        assert cuda.held() == set()
