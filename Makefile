@@ -1,26 +1,35 @@
 # Two commands a new user needs: `make plan` (a capacity plan) and `make test` (the suite).
-# Each bootstraps .venv on first use; torch is pinned to the CPU build via constraints-dev.txt.
+# Each bootstraps .venv on first use (hicache with its "cuda" and "test" extras; torch pinned to
+# the CPU build by constraints-dev.txt). Commands are not echoed, so
+# `make plan ARGS="--format json" > plan.json` writes plain JSON.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+.SILENT:
 
-.PHONY: plan test bench clean
+.PHONY: help plan test bench clean
+
+help:  ## list the targets
+	grep -E '^[a-z]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/:.*## /\t/' | expand -t 8
 
 # editable_mode=compat: a plain .pth entry, so start-up is what a regular install would see.
 $(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_hostcopy.c hicache/pools/_pagestack.c
+	echo "setting up $(VENV) (first run only)" >&2
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[test]' --config-settings editable_mode=compat
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cuda,test]' --config-settings editable_mode=compat >&2
 	touch $(STAMP)
 
-plan: $(STAMP)
+plan: $(STAMP)  ## capacity plan (ARGS="--model deepseek-v3.2 --host-gb 300", ARGS="--format json")
 	$(BIN)/hicache plan $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP)  ## the whole test suite (ARGS passes pytest options)
 	$(BIN)/python -m pytest $(ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP)  ## the benchmarks: figure, baseline, ratio (ARGS=plan runs bench_plan only)
 	$(BIN)/python benchmarks/run.py $(ARGS)
 
-clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+clean:  ## remove the virtualenv, build products and caches
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info build dist
+	find hicache -name '*.so' -delete
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -98,6 +98,9 @@ def _machine_plan(args):
 def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
     """`hicache apply`. ``runtime``/``cuda_binding``/``ledger``/``machine``/``lock`` stand in for
     CUDA and the machine in tests (`hicache.testing.fake_cuda` does the first two for all)."""
+    from hicache._extras import require
+
+    require("torch", "hicache apply")
     from hicache.effects import HostTensorAllocator, bring_up, probe_cuda
 
     hold = _hold_seconds(args.hold)

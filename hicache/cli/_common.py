@@ -85,3 +85,37 @@ def fail(ref: str, message: str, hint: str, code: int) -> int:
     print(f"error[{ref}]: {message}", file=sys.stderr)
     print(f"hint: {hint}", file=sys.stderr)
     return code
+
+
+#: Largest input files read: a HuggingFace config.json is a few KiB, a saved plan well under this.
+CONFIG_LIMIT_BYTES = 1 * 2**20
+PLAN_LIMIT_BYTES = 64 * 2**20
+
+
+def read_json_file(path: str, flag: str, limit: int, hint: str, ref: str):
+    """The JSON in ``path``: a regular file of at most ``limit`` bytes (never a FIFO, a device
+    or /dev/zero - they could block or never end), not nested absurdly deep."""
+    import json
+    import stat
+
+    try:
+        info = os.stat(path)
+    except OSError as error:
+        raise CliError(ref, f"cannot read {path}: {error.strerror}", hint) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CliError(ref, f"{flag} {path} is not a regular file", hint)
+    if info.st_size > limit:
+        raise CliError(ref, f"{flag} {path} is {info.st_size:,} bytes, over the {limit:,}-byte limit", hint)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(limit + 1)
+    except OSError as error:
+        raise CliError(ref, f"cannot read {path}: {error.strerror}", hint) from None
+    if len(raw) > limit:
+        raise CliError(ref, f"{flag} {path} grew past the {limit:,}-byte limit while being read", hint)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise CliError(ref, f"{path} nests JSON too deeply", hint) from None
+    except ValueError as error:
+        raise CliError(ref, f"{path} is not valid JSON: {error}", hint) from None

@@ -18,7 +18,8 @@ from hicache.plan import CapacityPlan, assess_budget, format_bytes, format_gb
 DESCRIPTION = (
     "Check this machine against a saved plan (or in general): kernel pin cap, the caps this "
     "machine plans with and where each comes from, hugepages, memlock, mappings, memory budget, "
-    "NUMA, the host copy path and CUDA. Exit 1 when a check fails."
+    "NUMA, the host copy path and CUDA. Exit 1 when a check fails. "
+    "Example: hicache doctor --plan plan.json"
 )
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from hicache.cli._common import CUDA_FAILURE, INFEASIBLE, INTERRUPTED, CliError, Parser, fail
+from hicache._extras import MissingExtraError
+from hicache.cli._common import CUDA_FAILURE, INFEASIBLE, INTERRUPTED, USAGE, CliError, Parser, fail
 from hicache.errors import ApplyError, CapacityError, CudaCallError, HicacheError, PlanError, RollbackError
 
 _COMMANDS = ("plan", "doctor", "apply")
@@ -26,7 +27,11 @@ def _module(name: str):
 
 def make_parser(only: str | None = None) -> Parser:
     """The argument parser; ``only`` builds just that subcommand (start-up time of `plan`)."""
-    parser = Parser(prog="hicache", description="Plan, check and apply cudaHostRegister of host KV-cache pools.")
+    from hicache import __version__
+
+    parser = Parser(prog="hicache", description="Plan, check and apply cudaHostRegister of host KV-cache pools.",
+                    epilog="hicache plan --help | doctor --help | apply --help: each command with an example")
+    parser.add_argument("--version", action="version", version=f"hicache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name in _COMMANDS:
         if only in (None, name):
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return _module(args.command).run(args)
     except CliError as error:
         return fail(error.ref, str(error), error.hint, error.code)
+    except MissingExtraError as error:
+        return fail("missing-extra", str(error).split(": pip install")[0], 'pip install "hicache[cuda]"', USAGE)
     except CapacityError as error:
         return fail("budget-refused", str(error), "lower the pool size or free host memory", INFEASIBLE)
     except ApplyError as error:

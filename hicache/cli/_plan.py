@@ -12,7 +12,9 @@ from hicache.plan import CAPACITY_DEFAULTS, PRESETS
 DESCRIPTION = (
     "Plan every host pool a model needs on one rank: buffer shapes, page-copy units and the "
     "cudaHostRegister calls each buffer is split into, with the cap that decided the split. "
-    "Never touches the machine."
+    "Never touches the machine. SGLang's server-argument names work too (--tp-size, "
+    "--hicache-size, --hicache-ratio, --hicache-mem-layout, --kv-cache-dtype, --model-path). "
+    "Example: hicache plan --model deepseek-v3.2 --tp-size 8 --hicache-size 300 --format json --out plan.json"
 )
 
 
@@ -47,7 +49,7 @@ def run(args) -> int:
 
         resolved = limits_from_args(args, machine_kernel_release=probe_kernel_release())
     plan, defaults, sources = build_plan(args, resolved)
-    if defaults and not any(getattr(args, k) for k in ("model", "config")):
+    if defaults and not any(getattr(args, k) for k in ("model", "config", "model_path")):
         print("hicache plan: no model given; planning the default preset on default settings", file=sys.stderr)
     emit(render(plan, args.format, defaults=defaults, sources=sources), args.out)
     if plan.budget is not None and not plan.budget.ok:

@@ -8,10 +8,9 @@ caller passes a probed kernel release.
 
 from __future__ import annotations
 
-import json
 import os
 
-from hicache.cli._common import CliError, positive_decimal, positive_int, size
+from hicache.cli._common import CONFIG_LIMIT_BYTES, CliError, positive_decimal, positive_int, read_json_file, size
 from hicache.errors import LayoutError
 from hicache.plan import (
     CAPACITY_DEFAULTS,
@@ -30,19 +29,27 @@ from hicache.plan import (
 
 LAYOUTS = ("page_first_direct", "page_first", "layer_first", "page_head")
 
+#: Work is bounded before it starts: past these a plan is refused (or needs --force).
+MAX_HOST_GB = 10**6  # 1 PB per rank
+MAX_DEVICE_TOKENS = 10**12
+MAX_CALLS = 100_000  # cudaHostRegister calls per rank a plan may have without --force
+
 
 def _model(args):
+    if args.model_path:
+        if args.config:
+            raise CliError("conflicting-flags", "--model-path and --config both given", "pass one of them")
+        import os
+
+        if not os.path.isdir(args.model_path):
+            raise CliError("bad-config", f"--model-path {args.model_path} is not a directory",
+                           "pass a local model directory holding config.json (or --config FILE)")
+        args.config = os.path.join(args.model_path, "config.json")
     if args.config and args.model:
         raise CliError("conflicting-flags", "--model and --config both given", "pass one of them")
     if args.config:
         path = args.config
-        try:
-            with open(path) as handle:
-                data = json.loads(handle.read())
-        except OSError as error:
-            raise CliError("bad-config", f"cannot read {path}: {error.strerror}", "pass the path of a HuggingFace config.json") from None
-        except ValueError as error:
-            raise CliError("bad-config", f"{path} is not valid JSON: {error}", "pass the path of a HuggingFace config.json") from None
+        data = read_json_file(path, "--config", CONFIG_LIMIT_BYTES, "pass the path of a HuggingFace config.json", "bad-config")
         try:
             return model_from_hf_config(data, name=str(path))
         except ConfigError as error:
@@ -55,7 +62,7 @@ def _model(args):
 
 def _defaults_used(args, sources: dict) -> tuple[str, ...]:
     used = []
-    if not args.model and not args.config:
+    if not args.model and not args.config and not getattr(args, "model_path", None):
         used.append(f"--model {CAPACITY_DEFAULTS['model']}")
     for flag, key in (("--tp", "tp"), ("--page-size", "page_size"), ("--layout", "layout")):
         if getattr(args, key) is None:
@@ -91,14 +98,29 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
         raise CliError("missing-flag", "--ratio needs --device-tokens", "e.g. --ratio 2 --device-tokens 500000")
     tp = positive_int(args.tp or str(CAPACITY_DEFAULTS["tp"]), "--tp")
     page_size = positive_int(args.page_size or str(CAPACITY_DEFAULTS["page_size"]), "--page-size")
+    if args.kv_dtype == "auto":  # SGLang's default: the model's dtype
+        args.kv_dtype = None
     if args.kv_dtype is not None and args.kv_dtype not in KV_DTYPES:
         raise CliError("bad-dtype", f"unknown --kv-dtype {args.kv_dtype!r}", f"one of {', '.join(sorted(KV_DTYPES))}")
     resolved = limits_from_args(args) if resolved is None else resolved
     host_gb = None
     if args.ratio is None:
         host_gb = positive_decimal(args.host_gb or CAPACITY_DEFAULTS["host_gb"], "--host-gb")
+        if host_gb > MAX_HOST_GB:
+            raise CliError("bad-size", f"--host-gb {args.host_gb} is over {MAX_HOST_GB:,} GB per rank",
+                           "host sizes are decimal GB per rank, as SGLang's --hicache-size")
+        calls = int(host_gb * 10**9) // resolved.limits.effective_cap_bytes
+        if calls > MAX_CALLS and not getattr(args, "force", False):
+            raise CliError(
+                "too-many-calls",
+                f"about {calls:,} cudaHostRegister calls per rank at {resolved.limits.effective_cap_bytes:,} bytes "
+                f"each: over {MAX_CALLS:,}",
+                "raise --chunk-limit (or HICACHE_REGISTER_CHUNK), or pass --force to plan it anyway",
+            )
     ratio = positive_decimal(args.ratio, "--ratio") if args.ratio is not None else None
     device_tokens = positive_int(args.device_tokens, "--device-tokens") if args.device_tokens else None
+    if device_tokens is not None and device_tokens > MAX_DEVICE_TOKENS:
+        raise CliError("bad-number", f"--device-tokens {device_tokens:,} is over {MAX_DEVICE_TOKENS:,}", "e.g. --device-tokens 500000")
     ranks = positive_int(args.ranks_per_host, "--ranks-per-host") if args.ranks_per_host else None
     memory = size(args.host_memory, "--host-memory") if args.host_memory else None
     if ranks and memory is None:
@@ -123,15 +145,20 @@ def add_plan_arguments(parser) -> None:
     what = parser.add_argument_group("model and parallelism")
     what.add_argument("--model", help=f"embedded preset (default {CAPACITY_DEFAULTS['model']}; --list-models)")
     what.add_argument("--config", help="a HuggingFace config.json instead of a preset")
-    what.add_argument("--tp", help=f"tensor-parallel size (default {CAPACITY_DEFAULTS['tp']}, as SGLang's --tp-size)")
+    what.add_argument("--model-path", help="a local model directory holding config.json (SGLang's name)")
+    what.add_argument("--tp", "--tp-size", dest="tp",
+                      help=f"tensor-parallel size (default {CAPACITY_DEFAULTS['tp']}, as SGLang's --tp-size)")
     what.add_argument("--page-size", help=f"tokens per page (default {CAPACITY_DEFAULTS['page_size']})")
-    what.add_argument("--layout", choices=LAYOUTS, help=f"host pool layout (default {CAPACITY_DEFAULTS['layout']})")
-    what.add_argument("--kv-dtype", help="KV cache dtype (default: the model's; bf16, fp8, ...)")
+    what.add_argument("--layout", "--hicache-mem-layout", dest="layout", choices=LAYOUTS,
+                      help=f"host pool layout (default {CAPACITY_DEFAULTS['layout']})")
+    what.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype",
+                      help="KV cache dtype (default or 'auto': the model's; bf16, fp8_e4m3, ...)")
     what.add_argument("--mamba-slots", default=str(CAPACITY_DEFAULTS["mamba_slots"]),
                       help=f"linear-attention state slots (default {CAPACITY_DEFAULTS['mamba_slots']})")
     size_group = parser.add_argument_group("pool size (one of)")
-    size_group.add_argument("--host-gb", help=f"host pool per rank in decimal GB, as SGLang's --hicache-size (default {CAPACITY_DEFAULTS['host_gb']})")
-    size_group.add_argument("--ratio", help="host-to-device ratio; needs --device-tokens")
+    size_group.add_argument("--host-gb", "--hicache-size", dest="host_gb",
+                            help=f"host pool per rank in decimal GB, as SGLang's --hicache-size (default {CAPACITY_DEFAULTS['host_gb']})")
+    size_group.add_argument("--ratio", "--hicache-ratio", dest="ratio", help="host-to-device ratio; needs --device-tokens")
     size_group.add_argument("--device-tokens", help="tokens of the device KV pool")
     caps = parser.add_argument_group("registration caps (a flag beats HICACHE_REGISTER_CHUNK / HICACHE_KERNEL_PIN_CAP / HICACHE_HUGEPAGE_SIZE)")
     caps.add_argument("--chunk-limit", help="largest cudaHostRegister call (default: HICACHE_REGISTER_CHUNK, else 64GiB)")
@@ -141,3 +168,5 @@ def add_plan_arguments(parser) -> None:
     budget.add_argument("--host-memory", help="memory available on the host (e.g. 2TB, 1.5TiB)")
     budget.add_argument("--ranks-per-host", help="ranks sharing the host memory")
     budget.add_argument("--reserve", help="memory kept back (default 10GiB)")
+    parser.add_argument("--force", action="store_true",
+                        help=f"plan even past {MAX_CALLS:,} registration calls per rank")

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from hicache.cli._common import CliError
+from hicache.cli._common import PLAN_LIMIT_BYTES, CliError, read_json_file
 from hicache.errors import PlanError
 from hicache.plan import CapacityPlan, PoolPlan, from_jsonable
 
 
 def load_plan(path: str):
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise CliError("bad-plan", f"cannot read {path}: {error.strerror}", "pass a file written by `hicache plan --format json --out FILE`") from None
-    except ValueError as error:
-        raise CliError("bad-plan", f"{path} is not valid JSON: {error}", "pass a file written by `hicache plan --format json`") from None
+    data = read_json_file(path, "--plan", PLAN_LIMIT_BYTES,
+                          "pass a file written by `hicache plan --format json --out FILE`", "bad-plan")
     try:
         plan = from_jsonable(data)
     except PlanError as error:

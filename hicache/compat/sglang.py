@@ -12,6 +12,10 @@ Chunking and rollback are hicache's (plan_registration, apply_plan); nothing is 
 from __future__ import annotations
 
 import logging
+
+from hicache._extras import require
+
+require("torch", "hicache.compat.sglang")
 from collections import defaultdict
 
 from hicache.effects import (

@@ -33,7 +33,15 @@ def _private_dir(path: Path) -> Path:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
-    info = os.lstat(path)
+    except OSError as error:
+        raise RegistrationStateError(
+            f"lock directory {path} cannot be created: {error.strerror} (set HICACHE_RUNTIME_DIR to a "
+            "private directory of yours)"
+        ) from None
+    try:
+        info = os.lstat(path)
+    except OSError as error:
+        raise RegistrationStateError(f"lock directory {path} cannot be read: {error.strerror}") from None
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         raise RegistrationStateError(f"lock directory {path} is not a plain directory")
     if info.st_uid != os.getuid() or info.st_mode & 0o077:

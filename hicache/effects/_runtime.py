@@ -35,6 +35,9 @@ class CudaPythonRuntime:
 
     def __init__(self, binding=None) -> None:
         if binding is None:
+            from hicache._extras import require
+
+            require("cuda.bindings", "CudaPythonRuntime")
             from cuda.bindings import runtime as binding  # lazy: heavy, and absent on some hosts
         self.binding = binding
 

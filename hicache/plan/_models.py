@@ -86,6 +86,11 @@ def _first(config: dict, *keys):
     return None
 
 
+#: The largest model dimension (layers, heads, widths) a config may give: far above any real
+#: model, low enough that planning from a tampered file stays bounded.
+MAX_DIMENSION = 1_000_000
+
+
 def model_from_hf_config(config: dict, *, name: str = "config.json") -> ModelSpec:
     """Read a HuggingFace ``config.json`` dict into a `ModelSpec`, naming any missing key.
 
@@ -99,7 +104,20 @@ def model_from_hf_config(config: dict, *, name: str = "config.json") -> ModelSpe
     def need(key):
         if config.get(key) is None:
             raise ConfigError(f"{name}: key {key!r} not found (needed for the KV cache size)")
-        return config[key]
+        return _positive(config[key], key)
+
+    def _positive(value, key):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DIMENSION:
+            raise ConfigError(f"{name}: {key} must be a whole number in [1, {MAX_DIMENSION:,}], got {value!r}")
+        return value
+
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+                "kv_lora_rank", "qk_rope_head_dim", "index_head_dim"):
+        if config.get(key) is not None:
+            _positive(config[key], key)
+    for key in ("torch_dtype", "dtype"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise ConfigError(f"{name}: {key} must be a dtype name such as 'bfloat16', got {config[key]!r}")
 
     facts: dict = {"num_hidden_layers": need("num_hidden_layers")}
     facts["torch_dtype"] = _first(config, "torch_dtype", "dtype") or "bfloat16"

@@ -1,5 +1,10 @@
 """hicache.pools: SGLang's host KV pool layer (`HostKVCache` and one pool per family), built on
-hicache's plan (sizing, copy units) and effects (allocation, one-transaction registration)."""
+hicache's plan (sizing, copy units) and effects (allocation, one-transaction registration).
+Needs torch: ``pip install "hicache[cuda]"``."""
+
+from hicache._extras import require
+
+require("torch", "hicache.pools")
 
 from hicache.pools._allocator import (
     HostTensorAllocator,

@@ -1,0 +1,103 @@
+"""Bad input to the CLI: each case is one `error[ref]:` line and a hint, its exit code, no
+traceback, and bounded work (no hang on a FIFO, no reading /dev/zero, no absurd plan)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hicache.cli import main
+
+
+def _config(tmp_path, **fields):
+    base = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 2, "num_key_value_heads": 8,
+            "torch_dtype": "bfloat16"}
+    base.update(fields)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(base))
+    return str(path)
+
+
+CASES = {
+    "config /dev/zero": (lambda tmp: ["plan", "--config", "/dev/zero"], "bad-config", 2),
+    "config a directory": (lambda tmp: ["plan", "--config", str(tmp)], "bad-config", 2),
+    "config too large": (lambda tmp: ["plan", "--config", _big(tmp)], "bad-config", 2),
+    "config deeply nested": (lambda tmp: ["plan", "--config", _deep(tmp)], "bad-config", 2),
+    "torch_dtype a list": (lambda tmp: ["plan", "--config", _config(tmp, torch_dtype=["bf16"])], "bad-config", 2),
+    "hidden_size a string": (lambda tmp: ["plan", "--config", _config(tmp, hidden_size="4096")], "bad-config", 2),
+    "zero attention heads": (lambda tmp: ["plan", "--config", _config(tmp, num_attention_heads=0)], "bad-config", 2),
+    "absurd layer count": (lambda tmp: ["plan", "--config", _config(tmp, num_hidden_layers=10**7)], "bad-config", 2),
+    "model-path not a dir": (lambda tmp: ["plan", "--model-path", str(tmp / "nope")], "bad-config", 2),
+    "host-gb absurd": (lambda tmp: ["plan", "--host-gb", "1e9"], "bad-size", 2),
+    "millions of calls": (lambda tmp: ["plan", "--host-gb", "20000", "--chunk-limit", "2MiB"], "too-many-calls", 2),
+    "device tokens absurd": (lambda tmp: ["plan", "--ratio", "2", "--device-tokens", str(10**13)], "bad-number", 2),
+    "plan file is a fifo": (lambda tmp: ["doctor", "--plan", _fifo(tmp)], "bad-plan", 2),
+    "bad HICACHE_REGISTER_CHUNK": (lambda tmp: ["plan", "--chunk-limit", "lots"], "bad-size", 2),
+}
+
+
+def _big(tmp):
+    path = tmp / "big.json"
+    path.write_text("[" + "0," * (2**20) + "0]")
+    return str(path)
+
+
+def _deep(tmp):
+    path = tmp / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    return str(path)
+
+
+def _fifo(tmp):
+    path = tmp / "plan.fifo"
+    os.mkfifo(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_error_line_with_its_exit_code(case, tmp_path, capsys):
+    argv, ref, code = CASES[case]
+    got = main(argv(tmp_path))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line]
+    assert got == code, err
+    assert lines[0].startswith(f"error[{ref}]:") and lines[-1].startswith("hint:"), err
+    assert "Traceback" not in err
+
+
+def test_threads_columns_and_an_unusable_runtime_dir_are_error_lines(tmp_path):
+    """Run as a user would (a process), with the environment they might have."""
+    bad_dir = tmp_path / "not-mine"
+    bad_dir.write_text("a file, not a directory")
+    runs = [
+        (["apply", "--model", "llama-3.1-8b", "--host-gb", "0.01", "--threads", "abc"], {}, "bad-number", 2),
+        (["plan", "--help"], {"COLUMNS": "²"}, None, 0),
+    ]
+    code = ("import sys; from hicache.testing import fake_cuda; from hicache.cli import main\n"
+            "with fake_cuda():\n    sys.exit(main(sys.argv[1:]))\n")
+    for argv, env, ref, status in runs:
+        result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                                env={**os.environ, **env})
+        assert result.returncode == status, result.stderr
+        assert "Traceback" not in result.stderr
+        if ref:
+            assert result.stderr.startswith(f"error[{ref}]"), result.stderr
+    result = subprocess.run([sys.executable, "-c", code, "apply", "--model", "llama-3.1-8b", "--host-gb", "0.01"],
+                            capture_output=True, text=True, env={**os.environ, "HICACHE_RUNTIME_DIR": str(bad_dir)})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error[") and str(bad_dir) in result.stderr
+
+
+def test_version_and_sglang_flag_names(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("hicache ")
+    assert main(["plan", "--tp-size", "8", "--hicache-size", "200", "--hicache-mem-layout", "page_first",
+                 "--kv-cache-dtype", "auto", "--format", "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    inputs = printed["inputs"]
+    assert inputs["tp"] == 8 and inputs["host_bytes"] == 200 * 10**9 and inputs["layout"] == "page_first"
