@@ -101,3 +101,16 @@ def test_version_and_sglang_flag_names(capsys):
     printed = json.loads(capsys.readouterr().out)
     inputs = printed["inputs"]
     assert inputs["tp"] == 8 and inputs["host_bytes"] == 200 * 10**9 and inputs["layout"] == "page_first"
+
+
+def test_every_preset_table_fits_100_columns_unless_wide(capsys):
+    from hicache.plan import PRESETS
+
+    for name in PRESETS:
+        for extra in ([], ["--kernel-release", "6.12"]):
+            assert main(["plan", "--model", name, *extra]) == 0
+            out = capsys.readouterr().out
+            assert max(len(line) for line in out.splitlines()) <= 100, (name, extra)
+    assert main(["plan", "--model", "deepseek-v3.2", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "family" in wide and "shape" in wide and max(len(line) for line in wide.splitlines()) > 100

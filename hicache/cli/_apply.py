@@ -138,7 +138,8 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         "largest_call": max((p.largest_call_bytes for p in pools), default=0),
     }
     if args.format == "json":
-        sys.stdout.write(json.dumps({**report, "cap_sources": sources}, sort_keys=True) + "\n")
+        sys.stdout.write(json.dumps({"schema": "hicache.apply", "schema_version": 1, **report,
+                                     "cap_sources": sources}, sort_keys=True) + "\n")
     else:
         sys.stdout.write("".join(f"{k:<14} {v}\n" for k, v in report.items()))
         sys.stdout.write("caps from     " + ", ".join(f"{k}: {v}" for k, v in sorted(sources.items())) + "\n")

@@ -26,6 +26,7 @@ def add_command(commands) -> None:
     plan.add_argument("--list-models", action="store_true", help="list the embedded presets")
     plan.add_argument("--format", choices=("table", "json", "markdown"), default="table")
     plan.add_argument("--out", help="write the output to FILE instead of stdout")
+    plan.add_argument("--wide", action="store_true", help="table: every column (family, shape), no folding at 100")
 
 
 def _list_models() -> str:
@@ -51,7 +52,7 @@ def run(args) -> int:
     plan, defaults, sources = build_plan(args, resolved)
     if defaults and not any(getattr(args, k) for k in ("model", "config", "model_path")):
         print("hicache plan: no model given; planning the default preset on default settings", file=sys.stderr)
-    emit(render(plan, args.format, defaults=defaults, sources=sources), args.out)
+    emit(render(plan, args.format, defaults=defaults, sources=sources, wide=args.wide), args.out)
     if plan.budget is not None and not plan.budget.ok:
         raise CliError(
             "budget-refused", plan.budget.explain(),

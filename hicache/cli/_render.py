@@ -12,8 +12,8 @@ from hicache.plan import CapacityPlan, format_bytes, format_gb, to_jsonable
 _DTYPE_BY_ITEMSIZE = {1: "uint8", 2: "bf16", 4: "float32", 8: "float64"}
 _CAP_WHY = {
     "chunk_limit": "chunk limit",
-    "driver_ceiling": "driver ceiling (r580+ drivers refuse one call of 512 GiB or more)",
-    "kernel_cap": "kernel cap (Linux 6.11-6.13 pin at most ~2 GB per call)",
+    "driver_ceiling": "driver ceiling (r580+ refuse a call of 512 GiB or more)",
+    "kernel_cap": "kernel cap (Linux 6.11-6.13: ~2 GB a call)",
 }
 
 
@@ -50,6 +50,22 @@ def _rows(plan: CapacityPlan):
 
 
 _HEAD = ["pool", "buffer", "family", "layout", "shape", "dtype", "size", "copy unit", "step", "calls", "largest call"]
+_NARROW = (0, 1, 3, 5, 6, 7, 8, 9, 10)  # the table without family and shape: fits 100 columns
+WIDTH = 100
+
+
+def _wrap(lines: list[str], width: int) -> list[str]:
+    """Prose lines folded at ``width`` (continuations indented); table rows are left alone."""
+    import textwrap
+
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()) + 2)
+        out += textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False)
+    return out
 
 
 def _size_line(plan: CapacityPlan) -> str:
@@ -72,12 +88,12 @@ def _caps_lines(plan: CapacityPlan, sources: dict | None = None) -> list[str]:
     for name in ("chunk_limit", "driver_ceiling", "kernel_cap"):
         source = sources.get(name)
         if name in caps:
-            mark = "  <- decides the chunk size" if name in binding else ""
+            mark = "  <- decides" if name in binding else ""
             origin = f"; from {source}" if source else ""
             lines.append(f"{format_bytes(caps[name]):>10}  {_CAP_WHY[name]}{origin}{mark}")
         else:
             origin = f" (from {source})" if source and source != "not checked" else ""
-            lines.append(f"{'not set':>10}  {_CAP_WHY[name]}{origin}; --kernel-release or HICACHE_KERNEL_PIN_CAP applies it")
+            lines.append(f"{'not set':>10}  {_CAP_WHY[name]}{origin}; set by --kernel-release / HICACHE_KERNEL_PIN_CAP")
     return lines
 
 
@@ -113,23 +129,30 @@ def _summary(plan: CapacityPlan) -> list[str]:
     ]
 
 
-def render_table(plan: CapacityPlan, *, defaults: tuple[str, ...] = (), sources: dict | None = None) -> str:
-    """Aligned plain-text tables for a capacity reviewer."""
-    rows = [_HEAD, *_rows(plan)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEAD))]
-    right = {6, 7, 8, 9, 10}
+def render_table(plan: CapacityPlan, *, defaults: tuple[str, ...] = (), sources: dict | None = None,
+                 wide: bool = False) -> str:
+    """Aligned plain-text tables for a capacity reviewer, within 100 columns (``wide``: every
+    column, family and shape too, and no folding)."""
+    keep = range(len(_HEAD)) if wide else _NARROW
+    head = _HEAD if wide else [*_HEAD[:-1], "largest"]
+    rows = [[row[i] for i in keep] for row in [head, *_rows(plan)]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(keep))]
+    right = {k for k, i in enumerate(keep) if i >= 6}
     table = [
         "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
         for row in rows
     ]
     lines = _header(plan, defaults)
-    lines += ["", "host pool: " + _size_line(plan), "", *table, "", *_summary(plan), "caps per call:"]
-    lines += ["  " + line for line in _caps_lines(plan, sources)]
+    lines += ["", "host pool: " + _size_line(plan), ""]
+    prose = [*_summary(plan), "caps per call (<- the one that decides the step):",
+             *("  " + line for line in _caps_lines(plan, sources))]
     if plan.notes:
-        lines.append("notes:")
-        lines += [f"  - {note}" for note in plan.notes]
-    lines.append("budget: " + _budget_line(plan))
-    return "\n".join(lines) + "\n"
+        prose.append("notes:")
+        prose += [f"  - {note}" for note in plan.notes]
+    prose.append("budget: " + _budget_line(plan))
+    if wide:
+        return "\n".join(lines + table + [""] + prose) + "\n"
+    return "\n".join(_wrap(lines, WIDTH) + table + [""] + _wrap(prose, WIDTH)) + "\n"
 
 
 def render_markdown(plan: CapacityPlan, *, defaults: tuple[str, ...] = (), sources: dict | None = None) -> str:
@@ -150,9 +173,10 @@ def render_markdown(plan: CapacityPlan, *, defaults: tuple[str, ...] = (), sourc
     return "\n".join(lines) + "\n"
 
 
-def render(plan: CapacityPlan, fmt: str, *, defaults: tuple[str, ...] = (), sources: dict | None = None) -> str:
+def render(plan: CapacityPlan, fmt: str, *, defaults: tuple[str, ...] = (), sources: dict | None = None,
+           wide: bool = False) -> str:
     if fmt == "json":
         return render_json(plan, sources)
     if fmt == "markdown":
         return render_markdown(plan, defaults=defaults, sources=sources)
-    return render_table(plan, defaults=defaults, sources=sources)
+    return render_table(plan, defaults=defaults, sources=sources, wide=wide)
