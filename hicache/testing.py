@@ -199,6 +199,9 @@ class FakeCudaBinding:
     def cudaGetDeviceCount(self):
         return (self._status(0)[0], 1)
 
+    def cudaDeviceGetPCIBusId(self, length, device):
+        return (self._status(0)[0], f"0000:{0x3b + device:02x}:00.0".encode())
+
 
 class FakeRuntime(TorchCudartRuntime):
     """The real int-code adapter over a `FakeCudart` (pass faults as keywords)."""

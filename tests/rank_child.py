@@ -1,9 +1,10 @@
 """One rank of tests/test_ranks.py: import everything, wait at a file barrier, then bring a
 1 GB pool up through `hicache apply` or a pool class, under `hicache.testing.fake_cuda`.
 
-psutil reports a machine with ``HICACHE_TEST_BASE`` bytes available at the barrier, minus
-whatever the host really lost since then (the other ranks' resident pools), so the budget sees
-the ranks that came up before it exactly as it would on a real host of that size.
+psutil reports a machine with ``HICACHE_TEST_BASE`` bytes available at the barrier, minus what
+the ranks' processes have really made resident since then (their RSS growth: the pools the
+earlier ranks pre-faulted), so the budget sees the ranks that came up before it exactly as it
+would on a real host of that size - and nothing else running on this machine moves it.
 """
 
 from __future__ import annotations
@@ -21,25 +22,40 @@ from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import MHADevicePool, fake_cuda
 
 
-def _machine_from(start: int, base: int):
+def _rank_growth(barrier: str) -> int:
+    """Bytes the ranks' processes made resident since the barrier (a rank that exited, none)."""
+    grown = 0
+    for entry in os.listdir(barrier):
+        if not entry.startswith("ready-"):
+            continue
+        pid, start = int(entry[len("ready-"):]), int(open(os.path.join(barrier, entry)).read() or 0)
+        try:
+            grown += max(0, psutil.Process(pid).memory_info().rss - start)
+        except psutil.Error:
+            pass
+    return grown
+
+
+def _machine_from(barrier: str, base: int):
     real = psutil.virtual_memory
 
     def virtual_memory():
         values = real()._asdict()
-        values["available"] = max(0, base - max(0, start - values["available"]))
+        values["available"] = max(0, base - _rank_growth(barrier))
         return type(real())(**values)
 
     return virtual_memory
 
 
 def main_rank(mode: str, barrier: str, pool_gb: str, hold_s: float) -> int:
-    open(os.path.join(barrier, f"ready-{os.getpid()}"), "w").close()
+    mine = os.path.join(barrier, f"ready-{os.getpid()}")
+    with open(mine + ".tmp", "w") as handle:
+        handle.write(str(psutil.Process().memory_info().rss))
+    os.rename(mine + ".tmp", mine)
     go = os.path.join(barrier, "go")
     while not os.path.exists(go):
         time.sleep(0.005)
-    time.sleep(0.05)  # the parent writes, then renames: the content is there
-    start = int(open(go).read())
-    psutil.virtual_memory = _machine_from(start, int(os.environ["HICACHE_TEST_BASE"]))
+    psutil.virtual_memory = _machine_from(barrier, int(os.environ["HICACHE_TEST_BASE"]))
     with fake_cuda():
         if mode == "apply":
             return main(["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", pool_gb,

@@ -114,3 +114,33 @@ def test_every_preset_table_fits_100_columns_unless_wide(capsys):
     assert main(["plan", "--model", "deepseek-v3.2", "--wide"]) == 0
     wide = capsys.readouterr().out
     assert "family" in wide and "shape" in wide and max(len(line) for line in wide.splitlines()) > 100
+
+
+def test_doctor_maps_gpus_to_numa_nodes_and_matches_the_binding_to_the_driver(tmp_path):
+    """With a (fake) GPU: its PCI bus id and NUMA node from sysfs; a 13.x binding on a CUDA 12
+    driver is a failing check that says which line to install."""
+    from hicache.cli._doctor import doctor_checks
+    from hicache.effects import probe_gpus
+    from hicache.testing import FakeCudaBinding
+
+    node = tmp_path / "sys/bus/pci/devices/0000:3b:00.0"
+    node.mkdir(parents=True)
+    (node / "numa_node").write_text("1\n")
+    (gpu,) = probe_gpus(FakeCudaBinding(), root=str(tmp_path))
+    assert (gpu.index, gpu.pci_bus_id, gpu.numa_node) == (0, "0000:3b:00.0", 1)
+
+    class OldDriver(FakeCudaBinding):
+        def cudaDriverGetVersion(self):
+            return (self._status(0)[0], 12040)
+
+    from machine import ROOMY
+
+    checks = {c.name: c for c in doctor_checks(root=str(tmp_path), env={}, cuda_binding=OldDriver(), facts=ROOMY)}
+    assert "GPU 0 (0000:3b:00.0) -> NUMA node 1" in checks["gpus"].finding
+    from hicache.effects import package_version
+
+    if (package_version("cuda-bindings") or "0").split(".")[0] == "13":
+        assert checks["binding"].status == "fail" and 'cuda-bindings>=12.0,<13' in checks["binding"].hint
+    assert "CUDA driver 12.4" in checks["versions"].finding
+    out = __import__("hicache.cli._doctor", fromlist=["render_checks"]).render_checks(list(checks.values()), "table")
+    assert max(len(line) for line in out.splitlines()) <= 100

@@ -13,7 +13,7 @@ import sys
 import attrs
 
 from hicache.cli._saved import load_plan, pool_plans
-from hicache.plan import CapacityPlan, assess_budget, format_bytes, format_gb
+from hicache.plan import CapacityPlan, assess_budget, format_bytes
 
 DESCRIPTION = (
     "Check this machine against a saved plan (or in general): kernel pin cap, the caps this "
@@ -47,6 +47,7 @@ class Context:
     largest: int
     ranks: int
     limits: object  # the plan's Limits, or None
+    root: str = "/"
 
 
 def _kernel(c: Context) -> Check:
@@ -121,9 +122,9 @@ def _max_map_count(c: Context) -> Check:
 
 def _memory(c: Context) -> Check:
     f = c.facts
-    text = f"{format_gb(f.available_bytes)} available of {format_gb(f.total_bytes)}"
+    text = f"{format_bytes(f.available_bytes)} available of {format_bytes(f.total_bytes)}"
     if f.cgroup_limit_bytes is not None:
-        text += f"; cgroup limit {format_gb(f.cgroup_limit_bytes)}"
+        text += f"; cgroup limit {format_bytes(f.cgroup_limit_bytes)}"
     if c.plan is None:
         return Check("memory", "pass", text)
     verdict = assess_budget(c.total, available_bytes=f.available_bytes, ranks_per_host=c.ranks,
@@ -160,6 +161,55 @@ def host_copy_check(env) -> Check:
     return Check("host_copy", "pass", f"ctypes memmove copies, as {_host_copy.ENV_VAR} asks")
 
 
+def _versions(c: Context) -> Check:
+    import platform
+
+    from hicache import __version__
+    from hicache.effects import package_version
+
+    torch = package_version("torch")
+    binding = package_version("cuda-bindings") or package_version("cuda-python")
+    cuda = _cuda_facts(c)
+    driver = f"{cuda.driver_version // 1000}.{cuda.driver_version % 1000 // 10}" if cuda.driver_version else "none"
+    finding = (f"hicache {__version__}, python {platform.python_version()}, torch {torch or 'not installed'}, "
+               f"cuda-bindings {binding or 'not installed'}, CUDA driver {driver}")
+    if torch is None or binding is None:
+        return Check("versions", "warn", finding, 'pip install "hicache[cuda]" for apply, pools and compat')
+    return Check("versions", "pass", finding)
+
+
+def _binding(c: Context) -> Check:
+    """cuda-bindings follows the driver's CUDA major version: 13.x needs an r580+ driver."""
+    from hicache.effects import package_version
+
+    binding = package_version("cuda-bindings")
+    cuda = _cuda_facts(c)
+    if binding is None or not cuda.driver_version:
+        return Check("binding", "pass", f"cuda-bindings {binding or 'not installed'}; no driver to match")
+    major, driver_major = int(binding.split(".")[0]), cuda.driver_version // 1000
+    if major > driver_major:
+        return Check("binding", "fail", f"cuda-bindings {binding} needs a CUDA {major} driver; this one is CUDA {driver_major}",
+                     f'pip install "cuda-bindings>={driver_major}.0,<{driver_major + 1}"')
+    return Check("binding", "pass", f"cuda-bindings {binding} fits the CUDA {driver_major} driver")
+
+
+def _gpus(c: Context) -> Check:
+    from hicache.effects import probe_gpus
+
+    gpus = probe_gpus(c.cuda_binding, root=c.root)
+    if not gpus:
+        return Check("gpus", "pass", "no CUDA device visible")
+    nodes = ", ".join(f"GPU {g.index} ({g.pci_bus_id or 'bus unknown'}) -> NUMA node "
+                      f"{g.numa_node if g.numa_node is not None else 'unknown'}" for g in gpus)
+    return Check("gpus", "pass", nodes)
+
+
+def _cuda_facts(c: Context):
+    from hicache.effects import probe_cuda
+
+    return probe_cuda(c.cuda_binding)
+
+
 def _cuda(c: Context) -> Check:
     from hicache.effects import probe_cuda
 
@@ -170,7 +220,8 @@ def _cuda(c: Context) -> Check:
 
 
 #: The rules, in the order they print.
-RULES = (_kernel, _limits, _thp, _hugepages, _memlock, _max_map_count, _memory, _numa, _host_copy, _cuda)
+RULES = (_versions, _kernel, _limits, _thp, _hugepages, _memlock, _max_map_count, _memory, _numa, _host_copy,
+         _cuda, _binding, _gpus)
 
 
 def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, facts=None) -> list[Check]:
@@ -195,7 +246,7 @@ def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, fa
         plan=plan, facts=facts, resolved=resolved, env=env, cuda_binding=cuda_binding,
         total=sum(p.total_bytes for _, p in pools), calls=sum(p.call_count for _, p in pools),
         largest=max((p.largest_call_bytes for _, p in pools), default=0), ranks=ranks,
-        limits=pools[0][1].limits if pools else None,
+        limits=pools[0][1].limits if pools else None, root=root,
     )
     return [rule(context) for rule in RULES]
 
@@ -204,12 +255,17 @@ def render_checks(checks: list[Check], fmt: str) -> str:
     if fmt == "json":
         return json.dumps({"schema": "hicache.doctor", "schema_version": 1,
                            "checks": [attrs.asdict(c) for c in checks]}, sort_keys=True, indent=2) + "\n"
+    import textwrap
+
     width = max(len(c.name) for c in checks)
+    indent = " " * (4 + 2 + width + 2)
     lines = []
-    for c in checks:
-        lines.append(f"{c.status.upper():<4}  {c.name:<{width}}  {c.finding}")
+    for c in checks:  # folded at 100 columns
+        lines += textwrap.wrap(f"{c.status.upper():<4}  {c.name:<{width}}  {c.finding}", 100,
+                               subsequent_indent=indent, break_on_hyphens=False)
         if c.hint:
-            lines.append(f"{'':<4}  {'':<{width}}  hint: {c.hint}")
+            lines += textwrap.wrap(f"{indent}hint: {c.hint}", 100, subsequent_indent=indent + "  ",
+                                   break_on_hyphens=False)
     return "\n".join(lines) + "\n"
 
 

@@ -37,6 +37,9 @@ from hicache.effects._probes import (
     probe_cuda,
     probe_limits,
     probe_machine,
+    GpuFacts,
+    package_version,
+    probe_gpus,
     probe_kernel_release,
     probe_resolved_limits,
     ranks_per_host,
@@ -66,6 +69,9 @@ from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._copy_engine import CopyEngine
 
 __all__ = [
+    "GpuFacts",
+    "package_version",
+    "probe_gpus",
     "sglang_register_chunk_bytes",
     "CopyEngine",
     "FrameworkPinnedAllocator",

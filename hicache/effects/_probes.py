@@ -247,3 +247,49 @@ def sglang_register_chunk_bytes(env=None, *, default_gib: int = 256) -> int:
         except ValueError:
             raise ValueError(f"environment variable {SGLANG_CHUNK_ENV}={raw!r} must be an integer number of GiB") from None
     return max(gib, 1) * 2**30
+
+
+@attrs.frozen
+class GpuFacts:
+    """One CUDA device: its index, PCI bus id and the NUMA node its host memory is closest to
+    (None where the platform does not say)."""
+
+    index: int
+    pci_bus_id: str | None
+    numa_node: int | None
+
+
+def probe_gpus(binding=None, *, root: str = "/") -> tuple[GpuFacts, ...]:
+    """Each CUDA device's PCI bus id and NUMA node (``/sys/bus/pci/devices/<id>/numa_node``);
+    empty when CUDA is unavailable."""
+    facts = probe_cuda(binding)
+    if not facts.available:
+        return ()
+    binding = default_binding() if binding is None else binding
+    gpus = []
+    for index in range(facts.device_count):
+        bus = None
+        try:
+            result = binding.cudaDeviceGetPCIBusId(64, index)
+            if int(result[0]) == 0:
+                raw = result[1]
+                bus = (raw.decode() if isinstance(raw, bytes) else str(raw)).strip("\x00").strip().lower()
+        except Exception:  # an old binding or driver: the bus id is a finding, not a crash
+            bus = None
+        node = None
+        if bus:
+            text = _read(root, f"/sys/bus/pci/devices/{bus}/numa_node")
+            if text is not None and re.fullmatch(r"-?\d+", text) and int(text) >= 0:
+                node = int(text)
+        gpus.append(GpuFacts(index, bus, node))
+    return tuple(gpus)
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of a distribution (never imports it: torch stays unloaded)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
