@@ -92,3 +92,51 @@ def test_to_jsonable_refuses_other_objects():
     """to_jsonable of something that is not a plan is a PlanError."""
     with pytest.raises(PlanError, match="expected a RegistrationPlan, PoolPlan or CapacityPlan"):
         to_jsonable({"ranges": []})
+
+
+def _capacity_dump():
+    import json as _json
+
+    from hicache.plan import PRESETS, plan_capacity
+
+    plan = plan_capacity(PRESETS["llama-3.1-8b"], limits=Limits(chunk_limit_bytes=2**30), tp=2, host_gb=10,
+                         host_memory_bytes=10**12, ranks_per_host=2)
+    return _json.loads(_json.dumps(to_jsonable(plan)))
+
+
+def _tamper(data, path, value):
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (("extra",), 1),
+        (("totals", "total_bytes"), 1),
+        (("caps", "chunk_limit"), 2**31),
+        (("budget", "ok"), False),
+        (("size", "page_num"), 7),
+        (("pools", 0, "plan", "buffers", 0, "step_bytes"), 4096),
+        (("pools", 0, "plan", "buffers", 0, "alignment_bytes"), 4096),
+        (("notes",), ["trust me"]),
+    ],
+    ids=lambda v: str(v),
+)
+def test_a_tampered_capacity_dump_is_refused(path, value):
+    """The loader re-derives everything from the inputs: an unknown key or any derived field
+    that differs is refused, naming it."""
+    assert from_jsonable(_capacity_dump()) is not None
+    with pytest.raises(PlanError):
+        from_jsonable(_tamper(_capacity_dump(), path, value))
+
+
+def test_an_absurd_layer_count_is_refused_before_any_work():
+    """Refused by the layout's bound on layer_num, before any per-layer buffer is built."""
+    data = _capacity_dump()
+    data["model"]["facts"]["num_hidden_layers"] = 10**7
+    with pytest.raises(PlanError, match="layer_num must be <= 10000"):
+        from_jsonable(data)

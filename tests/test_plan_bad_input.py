@@ -150,3 +150,33 @@ def test_bad_ranges_are_refused(offset, size):
     """Range refuses negative offsets, empty or non-integer sizes, and ends past 2**63 - 1."""
     with pytest.raises(PlanError):
         Range(offset, size)
+
+
+class _Int32:
+    """Stands in for numpy.int32: an integer (``__index__``) whose own arithmetic wraps at 32 bits."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+    def __mul__(self, other):
+        product = (self.value * int(other)) & 0xFFFFFFFF
+        return _Int32(product - 2**32 if product >= 2**31 else product)
+
+    __rmul__ = __mul__
+
+
+def test_fixed_width_integers_become_python_ints_and_cannot_overflow():
+    """np.int32(600000) pages used to make a negative total_bytes: every integer field is
+    converted with operator.index into a Python int first."""
+    from hicache.plan import Limits, MHALayout
+
+    layout = MHALayout("page_first", layer_num=_Int32(80), head_num=_Int32(8), head_dim=_Int32(128),
+                       page_size=_Int32(64), page_num=_Int32(600_000), itemsize=_Int32(2))
+    assert type(layout.page_num) is int and layout.total_bytes == 2 * 600_000 * 64 * 80 * 8 * 128 * 2
+    limits = Limits(chunk_limit_bytes=_Int32(2**30), hugepage_bytes=_Int32(2**21))
+    assert type(limits.chunk_limit_bytes) is int and type(limits.hugepage_bytes) is int
+    with pytest.raises(PlanError, match="must be an integer"):
+        Limits(chunk_limit_bytes=True)

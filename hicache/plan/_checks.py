@@ -36,6 +36,17 @@ def check_int(
     return number
 
 
+def as_int(value: object) -> object:
+    """attrs converter: anything with ``__index__`` (numpy integers) becomes a plain Python int,
+    so later arithmetic cannot wrap at 32 or 64 bits; anything else is left for the validator
+    to refuse (booleans included)."""
+    if type(value) is int or isinstance(value, bool):
+        return value
+    if hasattr(type(value), "__index__"):
+        return operator.index(value)
+    return value
+
+
 def check_power_of_two(error: type[Exception], owner: str, field: str, value: object) -> int:
     """Return ``value`` if it is a positive power of two, else raise ``error`` naming it."""
     number = check_int(error, owner, field, value)

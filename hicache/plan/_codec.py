@@ -290,8 +290,17 @@ def from_jsonable(data: dict) -> RegistrationPlan | PoolPlan:
     raise PlanError(f"$.kind must be 'registration', 'pool' or 'capacity', got {kind!r}")
 
 
+_CAPACITY_KEYS = {"schema", "schema_version", "kind", "model", "inputs", "limits", "pools", "size", "totals",
+                  "caps", "binding_caps", "budget", "notes", "cap_sources"}
+_DERIVED = ("size", "totals", "caps", "binding_caps", "budget", "notes")
+
+
 def _capacity_from(body: dict) -> CapacityPlan:
-    """Recompute the capacity plan from its inputs and require the dump to match it."""
+    """Recompute the capacity plan from its inputs and require the dump to match it: every
+    derived field (size, totals, caps, budget, notes, each pool) and no unknown key."""
+    unknown = set(body) - _CAPACITY_KEYS
+    if unknown:
+        raise PlanError(f"malformed capacity plan: unknown keys {sorted(unknown)} at $")
     model = _structure(body.get("model"), _wire().Model, "$.model")
     inputs = _structure(body.get("inputs"), _wire().Inputs, "$.inputs")
     limits = _limits(body.get("limits"))
@@ -324,6 +333,10 @@ def _capacity_from(body: dict) -> CapacityPlan:
     for index, ((name, plan), pool) in enumerate(zip(loaded, rebuilt.pools)):
         if plan != pool.plan:
             raise PlanError(f"$.pools[{index}] ({name}) does not match the plan its inputs give")
+    derived = to_jsonable(rebuilt)
+    for key in _DERIVED:
+        if body.get(key) != derived.get(key):
+            raise PlanError(f"$.{key} is {body.get(key)!r} but the inputs give {derived.get(key)!r}")
     return rebuilt
 
 

@@ -12,7 +12,7 @@ import math
 import attrs
 
 from hicache.errors import LayoutError
-from hicache.plan._checks import MAX_BYTES, as_tuple, check_int, check_name
+from hicache.plan._checks import MAX_BYTES, as_int, as_tuple, check_int, check_name
 
 # The copy unit of a layout is the largest contiguous byte run one page copy touches; every such
 # run starts a whole number of units from the base. Tables: layout -> (shape, unit), both as
@@ -81,11 +81,16 @@ def _evaluate(symbols, dims: dict[str, int], state_shape=()) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _dim(name: str, *, minimum: int = 1):
-    def check(instance, attribute, value):
-        check_int(LayoutError, type(instance).__name__, name, value, minimum=minimum)
+#: Far above any model (the largest have ~100-200 layers), low enough that a tampered plan or
+#: config cannot make hicache build millions of per-layer buffers before refusing it.
+MAX_LAYERS = 10_000
 
-    return attrs.field(kw_only=True, validator=check)
+
+def _dim(name: str, *, minimum: int = 1, maximum: int = MAX_BYTES):
+    def check(instance, attribute, value):
+        check_int(LayoutError, type(instance).__name__, name, value, minimum=minimum, maximum=maximum)
+
+    return attrs.field(kw_only=True, converter=as_int, validator=check)
 
 
 def _layout_name():
@@ -136,7 +141,7 @@ class MHALayout(_LayoutBase):
 
     family = "mha"
     layout: str = _layout_name()
-    layer_num: int = _dim("layer_num")
+    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
     head_num: int = _dim("head_num")
     head_dim: int = _dim("head_dim")
     page_size: int = _dim("page_size")
@@ -176,7 +181,7 @@ class AsymmetricMHALayout(_LayoutBase):
 
     family = "asymmetric_mha"
     layout: str = _layout_name()
-    layer_num: int = _dim("layer_num")
+    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
     head_num: int = _dim("head_num")
     k_head_dim: int = _dim("k_head_dim")
     v_head_dim: int = _dim("v_head_dim")
@@ -204,7 +209,7 @@ class MLALayout(_LayoutBase):
 
     family = "mla"
     layout: str = _layout_name()
-    layer_num: int = _dim("layer_num")
+    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
     kv_cache_dim: int = _dim("kv_cache_dim")
     page_size: int = _dim("page_size")
     page_num: int = _dim("page_num")
@@ -231,7 +236,7 @@ class DSAIndexerLayout(_LayoutBase):
 
     family = "dsa_indexer"
     layout: str = _layout_name()
-    layer_num: int = _dim("layer_num")
+    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
     index_head_dim: int = _dim("index_head_dim")
     page_size: int = _dim("page_size")
     page_num: int = _dim("page_num")
@@ -298,7 +303,7 @@ class MambaLayout(_LayoutBase):
 
     family = "mamba"
     layout: str = _layout_name()
-    layer_num: int = _dim("layer_num")
+    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
     slots: int = _dim("slots")
     temporal_shape: tuple[int, ...] = _shape_field("temporal_shape")
     temporal_itemsize: int = _dim("temporal_itemsize")
@@ -337,7 +342,7 @@ class DeepSeekV4PagedLayout(_LayoutBase):
 
     family = "deepseek_v4_paged"
     layout: str = _layout_name()
-    layer_num: int = _dim("layer_num")
+    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
     page_num: int = _dim("page_num")
     item_bytes: int = _dim("item_bytes")
 

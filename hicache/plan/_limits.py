@@ -12,7 +12,7 @@ import re
 import attrs
 
 from hicache.errors import PlanError
-from hicache.plan._checks import check_int, check_power_of_two
+from hicache.plan._checks import as_int, check_int, check_power_of_two
 
 GiB = 2**30
 MiB = 2**20
@@ -75,24 +75,28 @@ class Limits:
     """
 
     chunk_limit_bytes: int = attrs.field(
+        converter=as_int,
         validator=lambda i, a, v: check_int(PlanError, "Limits", "chunk_limit_bytes", v)
     )
     os_page_bytes: int = attrs.field(
         default=4096,
+        converter=as_int,
         validator=lambda i, a, v: check_power_of_two(PlanError, "Limits", "os_page_bytes", v),
     )
     hard_ceiling_bytes: int = attrs.field(
         default=DRIVER_CEILING_BYTES,
+        converter=as_int,
         validator=lambda i, a, v: check_int(PlanError, "Limits", "hard_ceiling_bytes", v),
     )
     kernel_cap_bytes: int | None = attrs.field(
-        default=None, validator=_positive_or_none("kernel_cap_bytes")
+        default=None, converter=as_int, validator=_positive_or_none("kernel_cap_bytes")
     )
     hugepage_bytes: int | None = attrs.field(
-        default=None, validator=_power_of_two_or_none("hugepage_bytes")
+        default=None, converter=as_int, validator=_power_of_two_or_none("hugepage_bytes")
     )
     base_alignment_bytes: int = attrs.field(
         default=attrs.Factory(_default_base_alignment, takes_self=True),
+        converter=as_int,
         validator=lambda i, a, v: check_power_of_two(PlanError, "Limits", "base_alignment_bytes", v),
     )
 

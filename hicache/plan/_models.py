@@ -86,6 +86,8 @@ def _first(config: dict, *keys):
     return None
 
 
+from hicache.plan._layouts import MAX_LAYERS  # noqa: E402
+
 #: The largest model dimension (layers, heads, widths) a config may give: far above any real
 #: model, low enough that planning from a tampered file stays bounded.
 MAX_DIMENSION = 1_000_000
@@ -111,6 +113,9 @@ def model_from_hf_config(config: dict, *, name: str = "config.json") -> ModelSpe
             raise ConfigError(f"{name}: {key} must be a whole number in [1, {MAX_DIMENSION:,}], got {value!r}")
         return value
 
+    if isinstance(config.get("num_hidden_layers"), int) and not isinstance(config["num_hidden_layers"], bool) \
+            and config["num_hidden_layers"] > MAX_LAYERS:
+        raise ConfigError(f"{name}: num_hidden_layers must be at most {MAX_LAYERS:,}, got {config['num_hidden_layers']:,}")
     for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
                 "kv_lora_rank", "qk_rope_head_dim", "index_head_dim"):
         if config.get(key) is not None:
