@@ -144,3 +144,9 @@ def test_doctor_maps_gpus_to_numa_nodes_and_matches_the_binding_to_the_driver(tm
     assert "CUDA driver 12.4" in checks["versions"].finding
     out = __import__("hicache.cli._doctor", fromlist=["render_checks"]).render_checks(list(checks.values()), "table")
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_an_unknown_preset_suggests_the_close_ones(capsys):
+    assert main(["plan", "--model", "deepseek-v32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error[unknown-model]") and "did you mean deepseek-v3.2" in err

@@ -155,10 +155,14 @@ def host_copy_check(env) -> Check:
     threads = _host_copy.copy_threads()
     if mode == "native":
         return Check("host_copy", "pass", f"native batched host copies, up to {threads} thread(s)")
+    asked = (env if env is not None else __import__("os").environ).get(_host_copy.ENV_VAR, "").strip().lower()
+    if asked == "python":
+        built = "" if _host_copy._native is not None else " (the native helper is not built either)"
+        return Check("host_copy", "pass", f"ctypes memmove copies, as {_host_copy.ENV_VAR} asks{built}")
     if _host_copy._native is None:
         return Check("host_copy", "warn", "native copy helper not built: CPU page copies use ctypes memmove (slower)",
                      "reinstall hicache where a C compiler (gcc/cc) is available")
-    return Check("host_copy", "pass", f"ctypes memmove copies, as {_host_copy.ENV_VAR} asks")
+    return Check("host_copy", "pass", f"ctypes memmove copies ({_host_copy.ENV_VAR})")
 
 
 def _versions(c: Context) -> Check:

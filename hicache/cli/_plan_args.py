@@ -56,7 +56,12 @@ def _model(args):
             raise CliError("bad-config", str(error), "check the config.json, or use --model with a preset") from None
     name = args.model or CAPACITY_DEFAULTS["model"]
     if name not in PRESETS:
-        raise CliError("unknown-model", f"unknown model {name!r}", "`hicache plan --list-models` lists the presets; or pass --config config.json")
+        import difflib
+
+        close = difflib.get_close_matches(name.lower(), list(PRESETS), n=3, cutoff=0.5)
+        guess = f"did you mean {' or '.join(close)}? " if close else ""
+        raise CliError("unknown-model", f"unknown model {name!r}",
+                       f"{guess}`hicache plan --list-models` lists the presets; or pass --config config.json")
     return PRESETS[name]
 
 

@@ -1,0 +1,27 @@
+"""Without a C compiler the optional helpers are not built: the install still works and the
+parts that use them take their Python paths. Run in a child process with both helpers made
+unimportable (as on a machine without gcc/cc)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pools_allocator_copies_and_cli_pass_without_the_compiled_helpers():
+    code = (
+        "import sys\n"
+        "sys.modules['hicache.effects._hostcopy'] = None\n"
+        "sys.modules['hicache.pools._pagestack'] = None\n"
+        "import pytest\n"
+        "from hicache.effects import _host_copy\n"
+        "from hicache.pools import _page_allocator\n"
+        "assert _host_copy._native is None and _page_allocator._native is None\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_pools.py', 'tests/test_page_allocator.py',"
+        " 'tests/test_host_copy.py', 'tests/test_cli.py', 'tests/test_sglang_callsites.py']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
