@@ -47,6 +47,7 @@ __all__ = [
     "FakeInvariantError",
     "check_runtime_conformance",
     "fake_cuda",
+    "FakeHostBuffer",
 ]
 
 MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation: the typical non-sticky register failure
@@ -252,6 +253,24 @@ def check_runtime_conformance(runtime, ptr: int, size: int, *, page_bytes: int =
     finally:
         runtime.unregister(ptr)
     return passed
+
+
+class FakeHostBuffer:
+    """A tensor's surface as SGLang's registration helpers use it (``data_ptr``, ``numel``,
+    ``element_size``) at an address no one touches: for exercising `hicache.compat.sglang`
+    against a `FakeCudart` at any size without allocating it."""
+
+    def __init__(self, nbytes: int, base: int = 1 << 44) -> None:
+        self.nbytes, self.base = nbytes, base
+
+    def data_ptr(self) -> int:
+        return self.base
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
 
 
 _FAKE_LOCK = threading.Lock()

@@ -84,3 +84,18 @@ def _a_small_machine():
     psutil.virtual_memory = small
     yield
     psutil.virtual_memory = real
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    """SGLang's own tests' fake: torch.cuda.cudart() returns a FakeCudart with int codes, and
+    SGLang's registration chunk is 1 GiB."""
+    import torch
+
+    from hicache.compat.sglang import CHUNK_ENV
+    from hicache.testing import FakeCudart
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setenv(CHUNK_ENV, "1")
+    return fake

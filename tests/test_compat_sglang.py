@@ -11,7 +11,7 @@ import pytest
 
 import hicache.compat.sglang as sg
 from hicache.errors import PlanError
-from hicache.testing import FakeCudart
+from hicache.testing import FakeHostBuffer
 
 torch = pytest.importorskip("torch")
 
@@ -19,20 +19,7 @@ MiB, GiB = 2**20, 2**30
 BASE = 1 << 44
 
 
-class FakeBuffer:
-    """A tensor stand-in with SGLang's used surface: data_ptr, numel, element_size."""
-
-    def __init__(self, nbytes: int, base: int = BASE) -> None:
-        self.nbytes, self.base = nbytes, base
-
-    def data_ptr(self) -> int:
-        return self.base
-
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1
+FakeBuffer = FakeHostBuffer  # SGLang's tensor surface at BASE
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +31,6 @@ def _fresh_process_ledger():
     yield
     added = [ptr for ptr, _ in PROCESS_LEDGER.held() if (ptr, _) not in before]
     PROCESS_LEDGER.replace(added, [])
-
-
-@pytest.fixture
-def cudart(monkeypatch):
-    fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setenv(sg.CHUNK_ENV, "1")
-    return fake
 
 
 def registrations(fake):

@@ -134,8 +134,6 @@ class FakeTorchCuda:
 
 
 def test_copies_go_on_the_callers_current_stream(monkeypatch):
-    from hicache.pools import _transfer
-
     cuda, binding = FakeTorchCuda(current_handle=42), FakeCopyBinding()
     assert CopyEngine(host_copy_mode="python", cuda=cuda, binding=binding).issue_cuda_copies("dev", [1], [2], [64]) == "batched"
     assert binding.streams == [42] and cuda.created == 0 and cuda.log == [("device", "dev")]

@@ -20,7 +20,8 @@ from hicache.effects import QUARANTINE, BudgetLock, HostLedger, allocate_host
 from hicache.errors import CapacityError, RegistrationStateError, RollbackError
 from hicache.plan import Limits, plan_registration
 from hicache.pools import MHATokenToKVPoolHost
-from hicache.testing import FakeCudart, FakeRuntime, MHADevicePool, fake_cuda
+from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda
+from hicache.testing import FakeHostBuffer as FakeBuffer
 
 torch = pytest.importorskip("torch")
 MiB = 2**20
@@ -109,30 +110,6 @@ def test_a_rollback_that_leaks_during_pool_construction_raises_and_quarantines(t
 
 
 # -- compat ------------------------------------------------------------------------------------
-@pytest.fixture
-def cudart(monkeypatch):
-    fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setenv(sg.CHUNK_ENV, "1")
-    return fake
-
-
-class FakeBuffer:
-    """SGLang's used tensor surface at a fake address (nothing is touched)."""
-
-    def __init__(self, nbytes: int, base: int = 1 << 44) -> None:
-        self.nbytes, self.base = nbytes, base
-
-    def data_ptr(self) -> int:
-        return self.base
-
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1
-
-
 def test_a_failed_compat_registration_quarantines_and_records_what_stays(cudart):
     buffer = FakeBuffer(3 * 2**30)  # three 1 GiB chunks
     cudart.fail_register = {2: 2}

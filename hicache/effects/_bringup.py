@@ -10,7 +10,6 @@ start together each see the others' pools as used memory and never overcommit (s
 
 from __future__ import annotations
 
-import threading
 import time
 
 import attrs

@@ -30,12 +30,17 @@
 
 #define MAX_THREADS 64
 
+/* A part: `count` blocks of `size[i]` bytes from `src[i] + src_base` to `dst[i] + dst_base`. */
 typedef struct {
     const int64_t *dst, *src, *size;
-    int64_t dst_base, src_base;
-    int64_t count;
-    int64_t first_block, first_offset; /* where this share starts */
-    int64_t bytes;                     /* how many bytes it copies */
+    int64_t count, dst_base, src_base;
+} part_t;
+
+/* One thread's share: `bytes` bytes starting at block `first_block` (+`first_offset`) of part
+ * `first_part`, walking on across parts. */
+typedef struct {
+    const part_t *parts;
+    int64_t nparts, first_part, first_block, first_offset, bytes;
     int streaming;
 } share_t;
 
@@ -64,12 +69,17 @@ static void copy_span(char *dst, const char *src, size_t n, int streaming) {
 
 static void *run_share(void *arg) {
     share_t *s = (share_t *)arg;
-    int64_t block = s->first_block, offset = s->first_offset, left = s->bytes;
-    while (left > 0 && block < s->count) {
-        int64_t n = s->size[block] - offset;
+    int64_t part = s->first_part, block = s->first_block, offset = s->first_offset, left = s->bytes;
+    while (left > 0 && part < s->nparts) {
+        const part_t *p = &s->parts[part];
+        if (block >= p->count) {
+            part += 1, block = 0, offset = 0;
+            continue;
+        }
+        int64_t n = p->size[block] - offset;
         if (n > left) n = left;
-        copy_span((char *)(intptr_t)(s->dst[block] + s->dst_base) + offset,
-                  (const char *)(intptr_t)(s->src[block] + s->src_base) + offset, (size_t)n, s->streaming);
+        copy_span((char *)(intptr_t)(p->dst[block] + p->dst_base) + offset,
+                  (const char *)(intptr_t)(p->src[block] + p->src_base) + offset, (size_t)n, s->streaming);
         left -= n;
         block += 1, offset = 0;
     }
@@ -79,23 +89,25 @@ static void *run_share(void *arg) {
     return NULL;
 }
 
-static int overlapping(const int64_t *dst, const int64_t *src, const int64_t *size, int64_t count,
-                       int64_t dst_base, int64_t src_base) {
-    for (int64_t i = 0; i < count; i++) {
-        int64_t d = dst[i] + dst_base, s = src[i] + src_base;
-        if (d < s + size[i] && s < d + size[i]) return 1;
+static int overlapping(const part_t *p) {
+    for (int64_t i = 0; i < p->count; i++) {
+        int64_t d = p->dst[i] + p->dst_base, s = p->src[i] + p->src_base;
+        if (d < s + p->size[i] && s < d + p->size[i]) return 1;
     }
     return 0;
 }
 
-static void copy_all(const int64_t *dst, const int64_t *src, const int64_t *size, int64_t count, int threads,
-                     int streaming, int64_t dst_base, int64_t src_base) {
+static void copy_parts_all(const part_t *parts, int64_t nparts, int threads, int streaming) {
     int64_t total = 0;
-    for (int64_t i = 0; i < count; i++) total += size[i];
-    if (overlapping(dst, src, size, count, dst_base, src_base)) {
-        for (int64_t i = 0; i < count; i++)
-            memmove((void *)(intptr_t)(dst[i] + dst_base), (const void *)(intptr_t)(src[i] + src_base), (size_t)size[i]);
-        return;
+    for (int64_t k = 0; k < nparts; k++) {
+        if (overlapping(&parts[k])) { /* rare: every block by memmove, on this thread */
+            for (int64_t j = 0; j < nparts; j++)
+                for (int64_t i = 0; i < parts[j].count; i++)
+                    memmove((void *)(intptr_t)(parts[j].dst[i] + parts[j].dst_base),
+                            (const void *)(intptr_t)(parts[j].src[i] + parts[j].src_base), (size_t)parts[j].size[i]);
+            return;
+        }
+        for (int64_t i = 0; i < parts[k].count; i++) total += parts[k].size[i];
     }
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -103,13 +115,17 @@ static void copy_all(const int64_t *dst, const int64_t *src, const int64_t *size
     share_t shares[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    int64_t block = 0, offset = 0;
-    for (int t = 0; t < threads; t++) { /* consecutive, near-equal byte shares */
+    int64_t part = 0, block = 0, offset = 0;
+    for (int t = 0; t < threads; t++) { /* consecutive, near-equal byte shares across parts */
         int64_t bytes = total / threads + (t < total % threads ? 1 : 0);
-        shares[t] = (share_t){dst, src, size, dst_base, src_base, count, block, offset, bytes, streaming};
+        shares[t] = (share_t){parts, nparts, part, block, offset, bytes, streaming};
         int64_t skip = bytes; /* advance the cursor to where share t+1 begins */
-        while (skip > 0 && block < count) {
-            int64_t rest = size[block] - offset;
+        while (skip > 0 && part < nparts) {
+            if (block >= parts[part].count) {
+                part += 1, block = 0, offset = 0;
+                continue;
+            }
+            int64_t rest = parts[part].size[block] - offset;
             if (rest > skip) {
                 offset += skip;
                 skip = 0;
@@ -140,97 +156,17 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "count must be >= 0, got %lld", count);
         return NULL;
     }
+    part_t part = {(const int64_t *)(uintptr_t)dst, (const int64_t *)(uintptr_t)src, (const int64_t *)(uintptr_t)size,
+                   (int64_t)count, (int64_t)dst_base, (int64_t)src_base};
     Py_BEGIN_ALLOW_THREADS
-    copy_all((const int64_t *)(uintptr_t)dst, (const int64_t *)(uintptr_t)src, (const int64_t *)(uintptr_t)size,
-             (int64_t)count, threads, streaming, (int64_t)dst_base, (int64_t)src_base);
+    copy_parts_all(&part, 1, threads, streaming);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* copy_parts(parts, threads, streaming): every part is a tuple (dst_addrs, src_addrs, sizes, count,
- * dst_base, src_base) as copy_blocks takes them; all parts are copied in one call, their bytes
- * split evenly over the threads (a transfer's layers and K/V streams, each at its own bases). */
-typedef struct {
-    const int64_t *dst, *src, *size;
-    int64_t count, dst_base, src_base;
-} part_t;
-
-typedef struct {
-    const part_t *parts;
-    int64_t nparts, first_part, first_block, first_offset, bytes;
-    int streaming;
-} pshare_t;
-
-static void *run_pshare(void *arg) {
-    pshare_t *s = (pshare_t *)arg;
-    int64_t part = s->first_part, block = s->first_block, offset = s->first_offset, left = s->bytes;
-    while (left > 0 && part < s->nparts) {
-        const part_t *p = &s->parts[part];
-        if (block >= p->count) {
-            part += 1, block = 0, offset = 0;
-            continue;
-        }
-        int64_t n = p->size[block] - offset;
-        if (n > left) n = left;
-        copy_span((char *)(intptr_t)(p->dst[block] + p->dst_base) + offset,
-                  (const char *)(intptr_t)(p->src[block] + p->src_base) + offset, (size_t)n, s->streaming);
-        left -= n;
-        block += 1, offset = 0;
-    }
-#if HICACHE_HAVE_STREAM
-    if (s->streaming) _mm_sfence();
-#endif
-    return NULL;
-}
-
-static void copy_all_parts(const part_t *parts, int64_t nparts, int threads, int streaming) {
-    int64_t total = 0;
-    for (int64_t k = 0; k < nparts; k++) {
-        const part_t *p = &parts[k];
-        if (overlapping(p->dst, p->src, p->size, p->count, p->dst_base, p->src_base)) { /* rare: one by one */
-            for (int64_t j = 0; j < nparts; j++)
-                copy_all(parts[j].dst, parts[j].src, parts[j].size, parts[j].count, 1, 0, parts[j].dst_base,
-                         parts[j].src_base);
-            return;
-        }
-        for (int64_t i = 0; i < p->count; i++) total += p->size[i];
-    }
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (total < threads) threads = 1;
-    pshare_t shares[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    int64_t part = 0, block = 0, offset = 0;
-    for (int t = 0; t < threads; t++) { /* consecutive, near-equal byte shares across parts */
-        int64_t bytes = total / threads + (t < total % threads ? 1 : 0);
-        shares[t] = (pshare_t){parts, nparts, part, block, offset, bytes, streaming};
-        int64_t skip = bytes;
-        while (skip > 0 && part < nparts) {
-            if (block >= parts[part].count) {
-                part += 1, block = 0, offset = 0;
-                continue;
-            }
-            int64_t rest = parts[part].size[block] - offset;
-            if (rest > skip) {
-                offset += skip;
-                skip = 0;
-            } else {
-                skip -= rest;
-                block += 1, offset = 0;
-            }
-        }
-    }
-    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_pshare, &shares[t]) == 0;
-    run_pshare(&shares[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            run_pshare(&shares[t]);
-    }
-}
-
+ * dst_base, src_base) as copy_blocks takes them; all are copied in one call, their bytes split
+ * evenly over the threads (a transfer's layers and K/V streams, each at its own bases). */
 static PyObject *copy_parts(PyObject *self, PyObject *args) {
     PyObject *list;
     int threads, streaming;
@@ -252,7 +188,7 @@ static PyObject *copy_parts(PyObject *self, PyObject *args) {
                             (const int64_t *)(uintptr_t)size, count, dst_base, src_base};
     }
     Py_BEGIN_ALLOW_THREADS
-    copy_all_parts(parts, (int64_t)n, threads, streaming);
+    copy_parts_all(parts, (int64_t)n, threads, streaming);
     Py_END_ALLOW_THREADS
     PyMem_Free(parts);
     Py_RETURN_NONE;

@@ -18,7 +18,7 @@ import attrs
 from hicache.effects._host_memory import os_page_bytes
 from hicache.effects._runtime import default_binding
 from hicache.plan import (
-    DEFAULT_CHUNK_LIMIT_BYTES,
+    DEFAULT_CHUNK_LIMIT_BYTES,  # noqa: F401  (re-exported by hicache.effects)
     SETTINGS_ENV,
     EnvError,
     Limits,

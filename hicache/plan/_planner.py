@@ -9,7 +9,7 @@ Pure: imports attrs, the standard library and hicache.errors only.
 from __future__ import annotations
 
 import math
-from itertools import accumulate, repeat
+from itertools import accumulate
 from operator import itemgetter
 
 import attrs
@@ -17,7 +17,7 @@ import attrs
 from hicache.errors import PlanError
 from hicache.plan._checks import as_tuple, check_int
 from hicache.plan._limits import Limits
-from hicache.plan._range import Range, Tiling, collector_paused, tiling, trusted_ranges
+from hicache.plan._range import Range, Tiling, collector_paused, tiling
 from hicache.plan._units import format_bytes
 
 

@@ -67,11 +67,6 @@ def tiling(total: int, step: int) -> Tiling:
     return result
 
 
-def trusted_ranges(offsets_and_sizes) -> tuple[Range, ...]:
-    """Build ranges the caller has already proven valid (the planner's tiling), unchecked."""
-    return tuple(map(tuple.__new__, repeat(Range), offsets_and_sizes))
-
-
 def collector_paused(func):
     """Run ``func`` with Python's cyclic garbage collector paused (then restored as it was).
 

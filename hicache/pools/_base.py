@@ -32,10 +32,9 @@ from hicache.pools._transfer import (
     ReadyCopy,
     make_link,
     check_backend,
-    copy_blocks,
     copy_tokens,
 )
-from hicache.pools._storage import StoragePagesMixin, as_index as _as_index
+from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._views import layer_token_view
 
 logger = logging.getLogger(__name__)
