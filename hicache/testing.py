@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import time
 
 from hicache._stand_ins import (
     AsymmetricMHADevicePool,
@@ -57,8 +58,16 @@ class FakeInvariantError(AssertionError):
     """The fake saw its caller break CUDA's contract (e.g. an undrained pending error)."""
 
 
+#: One lock for every slow FakeCudart: like the driver's, register calls never overlap.
+_DRIVER_LOCK = threading.Lock()
+
+
 class FakeCudart:
     """A CUDA runtime in a dict, with int return codes like ``torch.cuda.cudart()``.
+
+    ``register_bytes_per_s``: each register call takes size / rate seconds while holding one
+    process-wide lock (the driver lock), for testing and benchmarking pacing and pipelining
+    without a GPU; ``timeline`` records each successful call's start and end.
 
     Faults, by 0-based call index of that function: ``fail_register={k: code}``,
     ``fail_unregister={k: code}`` (a sticky code there poisons the context from then on),
@@ -69,8 +78,12 @@ class FakeCudart:
 
     def __init__(
         self, *, fail_register=None, fail_unregister=None, interrupt_register=None,
-        interrupt_unregister=None,
+        interrupt_unregister=None, register_bytes_per_s: float | None = None,
     ):
+        if register_bytes_per_s is not None and not register_bytes_per_s > 0:
+            raise ValueError(f"register_bytes_per_s must be positive, got {register_bytes_per_s!r}")
+        self.register_bytes_per_s = register_bytes_per_s
+        self.timeline: list[tuple] = []  # ("register", ptr, size, start, end) of successful calls
         self.fail_register = dict(fail_register or {})
         self.fail_unregister = dict(fail_unregister or {})
         self.interrupt_register = dict(interrupt_register or {})
@@ -103,6 +116,11 @@ class FakeCudart:
         for base, held in self.registered.items():
             if base < ptr + size and ptr < base + held:
                 return self._fail(ALREADY_REGISTERED)
+        start = time.perf_counter()
+        if self.register_bytes_per_s:  # a driver pinning at this rate, under its one lock
+            with _DRIVER_LOCK:
+                time.sleep(size / self.register_bytes_per_s)
+        self.timeline.append(("register", ptr, size, start, time.perf_counter()))
         self.registered[ptr] = size
         if self.interrupt_register.get(call) == "after":
             raise KeyboardInterrupt(f"fake interrupt after register call {call}")

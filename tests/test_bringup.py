@@ -59,26 +59,37 @@ def test_bring_up_registers_everything_and_release_undoes_it_in_order(lock):
     assert [op[0] for op in runtime.cudart.log].count("unregister") == plan.call_count
 
 
-def test_the_budget_lock_is_held_until_the_memory_is_resident(lock):
-    """Allocation and pre-fault run under the host-wide lock: a rank starting meanwhile waits,
-    then sees this pool as used memory (sglang #38156; `apply` used to pre-fault after)."""
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_budget_lock_is_held_until_the_memory_is_resident(lock, pipelined, monkeypatch):
+    """Allocation and every pre-fault run under the host-wide lock: a rank starting meanwhile
+    waits, then sees this pool as used memory (sglang #38156; `apply` used to pre-fault after)."""
+    from hicache.effects import _allocators, _pipeline
+
     seen = []
 
-    class Probe(HostTensorAllocator):
-        def allocate(self, dims, dtype, device="cpu", pin_memory=False):
-            fd = os.open(lock.path, os.O_RDWR)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                seen.append("free")
-            except OSError as error:
-                seen.append("held" if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else error)
-            finally:
-                os.close(fd)
-            return super().allocate(dims, dtype, device)
+    def lock_state():
+        fd = os.open(lock.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return "free"
+        except OSError as error:
+            return "held" if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else error
+        finally:
+            os.close(fd)
 
-    handle = bring_up(_pool_plan(), runtime=FakeRuntime(), machine=ROOMY, lock=lock, allocator=Probe(), ledger=HostLedger())
+    real = _allocators.prefault if not pipelined else _pipeline.prefault
+
+    def watched(buffer, **kw):
+        seen.append(lock_state())
+        return real(buffer, **kw)
+
+    monkeypatch.setattr(_pipeline if pipelined else _allocators, "prefault", watched)
+    handle = bring_up(_pool_plan(), runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger(),
+                      pipelined=pipelined)
     handle.release()
-    assert seen == ["held"]
+    assert seen and set(seen) == {"held"}
+    assert lock_state() == "free"
 
 
 def test_the_budget_divides_by_ranks_and_counts_peers_that_allocated(lock):
@@ -263,3 +274,58 @@ def test_plan_reads_the_kernel_release_only_when_asked(monkeypatch, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["cap_sources"]["kernel_cap"] == "this machine (Linux 6.13.0)"
     assert printed["caps"]["kernel_cap"] < 2**31
+
+
+def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monkeypatch, lock):
+    """With a slow fake driver and a slow pre-fault: every register call starts only once its
+    whole chunk is resident, and the first one starts before the last piece is faulted (the
+    two overlap instead of running one after the other). Order, not wall-clock thresholds."""
+    import time as _time
+
+    from hicache.effects import _pipeline
+
+    pieces = []
+    real = _pipeline.prefault
+
+    def slow_prefault(buffer, **kw):
+        start = _time.perf_counter()
+        _time.sleep(0.01)
+        report = real(buffer, **kw)
+        pieces.append((buffer.ptr + kw["start"], kw["length"], start, _time.perf_counter()))
+        return report
+
+    monkeypatch.setattr(_pipeline, "prefault", slow_prefault)
+    monkeypatch.setattr(_pipeline, "PIECE_BYTES", 32 * 1024)
+    plan = _pool_plan(pages=64)  # 4 chunks of 64 KiB: 8 pieces
+    runtime = FakeRuntime(register_bytes_per_s=64 * 1024 / 0.01)  # 10 ms a chunk
+    handle = bring_up(plan, runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger(), pipelined=True)
+    calls = runtime.cudart.timeline
+    handle.release()
+    assert len(calls) == plan.call_count >= 3 and len(pieces) >= 2 * plan.call_count
+    for _, ptr, size, start, _ in calls:  # a chunk is registered only once it is resident
+        covering = [p for p in pieces if p[0] < ptr + size and ptr < p[0] + p[1]]
+        assert covering and all(p[3] <= start for p in covering)
+    assert calls[0][3] < max(p[3] for p in pieces)  # and the two overlap
+
+
+def test_a_failing_pre_fault_rolls_the_pipelined_bring_up_back(monkeypatch, lock):
+    from hicache.effects import _pipeline
+    from hicache.errors import ApplyError, HostOutOfMemoryError
+
+    calls = []
+
+    def failing(buffer, **kw):
+        calls.append(kw["start"])
+        if len(calls) == 3:
+            raise HostOutOfMemoryError("pre-faulting failed: out of memory")
+        return None
+
+    monkeypatch.setattr(_pipeline, "prefault", failing)
+    monkeypatch.setattr(_pipeline, "PIECE_BYTES", 32 * 1024)
+    runtime, ledger, allocator = FakeRuntime(), HostLedger(), HostTensorAllocator()
+    with pytest.raises(ApplyError) as info:
+        bring_up(_pool_plan(pages=64), runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
+                 allocator=allocator, pipelined=True)
+    assert isinstance(info.value.__cause__, HostOutOfMemoryError)
+    assert runtime.held() == set() and ledger.held() == () and allocator.owned() == []
+    assert _entries(lock) == {}

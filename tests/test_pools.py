@@ -218,13 +218,18 @@ def test_a_failing_third_buffer_leaves_nothing_registered_or_mapped(monkeypatch)
     from hicache.pools import HostTensorAllocator
 
     made = []
-    original = HostTensorAllocator.allocate
+    original, unfaulted = HostTensorAllocator.allocate, HostTensorAllocator.allocate_unfaulted
 
     def tracking(self, dims, dtype, device="cpu", pin_memory=False):
         made.append(self)
         return original(self, dims, dtype, device, pin_memory)
 
+    def tracking_unfaulted(self, dims, dtype):  # the pipelined bring-up's way in
+        made.append(self)
+        return unfaulted(self, dims, dtype)
+
     monkeypatch.setattr(HostTensorAllocator, "allocate", tracking)
+    monkeypatch.setattr(HostTensorAllocator, "allocate_unfaulted", tracking_unfaulted)
     device = MambaDevicePool(size=16, layer_num=3, temporal_shape=(2, 4), conv_shapes=((3, 2), (5,)), page_size=1)
     probe = MambaPoolHost(device, 2.0, 0, False, "cpu", layout="page_first", limits=LIMITS, machine=ROOMY)
     counts = [b.plan.call_count for b in probe.pool_plan.buffers]

@@ -61,6 +61,18 @@ class HostTensorAllocator:
         self.prefault_s += end - middle
         return buffer.tensor.view(dtype).view(dims)
 
+    def allocate_unfaulted(self, dims, dtype):
+        """``(tensor, HostBuffer)`` mapped but not yet pre-faulted: the bring-up faults it in
+        the background while it registers (see effects/_pipeline)."""
+        dims = tuple(int(d) for d in dims)
+        start = time.perf_counter()
+        kwargs = {"hugepage_bytes": self.hugepage_bytes} if self.hugepage_bytes else {}
+        buffer = allocate_host(_nbytes(dims, dtype), hugepages=self.hugepages, **kwargs)
+        with self._lock:
+            self.buffers.append(buffer)
+        self.allocate_s += time.perf_counter() - start
+        return buffer.tensor.view(dtype).view(dims), buffer
+
     def free_all(self, *, ledger=None) -> None:
         """Unmap every buffer this allocator made; one still registered is kept, and the first
         such refusal is raised after every other buffer was freed."""

@@ -19,6 +19,7 @@ from hicache.effects._executor import _apply
 from hicache.effects._host_pools import HostPools
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._lock import budget_lock
+from hicache.effects._pipeline import Prefaulter
 from hicache.effects._probes import probe_machine
 from hicache.effects._runtime import default_runtime
 from hicache.errors import PlanError
@@ -96,6 +97,7 @@ def bring_up_buffers(
     retry_halvings: int = 0,
     owns_memory: bool = True,
     device: str = "cpu",
+    pipelined: bool | None = None,
 ) -> HostPools:
     """Bring ``requests`` (`BufferRequest`s) up as one transaction; see the module charter.
 
@@ -114,6 +116,10 @@ def bring_up_buffers(
             raise PlanError(f"expected BufferRequests, got {request!r}")
     allocator = HostTensorAllocator() if allocator is None else allocator
     handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory, nbytes=[_nbytes(r) for r in requests])
+    registered = [r for r in requests if r.plan is not None and r.plan.total_bytes]
+    if pipelined is None:
+        pipelined = bool(registered) and len(registered) == len(requests) and str(device) == "cpu" \
+            and hasattr(allocator, "allocate_unfaulted")
     try:
         start = time.perf_counter()
         if budget:
@@ -130,21 +136,17 @@ def bring_up_buffers(
                 )
                 handle._books.budget = (lock, total)  # set first: forgetting more than recorded is harmless
                 lock.record(total)
-                _allocate(handle, device)
+                if pipelined:
+                    _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+                else:
+                    _allocate(handle, device)
+        elif pipelined:
+            _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
         else:
             _allocate(handle, device)
         handle.timings["allocate_prefault_s"] = time.perf_counter() - start
-        items = [(r.name, t.data_ptr(), _aligned_plan(r.plan, t.data_ptr()))
-                 for r, t in zip(requests, handle.tensors) if r.plan is not None and r.plan.total_bytes]
-        handle.plans = [plan for _, _, plan in items]
-        if items:
-            runtime = default_runtime() if runtime is None else runtime
-            with deferred_interrupts():  # a Ctrl-C after the last call lands once it is stored
-                handle.registration = _apply(
-                    items, runtime=runtime, flags=flags, progress=progress,
-                    retry_halvings=retry_halvings, ledger=ledger,
-                )
-            handle.timings["register_s"] = handle.registration.status().register_seconds
+        if not pipelined:
+            _register(handle, requests, runtime, flags, progress, retry_halvings, ledger)
         handle._books.state = "active"
     except BaseException as error:
         if budget and lock is not None and lock.held:
@@ -152,6 +154,52 @@ def bring_up_buffers(
         handle._abort(error)
         raise
     return handle
+
+
+def _items(handle: HostPools, requests) -> list:
+    return [(r.name, t.data_ptr(), _aligned_plan(r.plan, t.data_ptr()))
+            for r, t in zip(requests, handle.tensors) if r.plan is not None and r.plan.total_bytes]
+
+
+def _register(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, before_call=None) -> None:
+    items = _items(handle, requests)
+    handle.plans = [plan for _, _, plan in items]
+    if not items:
+        return
+    runtime = default_runtime() if runtime is None else runtime
+    with deferred_interrupts():  # a Ctrl-C after the last call lands once it is stored
+        handle.registration = _apply(
+            items, runtime=runtime, flags=flags, progress=progress,
+            retry_halvings=retry_halvings, ledger=ledger, before_call=before_call,
+        )
+    handle.timings["register_s"] = handle.registration.status().register_seconds
+
+
+def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger) -> None:
+    """Map every buffer unfaulted, fault them in the background, register as they become
+    resident; the faulting thread is stopped and joined before anything can be freed."""
+    buffers = []
+    for request in requests:
+        dtype = request.dtype if request.dtype is not None else _uint8()
+        tensor, buffer = handle.allocator.allocate_unfaulted(request.shape, dtype)
+        handle.tensors.append(tensor)
+        buffers.append(buffer)
+    faulter = Prefaulter(buffers, threads=getattr(handle.allocator, "prefault_threads", None)).start()
+    try:
+        _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, before_call=faulter.wait)
+    except BaseException:
+        faulter.stop()  # after the piece in flight; the memory is freed only once it has ended
+        faulter.join(quiet=True)  # the executor's error (it carries any faulting error) wins
+        _faulting_time(handle, faulter.seconds)
+        raise
+    faulter.join()
+    _faulting_time(handle, faulter.seconds)
+
+
+def _faulting_time(handle: HostPools, seconds: float) -> None:
+    if hasattr(handle.allocator, "prefault_s"):
+        handle.allocator.prefault_s += seconds
+    handle.timings["prefault_s"] = seconds
 
 
 def _allocate(handle: HostPools, device: str) -> None:

@@ -71,7 +71,10 @@ def _check_items(items, runtime, flags) -> None:
             )
 
 
-def _apply(items, *, runtime, flags, progress, retry_halvings, ledger) -> Registration:
+def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_call=None) -> Registration:
+    """The transaction. ``before_call(item_index, end_offset, stop)``, when given, runs before
+    each register call and returns once the bytes up to ``end_offset`` of that item are ready
+    (the pipelined bring-up: they are pre-faulted meanwhile); ``stop()`` says a Ctrl-C is held."""
     _check_items(items, runtime, flags)
     ledger = PROCESS_LEDGER if ledger is None else ledger
     spans = [(base, plan.total_bytes) for _, base, plan in items if plan.total_bytes]
@@ -100,6 +103,10 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger) -> Regist
                 while index < len(plan.ranges):
                     interrupt_requested(held)
                     item = plan.ranges[index]
+                    if before_call is not None:
+                        where = f"buffer {name!r} chunk {index + 1}: waiting for its pre-fault"
+                        before_call(buffer_index, item.offset + item.size, lambda: held.pending)
+                        interrupt_requested(held)
                     where = (
                         f"buffer {name!r} chunk {index + 1} of {len(plan.ranges)} "
                         f"(offset={item.offset}, size={item.size}, ptr=0x{base + item.offset:x})"

@@ -238,6 +238,7 @@ def _madvise():
 
 def prefault(
     buffer: HostBuffer, *, threads: int | None = None, piece_bytes: int = PREFAULT_PIECE_BYTES,
+    start: int = 0, length: int | None = None, executor=None,
 ) -> PrefaultReport:
     """Fault every page of ``buffer`` in now, from ``threads`` threads, outside any CUDA call.
 
@@ -245,20 +246,29 @@ def prefault(
     holds it); on kernels without it (EINVAL/ENOSYS) each page is touched instead, keeping its
     contents. ENOMEM becomes ``HostOutOfMemoryError`` rather than a visit from the OOM killer.
     Pages not faulted here are faulted single-threaded inside ``cudaHostRegister``.
+    ``start``/``length``: only that byte range (widened to whole pages) - one chunk of a plan,
+    so that registering chunk k can overlap faulting chunk k+1; ``executor``: a thread pool to
+    reuse across such calls (else one is made for this call).
     """
-    start = time.perf_counter()
+    began = time.perf_counter()
     if buffer.nbytes == 0:
         return PrefaultReport("none", 0, 0, 0.0)
     unit = buffer.hugepage_bytes or buffer.page_bytes
     piece = max(unit, piece_bytes // unit * unit)
-    offsets = list(range(0, buffer.mapped_bytes, piece))
+    first = start // unit * unit
+    end = buffer.mapped_bytes if length is None else min(buffer.mapped_bytes, -(-(start + length) // unit) * unit)
+    if not 0 <= start <= buffer.nbytes or end < first:
+        raise PlanError(f"prefault: range [{start}, +{length}) is outside the buffer of {buffer.nbytes} bytes")
+    offsets = list(range(first, end, piece))
+    if not offsets:
+        return PrefaultReport("none", 0, 0, 0.0)
     workers = max(1, min(threads or min(os.cpu_count() or 1, 16), len(offsets)))
     base, tensor = buffer.ptr, buffer.tensor
     madvise = _madvise()
     methods: set[str] = set()
 
     def fault(offset: int) -> None:
-        length = min(piece, buffer.mapped_bytes - offset)
+        length = min(piece, end - offset)
         if madvise(base + offset, length, MADV_POPULATE_WRITE) == 0:
             methods.add("madvise")
             return
@@ -278,9 +288,12 @@ def prefault(
     if workers == 1:
         for offset in offsets:
             fault(offset)
+    elif executor is not None:
+        for future in [executor.submit(fault, offset) for offset in offsets]:
+            future.result()
     else:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hicache-prefault") as pool:
             for future in [pool.submit(fault, offset) for offset in offsets]:
                 future.result()
     method = "+".join(sorted(methods)) or "none"
-    return PrefaultReport(method, workers, len(offsets), time.perf_counter() - start)
+    return PrefaultReport(method, workers, len(offsets), time.perf_counter() - began)

@@ -1,0 +1,100 @@
+"""The pipelined half of the bring-up: pre-fault chunk k+1 while chunk k registers.
+
+Owns a background thread that faults the buffers in the order the executor registers them,
+piece by piece, and tells the executor how far each buffer is resident (it waits for that
+before each register call, so ``cudaHostRegister`` finds its pages already faulted and does not
+fault them single-threaded under the driver lock). A stop request ends the thread after the
+piece in flight; `join` must run before the memory can be freed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from hicache.effects._host_memory import prefault
+
+#: Pieces faulted between two progress updates: a chunk of a plan can be 64 GiB; the first
+#: register call should not wait for all of it.
+PIECE_BYTES = 256 * 2**20
+
+
+class Prefaulter:
+    """Faults ``buffers`` (HostBuffers, in registration order) in the background."""
+
+    def __init__(self, buffers, *, threads: int | None = None, piece_bytes: int | None = None) -> None:
+        self.buffers = list(buffers)
+        self.threads = threads
+        self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
+        self._workers = threads or min(os.cpu_count() or 1, 16)
+        self.done = [0] * len(self.buffers)  # bytes faulted from the start of each buffer
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="hicache-prefault-pipeline", daemon=True)
+
+    def start(self) -> "Prefaulter":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        start = time.perf_counter()
+        pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="hicache-prefault")
+        try:
+            for index, buffer in enumerate(self.buffers):
+                offset = 0
+                while offset < buffer.nbytes:
+                    if self._stop.is_set():
+                        return
+                    length = min(self.piece_bytes, buffer.nbytes - offset)
+                    # every thread takes a share of the piece (prefault splits by piece_bytes)
+                    share = max(buffer.page_bytes, length // self._workers)
+                    prefault(buffer, threads=self.threads, start=offset, length=length, piece_bytes=share,
+                             executor=pool)
+                    offset += length
+                    with self._changed:
+                        self.done[index] = offset
+                        self._changed.notify_all()
+        except BaseException as error:  # reported to the waiting executor, never swallowed
+            self.error = error
+        finally:
+            pool.shutdown(wait=True)  # no share of a piece still faulting once this thread ends
+            self.seconds = time.perf_counter() - start
+            with self._changed:
+                self._changed.notify_all()
+
+    def wait(self, index: int, end: int, stop=None) -> None:
+        """Return once buffer ``index`` is faulted up to ``end`` (or the faulting failed: its
+        error is raised here), or as soon as ``stop()`` says to give up waiting."""
+        with self._changed:
+            while self.done[index] < min(end, self.buffers[index].nbytes):
+                if self.error is not None:
+                    raise self.error
+                if stop is not None and stop():
+                    return
+                if not self._thread.is_alive() and self.done[index] < min(end, self.buffers[index].nbytes):
+                    raise RuntimeError("the pre-fault thread ended before the memory was resident")
+                self._changed.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, *, quiet: bool = False) -> None:
+        """Wait for the thread (after the piece in flight); raise what faulting raised unless
+        ``quiet`` (another error is already on its way). A Ctrl-C meanwhile is re-raised only
+        once the thread has ended: the memory it faults must not be freed under it."""
+        interrupted = None
+        while self._thread.is_alive():
+            try:
+                self._thread.join()
+            except KeyboardInterrupt as interrupt:
+                self._stop.set()
+                interrupted = interrupted or interrupt
+        if interrupted is not None:
+            raise interrupted
+        if self.error is not None and not quiet:
+            raise self.error
