@@ -129,7 +129,7 @@ def _memory(c: Context) -> Check:
         return Check("memory", "pass", text)
     verdict = assess_budget(c.total, available_bytes=f.available_bytes, ranks_per_host=c.ranks,
                             cgroup_limit_bytes=f.cgroup_limit_bytes, cgroup_usage_bytes=f.cgroup_usage_bytes or 0)
-    return Check("memory", "pass" if verdict.ok else "fail", f"{text}; {verdict.explain()}",
+    return Check("memory", "pass" if verdict.ok else "fail", f"{text}; {verdict.explain(binary=True)}",
                  "" if verdict.ok else "lower --host-gb or the ranks per host")
 
 

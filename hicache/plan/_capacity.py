@@ -13,7 +13,7 @@ import attrs
 
 from hicache.errors import CapacityError, PlanError
 from hicache.plan._checks import check_int
-from hicache.plan._units import format_gb
+from hicache.plan._units import format_bytes, format_gb
 
 #: SGLang keeps 10 GiB of host memory back for everything else (memory_pool_host.py).
 DEFAULT_RESERVE_BYTES = 10 * 2**30
@@ -112,17 +112,19 @@ class BudgetVerdict:
     def ok(self) -> bool:
         return self.requested_bytes <= self.per_rank_bytes
 
-    def explain(self) -> str:
-        """One sentence with every figure in decimal GB."""
-        parts = [f"{format_gb(self.available_bytes)} available"]
+    def explain(self, *, binary: bool = False) -> str:
+        """One sentence with every figure in decimal GB (as SGLang's --hicache-size), or in
+        GiB/MiB with ``binary`` (as `hicache doctor` shows every size)."""
+        fmt = format_bytes if binary else format_gb
+        parts = [f"{fmt(self.available_bytes)} available"]
         if self.free_hugepage_bytes:
-            parts.append(f"+ {format_gb(self.free_hugepage_bytes)} free reserved hugepages")
+            parts.append(f"+ {fmt(self.free_hugepage_bytes)} free reserved hugepages")
         if self.cgroup_headroom_bytes is not None:
-            parts.append(f"(capped by {format_gb(self.cgroup_headroom_bytes)} cgroup headroom)")
-        parts.append(f"- {format_gb(self.reserve_bytes)} reserve")
-        parts.append(f"/ {self.ranks_sharing} rank(s) = {format_gb(self.per_rank_bytes)} per rank")
+            parts.append(f"(capped by {fmt(self.cgroup_headroom_bytes)} cgroup headroom)")
+        parts.append(f"- {fmt(self.reserve_bytes)} reserve")
+        parts.append(f"/ {self.ranks_sharing} rank(s) = {fmt(self.per_rank_bytes)} per rank")
         return (
-            f"requested {format_gb(self.requested_bytes)} per rank; " + " ".join(parts)
+            f"requested {fmt(self.requested_bytes)} per rank; " + " ".join(parts)
         )
 
 
