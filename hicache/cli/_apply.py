@@ -56,6 +56,8 @@ def add_command(commands) -> None:
     apply.add_argument("--hold", default="0", help="seconds to hold the registration, or inf: until Ctrl-C (default 0)")
     apply.add_argument("--hugepages", choices=("off", "prefer", "required"), default="off")
     apply.add_argument("--threads", help="pre-fault threads (default: cores, at most 16)")
+    apply.add_argument("--numa", default="auto",
+                       help="bind the pool to a NUMA node: auto (the GPU's, where there are several), off, or N")
     apply.add_argument("--format", choices=("table", "json"), default="table")
 
 
@@ -112,7 +114,17 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         raise CudaUnavailableError(f"CUDA unavailable: {cuda.error}", op="probe", code=35, name="cudaErrorInsufficientDriver")
     pools = [p for _, p in pool_plans(plan)]
     hugepage = pools[0].limits.hugepage_bytes if pools else None
-    allocator = HostTensorAllocator(prefault_threads=threads, hugepages=args.hugepages, hugepage_bytes=hugepage)
+    from hicache.effects import resolve_numa_node
+    from hicache.errors import PlanError
+
+    try:
+        node, note = resolve_numa_node(args.numa)
+    except PlanError as error:
+        raise CliError("bad-numa", str(error), "--numa auto, off or an online node number") from None
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    allocator = HostTensorAllocator(prefault_threads=threads, hugepages=args.hugepages, hugepage_bytes=hugepage,
+                                    numa_node=node)
     progress = _Progress(sum(p.call_count for p in pools))
     handle = None
     try:
@@ -136,6 +148,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         "register_s": round(handle.timings.get("register_s", 0.0), 4),
         "release_s": round(handle.timings.get("release_s", 0.0), 4),
         "largest_call": max((p.largest_call_bytes for p in pools), default=0),
+        "numa_node": node,
     }
     if args.format == "json":
         sys.stdout.write(json.dumps({"schema": "hicache.apply", "schema_version": 1, **report,

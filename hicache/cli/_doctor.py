@@ -134,9 +134,13 @@ def _memory(c: Context) -> Check:
 
 
 def _numa(c: Context) -> Check:
+    from hicache.effects import node_free_bytes
+
     numa = c.facts.numa_nodes
-    return Check("numa", "pass" if numa == 1 else "warn", f"{numa} NUMA node(s)",
-                 "" if numa == 1 else "bind each rank's pool to its GPU's node (numactl --membind / --cpunodebind)")
+    free = node_free_bytes(root=c.root)
+    detail = "; free: " + ", ".join(f"node {n} {format_bytes(b)}" for n, b in sorted(free.items())) if free else ""
+    return Check("numa", "pass", f"{numa} NUMA node(s){detail}",
+                 "" if numa == 1 else "pools bind to their GPU's node by default (numa_node / --numa auto)")
 
 
 def _host_copy(c: Context) -> Check:

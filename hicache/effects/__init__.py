@@ -67,8 +67,13 @@ from hicache.effects._bringup import (
 )
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._copy_engine import CopyEngine
+from hicache.effects._numa import bound_node, node_free_bytes, online_nodes, resolve_numa_node
 
 __all__ = [
+    "bound_node",
+    "node_free_bytes",
+    "online_nodes",
+    "resolve_numa_node",
     "GpuFacts",
     "package_version",
     "probe_gpus",

@@ -33,8 +33,9 @@ class HostTensorAllocator:
     """
 
     def __init__(self, *, prefault_threads: int | None = None, hugepages: str = "off",
-                 hugepage_bytes: int | None = None) -> None:
+                 hugepage_bytes: int | None = None, numa_node: int | None = None) -> None:
         self.prefault_threads = prefault_threads
+        self.numa_node = numa_node  # bind every buffer there (see effects/_numa)
         self.hugepages = hugepages
         self.hugepage_bytes = hugepage_bytes
         self.buffers = []  # HostBuffers handed out, for free_all()
@@ -51,7 +52,7 @@ class HostTensorAllocator:
             return torch.empty(dims, dtype=dtype, device=device, pin_memory=pin_memory)
         start = time.perf_counter()
         kwargs = {"hugepage_bytes": self.hugepage_bytes} if self.hugepage_bytes else {}
-        buffer = allocate_host(_nbytes(dims, dtype), hugepages=self.hugepages, **kwargs)
+        buffer = allocate_host(_nbytes(dims, dtype), hugepages=self.hugepages, numa_node=self.numa_node, **kwargs)
         with self._lock:  # tracked before the slow part: an interrupt there still frees it
             self.buffers.append(buffer)
         middle = time.perf_counter()
@@ -67,7 +68,7 @@ class HostTensorAllocator:
         dims = tuple(int(d) for d in dims)
         start = time.perf_counter()
         kwargs = {"hugepage_bytes": self.hugepage_bytes} if self.hugepage_bytes else {}
-        buffer = allocate_host(_nbytes(dims, dtype), hugepages=self.hugepages, **kwargs)
+        buffer = allocate_host(_nbytes(dims, dtype), hugepages=self.hugepages, numa_node=self.numa_node, **kwargs)
         with self._lock:
             self.buffers.append(buffer)
         self.allocate_s += time.perf_counter() - start

@@ -150,6 +150,7 @@ def allocate_host(
     hugepage_bytes: int = 2 * 2**20,
     transparent_hugepages: bool = False,
     sysfs_root: str = "/",
+    numa_node: int | None = None,
 ) -> HostBuffer:
     """Map ``nbytes`` of page-aligned anonymous memory, exposed as a torch uint8 tensor.
 
@@ -157,7 +158,8 @@ def allocate_host(
     reserved pool has them, else normal pages with a note) or ``"required"`` (raise
     ``HostOutOfMemoryError`` saying how many pages are free vs needed). Transparent huge pages
     are opt-in: with THP ``always``, compaction can drop fault rates from GB/s to GB/min
-    (TensorRT-LLM #15430), so by default the mapping asks for none.
+    (TensorRT-LLM #15430), so by default the mapping asks for none. ``numa_node``: bind the
+    mapping to that node (``mbind``) before anything faults it in.
     """
     import torch  # lazy: the plan path must not pay for it
 
@@ -208,6 +210,16 @@ def allocate_host(
         except OSError:
             notes.append("madvise(THP) refused; the system default applies")
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+    if numa_node is not None:
+        from hicache.effects._numa import bind
+
+        try:
+            bind(tensor.data_ptr(), length, numa_node)
+        except BaseException:
+            del tensor
+            mapping.close()
+            raise
+        notes.append(f"bound to NUMA node {numa_node}")
     return HostBuffer(nbytes, length, page, huge, tuple(notes), mapping, tensor)
 
 

@@ -20,6 +20,7 @@ from hicache.effects import (
     FrameworkPinnedAllocator,
     bring_up,
     probe_limits,
+    resolve_numa_node,
 )
 from hicache.errors import LayoutError, RegistrationStateError, TransferError
 from hicache.plan import format_gb, plan_pool, size_pool
@@ -86,7 +87,8 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
     ``host_memory_bytes`` (overrides the machine's available memory), ``budget_lock`` (default:
     the host-wide lock), ``allocator_fallback`` (an allocator type for unknown ones),
     ``page_num`` (size like an anchor pool instead), ``ledger`` (default: the process's),
-    ``copy_engine`` (a `CopyEngine`; default: one with the host copy mode the probes resolve).
+    ``copy_engine`` (a `CopyEngine`; default: one with the host copy mode the probes resolve),
+    ``numa_node`` (``"auto"``: the current GPU's node where there are several; ``"off"``; N).
     Bring-up and teardown go through `hicache.effects.bring_up`.
     """
 
@@ -114,6 +116,7 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
         machine=None,
         budget_lock=None,
         copy_engine=None,
+        numa_node="auto",
     ) -> None:
         self.device_pool = device_pool
         self.page_size = page_size
@@ -162,6 +165,11 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
         self._budget_lock = budget_lock
         self._host = None  # the effects.HostPools handle: memory, registration, budget entry
         self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
+        self.numa_node, note = resolve_numa_node(numa_node)
+        if note:
+            logger.info("%s: %s", type(self).__name__, note)
+        if self.numa_node is not None and hasattr(self.allocator, "numa_node"):
+            self.allocator.numa_node = self.numa_node
         self._reserve()
         try:
             self._pages = PageAllocator(page_num, page_size) if self.has_allocator else None

@@ -1,0 +1,133 @@
+"""NUMA placement of host pools: bind a mapping to the node its GPU sits on.
+
+Owns ``mbind``/``get_mempolicy`` through ctypes (glibc does not export them; the syscall
+numbers are per architecture), the online-node list and each node's free memory from sysfs,
+and resolving ``numa_node`` = ``"auto" | "off" | N`` (auto: the NUMA node of the current CUDA
+device, from its PCI bus id). Binding happens before pre-fault, so every page is placed there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import re
+from pathlib import Path
+
+from hicache.errors import HostOutOfMemoryError, PlanError
+
+MPOL_BIND = 2
+MPOL_F_ADDR = 1 << 1
+_SYSCALLS = {"x86_64": (237, 239), "aarch64": (235, 236)}  # (mbind, get_mempolicy)
+_MAX_NODES = 1024
+
+
+def online_nodes(*, root: str = "/") -> tuple[int, ...]:
+    """The online NUMA nodes (``/sys/devices/system/node/online``: "0", "0-3", "0,2")."""
+    try:
+        text = Path(root, "sys/devices/system/node/online").read_text().strip()
+    except OSError:
+        return (0,)
+    nodes: list[int] = []
+    for part in text.split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        nodes.extend(range(int(low), int(high or low) + 1))
+    return tuple(nodes) or (0,)
+
+
+def node_free_bytes(*, root: str = "/") -> dict[int, int]:
+    """Each online node's free memory (``MemFree`` of its meminfo), in bytes."""
+    free = {}
+    for node in online_nodes(root=root):
+        try:
+            text = Path(root, f"sys/devices/system/node/node{node}/meminfo").read_text()
+        except OSError:
+            continue
+        match = re.search(r"MemFree:\s+(\d+)\s*kB", text)
+        if match:
+            free[node] = int(match[1]) * 1024
+    return free
+
+
+def _syscalls():
+    numbers = _SYSCALLS.get(platform.machine())
+    if numbers is None:
+        return None
+    return ctypes.CDLL(None, use_errno=True), numbers
+
+
+def _mask(node: int):
+    words = _MAX_NODES // 64
+    mask = (ctypes.c_ulong * words)()
+    mask[node // 64] = 1 << (node % 64)
+    return mask
+
+
+def bind(ptr: int, length: int, node: int) -> None:
+    """Bind ``[ptr, ptr + length)`` (page aligned, not yet faulted) to NUMA ``node``."""
+    calls = _syscalls()
+    if calls is None:
+        raise HostOutOfMemoryError(f"NUMA binding is not supported on {platform.machine()}")
+    libc, (mbind, _) = calls
+    result = libc.syscall(mbind, ctypes.c_void_p(ptr), ctypes.c_ulong(length), MPOL_BIND, _mask(node),
+                          ctypes.c_ulong(_MAX_NODES), 0)
+    if result != 0:
+        code = ctypes.get_errno()
+        raise HostOutOfMemoryError(f"mbind to NUMA node {node} failed: {os.strerror(code)} ({errno.errorcode.get(code, code)})")
+
+
+def bound_node(ptr: int) -> int | None:
+    """The node the page at ``ptr`` is bound to (None: no binding policy, or unknown)."""
+    calls = _syscalls()
+    if calls is None:
+        return None
+    libc, (_, get_mempolicy) = calls
+    policy, mask = ctypes.c_int(-1), _mask(0)
+    mask[0] = 0
+    if libc.syscall(get_mempolicy, ctypes.byref(policy), mask, ctypes.c_ulong(_MAX_NODES), ctypes.c_void_p(ptr),
+                    MPOL_F_ADDR) != 0 or policy.value != MPOL_BIND:
+        return None
+    for word, bits in enumerate(mask):
+        if bits:
+            return word * 64 + (bits & -bits).bit_length() - 1
+    return None
+
+
+def resolve_numa_node(numa, *, cuda_binding=None, root: str = "/") -> tuple[int | None, str | None]:
+    """``numa`` ("auto", "off", None or a node number) -> (node or None, a note when auto
+    cannot be honoured). A node that is not online is a PlanError naming the online ones."""
+    if numa is None or numa == "off":
+        return None, None
+    if numa == "auto":
+        from hicache.effects._probes import probe_gpus
+
+        if len(online_nodes(root=root)) == 1:
+            return None, None  # one node: nothing to choose, nothing to probe
+        gpus = probe_gpus(cuda_binding, root=root)
+        device = _current_device()
+        gpu = next((g for g in gpus if g.index == device), None)
+        if gpu is None or gpu.numa_node is None:
+            return None, "NUMA placement auto: no CUDA device with a known NUMA node; memory is not bound"
+        return gpu.numa_node, None
+    try:
+        node = int(numa)
+    except (TypeError, ValueError):
+        raise PlanError(f"numa_node must be 'auto', 'off' or a node number, got {numa!r}") from None
+    nodes = online_nodes(root=root)
+    if node not in nodes:
+        raise PlanError(f"numa_node {node} is not online; online nodes: {', '.join(map(str, nodes))}")
+    return node, None
+
+
+def _current_device() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+    except Exception:  # no torch, no CUDA: device 0 is what a process starts on
+        pass
+    return 0
