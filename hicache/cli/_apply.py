@@ -54,7 +54,9 @@ def add_command(commands) -> None:
     add_plan_arguments(apply)
     apply.add_argument("--plan", dest="plan_file", help="a saved JSON plan (instead of plan arguments)")
     apply.add_argument("--hold", default="0", help="seconds to hold the registration, or inf: until Ctrl-C (default 0)")
-    apply.add_argument("--hugepages", choices=("off", "prefer", "required"), default="off")
+    apply.add_argument("--hugepages", choices=("off", "thp", "prefer", "required"), default="off",
+                       help="off: 4 KiB pages (default, see README); thp: transparent huge pages; "
+                            "prefer/required: hugetlbfs pages of --hugepage-size")
     apply.add_argument("--threads", help="pre-fault threads (default: cores, at most 16)")
     apply.add_argument("--numa", default="auto",
                        help="bind the pool to a NUMA node: auto (the GPU's, where there are several), off, or N")

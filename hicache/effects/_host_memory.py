@@ -27,7 +27,7 @@ MAP_HUGETLB = 0x40000  # linux/mman.h
 MAP_HUGE_SHIFT = 26
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing data
 PREFAULT_PIECE_BYTES = 512 * 2**20  # TensorRT-LLM's piece size for parallel pre-fault
-HUGEPAGE_MODES = ("off", "prefer", "required")
+HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
 
 
 #: Buffers whose memory CUDA may still have pinned (a release or rollback leaked): kept here
@@ -154,7 +154,8 @@ def allocate_host(
 ) -> HostBuffer:
     """Map ``nbytes`` of page-aligned anonymous memory, exposed as a torch uint8 tensor.
 
-    ``hugepages``: ``"off"``, ``"prefer"`` (hugetlbfs pages of ``hugepage_bytes`` when the
+    ``hugepages``: ``"off"``, ``"thp"`` (normal pages with ``MADV_HUGEPAGE``: transparent huge
+    pages where the kernel can assemble them), ``"prefer"`` (hugetlbfs pages of ``hugepage_bytes`` when the
     reserved pool has them, else normal pages with a note) or ``"required"`` (raise
     ``HostOutOfMemoryError`` saying how many pages are free vs needed). Transparent huge pages
     are opt-in: with THP ``always``, compaction can drop fault rates from GB/s to GB/min
@@ -171,6 +172,8 @@ def allocate_host(
         return HostBuffer(0, 0, page, None, (), None, torch.empty(0, dtype=torch.uint8))
     notes: list[str] = []
     mapping = huge = None
+    if hugepages == "thp":
+        transparent_hugepages, hugepages = True, "off"
     if hugepages != "off":
         if hugepage_bytes & (hugepage_bytes - 1) or hugepage_bytes < page:
             raise PlanError(f"allocate_host.hugepage_bytes must be a power of two >= {page}, got {hugepage_bytes}")
