@@ -67,9 +67,12 @@ from hicache.effects._bringup import (
 )
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._copy_engine import CopyEngine
+from hicache.effects._progressive import Chunk, ProgressiveRegistration
 from hicache.effects._numa import bound_node, node_free_bytes, online_nodes, resolve_numa_node
 
 __all__ = [
+    "Chunk",
+    "ProgressiveRegistration",
     "bound_node",
     "node_free_bytes",
     "online_nodes",

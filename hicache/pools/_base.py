@@ -22,10 +22,11 @@ from hicache.effects import (
     probe_limits,
     resolve_numa_node,
 )
-from hicache.errors import LayoutError, RegistrationStateError, TransferError
+from hicache.errors import LayoutError, RegistrationStateError, ReleaseError, TransferError
 from hicache.plan import format_gb, plan_pool, size_pool
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
+from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
 from hicache.pools._transfer import (
     Descriptors,
     IndexMemo,
@@ -73,7 +74,7 @@ def _device_type(device_pool) -> str:
     return str(device).split(":")[0]
 
 
-class HostKVCache(StoragePagesMixin, abc.ABC):
+class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     """Abstract host KV pool with SGLang's constructor and interface.
 
     ``host_size`` is decimal GB per rank (SGLang's ``--hicache-size``; 0 to size by
@@ -88,7 +89,10 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
     the host-wide lock), ``allocator_fallback`` (an allocator type for unknown ones),
     ``page_num`` (size like an anchor pool instead), ``ledger`` (default: the process's),
     ``copy_engine`` (a `CopyEngine`; default: one with the host copy mode the probes resolve),
-    ``numa_node`` (``"auto"``: the current GPU's node where there are several; ``"off"``; N).
+    ``numa_node`` (``"auto"``: the current GPU's node where there are several; ``"off"``; N),
+    ``progressive`` (return once the first chunk of every buffer is registered and register
+    the rest in the background; `alloc` hands out ready pages only - see `ready_pages`,
+    `wait_ready`; page-first layouts only, layer_first registers everything first).
     Bring-up and teardown go through `hicache.effects.bring_up`.
     """
 
@@ -117,6 +121,7 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
         budget_lock=None,
         copy_engine=None,
         numa_node="auto",
+        progressive: bool = False,
     ) -> None:
         self.device_pool = device_pool
         self.page_size = page_size
@@ -164,6 +169,10 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
         self._machine = machine
         self._budget_lock = budget_lock
         self._host = None  # the effects.HostPools handle: memory, registration, budget entry
+        self._pages = None
+        self._progressive = None  # effects.ProgressiveRegistration while registering in the background
+        self._readiness = None
+        self.progressive = progressive
         self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
         self.numa_node, note = resolve_numa_node(numa_node)
         if note:
@@ -172,7 +181,8 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
             self.allocator.numa_node = self.numa_node
         self._reserve()
         try:
-            self._pages = PageAllocator(page_num, page_size) if self.has_allocator else None
+            if self._pages is None and self.has_allocator:
+                self._pages = PageAllocator(page_num, page_size)
         except BaseException:  # never leave a half-built pool holding pinned memory
             self.destroy()
             raise
@@ -218,15 +228,22 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
         """Bring every buffer up (budget, allocate, pre-fault; when pinning, register them all
         as one transaction) and return the buffer (a list when there are several)."""
         framework_pin = self.pin_memory and _device_type(self.device_pool) in _FRAMEWORK_PINNED
+        register = self.pin_memory and not framework_pin
+        progressive = self.progressive and register and self.has_allocator and self.layout in PROGRESSIVE_LAYOUTS
+        if self.progressive and not progressive:
+            logger.info("%s: progressive registration needs a pinned pool with page-first layout; "
+                        "registering all of it first", type(self).__name__)
         self._host = bring_up(
             self.pool_plan, dtypes=self.buffer_dtypes(),
-            register=self.pin_memory and not framework_pin,
+            register=register and not progressive,
             allocator=FrameworkPinnedAllocator() if framework_pin else self.allocator,
             runtime=self.runtime, machine=self._machine, host_memory_bytes=self._host_memory_bytes,
             lock=self._budget_lock, ledger=self.ledger, device=self.device,
         )  # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration
         tensors = self._host.tensors
+        if progressive:
+            self._start_progressive(tensors)
         return tensors[0] if len(tensors) == 1 else list(tensors)
 
     @property
@@ -377,10 +394,19 @@ class HostKVCache(StoragePagesMixin, abc.ABC):
         If a range cannot be unregistered, `ReleaseError` is raised and the memory is kept
         (memory CUDA still has pinned is never freed).
         """
+        if self._progressive is not None:  # outside the lock: its thread takes the lock per chunk
+            self._progressive.stop()
         with self.lock:
             if self._destroyed:
                 return
             self._wait_for_device_copies()
+            if self._progressive is not None:
+                try:
+                    self._progressive.release()  # the chunks registered so far, newest first
+                except ReleaseError:
+                    self._host._books.quarantine()  # CUDA still pins some of it: never unmap
+                    self._host._books.state = "leaked"
+                    raise
             if self._host is not None:
                 self._host.release()  # unregister, free, forget the budget (leaks: quarantined)
             self.kv_buffer = None

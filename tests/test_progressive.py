@@ -1,0 +1,110 @@
+"""Progressive pools: the constructor returns once the first page is usable, the rest registers
+in the background; only ready pages are handed out; failures and destroy() leave nothing
+behind. A slow fake driver (FakeCudart(register_bytes_per_s=...)) makes registration take time."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from machine import ROOMY
+
+from hicache.effects import HostLedger
+from hicache.errors import ApplyError
+from hicache.plan import Limits
+from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from hicache.testing import FakeRuntime, MHADevicePool, MLADevicePool
+
+torch = pytest.importorskip("torch")
+P = 4
+
+
+def _pool(runtime, ledger, *, family="mla", layout="page_first_direct", chunk=16 * 1024, **kw):
+    if family == "mla":
+        device = MLADevicePool(size=256, layer_num=2, kv_lora_rank=28, qk_rope_head_dim=4, page_size=P)
+        cls = MLATokenToKVPoolHost
+    else:
+        device = MHADevicePool(size=256, layer_num=2, head_num=2, head_dim=8, page_size=P)
+        cls = MHATokenToKVPoolHost
+    return cls(device, 2.0, 0, P, layout, True, "cpu", limits=Limits(chunk_limit_bytes=chunk),
+               runtime=runtime, ledger=ledger, machine=ROOMY, progressive=True, **kw)
+
+
+def _inside(held, ptr, size):
+    return any(base <= ptr and ptr + size <= base + length for base, length in held)
+
+
+def _page_bytes_registered(pool, runtime, page):
+    for slice_ in pool._page_blocks(page * P):
+        if not _inside(runtime.held(), slice_.data_ptr(), slice_.numel() * slice_.element_size()):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("family", ["mla", "mha"])
+def test_pages_become_usable_front_to_back_and_only_registered_ones_are_handed_out(family):
+    runtime, ledger = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.005), HostLedger()  # 5 ms a chunk
+    pool = _pool(runtime, ledger, family=family)
+    calls = len(runtime.cudart.timeline)
+    total = sum(b.plan.call_count for b in pool.pool_plan.buffers)
+    assert 0 < pool.ready_pages() and calls < total  # served before everything was registered
+    handed = []
+    while True:  # allocate as pages become ready, checking each against the fake driver
+        slots = pool.alloc(P)
+        if slots is None:
+            if pool.ready_pages() == pool.page_num and pool.available_size() == 0:
+                break
+            if pool.wait_ready(timeout=0.002):
+                continue
+            continue
+        page = int(slots[0]) // P
+        assert _page_bytes_registered(pool, runtime, page), page
+        handed.append(page)
+    assert pool.wait_ready() is True and pool.ready_pages() == pool.page_num
+    assert sorted(handed) == list(range(pool.page_num))
+    assert len(runtime.held()) == total
+    pool.destroy()
+    assert runtime.held() == set() and ledger.held() == ()
+    assert not any(t.name == "hicache-progressive" for t in threading.enumerate())
+
+
+def test_a_background_failure_keeps_the_registered_prefix_and_wait_ready_raises():
+    runtime, ledger = FakeRuntime(fail_register={5: 2}), HostLedger()
+    pool = _pool(runtime, ledger, chunk=4096)  # 16 chunks: the sixth call fails
+    with pytest.raises(ApplyError):
+        pool.wait_ready()
+    ready = pool.ready_pages()
+    assert 0 < ready < pool.page_num
+    assert pool.available_size() == ready * P  # the prefix stays usable
+    slots = pool.alloc(ready * P)
+    assert slots is not None and all(_page_bytes_registered(pool, runtime, int(s) // P) for s in slots[::P])
+    assert pool.alloc(P) is None
+    pool.destroy()
+    assert runtime.held() == set() and ledger.held() == ()
+
+
+def test_destroy_during_the_background_registration_stops_it_and_leaves_nothing():
+    runtime, ledger = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.02), HostLedger()  # 20 ms a chunk
+    pool = _pool(runtime, ledger)
+    assert pool.ready_pages() < pool.page_num
+    pool.destroy()
+    assert runtime.held() == set() and ledger.held() == ()
+    assert not any(t.name == "hicache-progressive" for t in threading.enumerate())
+    assert len(runtime.cudart.timeline) < sum(b.plan.call_count for b in pool.pool_plan.buffers)
+
+
+def test_layer_first_registers_everything_before_returning():
+    runtime, ledger = FakeRuntime(), HostLedger()
+    pool = _pool(runtime, ledger, layout="layer_first")
+    assert pool.ready_pages() == pool.page_num and pool.wait_ready() is True
+    assert len(runtime.held()) == sum(b.plan.call_count for b in pool.pool_plan.buffers)
+    pool.destroy()
+    assert runtime.held() == set()
+
+
+def test_a_failure_while_registering_the_first_pages_leaves_nothing():
+    """The constructor's own chunks fail: nothing stays registered or mapped, the error is raised."""
+    runtime, ledger = FakeRuntime(fail_register={1: 2}), HostLedger()
+    with pytest.raises(ApplyError):
+        _pool(runtime, ledger, family="mha", chunk=4096)  # MHA: K and V heads make several first chunks
+    assert runtime.held() == set() and ledger.held() == ()
