@@ -98,6 +98,7 @@ def bring_up_buffers(
     owns_memory: bool = True,
     device: str = "cpu",
     pipelined: bool | None = None,
+    prefault: bool = True,
 ) -> HostPools:
     """Bring ``requests`` (`BufferRequest`s) up as one transaction; see the module charter.
 
@@ -118,7 +119,7 @@ def bring_up_buffers(
     handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory, nbytes=[_nbytes(r) for r in requests])
     registered = [r for r in requests if r.plan is not None and r.plan.total_bytes]
     if pipelined is None:
-        pipelined = bool(registered) and len(registered) == len(requests) and str(device) == "cpu" \
+        pipelined = prefault and bool(registered) and len(registered) == len(requests) and str(device) == "cpu" \
             and hasattr(allocator, "allocate_unfaulted")
     try:
         start = time.perf_counter()
@@ -138,10 +139,14 @@ def bring_up_buffers(
                 lock.record(total)
                 if pipelined:
                     _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+                elif not prefault:
+                    _map_only(handle, requests)
                 else:
                     _allocate(handle, device)
         elif pipelined:
             _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+        elif not prefault:
+            _map_only(handle, requests)
         else:
             _allocate(handle, device)
         handle.timings["allocate_prefault_s"] = time.perf_counter() - start
@@ -194,6 +199,17 @@ def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halv
         raise
     faulter.join()
     _faulting_time(handle, faulter.seconds)
+
+
+def _map_only(handle: HostPools, requests) -> None:
+    if not hasattr(handle.allocator, "allocate_unfaulted"):
+        raise PlanError(f"bring_up(prefault=False) needs an allocator that can map without faulting, got {handle.allocator!r}")
+    handle.host_buffers = []
+    for request in requests:
+        dtype = request.dtype if request.dtype is not None else _uint8()
+        tensor, buffer = handle.allocator.allocate_unfaulted(request.shape, dtype)
+        handle.tensors.append(tensor)
+        handle.host_buffers.append(buffer)
 
 
 def _faulting_time(handle: HostPools, seconds: float) -> None:

@@ -105,6 +105,7 @@ class HostPools:
     def __init__(self, requests, allocator, ledger, *, owns_memory: bool, nbytes) -> None:
         self.requests = tuple(requests)
         self.plans: list = []
+        self.host_buffers: list = []  # the HostBuffers, when mapped without faulting
         self.timings: dict[str, float] = {}
         self._nbytes = tuple(nbytes)
         self._books = _Books(allocator, ledger, owns_memory)

@@ -23,8 +23,12 @@ PIECE_BYTES = 256 * 2**20
 class Prefaulter:
     """Faults ``buffers`` (HostBuffers, in registration order) in the background."""
 
-    def __init__(self, buffers, *, threads: int | None = None, piece_bytes: int | None = None) -> None:
+    def __init__(self, buffers, *, threads: int | None = None, piece_bytes: int | None = None, order=None) -> None:
+        """``order``: ``(buffer index, start, length)`` spans to fault in that order (default:
+        each buffer front to back); with it, wait with `wait_span`."""
         self.buffers = list(buffers)
+        self.order = list(order) if order is not None else [(i, 0, b.nbytes) for i, b in enumerate(self.buffers)]
+        self.spans_done = 0
         self.threads = threads
         self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
         self._workers = threads or min(os.cpu_count() or 1, 16)
@@ -45,20 +49,23 @@ class Prefaulter:
         start = time.perf_counter()
         pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="hicache-prefault")
         try:
-            for index, buffer in enumerate(self.buffers):
-                offset = 0
-                while offset < buffer.nbytes:
+            for index, first, span in self.order:
+                buffer, offset, end = self.buffers[index], first, min(first + span, self.buffers[index].nbytes)
+                while offset < end:
                     if self._stop.is_set():
                         return
-                    length = min(self.piece_bytes, buffer.nbytes - offset)
+                    length = min(self.piece_bytes, end - offset)
                     # every thread takes a share of the piece (prefault splits by piece_bytes)
                     share = max(buffer.page_bytes, length // self._workers)
                     prefault(buffer, threads=self.threads, start=offset, length=length, piece_bytes=share,
                              executor=pool)
                     offset += length
                     with self._changed:
-                        self.done[index] = offset
+                        self.done[index] = max(self.done[index], offset) if first <= self.done[index] else self.done[index]
                         self._changed.notify_all()
+                with self._changed:
+                    self.spans_done += 1
+                    self._changed.notify_all()
         except BaseException as error:  # reported to the waiting executor, never swallowed
             self.error = error
         finally:
@@ -77,6 +84,18 @@ class Prefaulter:
                 if stop is not None and stop():
                     return
                 if not self._thread.is_alive() and self.done[index] < min(end, self.buffers[index].nbytes):
+                    raise RuntimeError("the pre-fault thread ended before the memory was resident")
+                self._changed.wait(0.05)
+
+    def wait_span(self, count: int, stop=None) -> None:
+        """Return once the first ``count`` spans of ``order`` are faulted (see `wait`)."""
+        with self._changed:
+            while self.spans_done < count:
+                if self.error is not None:
+                    raise self.error
+                if stop is not None and stop():
+                    return
+                if not self._thread.is_alive() and self.spans_done < count:
                     raise RuntimeError("the pre-fault thread ended before the memory was resident")
                 self._changed.wait(0.05)
 

@@ -48,8 +48,11 @@ class ProgressiveRegistration:
     """Registers ``chunks`` in order; `start(head)` registers the first ``head`` now and the
     rest in a background thread, calling ``on_chunk(index)`` after each (from that thread)."""
 
-    def __init__(self, chunks, *, runtime=None, ledger=None, flags: int = 0, on_chunk=None) -> None:
+    def __init__(self, chunks, *, runtime=None, ledger=None, flags: int = 0, on_chunk=None, before_chunk=None) -> None:
+        """``before_chunk(index, stop)``: runs before registering chunk ``index`` and returns once
+        its memory is resident (the pool's background pre-fault)."""
         self.chunks = list(chunks)
+        self.before_chunk = before_chunk
         self.runtime = default_runtime() if runtime is None else runtime
         self.ledger = ledger
         self.flags = flags
@@ -62,6 +65,10 @@ class ProgressiveRegistration:
 
     def _register(self, index: int) -> None:
         chunk = self.chunks[index]
+        if self.before_chunk is not None:
+            self.before_chunk(index, self._stop.is_set)
+            if self._stop.is_set():
+                return
         registration = _apply([(chunk.buffer, chunk.ptr, _single_plan(chunk))], runtime=self.runtime,
                               flags=self.flags, progress=None, retry_halvings=0, ledger=self.ledger)
         with self._lock:

@@ -171,6 +171,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self._host = None  # the effects.HostPools handle: memory, registration, budget entry
         self._pages = None
         self._progressive = None  # effects.ProgressiveRegistration while registering in the background
+        self._faulter = None  # its background pre-fault
         self._readiness = None
         self.progressive = progressive
         self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
@@ -229,13 +230,14 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         as one transaction) and return the buffer (a list when there are several)."""
         framework_pin = self.pin_memory and _device_type(self.device_pool) in _FRAMEWORK_PINNED
         register = self.pin_memory and not framework_pin
-        progressive = self.progressive and register and self.has_allocator and self.layout in PROGRESSIVE_LAYOUTS
+        progressive = self.progressive and register and self.has_allocator and self.layout in PROGRESSIVE_LAYOUTS \
+            and hasattr(self.allocator, "allocate_unfaulted")
         if self.progressive and not progressive:
             logger.info("%s: progressive registration needs a pinned pool with page-first layout; "
                         "registering all of it first", type(self).__name__)
         self._host = bring_up(
             self.pool_plan, dtypes=self.buffer_dtypes(),
-            register=register and not progressive,
+            register=register and not progressive, prefault=not progressive,
             allocator=FrameworkPinnedAllocator() if framework_pin else self.allocator,
             runtime=self.runtime, machine=self._machine, host_memory_bytes=self._host_memory_bytes,
             lock=self._budget_lock, ledger=self.ledger, device=self.device,
@@ -243,7 +245,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self.registration = self._host.registration
         tensors = self._host.tensors
         if progressive:
-            self._start_progressive(tensors)
+            self._start_progressive(tensors, self._host.host_buffers)
         return tensors[0] if len(tensors) == 1 else list(tensors)
 
     @property
@@ -396,6 +398,9 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         """
         if self._progressive is not None:  # outside the lock: its thread takes the lock per chunk
             self._progressive.stop()
+        if self._faulter is not None:  # no page may still be faulting when the memory is freed
+            self._faulter.stop()
+            self._faulter.join(quiet=True)
         with self.lock:
             if self._destroyed:
                 return

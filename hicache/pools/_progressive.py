@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 
 from hicache.effects import Chunk, ProgressiveRegistration
+from hicache.effects._pipeline import Prefaulter
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._views import buffer_symbols
 
@@ -84,9 +85,11 @@ def ordered_chunks(pool, tensors, readiness: PageReadiness) -> list[tuple[int, i
 class ProgressiveMixin:
     """Mixed into `HostKVCache`: the progressive start, `ready_pages`, `wait_ready`."""
 
-    def _start_progressive(self, tensors) -> None:
+    def _start_progressive(self, tensors, host_buffers) -> None:
         """Every page starts handed out (to the pool itself) and is freed into the allocator
-        as it becomes ready; the first page of every buffer is registered before returning."""
+        as it becomes ready; the first page of every buffer is registered before returning.
+        The memory is faulted in the background in the same order, each chunk just before it
+        registers."""
         self._pages = PageAllocator(self.page_num, self.page_size)
         self._pages.alloc(self.page_num * self.page_size)
         self._readiness = PageReadiness(self, tensors)
@@ -100,8 +103,11 @@ class ProgressiveMixin:
                 if len(ready) and not self._destroyed:
                     self._pages.free(self._slots(ready))
 
+        self._faulter = Prefaulter(host_buffers, order=[(index, offset, size) for index, offset, size, _ in chunks],
+                                   threads=getattr(self.allocator, "prefault_threads", None)).start()
         self._progressive = ProgressiveRegistration(  # stored first: a failing head is undone by destroy()
             [chunk for *_, chunk in chunks], runtime=self.runtime, ledger=self.ledger, on_chunk=on_chunk,
+            before_chunk=lambda position, stop: self._faulter.wait_span(position + 1, stop),
         )
         self._progressive.start(max(head, 1))
 
