@@ -129,3 +129,33 @@ def test_oracle_catches_a_straddling_split():
         holder = bad.ranges[bisect.bisect_right(ends, start)]
         straddles += end > holder.end
     assert straddles > 0
+
+
+@pytest.mark.parametrize("family", sorted(LAYOUT_STRATEGIES))
+@given(data=st.data())
+def test_paced_plans_keep_every_law_and_the_oracle(family, data):
+    """Progressive pools pace their calls (`pace`: a range split into calls of a stall
+    budget): the paced plan is a valid RegistrationPlan, no call exceeds the budget unless one
+    aligned block does, and still no page copy straddles two registrations."""
+    from hicache.plan import pace
+
+    layout, limits = data.draw(layout_and_limits(family))
+    pool = plan_pool(layout, limits)
+    for buffer in pool.buffers:
+        plan = buffer.plan
+        if not plan.ranges:
+            continue
+        index = data.draw(st.integers(0, len(plan.ranges) - 1))
+        budget = data.draw(st.integers(1, max(1, plan.ranges[index].size)))
+        paced = pace(plan, index, budget)
+        alignment = plan.alignment_bytes or plan.granularity_bytes
+        new = paced.ranges[index: index + len(paced.ranges) - len(plan.ranges) + 1]
+        assert sum(r.size for r in new) == plan.ranges[index].size
+        assert all(r.size <= max(budget, alignment) for r in new[:-1]) and new[-1].size <= plan.ranges[index].size
+        spec = buffer.spec
+        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.itemsize], device="meta")
+        ends = [r.end for r in paced.ranges]
+        for view in page_copies(layout, spec.name, tensor):
+            start, end = byte_interval(view)
+            holder = paced.ranges[bisect.bisect_right(ends, start)]
+            assert holder.offset <= start and end <= holder.end, (start, end, holder)

@@ -108,3 +108,27 @@ def test_a_failure_while_registering_the_first_pages_leaves_nothing():
     with pytest.raises(ApplyError):
         _pool(runtime, ledger, family="mha", chunk=4096)  # MHA: K and V heads make several first chunks
     assert runtime.held() == set() and ledger.held() == ()
+
+
+def test_background_calls_are_paced_to_the_stall_budget_and_still_form_a_valid_plan():
+    """With a fake driver pinning 1 MB/s and a 5 ms stall budget, every call after the first
+    registers at most what 5 ms allow (never below the 4 KiB boundary alignment), and what ends
+    up registered in each buffer is a RegistrationPlan that passes every law."""
+    from hicache.plan import Range, RegistrationPlan
+
+    rate, stall = 1e6, 0.005
+    runtime, ledger = FakeRuntime(register_bytes_per_s=rate), HostLedger()
+    pool = _pool(runtime, ledger, max_stall_s=stall)
+    assert pool.wait_ready() is True
+    sizes = [size for _, _, size, _, _ in runtime.cudart.timeline]
+    assert len(sizes) > sum(b.plan.call_count for b in pool.pool_plan.buffers)  # chunks were split
+    assert all(size <= max(rate * stall, 4096) for size in sizes[1:]), sizes
+    for buffer, tensor in zip(pool.pool_plan.buffers, pool.buffers):
+        base, plan = tensor.data_ptr(), buffer.plan
+        held = sorted((ptr - base, size) for ptr, size in runtime.held() if base <= ptr < base + plan.total_bytes)
+        paced = RegistrationPlan(total_bytes=plan.total_bytes, granularity_bytes=plan.granularity_bytes,
+                                 step_bytes=plan.step_bytes, limits=plan.limits,
+                                 ranges=tuple(Range(o, s) for o, s in held), alignment_bytes=plan.alignment_bytes)
+        assert paced.call_count == len(held)
+    pool.destroy()
+    assert runtime.held() == set()

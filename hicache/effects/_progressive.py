@@ -18,7 +18,13 @@ import attrs
 from hicache.effects._executor import _apply
 from hicache.effects._runtime import default_runtime
 from hicache.errors import ApplyError, ReleaseError
-from hicache.plan import Limits, plan_registration
+from hicache.plan import Limits, pace, plan_registration
+
+#: The first call of a progressive bring-up registers at most this much: its rate is unknown yet.
+FIRST_CALL_BYTES = 256 * 2**20
+#: Default stall budget: no single call should hold the driver lock longer (it blocks every
+#: other CUDA call of the process meanwhile - a serving engine's included).
+MAX_STALL_S = 0.25
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +41,12 @@ class Chunk:
     limits: Limits
 
 
-def _single_plan(chunk: Chunk):
-    real = chunk.ptr & -chunk.ptr if chunk.ptr else chunk.limits.base_alignment_bytes
+def _single_plan(chunk: Chunk, ptr: int, size: int):
+    real = ptr & -ptr if ptr else chunk.limits.base_alignment_bytes
     limits = attrs.evolve(chunk.limits, base_alignment_bytes=min(real, chunk.limits.base_alignment_bytes))
-    plan = plan_registration(chunk.size, granularity_bytes=chunk.granularity_bytes, limits=limits)
+    plan = plan_registration(size, granularity_bytes=chunk.granularity_bytes, limits=limits)
     if plan.call_count != 1:  # a chunk is one range of a plan that already obeyed every cap
-        raise ApplyError(f"chunk of {chunk.size} bytes at 0x{chunk.ptr:x} would need {plan.call_count} calls")
+        raise ApplyError(f"chunk of {size} bytes at 0x{ptr:x} would need {plan.call_count} calls")
     return plan
 
 
@@ -48,11 +54,21 @@ class ProgressiveRegistration:
     """Registers ``chunks`` in order; `start(head)` registers the first ``head`` now and the
     rest in a background thread, calling ``on_chunk(index)`` after each (from that thread)."""
 
-    def __init__(self, chunks, *, runtime=None, ledger=None, flags: int = 0, on_chunk=None, before_chunk=None) -> None:
+    def __init__(self, chunks, *, runtime=None, ledger=None, flags: int = 0, on_chunk=None, before_chunk=None,
+                 max_stall_s: float | None = MAX_STALL_S) -> None:
         """``before_chunk(index, stop)``: runs before registering chunk ``index`` and returns once
-        its memory is resident (the pool's background pre-fault)."""
+        its memory is resident (the pool's background pre-fault). ``on_chunk(index, offset,
+        size)``: after each call (a paced piece of chunk ``index``). ``max_stall_s``: pace the
+        calls - the first at most `FIRST_CALL_BYTES`, then what the measured rate registers in
+        that many seconds (`hicache.plan.pace`: never below the plan's boundary alignment);
+        None: one call per chunk."""
         self.chunks = list(chunks)
         self.before_chunk = before_chunk
+        self.max_stall_s = max_stall_s
+        self.calls: list[tuple[int, int, float]] = []  # (chunk index, bytes, seconds) per call
+        self.completed = 0  # chunks wholly registered
+        self._bytes = 0
+        self._seconds = 0.0
         self.runtime = default_runtime() if runtime is None else runtime
         self.ledger = ledger
         self.flags = flags
@@ -63,18 +79,40 @@ class ProgressiveRegistration:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def _budget(self) -> int | None:
+        if self.max_stall_s is None:
+            return None
+        if not self._seconds:
+            return FIRST_CALL_BYTES
+        return max(1, int(self._bytes / self._seconds * self.max_stall_s))
+
     def _register(self, index: int) -> None:
         chunk = self.chunks[index]
         if self.before_chunk is not None:
             self.before_chunk(index, self._stop.is_set)
             if self._stop.is_set():
                 return
-        registration = _apply([(chunk.buffer, chunk.ptr, _single_plan(chunk))], runtime=self.runtime,
-                              flags=self.flags, progress=None, retry_halvings=0, ledger=self.ledger)
-        with self._lock:
-            self.registrations.append(registration)
-        if self.on_chunk is not None:
-            self.on_chunk(index)
+        whole = _single_plan(chunk, chunk.ptr, chunk.size)
+        done = 0
+        while done < chunk.size:
+            if done and self._stop.is_set():
+                return  # stop between calls: what is registered stays in the books
+            budget = self._budget()
+            rest = _single_plan(chunk, chunk.ptr + done, chunk.size - done) if done else whole
+            piece = (pace(rest, 0, budget) if budget is not None else rest).ranges[0]
+            plan = _single_plan(chunk, chunk.ptr + done, piece.size)
+            registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime, flags=self.flags,
+                                  progress=None, retry_halvings=0, ledger=self.ledger)
+            with self._lock:
+                self.registrations.append(registration)
+            seconds = registration.status().register_seconds
+            self._bytes += piece.size
+            self._seconds += seconds
+            self.calls.append((index, piece.size, seconds))
+            if self.on_chunk is not None:
+                self.on_chunk(index, done, piece.size)
+            done += piece.size
+        self.completed += 1
 
     def start(self, head: int) -> "ProgressiveRegistration":
         """Register chunks ``[0, head)`` here (errors raise: nothing is served yet), the rest in
@@ -111,7 +149,7 @@ class ProgressiveRegistration:
                 return False
         if self.error is not None:
             raise self.error
-        return len(self.registrations) == len(self.chunks)
+        return self.completed == len(self.chunks)
 
     def stop(self) -> None:
         """End the background thread after the call in flight (and wait for it; a Ctrl-C

@@ -34,7 +34,7 @@ from hicache.plan._limits import (
     Limits,
     kernel_pin_cap,
 )
-from hicache.plan._planner import RegistrationPlan, plan_registration, replan
+from hicache.plan._planner import RegistrationPlan, pace, plan_registration, replan
 from hicache.plan._models import (
     DEFAULT_MODEL,
     KV_DTYPES,
@@ -49,6 +49,7 @@ from hicache.plan._settings import SETTINGS_ENV, EnvError, ResolvedLimits, env_s
 from hicache.plan._units import format_bytes, format_gb, parse_size
 
 __all__ = [
+    "pace",
     "CAPACITY_DEFAULTS",
     "SETTINGS_ENV",
     "EnvError",

@@ -283,3 +283,27 @@ def replan(plan: RegistrationPlan, *, failed_index: int) -> RegistrationPlan:
     return attrs.evolve(
         plan, step_bytes=step, ranges=ranges, notes=plan.notes + (note,), alignment_bytes=alignment
     )
+
+
+def pace(plan: RegistrationPlan, index: int, budget_bytes: int) -> RegistrationPlan:
+    """The pacing policy: split ``ranges[index]`` into calls of at most ``budget_bytes`` (so no
+    call holds the driver lock longer than the caller's stall budget), each a multiple of the
+    plan's boundary alignment - never below it: a budget under one aligned block still gives
+    blocks of that size, and a note says the budget could not be met. Every law still holds:
+    the result is a `RegistrationPlan`, checked range by range."""
+    if not isinstance(plan, RegistrationPlan):
+        raise PlanError(f"pace: plan must be a RegistrationPlan, got {plan!r}")
+    index = check_int(PlanError, "pace", "index", index, minimum=0, maximum=len(plan.ranges) - 1)
+    budget = check_int(PlanError, "pace", "budget_bytes", budget_bytes)
+    target = plan.ranges[index]
+    alignment = plan.alignment_bytes or plan.granularity_bytes or target.size
+    step = max(alignment, budget // alignment * alignment)
+    if step >= target.size:
+        return plan
+    pieces = tuple(Range(target.offset + offset, min(step, target.size - offset))
+                   for offset in range(0, target.size, step))
+    notes = plan.notes
+    if step > budget:
+        notes += (f"pace: a {format_bytes(budget)} budget is below the {format_bytes(alignment)} boundary "
+                  f"alignment; ranges[{index}] split into {format_bytes(step)} calls",)
+    return attrs.evolve(plan, ranges=plan.ranges[:index] + pieces + plan.ranges[index + 1:], notes=notes)

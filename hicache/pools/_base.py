@@ -92,7 +92,9 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     ``numa_node`` (``"auto"``: the current GPU's node where there are several; ``"off"``; N),
     ``progressive`` (return once the first chunk of every buffer is registered and register
     the rest in the background; `alloc` hands out ready pages only - see `ready_pages`,
-    `wait_ready`; page-first layouts only, layer_first registers everything first).
+    `wait_ready`; page-first layouts only, layer_first registers everything first),
+    ``max_stall_s`` (progressive: no call holds the driver longer, by the measured rate; the
+    first call is at most 256 MiB; None: one call per planned chunk).
     Bring-up and teardown go through `hicache.effects.bring_up`.
     """
 
@@ -122,6 +124,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         copy_engine=None,
         numa_node="auto",
         progressive: bool = False,
+        max_stall_s: float | None = 0.25,
     ) -> None:
         self.device_pool = device_pool
         self.page_size = page_size
@@ -174,6 +177,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self._faulter = None  # its background pre-fault
         self._readiness = None
         self.progressive = progressive
+        self.max_stall_s = max_stall_s
         self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
         self.numa_node, note = resolve_numa_node(numa_node)
         if note:

@@ -96,10 +96,10 @@ class ProgressiveMixin:
         chunks = ordered_chunks(self, tensors, self._readiness)
         head = sum(1 for index, offset, _, _ in chunks if self._readiness.page_position(index, offset) == 0)
 
-        def on_chunk(position: int) -> None:
-            index, offset, size, _ = chunks[position]
+        def on_chunk(position: int, done: int, size: int) -> None:
+            index, offset, _, _ = chunks[position]
             with self.lock:
-                ready = self._readiness.registered(index, offset, size)
+                ready = self._readiness.registered(index, offset + done, size)
                 if len(ready) and not self._destroyed:
                     self._pages.free(self._slots(ready))
 
@@ -108,6 +108,7 @@ class ProgressiveMixin:
         self._progressive = ProgressiveRegistration(  # stored first: a failing head is undone by destroy()
             [chunk for *_, chunk in chunks], runtime=self.runtime, ledger=self.ledger, on_chunk=on_chunk,
             before_chunk=lambda position, stop: self._faulter.wait_span(position + 1, stop),
+            max_stall_s=self.max_stall_s,
         )
         self._progressive.start(max(head, 1))
 
