@@ -329,3 +329,32 @@ def test_a_failing_pre_fault_rolls_the_pipelined_bring_up_back(monkeypatch, lock
     assert isinstance(info.value.__cause__, HostOutOfMemoryError)
     assert runtime.held() == set() and ledger.held() == () and allocator.owned() == []
     assert _entries(lock) == {}
+
+
+# -- hicache apply --progressive ----------------------------------------------------------------
+APPLY_PROGRESSIVE = ["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.01",
+                     "--chunk-limit", "1MiB", "--reserve", "1MiB", "--progressive", "--format", "json"]
+
+
+def test_apply_progressive_registers_every_call_reports_the_first_chunk_and_releases(lock, capsys):
+    from hicache.cli import main
+
+    with fake_cuda() as fake:
+        code = main(APPLY_PROGRESSIVE)
+        out = json.loads(capsys.readouterr().out)
+        assert code == 0 and out["progressive"] is True
+        assert out["calls"] == fake.cudart.register_calls > 1
+        assert 0 < out["first_chunk_s"] <= out["total_s"]
+        assert out["bytes"] >= 0.01 * GB * 0.99
+        assert fake.held() == set() and fake.cudart.log[-1][0] == "unregister"
+
+
+def test_apply_progressive_that_fails_midway_leaves_nothing_registered(lock, capsys):
+    from hicache.cli import main
+
+    with fake_cuda(fail_register={3: 2}) as fake:  # the 4th call: cudaErrorMemoryAllocation
+        code = main(APPLY_PROGRESSIVE)
+        captured = capsys.readouterr()
+        assert code != 0 and captured.out == ""
+        assert fake.cudart.register_calls == 4
+        assert fake.held() == set()

@@ -60,6 +60,8 @@ def add_command(commands) -> None:
     apply.add_argument("--threads", help="pre-fault threads (default: cores, at most 16)")
     apply.add_argument("--numa", default="auto",
                        help="bind the pool to a NUMA node: auto (the GPU's, where there are several), off, or N")
+    apply.add_argument("--progressive", action="store_true",
+                       help="register chunk by chunk in the background (paced), report the time to the first chunk")
     apply.add_argument("--format", choices=("table", "json"), default="table")
 
 
@@ -99,6 +101,38 @@ def _machine_plan(args):
     return plan, sources
 
 
+def _hold_for(seconds: float, total: int) -> None:
+    if seconds > 0:
+        print(f"holding {format_bytes(total)} registered for {seconds:g} s (Ctrl-C releases)", file=sys.stderr)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:  # --hold inf: until interrupted
+            time.sleep(min(deadline - time.monotonic(), 3600))
+
+
+def _run_progressive(args, pools, sources, hold, *, runtime, allocator, machine, lock, ledger, reserve, node) -> int:
+    from hicache.effects import ProgressiveBringUp
+
+    start = time.perf_counter()
+    bringup = ProgressiveBringUp(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
+                                 ledger=ledger, reserve_bytes=reserve)
+    try:
+        print(f"first chunk registered after {bringup.first_chunk_s:.3f} s; registering the rest", file=sys.stderr)
+        bringup.wait()
+        total_s = time.perf_counter() - start
+        calls = len(bringup.registration.calls)
+        _hold_for(hold, bringup.handle.total_bytes)
+    finally:
+        bringup.release()
+    report = {"bytes": bringup.handle.total_bytes, "calls": calls, "first_chunk_s": round(bringup.first_chunk_s, 4),
+              "total_s": round(total_s, 4), "numa_node": node}
+    if args.format == "json":
+        sys.stdout.write(json.dumps({"schema": "hicache.apply", "schema_version": 1, "progressive": True, **report,
+                                     "cap_sources": sources}, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write("".join(f"{k:<14} {v}\n" for k, v in report.items()))
+    return 0
+
+
 def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
     """`hicache apply`. ``runtime``/``cuda_binding``/``ledger``/``machine``/``lock`` stand in for
     CUDA and the machine in tests (`hicache.testing.fake_cuda` does the first two for all)."""
@@ -128,6 +162,9 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     allocator = HostTensorAllocator(prefault_threads=threads, hugepages=args.hugepages, hugepage_bytes=hugepage,
                                     numa_node=node)
     progress = _Progress(sum(p.call_count for p in pools))
+    if args.progressive:
+        return _run_progressive(args, pools, sources, hold, runtime=runtime, allocator=allocator, machine=machine,
+                                lock=lock, ledger=ledger, reserve=reserve, node=node)
     handle = None
     try:
         handle = bring_up(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,

@@ -177,3 +177,63 @@ class ProgressiveRegistration:
                 leaked.extend(error.leaked)
         if leaked:
             raise ReleaseError(f"{len(leaked)} range(s) stay registered after a progressive release", leaked=tuple(leaked))
+
+
+class ProgressiveBringUp:
+    """`hicache apply --progressive`: map (budgeted, under the lock), then fault and register
+    the plan's chunks in plan order in the background, the first before this returns.
+    ``first_chunk_s`` is the time to the first registered chunk; `release()` stops both
+    background threads, unregisters, then frees."""
+
+    def __init__(self, pools, *, runtime=None, allocator=None, ledger=None, max_stall_s=MAX_STALL_S, **options) -> None:
+        import time
+
+        from hicache.effects._bringup import bring_up
+        from hicache.effects._pipeline import Prefaulter
+
+        start = time.perf_counter()
+        pools = list(pools)
+        self.handle = bring_up(pools, register=False, prefault=False, allocator=allocator, ledger=ledger, **options)
+        self.first_chunk_s = None
+        chunks, order = [], []
+        buffers = [b for pool in pools for b in pool.buffers]
+        for index, (buffer, tensor) in enumerate(zip(buffers, self.handle.tensors)):
+            for item in buffer.plan.ranges:
+                chunks.append(Chunk(buffer.spec.name, tensor.data_ptr() + item.offset, item.size,
+                                    buffer.plan.granularity_bytes, buffer.plan.limits))
+                order.append((index, item.offset, item.size))
+
+        def first(*_):
+            if self.first_chunk_s is None:
+                self.first_chunk_s = time.perf_counter() - start
+
+        try:
+            self.faulter = Prefaulter(self.handle.host_buffers, order=order,
+                                      threads=getattr(allocator, "prefault_threads", None)).start()
+            self.registration = ProgressiveRegistration(
+                chunks, runtime=runtime, ledger=ledger, on_chunk=first, max_stall_s=max_stall_s,
+                before_chunk=lambda position, stop: self.faulter.wait_span(position + 1, stop),
+            )
+            self.registration.start(1)
+        except BaseException:
+            self.release()
+            raise
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.registration.wait(timeout)
+
+    def release(self) -> None:
+        registration = getattr(self, "registration", None)
+        faulter = getattr(self, "faulter", None)
+        try:
+            if registration is not None:
+                registration.release()
+        except ReleaseError:
+            self.handle._books.quarantine()  # CUDA still pins some of it: never unmap
+            self.handle._books.state = "leaked"
+            raise
+        finally:
+            if faulter is not None:
+                faulter.stop()
+                faulter.join(quiet=True)
+        self.handle.release()
