@@ -110,6 +110,7 @@ def _hold_for(seconds: float, total: int) -> None:
 
 
 def _run_progressive(args, pools, sources, hold, *, runtime, allocator, machine, lock, ledger, reserve, node) -> int:
+    import torch  # noqa: F401 - loaded before the clock starts, as in a server
     from hicache.effects import ProgressiveBringUp
 
     start = time.perf_counter()
