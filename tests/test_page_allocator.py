@@ -133,11 +133,7 @@ def test_eight_threads_at_high_occupancy_never_share_a_page(native):
         except Exception as error:  # pragma: no cover - reported below
             errors.append(repr(error))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads(worker, 8)
     assert errors == []
     assert allocator.available_size() == 20 * PAGE
     for slots in base:
@@ -170,11 +166,7 @@ def test_threads_never_share_a_slot():
         except Exception as error:  # pragma: no cover - reported below
             errors.append(repr(error))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads(worker, 4)
     assert errors == []
     assert pool.available_size() == pool.size
     pool.destroy()
@@ -190,3 +182,12 @@ def test_a_free_page_marked_handed_out_is_reported_as_corruption(native):
     with pytest.raises(RuntimeError, match="corrupted"):
         allocator.alloc(PAGE)
     assert allocator.available_size() == 8 * PAGE  # nothing was handed out
+
+
+def _run_threads(worker, count: int) -> None:
+    """Run ``worker(0..count-1)`` on ``count`` threads at once and wait for all."""
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -67,10 +67,11 @@ from hicache.effects._bringup import (
 )
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._copy_engine import CopyEngine
-from hicache.effects._progressive import Chunk, ProgressiveBringUp, ProgressiveRegistration
+from hicache.effects._progressive import BackgroundBringUp, Chunk, ProgressiveBringUp, ProgressiveRegistration
 from hicache.effects._numa import bound_node, node_free_bytes, online_nodes, resolve_numa_node
 
 __all__ = [
+    "BackgroundBringUp",
     "ProgressiveBringUp",
     "Chunk",
     "ProgressiveRegistration",

@@ -121,6 +121,15 @@ def bring_up_buffers(
     if pipelined is None:
         pipelined = prefault and bool(registered) and len(registered) == len(requests) and str(device) == "cpu" \
             and hasattr(allocator, "allocate_unfaulted")
+
+    def fill() -> None:  # allocate (+ pre-fault; + register when pipelined)
+        if pipelined:
+            _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+        elif not prefault:
+            _map_only(handle, requests)
+        else:
+            _allocate(handle, device)
+
     try:
         start = time.perf_counter()
         if budget:
@@ -137,18 +146,9 @@ def bring_up_buffers(
                 )
                 handle._books.budget = (lock, total)  # set first: forgetting more than recorded is harmless
                 lock.record(total)
-                if pipelined:
-                    _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
-                elif not prefault:
-                    _map_only(handle, requests)
-                else:
-                    _allocate(handle, device)
-        elif pipelined:
-            _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
-        elif not prefault:
-            _map_only(handle, requests)
+                fill()
         else:
-            _allocate(handle, device)
+            fill()
         handle.timings["allocate_prefault_s"] = time.perf_counter() - start
         if not pipelined:
             _register(handle, requests, runtime, flags, progress, retry_halvings, ledger)

@@ -179,6 +179,54 @@ class ProgressiveRegistration:
             raise ReleaseError(f"{len(leaked)} range(s) stay registered after a progressive release", leaked=tuple(leaked))
 
 
+class BackgroundBringUp:
+    """A progressive registration and its background pre-fault, started and torn down as one:
+    each chunk is faulted (in ``order``) just before it registers. Shared by progressive pools
+    and `ProgressiveBringUp`; ``registration`` is assigned before anything registers, so a
+    failing head can still be undone by `release`."""
+
+    def __init__(self, chunks, order, host_buffers, *, runtime=None, ledger=None, on_chunk=None,
+                 max_stall_s=MAX_STALL_S, threads=None) -> None:
+        from hicache.effects._pipeline import Prefaulter
+
+        self.faulter = Prefaulter(host_buffers, order=order, threads=threads).start()
+        try:
+            self.registration = ProgressiveRegistration(
+                chunks, runtime=runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=max_stall_s,
+                before_chunk=lambda position, stop: self.faulter.wait_span(position + 1, stop),
+            )
+        except BaseException:
+            self.faulter.stop()
+            self.faulter.join(quiet=True)
+            raise
+
+    def start(self, head: int) -> "BackgroundBringUp":
+        self.registration.start(head)
+        return self
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.registration.wait(timeout)
+
+    def stop(self) -> None:
+        """End both threads; no page may still be faulting when the memory is freed."""
+        try:
+            self.registration.stop()
+        finally:
+            self.faulter.stop()
+            self.faulter.join(quiet=True)
+
+    def release(self, books) -> None:
+        """Stop, then unregister every chunk; on `ReleaseError` the memory's ``books`` are
+        quarantined (CUDA still pins some of it: never unmap) and the error raised."""
+        self.stop()
+        try:
+            self.registration.release()
+        except ReleaseError:
+            books.quarantine()
+            books.state = "leaked"
+            raise
+
+
 class ProgressiveBringUp:
     """`hicache apply --progressive`: map (budgeted, under the lock), then fault and register
     the plan's chunks in plan order in the background, the first before this returns.
@@ -188,14 +236,15 @@ class ProgressiveBringUp:
     def __init__(self, pools, *, runtime=None, allocator=None, ledger=None, max_stall_s=MAX_STALL_S, **options) -> None:
         import time
 
-        from hicache.effects._bringup import bring_up
-        from hicache.effects._pipeline import Prefaulter
         import torch  # noqa: F401 - imported before the clock starts: servers have it loaded already
+
+        from hicache.effects._bringup import bring_up
 
         start = time.perf_counter()
         pools = list(pools)
         self.handle = bring_up(pools, register=False, prefault=False, allocator=allocator, ledger=ledger, **options)
         self.first_chunk_s = None
+        self.background = None
         chunks, order = [], []
         buffers = [b for pool in pools for b in pool.buffers]
         for index, (buffer, tensor) in enumerate(zip(buffers, self.handle.tensors)):
@@ -209,32 +258,22 @@ class ProgressiveBringUp:
                 self.first_chunk_s = time.perf_counter() - start
 
         try:
-            self.faulter = Prefaulter(self.handle.host_buffers, order=order,
-                                      threads=getattr(allocator, "prefault_threads", None)).start()
-            self.registration = ProgressiveRegistration(
-                chunks, runtime=runtime, ledger=ledger, on_chunk=first, max_stall_s=max_stall_s,
-                before_chunk=lambda position, stop: self.faulter.wait_span(position + 1, stop),
-            )
-            self.registration.start(1)
+            self.background = BackgroundBringUp(chunks, order, self.handle.host_buffers, runtime=runtime,
+                                                ledger=ledger, on_chunk=first, max_stall_s=max_stall_s,
+                                                threads=getattr(allocator, "prefault_threads", None))
+            self.background.start(1)
         except BaseException:
             self.release()
             raise
 
+    @property
+    def registration(self) -> ProgressiveRegistration:
+        return self.background.registration
+
     def wait(self, timeout: float | None = None) -> bool:
-        return self.registration.wait(timeout)
+        return self.background.wait(timeout)
 
     def release(self) -> None:
-        registration = getattr(self, "registration", None)
-        faulter = getattr(self, "faulter", None)
-        try:
-            if registration is not None:
-                registration.release()
-        except ReleaseError:
-            self.handle._books.quarantine()  # CUDA still pins some of it: never unmap
-            self.handle._books.state = "leaked"
-            raise
-        finally:
-            if faulter is not None:
-                faulter.stop()
-                faulter.join(quiet=True)
+        if self.background is not None:
+            self.background.release(self.handle._books)
         self.handle.release()

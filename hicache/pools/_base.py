@@ -22,7 +22,7 @@ from hicache.effects import (
     probe_limits,
     resolve_numa_node,
 )
-from hicache.errors import LayoutError, RegistrationStateError, ReleaseError, TransferError
+from hicache.errors import LayoutError, RegistrationStateError, TransferError
 from hicache.plan import format_gb, plan_pool, size_pool
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
@@ -173,8 +173,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self._budget_lock = budget_lock
         self._host = None  # the effects.HostPools handle: memory, registration, budget entry
         self._pages = None
-        self._progressive = None  # effects.ProgressiveRegistration while registering in the background
-        self._faulter = None  # its background pre-fault
+        self._progressive = None  # effects.BackgroundBringUp: registering (and faulting) in the background
         self._readiness = None
         self.progressive = progressive
         self.max_stall_s = max_stall_s
@@ -402,20 +401,12 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         """
         if self._progressive is not None:  # outside the lock: its thread takes the lock per chunk
             self._progressive.stop()
-        if self._faulter is not None:  # no page may still be faulting when the memory is freed
-            self._faulter.stop()
-            self._faulter.join(quiet=True)
         with self.lock:
             if self._destroyed:
                 return
             self._wait_for_device_copies()
-            if self._progressive is not None:
-                try:
-                    self._progressive.release()  # the chunks registered so far, newest first
-                except ReleaseError:
-                    self._host._books.quarantine()  # CUDA still pins some of it: never unmap
-                    self._host._books.state = "leaked"
-                    raise
+            if self._progressive is not None:  # the chunks registered so far, newest first
+                self._progressive.release(self._host._books)
             if self._host is not None:
                 self._host.release()  # unregister, free, forget the budget (leaks: quarantined)
             self.kv_buffer = None

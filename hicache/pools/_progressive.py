@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import bisect
 
-from hicache.effects import Chunk, ProgressiveRegistration
-from hicache.effects._pipeline import Prefaulter
+from hicache.effects import BackgroundBringUp, Chunk
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._views import buffer_symbols
 
@@ -103,12 +102,10 @@ class ProgressiveMixin:
                 if len(ready) and not self._destroyed:
                     self._pages.free(self._slots(ready))
 
-        self._faulter = Prefaulter(host_buffers, order=[(index, offset, size) for index, offset, size, _ in chunks],
-                                   threads=getattr(self.allocator, "prefault_threads", None)).start()
-        self._progressive = ProgressiveRegistration(  # stored first: a failing head is undone by destroy()
-            [chunk for *_, chunk in chunks], runtime=self.runtime, ledger=self.ledger, on_chunk=on_chunk,
-            before_chunk=lambda position, stop: self._faulter.wait_span(position + 1, stop),
-            max_stall_s=self.max_stall_s,
+        self._progressive = BackgroundBringUp(  # stored first: a failing head is undone by destroy()
+            [chunk for *_, chunk in chunks], [(index, offset, size) for index, offset, size, _ in chunks],
+            host_buffers, runtime=self.runtime, ledger=self.ledger, on_chunk=on_chunk,
+            max_stall_s=self.max_stall_s, threads=getattr(self.allocator, "prefault_threads", None),
         )
         self._progressive.start(max(head, 1))
 
