@@ -126,12 +126,7 @@ def _run_progressive(args, pools, sources, hold, *, runtime, allocator, machine,
         bringup.release()
     report = {"bytes": bringup.handle.total_bytes, "calls": calls, "first_chunk_s": round(bringup.first_chunk_s, 4),
               "total_s": round(total_s, 4), "numa_node": node}
-    if args.format == "json":
-        sys.stdout.write(json.dumps({"schema": "hicache.apply", "schema_version": 1, "progressive": True, **report,
-                                     "cap_sources": sources}, sort_keys=True) + "\n")
-    else:
-        sys.stdout.write("".join(f"{k:<14} {v}\n" for k, v in report.items()))
-    return 0
+    return _write_report(args, report, sources, progressive=True)
 
 
 def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
@@ -162,22 +157,17 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         print(f"note: {note}", file=sys.stderr)
     allocator = HostTensorAllocator(prefault_threads=threads, hugepages=args.hugepages, hugepage_bytes=hugepage,
                                     numa_node=node)
-    progress = _Progress(sum(p.call_count for p in pools))
     if args.progressive:
         return _run_progressive(args, pools, sources, hold, runtime=runtime, allocator=allocator, machine=machine,
                                 lock=lock, ledger=ledger, reserve=reserve, node=node)
+    progress = _Progress(sum(p.call_count for p in pools))
     handle = None
     try:
         handle = bring_up(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
                           ledger=ledger, progress=progress, reserve_bytes=reserve)
         progress.close()
         status = handle.registration.status() if handle.registration is not None else None
-        if hold > 0:
-            total = handle.total_bytes
-            print(f"holding {format_bytes(total)} registered for {hold:g} s (Ctrl-C releases)", file=sys.stderr)
-            deadline = time.monotonic() + hold
-            while time.monotonic() < deadline:  # --hold inf: until interrupted
-                time.sleep(min(deadline - time.monotonic(), 3600))
+        _hold_for(hold, handle.total_bytes)
     finally:
         if handle is not None:
             handle.release()
@@ -190,8 +180,12 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         "largest_call": max((p.largest_call_bytes for p in pools), default=0),
         "numa_node": node,
     }
+    return _write_report(args, report, sources)
+
+
+def _write_report(args, report: dict, sources: dict, **json_only) -> int:
     if args.format == "json":
-        sys.stdout.write(json.dumps({"schema": "hicache.apply", "schema_version": 1, **report,
+        sys.stdout.write(json.dumps({"schema": "hicache.apply", "schema_version": 1, **json_only, **report,
                                      "cap_sources": sources}, sort_keys=True) + "\n")
     else:
         sys.stdout.write("".join(f"{k:<14} {v}\n" for k, v in report.items()))
