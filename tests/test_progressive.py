@@ -132,3 +132,63 @@ def test_background_calls_are_paced_to_the_stall_budget_and_still_form_a_valid_p
         assert paced.call_count == len(held)
     pool.destroy()
     assert runtime.held() == set()
+
+
+@pytest.mark.parametrize("family", ["mla", "mha"])
+def test_calls_on_a_big_chunk_wait_only_for_their_own_bytes(monkeypatch, family):
+    """One chunk spans each buffer (the default 64 GiB chunk does for a 100 GB pool) and the
+    driver is fast (a 0.25 s budget is the whole buffer): the first page is served - the
+    constructor returns, for MHA after a call on K and one on V - before the last piece is
+    faulted, and every call starts only once all of its bytes are (order, not timing)."""
+    import time as _time
+
+    from hicache.effects import _pipeline, _progressive
+
+    pieces = []
+    real = _pipeline.prefault
+
+    def slow_prefault(buffer, **kw):
+        _time.sleep(0.005)
+        report = real(buffer, **kw)
+        pieces.append((buffer.ptr + kw["start"], kw["length"], _time.perf_counter()))
+        return report
+
+    monkeypatch.setattr(_pipeline, "prefault", slow_prefault)
+    monkeypatch.setattr(_pipeline, "PIECE_BYTES", 16 * 1024)
+    monkeypatch.setattr(_progressive, "FIRST_PIECE_BYTES", 4096)
+    monkeypatch.setattr(_progressive, "FIRST_CALL_BYTES", 4096)
+    runtime, ledger = FakeRuntime(register_bytes_per_s=1e9), HostLedger()
+    pool = _pool(runtime, ledger, family=family, chunk=2**40)
+    returned = _time.perf_counter()
+    assert all(b.plan.call_count == 1 for b in pool.pool_plan.buffers)  # one chunk: the whole buffer
+    assert pool.wait_ready() is True
+    assert returned < max(p[2] for p in pieces)  # served before the buffer was wholly faulted
+    for _, ptr, size, start, _ in runtime.cudart.timeline:
+        covering = [p for p in pieces if p[0] < ptr + size and ptr < p[0] + p[1]]
+        assert sum(min(p[0] + p[1], ptr + size) - max(p[0], ptr) for p in covering) == size
+        assert all(p[2] <= start for p in covering)
+    pool.destroy()
+    assert runtime.held() == set() and ledger.held() == ()
+
+
+@pytest.mark.parametrize("family", ["mla", "mha"])
+def test_the_constructor_returns_once_the_first_page_is_registered_in_every_buffer(monkeypatch, family):
+    """One chunk per buffer, holding both K/V halves for MHA (as the default 64 GiB chunk does):
+    the constructor makes exactly the calls the first page needs - one per buffer and K/V half -
+    not all of K before V's first page; the next call ends only after it has returned (each
+    takes 100 ms)."""
+    import time as _time
+
+    from hicache.effects import _progressive
+
+    monkeypatch.setattr(_progressive, "FIRST_CALL_BYTES", 4096)
+    runtime, ledger = FakeRuntime(register_bytes_per_s=4096 / 0.1), HostLedger()
+    pool = _pool(runtime, ledger, family=family, chunk=2**40, max_stall_s=0.1)
+    returned = _time.perf_counter()
+    pool.destroy()  # stops after the call in flight
+    halves = 2 if family == "mha" else 1
+    assert all(b.plan.call_count == 1 for b in pool.pool_plan.buffers)
+    before = [call for call in runtime.cudart.timeline if call[4] <= returned]
+    assert len(before) == len(pool.pool_plan.buffers) * halves, before
+    assert len(runtime.cudart.timeline) <= len(before) + 1
+    assert runtime.held() == set() and ledger.held() == ()

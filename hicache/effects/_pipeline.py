@@ -87,15 +87,16 @@ class Prefaulter:
                     raise RuntimeError("the pre-fault thread ended before the memory was resident")
                 self._changed.wait(0.05)
 
-    def wait_span(self, count: int, stop=None) -> None:
-        """Return once the first ``count`` spans of ``order`` are faulted (see `wait`)."""
+    def wait_span(self, position: int, stop=None) -> None:
+        """Return once span ``position`` of ``order`` (and every span before it) is faulted
+        (see `wait`)."""
         with self._changed:
-            while self.spans_done < count:
+            while self.spans_done <= position:
                 if self.error is not None:
                     raise self.error
                 if stop is not None and stop():
                     return
-                if not self._thread.is_alive() and self.spans_done < count:
+                if not self._thread.is_alive() and self.spans_done <= position:
                     raise RuntimeError("the pre-fault thread ended before the memory was resident")
                 self._changed.wait(0.05)
 

@@ -10,6 +10,8 @@ pool's business (hicache.pools); this module only registers.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import logging
 import threading
 
@@ -20,8 +22,13 @@ from hicache.effects._runtime import default_runtime
 from hicache.errors import ApplyError, ReleaseError
 from hicache.plan import Limits, pace, plan_registration
 
-#: The first call of a progressive bring-up registers at most this much: its rate is unknown yet.
-FIRST_CALL_BYTES = 256 * 2**20
+#: The first call of a progressive bring-up registers at most this much: its rate is unknown
+#: yet (the issue's cap is 256 MiB), and the first page waits for it and for faulting its bytes
+#: (`FIRST_PIECE_BYTES`, the same 16 MiB) - not for 256 MiB of both.
+FIRST_CALL_BYTES = 16 * 2**20
+#: The first pre-fault piece of each chunk; each next one doubles up to the pipeline's
+#: PIECE_BYTES (256 MiB), so the first call of every chunk waits for little faulting.
+FIRST_PIECE_BYTES = 16 * 2**20
 #: Default stall budget: no single call should hold the driver lock longer (it blocks every
 #: other CUDA call of the process meanwhile - a serving engine's included).
 MAX_STALL_S = 0.25
@@ -51,29 +58,43 @@ def _single_plan(chunk: Chunk, ptr: int, size: int):
 
 
 class ProgressiveRegistration:
-    """Registers ``chunks`` in order; `start(head)` registers the first ``head`` now and the
-    rest in a background thread, calling ``on_chunk(index)`` after each (from that thread)."""
+    """Registers ``chunks`` call by call, always the call whose chunk has the smallest
+    ``key(index, done)`` next (default: chunk order); `start(ready)` registers in the
+    foreground until ``ready()`` and the rest in a background thread, calling
+    ``on_chunk(index, offset, size)`` after each call."""
 
-    def __init__(self, chunks, *, runtime=None, ledger=None, flags: int = 0, on_chunk=None, before_chunk=None,
-                 max_stall_s: float | None = MAX_STALL_S) -> None:
-        """``before_chunk(index, stop)``: runs before registering chunk ``index`` and returns once
-        its memory is resident (the pool's background pre-fault). ``on_chunk(index, offset,
-        size)``: after each call (a paced piece of chunk ``index``). ``max_stall_s``: pace the
-        calls - the first at most `FIRST_CALL_BYTES`, then what the measured rate registers in
-        that many seconds (`hicache.plan.pace`: never below the plan's boundary alignment);
-        None: one call per chunk."""
+    def __init__(self, chunks, *, runtime=None, ledger=None, flags: int = 0, on_chunk=None, before_call=None,
+                 resident=None, key=None, max_stall_s: float | None = MAX_STALL_S) -> None:
+        """``before_call(index, end, stop)``: runs before each call on chunk ``index`` and returns
+        once the chunk's first ``end`` bytes are resident (the pool's background pre-fault): a
+        paced call waits for its own bytes, not the whole chunk's. ``resident(index, done,
+        stop)``: how far from its start chunk ``index`` is resident now (waiting for at least
+        one more piece past ``done``) - a call registers no more than that, so registering never
+        waits for faulting it could overlap with. ``key(index, done)``: the
+        order calls go in, given the bytes of chunk ``index`` already registered - a pool passes
+        the page they reach, so K and V halves (and every buffer) advance together and the
+        first page needs one call on each, not a whole 64 GiB chunk of K first. ``max_stall_s``:
+        pace the calls - the first at most `FIRST_CALL_BYTES`, then what the measured rate
+        registers in that many seconds (`hicache.plan.pace`: never below the plan's boundary
+        alignment); None: one call per chunk."""
         self.chunks = list(chunks)
-        self.before_chunk = before_chunk
+        self.before_call = before_call
+        self.resident = resident
+        self.key = key if key is not None else (lambda index, done: index)
         self.max_stall_s = max_stall_s
         self.calls: list[tuple[int, int, float]] = []  # (chunk index, bytes, seconds) per call
         self.completed = 0  # chunks wholly registered
+        self._done = [0] * len(self.chunks)  # bytes registered from the start of each chunk
+        self._queue = [(self.key(index, 0), index) for index, chunk in enumerate(self.chunks) if chunk.size]
+        heapq.heapify(self._queue)
+        self.completed = len(self.chunks) - len(self._queue)
         self._bytes = 0
         self._seconds = 0.0
         self.runtime = default_runtime() if runtime is None else runtime
         self.ledger = ledger
         self.flags = flags
         self.on_chunk = on_chunk
-        self.registrations: list = []  # one Registration per registered chunk, in order
+        self.registrations: list = []  # one Registration per call, in order
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,55 +107,64 @@ class ProgressiveRegistration:
             return FIRST_CALL_BYTES
         return max(1, int(self._bytes / self._seconds * self.max_stall_s))
 
-    def _register(self, index: int) -> None:
-        chunk = self.chunks[index]
-        if self.before_chunk is not None:
-            self.before_chunk(index, self._stop.is_set)
+    def _step(self) -> bool:
+        """Register the next call; False once nothing is left or a stop was asked for (the
+        call not made stays queued)."""
+        if not self._queue or self._stop.is_set():
+            return False
+        index = self._queue[0][1]
+        chunk, done = self.chunks[index], self._done[index]
+        rest = _single_plan(chunk, chunk.ptr + done, chunk.size - done)
+        budget = self._budget()
+        if self.resident is not None:
+            faulted = self.resident(index, done, self._stop.is_set) - done
             if self._stop.is_set():
-                return
-        whole = _single_plan(chunk, chunk.ptr, chunk.size)
-        done = 0
-        while done < chunk.size:
-            if done and self._stop.is_set():
-                return  # stop between calls: what is registered stays in the books
-            budget = self._budget()
-            rest = _single_plan(chunk, chunk.ptr + done, chunk.size - done) if done else whole
-            piece = (pace(rest, 0, budget) if budget is not None else rest).ranges[0]
-            plan = _single_plan(chunk, chunk.ptr + done, piece.size)
-            registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime, flags=self.flags,
-                                  progress=None, retry_halvings=0, ledger=self.ledger)
-            with self._lock:
-                self.registrations.append(registration)
-            seconds = registration.status().register_seconds
-            self._bytes += piece.size
-            self._seconds += seconds
-            self.calls.append((index, piece.size, seconds))
-            if self.on_chunk is not None:
-                self.on_chunk(index, done, piece.size)
-            done += piece.size
-        self.completed += 1
+                return False
+            budget = faulted if budget is None else min(budget, faulted)
+        piece = (pace(rest, 0, budget) if budget is not None else rest).ranges[0]
+        if self.before_call is not None:
+            self.before_call(index, done + piece.size, self._stop.is_set)
+            if self._stop.is_set():
+                return False  # nothing of this call registered yet
+        plan = _single_plan(chunk, chunk.ptr + done, piece.size)
+        registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime, flags=self.flags,
+                              progress=None, retry_halvings=0, ledger=self.ledger)
+        with self._lock:
+            self.registrations.append(registration)
+        seconds = registration.status().register_seconds
+        self._bytes += piece.size
+        self._seconds += seconds
+        self.calls.append((index, piece.size, seconds))
+        self._done[index] = done + piece.size
+        if self._done[index] < chunk.size:
+            heapq.heapreplace(self._queue, (self.key(index, self._done[index]), index))
+        else:
+            heapq.heappop(self._queue)
+            self.completed += 1
+        if self.on_chunk is not None:
+            self.on_chunk(index, done, piece.size)
+        return True
 
-    def start(self, head: int) -> "ProgressiveRegistration":
-        """Register chunks ``[0, head)`` here (errors raise: nothing is served yet), the rest in
-        the background."""
-        for index in range(min(head, len(self.chunks))):
-            self._register(index)
-        if head < len(self.chunks):
-            self._thread = threading.Thread(target=self._run, args=(head,), name="hicache-progressive", daemon=True)
+    def start(self, ready=None) -> "ProgressiveRegistration":
+        """Register here until ``ready()`` says enough is (default: after the first call;
+        errors raise: nothing is served yet), the rest in the background."""
+        if ready is None:
+            ready = lambda: bool(self.calls)  # noqa: E731
+        while not ready() and self._step():
+            pass
+        if self._queue:
+            self._thread = threading.Thread(target=self._run, name="hicache-progressive", daemon=True)
             self._thread.start()
         return self
 
-    def _run(self, first: int) -> None:
-        for index in range(first, len(self.chunks)):
-            if self._stop.is_set():
-                return
-            try:
-                self._register(index)
-            except BaseException as error:  # the pool keeps working at its registered prefix
-                self.error = error
-                logger.error("background registration stopped at chunk %d of %d: %s", index + 1,
-                             len(self.chunks), error)
-                return
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as error:  # the pool keeps working at its registered prefix
+            self.error = error
+            logger.error("background registration stopped with %d of %d chunks registered: %s",
+                         self.completed, len(self.chunks), error)
 
     @property
     def done(self) -> bool:
@@ -165,7 +195,7 @@ class ProgressiveRegistration:
             raise interrupted
 
     def release(self) -> None:
-        """Stop, then unregister every chunk, newest first; `ReleaseError` lists what stays."""
+        """Stop, then unregister every call, newest first; `ReleaseError` lists what stays."""
         self.stop()
         leaked: list = []
         with self._lock:
@@ -179,29 +209,70 @@ class ProgressiveRegistration:
             raise ReleaseError(f"{len(leaked)} range(s) stay registered after a progressive release", leaked=tuple(leaked))
 
 
+def fault_pieces(chunks, spans, key=None) -> tuple[list, list]:
+    """Cut each chunk's span ``(buffer index, offset, size)`` into pre-fault pieces - the first
+    `FIRST_PIECE_BYTES`, each next one twice as large up to `PIECE_BYTES` - and order them as the
+    registration will reach them (``key(index, offset in chunk)``, then chunk, then offset).
+    Returns the pieces and, per chunk, ``[(end in chunk, position in the order)]`` in offset
+    order (positions rise with it): a call on chunk i ending at e waits for the piece whose end
+    is the first at or past e."""
+    from hicache.effects._pipeline import PIECE_BYTES
+
+    key = key if key is not None else (lambda index, done: index)
+    cut = []
+    for index, ((buffer, offset, size), chunk) in enumerate(zip(spans, chunks)):
+        done, piece = 0, min(FIRST_PIECE_BYTES, PIECE_BYTES)
+        while done < size:
+            length = min(piece, size - done)
+            cut.append((key(index, done), index, done, buffer, offset + done, length))
+            done, piece = done + length, min(2 * piece, PIECE_BYTES)
+    cut.sort(key=lambda c: (c[0], c[1], c[2]))
+    ends: list[list] = [[] for _ in spans]
+    for position, (_, index, done, _, _, length) in enumerate(cut):
+        ends[index].append((done + length, position))
+    return [(buffer, offset, length) for *_, buffer, offset, length in cut], ends
+
+
 class BackgroundBringUp:
     """A progressive registration and its background pre-fault, started and torn down as one:
-    each chunk is faulted (in ``order``) just before it registers. Shared by progressive pools
-    and `ProgressiveBringUp`; ``registration`` is assigned before anything registers, so a
-    failing head can still be undone by `release`."""
+    memory is faulted in pieces in the order the calls will need it, and each call waits for
+    its own bytes only. Shared by progressive pools and `ProgressiveBringUp`; ``registration``
+    is assigned before anything registers, so a failing start can still be undone by
+    `release`."""
 
-    def __init__(self, chunks, order, host_buffers, *, runtime=None, ledger=None, on_chunk=None,
+    def __init__(self, chunks, order, host_buffers, *, runtime=None, ledger=None, on_chunk=None, key=None,
                  max_stall_s=MAX_STALL_S, threads=None) -> None:
+        """``order``: each chunk's ``(buffer index, offset, size)`` in ``host_buffers``;
+        ``key``: as `ProgressiveRegistration`'s."""
         from hicache.effects._pipeline import Prefaulter
 
-        self.faulter = Prefaulter(host_buffers, order=order, threads=threads).start()
+        pieces, ends = fault_pieces(chunks, order, key)
+
+        positions = [[position for _, position in chunk_ends] for chunk_ends in ends]
+
+        def before_call(index: int, end: int, stop) -> None:
+            at = bisect.bisect_left(ends[index], (end, -1))
+            self.faulter.wait_span(ends[index][at][1], stop=stop)
+
+        def resident(index: int, done: int, stop) -> int:
+            at = bisect.bisect_right(ends[index], (done, len(pieces)))  # the next piece past done
+            self.faulter.wait_span(ends[index][at][1], stop=stop)
+            faulted = bisect.bisect_left(positions[index], self.faulter.spans_done) - 1
+            return ends[index][max(at, faulted)][0]
+
+        self.faulter = Prefaulter(host_buffers, order=pieces, threads=threads).start()
         try:
             self.registration = ProgressiveRegistration(
-                chunks, runtime=runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=max_stall_s,
-                before_chunk=lambda position, stop: self.faulter.wait_span(position + 1, stop),
+                chunks, runtime=runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=max_stall_s, key=key,
+                before_call=before_call, resident=resident,
             )
         except BaseException:
             self.faulter.stop()
             self.faulter.join(quiet=True)
             raise
 
-    def start(self, head: int) -> "BackgroundBringUp":
-        self.registration.start(head)
+    def start(self, ready=None) -> "BackgroundBringUp":
+        self.registration.start(ready)
         return self
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -216,7 +287,7 @@ class BackgroundBringUp:
             self.faulter.join(quiet=True)
 
     def release(self, books) -> None:
-        """Stop, then unregister every chunk; on `ReleaseError` the memory's ``books`` are
+        """Stop, then unregister every call; on `ReleaseError` the memory's ``books`` are
         quarantined (CUDA still pins some of it: never unmap) and the error raised."""
         self.stop()
         try:
@@ -261,7 +332,7 @@ class ProgressiveBringUp:
             self.background = BackgroundBringUp(chunks, order, self.handle.host_buffers, runtime=runtime,
                                                 ledger=ledger, on_chunk=first, max_stall_s=max_stall_s,
                                                 threads=getattr(allocator, "prefault_threads", None))
-            self.background.start(1)
+            self.background.start()
         except BaseException:
             self.release()
             raise

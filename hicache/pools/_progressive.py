@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import bisect
 
+import attrs
+
 from hicache.effects import BackgroundBringUp, Chunk
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._views import buffer_symbols
@@ -60,25 +62,52 @@ class PageReadiness:
             self.ready += 1
         return range(first, self.ready)
 
-    def page_position(self, buffer: int, offset: int) -> int:
-        """The page a chunk starting at ``offset`` of ``buffer`` begins in (its stream's)."""
-        for b, base, pb in reversed(self.streams):
-            if b == buffer and offset >= base:
-                return (offset - base) // pb
-        return 0
+    def stream_at(self, buffer: int, offset: int, alignment: int = 1) -> tuple[int, int]:
+        """``(start of page 0, page bytes)`` of the stream (buffer, K/V half) a part starting
+        at ``offset`` serves: the last one starting at or before it, once starts are rounded
+        down to ``alignment`` as the cuts were."""
+        for b, start, page_bytes in reversed(self.streams):
+            if b == buffer and start // alignment * alignment <= offset:
+                return start, page_bytes
+        raise ValueError(f"no stream of buffer {buffer} at offset {offset}")
 
 
-def ordered_chunks(pool, tensors, readiness: PageReadiness) -> list[tuple[int, int, int, Chunk]]:
-    """Every range of the pool's plan as ``(buffer, offset, size, Chunk)``, ordered by the page
-    it starts in (then buffer, then offset): pages become ready front to back."""
-    chunks = []
+@attrs.frozen
+class Part:
+    """A chunk of a progressive pool: one range of the plan, or its piece in one K/V half."""
+
+    buffer: int
+    offset: int
+    size: int
+    chunk: Chunk
+    stream_start: int  # where page 0 of the half it serves starts (may lie past ``offset``)
+    page_bytes: int
+
+    def page_reached(self, done: int) -> int:
+        """The page of its half that registering from ``done`` on reaches first."""
+        return max(0, self.offset + done - self.stream_start) // self.page_bytes
+
+
+def ordered_chunks(pool, tensors, readiness: PageReadiness) -> list[Part]:
+    """Every range of the pool's plan, cut where a K/V half starts (rounded down to the plan's
+    boundary alignment, so each part is still a legal range), ordered by the page each part
+    starts at (then buffer, then offset): a single 64 GiB range holding both halves must not
+    register all of K before V's first page."""
+    parts = []
     for index, (buffer, tensor) in enumerate(zip(pool.pool_plan.buffers, tensors)):
         plan, base = buffer.plan, tensor.data_ptr()
+        alignment = plan.alignment_bytes or plan.granularity_bytes or 1
+        starts = [start for b, start, _ in readiness.streams if b == index and start > 0]
         for item in plan.ranges:
-            chunk = Chunk(f"{buffer.spec.name}", base + item.offset, item.size, plan.granularity_bytes, plan.limits)
-            chunks.append((readiness.page_position(index, item.offset), index, item.offset, item.size, chunk))
-    chunks.sort(key=lambda c: (c[0], c[1], c[2]))
-    return [(index, offset, size, chunk) for _, index, offset, size, chunk in chunks]
+            end = item.offset + item.size
+            cuts = sorted({cut for cut in (start // alignment * alignment for start in starts) if item.offset < cut < end})
+            edges = [item.offset, *cuts, end]
+            for lo, hi in zip(edges, edges[1:]):
+                stream_start, page_bytes = readiness.stream_at(index, lo, alignment)
+                chunk = Chunk(f"{buffer.spec.name}", base + lo, hi - lo, plan.granularity_bytes, plan.limits)
+                parts.append(Part(index, lo, hi - lo, chunk, stream_start, page_bytes))
+    parts.sort(key=lambda part: (part.page_reached(0), part.buffer, part.offset))
+    return parts
 
 
 class ProgressiveMixin:
@@ -86,28 +115,29 @@ class ProgressiveMixin:
 
     def _start_progressive(self, tensors, host_buffers) -> None:
         """Every page starts handed out (to the pool itself) and is freed into the allocator
-        as it becomes ready; the first page of every buffer is registered before returning.
-        The memory is faulted in the background in the same order, each chunk just before it
-        registers."""
+        as it becomes ready; the constructor returns once the first page is registered in
+        every buffer. Calls go by the page they reach (K and V halves and all buffers
+        together), and the memory is faulted in the background in the same order, each call
+        waiting for its own bytes."""
         self._pages = PageAllocator(self.page_num, self.page_size)
         self._pages.alloc(self.page_num * self.page_size)
         self._readiness = PageReadiness(self, tensors)
-        chunks = ordered_chunks(self, tensors, self._readiness)
-        head = sum(1 for index, offset, _, _ in chunks if self._readiness.page_position(index, offset) == 0)
+        parts = ordered_chunks(self, tensors, self._readiness)
 
         def on_chunk(position: int, done: int, size: int) -> None:
-            index, offset, _, _ = chunks[position]
+            part = parts[position]
             with self.lock:
-                ready = self._readiness.registered(index, offset + done, size)
+                ready = self._readiness.registered(part.buffer, part.offset + done, size)
                 if len(ready) and not self._destroyed:
                     self._pages.free(self._slots(ready))
 
-        self._progressive = BackgroundBringUp(  # stored first: a failing head is undone by destroy()
-            [chunk for *_, chunk in chunks], [(index, offset, size) for index, offset, size, _ in chunks],
+        self._progressive = BackgroundBringUp(  # stored first: a failing start is undone by destroy()
+            [part.chunk for part in parts], [(part.buffer, part.offset, part.size) for part in parts],
             host_buffers, runtime=self.runtime, ledger=self.ledger, on_chunk=on_chunk,
+            key=lambda position, done: parts[position].page_reached(done),
             max_stall_s=self.max_stall_s, threads=getattr(self.allocator, "prefault_threads", None),
         )
-        self._progressive.start(max(head, 1))
+        self._progressive.start(lambda: self._readiness.ready > 0)
 
     def _slots(self, pages: range):
         import torch
