@@ -1,15 +1,20 @@
-"""Host bring-up of a multi-GiB buffer: allocate + pre-fault, ours vs two baselines, one run.
+"""Host bring-up of a multi-GiB buffer: allocate + pre-fault (+ free), ours against SGLang's
+path, one run, at HICACHE_BENCH_SIZES_GIB (4,8) GiB.
 
-- ours: hicache allocate_host + prefault (MADV_POPULATE_WRITE through ctypes, N threads)
-- baseline A: one mmap.madvise(MADV_POPULATE_WRITE) from Python (holds the GIL, one thread)
-- baseline B: torch.empty + writing one byte per page (what "touch it first" code does)
-Size: HICACHE_BENCH_GIB (default 2); medians of HICACHE_BENCH_ROUNDS (7) interleaved rounds
-with the per-round range (the machines are shared and noisy); speed = baseline time / ours.
+- ours: hicache allocate_host + prefault with the default settings (4 KiB pages,
+  MADV_POPULATE_WRITE through ctypes from one thread per core), and with hugepages="thp"
+- baseline: SGLang's path - torch.empty + one madvise(MADV_POPULATE_WRITE) over the tensor
+  (one thread; through ctypes, as it must be: the tensor is not an mmap object)
+Medians of HICACHE_BENCH_ROUNDS (7) interleaved rounds with the per-round range; speed =
+baseline time / ours. The first line says what the machine does with freed memory: under a
+hypervisor that takes freed pages back (virtio-balloon free page reporting), every pre-fault
+pays for the host faulting them in again - a cost no page size or thread count removes and a
+GPU server (bare metal, or guest memory pinned for the GPU's passthrough) does not have.
 """
 
 from __future__ import annotations
 
-import mmap
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -23,38 +28,59 @@ import torch  # noqa: E402
 from hicache.effects import allocate_host, prefault  # noqa: E402
 
 MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def ours(nbytes: int) -> None:
-    buffer = allocate_host(nbytes)
+def ours(nbytes: int, hugepages: str) -> None:
+    buffer = allocate_host(nbytes, hugepages=hugepages)
     prefault(buffer)
     buffer.free()
 
 
-def python_madvise(nbytes: int) -> None:
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(MADV_POPULATE_WRITE)
-    mapping.close()
-
-
-def torch_touch(nbytes: int) -> None:
+def sglang_path(nbytes: int) -> None:
     tensor = torch.empty(nbytes, dtype=torch.uint8)
-    tensor[:: os.sysconf("SC_PAGE_SIZE")] = 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + nbytes) // page * page
+    if _libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
     del tensor
 
 
+def machine_line() -> str:
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return "n/a"
+
+    reporting = Path("/sys/module/page_reporting/parameters")
+    freed = "freed memory stays with this kernel"
+    if reporting.is_dir():
+        order = read(reporting / "page_reporting_order")
+        freed = (f"free page reporting on (freed blocks of order >= {order} go back to the hypervisor; "
+                 f"reported so far {int(read(reporting / 'reported_kib') or 0) // 2**20} GiB)"
+                 if read(reporting / "reported_kib") != "n/a" else f"free page reporting module loaded (order {order})")
+    thp = read("/sys/kernel/mm/transparent_hugepage/enabled")
+    return f"machine: {os.cpu_count()} cores, THP {thp}; {freed}"
+
+
 def main() -> None:
-    gib = float(os.environ.get("HICACHE_BENCH_GIB", "2"))
-    nbytes = int(gib * 2**30)
-    times = interleaved(
-        {"ours": lambda: ours(nbytes), "madvise": lambda: python_madvise(nbytes), "touch": lambda: torch_touch(nbytes)},
-        rounds=int(os.environ.get("HICACHE_BENCH_ROUNDS", "7")),
-    )
+    sizes = [float(v) for v in os.environ.get("HICACHE_BENCH_SIZES_GIB", "4,8").split(",")]
+    rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "7"))
     threads = min(os.cpu_count() or 1, 16)
-    label = f"host bring-up {gib:g} GiB, allocate+prefault+free ({threads} threads)"
-    ms = {name: [t * 1e3 for t in values] for name, values in times.items()}
-    print(median_line(label, ms["ours"], "one mmap.madvise(MADV_POPULATE_WRITE) from Python", ms["madvise"], "ms"))
-    print(median_line(label, ms["ours"], "torch.empty + touch each page", ms["touch"], "ms"))
+    print(machine_line())
+    for gib in sizes:
+        nbytes = int(gib * 2**30)
+        times = interleaved({"ours": lambda: ours(nbytes, "off"), "thp": lambda: ours(nbytes, "thp"),
+                             "sglang": lambda: sglang_path(nbytes)}, rounds=rounds)
+        ms = {name: [t * 1e3 for t in values] for name, values in times.items()}
+        base = "SGLang's torch.empty + one madvise(MADV_POPULATE_WRITE)"
+        print(median_line(f"allocate+prefault+free {gib:g} GiB, ours (default: 4 KiB pages, {threads} threads)",
+                          ms["ours"], base, ms["sglang"], "ms"))
+        print(median_line(f"allocate+prefault+free {gib:g} GiB, ours with hugepages='thp'", ms["thp"], base,
+                          ms["sglang"], "ms"))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def add_command(commands) -> None:
     apply.add_argument("--numa", default="auto",
                        help="bind the pool to a NUMA node: auto (the GPU's, where there are several), off, or N")
     apply.add_argument("--progressive", action="store_true",
-                       help="register chunk by chunk in the background (paced), report the time to the first chunk")
+                       help="register call by call in the background (paced), report the time to the first call")
     apply.add_argument("--format", choices=("table", "json"), default="table")
 
 
@@ -117,7 +117,7 @@ def _run_progressive(args, pools, sources, hold, *, runtime, allocator, machine,
     bringup = ProgressiveBringUp(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
                                  ledger=ledger, reserve_bytes=reserve)
     try:
-        print(f"first chunk registered after {bringup.first_chunk_s:.3f} s; registering the rest", file=sys.stderr)
+        print(f"first call registered after {bringup.first_chunk_s:.3f} s; registering the rest", file=sys.stderr)
         bringup.wait()
         total_s = time.perf_counter() - start
         calls = len(bringup.registration.calls)

@@ -1,11 +1,13 @@
 """Progressive registration: serve early, keep registering in the background.
 
-Owns registering a pool chunk by chunk - each chunk its own one-range transaction, so a
-failure leaves every earlier chunk registered and usable - the first ``head`` chunks before
-the constructor returns and the rest from a background thread that reports each chunk done.
-A stop request ends the thread after the call in flight; `release` unregisters every chunk
-(newest first) once the thread has ended. The order and what "ready" means for pages are the
-pool's business (hicache.pools); this module only registers.
+Owns registering a pool call by call - each call its own one-range transaction, so a failure
+leaves every earlier call registered and usable - in the foreground until the caller says
+enough is ready (a pool: its first page), then from a background thread that reports each
+call. Calls are paced (no call holds the driver longer than the stall budget at the measured
+rate), go in the caller's order (a pool's: the page they reach), and wait only for their own
+bytes of the background pre-fault, registering no more than is already faulted. A stop request
+ends the thread after the call in flight; `release` unregisters every call (newest first) once
+the thread has ended. What "ready" means for pages is the pool's business (hicache.pools).
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ class ProgressiveRegistration:
             raise ReleaseError(f"{len(leaked)} range(s) stay registered after a progressive release", leaked=tuple(leaked))
 
 
-def fault_pieces(chunks, spans, key=None) -> tuple[list, list]:
+def fault_pieces(spans, key=None) -> tuple[list, list]:
     """Cut each chunk's span ``(buffer index, offset, size)`` into pre-fault pieces - the first
     `FIRST_PIECE_BYTES`, each next one twice as large up to `PIECE_BYTES` - and order them as the
     registration will reach them (``key(index, offset in chunk)``, then chunk, then offset).
@@ -220,7 +222,7 @@ def fault_pieces(chunks, spans, key=None) -> tuple[list, list]:
 
     key = key if key is not None else (lambda index, done: index)
     cut = []
-    for index, ((buffer, offset, size), chunk) in enumerate(zip(spans, chunks)):
+    for index, (buffer, offset, size) in enumerate(spans):
         done, piece = 0, min(FIRST_PIECE_BYTES, PIECE_BYTES)
         while done < size:
             length = min(piece, size - done)
@@ -246,8 +248,7 @@ class BackgroundBringUp:
         ``key``: as `ProgressiveRegistration`'s."""
         from hicache.effects._pipeline import Prefaulter
 
-        pieces, ends = fault_pieces(chunks, order, key)
-
+        pieces, ends = fault_pieces(order, key)
         positions = [[position for _, position in chunk_ends] for chunk_ends in ends]
 
         def before_call(index: int, end: int, stop) -> None:
