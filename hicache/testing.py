@@ -89,6 +89,7 @@ class FakeCudart:
         self.interrupt_register = dict(interrupt_register or {})
         self.interrupt_unregister = dict(interrupt_unregister or {})
         self.registered: dict[int, int] = {}
+        self._state = threading.Lock()  # registered/timeline: a background registration writes them
         self.register_calls = 0
         self.unregister_calls = 0
         self.pending = SUCCESS
@@ -113,15 +114,16 @@ class FakeCudart:
             return self._fail(self.fail_register[call])
         if size <= 0:
             return self._fail(1)
-        for base, held in self.registered.items():
-            if base < ptr + size and ptr < base + held:
+        with self._state:
+            if any(base < ptr + size and ptr < base + held for base, held in self.registered.items()):
                 return self._fail(ALREADY_REGISTERED)
         start = time.perf_counter()
         if self.register_bytes_per_s:  # a driver pinning at this rate, under its one lock
             with _DRIVER_LOCK:
                 time.sleep(size / self.register_bytes_per_s)
-        self.timeline.append(("register", ptr, size, start, time.perf_counter()))
-        self.registered[ptr] = size
+        with self._state:
+            self.timeline.append(("register", ptr, size, start, time.perf_counter()))
+            self.registered[ptr] = size
         if self.interrupt_register.get(call) == "after":
             raise KeyboardInterrupt(f"fake interrupt after register call {call}")
         return SUCCESS
@@ -136,9 +138,10 @@ class FakeCudart:
             raise KeyboardInterrupt(f"fake interrupt before unregister call {call}")
         if call in self.fail_unregister:
             return self._fail(self.fail_unregister[call])
-        if ptr not in self.registered:
-            return self._fail(NOT_REGISTERED)
-        del self.registered[ptr]
+        with self._state:
+            if ptr not in self.registered:
+                return self._fail(NOT_REGISTERED)
+            del self.registered[ptr]
         if self.interrupt_unregister.get(call) == "after":
             raise KeyboardInterrupt(f"fake interrupt after unregister call {call}")
         return SUCCESS
@@ -154,7 +157,8 @@ class FakeCudart:
 
     def check_valid(self) -> None:
         """Raise FakeInvariantError if the caller left CUDA in a state it should not."""
-        spans = sorted(self.registered.items())
+        with self._state:
+            spans = sorted(self.registered.items())
         for (a, sa), (b, _) in zip(spans, spans[1:]):
             if a + sa > b:
                 raise FakeInvariantError(f"overlapping registrations at 0x{a:x} and 0x{b:x}")
@@ -165,8 +169,9 @@ class FakeCudart:
             )
 
     def held(self) -> set[tuple[int, int]]:
-        """The registered ranges as ``(ptr, size)``."""
-        return set(self.registered.items())
+        """The registered ranges as ``(ptr, size)`` (safe while another thread registers)."""
+        with self._state:
+            return set(self.registered.items())
 
 
 class _Status(enum.IntEnum):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from machine import ROOMY
 
 from hicache.effects import HostLedger
@@ -191,4 +193,58 @@ def test_the_constructor_returns_once_the_first_page_is_registered_in_every_buff
     before = [call for call in runtime.cudart.timeline if call[4] <= returned]
     assert len(before) == len(pool.pool_plan.buffers) * halves, before
     assert len(runtime.cudart.timeline) <= len(before) + 1
+    assert runtime.held() == set() and ledger.held() == ()
+
+
+@st.composite
+def progressive_pools(draw):
+    family = draw(st.sampled_from(["mla", "mha"]))
+    layout = draw(st.sampled_from(["page_first", "page_first_direct"]))
+    page = draw(st.sampled_from([1, 2, 4, 8]))
+    layers = draw(st.integers(1, 3))
+    if family == "mla":
+        device = MLADevicePool(size=64, layer_num=layers, kv_lora_rank=draw(st.sampled_from([12, 28, 60])),
+                               qk_rope_head_dim=4, page_size=page)
+    else:
+        device = MHADevicePool(size=64, layer_num=layers, head_num=draw(st.integers(1, 3)),
+                               head_dim=draw(st.sampled_from([4, 8, 24])), page_size=page)
+    ratio = draw(st.sampled_from([2.0, 3.0, 5.0]))
+    chunk = draw(st.sampled_from([4096, 3 * 4096, 16 * 4096, 2**40]))
+    stall = draw(st.sampled_from([1e-6, 0.001, 0.25]))
+    return family, layout, page, device, ratio, chunk, stall
+
+
+@settings(max_examples=100)  # each example maps, registers and releases a pool: ~40 ms
+@given(progressive_pools())
+def test_any_page_first_pool_registers_its_plan_exactly_and_hands_out_only_registered_pages(shape):
+    """Any page-first pool, any chunk limit, any stall budget: what ends up registered tiles
+    every buffer exactly (no byte twice, none left out), each buffer's calls form a
+    RegistrationPlan that passes every law and keep the plan's boundary alignment (the cuts at
+    the K/V halves and the paced calls included: two calls never share an OS page), and every page the pool hands out on the way is registered in every buffer."""
+    from hicache.plan import Range, RegistrationPlan
+
+    family, layout, page, device, ratio, chunk, stall = shape
+    cls = MLATokenToKVPoolHost if family == "mla" else MHATokenToKVPoolHost
+    runtime, ledger = FakeRuntime(register_bytes_per_s=5e8), HostLedger()
+    pool = cls(device, ratio, 0, page, layout, True, "cpu", limits=Limits(chunk_limit_bytes=chunk), runtime=runtime,
+               ledger=ledger, machine=ROOMY, progressive=True, max_stall_s=stall)
+    try:
+        while pool.available_size() or not pool.wait_ready(timeout=0):
+            slots = pool.alloc(page)
+            if slots is not None:
+                for slice_ in pool._page_blocks(int(slots[0])):
+                    assert _inside(runtime.held(), slice_.data_ptr(), slice_.numel() * slice_.element_size())
+        assert pool.wait_ready() is True and pool.ready_pages() == pool.page_num
+        for buffer, tensor in zip(pool.pool_plan.buffers, pool.buffers):
+            base, plan = tensor.data_ptr(), buffer.plan
+            held = sorted((ptr - base, size) for ptr, size in runtime.held() if base <= ptr < base + plan.total_bytes)
+            assert held[0][0] == 0 and all(a + s == b for (a, s), (b, _) in zip(held, held[1:]))
+            assert held[-1][0] + held[-1][1] == plan.total_bytes
+            alignment = plan.alignment_bytes or plan.granularity_bytes or plan.total_bytes
+            assert all(offset % alignment == 0 for offset, _ in held), (alignment, held)  # no shared OS page
+            RegistrationPlan(total_bytes=plan.total_bytes, granularity_bytes=plan.granularity_bytes,
+                             step_bytes=plan.step_bytes, limits=plan.limits,
+                             ranges=tuple(Range(o, s) for o, s in held), alignment_bytes=plan.alignment_bytes)
+    finally:
+        pool.destroy()
     assert runtime.held() == set() and ledger.held() == ()
