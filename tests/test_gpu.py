@@ -88,3 +88,39 @@ def test_pool_round_trip_on_cuda(layout, side_stream):
         assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
     finally:
         pool.destroy()
+
+
+@pytest.mark.gpu
+def test_progressive_pool_serves_pages_while_it_registers_on_cuda():
+    """A progressive 1 GB MHA pool: the pages `alloc` hands out right after the constructor
+    returns back up GPU pages and load them back byte for byte through cudaMemcpyBatchAsync
+    while the rest still registers; `wait_ready()` ends with every page ready."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of torch (the development pin is the CPU build)")
+    from hicache.pools import MHATokenToKVPoolHost
+    from hicache.testing import MHADevicePool
+
+    device = MHADevicePool(size=4096, layer_num=4, head_num=8, head_dim=128, page_size=64)
+    device.randomize(7)
+    device.k_buffer = [t.cuda() for t in device.k_buffer]
+    device.v_buffer = [t.cuda() for t in device.v_buffer]
+    device.device = "cuda"
+    pool = MHATokenToKVPoolHost(device, 1.0, 1, 64, "page_first_direct", True, "cpu", progressive=True)
+    try:
+        assert 0 < pool.ready_pages() <= pool.page_num
+        host_idx = pool.alloc(16 * 64)
+        assert host_idx is not None, f"only {pool.ready_pages()} pages ready after the constructor"
+        pages = torch.randperm(4096 // 64 - 1, generator=torch.Generator().manual_seed(2))[:16] + 1
+        device_idx = (pages[:, None] * 64 + torch.arange(64)).reshape(-1).cuda()
+        original = [t[device_idx].clone() for t in device.tensors()]
+        pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+        for t in device.tensors():
+            t.zero_()
+        for layer in range(4):
+            pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
+        assert pool.wait_ready(timeout=300) is True and pool.ready_pages() == pool.page_num
+    finally:
+        pool.destroy()
