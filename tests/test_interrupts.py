@@ -25,13 +25,13 @@ from hicache.effects import (
     bring_up,
     deferred_interrupts,
 )
-from hicache.effects import _bringup, _executor, _host_pools, _interrupts, _registration
+from hicache.effects import _bringup, _executor, _host_pools, _interrupts, _progressive, _registration
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime
 
 pytest.importorskip("torch")
-FILES = {m.__file__ for m in (_bringup, _executor, _host_pools, _registration, _interrupts)}
+FILES = {m.__file__ for m in (_bringup, _executor, _host_pools, _registration, _interrupts, _progressive)}
 # not _pipeline: its wait loop runs as often as the pre-fault thread's timing makes it, so the
 # line count would vary run to run; an interrupt there is a held Ctrl-C checked by the executor
 PLAN = plan_pool(
@@ -146,7 +146,25 @@ def _register_only_caller(runtime, ledger, lock, allocator, holder: list):
                 pass  # still registered: kept mapped, as it must be
 
 
-CALLERS = {"deferring": _deferring_caller, "plain": _plain_caller, "register-only": _register_only_caller}
+def _progressive_caller(runtime, ledger, lock, allocator, holder: list):
+    """A progressive pool: the constructor registers the first page's calls in the foreground
+    (the background thread gets no signals) and destroys what came up if interrupted; the
+    caller destroys the pool in finally."""
+    from hicache.pools import MHATokenToKVPoolHost
+    from hicache.testing import MHADevicePool
+
+    device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=4)
+    try:
+        holder.append(MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", runtime=runtime,
+                                           ledger=ledger, machine=ROOMY, budget_lock=lock, progressive=True,
+                                           limits=Limits(chunk_limit_bytes=64 * 1024)))
+    finally:
+        if holder:
+            holder[0].destroy()
+
+
+CALLERS = {"deferring": _deferring_caller, "plain": _plain_caller, "register-only": _register_only_caller,
+           "progressive": _progressive_caller}
 
 
 def _run(target, tmp_path, caller="deferring", **faults):
@@ -174,7 +192,22 @@ def _run(target, tmp_path, caller="deferring", **faults):
     assert not dropped or _at_hand_over(where), (f"interrupt at traced line {target}", where, error, dropped)
     if dropped:
         error = _Dropped(dropped)
-    if holder and _state(holder[0]) == "active":
+    if holder and getattr(holder[0], "_destroyed", True) is False:
+        # the Ctrl-C landed in the pool's destroy() before it began (before its deferral was
+        # in place): the pool still holds what it held, and destroying it again finishes; or
+        # its destroy() raised the ReleaseError of a failed undo, and a second one repeats it
+        pool = holder[0]
+        chain, failed_undo = error, False
+        while chain is not None and not failed_undo:
+            failed_undo, chain = isinstance(chain, ReleaseError), chain.__cause__ or chain.__context__
+        if not failed_undo:
+            assert runtime.held() == {(r.ptr, r.size) for reg in pool._progressive.registration.registrations
+                                      for r in reg.ranges}
+        try:
+            pool.destroy()
+        except ReleaseError as failed:
+            error = failed
+    elif holder and not hasattr(holder[0], "_destroyed") and _state(holder[0]) == "active":
         # the Ctrl-C landed in the caller's own release, before it began: the handle still
         # says exactly what is held, and releasing it again finishes the job
         registration = holder[0] if isinstance(holder[0], Registration) else holder[0].registration

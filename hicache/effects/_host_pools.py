@@ -36,6 +36,14 @@ class _Books:
     def quarantine(self) -> None:
         quarantine(*self.tensors, *_owned(self))
 
+    def mark_leaked(self, leaked) -> None:
+        """An undo failed and ``leaked`` ranges stay registered: keep the memory (CUDA still
+        pins some of it: never unmap), say so, and drop the budget entry as a release would."""
+        self.quarantine()
+        self.tensors = []
+        self.state, self.leaked = "leaked", tuple(leaked)
+        self.forget_budget()
+
     def forget_budget(self) -> None:
         if self.budget is not None:
             lock, nbytes = self.budget
@@ -63,9 +71,7 @@ def _release(books: _Books) -> None:
             if books.registration is not None:
                 books.registration.release()
         except ReleaseError as error:
-            books.quarantine()  # CUDA still pins some of it: never unmap
-            books.state, books.leaked = "leaked", tuple(error.leaked)
-            books.forget_budget()
+            books.mark_leaked(error.leaked)
             raise
         books.tensors = []
         if books.owns_memory:
@@ -168,11 +174,7 @@ class HostPools:
         rollback = error if isinstance(error, RollbackError) else error.__cause__
         if isinstance(rollback, RollbackError):
             with deferred_interrupts(), books.lock:
-                books.quarantine()
-                books.tensors = []
-                books.state = "leaked"
-                books.leaked = tuple(rollback.leaked) + tuple(getattr(rollback, "uncertain", ()))
-                books.forget_budget()
+                books.mark_leaked(tuple(rollback.leaked) + tuple(getattr(rollback, "uncertain", ())))
             return
         self.release()
 

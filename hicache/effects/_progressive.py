@@ -20,6 +20,7 @@ import threading
 import attrs
 
 from hicache.effects._executor import _apply
+from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._runtime import default_runtime
 from hicache.errors import ApplyError, ReleaseError
 from hicache.plan import Limits, pace, plan_registration
@@ -129,10 +130,11 @@ class ProgressiveRegistration:
             if self._stop.is_set():
                 return False  # nothing of this call registered yet
         plan = _single_plan(chunk, chunk.ptr + done, piece.size)
-        registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime, flags=self.flags,
-                              progress=None, retry_halvings=0, ledger=self.ledger)
-        with self._lock:
-            self.registrations.append(registration)
+        with deferred_interrupts():  # a Ctrl-C between the call and its book entry would drop it
+            registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime,
+                                  flags=self.flags, progress=None, retry_halvings=0, ledger=self.ledger)
+            with self._lock:
+                self.registrations.append(registration)
         seconds = registration.status().register_seconds
         self._bytes += piece.size
         self._seconds += seconds
@@ -197,16 +199,19 @@ class ProgressiveRegistration:
             raise interrupted
 
     def release(self) -> None:
-        """Stop, then unregister every call, newest first; `ReleaseError` lists what stays."""
-        self.stop()
+        """Stop, then unregister every call, newest first; `ReleaseError` lists what stays. A
+        Ctrl-C meanwhile is held until all of it is done (a half-done release would drop
+        registrations from the books)."""
         leaked: list = []
-        with self._lock:
-            registrations, self.registrations = self.registrations, []
-        for registration in reversed(registrations):
-            try:
-                registration.release()
-            except ReleaseError as error:
-                leaked.extend(error.leaked)
+        with deferred_interrupts():
+            self.stop()
+            with self._lock:
+                registrations, self.registrations = self.registrations, []
+            for registration in reversed(registrations):
+                try:
+                    registration.release()
+                except ReleaseError as error:
+                    leaked.extend(error.leaked)
         if leaked:
             raise ReleaseError(f"{len(leaked)} range(s) stay registered after a progressive release", leaked=tuple(leaked))
 
@@ -289,14 +294,16 @@ class BackgroundBringUp:
 
     def release(self, books) -> None:
         """Stop, then unregister every call; on `ReleaseError` the memory's ``books`` are
-        quarantined (CUDA still pins some of it: never unmap) and the error raised."""
-        self.stop()
-        try:
-            self.registration.release()
-        except ReleaseError:
-            books.quarantine()
-            books.state = "leaked"
-            raise
+        quarantined (CUDA still pins some of it: never unmap) and the error raised. Ctrl-C is
+        held until both are done."""
+        with deferred_interrupts():
+            self.stop()
+            try:
+                self.registration.release()
+            except ReleaseError as error:
+                with books.lock:
+                    books.mark_leaked(error.leaked)
+                raise
 
 
 class ProgressiveBringUp:
@@ -346,6 +353,8 @@ class ProgressiveBringUp:
         return self.background.wait(timeout)
 
     def release(self) -> None:
-        if self.background is not None:
-            self.background.release(self.handle._books)
-        self.handle.release()
+        """Stop, unregister, free; Ctrl-C is held until all of it is done."""
+        with deferred_interrupts():
+            if self.background is not None:
+                self.background.release(self.handle._books)
+            self.handle.release()

@@ -19,10 +19,11 @@ from hicache.effects import (
     CopyEngine,
     FrameworkPinnedAllocator,
     bring_up,
+    deferred_interrupts,
     probe_limits,
     resolve_numa_node,
 )
-from hicache.errors import LayoutError, RegistrationStateError, TransferError
+from hicache.errors import LayoutError, RegistrationStateError, ReleaseError, TransferError
 from hicache.plan import format_gb, plan_pool, size_pool
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
@@ -397,23 +398,35 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         """Release the registration, then free the memory; idempotent.
 
         If a range cannot be unregistered, `ReleaseError` is raised and the memory is kept
-        (memory CUDA still has pinned is never freed).
+        (memory CUDA still has pinned is never freed). A Ctrl-C meanwhile is held until the
+        pool is down: a half-done teardown would drop registrations from the books.
         """
-        if self._progressive is not None:  # outside the lock: its thread takes the lock per chunk
-            self._progressive.stop()
-        with self.lock:
-            if self._destroyed:
-                return
-            self._wait_for_device_copies()
-            if self._progressive is not None:  # the chunks registered so far, newest first
-                self._progressive.release(self._host._books)
-            if self._host is not None:
-                self._host.release()  # unregister, free, forget the budget (leaks: quarantined)
-            self.kv_buffer = None
-            self._index_memo.forget()
-            self._views = {}
-            self._links = {}
-            self._destroyed = True
+        with deferred_interrupts():
+            if self._progressive is not None:  # outside the lock: its thread takes the lock per call
+                self._progressive.stop()
+            with self.lock:
+                if self._destroyed:
+                    return
+                self._wait_for_device_copies()
+                leak = None
+                if self._progressive is not None:  # the calls registered so far, newest first
+                    try:
+                        self._progressive.release(self._host._books)
+                    except ReleaseError as error:  # their memory is quarantined; the rest still goes
+                        leak = error
+                if self._host is not None:
+                    try:
+                        self._host.release()  # unregister, free, forget the budget (leaks: quarantined)
+                    except ReleaseError:
+                        if leak is None:
+                            raise
+                if leak is not None:
+                    raise leak  # it names the ranges that stay registered
+                self.kv_buffer = None
+                self._index_memo.forget()
+                self._views = {}
+                self._links = {}
+                self._destroyed = True
 
     def _wait_for_device_copies(self) -> None:
         """Transfers run asynchronously on CUDA streams: none may still use memory we unpin or free."""
