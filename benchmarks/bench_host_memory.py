@@ -2,7 +2,8 @@
 path, one run, at HICACHE_BENCH_SIZES_GIB (4,8) GiB.
 
 - ours: hicache allocate_host + prefault with the default settings (4 KiB pages,
-  MADV_POPULATE_WRITE through ctypes from one thread per core), and with hugepages="thp"
+  MADV_POPULATE_WRITE through ctypes from one thread per core), with hugepages="thp", and -
+  where enough 2 MiB pages are reserved (/proc/sys/vm/nr_hugepages) - hugepages="required"
 - baseline: SGLang's path - torch.empty + one madvise(MADV_POPULATE_WRITE) over the tensor
   (one thread; through ctypes, as it must be: the tensor is not an mmap object)
 Medians of HICACHE_BENCH_ROUNDS (7) interleaved rounds with the per-round range; speed =
@@ -25,7 +26,7 @@ from _timing import interleaved, median_line  # noqa: E402
 
 import torch  # noqa: E402
 
-from hicache.effects import allocate_host, prefault  # noqa: E402
+from hicache.effects import allocate_host, free_hugepages, prefault  # noqa: E402
 
 MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -73,14 +74,23 @@ def main() -> None:
     print(machine_line())
     for gib in sizes:
         nbytes = int(gib * 2**30)
-        times = interleaved({"ours": lambda: ours(nbytes, "off"), "thp": lambda: ours(nbytes, "thp"),
-                             "sglang": lambda: sglang_path(nbytes)}, rounds=rounds)
+        jobs = {"ours": lambda: ours(nbytes, "off"), "thp": lambda: ours(nbytes, "thp"),
+                "sglang": lambda: sglang_path(nbytes)}
+        _, free = free_hugepages(2 * 2**20)
+        if free * 2 * 2**20 >= nbytes:
+            jobs["hugetlbfs"] = lambda: ours(nbytes, "required")
+        times = interleaved(jobs, rounds=rounds)
         ms = {name: [t * 1e3 for t in values] for name, values in times.items()}
         base = "SGLang's torch.empty + one madvise(MADV_POPULATE_WRITE)"
         print(median_line(f"allocate+prefault+free {gib:g} GiB, ours (default: 4 KiB pages, {threads} threads)",
                           ms["ours"], base, ms["sglang"], "ms"))
         print(median_line(f"allocate+prefault+free {gib:g} GiB, ours with hugepages='thp'", ms["thp"], base,
                           ms["sglang"], "ms"))
+        if "hugetlbfs" in ms:
+            print(median_line(f"allocate+prefault+free {gib:g} GiB, ours with hugepages='required' (2 MiB, reserved)",
+                              ms["hugetlbfs"], base, ms["sglang"], "ms"))
+        else:
+            print(f"  hugetlbfs: not measured ({free} free 2 MiB pages reserved; needs {nbytes // (2 * 2**20)})")
 
 
 if __name__ == "__main__":
