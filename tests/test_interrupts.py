@@ -25,13 +25,14 @@ from hicache.effects import (
     bring_up,
     deferred_interrupts,
 )
-from hicache.effects import _bringup, _executor, _host_pools, _interrupts, _progressive, _registration
+from hicache.effects import _background, _bringup, _executor, _host_pools, _interrupts, _progressive, _registration
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime
 
 pytest.importorskip("torch")
-FILES = {m.__file__ for m in (_bringup, _executor, _host_pools, _registration, _interrupts, _progressive)}
+FILES = {m.__file__ for m in (_bringup, _executor, _host_pools, _registration, _interrupts, _progressive,
+                             _background)}
 # not _pipeline: its wait loop runs as often as the pre-fault thread's timing makes it, so the
 # line count would vary run to run; an interrupt there is a held Ctrl-C checked by the executor
 PLAN = plan_pool(

@@ -144,7 +144,7 @@ def test_calls_on_a_big_chunk_wait_only_for_their_own_bytes(monkeypatch, family)
     faulted, and every call starts only once all of its bytes are (order, not timing)."""
     import time as _time
 
-    from hicache.effects import _pipeline, _progressive
+    from hicache.effects import _background, _pipeline, _progressive
 
     pieces = []
     real = _pipeline.prefault
@@ -157,7 +157,7 @@ def test_calls_on_a_big_chunk_wait_only_for_their_own_bytes(monkeypatch, family)
 
     monkeypatch.setattr(_pipeline, "prefault", slow_prefault)
     monkeypatch.setattr(_pipeline, "PIECE_BYTES", 16 * 1024)
-    monkeypatch.setattr(_progressive, "FIRST_PIECE_BYTES", 4096)
+    monkeypatch.setattr(_background, "FIRST_PIECE_BYTES", 4096)
     monkeypatch.setattr(_progressive, "FIRST_CALL_BYTES", 4096)
     runtime, ledger = FakeRuntime(register_bytes_per_s=1e9), HostLedger()
     pool = _pool(runtime, ledger, family=family, chunk=2**40)

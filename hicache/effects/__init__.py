@@ -67,7 +67,8 @@ from hicache.effects._bringup import (
 )
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._copy_engine import CopyEngine
-from hicache.effects._progressive import BackgroundBringUp, Chunk, ProgressiveBringUp, ProgressiveRegistration
+from hicache.effects._background import BackgroundBringUp, ProgressiveBringUp
+from hicache.effects._progressive import Chunk, ProgressiveRegistration
 from hicache.effects._numa import bound_node, node_free_bytes, online_nodes, resolve_numa_node
 
 __all__ = [

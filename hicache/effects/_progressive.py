@@ -7,12 +7,12 @@ call. Calls are paced (no call holds the driver longer than the stall budget at 
 rate), go in the caller's order (a pool's: the page they reach), and wait only for their own
 bytes of the background pre-fault, registering no more than is already faulted. A stop request
 ends the thread after the call in flight; `release` unregisters every call (newest first) once
-the thread has ended. What "ready" means for pages is the pool's business (hicache.pools).
+the thread has ended. What "ready" means for pages is the pool's business (hicache.pools);
+faulting the memory alongside is hicache.effects._background's.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import logging
 import threading
@@ -27,11 +27,8 @@ from hicache.plan import Limits, pace, plan_registration
 
 #: The first call of a progressive bring-up registers at most this much: its rate is unknown
 #: yet (the issue's cap is 256 MiB), and the first page waits for it and for faulting its bytes
-#: (`FIRST_PIECE_BYTES`, the same 16 MiB) - not for 256 MiB of both.
+#: (hicache.effects._background.FIRST_PIECE_BYTES, the same 16 MiB) - not for 256 MiB of both.
 FIRST_CALL_BYTES = 16 * 2**20
-#: The first pre-fault piece of each chunk; each next one doubles up to the pipeline's
-#: PIECE_BYTES (256 MiB), so the first call of every chunk waits for little faulting.
-FIRST_PIECE_BYTES = 16 * 2**20
 #: Default stall budget: no single call should hold the driver lock longer (it blocks every
 #: other CUDA call of the process meanwhile - a serving engine's included).
 MAX_STALL_S = 0.25
@@ -214,147 +211,3 @@ class ProgressiveRegistration:
                     leaked.extend(error.leaked)
         if leaked:
             raise ReleaseError(f"{len(leaked)} range(s) stay registered after a progressive release", leaked=tuple(leaked))
-
-
-def fault_pieces(spans, key=None) -> tuple[list, list]:
-    """Cut each chunk's span ``(buffer index, offset, size)`` into pre-fault pieces - the first
-    `FIRST_PIECE_BYTES`, each next one twice as large up to `PIECE_BYTES` - and order them as the
-    registration will reach them (``key(index, offset in chunk)``, then chunk, then offset).
-    Returns the pieces and, per chunk, ``[(end in chunk, position in the order)]`` in offset
-    order (positions rise with it): a call on chunk i ending at e waits for the piece whose end
-    is the first at or past e."""
-    from hicache.effects._pipeline import PIECE_BYTES
-
-    key = key if key is not None else (lambda index, done: index)
-    cut = []
-    for index, (buffer, offset, size) in enumerate(spans):
-        done, piece = 0, min(FIRST_PIECE_BYTES, PIECE_BYTES)
-        while done < size:
-            length = min(piece, size - done)
-            cut.append((key(index, done), index, done, buffer, offset + done, length))
-            done, piece = done + length, min(2 * piece, PIECE_BYTES)
-    cut.sort(key=lambda c: (c[0], c[1], c[2]))
-    ends: list[list] = [[] for _ in spans]
-    for position, (_, index, done, _, _, length) in enumerate(cut):
-        ends[index].append((done + length, position))
-    return [(buffer, offset, length) for *_, buffer, offset, length in cut], ends
-
-
-class BackgroundBringUp:
-    """A progressive registration and its background pre-fault, started and torn down as one:
-    memory is faulted in pieces in the order the calls will need it, and each call waits for
-    its own bytes only. Shared by progressive pools and `ProgressiveBringUp`; ``registration``
-    is assigned before anything registers, so a failing start can still be undone by
-    `release`."""
-
-    def __init__(self, chunks, order, host_buffers, *, runtime=None, ledger=None, on_chunk=None, key=None,
-                 max_stall_s=MAX_STALL_S, threads=None) -> None:
-        """``order``: each chunk's ``(buffer index, offset, size)`` in ``host_buffers``;
-        ``key``: as `ProgressiveRegistration`'s."""
-        from hicache.effects._pipeline import Prefaulter
-
-        pieces, ends = fault_pieces(order, key)
-        positions = [[position for _, position in chunk_ends] for chunk_ends in ends]
-
-        def before_call(index: int, end: int, stop) -> None:
-            at = bisect.bisect_left(ends[index], (end, -1))
-            self.faulter.wait_span(ends[index][at][1], stop=stop)
-
-        def resident(index: int, done: int, stop) -> int:
-            at = bisect.bisect_right(ends[index], (done, len(pieces)))  # the next piece past done
-            self.faulter.wait_span(ends[index][at][1], stop=stop)
-            faulted = bisect.bisect_left(positions[index], self.faulter.spans_done) - 1
-            return ends[index][max(at, faulted)][0]
-
-        self.faulter = Prefaulter(host_buffers, order=pieces, threads=threads).start()
-        try:
-            self.registration = ProgressiveRegistration(
-                chunks, runtime=runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=max_stall_s, key=key,
-                before_call=before_call, resident=resident,
-            )
-        except BaseException:
-            self.faulter.stop()
-            self.faulter.join(quiet=True)
-            raise
-
-    def start(self, ready=None) -> "BackgroundBringUp":
-        self.registration.start(ready)
-        return self
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.registration.wait(timeout)
-
-    def stop(self) -> None:
-        """End both threads; no page may still be faulting when the memory is freed."""
-        try:
-            self.registration.stop()
-        finally:
-            self.faulter.stop()
-            self.faulter.join(quiet=True)
-
-    def release(self, books) -> None:
-        """Stop, then unregister every call; on `ReleaseError` the memory's ``books`` are
-        quarantined (CUDA still pins some of it: never unmap) and the error raised. Ctrl-C is
-        held until both are done."""
-        with deferred_interrupts():
-            self.stop()
-            try:
-                self.registration.release()
-            except ReleaseError as error:
-                with books.lock:
-                    books.mark_leaked(error.leaked)
-                raise
-
-
-class ProgressiveBringUp:
-    """`hicache apply --progressive`: map (budgeted, under the lock), then fault and register
-    the plan's chunks in plan order in the background, the first before this returns.
-    ``first_chunk_s`` is the time to the first registered chunk; `release()` stops both
-    background threads, unregisters, then frees."""
-
-    def __init__(self, pools, *, runtime=None, allocator=None, ledger=None, max_stall_s=MAX_STALL_S, **options) -> None:
-        import time
-
-        import torch  # noqa: F401 - imported before the clock starts: servers have it loaded already
-
-        from hicache.effects._bringup import bring_up
-
-        start = time.perf_counter()
-        pools = list(pools)
-        self.handle = bring_up(pools, register=False, prefault=False, allocator=allocator, ledger=ledger, **options)
-        self.first_chunk_s = None
-        self.background = None
-        chunks, order = [], []
-        buffers = [b for pool in pools for b in pool.buffers]
-        for index, (buffer, tensor) in enumerate(zip(buffers, self.handle.tensors)):
-            for item in buffer.plan.ranges:
-                chunks.append(Chunk(buffer.spec.name, tensor.data_ptr() + item.offset, item.size,
-                                    buffer.plan.granularity_bytes, buffer.plan.limits))
-                order.append((index, item.offset, item.size))
-
-        def first(*_):
-            if self.first_chunk_s is None:
-                self.first_chunk_s = time.perf_counter() - start
-
-        try:
-            self.background = BackgroundBringUp(chunks, order, self.handle.host_buffers, runtime=runtime,
-                                                ledger=ledger, on_chunk=first, max_stall_s=max_stall_s,
-                                                threads=getattr(allocator, "prefault_threads", None))
-            self.background.start()
-        except BaseException:
-            self.release()
-            raise
-
-    @property
-    def registration(self) -> ProgressiveRegistration:
-        return self.background.registration
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.background.wait(timeout)
-
-    def release(self) -> None:
-        """Stop, unregister, free; Ctrl-C is held until all of it is done."""
-        with deferred_interrupts():
-            if self.background is not None:
-                self.background.release(self.handle._books)
-            self.handle.release()
