@@ -248,3 +248,39 @@ def test_any_page_first_pool_registers_its_plan_exactly_and_hands_out_only_regis
     finally:
         pool.destroy()
     assert runtime.held() == set() and ledger.held() == ()
+
+
+def _mamba_pool(runtime, ledger, layout):
+    from types import SimpleNamespace
+
+    from hicache.pools import MambaPoolHost
+
+    cache = SimpleNamespace(temporal=torch.randn(3, 65, 2, 4), conv=[torch.randn(3, 65, 3, 2).to(torch.bfloat16)])
+    device = SimpleNamespace(num_mamba_layers=3, mamba_cache=cache, size=64, device="cpu")
+    return MambaPoolHost(device, 40.0, 0, layout=layout, runtime=runtime, ledger=ledger, machine=ROOMY,
+                         limits=Limits(chunk_limit_bytes=4096), progressive=True)
+
+
+def _deepseek_v4_pool(runtime, ledger, layout):
+    from hicache.pools import DeepSeekV4PagedHostPool
+
+    buffers = [torch.randint(0, 256, (12, 48), dtype=torch.uint8) for _ in range(3)]
+    return DeepSeekV4PagedHostPool(pool_name="c4", device_buffers=buffers, item_bytes=48, num_host_pages=400,
+                                   slot_page_size=4, layout=layout, runtime=runtime, ledger=ledger, machine=ROOMY,
+                                   limits=Limits(chunk_limit_bytes=8192), progressive=True)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+@pytest.mark.parametrize("make", [_mamba_pool, _deepseek_v4_pool], ids=["mamba", "deepseek-v4"])
+def test_other_families_come_up_progressively_and_hand_out_only_registered_pages(make, layout):
+    runtime, ledger = FakeRuntime(register_bytes_per_s=1e6), HostLedger()
+    pool = make(runtime, ledger, layout)
+    assert 0 < pool.ready_pages() < pool.page_num  # served before everything was registered
+    while pool.available_size() or not pool.wait_ready(timeout=0):
+        slots = pool.alloc(pool.page_size)
+        if slots is not None:
+            for slice_ in pool._page_blocks(int(slots[0])):
+                assert _inside(runtime.held(), slice_.data_ptr(), slice_.numel() * slice_.element_size())
+    assert pool.wait_ready() is True and pool.ready_pages() == pool.page_num
+    pool.destroy()
+    assert runtime.held() == set() and ledger.held() == ()
