@@ -284,3 +284,74 @@ def test_other_families_come_up_progressively_and_hand_out_only_registered_pages
     assert pool.wait_ready() is True and pool.ready_pages() == pool.page_num
     pool.destroy()
     assert runtime.held() == set() and ledger.held() == ()
+
+
+# -- turning it on where SGLang builds the pool (no hicache keywords there) -----------------------
+def _sglang_style_pool(**kw):
+    """As HiRadixCache builds it: five positional arguments, SGLang's defaults, nothing else
+    (hicache's test-only keywords aside)."""
+    device = MHADevicePool(size=256, layer_num=2, head_num=2, head_dim=8, page_size=P)
+    return MHATokenToKVPoolHost(device, 2.0, 0, P, "page_first_direct", machine=ROOMY,
+                                limits=Limits(chunk_limit_bytes=4096), **kw)
+
+
+def test_hicache_progressive_turns_it_on_for_a_pool_built_as_sglang_builds_it(monkeypatch):
+    from hicache.testing import fake_cuda
+
+    monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
+    with fake_cuda(register_bytes_per_s=4096 / 0.01) as cuda:  # 10 ms a call
+        pool = _sglang_style_pool()
+        assert pool.progressive is True and pool.ready_pages() < pool.page_num
+        assert pool.wait_ready() is True
+        pool.destroy()
+        assert cuda.held() == set()
+        pool = _sglang_style_pool(progressive=False)  # the keyword beats the variable
+        assert pool.progressive is False and pool.ready_pages() == pool.page_num
+        pool.destroy()
+    monkeypatch.setenv("HICACHE_PROGRESSIVE", "0")
+    with fake_cuda():
+        pool = _sglang_style_pool()
+        assert pool.progressive is False
+        pool.destroy()
+
+
+def test_hicache_hugepages_sets_the_page_size_of_a_pool_built_as_sglang_builds_it(monkeypatch):
+    from hicache.testing import fake_cuda
+
+    monkeypatch.setenv("HICACHE_HUGEPAGES", "thp")
+    with fake_cuda():
+        pool = _sglang_style_pool()
+        assert pool.allocator.hugepages == "thp"
+        pool.destroy()
+        pool = _sglang_style_pool(hugepages="off")  # the keyword beats the variable
+        assert pool.allocator.hugepages == "off"
+        pool.destroy()
+
+
+@pytest.mark.parametrize("name, value", [("HICACHE_PROGRESSIVE", "maybe"), ("HICACHE_HUGEPAGES", "huge")])
+def test_a_bad_pool_setting_in_the_environment_names_the_variable_and_the_value(monkeypatch, name, value):
+    from hicache.errors import HicacheError
+    from hicache.testing import fake_cuda
+
+    monkeypatch.setenv(name, value)
+    with fake_cuda() as cuda, pytest.raises(HicacheError) as info:
+        _sglang_style_pool()
+    assert name in str(info.value) and repr(value) in str(info.value)
+    assert cuda.held() == set()
+
+
+def test_hugetlbfs_pools_keep_their_plan_on_the_huge_page(monkeypatch):
+    """HICACHE_HUGEPAGES=prefer (no pages reserved here: it falls back to 4 KiB pages): the
+    plan's boundaries still fall on 2 MiB, so no two calls share a huge page where there is one."""
+    from hicache.testing import fake_cuda
+
+    monkeypatch.setenv("HICACHE_HUGEPAGES", "prefer")
+    device = MHADevicePool(size=4096, layer_num=2, head_num=4, head_dim=64, page_size=64)
+    with fake_cuda() as cuda:
+        pool = MHATokenToKVPoolHost(device, 4.0, 0, 64, "page_first_direct", machine=ROOMY,
+                                    limits=Limits(chunk_limit_bytes=4 * 2**20))
+        assert pool.allocator.hugepages == "prefer" and pool.allocator.hugepage_bytes == 2 * 2**20
+        plan = pool.pool_plan.buffers[0].plan
+        assert plan.call_count > 1 and all(r.offset % (2 * 2**20) == 0 for r in plan.ranges)
+        pool.destroy()
+        assert cuda.held() == set()

@@ -28,6 +28,8 @@ MAP_HUGE_SHIFT = 26
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing data
 PREFAULT_PIECE_BYTES = 512 * 2**20  # TensorRT-LLM's piece size for parallel pre-fault
 HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
+#: hugetlbfs page size when none is named: 2 MiB, the x86-64 default (Hugepagesize).
+DEFAULT_HUGEPAGE_BYTES = 2 * 2**20
 
 
 #: Buffers whose memory CUDA may still have pinned (a release or rollback leaked): kept here
@@ -147,7 +149,7 @@ def allocate_host(
     nbytes: int,
     *,
     hugepages: str = "off",
-    hugepage_bytes: int = 2 * 2**20,
+    hugepage_bytes: int = DEFAULT_HUGEPAGE_BYTES,
     transparent_hugepages: bool = False,
     sysfs_root: str = "/",
     numa_node: int | None = None,

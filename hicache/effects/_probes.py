@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from hicache.effects._host_memory import os_page_bytes
+from hicache.effects._host_memory import HUGEPAGE_MODES, os_page_bytes
 from hicache.effects._runtime import default_binding
 from hicache.plan import (
     DEFAULT_CHUNK_LIMIT_BYTES,  # noqa: F401  (re-exported by hicache.effects)
@@ -31,6 +31,8 @@ ENV_VARS = {
     **SETTINGS_ENV,
     "HICACHE_RANKS_PER_HOST": "ranks sharing this host's memory (default LOCAL_WORLD_SIZE or 1)",
     "HICACHE_HOST_COPY": "host page copies: auto (native helper when built), native or python",
+    "HICACHE_PROGRESSIVE": "host pools register in the background, serving from the first page (1/0; default 0)",
+    "HICACHE_HUGEPAGES": "host pools' page size: off (4 KiB, default), thp, prefer or required (hugetlbfs)",
 }
 
 
@@ -293,3 +295,29 @@ def package_version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+@attrs.frozen
+class PoolSettings:
+    """What a host pool does when its constructor was not told (SGLang's call sites pass no
+    hicache keywords): from HICACHE_PROGRESSIVE and HICACHE_HUGEPAGES."""
+
+    progressive: bool = False
+    hugepages: str = "off"
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def pool_settings(env=None) -> PoolSettings:
+    """`PoolSettings` from the environment; a value hicache cannot read is an `EnvError`
+    naming the variable and the value (never a silent default)."""
+    env = os.environ if env is None else env
+    raw = env.get("HICACHE_PROGRESSIVE", "")
+    if raw.strip().lower() not in _TRUE + _FALSE:
+        raise EnvError(f"environment variable HICACHE_PROGRESSIVE={raw!r} must be 1 or 0 (true/false, yes/no, on/off)")
+    hugepages = env.get("HICACHE_HUGEPAGES", "").strip().lower() or "off"
+    if hugepages not in HUGEPAGE_MODES:
+        raise EnvError(f"environment variable HICACHE_HUGEPAGES={env.get('HICACHE_HUGEPAGES')!r} must be one of "
+                       f"{', '.join(HUGEPAGE_MODES)}")
+    return PoolSettings(raw.strip().lower() in _TRUE, hugepages)

@@ -15,11 +15,16 @@ import threading
 from functools import wraps
 from typing import NamedTuple
 
+import attrs
+
 from hicache.effects import (
+    DEFAULT_HUGEPAGE_BYTES,
+    HUGEPAGE_MODES,
     CopyEngine,
     FrameworkPinnedAllocator,
     bring_up,
     deferred_interrupts,
+    pool_settings,
     probe_limits,
     resolve_numa_node,
 )
@@ -91,11 +96,14 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     ``page_num`` (size like an anchor pool instead), ``ledger`` (default: the process's),
     ``copy_engine`` (a `CopyEngine`; default: one with the host copy mode the probes resolve),
     ``numa_node`` (``"auto"``: the current GPU's node where there are several; ``"off"``; N),
-    ``progressive`` (return once the first chunk of every buffer is registered and register
+    ``progressive`` (return once the first page of every buffer is registered and register
     the rest in the background; `alloc` hands out ready pages only - see `ready_pages`,
-    `wait_ready`; page-first layouts only, layer_first registers everything first),
+    `wait_ready`; page-first layouts only, layer_first registers everything first; None, the
+    default: ``HICACHE_PROGRESSIVE``, else False - SGLang's call sites pass no keywords),
     ``max_stall_s`` (progressive: no call holds the driver longer, by the measured rate; the
-    first call is at most 256 MiB; None: one call per planned chunk).
+    first call is at most 16 MiB; None: one call per planned chunk), ``hugepages`` (``"off"``,
+    ``"thp"``, ``"prefer"``, ``"required"`` as `allocate_host`; None: ``HICACHE_HUGEPAGES``,
+    else ``"off"``).
     Bring-up and teardown go through `hicache.effects.bring_up`.
     """
 
@@ -124,8 +132,9 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         budget_lock=None,
         copy_engine=None,
         numa_node="auto",
-        progressive: bool = False,
+        progressive: bool | None = None,
         max_stall_s: float | None = 0.25,
+        hugepages: str | None = None,
     ) -> None:
         self.device_pool = device_pool
         self.page_size = page_size
@@ -161,7 +170,18 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self.page_num = page_num
         self.size = page_num * page_size
         self.descriptor = self.layout_descriptor(page_num)
-        self.pool_plan = plan_pool(self.descriptor, limits if limits is not None else probe_limits())
+        settings = pool_settings() if progressive is None or hugepages is None else None  # HICACHE_*
+        self.progressive = settings.progressive if progressive is None else bool(progressive)
+        self.hugepages = settings.hugepages if hugepages is None else hugepages
+        if self.hugepages not in HUGEPAGE_MODES:
+            raise LayoutError(f"{type(self).__name__}.hugepages must be one of {HUGEPAGE_MODES}, got {self.hugepages!r}")
+        self._limits = limits if limits is not None else probe_limits()
+        if self.hugepages in ("prefer", "required") and self._limits.hugepage_bytes is None:
+            # hugetlbfs: boundaries on the huge page, so no two calls share one (vLLM PR #51081);
+            # the base is then hugepage aligned (or, if "prefer" falls back, page aligned: finer)
+            self._limits = attrs.evolve(self._limits, hugepage_bytes=DEFAULT_HUGEPAGE_BYTES, base_alignment_bytes=max(
+                self._limits.base_alignment_bytes, DEFAULT_HUGEPAGE_BYTES))
+        self.pool_plan = plan_pool(self.descriptor, self._limits)
         self.lock = threading.RLock()
         self.registration = None
         self.kv_buffer = None
@@ -176,7 +196,6 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self._pages = None
         self._progressive = None  # effects.BackgroundBringUp: registering (and faulting) in the background
         self._readiness = None
-        self.progressive = progressive
         self.max_stall_s = max_stall_s
         self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
         self.numa_node, note = resolve_numa_node(numa_node)
@@ -184,6 +203,10 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
             logger.info("%s: %s", type(self).__name__, note)
         if self.numa_node is not None and hasattr(self.allocator, "numa_node"):
             self.allocator.numa_node = self.numa_node
+        if hasattr(self.allocator, "hugepages"):
+            self.allocator.hugepages = self.hugepages
+            if self.hugepages in ("prefer", "required"):  # the size the plan's boundaries keep to
+                self.allocator.hugepage_bytes = self._limits.hugepage_bytes
         self._reserve()
         try:
             if self._pages is None and self.has_allocator:
