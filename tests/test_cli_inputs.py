@@ -150,3 +150,33 @@ def test_an_unknown_preset_suggests_the_close_ones(capsys):
     assert main(["plan", "--model", "deepseek-v32"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error[unknown-model]") and "did you mean deepseek-v3.2" in err
+
+
+def test_doctor_reports_the_pool_settings_of_the_environment(tmp_path):
+    """HICACHE_PROGRESSIVE / HICACHE_HUGEPAGES as the pools will read them: a bad value fails
+    naming it; `required` without enough reserved pages fails, `prefer` warns that it falls back."""
+    from hicache.cli._doctor import doctor_checks
+    from hicache.effects import HugepagePool
+    from hicache.testing import FakeCudaBinding
+    from machine import facts
+
+    from hicache.plan import Limits, MHALayout, plan_pool
+
+    plan = plan_pool(MHALayout("page_first_direct", layer_num=4, head_num=8, head_dim=128, page_size=64,
+                               page_num=2048, itemsize=2), Limits(chunk_limit_bytes=2**30))  # 1 GiB
+
+    def check(env, **machine):
+        checks = doctor_checks(plan, root=str(tmp_path), env=env, cuda_binding=FakeCudaBinding(), facts=facts(**machine))
+        return {c.name: c for c in checks}["pools"]
+
+    assert check({}).status == "pass" and "all at construction" in check({}).finding
+    on = check({"HICACHE_PROGRESSIVE": "1"})
+    assert on.status == "pass" and "progressive" in on.finding and "HICACHE_PROGRESSIVE" in on.finding
+    bad = check({"HICACHE_PROGRESSIVE": "maybe"})
+    assert bad.status == "fail" and "HICACHE_PROGRESSIVE='maybe'" in bad.finding
+    few = (HugepagePool(2 * 2**20, 8, 8),)
+    assert check({"HICACHE_HUGEPAGES": "required"}, hugepages=few).status == "fail"
+    prefer = check({"HICACHE_HUGEPAGES": "prefer"}, hugepages=few)
+    assert prefer.status == "warn" and "4 KiB" in prefer.finding
+    plenty = (HugepagePool(2 * 2**20, 10**6, 10**6),)
+    assert check({"HICACHE_HUGEPAGES": "required"}, hugepages=plenty).status == "pass"

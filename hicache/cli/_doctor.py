@@ -17,7 +17,8 @@ from hicache.plan import CapacityPlan, assess_budget, format_bytes
 
 DESCRIPTION = (
     "Check this machine against a saved plan (or in general): kernel pin cap, the caps this "
-    "machine plans with and where each comes from, hugepages, memlock, mappings, memory budget, "
+    "machine plans with and where each comes from, hugepages, what host pools will do "
+    "(HICACHE_PROGRESSIVE, HICACHE_HUGEPAGES), memlock, mappings, memory budget, "
     "NUMA, the host copy path and CUDA. Exit 1 when a check fails. "
     "Example: hicache doctor --plan plan.json"
 )
@@ -100,6 +101,40 @@ def _hugepages(c: Context) -> Check:
         return Check("hugepages", "fail", f"the plan needs {needed} pages of {format_bytes(hugepage)} for {c.ranks} rank(s), {free} free ({pools_text})",
                      f"reserve them: echo {needed} > /sys/kernel/mm/hugepages/hugepages-{hugepage // 1024}kB/nr_hugepages")
     return Check("hugepages", "pass", f"{pool.free} free pages of {format_bytes(hugepage)} cover {needed} needed")
+
+
+def _pools(c: Context) -> Check:
+    """What host pools built here without hicache keywords (SGLang's call sites) will do."""
+    from hicache.effects import DEFAULT_HUGEPAGE_BYTES, pool_settings
+    from hicache.plan import EnvError
+
+    try:
+        settings = pool_settings(c.env)
+    except EnvError as error:
+        return Check("pools", "fail", str(error), "fix or unset the variable it names")
+    mode = ("progressive (HICACHE_PROGRESSIVE): serving from the first registered page" if settings.progressive
+            else "registered all at construction (HICACHE_PROGRESSIVE unset)")
+    pages = {"off": "4 KiB pages", "thp": "transparent huge pages"}.get(settings.hugepages,
+                                                                          f"hugetlbfs pages ({settings.hugepages})")
+    finding = f"host pools: {mode}; {pages} (HICACHE_HUGEPAGES={settings.hugepages})"
+    if settings.hugepages not in ("prefer", "required"):
+        return Check("pools", "pass", finding)
+    size = (c.limits.hugepage_bytes if c.limits is not None else None) or DEFAULT_HUGEPAGE_BYTES
+    pool = next((p for p in c.facts.hugepages if p.size_bytes == size), None)
+    free = pool.free if pool else 0
+    if c.plan is None:  # how many it needs is the plan's to say
+        if free:
+            return Check("pools", "pass", finding + f"; {free} free pages of {format_bytes(size)}")
+        short, hint = f"; no free pages of {format_bytes(size)} reserved", "reserve them (hicache doctor --plan FILE says how many)"
+    else:
+        needed = -(-c.total // size) * c.ranks
+        if free >= needed:
+            return Check("pools", "pass", finding + f"; {free} free pages of {format_bytes(size)} cover {needed}")
+        short = f"; {free} free pages of {format_bytes(size)}, {needed} needed"
+        hint = f"reserve them: echo {needed} > /sys/kernel/mm/hugepages/hugepages-{size // 1024}kB/nr_hugepages"
+    if settings.hugepages == "required":
+        return Check("pools", "fail", finding + short, hint)
+    return Check("pools", "warn", finding + short + ": the pools fall back to 4 KiB pages", hint)
 
 
 def _memlock(c: Context) -> Check:
@@ -228,7 +263,7 @@ def _cuda(c: Context) -> Check:
 
 
 #: The rules, in the order they print.
-RULES = (_versions, _kernel, _limits, _thp, _hugepages, _memlock, _max_map_count, _memory, _numa, _host_copy,
+RULES = (_versions, _kernel, _limits, _thp, _hugepages, _pools, _memlock, _max_map_count, _memory, _numa, _host_copy,
          _cuda, _binding, _gpus)
 
 
