@@ -17,6 +17,22 @@ from hicache.testing import check_runtime_conformance
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
+def _cuda_device_pool(seed: int):
+    """torch and a 4-layer MHA device pool on the GPU filled with seeded random values (skips
+    without a CUDA build of torch)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of torch (the development pin is the CPU build)")
+    from hicache.testing import MHADevicePool
+
+    device = MHADevicePool(size=4096, layer_num=4, head_num=8, head_dim=128, page_size=64)
+    device.randomize(seed)
+    device.k_buffer = [t.cuda() for t in device.k_buffer]
+    device.v_buffer = [t.cuda() for t in device.v_buffer]
+    device.device = "cuda"
+    return torch, device
+
+
 @pytest.mark.gpu
 def test_cuda_python_runtime_conforms():
     """The real adapter: 712 on overlap, interior unregister fails, errors drained."""
@@ -60,17 +76,9 @@ def test_gpu_check_without_cuda_says_so():
 def test_pool_round_trip_on_cuda(layout, side_stream):
     """A registered MHA pool backs up GPU pages and loads them back per layer, from torch's
     default (NULL) stream - batched on a side stream - or from a stream of the caller's."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA build of torch (the development pin is the CPU build)")
+    torch, device = _cuda_device_pool(seed=5)
     from hicache.pools import MHATokenToKVPoolHost
-    from hicache.testing import MHADevicePool
 
-    device = MHADevicePool(size=4096, layer_num=4, head_num=8, head_dim=128, page_size=64)
-    device.randomize(5)
-    device.k_buffer = [t.cuda() for t in device.k_buffer]
-    device.v_buffer = [t.cuda() for t in device.v_buffer]
-    device.device = "cuda"
     pool = MHATokenToKVPoolHost(device, 1.0, 0, 64, layout, True, "cpu", limits=Limits(chunk_limit_bytes=4 * 2**20))
     try:
         pages = torch.randperm(4096 // 64 - 1, generator=torch.Generator().manual_seed(1))[:16] + 1
@@ -95,17 +103,9 @@ def test_progressive_pool_serves_pages_while_it_registers_on_cuda():
     """A progressive 1 GB MHA pool: the pages `alloc` hands out right after the constructor
     returns back up GPU pages and load them back byte for byte through cudaMemcpyBatchAsync
     while the rest still registers; `wait_ready()` ends with every page ready."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA build of torch (the development pin is the CPU build)")
+    torch, device = _cuda_device_pool(seed=7)
     from hicache.pools import MHATokenToKVPoolHost
-    from hicache.testing import MHADevicePool
 
-    device = MHADevicePool(size=4096, layer_num=4, head_num=8, head_dim=128, page_size=64)
-    device.randomize(7)
-    device.k_buffer = [t.cuda() for t in device.k_buffer]
-    device.v_buffer = [t.cuda() for t in device.v_buffer]
-    device.device = "cuda"
     pool = MHATokenToKVPoolHost(device, 1.0, 1, 64, "page_first_direct", True, "cpu", progressive=True)
     try:
         assert 0 < pool.ready_pages() <= pool.page_num
