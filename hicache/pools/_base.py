@@ -421,16 +421,18 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         """Release the registration, then free the memory; idempotent.
 
         If a range cannot be unregistered, `ReleaseError` is raised and the memory is kept
-        (memory CUDA still has pinned is never freed). A Ctrl-C meanwhile is held until the
-        pool is down: a half-done teardown would drop registrations from the books.
+        (memory CUDA still has pinned is never freed). Once releasing begins a Ctrl-C is held
+        until the pool is down (a half-done teardown would drop registrations from the books);
+        before that - stopping a progressive registration, waiting for copies in flight - it
+        interrupts with everything still held, and destroy() again finishes the job.
         """
-        with deferred_interrupts():
-            if self._progressive is not None:  # outside the lock: its thread takes the lock per call
-                self._progressive.stop()
-            with self.lock:
-                if self._destroyed:
-                    return
-                self._wait_for_device_copies()
+        if self._progressive is not None:  # outside the lock: its thread takes the lock per call
+            self._progressive.stop()
+        with self.lock:
+            if self._destroyed:
+                return
+            self._wait_for_device_copies()
+            with deferred_interrupts():
                 leak = None
                 if self._progressive is not None:  # the calls registered so far, newest first
                     try:
