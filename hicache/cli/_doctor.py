@@ -94,18 +94,27 @@ def _hugepages(c: Context) -> Check:
     hugepage = c.limits.hugepage_bytes if c.limits is not None else None
     if not hugepage:
         return Check("hugepages", "pass", f"reserved hugepages: {pools_text}")
-    pool = next((p for p in c.facts.hugepages if p.size_bytes == hugepage), None)
-    needed = -(-c.total // hugepage) * c.ranks
-    if pool is None or pool.free < needed:
-        free = pool.free if pool else 0
+    free, needed, hint = _hugepage_need(c, hugepage)
+    if free < needed:
         return Check("hugepages", "fail", f"the plan needs {needed} pages of {format_bytes(hugepage)} for {c.ranks} rank(s), {free} free ({pools_text})",
-                     f"reserve them: echo {needed} > /sys/kernel/mm/hugepages/hugepages-{hugepage // 1024}kB/nr_hugepages")
-    return Check("hugepages", "pass", f"{pool.free} free pages of {format_bytes(hugepage)} cover {needed} needed")
+                     hint)
+    return Check("hugepages", "pass", f"{free} free pages of {format_bytes(hugepage)} cover {needed} needed")
+
+
+def _hugepage_need(c: Context, size: int) -> tuple[int, int | None, str]:
+    """Free reserved pages of ``size``, how many the plan needs for every rank (None without a
+    plan), and the hint that reserves them."""
+    pool = next((p for p in c.facts.hugepages if p.size_bytes == size), None)
+    free = pool.free if pool else 0
+    if c.plan is None:
+        return free, None, "reserve them (hicache doctor --plan FILE says how many)"
+    needed = -(-c.total // size) * c.ranks
+    return free, needed, f"reserve them: echo {needed} > /sys/kernel/mm/hugepages/hugepages-{size // 1024}kB/nr_hugepages"
 
 
 def _pools(c: Context) -> Check:
     """What host pools built here without hicache keywords (SGLang's call sites) will do."""
-    from hicache.effects import DEFAULT_HUGEPAGE_BYTES, pool_settings
+    from hicache.effects import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, pool_settings
     from hicache.plan import EnvError
 
     try:
@@ -117,21 +126,16 @@ def _pools(c: Context) -> Check:
     pages = {"off": "4 KiB pages", "thp": "transparent huge pages"}.get(settings.hugepages,
                                                                           f"hugetlbfs pages ({settings.hugepages})")
     finding = f"host pools: {mode}; {pages} (HICACHE_HUGEPAGES={settings.hugepages})"
-    if settings.hugepages not in ("prefer", "required"):
+    if settings.hugepages not in HUGETLBFS_MODES:
         return Check("pools", "pass", finding)
     size = (c.limits.hugepage_bytes if c.limits is not None else None) or DEFAULT_HUGEPAGE_BYTES
-    pool = next((p for p in c.facts.hugepages if p.size_bytes == size), None)
-    free = pool.free if pool else 0
-    if c.plan is None:  # how many it needs is the plan's to say
-        if free:
-            return Check("pools", "pass", finding + f"; {free} free pages of {format_bytes(size)}")
-        short, hint = f"; no free pages of {format_bytes(size)} reserved", "reserve them (hicache doctor --plan FILE says how many)"
-    else:
-        needed = -(-c.total // size) * c.ranks
-        if free >= needed:
-            return Check("pools", "pass", finding + f"; {free} free pages of {format_bytes(size)} cover {needed}")
-        short = f"; {free} free pages of {format_bytes(size)}, {needed} needed"
-        hint = f"reserve them: echo {needed} > /sys/kernel/mm/hugepages/hugepages-{size // 1024}kB/nr_hugepages"
+    free, needed, hint = _hugepage_need(c, size)
+    if free and needed is None:  # how many it needs is the plan's to say
+        return Check("pools", "pass", finding + f"; {free} free pages of {format_bytes(size)}")
+    if needed is not None and free >= needed:
+        return Check("pools", "pass", finding + f"; {free} free pages of {format_bytes(size)} cover {needed}")
+    short = (f"; no free pages of {format_bytes(size)} reserved" if needed is None
+             else f"; {free} free pages of {format_bytes(size)}, {needed} needed")
     if settings.hugepages == "required":
         return Check("pools", "fail", finding + short, hint)
     return Check("pools", "warn", finding + short + ": the pools fall back to 4 KiB pages", hint)

@@ -17,6 +17,7 @@ from hicache.effects._registration import (
 from hicache.effects._host_memory import (
     DEFAULT_HUGEPAGE_BYTES,
     HUGEPAGE_MODES,
+    HUGETLBFS_MODES,
     QUARANTINE,
     HostBuffer,
     PrefaultReport,
@@ -110,6 +111,7 @@ __all__ = [
     "DEFAULT_CHUNK_LIMIT_BYTES",
     "ENV_VARS",
     "HUGEPAGE_MODES",
+    "HUGETLBFS_MODES",
     "DEFAULT_HUGEPAGE_BYTES",
     "PoolSettings",
     "pool_settings",

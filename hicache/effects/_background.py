@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration
+from hicache.effects._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration, chunk_order
 from hicache.errors import ReleaseError
 
 #: The first pre-fault piece of each chunk; each next one doubles up to the pipeline's
@@ -28,7 +28,7 @@ def fault_pieces(spans, key=None) -> tuple[list, list]:
     is the first at or past e."""
     from hicache.effects._pipeline import PIECE_BYTES
 
-    key = key if key is not None else (lambda index, done: index)
+    key = key if key is not None else chunk_order
     cut = []
     for index, (buffer, offset, size) in enumerate(spans):
         done, piece = 0, min(FIRST_PIECE_BYTES, PIECE_BYTES)

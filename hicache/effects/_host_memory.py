@@ -28,6 +28,7 @@ MAP_HUGE_SHIFT = 26
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing data
 PREFAULT_PIECE_BYTES = 512 * 2**20  # TensorRT-LLM's piece size for parallel pre-fault
 HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
+HUGETLBFS_MODES = ("prefer", "required")  # the modes that map hugetlbfs pages
 #: hugetlbfs page size when none is named: 2 MiB, the x86-64 default (Hugepagesize).
 DEFAULT_HUGEPAGE_BYTES = 2 * 2**20
 

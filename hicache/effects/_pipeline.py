@@ -77,26 +77,21 @@ class Prefaulter:
     def wait(self, index: int, end: int, stop=None) -> None:
         """Return once buffer ``index`` is faulted up to ``end`` (or the faulting failed: its
         error is raised here), or as soon as ``stop()`` says to give up waiting."""
-        with self._changed:
-            while self.done[index] < min(end, self.buffers[index].nbytes):
-                if self.error is not None:
-                    raise self.error
-                if stop is not None and stop():
-                    return
-                if not self._thread.is_alive() and self.done[index] < min(end, self.buffers[index].nbytes):
-                    raise RuntimeError("the pre-fault thread ended before the memory was resident")
-                self._changed.wait(0.05)
+        self._wait_until(lambda: self.done[index] >= min(end, self.buffers[index].nbytes), stop)
 
     def wait_span(self, position: int, stop=None) -> None:
         """Return once span ``position`` of ``order`` (and every span before it) is faulted
         (see `wait`)."""
+        self._wait_until(lambda: self.spans_done > position, stop)
+
+    def _wait_until(self, resident, stop) -> None:
         with self._changed:
-            while self.spans_done <= position:
+            while not resident():
                 if self.error is not None:
                     raise self.error
                 if stop is not None and stop():
                     return
-                if not self._thread.is_alive() and self.spans_done <= position:
+                if not self._thread.is_alive() and not resident():
                     raise RuntimeError("the pre-fault thread ended before the memory was resident")
                 self._changed.wait(0.05)
 

@@ -313,11 +313,10 @@ def pool_settings(env=None) -> PoolSettings:
     """`PoolSettings` from the environment; a value hicache cannot read is an `EnvError`
     naming the variable and the value (never a silent default)."""
     env = os.environ if env is None else env
-    raw = env.get("HICACHE_PROGRESSIVE", "")
-    if raw.strip().lower() not in _TRUE + _FALSE:
+    raw, raw_pages = env.get("HICACHE_PROGRESSIVE", ""), env.get("HICACHE_HUGEPAGES", "")
+    progressive, hugepages = raw.strip().lower(), raw_pages.strip().lower() or "off"
+    if progressive not in _TRUE + _FALSE:
         raise EnvError(f"environment variable HICACHE_PROGRESSIVE={raw!r} must be 1 or 0 (true/false, yes/no, on/off)")
-    hugepages = env.get("HICACHE_HUGEPAGES", "").strip().lower() or "off"
     if hugepages not in HUGEPAGE_MODES:
-        raise EnvError(f"environment variable HICACHE_HUGEPAGES={env.get('HICACHE_HUGEPAGES')!r} must be one of "
-                       f"{', '.join(HUGEPAGE_MODES)}")
-    return PoolSettings(raw.strip().lower() in _TRUE, hugepages)
+        raise EnvError(f"environment variable HICACHE_HUGEPAGES={raw_pages!r} must be one of {', '.join(HUGEPAGE_MODES)}")
+    return PoolSettings(progressive in _TRUE, hugepages)

@@ -36,6 +36,11 @@ MAX_STALL_S = 0.25
 logger = logging.getLogger(__name__)
 
 
+def chunk_order(index: int, done: int) -> int:
+    """The default order of calls: chunk by chunk, as given."""
+    return index
+
+
 @attrs.frozen
 class Chunk:
     """One registration call of a progressive bring-up: ``size`` bytes at ``ptr`` (a whole range
@@ -80,14 +85,13 @@ class ProgressiveRegistration:
         self.chunks = list(chunks)
         self.before_call = before_call
         self.resident = resident
-        self.key = key if key is not None else (lambda index, done: index)
+        self.key = key if key is not None else chunk_order
         self.max_stall_s = max_stall_s
         self.calls: list[tuple[int, int, float]] = []  # (chunk index, bytes, seconds) per call
-        self.completed = 0  # chunks wholly registered
         self._done = [0] * len(self.chunks)  # bytes registered from the start of each chunk
         self._queue = [(self.key(index, 0), index) for index, chunk in enumerate(self.chunks) if chunk.size]
         heapq.heapify(self._queue)
-        self.completed = len(self.chunks) - len(self._queue)
+        self.completed = len(self.chunks) - len(self._queue)  # chunks wholly registered
         self._bytes = 0
         self._seconds = 0.0
         self.runtime = default_runtime() if runtime is None else runtime

@@ -20,6 +20,7 @@ import attrs
 from hicache.effects import (
     DEFAULT_HUGEPAGE_BYTES,
     HUGEPAGE_MODES,
+    HUGETLBFS_MODES,
     CopyEngine,
     FrameworkPinnedAllocator,
     bring_up,
@@ -176,7 +177,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         if self.hugepages not in HUGEPAGE_MODES:
             raise LayoutError(f"{type(self).__name__}.hugepages must be one of {HUGEPAGE_MODES}, got {self.hugepages!r}")
         self._limits = limits if limits is not None else probe_limits()
-        if self.hugepages in ("prefer", "required") and self._limits.hugepage_bytes is None:
+        if self.hugepages in HUGETLBFS_MODES and self._limits.hugepage_bytes is None:
             # hugetlbfs: boundaries on the huge page, so no two calls share one (vLLM PR #51081);
             # the base is then hugepage aligned (or, if "prefer" falls back, page aligned: finer)
             self._limits = attrs.evolve(self._limits, hugepage_bytes=DEFAULT_HUGEPAGE_BYTES, base_alignment_bytes=max(
@@ -205,7 +206,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
             self.allocator.numa_node = self.numa_node
         if hasattr(self.allocator, "hugepages"):
             self.allocator.hugepages = self.hugepages
-            if self.hugepages in ("prefer", "required"):  # the size the plan's boundaries keep to
+            if self.hugepages in HUGETLBFS_MODES:  # the size the plan's boundaries keep to
                 self.allocator.hugepage_bytes = self._limits.hugepage_bytes
         self._reserve()
         try:
