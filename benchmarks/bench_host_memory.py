@@ -8,7 +8,10 @@ run, at HICACHE_BENCH_SIZES_GIB (4,8) GiB. Each round frees its memory after the
 - baseline: SGLang's path - torch.empty + one madvise(MADV_POPULATE_WRITE) over the tensor
   (one thread; through ctypes, as it must be: the tensor is not an mmap object)
 Medians of HICACHE_BENCH_ROUNDS (7) interleaved rounds with the per-round range; speed =
-baseline time / ours. The first line says what the machine does with freed memory: under a
+baseline time / ours. Last, at the first size: the longest a 1 MiB mmap + munmap in another
+thread (a serving engine allocating beside a progressive pool's background pre-fault) waits
+while each path pre-faults - each MADV_POPULATE_WRITE call holds the process's mmap lock for
+its whole range. The first line says what the machine does with freed memory: under a
 hypervisor that takes freed pages back (virtio-balloon free page reporting), every pre-fault
 pays for the host faulting them in again - a cost no page size or thread count removes and a
 GPU server (bare metal, or guest memory pinned for the GPU's passthrough) does not have.
@@ -19,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -32,6 +37,9 @@ from hicache.effects import allocate_host, free_hugepages, prefault  # noqa: E40
 MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def ours(nbytes: int, hugepages: str):
@@ -50,6 +58,29 @@ def sglang_path(nbytes: int):
     held = [tensor]
     del tensor
     return held.clear  # untimed: drops the last reference, torch frees
+
+
+def longest_mmap_wait(job) -> float:
+    """Seconds of the longest 1 MiB mmap + munmap another thread made while ``job`` ran."""
+    waits, done = [], threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            start = time.perf_counter()
+            address = _libc.mmap(None, 2**20, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+            _libc.munmap(address, 2**20)
+            waits.append(time.perf_counter() - start)
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        teardown = job()
+    finally:
+        done.set()
+        thread.join()
+    teardown()
+    return max(waits)
 
 
 def machine_line() -> str:
@@ -94,6 +125,13 @@ def main() -> None:
                               ms["hugetlbfs"], base, ms["sglang"], "ms"))
         else:
             print(f"  hugetlbfs: not measured ({free} free 2 MiB pages reserved; needs {nbytes // (2 * 2**20)})")
+    nbytes = int(sizes[0] * 2**30)
+    waits: dict = {"ours": [], "sglang": []}
+    for _ in range(max(3, rounds // 2)):
+        waits["ours"].append(longest_mmap_wait(lambda: ours(nbytes, "off")) * 1e3)
+        waits["sglang"].append(longest_mmap_wait(lambda: sglang_path(nbytes)) * 1e3)
+    print(median_line(f"longest wait of a 1 MiB mmap in another thread while {sizes[0]:g} GiB pre-faults, ours",
+                      waits["ours"], "SGLang's one madvise", waits["sglang"], "ms"))
 
 
 if __name__ == "__main__":

@@ -125,3 +125,156 @@ def test_prefault_enomem_is_host_out_of_memory(monkeypatch):
     with pytest.raises(HostOutOfMemoryError, match="out of memory"):
         prefault(buffer, threads=1)
     buffer.free()
+
+
+def _recording_madvise(calls: list, *, fail_at: int | None = None, on_call=None, delay: float = 0.0,
+                       started: list | None = None, failed: list | None = None):
+    """A stand-in for libc's madvise: records ``(address, length, prefault threads alive)``
+    per call (faulting nothing) and, in ``started``, when each began; call ``fail_at`` fails
+    with ENOMEM (``failed``: when it returned)."""
+    import ctypes
+    import errno
+    import threading
+    import time
+
+    lock = threading.Lock()
+    started = [] if started is None else started
+    failed = [] if failed is None else failed
+
+    def madvise(addr, length, advice):
+        with lock:
+            live = sum(t.name.startswith("hicache-prefault_") for t in threading.enumerate())
+            calls.append((addr, length, live))
+            number = len(calls)
+            started.append(time.perf_counter())
+        if on_call is not None:
+            on_call(number)
+        time.sleep(delay)
+        if number == fail_at:
+            failed.append(time.perf_counter())
+            ctypes.set_errno(errno.ENOMEM)
+            return -1
+        return 0
+
+    return lambda: madvise
+
+
+def test_prefault_calls_stay_small_and_start_once_every_thread_runs(monkeypatch):
+    """A MADV_POPULATE_WRITE call holds the process's mmap lock for its whole range: every
+    mmap, munmap and thread start in the process (a serving engine's too) waits behind it
+    (measured here: a 1 MiB mmap waited 592 ms behind a 2 GiB call, 309 ms behind 512 MiB).
+    So no call covers more than PREFAULT_PIECE_BYTES, the calls tile the mapping exactly, and
+    none starts before every worker thread exists (a thread started beside a running call
+    waits for it: the second of two threads began only when the first's 2 GiB was done)."""
+    from hicache.effects import _host_memory
+    from hicache.effects._host_memory import PREFAULT_PIECE_BYTES
+
+    calls: list = []
+    monkeypatch.setattr(_host_memory, "_madvise", _recording_madvise(calls))
+    page = os_page_bytes()
+    buffer = allocate_host(5 * PREFAULT_PIECE_BYTES + 3 * page - 7)  # virtual: nothing is faulted
+    report = prefault(buffer, threads=3)
+    spans = sorted((addr - buffer.ptr, length) for addr, length, _ in calls)
+    assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+    assert spans[-1][0] + spans[-1][1] == buffer.mapped_bytes
+    assert max(n for _, n in spans) <= PREFAULT_PIECE_BYTES <= 64 * 2**20  # <= ~32 ms of mmap lock here
+    assert [live for *_, live in calls] == [3] * len(calls)
+    assert (report.pieces, report.threads, report.method) == (6, 3, "madvise")
+    buffer.free()
+
+
+def test_the_prefault_pool_has_every_thread_running_when_returned():
+    """started_executor: all of its threads exist before anything is submitted."""
+    import threading
+
+    from hicache.effects._host_memory import started_executor
+
+    pool = started_executor(4, prefix="hicache-test-started")
+    try:
+        assert sum(t.name.startswith("hicache-test-started_") for t in threading.enumerate()) == 4
+    finally:
+        pool.shutdown(wait=True)
+
+
+def test_a_failing_piece_stops_the_other_threads_after_their_call_in_flight(monkeypatch):
+    """ENOMEM on one piece: the error is raised once every thread has ended, and once it is
+    known no thread takes a new piece (but the one the other thread may be taking then)."""
+    from hicache.effects import _host_memory
+
+    calls, started, failed = [], [], []
+    monkeypatch.setattr(_host_memory, "_madvise",
+                        _recording_madvise(calls, fail_at=3, delay=0.002, started=started, failed=failed))
+    buffer = allocate_host(64 * 2**20)
+    with pytest.raises(HostOutOfMemoryError, match="out of memory"):
+        prefault(buffer, threads=2, piece_bytes=2**20)
+    assert len([t for t in started if t > failed[0]]) <= 1  # the other thread's next piece at most
+    buffer.free()
+
+
+@pytest.mark.parametrize("own_pool", [True, False])
+def test_ctrl_c_while_prefaulting_stops_the_threads_before_it_is_raised(monkeypatch, own_pool):
+    """A Ctrl-C reaching the waiting caller stops the workers after their call in flight and
+    is raised only once none is still faulting (the memory may be freed next), without
+    faulting the rest of the buffer first - on prefault's own pool and on one passed in
+    (which nothing shuts down for it)."""
+    import signal
+    import threading
+    import time
+
+    from hicache.effects import _host_memory
+
+    calls: list = []
+    in_flight = [0]
+    lock = threading.Lock()
+    def on_call(number: int) -> None:
+        if number == 4:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        if number >= 4:
+            time.sleep(0.05)  # every call from here on is still running when Ctrl-C lands
+
+    record = _recording_madvise(calls, delay=0.005, on_call=on_call)()
+
+    def madvise(addr, length, advice):
+        with lock:
+            in_flight[0] += 1
+        try:
+            return record(addr, length, advice)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(_host_memory, "_madvise", lambda: madvise)
+    buffer = allocate_host(256 * 2**20)
+    pool = None if own_pool else _host_memory.started_executor(2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            prefault(buffer, threads=2, piece_bytes=2**20, executor=pool)
+        assert in_flight[0] == 0
+        made = len(calls)
+        time.sleep(0.1)
+        assert len(calls) == made < 256 // 2
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+        buffer.free()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_pipelines_prefault_calls_stay_small_too(monkeypatch, threads):
+    """The pipelined bring-up's background pre-fault reports progress every PIECE_BYTES
+    (256 MiB) but still faults at most PREFAULT_PIECE_BYTES a call, every thread of its pool
+    started before the first."""
+    from hicache.effects import _host_memory
+    from hicache.effects._host_memory import PREFAULT_PIECE_BYTES
+    from hicache.effects._pipeline import PIECE_BYTES, Prefaulter
+
+    calls: list = []
+    monkeypatch.setattr(_host_memory, "_madvise", _recording_madvise(calls))
+    buffer = allocate_host(PIECE_BYTES + 5 * os_page_bytes())  # virtual: nothing is faulted
+    faulter = Prefaulter([buffer], threads=threads).start()
+    faulter.join()
+    assert faulter.done == [buffer.nbytes]
+    assert sum(n for _, n, _ in calls) == buffer.mapped_bytes
+    assert max(n for _, n, _ in calls) <= PREFAULT_PIECE_BYTES
+    assert {live for *_, live in calls} == ({threads} if threads > 1 else {0})
+    buffer.free()

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from hicache.effects._host_memory import prefault
+from hicache.effects._host_memory import PREFAULT_PIECE_BYTES, prefault, started_executor
 
 #: Pieces faulted between two progress updates: a chunk of a plan can be 64 GiB; the first
 #: register call should not wait for all of it.
@@ -44,19 +44,20 @@ class Prefaulter:
         return self
 
     def _run(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         start = time.perf_counter()
-        pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="hicache-prefault")
+        pool = None
         try:
+            # threads started before the first call (a thread started beside one waits for it)
+            pool = started_executor(self._workers) if self._workers > 1 else None
             for index, first, span in self.order:
                 buffer, offset, end = self.buffers[index], first, min(first + span, self.buffers[index].nbytes)
                 while offset < end:
                     if self._stop.is_set():
                         return
                     length = min(self.piece_bytes, end - offset)
-                    # every thread takes a share of the piece (prefault splits by piece_bytes)
-                    share = max(buffer.page_bytes, length // self._workers)
+                    # every thread takes a share of the piece, no call more than PREFAULT_PIECE_BYTES
+                    # (each holds the process's mmap lock for its whole range)
+                    share = max(buffer.page_bytes, min(PREFAULT_PIECE_BYTES, length // self._workers))
                     prefault(buffer, threads=self.threads, start=offset, length=length, piece_bytes=share,
                              executor=pool)
                     offset += length
@@ -69,7 +70,8 @@ class Prefaulter:
         except BaseException as error:  # reported to the waiting executor, never swallowed
             self.error = error
         finally:
-            pool.shutdown(wait=True)  # no share of a piece still faulting once this thread ends
+            if pool is not None:
+                pool.shutdown(wait=True)  # no share of a piece still faulting once this thread ends
             self.seconds = time.perf_counter() - start
             with self._changed:
                 self._changed.notify_all()
