@@ -278,3 +278,37 @@ def test_the_pipelines_prefault_calls_stay_small_too(monkeypatch, threads):
     assert max(n for _, n, _ in calls) <= PREFAULT_PIECE_BYTES
     assert {live for *_, live in calls} == ({threads} if threads > 1 else {0})
     buffer.free()
+
+
+def test_the_pipelines_threads_do_not_wait_for_each_other_at_piece_ends(monkeypatch):
+    """The background pre-fault streams its calls: while one thread is held up on a slow call,
+    the other goes on past the end of that piece (and of its span) instead of idling until
+    the slow call ends - and progress is still reported in order: nothing past the slow call
+    counts as resident before it ends."""
+    import time
+
+    from hicache.effects import _host_memory
+    from hicache.effects._pipeline import Prefaulter
+
+    piece = 2**20
+    starts, slow_end, seen = [], [], []
+
+    def madvise(addr, length, advice):
+        starts.append((addr, time.perf_counter()))
+        if len(starts) == 1:
+            time.sleep(0.2)
+            seen.append(list(faulter.done))  # nothing counted past the call still in flight
+            slow_end.append(time.perf_counter())
+        return 0
+
+    monkeypatch.setattr(_host_memory, "_madvise", lambda: madvise)
+    buffers = [allocate_host(4 * piece), allocate_host(4 * piece)]
+    order = [(0, 0, 2 * piece), (0, 2 * piece, 2 * piece), (1, 0, 4 * piece)]
+    faulter = Prefaulter(buffers, threads=2, piece_bytes=piece, order=order).start()
+    faulter.join()
+    first = starts[0][0]
+    assert first == buffers[0].ptr and seen == [[0, 0]]
+    assert any(t < slow_end[0] and not first <= addr < first + 2 * piece for addr, t in starts[1:])
+    assert faulter.done == [4 * piece, 4 * piece] and faulter.spans_done == 3
+    for buffer in buffers:
+        buffer.free()

@@ -280,13 +280,15 @@ def started_executor(workers: int, *, prefix: str = "hicache-prefault") -> Threa
     return pool
 
 
-def _run_workers(pool, workers: int, fault, offsets) -> None:
-    """Fault ``offsets`` from ``workers`` tasks on ``pool``, each taking the next piece. The
-    first error (or a Ctrl-C reaching the caller) stops every task after its call in flight
-    and is raised once all have ended: the memory must not be freed under a running call."""
-    pending = iter(offsets)
+def _run_workers(pool, workers: int, fault, items, *, stop: threading.Event | None = None) -> None:
+    """Call ``fault`` on each of ``items``, in order, from ``workers`` tasks on ``pool``, each
+    taking the next item. The first error (or a Ctrl-C reaching the caller) stops every task
+    after its call in flight and is raised once all have ended: the memory must not be freed
+    under a running call. ``stop``: set it to end the tasks early the same way (it is set on
+    an error too)."""
+    pending = iter(items)
     taking = threading.Lock()
-    stop = threading.Event()
+    stop = threading.Event() if stop is None else stop
 
     def work() -> None:
         while True:

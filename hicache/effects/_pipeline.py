@@ -1,10 +1,11 @@
 """The pipelined half of the bring-up: pre-fault chunk k+1 while chunk k registers.
 
 Owns a background thread that faults the buffers in the order the executor registers them,
-piece by piece, and tells the executor how far each buffer is resident (it waits for that
-before each register call, so ``cudaHostRegister`` finds its pages already faulted and does not
-fault them single-threaded under the driver lock). A stop request ends the thread after the
-piece in flight; `join` must run before the memory can be freed.
+in calls of at most PREFAULT_PIECE_BYTES that its worker threads take one after another (none
+waits for another at a piece's end), and tells the executor how far each buffer is resident,
+in order (it waits for that before each register call, so ``cudaHostRegister`` finds its pages
+already faulted and does not fault them single-threaded under the driver lock). A stop request
+ends the thread after the calls in flight; `join` must run before the memory can be freed.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import os
 import threading
 import time
 
-from hicache.effects._host_memory import PREFAULT_PIECE_BYTES, prefault, started_executor
+from hicache.effects._host_memory import PREFAULT_PIECE_BYTES, _run_workers, prefault, started_executor
 
-#: Pieces faulted between two progress updates: a chunk of a plan can be 64 GiB; the first
-#: register call should not wait for all of it.
+#: The most faulted between two progress updates (calls are at most PREFAULT_PIECE_BYTES too):
+#: a chunk of a plan can be 64 GiB; the first register call should not wait for all of it.
 PIECE_BYTES = 256 * 2**20
 
 
@@ -29,7 +30,6 @@ class Prefaulter:
         self.buffers = list(buffers)
         self.order = list(order) if order is not None else [(i, 0, b.nbytes) for i, b in enumerate(self.buffers)]
         self.spans_done = 0
-        self.threads = threads
         self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
         self._workers = threads or min(os.cpu_count() or 1, 16)
         self.done = [0] * len(self.buffers)  # bytes faulted from the start of each buffer
@@ -43,35 +43,62 @@ class Prefaulter:
         self._thread.start()
         return self
 
+    def _calls(self) -> list:
+        """The order cut into calls of at most min(piece_bytes, PREFAULT_PIECE_BYTES), whole
+        pages each: ``(span position, buffer index, offset, length)``; an empty span is one
+        empty call, so that progress passes it in order."""
+        calls = []
+        for position, (index, first, span) in enumerate(self.order):
+            buffer = self.buffers[index]
+            unit = buffer.hugepage_bytes or buffer.page_bytes
+            step = max(unit, min(self.piece_bytes, PREFAULT_PIECE_BYTES) // unit * unit)
+            offset, end = first, min(first + span, buffer.nbytes)
+            if offset >= end:
+                calls.append((position, index, offset, 0))
+            while offset < end:
+                length = min(step - offset % step, end - offset)  # later calls on the step grid
+                calls.append((position, index, offset, length))
+                offset += length
+        return calls
+
     def _run(self) -> None:
         start = time.perf_counter()
         pool = None
         try:
-            # threads started before the first call (a thread started beside one waits for it)
-            pool = started_executor(self._workers) if self._workers > 1 else None
-            for index, first, span in self.order:
-                buffer, offset, end = self.buffers[index], first, min(first + span, self.buffers[index].nbytes)
-                while offset < end:
+            calls = self._calls()
+            finished = [False] * len(calls)
+            frontier = [0]  # every call before it has finished
+
+            def fault(number: int) -> None:
+                position, index, offset, length = calls[number]
+                if length:
+                    prefault(self.buffers[index], threads=1, start=offset, length=length, piece_bytes=length)
+                with self._changed:  # progress in order: a later call may finish first
+                    finished[number] = True
+                    while frontier[0] < len(calls) and finished[frontier[0]]:
+                        position, index, offset, length = calls[frontier[0]]
+                        if self.order[position][1] <= self.done[index]:
+                            self.done[index] = max(self.done[index], offset + length)
+                        frontier[0] += 1
+                        if frontier[0] == len(calls) or calls[frontier[0]][0] != position:
+                            self.spans_done += 1
+                    self._changed.notify_all()
+
+            if self._workers > 1:
+                # threads started before the first call (a thread started beside one waits for
+                # it); each takes the next call, none waits for another at a piece's end
+                pool = started_executor(self._workers)
+                _run_workers(pool, self._workers, fault, range(len(calls)), stop=self._stop)
+            else:
+                for number in range(len(calls)):
                     if self._stop.is_set():
                         return
-                    length = min(self.piece_bytes, end - offset)
-                    # every thread takes a share of the piece, no call more than PREFAULT_PIECE_BYTES
-                    # (each holds the process's mmap lock for its whole range)
-                    share = max(buffer.page_bytes, min(PREFAULT_PIECE_BYTES, length // self._workers))
-                    prefault(buffer, threads=self.threads, start=offset, length=length, piece_bytes=share,
-                             executor=pool)
-                    offset += length
-                    with self._changed:
-                        self.done[index] = max(self.done[index], offset) if first <= self.done[index] else self.done[index]
-                        self._changed.notify_all()
-                with self._changed:
-                    self.spans_done += 1
-                    self._changed.notify_all()
+                    fault(number)
         except BaseException as error:  # reported to the waiting executor, never swallowed
             self.error = error
         finally:
             if pool is not None:
-                pool.shutdown(wait=True)  # no share of a piece still faulting once this thread ends
+                pool.shutdown(wait=True)  # no call still faulting once this thread ends
             self.seconds = time.perf_counter() - start
             with self._changed:
                 self._changed.notify_all()
