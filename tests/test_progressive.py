@@ -355,3 +355,18 @@ def test_hugetlbfs_pools_keep_their_plan_on_the_huge_page(monkeypatch):
         assert plan.call_count > 1 and all(r.offset % (2 * 2**20) == 0 for r in plan.ranges)
         pool.destroy()
         assert cuda.held() == set()
+
+
+@given(st.integers(0, 3 * 2**17))
+def test_a_chunks_pre_fault_pieces_ramp_up_then_down(pages):
+    """A chunk is faulted in pieces that tile it exactly, none over PIECE_BYTES: the first is
+    FIRST_PIECE_BYTES (its first call waits for little faulting) and so is at most the last
+    (the last call, made once all faulting is done, registers little)."""
+    from hicache.effects._background import FIRST_PIECE_BYTES, piece_sizes
+    from hicache.effects._pipeline import PIECE_BYTES
+
+    size = pages * 4096
+    sizes = piece_sizes(size)
+    assert sum(sizes) == size and all(0 < s <= PIECE_BYTES for s in sizes)
+    if size:
+        assert sizes[0] == min(FIRST_PIECE_BYTES, size) and sizes[-1] <= FIRST_PIECE_BYTES

@@ -15,27 +15,42 @@ from hicache.effects._progressive import MAX_STALL_S, Chunk, ProgressiveRegistra
 from hicache.errors import ReleaseError
 
 #: The first pre-fault piece of each chunk; each next one doubles up to the pipeline's
-#: PIECE_BYTES (256 MiB), so the first call of every chunk waits for little faulting.
+#: PIECE_BYTES (256 MiB), so the first call of every chunk waits for little faulting - and the
+#: last pieces halve back down to it, so the last call, made once the last piece is faulted,
+#: registers little (not up to 256 MiB after all faulting is done).
 FIRST_PIECE_BYTES = 16 * 2**20
 
 
-def fault_pieces(spans, key=None) -> tuple[list, list]:
-    """Cut each chunk's span ``(buffer index, offset, size)`` into pre-fault pieces - the first
-    `FIRST_PIECE_BYTES`, each next one twice as large up to `PIECE_BYTES` - and order them as the
-    registration will reach them (``key(index, offset in chunk)``, then chunk, then offset).
-    Returns the pieces and, per chunk, ``[(end in chunk, position in the order)]`` in offset
-    order (positions rise with it): a call on chunk i ending at e waits for the piece whose end
-    is the first at or past e."""
+def piece_sizes(size: int) -> list[int]:
+    """A chunk of ``size`` bytes cut into pre-fault pieces: `FIRST_PIECE_BYTES` first, doubling
+    up to `PIECE_BYTES`, then as many of those as fit, and halving again towards the end."""
     from hicache.effects._pipeline import PIECE_BYTES
 
+    front, back, rest, piece = [], [], size, min(FIRST_PIECE_BYTES, PIECE_BYTES)
+    while piece < PIECE_BYTES and rest:
+        for side in (front, back):
+            take = min(piece, rest)
+            if take:
+                side.append(take)
+                rest -= take
+        piece *= 2
+    middle = [PIECE_BYTES] * (rest // PIECE_BYTES) + ([rest % PIECE_BYTES] if rest % PIECE_BYTES else [])
+    return front + middle + back[::-1]
+
+
+def fault_pieces(spans, key=None) -> tuple[list, list]:
+    """Cut each chunk's span ``(buffer index, offset, size)`` into pre-fault pieces
+    (`piece_sizes`) and order them as the registration will reach them (``key(index, offset in
+    chunk)``, then chunk, then offset). Returns the pieces and, per chunk, ``[(end in chunk,
+    position in the order)]`` in offset order (positions rise with it): a call on chunk i
+    ending at e waits for the piece whose end is the first at or past e."""
     key = key if key is not None else chunk_order
     cut = []
     for index, (buffer, offset, size) in enumerate(spans):
-        done, piece = 0, min(FIRST_PIECE_BYTES, PIECE_BYTES)
-        while done < size:
-            length = min(piece, size - done)
+        done = 0
+        for length in piece_sizes(size):
             cut.append((key(index, done), index, done, buffer, offset + done, length))
-            done, piece = done + length, min(2 * piece, PIECE_BYTES)
+            done += length
     cut.sort(key=lambda c: (c[0], c[1], c[2]))
     ends: list[list] = [[] for _ in spans]
     for position, (_, index, done, _, _, length) in enumerate(cut):
