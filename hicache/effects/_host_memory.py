@@ -293,11 +293,11 @@ def _run_workers(pool, workers: int, fault, items, *, stop: threading.Event | No
     def work() -> None:
         while True:
             with taking:
-                offset = None if stop.is_set() else next(pending, None)
-            if offset is None:
+                item = None if stop.is_set() else next(pending, None)
+            if item is None:
                 return
             try:
-                fault(offset)
+                fault(item)
             except BaseException:
                 stop.set()
                 raise
