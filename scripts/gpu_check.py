@@ -7,8 +7,11 @@ that sits on either side of a chunk boundary host -> device -> host with cudaMem
 (one descriptor per page per layer per K/V), verify the bytes, and print one JSON line:
 registration GB/s of our path vs the pinned-allocator path vs one unprefaulted call, and copy
 GB/s; then the same pool brought up progressively (`ProgressiveBringUp`, paced at 0.25 s a
-call): time to the first registered chunk vs the whole blocking bring-up, and the longest call. Uses cuda-python for everything CUDA (torch may be a CPU build). Exit 0 ok, 1 mismatch
-or failure, 2 no CUDA.
+call): time to the first registered chunk vs the whole blocking bring-up, and the longest call;
+the longest a 1 MiB mmap in another thread waits beside one cold whole-buffer call and beside
+the progressive bring-up; pre-fault and registration GB/s with 4 KiB pages, THP and (where
+reserved) hugetlbfs. Uses cuda-python for everything CUDA (torch may be a CPU build). Exit 0
+ok, 1 mismatch or failure, 2 no CUDA.
 """
 
 from __future__ import annotations
@@ -62,6 +65,63 @@ def progressive_figures(pool, runtime, blocking_s: float) -> dict:
             "progressive_longest_call_s": round(max(seconds for _, _, seconds in calls), 4),
             "progressive_first_vs_blocking": round(bringup.first_chunk_s / blocking_s, 3),
             "progressive_total_vs_blocking": round(total_s / blocking_s, 3)}
+
+
+def longest_mmap_wait(job):
+    """Run ``job()``; return its result and the longest a 1 MiB mmap + munmap in another thread
+    waited meanwhile (seconds). Pre-fault calls and cudaHostRegister hold the process's mmap
+    lock over their whole range (open driver: os_lock_user_pages), so a serving engine's
+    allocations wait for the call in flight."""
+    import mmap
+    import threading
+
+    waits, done = [0.0], threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            start = time.perf_counter()
+            mmap.mmap(-1, MiB).close()
+            waits.append(time.perf_counter() - start)
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    try:
+        result = job()
+    finally:
+        done.set()
+        thread.join()
+    return result, max(waits)
+
+
+def page_size_figures(nbytes: int, runtime) -> dict:
+    """Pre-fault and one whole-buffer cudaHostRegister of ``nbytes`` with 4 KiB pages, THP and
+    (where enough 2 MiB pages are reserved) hugetlbfs (#11: choose the default from the
+    figures; registration can only be measured here). Errors are reported, not raised."""
+    from hicache.effects import free_hugepages
+
+    modes = ["off", "thp"]
+    if free_hugepages(2 * MiB)[1] * 2 * MiB >= nbytes:
+        modes.append("required")
+    out = {}
+    for mode in modes:
+        name = {"off": "4k", "thp": "thp", "required": "hugetlbfs"}[mode]
+        try:
+            buffer = allocate_host(nbytes, hugepages=mode)
+            try:
+                fault = prefault(buffer)
+                start = time.perf_counter()
+                runtime.register(buffer.ptr, buffer.mapped_bytes, 0)
+                seconds = time.perf_counter() - start
+                runtime.unregister(buffer.ptr)
+            finally:
+                buffer.free()
+        except Exception as error:  # noqa: BLE001 - reported in the JSON line
+            out[f"pages_{name}_error"] = f"{type(error).__name__}: {error}"
+            continue
+        out[f"pages_{name}_prefault_gbps"] = round(nbytes / fault.seconds / 1e9, 2)
+        out[f"pages_{name}_register_gbps"] = round(nbytes / seconds / 1e9, 2)
+    return out
 
 
 def main() -> int:
@@ -160,7 +220,7 @@ def main() -> int:
     # Baseline 2: one unprefaulted cudaHostRegister of the whole buffer (SGLang layer_first).
     cold = allocate_host(nbytes)
     start = time.perf_counter()
-    runtime.register(cold.ptr, nbytes, 0)
+    _, out["one_cold_call_longest_mmap_wait_s"] = longest_mmap_wait(lambda: runtime.register(cold.ptr, nbytes, 0))
     cold_s = time.perf_counter() - start
     runtime.unregister(cold.ptr)
     cold.free()
@@ -168,7 +228,10 @@ def main() -> int:
     out["bringup_gbps"] = round(nbytes / (fault.seconds + register_s) / 1e9, 2)
     out["ours_vs_pinned"] = round(out["bringup_gbps"] / out["pinned_gbps"], 2)
     out["ours_vs_one_cold_call"] = round(out["bringup_gbps"] / out["one_cold_call_gbps"], 2)
-    out.update(progressive_figures(pool, runtime, fault.seconds + register_s))
+    figures, wait_s = longest_mmap_wait(lambda: progressive_figures(pool, runtime, fault.seconds + register_s))
+    out.update(figures, progressive_longest_mmap_wait_s=round(wait_s, 4))
+    out["one_cold_call_longest_mmap_wait_s"] = round(out["one_cold_call_longest_mmap_wait_s"], 4)
+    out.update(page_size_figures(nbytes, runtime))
     print(json.dumps(out, sort_keys=True))
     return 0 if out["ok"] else 1
 
