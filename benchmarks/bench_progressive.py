@@ -4,8 +4,9 @@ standing in for a GPU machine's cudaHostRegister at HICACHE_BENCH_REGISTER_GBPS 
 
 A 100 GB pool is scaled down to HICACHE_BENCH_GIB (2) GiB at the same rate, with the default
 caps (one 64 GiB chunk limit: each buffer is one range, as a 100 GB pool's are a few), so every
-time shrinks ~50x alike - except the first paced call and pre-fault piece (16 MiB each), which
-are not scaled: the first page's share of the total is larger here than at 100 GB.
+time shrinks ~50x alike - except the first paced call and the pre-fault pieces at each end of a
+chunk (16 MiB first and last), which are not scaled: the first page's share of the total, and
+the last call's, are larger here than at 100 GB.
 
 - first page: the progressive constructor's return (a page is usable from then on)
 - total: the progressive pool's wait_ready(); baselines: the blocking constructor, and
