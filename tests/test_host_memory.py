@@ -312,3 +312,78 @@ def test_the_pipelines_threads_do_not_wait_for_each_other_at_piece_ends(monkeypa
     assert faulter.done == [4 * piece, 4 * piece] and faulter.spans_done == 3
     for buffer in buffers:
         buffer.free()
+
+
+def test_a_ctrl_c_at_any_step_of_handing_out_the_pieces_is_raised_only_once_no_call_runs(monkeypatch):
+    """Whichever bytecode of the caller's side a Ctrl-C lands on - submitting the tasks,
+    waiting, collecting their results - prefault raises it only once no call is faulting and
+    none starts afterwards (traced at opcode level, as CPython delivers signals)."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    from hicache.effects import _host_memory
+
+    in_flight, lock, calls = [0], threading.Lock(), []
+
+    def madvise(addr, length, advice):
+        with lock:
+            in_flight[0] += 1
+            calls.append(addr)
+        time.sleep(0.004)
+        with lock:
+            in_flight[0] -= 1
+        return 0
+
+    class Recording:  # the executor prefault is given: every task it was handed is known
+        def __init__(self, pool):
+            self.pool, self.futures = pool, []
+
+        def submit(self, *args):
+            future = self.pool.submit(*args)
+            self.futures.append(future)
+            return future
+
+    monkeypatch.setattr(_host_memory, "_madvise", lambda: madvise)
+    here = _host_memory.__file__
+    buffer = allocate_host(12 * 2**20)
+    pool = Recording(_host_memory.started_executor(2))
+    landed = []
+    try:
+        target = 0
+        while True:
+            target += 1
+            seen = [0]
+
+            def trace(frame, event, arg):
+                if frame.f_code.co_filename != here or frame.f_code.co_name not in ("_run_workers", "<genexpr>"):
+                    return None
+                frame.f_trace_opcodes = True
+                if event == "opcode":
+                    seen[0] += 1
+                    if seen[0] == target:
+                        time.sleep(0.002)  # the tasks handed out so far are faulting by now
+                        signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
+                return trace
+
+            calls.clear()
+            sys.settrace(trace)
+            try:
+                prefault(buffer, threads=2, piece_bytes=2**20, executor=pool)
+                interrupted = False
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                sys.settrace(None)
+            if not interrupted:
+                break  # past the last opcode: every later target is the same
+            landed.append(target)
+            assert in_flight[0] == 0 and all(f.done() for f in pool.futures), target
+            made = len(calls)
+            time.sleep(0.01)
+            assert len(calls) == made, target
+    finally:
+        pool.pool.shutdown(wait=True)
+        buffer.free()
+    assert len(landed) > 20

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import attrs
 
+from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
 from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
 from hicache.plan._checks import check_int
@@ -302,13 +303,16 @@ def _run_workers(pool, workers: int, fault, items, *, stop: threading.Event | No
                 stop.set()
                 raise
 
-    futures = [pool.submit(work) for _ in range(workers)]
+    futures: list = []
     interrupted: BaseException | None = None
     while True:
         try:
+            if not futures and not stop.is_set():
+                with deferred_interrupts():  # a Ctrl-C lands once every task is in `futures`
+                    futures.extend(pool.submit(work) for _ in range(workers))
             wait(futures)
             break
-        except BaseException as interrupt:  # Ctrl-C while waiting: stop the workers, wait again
+        except BaseException as interrupt:  # Ctrl-C: stop the workers started, wait for them
             stop.set()
             interrupted = interrupted or interrupt
     if interrupted is not None:
