@@ -1,4 +1,5 @@
-"""Shared timing helper: best of N wall-clock runs (the machines are shared and noisy)."""
+"""Shared timing helpers: interleaved rounds and their medians (the machines are shared and
+noisy), and how long another thread's mmap waits while a job runs."""
 
 from __future__ import annotations
 
@@ -60,3 +61,30 @@ def median_line(name: str, ours: list, baseline_name: str, baseline: list, unit:
         f"{base_median:.3f} {unit} | speed {base_median / ours_median:.2f}x of baseline "
         f"(per round {min(ratios):.2f}-{max(ratios):.2f}x, {len(ours)} interleaved rounds)"
     )
+
+
+def longest_mmap_wait(job):
+    """Run ``job()``; return its result and the longest a 1 MiB mmap + munmap in another thread
+    waited meanwhile (seconds). Pre-fault calls and cudaHostRegister hold the process's mmap
+    lock over their whole range (open driver: os_lock_user_pages), so a serving engine's
+    allocations wait for the call in flight."""
+    import mmap
+    import threading
+
+    waits, done = [0.0], threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            start = time.perf_counter()
+            mmap.mmap(-1, 2**20).close()
+            waits.append(time.perf_counter() - start)
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    try:
+        result = job()
+    finally:
+        done.set()
+        thread.join()
+    return result, max(waits)

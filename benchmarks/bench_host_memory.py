@@ -22,13 +22,11 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _timing import interleaved, median_line  # noqa: E402
+from _timing import interleaved, longest_mmap_wait, median_line  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -37,9 +35,6 @@ from hicache.effects import allocate_host, free_hugepages, prefault  # noqa: E40
 MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def ours(nbytes: int, hugepages: str):
@@ -58,29 +53,6 @@ def sglang_path(nbytes: int):
     held = [tensor]
     del tensor
     return held.clear  # untimed: drops the last reference, torch frees
-
-
-def longest_mmap_wait(job) -> float:
-    """Seconds of the longest 1 MiB mmap + munmap another thread made while ``job`` ran."""
-    waits, done = [], threading.Event()
-
-    def probe() -> None:
-        while not done.is_set():
-            start = time.perf_counter()
-            address = _libc.mmap(None, 2**20, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
-            _libc.munmap(address, 2**20)
-            waits.append(time.perf_counter() - start)
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    try:
-        teardown = job()
-    finally:
-        done.set()
-        thread.join()
-    teardown()
-    return max(waits)
 
 
 def machine_line() -> str:
@@ -128,8 +100,10 @@ def main() -> None:
     nbytes = int(sizes[0] * 2**30)
     waits: dict = {"ours": [], "sglang": []}
     for _ in range(max(3, rounds // 2)):
-        waits["ours"].append(longest_mmap_wait(lambda: ours(nbytes, "off")) * 1e3)
-        waits["sglang"].append(longest_mmap_wait(lambda: sglang_path(nbytes)) * 1e3)
+        for name, job in (("ours", lambda: ours(nbytes, "off")), ("sglang", lambda: sglang_path(nbytes))):
+            teardown, wait = longest_mmap_wait(job)
+            teardown()
+            waits[name].append(wait * 1e3)
     print(median_line(f"longest wait of a 1 MiB mmap in another thread while {sizes[0]:g} GiB pre-faults, ours",
                       waits["ours"], "SGLang's one madvise", waits["sglang"], "ms"))
 

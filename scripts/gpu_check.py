@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from _timing import longest_mmap_wait  # noqa: E402
 
 from hicache.effects import (  # noqa: E402
     CudaPythonRuntime,
@@ -65,33 +68,6 @@ def progressive_figures(pool, runtime, blocking_s: float) -> dict:
             "progressive_longest_call_s": round(max(seconds for _, _, seconds in calls), 4),
             "progressive_first_vs_blocking": round(bringup.first_chunk_s / blocking_s, 3),
             "progressive_total_vs_blocking": round(total_s / blocking_s, 3)}
-
-
-def longest_mmap_wait(job):
-    """Run ``job()``; return its result and the longest a 1 MiB mmap + munmap in another thread
-    waited meanwhile (seconds). Pre-fault calls and cudaHostRegister hold the process's mmap
-    lock over their whole range (open driver: os_lock_user_pages), so a serving engine's
-    allocations wait for the call in flight."""
-    import mmap
-    import threading
-
-    waits, done = [0.0], threading.Event()
-
-    def probe() -> None:
-        while not done.is_set():
-            start = time.perf_counter()
-            mmap.mmap(-1, MiB).close()
-            waits.append(time.perf_counter() - start)
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    try:
-        result = job()
-    finally:
-        done.set()
-        thread.join()
-    return result, max(waits)
 
 
 def page_size_figures(nbytes: int, runtime) -> dict:
