@@ -84,7 +84,7 @@ class BackgroundBringUp:
             faulted = bisect.bisect_left(positions[index], self.faulter.spans_done) - 1
             return ends[index][max(at, faulted)][0]
 
-        self.faulter = Prefaulter(host_buffers, order=pieces, threads=threads).start()
+        self.faulter = Prefaulter(host_buffers, order=pieces, threads=threads)  # started by start()
         try:
             self.registration = ProgressiveRegistration(
                 chunks, runtime=runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=max_stall_s, key=key,
@@ -96,7 +96,9 @@ class BackgroundBringUp:
             raise
 
     def start(self, ready=None) -> "BackgroundBringUp":
-        self.registration.start(ready)
+        """Start the registration thread, then the pre-fault (no thread starts while a
+        pre-fault call holds the mmap lock), then register until ``ready()``."""
+        self.registration.start(ready, begin=self.faulter.start)
         return self
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -101,6 +101,7 @@ class ProgressiveRegistration:
         self.registrations: list = []  # one Registration per call, in order
         self.error: BaseException | None = None
         self._stop = threading.Event()
+        self._go = threading.Event()  # the background thread's turn: the foreground part ended
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -150,19 +151,29 @@ class ProgressiveRegistration:
             self.on_chunk(index, done, piece.size)
         return True
 
-    def start(self, ready=None) -> "ProgressiveRegistration":
+    def start(self, ready=None, begin=None) -> "ProgressiveRegistration":
         """Register here until ``ready()`` says enough is (default: after the first call;
-        errors raise: nothing is served yet), the rest in the background."""
+        errors raise: nothing is served yet), the rest in the background. ``begin()`` runs
+        first, once the background thread exists (a pool's pre-fault: starting a thread maps
+        its stack, which waits behind any pre-fault call in flight - the mmap lock)."""
         if ready is None:
             ready = lambda: bool(self.calls)  # noqa: E731
-        while not ready() and self._step():
-            pass
-        if self._queue:
-            self._thread = threading.Thread(target=self._run, name="hicache-progressive", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="hicache-progressive", daemon=True)
+        self._thread.start()  # it waits for the foreground part to end
+        try:
+            if begin is not None:
+                begin()
+            while not ready() and self._step():
+                pass
+        except BaseException:
+            self._stop.set()  # the thread ends without a call
+            raise
+        finally:
+            self._go.set()
         return self
 
     def _run(self) -> None:
+        self._go.wait()
         try:
             while self._step():
                 pass
@@ -190,6 +201,7 @@ class ProgressiveRegistration:
         """End the background thread after the call in flight (and wait for it; a Ctrl-C
         meanwhile is re-raised once it has ended)."""
         self._stop.set()
+        self._go.set()
         interrupted = None
         while self._thread is not None and self._thread.is_alive():
             try:
