@@ -387,3 +387,46 @@ def test_a_ctrl_c_at_any_step_of_handing_out_the_pieces_is_raised_only_once_no_c
         pool.pool.shutdown(wait=True)
         buffer.free()
     assert len(landed) > 20
+
+
+def test_background_prefault_threads_run_nicer_than_the_caller():
+    """started_executor(nice=n): every thread runs n steps nicer than the caller, so the
+    register calls and serving threads beside a background pre-fault get the cores first."""
+    import os
+    import threading
+
+    from hicache.effects._host_memory import started_executor
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pool = started_executor(2, prefix="hicache-test-nice", nice=3)
+    try:
+        theirs = {pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+                  for _ in range(8)}
+    finally:
+        pool.shutdown(wait=True)
+    assert theirs == {min(mine + 3, 19)}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_pipelines_prefault_runs_at_background_priority(monkeypatch, threads):
+    """Every pre-fault call of the pipelined / progressive bring-up runs BACKGROUND_NICE steps
+    nicer than the caller, on one thread or several."""
+    import os
+    import threading
+
+    from hicache.effects import _host_memory
+    from hicache.effects._pipeline import BACKGROUND_NICE, Prefaulter
+
+    seen = set()
+
+    def madvise(addr, length, advice):
+        seen.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return 0
+
+    monkeypatch.setattr(_host_memory, "_madvise", lambda: madvise)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    buffer = allocate_host(64 * 2**20)
+    faulter = Prefaulter([buffer], threads=threads).start()
+    faulter.join()
+    buffer.free()
+    assert BACKGROUND_NICE > 0 and seen == {min(mine + BACKGROUND_NICE, 19)}
