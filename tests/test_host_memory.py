@@ -430,3 +430,21 @@ def test_the_pipelines_prefault_runs_at_background_priority(monkeypatch, threads
     faulter.join()
     buffer.free()
     assert BACKGROUND_NICE > 0 and seen == {min(mine + BACKGROUND_NICE, 19)}
+
+
+def test_a_small_span_is_shared_by_every_pre_fault_thread(monkeypatch):
+    """The first span (what the first register call waits for) is small: it is cut into one
+    call per thread, so every thread faults it, rather than one thread while the others run
+    ahead."""
+    from hicache.effects import _host_memory
+    from hicache.effects._pipeline import Prefaulter
+
+    calls: list = []
+    monkeypatch.setattr(_host_memory, "_madvise", _recording_madvise(calls))
+    buffer = allocate_host(96 * 2**20)
+    order = [(0, 0, 16 * 2**20), (0, 16 * 2**20, 80 * 2**20)]
+    faulter = Prefaulter([buffer], threads=4, order=order).start()
+    faulter.join()
+    buffer.free()
+    first = sorted(n for addr, n, _ in calls if addr - buffer.ptr < 16 * 2**20)
+    assert first == [4 * 2**20] * 4
