@@ -445,6 +445,6 @@ def test_a_small_span_is_shared_by_every_pre_fault_thread(monkeypatch):
     order = [(0, 0, 16 * 2**20), (0, 16 * 2**20, 80 * 2**20)]
     faulter = Prefaulter([buffer], threads=4, order=order).start()
     faulter.join()
-    buffer.free()
     first = sorted(n for addr, n, _ in calls if addr - buffer.ptr < 16 * 2**20)
+    buffer.free()
     assert first == [4 * 2**20] * 4
