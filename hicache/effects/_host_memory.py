@@ -12,6 +12,7 @@ import ctypes
 import errno
 import mmap
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -262,8 +263,9 @@ def _madvise():
 
 
 def lower_priority(nice: int) -> None:
-    """Make the calling thread ``nice`` steps nicer (Linux: per thread); best effort."""
-    if nice:
+    """Make the calling thread ``nice`` steps nicer; best effort, Linux only (where a thread id
+    names the thread; elsewhere it could name another process)."""
+    if nice and sys.platform.startswith("linux"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
         except (AttributeError, OSError):
