@@ -85,15 +85,10 @@ class BackgroundBringUp:
             return ends[index][max(at, faulted)][0]
 
         self.faulter = Prefaulter(host_buffers, order=pieces, threads=threads)  # started by start()
-        try:
-            self.registration = ProgressiveRegistration(
-                chunks, runtime=runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=max_stall_s, key=key,
-                before_call=before_call, resident=resident,
-            )
-        except BaseException:
-            self.faulter.stop()
-            self.faulter.join(quiet=True)
-            raise
+        self.registration = ProgressiveRegistration(
+            chunks, runtime=runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=max_stall_s, key=key,
+            before_call=before_call, resident=resident,
+        )
 
     def start(self, ready=None) -> "BackgroundBringUp":
         """Start the registration thread, then the pre-fault (no thread starts while a
