@@ -9,8 +9,11 @@ faulted), and the two users: `BackgroundBringUp` (progressive pools and apply) a
 from __future__ import annotations
 
 import bisect
+import time
 
+from hicache.effects._bringup import bring_up
 from hicache.effects._interrupts import deferred_interrupts
+from hicache.effects._pipeline import PIECE_BYTES, Prefaulter
 from hicache.effects._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration, chunk_order
 from hicache.errors import ReleaseError
 
@@ -24,8 +27,6 @@ FIRST_PIECE_BYTES = 16 * 2**20
 def piece_sizes(size: int) -> list[int]:
     """A chunk of ``size`` bytes cut into pre-fault pieces: `FIRST_PIECE_BYTES` first, doubling
     up to `PIECE_BYTES`, then as many of those as fit, and halving again towards the end."""
-    from hicache.effects._pipeline import PIECE_BYTES
-
     front, back, rest, piece = [], [], size, min(FIRST_PIECE_BYTES, PIECE_BYTES)
     while piece < PIECE_BYTES and rest:
         for side in (front, back):
@@ -69,8 +70,6 @@ class BackgroundBringUp:
                  max_stall_s=MAX_STALL_S, threads=None) -> None:
         """``order``: each chunk's ``(buffer index, offset, size)`` in ``host_buffers``;
         ``key``: as `ProgressiveRegistration`'s."""
-        from hicache.effects._pipeline import Prefaulter
-
         pieces, ends = fault_pieces(order, key)
         positions = [[position for _, position in chunk_ends] for chunk_ends in ends]
 
@@ -128,11 +127,7 @@ class ProgressiveBringUp:
     background threads, unregisters, then frees."""
 
     def __init__(self, pools, *, runtime=None, allocator=None, ledger=None, max_stall_s=MAX_STALL_S, **options) -> None:
-        import time
-
         import torch  # noqa: F401 - imported before the clock starts: servers have it loaded already
-
-        from hicache.effects._bringup import bring_up
 
         start = time.perf_counter()
         pools = list(pools)
