@@ -2,8 +2,8 @@
 after the other, with a slow fake driver (hicache.testing.FakeCudart(register_bytes_per_s=...)),
 so registration costs real time without a GPU.
 
-- ours: bring_up(..., pipelined=True): wall time of the bring-up (release not counted)
-- baseline: bring_up(..., pipelined=False): allocate + pre-fault, then register
+- ours: bring_up(..., mode="pipelined"): wall time of the bring-up (release not counted)
+- baseline: bring_up(..., mode="blocking"): allocate + pre-fault, then register
 Also reported: ours against max(pre-fault, register) of the sequential run (the ideal overlap).
 Size HICACHE_BENCH_GIB (2), fake rate HICACHE_BENCH_REGISTER_GBPS (4), medians of
 HICACHE_BENCH_ROUNDS (5) interleaved rounds.
@@ -24,7 +24,9 @@ from _timing import interleaved, median_line  # noqa: E402
 
 import torch  # noqa: E402,F401  (the state users run in)
 
-from hicache.effects import BudgetLock, HostLedger, MachineFacts, bring_up  # noqa: E402
+from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import MachineFacts, bring_up
 from hicache.plan import Limits, MHALayout, plan_pool  # noqa: E402
 from hicache.testing import FakeRuntime  # noqa: E402
 
@@ -50,7 +52,7 @@ def main() -> None:
     def run(pipelined: bool) -> None:
         start = time.perf_counter()
         handle = bring_up(plan, runtime=FakeRuntime(register_bytes_per_s=rate), machine=machine, lock=lock,
-                          ledger=HostLedger(), pipelined=pipelined)
+                          ledger=HostLedger(), mode="pipelined" if pipelined else "blocking")
         bring["pipelined" if pipelined else "sequential"].append(time.perf_counter() - start)
         if not pipelined:
             split["prefault"].append(handle.timings["allocate_prefault_s"])

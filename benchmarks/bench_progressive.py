@@ -28,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _timing import interleaved, median_line  # noqa: E402
 
-from hicache.effects import BudgetLock, HostLedger, MachineFacts, bring_up  # noqa: E402
+from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import MachineFacts, bring_up
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost  # noqa: E402
 from hicache.testing import FakeRuntime, MHADevicePool, MLADevicePool  # noqa: E402
 
@@ -55,7 +57,7 @@ def measure(name: str, make, rate: float, rounds: int, lock: BudgetLock) -> None
         plan = pool.pool_plan
         pool.destroy()
         handle = bring_up(plan, runtime=FakeRuntime(register_bytes_per_s=rate), machine=MACHINE, lock=lock,
-                          ledger=HostLedger(), pipelined=False)
+                          ledger=HostLedger(), mode="blocking")
         ideal.append(max(handle.timings["allocate_prefault_s"], handle.timings["register_s"]))
         handle.release()
 

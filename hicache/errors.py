@@ -22,6 +22,10 @@ __all__ = [
     "RegistrationStateError",
     "HostOutOfMemoryError",
     "TransferError",
+    "EnvError",
+    "ConfigError",
+    "NoAllocatorError",
+    "HostPagesExhaustedError",
 ]
 
 
@@ -128,3 +132,20 @@ class HostOutOfMemoryError(HicacheError, MemoryError):
 
 class TransferError(HicacheError, ValueError):
     """A page transfer was asked with bad indices, layer ids or an unsupported backend/layout."""
+
+
+class EnvError(PlanError):
+    """An environment variable holds a value hicache cannot read (the message names it)."""
+
+
+class ConfigError(PlanError):
+    """A model config lacks a key hicache needs, or holds a value it cannot use."""
+
+
+class NoAllocatorError(RegistrationStateError, NotImplementedError):
+    """A pool that reuses another pool's indices has no allocator (SGLang raises
+    NotImplementedError there; this is both)."""
+
+
+class HostPagesExhaustedError(CapacityError, RuntimeError):
+    """No host pages left for a HiSparse request: a RuntimeError, as SGLang's callers expect."""

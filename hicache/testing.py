@@ -24,15 +24,7 @@ from hicache._stand_ins import (
     MHADevicePool,
     MLADevicePool,
 )
-from hicache.effects._codes import (
-    ALREADY_REGISTERED,
-    NAMES,
-    NOT_REGISTERED,
-    STICKY,
-    SUCCESS,
-)
-from hicache.effects import _runtime
-from hicache.effects._runtime import TorchCudartRuntime
+from hicache.effects import TorchCudartRuntime, cuda_codes, stand_in_runtime
 from hicache.errors import CudaCallError, HostAlreadyRegisteredError, HostNotRegisteredError
 
 __all__ = [
@@ -51,6 +43,8 @@ __all__ = [
     "FakeHostBuffer",
 ]
 
+SUCCESS, ALREADY_REGISTERED, NOT_REGISTERED = cuda_codes.SUCCESS, cuda_codes.ALREADY_REGISTERED, cuda_codes.NOT_REGISTERED
+STICKY, NAMES = cuda_codes.STICKY, cuda_codes.NAMES
 MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation: the typical non-sticky register failure
 
 
@@ -296,9 +290,6 @@ class FakeHostBuffer:
         return 1
 
 
-_FAKE_LOCK = threading.Lock()
-
-
 @contextlib.contextmanager
 def fake_cuda(**faults):
     """Within the block every default CUDA runtime is one `FakeRuntime` over
@@ -311,11 +302,5 @@ def fake_cuda(**faults):
     a CPU box and would otherwise call the real CUDA.
     """
     runtime = FakeRuntime(**faults)
-    entry = (runtime, FakeCudaBinding(runtime.cudart))
-    with _FAKE_LOCK:
-        _runtime._STAND_INS.append(entry)
-    try:
+    with stand_in_runtime(runtime, FakeCudaBinding(runtime.cudart)):
         yield runtime
-    finally:
-        with _FAKE_LOCK:
-            _runtime._STAND_INS.remove(entry)

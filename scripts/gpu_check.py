@@ -6,7 +6,7 @@ allocator, pre-fault it, register it with a small chunk limit (>= 3 chunks), cop
 that sits on either side of a chunk boundary host -> device -> host with cudaMemcpyBatchAsync
 (one descriptor per page per layer per K/V), verify the bytes, and print one JSON line:
 registration GB/s of our path vs the pinned-allocator path vs one unprefaulted call, and copy
-GB/s; then the same pool brought up progressively (`ProgressiveBringUp`, paced at 0.25 s a
+GB/s; then the same pool brought up progressively (`bring_up(mode=Progressive())`, paced at 0.25 s a
 call): time to the first registered chunk vs the whole blocking bring-up, and the longest call;
 the longest a 1 MiB mmap in another thread waits beside one cold whole-buffer call and beside
 the progressive bring-up; pre-fault and registration GB/s with 4 KiB pages, THP and (where
@@ -26,14 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _timing import longest_mmap_wait  # noqa: E402
 
-from hicache.effects import (  # noqa: E402
-    CudaPythonRuntime,
-    allocate_host,
-    apply_pool_plan,
-    prefault,
-    probe_cuda,
-)
-from hicache.effects._copies import memcpy_batch  # noqa: E402
+from hicache.effects import CudaPythonRuntime, Progressive, apply_pool_plan, bring_up, probe_cuda  # noqa: E402
+from hicache.effects._host._memory import allocate_host, free_hugepages, prefault  # noqa: E402
+from hicache.effects._copy._device import memcpy_batch  # noqa: E402
 from hicache.plan import Limits, MHALayout, plan_pool  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
@@ -50,23 +45,21 @@ def progressive_figures(pool, runtime, blocking_s: float) -> dict:
     """Bring ``pool`` up progressively; the first chunk's time against the blocking bring-up
     (pre-fault + register) measured above, and the longest single call against the 0.25 s
     pacing budget (#11). Errors are reported, not raised: the page-copy check stays the verdict."""
-    from hicache.effects import ProgressiveBringUp
-
     try:
         start = time.perf_counter()
-        bringup = ProgressiveBringUp([pool], runtime=runtime)
+        bringup = bring_up([pool], mode=Progressive(), runtime=runtime)
         try:
             bringup.wait()
             total_s = time.perf_counter() - start
-            calls = list(bringup.registration.calls)
+            calls = bringup.calls
         finally:
             bringup.release()
     except Exception as error:  # noqa: BLE001 - reported in the JSON line
         return {"progressive_error": f"{type(error).__name__}: {error}"}
-    return {"progressive_first_chunk_s": round(bringup.first_chunk_s, 4),
+    return {"progressive_first_chunk_s": round(bringup.first_call_s, 4),
             "progressive_total_s": round(total_s, 4), "progressive_calls": len(calls),
             "progressive_longest_call_s": round(max(seconds for _, _, seconds in calls), 4),
-            "progressive_first_vs_blocking": round(bringup.first_chunk_s / blocking_s, 3),
+            "progressive_first_vs_blocking": round(bringup.first_call_s / blocking_s, 3),
             "progressive_total_vs_blocking": round(total_s / blocking_s, 3)}
 
 
@@ -74,8 +67,6 @@ def page_size_figures(nbytes: int, runtime) -> dict:
     """Pre-fault and one whole-buffer cudaHostRegister of ``nbytes`` with 4 KiB pages, THP and
     (where enough 2 MiB pages are reserved) hugetlbfs (#11: choose the default from the
     figures; registration can only be measured here). Errors are reported, not raised."""
-    from hicache.effects import free_hugepages
-
     modes = ["off", "thp"]
     if free_hugepages(2 * MiB)[1] * 2 * MiB >= nbytes:
         modes.append("required")

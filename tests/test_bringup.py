@@ -11,15 +11,9 @@ import os
 import pytest
 from machine import GB, ROOMY, facts
 
-from hicache.effects import (
-    BudgetLock,
-    BufferRequest,
-    HostLedger,
-    HostTensorAllocator,
-    bring_up,
-    bring_up_buffers,
-    probe_cuda,
-)
+from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects import BufferRequest, HostTensorAllocator, bring_up, probe_cuda
+from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import CapacityError, RollbackError
 from hicache.plan import Limits, MHALayout, plan_pool, plan_registration
 from hicache.pools import MHATokenToKVPoolHost
@@ -63,8 +57,8 @@ def test_bring_up_registers_everything_and_release_undoes_it_in_order(lock):
 def test_the_budget_lock_is_held_until_the_memory_is_resident(lock, pipelined, monkeypatch):
     """Allocation and every pre-fault run under the host-wide lock: a rank starting meanwhile
     waits, then sees this pool as used memory (sglang #38156; `apply` used to pre-fault after)."""
-    from hicache.effects import _allocators, _pipeline
-
+    from hicache.effects._host import _allocators
+    from hicache.effects._bringup import _faulting as _pipeline
     seen = []
 
     def lock_state():
@@ -86,7 +80,7 @@ def test_the_budget_lock_is_held_until_the_memory_is_resident(lock, pipelined, m
 
     monkeypatch.setattr(_pipeline if pipelined else _allocators, "prefault", watched)
     handle = bring_up(_pool_plan(), runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger(),
-                      pipelined=pipelined)
+                      mode="pipelined" if pipelined else "blocking")
     handle.release()
     assert seen and set(seen) == {"held"}
     assert lock_state() == "free"
@@ -119,7 +113,7 @@ def test_a_refused_budget_allocates_and_registers_nothing(lock):
 
 
 def test_a_rollback_that_leaks_quarantines_the_buffers_and_drops_the_budget(lock):
-    from hicache.effects import QUARANTINE
+    from hicache.effects._host._memory import QUARANTINE
 
     runtime, ledger = FakeRuntime(fail_register={2: 2}, fail_unregister={0: 1}), HostLedger()
     allocator = HostTensorAllocator()
@@ -152,7 +146,7 @@ def test_a_base_less_aligned_than_planned_is_replanned_not_refused():
             self.keep = []
 
     runtime = FakeRuntime()
-    handle = bring_up_buffers([BufferRequest("b", (plan.total_bytes,), None, plan)], runtime=runtime,
+    handle = bring_up([BufferRequest("b", (plan.total_bytes,), None, plan)], runtime=runtime,
                               allocator=Offset(), budget=False, ledger=HostLedger())
     (used,) = handle.plans
     assert handle.tensors[0].data_ptr() % 128 == 64
@@ -185,14 +179,12 @@ def test_fake_cuda_is_what_pools_compat_apply_and_probes_use_by_default(lock, ca
         assert code == 0 and out["calls"] > 1
         assert fake.held() == set() and fake.cudart.log[-1][0] == "unregister"
         assert fake.cudart.register_calls == out["calls"] + 1 + pool.pool_plan.call_count
-    from hicache.effects import _runtime
-
+    from hicache.effects._cuda import _runtime
     assert _runtime._STAND_INS == []
 
 
 def test_fake_cuda_passes_faults_and_ends_with_the_block():
-    from hicache.effects import _runtime
-
+    from hicache.effects._cuda import _runtime
     with fake_cuda(fail_register={0: 2}) as fake:
         assert fake.cudart.fail_register == {0: 2}
         with fake_cuda() as inner:
@@ -282,8 +274,7 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
     two overlap instead of running one after the other). Order, not wall-clock thresholds."""
     import time as _time
 
-    from hicache.effects import _pipeline
-
+    from hicache.effects._bringup import _faulting as _pipeline
     pieces = []
     real = _pipeline.prefault
 
@@ -298,7 +289,7 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
     monkeypatch.setattr(_pipeline, "PIECE_BYTES", 32 * 1024)
     plan = _pool_plan(pages=64)  # 4 chunks of 64 KiB: 8 pieces
     runtime = FakeRuntime(register_bytes_per_s=64 * 1024 / 0.01)  # 10 ms a chunk
-    handle = bring_up(plan, runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger(), pipelined=True)
+    handle = bring_up(plan, runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger(), mode="pipelined")
     calls = runtime.cudart.timeline
     handle.release()
     assert len(calls) == plan.call_count >= 3 and len(pieces) >= 2 * plan.call_count
@@ -309,7 +300,7 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
 
 
 def test_a_failing_pre_fault_rolls_the_pipelined_bring_up_back(monkeypatch, lock):
-    from hicache.effects import _pipeline
+    from hicache.effects._bringup import _faulting as _pipeline
     from hicache.errors import ApplyError, HostOutOfMemoryError
 
     calls = []
@@ -325,7 +316,7 @@ def test_a_failing_pre_fault_rolls_the_pipelined_bring_up_back(monkeypatch, lock
     runtime, ledger, allocator = FakeRuntime(), HostLedger(), HostTensorAllocator()
     with pytest.raises(ApplyError) as info:
         bring_up(_pool_plan(pages=64), runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
-                 allocator=allocator, pipelined=True)
+                 allocator=allocator, mode="pipelined")
     assert isinstance(info.value.__cause__, HostOutOfMemoryError)
     assert runtime.held() == set() and ledger.held() == () and allocator.owned() == []
     assert _entries(lock) == {}

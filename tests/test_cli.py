@@ -173,7 +173,8 @@ def test_config_json_picks_the_family(capsys, tmp_path, config, family, buffer_c
 
 def test_apply_without_cuda_stops_before_allocating(capsys):
     """`hicache apply` on a machine without CUDA exits 3 with the clear error, nothing done."""
-    from hicache.effects import PROCESS_LEDGER, probe_cuda
+    from hicache.effects._cuda._ledger import PROCESS_LEDGER
+    from hicache.effects import probe_cuda
 
     if probe_cuda().available:
         pytest.skip("CUDA is available here")
@@ -196,8 +197,7 @@ def test_doctor_json(capsys, tmp_path):
 
 def test_doctor_reports_how_host_pages_are_copied(monkeypatch):
     from hicache.cli._doctor import host_copy_check as _host_copy_check
-    from hicache.effects import _host_copy
-
+    from hicache.effects._copy import _host_copy
     bad = _host_copy_check({"HICACHE_HOST_COPY": "turbo"})
     assert (bad.status, bad.name) == ("fail", "host_copy") and "'turbo' is not one of" in bad.finding
     assert "as HICACHE_HOST_COPY asks" in _host_copy_check({"HICACHE_HOST_COPY": "python"}).finding
@@ -236,7 +236,7 @@ def _apply_args(*extra):
 def test_apply_brings_a_plan_up_and_down(capsys):
     """apply on a (fake) CUDA machine: allocate, pre-fault, register, release, print timings."""
     from hicache.cli import _apply
-    from hicache.effects import HostLedger
+    from hicache.effects._cuda._ledger import HostLedger
     from hicache.testing import FakeCudaBinding, FakeRuntime
 
     runtime, ledger = FakeRuntime(), HostLedger()
@@ -252,7 +252,7 @@ def test_apply_brings_a_plan_up_and_down(capsys):
 def test_apply_interrupted_leaves_nothing_registered(capsys):
     """Ctrl-C in the middle of registering: everything rolled back, memory freed."""
     from hicache.cli import _apply
-    from hicache.effects import HostLedger
+    from hicache.effects._cuda._ledger import HostLedger
     from hicache.errors import ApplyError
     from hicache.testing import FakeCudaBinding, FakeRuntime
 

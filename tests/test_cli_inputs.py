@@ -156,7 +156,7 @@ def test_doctor_reports_the_pool_settings_of_the_environment(tmp_path):
     """HICACHE_PROGRESSIVE / HICACHE_HUGEPAGES as the pools will read them: a bad value fails
     naming it; `required` without enough reserved pages fails, `prefer` warns that it falls back."""
     from hicache.cli._doctor import doctor_checks
-    from hicache.effects import HugepagePool
+    from hicache.effects._host._probes import HugepagePool
     from hicache.testing import FakeCudaBinding
     from machine import facts
 

@@ -25,7 +25,7 @@ FakeBuffer = FakeHostBuffer  # SGLang's tensor surface at BASE
 @pytest.fixture(autouse=True)
 def _fresh_process_ledger():
     """Each test is its own process as far as held ranges go (fake pointers are reused)."""
-    from hicache.effects import PROCESS_LEDGER
+    from hicache.effects._cuda._ledger import PROCESS_LEDGER
 
     before = set(PROCESS_LEDGER.held())
     yield

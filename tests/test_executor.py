@@ -6,7 +6,8 @@ import gc
 
 import pytest
 
-from hicache.effects import HostLedger, apply_plan, apply_pool_plan
+from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import apply_plan, apply_pool_plan
 from hicache.errors import (
     ApplyError,
     HostAlreadyRegisteredError,
@@ -173,17 +174,28 @@ def test_progress_reports_every_chunk_and_can_abort():
 
 
 def test_release_is_idempotent_and_reports_leaks():
-    """release() twice is fine; a failed unregister raises ReleaseError with the leak, again."""
-    runtime = FakeRuntime(fail_unregister={1: 1})
-    registration = apply(runtime=runtime)
+    """release() twice is fine; a failed unregister raises ReleaseError with the leak, and a
+    second release retries exactly that range (and only it) - while it keeps failing the leak
+    stays reported, once it succeeds the registration is released and the ledger empty."""
+    runtime = FakeRuntime(fail_unregister={1: 1, 3: 1})  # the first try and the first retry fail
+    ledger = HostLedger()
+    registration = apply(runtime=runtime, ledger=ledger)
     with pytest.raises(ReleaseError) as info:
         registration.release()
     assert info.value.leaked == ((BASE + 900 * MiB, 900 * MiB),)
+    assert ledger.held() == ((BASE + 900 * MiB, 900 * MiB),)
     calls = runtime.cudart.unregister_calls
-    with pytest.raises(ReleaseError):
+    with pytest.raises(ReleaseError) as again:
         registration.release()
-    assert runtime.cudart.unregister_calls == calls
+    assert again.value.leaked == info.value.leaked
+    assert runtime.cudart.unregister_calls == calls + 1  # only the leaked range was tried again
     assert registration.status().state == "leaked"
+    registration.release()  # the third try succeeds
+    assert runtime.cudart.unregister_calls == calls + 2
+    assert registration.status().state == "released" and registration.leaked == ()
+    assert ledger.held() == () and runtime.held() == set()
+    registration.release()  # and stays released
+    assert runtime.cudart.unregister_calls == calls + 2
 
 
 def test_status_is_a_frozen_snapshot_with_timings():
@@ -231,7 +243,7 @@ def test_pool_buffers_overlapping_each_other_are_refused():
 
 def test_several_pools_are_one_transaction():
     """apply_pool_plans: the second pool failing rolls the first back; names say which pool."""
-    from hicache.effects import apply_pool_plans
+    from hicache.effects._cuda._executor import apply_pool_plans
 
     pool, bases = three_buffer_pool()
     second = [b + 2**33 for b in bases]

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from hicache.effects import CudaPythonRuntime, allocate_host, apply_plan, probe_cuda
+from hicache.effects import CudaPythonRuntime, apply_plan, probe_cuda
+from hicache.effects._host._memory import allocate_host
 from hicache.plan import Limits, plan_registration
 from hicache.testing import check_runtime_conformance
 

@@ -16,7 +16,9 @@ import pytest
 from machine import facts
 
 import hicache.compat.sglang as sg
-from hicache.effects import QUARANTINE, BudgetLock, HostLedger, allocate_host
+from hicache.effects._host._memory import QUARANTINE, allocate_host
+from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import CapacityError, RegistrationStateError, RollbackError
 from hicache.plan import Limits, plan_registration
 from hicache.pools import MHATokenToKVPoolHost

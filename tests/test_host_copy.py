@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache.effects import _host_copy
-from hicache.effects._probes import EnvError
+from hicache.effects._copy import _host_copy
+from hicache.effects._host._probes import EnvError
 
 torch = pytest.importorskip("torch")
-native = pytest.mark.skipif(_host_copy._native is None, reason="hicache.effects._hostcopy was not built (no C compiler)")
+native = pytest.mark.skipif(_host_copy._native is None, reason="hicache.effects._copy._hostcopy was not built (no C compiler)")
 
 
 def _scenario(sizes, gaps, seed):
@@ -67,7 +67,7 @@ def test_native_copy_matches_the_oracle(size_gaps, threads, streaming, seed):
 @given(blocks_strategy, st.integers(0, 2**16))
 def test_copy_host_blocks_matches_the_oracle_in_both_modes(mode, size_gaps, seed):
     if mode == "native" and _host_copy._native is None:
-        pytest.skip("hicache.effects._hostcopy was not built")
+        pytest.skip("hicache.effects._copy._hostcopy was not built")
     sizes, gaps = size_gaps
     src, dst, blocks = _scenario(sizes, gaps, seed)
     expected = _expected(src, dst, blocks)
@@ -165,7 +165,7 @@ def test_copy_parts_matches_the_oracle(mode, size_gaps, nparts, threads, streami
     """A transfer's parts - offsets at their own bases, one call, shares split across parts and
     mid-block - copy exactly the oracle's bytes (native and memmove paths)."""
     if mode == "native" and _host_copy._native is None:
-        pytest.skip("hicache.effects._hostcopy was not built")
+        pytest.skip("hicache.effects._copy._hostcopy was not built")
     sizes, gaps = size_gaps
     src, dst, blocks = _scenario(sizes, gaps, seed)
     expected = _expected(src, dst, blocks)

@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pools_allocator_copies_and_cli_pass_without_the_compiled_helpers():
     code = (
         "import sys\n"
-        "sys.modules['hicache.effects._hostcopy'] = None\n"
+        "sys.modules['hicache.effects._copy._hostcopy'] = None\n"
         "sys.modules['hicache.pools._pagestack'] = None\n"
         "import pytest\n"
-        "from hicache.effects import _host_copy\n"
+        "from hicache.effects._copy import _host_copy\n"
         "from hicache.pools import _page_allocator\n"
         "assert _host_copy._native is None and _page_allocator._native is None\n"
         "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_pools.py', 'tests/test_page_allocator.py',"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from machine import ROOMY
 
-from hicache.effects import allocate_host, bound_node, online_nodes, prefault, resolve_numa_node
+from hicache.effects._host._memory import allocate_host, prefault
+from hicache.effects._host._numa import bound_node, online_nodes
+from hicache.effects import resolve_numa_node
 from hicache.errors import HostOutOfMemoryError, PlanError
 from hicache.testing import FakeCudaBinding
 

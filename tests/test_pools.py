@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.effects import HostLedger, _host_copy
+from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects._copy import _host_copy
 from hicache.errors import (
     ApplyError,
     CapacityError,
@@ -140,7 +141,7 @@ def test_indices_changed_in_place_between_layers_are_honoured(layout):
     host_idx = pool.alloc(2 * P)
     device_idx = torch.arange(4 * P, 6 * P)
     pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
-    memo = pool._index_memo
+    memo = pool._transfers.memo
     first = memo.check(host_idx, device_idx, host_slots=pool.size, device_slots=64, page_size=P)
     again = memo.check(host_idx.clone(), device_idx.clone(), host_slots=pool.size, device_slots=64, page_size=P)
     assert again is first  # equal values in new tensors: a hit
@@ -245,7 +246,7 @@ def test_a_failing_third_buffer_leaves_nothing_registered_or_mapped(monkeypatch)
 
 def test_destroy_keeps_memory_a_failed_release_left_registered():
     """If an unregister fails, destroy raises and does not free the memory behind it."""
-    from hicache.effects import QUARANTINE
+    from hicache.effects._host._memory import QUARANTINE
     from hicache.errors import ReleaseError
 
     runtime, ledger = FakeRuntime(fail_unregister={0: 1}), HostLedger()
@@ -368,8 +369,7 @@ def test_a_failure_after_registration_releases_and_frees(monkeypatch):
 
 def test_a_failed_budget_record_allocates_and_registers_nothing(monkeypatch):
     """The budget entry is written before any memory exists: a failure there leaves nothing."""
-    from hicache.effects import _lock
-
+    from hicache.effects._bringup import _lock
     def broken(self, nbytes):
         raise OSError("disk full")
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.effects import EnvError, kernel_pin_cap, probe_limits, probe_machine, ranks_per_host
+from hicache.errors import EnvError
+from hicache.plan import kernel_pin_cap
+from hicache.effects import probe_limits, probe_machine
+from hicache.effects._host._probes import ranks_per_host
 from hicache.plan import DRIVER_CEILING_BYTES, KERNEL_PIN_CAP_BYTES
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from machine import ROOMY
 
-from hicache.effects import HostLedger
+from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import ApplyError
 from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost
@@ -144,8 +144,9 @@ def test_calls_on_a_big_chunk_wait_only_for_their_own_bytes(monkeypatch, family)
     faulted, and every call starts only once all of its bytes are (order, not timing)."""
     import time as _time
 
-    from hicache.effects import _background, _pipeline, _progressive
+    from hicache.effects._bringup import _faulting as _pipeline
 
+    from hicache.effects._cuda import _progressive
     pieces = []
     real = _pipeline.prefault
 
@@ -157,7 +158,7 @@ def test_calls_on_a_big_chunk_wait_only_for_their_own_bytes(monkeypatch, family)
 
     monkeypatch.setattr(_pipeline, "prefault", slow_prefault)
     monkeypatch.setattr(_pipeline, "PIECE_BYTES", 16 * 1024)
-    monkeypatch.setattr(_background, "FIRST_PIECE_BYTES", 4096)
+    monkeypatch.setattr(_pipeline, "FIRST_PIECE_BYTES", 4096)
     monkeypatch.setattr(_progressive, "FIRST_CALL_BYTES", 4096)
     runtime, ledger = FakeRuntime(register_bytes_per_s=1e9), HostLedger()
     pool = _pool(runtime, ledger, family=family, chunk=2**40)
@@ -181,8 +182,7 @@ def test_the_constructor_returns_once_the_first_page_is_registered_in_every_buff
     takes 100 ms)."""
     import time as _time
 
-    from hicache.effects import _progressive
-
+    from hicache.effects._cuda import _progressive
     monkeypatch.setattr(_progressive, "FIRST_CALL_BYTES", 4096)
     runtime, ledger = FakeRuntime(register_bytes_per_s=4096 / 0.1), HostLedger()
     pool = _pool(runtime, ledger, family=family, chunk=2**40, max_stall_s=0.1)
@@ -362,8 +362,8 @@ def test_a_chunks_pre_fault_pieces_ramp_up_then_down(pages):
     """A chunk is faulted in pieces that tile it exactly, none over PIECE_BYTES: the first is
     FIRST_PIECE_BYTES (its first call waits for little faulting) and so is at most the last
     (the last call, made once all faulting is done, registers little)."""
-    from hicache.effects._background import FIRST_PIECE_BYTES, piece_sizes
-    from hicache.effects._pipeline import PIECE_BYTES
+    from hicache.effects._bringup._faulting import FIRST_PIECE_BYTES, piece_sizes
+    from hicache.effects._bringup._faulting import PIECE_BYTES
 
     size = pages * 4096
     sizes = piece_sizes(size)
@@ -378,8 +378,7 @@ def test_every_thread_exists_before_the_first_pre_fault_call(monkeypatch, family
     mmap lock): the background registration thread is started before faulting begins, not
     after the first page's calls (measured on 2 cores: ~4.5 ms per start, twice per pool,
     on the first page's path)."""
-    from hicache.effects import _host_memory
-
+    from hicache.effects._host import _memory as _host_memory
     seen = []
     real = _host_memory._madvise()
 

@@ -113,7 +113,7 @@ def test_only_effects_touches_cuda_the_environment_or_the_bring_up_steps(path):
 
 def test_the_shell_scan_sees_the_shell():
     """Not vacuous: it finds what effects itself uses."""
-    found = {name for p in (ROOT / "effects").glob("*.py") for _, name in _shell_uses(p)}
+    found = {name for p in (ROOT / "effects").rglob("*.py") for _, name in _shell_uses(p)}
     assert {"environ", "cudaMemcpyBatchAsync", "allocate_host", "cuda.synchronize"} <= found
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.effects import CudaPythonRuntime, HostLedger, TorchCudartRuntime, apply_plan, probe_cuda
+from hicache.effects import CudaPythonRuntime, TorchCudartRuntime, apply_plan, probe_cuda
+from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import (
     ApplyError,
     CudaCallError,

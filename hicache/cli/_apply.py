@@ -15,7 +15,7 @@ import time
 from hicache.cli._common import INFEASIBLE, USAGE, CliError, positive_int, size
 from hicache.cli._plan_args import add_plan_arguments, build_plan, limits_from_args
 from hicache.cli._saved import load_plan, pool_plans
-from hicache.errors import CudaUnavailableError
+from hicache.errors import CudaUnavailableError, ReleaseError
 from hicache.plan import DEFAULT_RESERVE_BYTES, format_bytes
 
 DESCRIPTION = (
@@ -109,24 +109,20 @@ def _hold_for(seconds: float, total: int) -> None:
             time.sleep(min(deadline - time.monotonic(), 3600))
 
 
-def _run_progressive(args, pools, sources, hold, *, runtime, allocator, machine, lock, ledger, reserve, node) -> int:
-    import torch  # noqa: F401 - loaded before the clock starts, as in a server
-    from hicache.effects import ProgressiveBringUp
-
-    start = time.perf_counter()
-    bringup = ProgressiveBringUp(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
-                                 ledger=ledger, reserve_bytes=reserve)
+def _release(handle) -> None:
+    """Release; when ranges stay registered, say which (a `ReleaseError`, whatever interrupted)."""
     try:
-        print(f"first call registered after {bringup.first_chunk_s:.3f} s; registering the rest", file=sys.stderr)
-        bringup.wait()
-        total_s = time.perf_counter() - start
-        calls = len(bringup.registration.calls)
-        _hold_for(hold, bringup.handle.total_bytes)
-    finally:
-        bringup.release()
-    report = {"bytes": bringup.handle.total_bytes, "calls": calls, "first_chunk_s": round(bringup.first_chunk_s, 4),
-              "total_s": round(total_s, 4), "numa_node": node}
-    return _write_report(args, report, sources, progressive=True)
+        handle.release()
+    except BaseException as error:
+        if not handle.leaked:
+            raise
+        shown = ", ".join(f"(0x{ptr:x}, {format_bytes(size)})" for ptr, size in handle.leaked[:8])
+        more = f" and {len(handle.leaked) - 8} more" if len(handle.leaked) > 8 else ""
+        raise ReleaseError(
+            f"release left {len(handle.leaked)} range(s), {format_bytes(sum(s for _, s in handle.leaked))}, "
+            f"registered: {shown}{more}; their memory stays mapped until this process exits",
+            leaked=handle.leaked,
+        ) from error
 
 
 def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
@@ -135,7 +131,8 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     from hicache._extras import require
 
     require("torch", "hicache apply")
-    from hicache.effects import HostTensorAllocator, bring_up, probe_cuda
+    from hicache.effects import HostTensorAllocator, Progressive, bring_up, probe_cuda, resolve_numa_node
+    from hicache.errors import PlanError
 
     hold = _hold_seconds(args.hold)
     threads = positive_int(args.threads, "--threads") if args.threads else None
@@ -146,9 +143,6 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         raise CudaUnavailableError(f"CUDA unavailable: {cuda.error}", op="probe", code=35, name="cudaErrorInsufficientDriver")
     pools = [p for _, p in pool_plans(plan)]
     hugepage = pools[0].limits.hugepage_bytes if pools else None
-    from hicache.effects import resolve_numa_node
-    from hicache.errors import PlanError
-
     try:
         node, note = resolve_numa_node(args.numa)
     except PlanError as error:
@@ -157,22 +151,32 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         print(f"note: {note}", file=sys.stderr)
     allocator = HostTensorAllocator(prefault_threads=threads, hugepages=args.hugepages, hugepage_bytes=hugepage,
                                     numa_node=node)
+    progress = None if args.progressive else _Progress(sum(p.call_count for p in pools))
     if args.progressive:
-        return _run_progressive(args, pools, sources, hold, runtime=runtime, allocator=allocator, machine=machine,
-                                lock=lock, ledger=ledger, reserve=reserve, node=node)
-    progress = _Progress(sum(p.call_count for p in pools))
+        import torch  # noqa: F401 - loaded before the clock starts, as in a server
+    start = time.perf_counter()
     handle = None
     try:
-        handle = bring_up(pools, runtime=runtime, allocator=allocator, machine=machine, lock=lock,
-                          ledger=ledger, progress=progress, reserve_bytes=reserve)
-        progress.close()
+        handle = bring_up(pools, mode=Progressive() if args.progressive else None, runtime=runtime,
+                          allocator=allocator, machine=machine, lock=lock, ledger=ledger, progress=progress,
+                          reserve_bytes=reserve)
+        if progress is not None:
+            progress.close()
+        else:
+            print(f"first call registered after {handle.first_call_s:.3f} s; registering the rest", file=sys.stderr)
+            handle.wait()
+        total_s = time.perf_counter() - start
+        calls = len(handle.calls)
         status = handle.registration.status() if handle.registration is not None else None
         _hold_for(hold, handle.total_bytes)
     finally:
         if handle is not None:
-            handle.release()
-    report = {
-        "bytes": handle.total_bytes, "calls": status.call_count if status else 0,
+            _release(handle)
+    report = {"bytes": handle.total_bytes, "calls": calls}
+    if args.progressive:
+        report |= {"first_chunk_s": round(handle.first_call_s, 4), "total_s": round(total_s, 4), "numa_node": node}
+        return _write_report(args, report, sources, progressive=True)
+    report |= {
         "register_gbps": round(status.register_gbps, 2) if status else 0.0,
         "allocate_s": round(allocator.allocate_s, 4), "prefault_s": round(allocator.prefault_s, 4),
         "register_s": round(handle.timings.get("register_s", 0.0), 4),

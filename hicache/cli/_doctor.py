@@ -114,7 +114,8 @@ def _hugepage_need(c: Context, size: int) -> tuple[int, int | None, str]:
 
 def _pools(c: Context) -> Check:
     """What host pools built here without hicache keywords (SGLang's call sites) will do."""
-    from hicache.effects import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, pool_settings
+    from hicache.effects import pool_settings
+    from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES
     from hicache.plan import EnvError
 
     try:
@@ -187,25 +188,23 @@ def _host_copy(c: Context) -> Check:
 
 
 def host_copy_check(env) -> Check:
-    """Whether host<->host page copies run through the native helper (see effects/_host_copy)."""
-    from hicache.effects import _host_copy
-    from hicache.effects._probes import EnvError
+    """Whether host<->host page copies run through the native helper (see effects/_copy)."""
+    from hicache.effects import host_copy_info
+    from hicache.errors import EnvError
 
     try:
-        mode = _host_copy.host_copy_mode(env)
+        info = host_copy_info(env)
     except EnvError as error:
-        return Check("host_copy", "fail", str(error), f"unset {_host_copy.ENV_VAR} or set it to auto")
-    threads = _host_copy.copy_threads()
-    if mode == "native":
-        return Check("host_copy", "pass", f"native batched host copies, up to {threads} thread(s)")
-    asked = (env if env is not None else __import__("os").environ).get(_host_copy.ENV_VAR, "").strip().lower()
-    if asked == "python":
-        built = "" if _host_copy._native is not None else " (the native helper is not built either)"
-        return Check("host_copy", "pass", f"ctypes memmove copies, as {_host_copy.ENV_VAR} asks{built}")
-    if _host_copy._native is None:
+        return Check("host_copy", "fail", str(error), "unset HICACHE_HOST_COPY or set it to auto")
+    if info.mode == "native":
+        return Check("host_copy", "pass", f"native batched host copies, up to {info.threads} thread(s)")
+    if info.asked == "python":
+        built = "" if info.native_built else " (the native helper is not built either)"
+        return Check("host_copy", "pass", f"ctypes memmove copies, as {info.env_var} asks{built}")
+    if not info.native_built:
         return Check("host_copy", "warn", "native copy helper not built: CPU page copies use ctypes memmove (slower)",
                      "reinstall hicache where a C compiler (gcc/cc) is available")
-    return Check("host_copy", "pass", f"ctypes memmove copies ({_host_copy.ENV_VAR})")
+    return Check("host_copy", "pass", f"ctypes memmove copies ({info.env_var})")
 
 
 def _versions(c: Context) -> Check:

@@ -10,7 +10,7 @@ import sys
 
 from hicache._extras import MissingExtraError
 from hicache.cli._common import CUDA_FAILURE, INFEASIBLE, INTERRUPTED, USAGE, CliError, Parser, fail
-from hicache.errors import ApplyError, CapacityError, CudaCallError, HicacheError, PlanError, RollbackError
+from hicache.errors import ApplyError, CapacityError, CudaCallError, HicacheError, PlanError, ReleaseError, RollbackError
 
 _COMMANDS = ("plan", "doctor", "apply")
 
@@ -42,12 +42,24 @@ def make_parser(only: str | None = None) -> Parser:
 def _what_is_left(error: BaseException | None) -> str:
     """The hint after an interrupt or failure: never "nothing is left" when a rollback leaked."""
     while error is not None:
+        if isinstance(error, ReleaseError):
+            return (f"{len(error.leaked)} range(s) stay registered (listed above); this process must not "
+                    "free their memory - exiting releases them")
         if isinstance(error, RollbackError):
             ranges = len(error.leaked) + len(getattr(error, "uncertain", ()))
             return (f"{ranges} range(s) may stay registered (listed above); this process must not "
                     "free their memory - exiting releases them")
         error = error.__cause__ or error.__context__
     return "nothing is left registered"
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(cause, CudaCallError):
             return fail("cuda-error", str(error), "run `hicache doctor`", CUDA_FAILURE)
         return fail("apply-failed", str(error), "run `hicache doctor`", INFEASIBLE)
+    except ReleaseError as error:
+        interrupted = _interrupted(error)
+        return fail("interrupted" if interrupted else "release-leaked", str(error), _what_is_left(error),
+                    INTERRUPTED if interrupted else CUDA_FAILURE)
     except CudaCallError as error:
         ref = "cuda-unavailable" if error.__class__.__name__ == "CudaUnavailableError" else "cuda-error"
         return fail(ref, str(error), "run `hicache doctor` on this machine", CUDA_FAILURE)

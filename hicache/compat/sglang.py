@@ -22,13 +22,13 @@ from hicache.effects import (
     BufferRequest,
     HostTensorAllocator,
     apply_plan,
-    bring_up_buffers,
+    bring_up,
     quarantine,
     sglang_register_chunk_bytes,
     torch_runtime,
     unregister_ranges,
 )
-from hicache.effects._probes import SGLANG_CHUNK_ENV
+from hicache.plan import SGLANG_CHUNK_ENV
 from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, ReleaseError
 from hicache.plan import Limits, plan_registration
 from hicache.pools._allocator import get_allocator_from_storage
@@ -184,7 +184,7 @@ def alloc_with_host_register(
 ):
     """Allocate with ``allocator`` and, when ``pin_memory``, register in copy-unit chunks.
 
-    Through hicache's one bring-up (`hicache.effects.bring_up_buffers`) without a budget check
+    Through hicache's one bring-up (`hicache.effects.bring_up`) without a budget check
     (SGLang's pool budgets before it calls this): the plan is made for the real base address
     (a ``torch.empty`` base is often only 64-byte aligned; boundaries then follow the copy
     unit). Errors as `_cuda_host_register`; on failure nothing stays registered, or what does
@@ -200,7 +200,7 @@ def alloc_with_host_register(
         total *= d
     plan = _chunk_plan(total, registration_granularity_bytes, 4096)
     try:
-        handle = bring_up_buffers(
+        handle = bring_up(
             [BufferRequest("host buffer", dims, dtype, plan)], runtime=torch_runtime(_cudart),
             allocator=allocator, budget=False, owns_memory=False, device=device,
         )

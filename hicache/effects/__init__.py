@@ -1,148 +1,86 @@
 """hicache.effects: the shell. The only layer that touches CUDA, mmap/madvise, /proc, /sys,
 environment variables, psutil, locks and clocks. Heavy imports (torch, cuda-python, psutil)
-are lazy: importing this package costs little."""
+are lazy: importing this package costs little.
 
-from hicache.effects._executor import (
-    ProgressEvent,
-    apply_plan,
-    apply_pool_plan,
-    apply_pool_plans,
-)
-from hicache.effects._registration import (
-    RegisteredRange,
-    Registration,
-    RegistrationStatus,
-    unregister_ranges,
-)
-from hicache.effects._host_memory import (
-    DEFAULT_HUGEPAGE_BYTES,
-    HUGEPAGE_MODES,
-    HUGETLBFS_MODES,
-    QUARANTINE,
-    HostBuffer,
-    PrefaultReport,
-    allocate_host,
-    free_hugepages,
-    os_page_bytes,
-    prefault,
-    quarantine,
-)
-from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
-from hicache.effects._lock import BudgetLock, budget_lock, runtime_dir
-from hicache.effects._probes import (
-    DEFAULT_CHUNK_LIMIT_BYTES,
-    ENV_VARS,
-    CudaFacts,
-    EnvError,
-    HugepagePool,
-    MachineFacts,
-    PoolSettings,
-    kernel_pin_cap,
-    probe_cuda,
-    probe_limits,
-    probe_machine,
-    GpuFacts,
-    package_version,
-    pool_settings,
-    probe_gpus,
-    probe_kernel_release,
-    probe_resolved_limits,
-    ranks_per_host,
-    sglang_register_chunk_bytes,
-)
-from hicache.effects._runtime import (
-    CudaPythonRuntime,
-    HostRuntime,
-    TorchCudartRuntime,
-    default_binding,
-    default_runtime,
-    torch_runtime,
-)
-from hicache.effects._allocators import (
+Four rooms, imported downward only (a test checks it): ``_interrupts`` <- ``_cuda`` (codes,
+runtimes, ledger, executor, registrations) <- ``_host`` (mapping, pre-fault, NUMA, probes,
+allocators) and ``_copy`` (the copy engine) <- ``_bringup`` (budget lock, faulting, the one
+handle, `bring_up`) <- this face. Nothing outside ``effects`` imports a room; this face is
+ARCHITECTURE's stable API plus what pools, the CLI, compat and hicache.testing use.
+"""
+
+from hicache.effects._bringup._bring_up import BufferRequest, Progressive, bring_up
+from hicache.effects._bringup._handle import HostPools
+from hicache.effects._bringup._lock import budget_lock
+from hicache.effects._copy._engine import CopyEngine
+from hicache.effects._copy._host_copy import host_copy_info
+from hicache.effects._cuda import _codes as cuda_codes
+from hicache.effects._cuda._executor import apply_plan, apply_pool_plan
+from hicache.effects._cuda._registration import Registration, unregister_ranges
+from hicache.effects._cuda._runtime import CudaPythonRuntime, TorchCudartRuntime, stand_in_runtime, torch_runtime
+from hicache.effects._host._allocators import (
     FrameworkPinnedAllocator,
+    HostAllocator,
     HostTensorAllocator,
     TorchHostTensorAllocator,
 )
-from hicache.effects._bringup import (
-    BufferRequest,
-    HostPools,
-    bring_up,
-    bring_up_buffers,
-    pool_requests,
+from hicache.effects._host._memory import os_page_bytes, quarantine
+from hicache.effects._host._numa import node_free_bytes
+from hicache.effects._host._probes import (
+    MachineFacts,
+    package_version,
+    pool_settings,
+    probe_cuda,
+    probe_gpus,
+    probe_kernel_release,
+    probe_limits,
+    probe_machine,
+    probe_resolved_limits,
+    resolve_numa_node,
+    sglang_register_chunk_bytes,
 )
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._copy_engine import CopyEngine
-from hicache.effects._background import BackgroundBringUp, ProgressiveBringUp
-from hicache.effects._progressive import Chunk, ProgressiveRegistration
-from hicache.effects._numa import bound_node, node_free_bytes, online_nodes, resolve_numa_node
 
 __all__ = [
-    "BackgroundBringUp",
-    "ProgressiveBringUp",
-    "Chunk",
-    "ProgressiveRegistration",
-    "bound_node",
-    "node_free_bytes",
-    "online_nodes",
-    "resolve_numa_node",
-    "GpuFacts",
-    "package_version",
-    "probe_gpus",
-    "sglang_register_chunk_bytes",
-    "CopyEngine",
-    "FrameworkPinnedAllocator",
-    "HostTensorAllocator",
-    "TorchHostTensorAllocator",
-    "BufferRequest",
-    "HostPools",
-    "bring_up",
-    "bring_up_buffers",
-    "pool_requests",
-    "deferred_interrupts",
-    "default_binding",
-    "default_runtime",
-    "torch_runtime",
-    "probe_resolved_limits",
-    "probe_kernel_release",
-
-    "BudgetLock",
-    "CudaFacts",
+    # ARCHITECTURE's stable API
     "CudaPythonRuntime",
-    "DEFAULT_CHUNK_LIMIT_BYTES",
-    "ENV_VARS",
-    "HUGEPAGE_MODES",
-    "HUGETLBFS_MODES",
-    "DEFAULT_HUGEPAGE_BYTES",
-    "PoolSettings",
-    "pool_settings",
-    "EnvError",
-    "HostBuffer",
-    "HostLedger",
-    "HostRuntime",
-    "HugepagePool",
-    "MachineFacts",
-    "PROCESS_LEDGER",
-    "QUARANTINE",
-    "PrefaultReport",
-    "ProgressEvent",
-    "RegisteredRange",
     "Registration",
-    "RegistrationStatus",
-    "TorchCudartRuntime",
-    "allocate_host",
     "apply_plan",
     "apply_pool_plan",
-    "apply_pool_plans",
+    # the one bring-up and its handle
+    "BufferRequest",
+    "HostPools",
+    "Progressive",
+    "bring_up",
     "budget_lock",
-    "free_hugepages",
-    "kernel_pin_cap",
+    # host memory and allocators
+    "FrameworkPinnedAllocator",
+    "HostAllocator",
+    "HostTensorAllocator",
+    "TorchHostTensorAllocator",
     "os_page_bytes",
-    "prefault",
-    "probe_cuda",
     "quarantine",
+    # machine probes
+    "MachineFacts",
+    "node_free_bytes",
+    "package_version",
+    "pool_settings",
+    "probe_cuda",
+    "probe_gpus",
+    "probe_kernel_release",
     "probe_limits",
     "probe_machine",
-    "ranks_per_host",
-    "runtime_dir",
+    "probe_resolved_limits",
+    "resolve_numa_node",
+    "sglang_register_chunk_bytes",
+    # copies
+    "CopyEngine",
+    "host_copy_info",
+    # compat.sglang and hicache.testing
+    "TorchCudartRuntime",
+    "cuda_codes",
+    "deferred_interrupts",
+    "stand_in_runtime",
+    "torch_runtime",
     "unregister_ranges",
 ]

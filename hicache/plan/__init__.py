@@ -43,15 +43,31 @@ from hicache.plan._models import (
     ModelSpec,
     model_from_hf_config,
 )
+from hicache.plan._intervals import IntervalSet
 from hicache.plan._pool import BufferPlan, PoolPlan, plan_pool
 from hicache.plan._range import Range
-from hicache.plan._settings import SETTINGS_ENV, EnvError, ResolvedLimits, env_size, resolve_limits
+from hicache.plan._settings import (
+    DEFAULT_HUGEPAGE_BYTES,
+    HUGEPAGE_MODES,
+    HUGETLBFS_MODES,
+    SETTINGS_ENV,
+    SGLANG_CHUNK_ENV,
+    ResolvedLimits,
+    env_size,
+    resolve_limits,
+)
+from hicache.errors import EnvError
 from hicache.plan._units import format_bytes, format_gb, parse_size
 
 __all__ = [
     "pace",
     "CAPACITY_DEFAULTS",
     "SETTINGS_ENV",
+    "IntervalSet",
+    "SGLANG_CHUNK_ENV",
+    "DEFAULT_HUGEPAGE_BYTES",
+    "HUGEPAGE_MODES",
+    "HUGETLBFS_MODES",
     "EnvError",
     "ResolvedLimits",
     "env_size",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from hicache.errors import LayoutError, PlanError
+from hicache.errors import ConfigError, LayoutError, PlanError
 from hicache.plan._layouts import (
     AsymmetricMHALayout,
     DSAIndexerLayout,
@@ -25,9 +25,6 @@ KV_DTYPES = {
 }
 KINDS = ("mha", "mla", "mla_dsa", "hybrid_linear", "asymmetric")
 
-
-class ConfigError(PlanError):
-    """A model config lacks a key hicache needs, or holds a value it cannot use."""
 
 
 @attrs.frozen

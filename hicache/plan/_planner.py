@@ -17,7 +17,7 @@ import attrs
 from hicache.errors import PlanError
 from hicache.plan._checks import as_tuple, check_int
 from hicache.plan._limits import Limits
-from hicache.plan._range import Range, Tiling, collector_paused, tiling
+from hicache.plan._range import Range, Tiling, tiling
 from hicache.plan._units import format_bytes
 
 
@@ -179,7 +179,6 @@ def _tile(total: int, step: int) -> tuple[Range, ...]:
     return tiling(total, step)
 
 
-@collector_paused
 def plan_registration(
     total_bytes: int, *, granularity_bytes: int | None, limits: Limits
 ) -> RegistrationPlan:
@@ -247,7 +246,6 @@ def _plan_unsplittable(total: int, limits: Limits, notes: list[str]) -> Registra
     return RegistrationPlan(total, None, total, limits, (Range(0, total),), tuple(notes))
 
 
-@collector_paused
 def replan(plan: RegistrationPlan, *, failed_index: int) -> RegistrationPlan:
     """The retry policy: after call ``failed_index`` failed (not stickily), halve the rest.
 

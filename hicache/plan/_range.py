@@ -8,8 +8,8 @@ several times more per instance. Pure: imports hicache.errors only.
 
 from __future__ import annotations
 
-import gc
-from functools import wraps
+import operator
+from collections.abc import Sequence
 from itertools import chain, repeat
 from typing import NamedTuple
 
@@ -47,43 +47,69 @@ class Range(_RangeFields):
         return f"[{self[0]}, {self[0] + self[1]})"
 
 
-class Tiling(tuple):
+class Tiling(Sequence):
     """Ranges the planner tiled as offsets ``0, step, 2*step, ...`` (the last one maybe
     shorter), known by construction: a plan checks them by arithmetic on ``step`` and
-    ``total`` instead of walking every range. Compares and hashes as the plain tuple."""
+    ``total`` instead of walking every range, and holds no Range objects - each is made when
+    read (a 64 TiB plan at 1 GiB chunks is 65,536 of them; kept alive, tuple subclasses are never
+    untracked by the garbage collector and cost a full collection of a server's heap, ~100 ms
+    with torch imported). Compares, hashes and concatenates as the plain tuple."""
 
-    step: int
-    total: int
+    __slots__ = ("step", "total", "_count")
+
+    def __init__(self, total: int, step: int) -> None:
+        self.step, self.total = step, total
+        self._count = -(-total // step) if total > 0 else 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _at(self, index: int) -> Range:
+        offset = index * self.step
+        return tuple.__new__(Range, (offset, min(self.step, self.total - offset)))
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self._at(i) for i in range(*index.indices(self._count)))
+        index = operator.index(index)
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError("Tiling index out of range")
+        return self._at(index)
+
+    def __iter__(self):
+        whole = min(self.total // self.step, self._count)  # ranges of a full step
+        pieces = zip(range(0, whole * self.step, self.step), repeat(self.step))
+        if whole < self._count:
+            last = whole * self.step
+            pieces = chain(pieces, ((last, self.total - last),))
+        return map(tuple.__new__, repeat(Range), pieces)
+
+    def __reversed__(self):
+        return (self._at(i) for i in range(self._count - 1, -1, -1))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Tiling):
+            return (self._count, self.total) == (other._count, other.total) and (
+                self._count <= 1 or self.step == other.step)
+        if isinstance(other, tuple):
+            return len(other) == self._count and tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other) -> tuple:
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other) -> tuple:
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return f"Tiling(total={self.total}, step={self.step}, {self._count} ranges)"
 
 
 def tiling(total: int, step: int) -> Tiling:
     """``[0, total)`` in ranges of ``step`` bytes (the last one what is left); unchecked input."""
-    full = total // step * step
-    pieces = zip(range(0, full, step), repeat(step))
-    if full < total:
-        pieces = chain(pieces, ((full, total - full),))
-    result = Tiling(map(tuple.__new__, repeat(Range), pieces))
-    result.step, result.total = step, total
-    return result
-
-
-def collector_paused(func):
-    """Run ``func`` with Python's cyclic garbage collector paused (then restored as it was).
-
-    A plan builds up to tens of thousands of small tuples in one go; in a process with a large
-    heap (torch imported: an SGLang server) those allocations trigger a full collection that
-    walks the whole heap - 64 TiB at 1 GiB chunks took 100+ ms instead of ~25 ms. Ranges hold
-    no reference cycles, so nothing is lost by not collecting while they are built.
-    """
-
-    @wraps(func)
-    def paused(*args, **kwargs):
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return func(*args, **kwargs)
-        finally:
-            if was_enabled:
-                gc.enable()
-
-    return paused
+    return Tiling(total, step)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from hicache.errors import PlanError
+from hicache.errors import EnvError, PlanError
 from hicache.plan._limits import (
     DEFAULT_CHUNK_LIMIT_BYTES,
     DRIVER_CEILING_BYTES,
@@ -30,9 +30,6 @@ SETTINGS_ENV = {
 }
 
 
-class EnvError(PlanError):
-    """An environment variable holds a value hicache cannot read."""
-
 
 def env_size(env: Mapping, name: str, *, allow_none: bool = False):
     """The size in ``env[name]`` (None when unset or empty; ``"none"`` when allowed and given)."""
@@ -45,6 +42,15 @@ def env_size(env: Mapping, name: str, *, allow_none: bool = False):
         return parse_size(raw, what=name)
     except PlanError as error:
         raise EnvError(f"environment variable {name}={raw!r} is invalid: {error}") from None
+
+
+#: Host page sizes a pool may ask for (`hicache.effects` maps them; these are the words).
+HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
+HUGETLBFS_MODES = ("prefer", "required")  # the modes that map hugetlbfs pages
+#: hugetlbfs page size when none is named: 2 MiB, the x86-64 default (Hugepagesize).
+DEFAULT_HUGEPAGE_BYTES = 2 * 2**20
+#: SGLang's own chunk setting (GiB per cudaHostRegister call), read by compat.sglang.
+SGLANG_CHUNK_ENV = "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB"
 
 
 class ResolvedLimits(NamedTuple):

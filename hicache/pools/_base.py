@@ -1,10 +1,10 @@
 """`HostKVCache`: the base of every host KV pool - sizing, allocation, registration, pages.
 
-Owns a pool's lifetime: size it (ceil pages, decimal GB per rank), check the budget under the
-host-wide lock together with the allocation, allocate every buffer, register them all as one
-transaction (or none, and the memory is freed), hand out pages, move pages to and from the
-device pool, and `destroy()` - release the registration, then free the memory. Subclasses
-say only what their buffers and device views look like.
+Owns a pool's lifetime, in the order the constructor reads: size it (ceil pages, decimal GB
+per rank), settle its settings and plan, bring it up through `hicache.effects.bring_up` (one
+handle: budget, memory, registration), then views for transfers (`Transfers`) and pages;
+`destroy()` is stop, wait for copies, release. Subclasses say only what their buffers and
+device views look like.
 """
 
 from __future__ import annotations
@@ -18,31 +18,21 @@ from typing import NamedTuple
 import attrs
 
 from hicache.effects import (
-    DEFAULT_HUGEPAGE_BYTES,
-    HUGEPAGE_MODES,
-    HUGETLBFS_MODES,
     CopyEngine,
     FrameworkPinnedAllocator,
+    HostAllocator,
+    Progressive,
     bring_up,
-    deferred_interrupts,
     pool_settings,
     probe_limits,
     resolve_numa_node,
 )
-from hicache.errors import LayoutError, RegistrationStateError, ReleaseError, TransferError
-from hicache.plan import format_gb, plan_pool, size_pool
+from hicache.errors import LayoutError, NoAllocatorError, RegistrationStateError, TransferError
+from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, format_gb, plan_pool, size_pool
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
-from hicache.pools._transfer import (
-    Descriptors,
-    IndexMemo,
-    Link,
-    ReadyCopy,
-    make_link,
-    check_backend,
-    copy_tokens,
-)
+from hicache.pools._transfer import Transfers, check_backend
 from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._views import layer_token_view
 
@@ -70,10 +60,6 @@ class Stream(NamedTuple):
     device: object  # callable(device_pool, layer) -> device tensor for that layer
     rows: bool = False  # whole page rows (DSA, DeepSeek-V4) instead of token slots
 
-
-class NoAllocatorError(RegistrationStateError, NotImplementedError):
-    """A pool that reuses another pool's indices has no allocator (SGLang raises
-    NotImplementedError there; this is both)."""
 
 
 def _device_type(device_pool) -> str:
@@ -145,9 +131,35 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self.runtime = runtime
         self.ledger = ledger  # None: the process ledger (what CUDA holds for this process)
         self.pool_label = pool_label
-        self.allocator = get_allocator_from_storage(
-            allocator_type, fallback=allocator_fallback or "default", strict=strict_allocator
-        )
+        self.lock = threading.RLock()
+        self.registration = None
+        self.kv_buffer = None
+        self._destroyed = False
+        self._host = None  # the effects.HostPools handle: memory, registration, budget entry
+        self._pages = None
+        self._readiness = None
+        self._transfers = None
+        self._size(host_to_device_ratio, host_size, page_num)
+        self._settings(limits, progressive, hugepages, max_stall_s, numa_node)
+        self.pool_plan = plan_pool(self.descriptor, self._limits)
+        self.allocator = self._allocator(allocator_type, allocator_fallback, strict_allocator)
+        self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
+        self._bring_up_options = {"runtime": runtime, "machine": machine, "host_memory_bytes": host_memory_bytes,
+                                  "lock": budget_lock, "ledger": ledger, "device": device}
+        self._reserve()
+        try:
+            self._transfers = Transfers(self._host_view, self.streams(), page_size=page_size, host_slots=self.size,
+                                        copy_engine=self.copy_engine, name=type(self).__name__)
+            if self._pages is None and self.has_allocator:
+                self._pages = PageAllocator(self.page_num, page_size)
+        except BaseException:  # never leave a half-built pool holding pinned memory
+            self.destroy()
+            raise
+
+    # -- construction, in order: sizing, settings, allocator ---------------------------------
+    def _size(self, host_to_device_ratio: float, host_size: float, page_num: int | None) -> None:
+        """Layers, dtype and pages from the device pool and SGLang's sizing arguments."""
+        device_pool = self.device_pool
         self.dtype = self._store_dtype(device_pool)
         self.start_layer = getattr(device_pool, "start_layer", 0) or 0
         self.layer_num = self._layer_count(device_pool)
@@ -155,12 +167,13 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         # and exclusive when ModelRunner passes one; layer ids here are pool-local anyway.
         self.end_layer = self.start_layer + self.layer_num
         supported = self.descriptor_class().supported()
-        if layout not in supported:
-            raise LayoutError(f"{type(self).__name__}: layout {layout!r} is not supported; supported: {', '.join(supported)}")
+        if self.layout not in supported:
+            raise LayoutError(f"{type(self).__name__}: layout {self.layout!r} is not supported; "
+                              f"supported: {', '.join(supported)}")
         self.size_per_token = self.get_size_per_token()
         if page_num is None:
             sized = size_pool(
-                size_per_token_bytes=self.size_per_token, page_size=page_size,
+                size_per_token_bytes=self.size_per_token, page_size=self.page_size,
                 host_gb=host_size if host_size and host_size > 0 else None,
                 device_tokens=getattr(device_pool, "size", None) or None,
                 host_to_device_ratio=host_to_device_ratio,
@@ -169,8 +182,11 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
                 logger.warning("%s: %s", type(self).__name__, note)
             page_num = sized.page_num
         self.page_num = page_num
-        self.size = page_num * page_size
+        self.size = page_num * self.page_size
         self.descriptor = self.layout_descriptor(page_num)
+
+    def _settings(self, limits, progressive, hugepages, max_stall_s, numa_node) -> None:
+        """Progressive, page size (keywords beat HICACHE_*), limits, stall budget, NUMA node."""
         settings = pool_settings() if progressive is None or hugepages is None else None  # HICACHE_*
         self.progressive = settings.progressive if progressive is None else bool(progressive)
         self.hugepages = settings.hugepages if hugepages is None else hugepages
@@ -182,39 +198,20 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
             # the base is then hugepage aligned (or, if "prefer" falls back, page aligned: finer)
             self._limits = attrs.evolve(self._limits, hugepage_bytes=DEFAULT_HUGEPAGE_BYTES, base_alignment_bytes=max(
                 self._limits.base_alignment_bytes, DEFAULT_HUGEPAGE_BYTES))
-        self.pool_plan = plan_pool(self.descriptor, self._limits)
-        self.lock = threading.RLock()
-        self.registration = None
-        self.kv_buffer = None
-        self._destroyed = False
-        self._index_memo = IndexMemo()  # indices of the last transfer, checked
-        self._views: dict = {}  # (buffer, kv, layer) -> host view, for transfers
-        self._links: dict = {}  # (buffer, kv, layer, direction, device tensor) -> Link
-        self._host_memory_bytes = host_memory_bytes
-        self._machine = machine
-        self._budget_lock = budget_lock
-        self._host = None  # the effects.HostPools handle: memory, registration, budget entry
-        self._pages = None
-        self._progressive = None  # effects.BackgroundBringUp: registering (and faulting) in the background
-        self._readiness = None
-        self.max_stall_s = max_stall_s
-        self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
+        self.max_stall_s = Progressive(max_stall_s=max_stall_s).max_stall_s  # checked before any memory
         self.numa_node, note = resolve_numa_node(numa_node)
         if note:
             logger.info("%s: %s", type(self).__name__, note)
-        if self.numa_node is not None and hasattr(self.allocator, "numa_node"):
-            self.allocator.numa_node = self.numa_node
-        if hasattr(self.allocator, "hugepages"):
-            self.allocator.hugepages = self.hugepages
-            if self.hugepages in HUGETLBFS_MODES:  # the size the plan's boundaries keep to
-                self.allocator.hugepage_bytes = self._limits.hugepage_bytes
-        self._reserve()
-        try:
-            if self._pages is None and self.has_allocator:
-                self._pages = PageAllocator(page_num, page_size)
-        except BaseException:  # never leave a half-built pool holding pinned memory
-            self.destroy()
-            raise
+
+    def _allocator(self, allocator_type, fallback, strict: bool):
+        """The storage back end's allocator, configured with this pool's NUMA node and pages."""
+        allocator = get_allocator_from_storage(allocator_type, fallback=fallback or "default", strict=strict)
+        if isinstance(allocator, HostAllocator):  # hicache's: settings at construction
+            allocator = allocator.configure(
+                numa_node=self.numa_node, hugepages=self.hugepages,
+                hugepage_bytes=self._limits.hugepage_bytes if self.hugepages in HUGETLBFS_MODES else None,
+            )
+        return allocator
 
     # -- what subclasses say ---------------------------------------------------------------
     @classmethod
@@ -255,25 +252,21 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
 
     def init_kv_buffer(self):
         """Bring every buffer up (budget, allocate, pre-fault; when pinning, register them all
-        as one transaction) and return the buffer (a list when there are several)."""
+        as one transaction, or progressively) and return the buffer (a list when several)."""
         framework_pin = self.pin_memory and _device_type(self.device_pool) in _FRAMEWORK_PINNED
         register = self.pin_memory and not framework_pin
+        allocator = FrameworkPinnedAllocator() if framework_pin else self.allocator
         progressive = self.progressive and register and self.has_allocator and self.layout in PROGRESSIVE_LAYOUTS \
-            and hasattr(self.allocator, "allocate_unfaulted")
+            and isinstance(allocator, HostAllocator) and allocator.can_map_unfaulted
         if self.progressive and not progressive:
             logger.info("%s: progressive registration needs a pinned pool with page-first layout; "
                         "registering all of it first", type(self).__name__)
-        self._host = bring_up(
-            self.pool_plan, dtypes=self.buffer_dtypes(),
-            register=register and not progressive, prefault=not progressive,
-            allocator=FrameworkPinnedAllocator() if framework_pin else self.allocator,
-            runtime=self.runtime, machine=self._machine, host_memory_bytes=self._host_memory_bytes,
-            lock=self._budget_lock, ledger=self.ledger, device=self.device,
-        )  # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
+        mode = self._progressive_mode() if progressive else None
+        self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.buffer_dtypes(), register=register,
+                              allocator=allocator, **self._bring_up_options)
+        # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration
         tensors = self._host.tensors
-        if progressive:
-            self._start_progressive(tensors, self._host.host_buffers)
         return tensors[0] if len(tensors) == 1 else list(tensors)
 
     @property
@@ -287,6 +280,12 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     def _alive(self) -> None:
         if self._destroyed:
             raise RegistrationStateError(f"{type(self).__name__} was destroyed: its memory is gone")
+        host = self._host
+        if host is not None and host.state == "leaked":
+            raise RegistrationStateError(
+                f"{type(self).__name__}.destroy() failed: {len(host.leaked)} range(s) stay registered, so the "
+                "pool refuses alloc, free, transfers and page access; call destroy() again to retry"
+            )
 
     def _allocator_or_raise(self) -> PageAllocator:
         self._alive()
@@ -329,84 +328,11 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
             raise TransferError(f"layer_id {layer_id!r} out of range [0, {self.layer_num}) (pool-local ids)")
         return layer_id
 
-    def _stream_list(self) -> list:
-        streams = self.__dict__.get("_streams_cache")
-        if streams is None:  # what streams() says is fixed for the pool's life
-            streams = self._streams_cache = self.streams()
-        return streams
-
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
         self._alive()
         if io_backend != "direct":  # the layout was checked when the pool was built
             check_backend(io_backend, self.layout, self.descriptor_class().supported())
-        streams = self._stream_list()
-        first = streams[0].device(device_pool, 0)
-        device_slots = first.shape[0] * (self.page_size if streams[0].rows else 1)
-        checked = self._index_memo.check(
-            host_indices, device_indices, host_slots=self.size, device_slots=device_slots, page_size=self.page_size
-        )
-        device_tensors = tuple(stream.device(device_pool, layer) for layer in layers for stream in streams)
-        key = (to_host, tuple(layers), id(device_pool))
-        ready = checked.ready.get(key)
-        if ready is not None and ready.matches(device_tensors):  # the same copies as last time
-            if ready.prepared is not None:
-                ready.prepared.run()
-            return
-        ready = self._build_transfer(checked, streams, layers, device_tensors, to_host=to_host)
-        if ready is not None:
-            checked.ready[key] = ready
-
-    def _link(self, stream, layer: int, dv, *, to_host: bool) -> Link:
-        """How one layer of one stream copies (block views, unit, steps, extents), cached per
-        host view and device tensor - rebuilt when the device tensor moved or changed shape."""
-        hv = self._views.get((stream.buffer, stream.kv, layer))
-        if hv is None:  # views of our own buffers: made once, dropped by destroy()
-            hv = self._views[(stream.buffer, stream.kv, layer)] = self._host_view(stream, layer)
-        key = (stream.buffer, stream.kv, layer, to_host, id(dv))
-        link = self._links.get(key)
-        if link is None or not link.fits(dv):
-            link = self._links[key] = make_link(hv, dv, self.page_size, rows=stream.rows, to_host=to_host)
-        return link
-
-    def _build_transfer(self, checked, streams, layers, device_tensors, *, to_host: bool):
-        """Check and issue one transfer; return it prepared for reuse (None when part of it
-        went through torch indexing, which is not reusable)."""
-        hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
-        patterns = checked.patterns
-        batch = Descriptors(self.copy_engine)  # every layer's page copies, issued together
-        later: list = []  # torch-indexing copies: run only once every part passed its checks
-        reusable = True
-        tensors = iter(device_tensors)
-        for layer in layers:
-            for stream in streams:
-                dv = next(tensors)
-                link = self._link(stream, layer, dv, to_host=to_host)
-                if stream.rows or (hpages is not None and dpages is not None and link.whole_pages):
-                    if hpages is None or dpages is None:
-                        raise TransferError(f"{type(self).__name__} moves whole pages: indices must be page-aligned runs")
-                    dst_ids, src_ids = (hpages, dpages) if to_host else (dpages, hpages)
-                    reusable &= link.copy(dst_ids, src_ids, batch, patterns, where=(self, layer, stream), later=later)
-                else:
-                    if didx.numel() and int(didx.max()) >= dv.shape[0]:
-                        raise TransferError(
-                            f"{self._where(layer, stream)}: device index {int(didx.max())} is past the end of "
-                            f"that tensor ({dv.shape[0]} slots); nothing was copied"
-                        )
-                    later.append(lambda hv=link.host_view, dv=dv: copy_tokens(hv, hidx, dv, didx, self.page_size,
-                                                                              to_host=to_host))
-                    reusable = False
-        for copy in later:
-            copy()
-        prepared = batch.prepare()
-        if prepared is not None:
-            prepared.run()
-        if not reusable:
-            return None
-        return ReadyCopy(device_tensors, tuple(t.data_ptr() for t in device_tensors), prepared)
-
-    def _where(self, layer: int, stream) -> str:
-        """Names a copy in errors: layer (as SGLang numbers it), buffer, K or V."""
-        return f"layer {layer}, buffer {stream.buffer}" + ("" if stream.kv is None else f", {'KV'[stream.kv]}")
+        self._transfers.run(device_pool, host_indices, device_indices, layers, to_host=to_host)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
         """Copy the given slots of one layer host -> device."""
@@ -419,40 +345,30 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
 
     # -- teardown ---------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Release the registration, then free the memory; idempotent.
+        """Stop the background registration, wait for copies in flight, then release: unregister,
+        free the memory, give the budget back; idempotent.
 
-        If a range cannot be unregistered, `ReleaseError` is raised and the memory is kept
-        (memory CUDA still has pinned is never freed). Once releasing begins a Ctrl-C is held
-        until the pool is down (a half-done teardown would drop registrations from the books);
-        before that - stopping a progressive registration, waiting for copies in flight - it
-        interrupts with everything still held, and destroy() again finishes the job.
+        If a range cannot be unregistered, `ReleaseError` is raised, the memory is kept (memory
+        CUDA still has pinned is never freed) and the pool refuses use from then on; calling
+        destroy() again retries. Stopping and waiting are interruptible and leave everything
+        held for a second destroy(); once releasing begins a Ctrl-C is held until it is done.
         """
-        if self._progressive is not None:  # outside the lock: its thread takes the lock per call
-            self._progressive.stop()
+        host = self._host
+        if host is not None:  # outside the lock: the background thread takes it per call
+            host.stop()
         with self.lock:
             if self._destroyed:
                 return
             self._wait_for_device_copies()
-            with deferred_interrupts():
-                leak = None
-                if self._progressive is not None:  # the calls registered so far, newest first
-                    try:
-                        self._progressive.release(self._host._books)
-                    except ReleaseError as error:  # their memory is quarantined; the rest still goes
-                        leak = error
-                if self._host is not None:
-                    try:
-                        self._host.release()  # unregister, free, forget the budget (leaks: quarantined)
-                    except ReleaseError:
-                        if leak is None:
-                            raise
-                if leak is not None:
-                    raise leak  # it names the ranges that stay registered
-                self.kv_buffer = None
-                self._index_memo.forget()
-                self._views = {}
-                self._links = {}
-                self._destroyed = True
+            try:
+                if host is not None:
+                    host.release()  # one teardown, whatever the mode; a leak keeps the memory
+            finally:
+                if host is None or host.state == "released":
+                    self.kv_buffer = None
+                    if self._transfers is not None:
+                        self._transfers.forget()
+                    self._destroyed = True
 
     def _wait_for_device_copies(self) -> None:
         """Transfers run asynchronously on CUDA streams: none may still use memory we unpin or free."""

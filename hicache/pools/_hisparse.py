@@ -9,11 +9,8 @@ slots a request holds (`-1` entries dropped).
 
 from __future__ import annotations
 
-from hicache.errors import CapacityError, TransferError
+from hicache.errors import CapacityError, HostPagesExhaustedError, TransferError
 
-
-class HostPagesExhaustedError(CapacityError, RuntimeError):
-    """No host pages left for a HiSparse request: a RuntimeError, as SGLang's callers expect."""
 
 
 class HiSparseHostPoolMixin:

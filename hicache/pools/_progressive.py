@@ -4,17 +4,16 @@ Owns the order chunks register in (by the page they start, across buffers and K/
 pages become usable front to back) and the count of ready pages: a page is ready when its bytes
 lie in registered ranges in every buffer. Only page-first layouts gain (a page's bytes are one
 run per buffer and K/V half); layer_first spreads every page over all layers, so a pool asked
-to be progressive there registers all of it before returning. The registering itself is
-hicache.effects' (`ProgressiveRegistration`).
+to be progressive there registers all of it before returning. The registering, faulting and
+teardown are hicache.effects' (`bring_up(mode=Progressive(...))` and its handle).
 """
 
 from __future__ import annotations
 
-import bisect
-
 import attrs
 
-from hicache.effects import BackgroundBringUp, Chunk
+from hicache.effects import Progressive
+from hicache.plan import IntervalSet
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._views import buffer_symbols
 
@@ -24,7 +23,7 @@ PROGRESSIVE_LAYOUTS = ("page_first", "page_first_direct")
 class PageReadiness:
     """Tracks registered byte ranges per buffer and how many leading pages are ready."""
 
-    def __init__(self, pool, tensors) -> None:
+    def __init__(self, pool) -> None:
         self.page_num = pool.page_num
         self.streams = []  # (buffer index, start offset of its page 0, page bytes)
         halves = 2 if "2" in buffer_symbols(pool.descriptor.family, pool.layout) else 1
@@ -32,32 +31,15 @@ class PageReadiness:
             part = spec.nbytes // halves
             for half in range(halves):
                 self.streams.append((index, half * part, part // self.page_num))
-        self.covered: list[list[tuple[int, int]]] = [[] for _ in tensors]  # merged, sorted (start, end)
+        self.covered = [IntervalSet() for _ in pool.descriptor.buffers()]  # registered bytes per buffer
         self.ready = 0
-
-    def _add(self, buffer: int, start: int, end: int) -> None:
-        spans = self.covered[buffer]
-        spans.append((start, end))
-        spans.sort()
-        merged = [spans[0]]
-        for lo, hi in spans[1:]:
-            if lo <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-            else:
-                merged.append((lo, hi))
-        self.covered[buffer] = merged
-
-    def _inside(self, buffer: int, start: int, end: int) -> bool:
-        spans = self.covered[buffer]
-        at = bisect.bisect_right(spans, (start, float("inf"))) - 1
-        return at >= 0 and spans[at][0] <= start and end <= spans[at][1]
 
     def registered(self, buffer: int, offset: int, size: int) -> range:
         """Record a registered chunk; return the pages that became ready."""
-        self._add(buffer, offset, offset + size)
+        self.covered[buffer].add(offset, size, merge=True)
         first = self.ready
         while self.ready < self.page_num and all(
-            self._inside(b, base + self.ready * pb, base + (self.ready + 1) * pb) for b, base, pb in self.streams
+            self.covered[b].covers(base + self.ready * pb, pb) for b, base, pb in self.streams
         ):
             self.ready += 1
         return range(first, self.ready)
@@ -79,7 +61,6 @@ class Part:
     buffer: int
     offset: int
     size: int
-    chunk: Chunk
     stream_start: int  # where page 0 of the half it serves starts (may lie past ``offset``)
     page_bytes: int
 
@@ -88,14 +69,14 @@ class Part:
         return max(0, self.offset + done - self.stream_start) // self.page_bytes
 
 
-def ordered_chunks(pool, tensors, readiness: PageReadiness) -> list[Part]:
+def ordered_parts(pool, readiness: PageReadiness) -> list[Part]:
     """Every range of the pool's plan, cut where a K/V half starts (rounded down to the plan's
     boundary alignment, so each part is still a legal range), ordered by the page each part
     starts at (then buffer, then offset): a single 64 GiB range holding both halves must not
     register all of K before V's first page."""
     parts = []
-    for index, (buffer, tensor) in enumerate(zip(pool.pool_plan.buffers, tensors)):
-        plan, base = buffer.plan, tensor.data_ptr()
+    for index, buffer in enumerate(pool.pool_plan.buffers):
+        plan = buffer.plan
         alignment = plan.alignment_bytes or plan.granularity_bytes or 1
         starts = [start for b, start, _ in readiness.streams if b == index and start > 0]
         for item in plan.ranges:
@@ -104,25 +85,24 @@ def ordered_chunks(pool, tensors, readiness: PageReadiness) -> list[Part]:
             edges = [item.offset, *cuts, end]
             for lo, hi in zip(edges, edges[1:]):
                 stream_start, page_bytes = readiness.stream_at(index, lo, alignment)
-                chunk = Chunk(f"{buffer.spec.name}", base + lo, hi - lo, plan.granularity_bytes, plan.limits)
-                parts.append(Part(index, lo, hi - lo, chunk, stream_start, page_bytes))
+                parts.append(Part(index, lo, hi - lo, stream_start, page_bytes))
     parts.sort(key=lambda part: (part.page_reached(0), part.buffer, part.offset))
     return parts
 
 
 class ProgressiveMixin:
-    """Mixed into `HostKVCache`: the progressive start, `ready_pages`, `wait_ready`."""
+    """Mixed into `HostKVCache`: the progressive mode's settings, `ready_pages`, `wait_ready`."""
 
-    def _start_progressive(self, tensors, host_buffers) -> None:
+    def _progressive_mode(self) -> Progressive:
         """Every page starts handed out (to the pool itself) and is freed into the allocator
         as it becomes ready; the constructor returns once the first page is registered in
         every buffer. Calls go by the page they reach (K and V halves and all buffers
-        together), and the memory is faulted in the background in the same order, each call
-        waiting for its own bytes."""
+        together); effects faults the memory in the same order, each call waiting for its own
+        bytes."""
         self._pages = PageAllocator(self.page_num, self.page_size)
         self._pages.alloc(self.page_num * self.page_size)
-        self._readiness = PageReadiness(self, tensors)
-        parts = ordered_chunks(self, tensors, self._readiness)
+        self._readiness = PageReadiness(self)
+        parts = ordered_parts(self, self._readiness)
 
         def on_chunk(position: int, done: int, size: int) -> None:
             part = parts[position]
@@ -131,13 +111,11 @@ class ProgressiveMixin:
                 if len(ready) and not self._destroyed:
                     self._pages.free(self._slots(ready))
 
-        self._progressive = BackgroundBringUp(  # stored first: a failing start is undone by destroy()
-            [part.chunk for part in parts], [(part.buffer, part.offset, part.size) for part in parts],
-            host_buffers, runtime=self.runtime, ledger=self.ledger, on_chunk=on_chunk,
+        return Progressive(
+            order=[(part.buffer, part.offset, part.size) for part in parts],
             key=lambda position, done: parts[position].page_reached(done),
-            max_stall_s=self.max_stall_s, threads=getattr(self.allocator, "prefault_threads", None),
+            on_chunk=on_chunk, ready=lambda: self._readiness.ready > 0, max_stall_s=self.max_stall_s,
         )
-        self._progressive.start(lambda: self._readiness.ready > 0)
 
     def _slots(self, pages: range):
         import torch
@@ -155,6 +133,6 @@ class ProgressiveMixin:
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every page is registered (True), or ``timeout`` seconds (False); raise
         the `ApplyError` that stopped a background registration."""
-        if self._progressive is None:
+        if self._host is None:
             return True
-        return self._progressive.wait(timeout)
+        return self._host.wait(timeout)

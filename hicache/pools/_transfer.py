@@ -1,6 +1,7 @@
-"""Page transfers between a host pool and a device pool: validation and the copy engine.
+"""Page transfers between a host pool and a device pool: `Transfers`, the descriptors, the links.
 
-Owns the checks on indices and layer ids, and the descriptors. Where one page of one layer is
+Owns one pool's transfer state (`Transfers`: the index memo, host views, links, prepared
+copies, and how a copy is named in errors) and the descriptors. Where one page of one layer is
 a contiguous block on both sides (layer_first, page_first_direct, Mamba slots, DSA/V4 rows), a
 transfer is a list of (dst, src, bytes) descriptors, kept as int64 tensors: consecutive pages
 are coalesced, then handed to `hicache.effects.CopyEngine` in one batch (a host copy, or
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from hicache.errors import TransferError
+from hicache.pools._indices import IndexMemo
 
 IO_BACKENDS = ("direct",)
 
@@ -25,40 +27,6 @@ def check_backend(io_backend: str, layout: str, supported_layouts) -> None:
             f"io_backend {io_backend!r} with layout {layout!r} is not supported; supported: {pairs}"
             " (the 'kernel' backend needs sgl-kernel's UVA kernels, which hicache does not ship)"
         )
-
-
-def check_indices(host_indices, device_indices, *, host_slots: int, device_slots: int):
-    """Both index tensors as int64 CPU tensors, after checking dtype, shape and range."""
-    import torch
-
-    out = []
-    for name, value, bound in (("host_indices", host_indices, host_slots), ("device_indices", device_indices, device_slots)):
-        if not isinstance(value, torch.Tensor):
-            raise TransferError(f"{name} must be a torch tensor, got {type(value).__name__}")
-        if value.dtype not in (torch.int64, torch.int32) or value.dim() != 1:
-            raise TransferError(f"{name} must be a 1-D int64 or int32 tensor, got {value.dtype} of shape {tuple(value.shape)}")
-        value = value.to(device="cpu", dtype=torch.int64)
-        if value.numel() and (int(value.min()) < 0 or int(value.max()) >= bound):
-            raise TransferError(f"{name} out of range [0, {bound}): min {int(value.min())}, max {int(value.max())}")
-        out.append(value)
-    if out[0].numel() != out[1].numel():
-        raise TransferError(f"host_indices has {out[0].numel()} entries but device_indices has {out[1].numel()}")
-    return out
-
-
-def aligned_pages(indices, page_size: int):
-    """Page ids when ``indices`` are page-aligned runs of whole pages, else None."""
-    import torch
-
-    if page_size == 1:
-        return indices
-    if indices.numel() % page_size:
-        return None
-    runs = indices.view(-1, page_size)
-    starts = runs[:, 0]
-    if (starts % page_size).any() or not torch.equal(runs - starts[:, None], torch.arange(page_size).expand_as(runs)):
-        return None
-    return starts // page_size
 
 
 def _block_bytes(tensor) -> int | None:
@@ -150,13 +118,12 @@ class Descriptors:
                 self.cuda = tensor.device
         self.keep += [dst, src]
 
-    def add_checked(self, pattern: BlockPattern, link: Link, where) -> None:
+    def add_checked(self, pattern: BlockPattern, link: Link, where: "Where") -> None:
         """`add` for a link whose extents are known: two comparisons, one append."""
         if not pattern.total:
             return
         if pattern.dst_reach > link.dst_extent or pattern.src_reach > link.src_extent:
-            pool, layer, stream = where
-            self.add(link.dst, link.src, pattern, where=pool._where(layer, stream))  # raises, naming it
+            self.add(link.dst, link.src, pattern, where=str(where))  # raises, naming it
         self.total += pattern.total
         self.parts.append((pattern, link.dst_ptr, link.src_ptr))
         if self.cuda is None and link.device.device.type == "cuda":
@@ -174,43 +141,14 @@ class Descriptors:
         parts = [(p.dst, p.src, p.sizes, p.total, dst_base, src_base) for p, dst_base, src_base in self.parts]
         return self.engine.prepare_parts(parts, device=self.cuda)
 
-    def run(self) -> None:
-        prepared = self.prepare()
-        if prepared is not None:
-            prepared.run()
-        self.parts, self.keep = [], []
 
-
-def copy_blocks(dst, dst_ids, src, src_ids, descriptors: Descriptors | None = None, patterns: dict | None = None,
-                where: str = "") -> bool:
-    """``dst[dst_ids[i]] = src[src_ids[i]]`` for whole blocks along dim 0 (pages or slots).
-
-    When every block is contiguous on both sides the copies are added to ``descriptors``
-    (issued by the caller, batched with other layers) or issued now; otherwise torch indexing.
-    ``patterns`` (a dict owned by the caller, for these very id tensors) keeps the coalesced
-    pattern for the next layer or call with the same strides. Returns True when the copies went
-    into descriptors (reusable), False when torch indexing did them. Every block must lie
-    inside both tensors (`TransferError` naming ``where`` otherwise): never a wild copy.
-    """
+def copy_blocks(dst, dst_ids, src, src_ids) -> None:
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for whole blocks along dim 0 by torch indexing
+    (blocks not contiguous on both sides); the caller checked every id against both tensors."""
     if dst_ids.numel() == 0:
-        return True
-    unit = block_unit(dst, src)
-    if unit is None:
-        values = src[src_ids.to(src.device)]
-        dst[dst_ids.to(dst.device)] = values.to(dst.device).reshape((values.shape[0], *dst.shape[1:]))
-        return False
-    steps = (dst.stride(0) * dst.element_size(), src.stride(0) * src.element_size())
-    key = (id(dst_ids), id(src_ids), *steps, unit)
-    pattern = patterns.get(key) if patterns is not None else None
-    if pattern is None:
-        pattern = block_pattern(dst_ids, steps[0], src_ids, steps[1], unit)
-        if patterns is not None:
-            patterns[key] = pattern
-    batch = descriptors if descriptors is not None else Descriptors()
-    batch.add(dst, src, pattern, where=where)
-    if descriptors is None:
-        batch.run()
-    return True
+        return
+    values = src[src_ids.to(src.device)]
+    dst[dst_ids.to(dst.device)] = values.to(dst.device).reshape((values.shape[0], *dst.shape[1:]))
 
 
 def extent_bytes(tensor) -> int:
@@ -241,9 +179,8 @@ class Link:
         if self.unit is None:  # torch indexing: bounds-checked here, never an IndexError midway
             for side, tensor, ids in (("destination", self.dst, dst_ids), ("source", self.src, src_ids)):
                 if int(ids.max()) >= tensor.shape[0]:
-                    pool, layer, stream = where
                     raise TransferError(
-                        f"{pool._where(layer, stream)}: block {int(ids.max())} is past the end of the {side} "
+                        f"{where}: block {int(ids.max())} is past the end of the {side} "
                         f"tensor ({tensor.shape[0]} blocks); nothing was copied"
                     )
             later.append(lambda dst=self.dst, src=self.src: copy_blocks(dst, dst_ids, src, src_ids))
@@ -271,45 +208,6 @@ def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool) -
     return link
 
 
-class CheckedIndices(NamedTuple):
-    """One transfer's indices after `check_indices`, and the block patterns found for them."""
-
-    host: object  # the caller's tensors, as given (cloned)
-    device: object
-    bounds: tuple
-    hidx: object  # int64 CPU tensors
-    didx: object
-    hpages: object  # page ids, or None when not whole aligned pages
-    dpages: object
-    patterns: dict
-    ready: dict  # (direction, layers, device pool) -> ReadyCopy: descriptors built and checked
-    seen: tuple  # weak references to the tensor objects given, with their versions
-
-
-def _seen(host_indices, device_indices) -> tuple:
-    import weakref
-
-    return (weakref.ref(host_indices), host_indices._version, weakref.ref(device_indices), device_indices._version)
-
-
-def _same_objects(seen: tuple, host_indices, device_indices) -> bool:
-    """The very tensors of the last call, not modified in place since (their version counter)."""
-    host_ref, host_version, device_ref, device_version = seen
-    return (
-        host_ref() is host_indices and device_ref() is device_indices
-        and host_indices._version == host_version and device_indices._version == device_version
-    )
-
-
-def _same(saved, given) -> bool:
-    import torch
-
-    return (
-        isinstance(given, torch.Tensor) and given.dtype == saved.dtype and given.device == saved.device
-        and given.shape == saved.shape and torch.equal(given, saved)
-    )
-
-
 class ReadyCopy(NamedTuple):
     """A transfer's checked, prepared copies, and the device tensors they were built from
     (kept alive, so their addresses stay valid; reused only while the pool hands out the very
@@ -325,42 +223,6 @@ class ReadyCopy(NamedTuple):
         )
 
 
-class IndexMemo:
-    """The last transfer's checked indices and block patterns, reused while the indices are equal.
-
-    SGLang loads layer by layer with the same two index tensors; checking them, finding the
-    pages and coalescing cost ~0.4 ms a call in Python - a tenth of a 64 MiB layer's copy.
-    A hit is the same tensor objects unchanged since (their version counter), or equal values;
-    a tensor changed in place misses.
-    """
-
-    def __init__(self) -> None:
-        self._last: CheckedIndices | None = None
-
-    def check(self, host_indices, device_indices, *, host_slots: int, device_slots: int, page_size: int) -> CheckedIndices:
-        bounds = (host_slots, device_slots, page_size)
-        last = self._last  # one read: another thread may replace it meanwhile
-        if last is not None and last.bounds == bounds:
-            try:
-                if _same_objects(last.seen, host_indices, device_indices):
-                    return last  # the common case: the same tensors, layer after layer
-            except (AttributeError, TypeError):
-                pass  # not tensors: checked (and refused) below
-            if _same(last.host, host_indices) and _same(last.device, device_indices):
-                return last
-        hidx, didx = check_indices(host_indices, device_indices, host_slots=host_slots, device_slots=device_slots)
-        entry = CheckedIndices(
-            host_indices.clone(), device_indices.clone(), bounds, hidx, didx,
-            aligned_pages(hidx, page_size), aligned_pages(didx, page_size), {}, {},
-            _seen(host_indices, device_indices),
-        )
-        self._last = entry
-        return entry
-
-    def forget(self) -> None:
-        self._last = None
-
-
 def copy_tokens(hv, hidx, dv, didx, page_size: int, *, to_host: bool) -> None:
     """Token-by-token path for runs that are not whole aligned pages.
 
@@ -373,3 +235,110 @@ def copy_tokens(hv, hidx, dv, didx, page_size: int, *, to_host: bool) -> None:
     else:
         values = hv[pages, offsets].to(dv.device)
         dv[didx.to(dv.device)] = values.reshape((values.shape[0], *dv.shape[1:]))
+
+
+class Where(NamedTuple):
+    """Names a copy in errors - layer (as SGLang numbers it), buffer, K or V - formatted only
+    when an error needs it (a transfer names one per layer and stream)."""
+
+    layer: int
+    buffer: int
+    kv: int | None
+
+    def __str__(self) -> str:
+        return f"layer {self.layer}, buffer {self.buffer}" + ("" if self.kv is None else f", {'KV'[self.kv]}")
+
+
+class Transfers:
+    """One pool's transfers: every check made before any byte moves, then one batch.
+
+    ``host_view(stream, layer)``: the host side of one stream's layer; ``streams``: the pool's
+    copy streams (``buffer``, ``kv``, ``device(device_pool, layer)``, ``rows``);
+    ``host_slots``: the pool's token slots. Caches (views, links, prepared copies, the last
+    indices) live here and go with `forget`.
+    """
+
+    def __init__(self, host_view, streams, *, page_size: int, host_slots: int, copy_engine, name: str) -> None:
+        self.host_view = host_view
+        self.streams = list(streams)
+        self.page_size = page_size
+        self.host_slots = host_slots
+        self.copy_engine = copy_engine
+        self.name = name
+        self.memo = IndexMemo()  # indices of the last transfer, checked
+        self._views: dict = {}  # (buffer, kv, layer) -> host view
+        self._links: dict = {}  # (buffer, kv, layer, direction, device tensor) -> Link
+
+    def forget(self) -> None:
+        """Drop every cached view and copy (the pool's memory is going)."""
+        self.memo.forget()
+        self._views = {}
+        self._links = {}
+
+    def run(self, device_pool, host_indices, device_indices, layers, *, to_host: bool) -> None:
+        """Copy the given slots of ``layers`` between the host buffers and ``device_pool``."""
+        streams = self.streams
+        first = streams[0].device(device_pool, 0)
+        device_slots = first.shape[0] * (self.page_size if streams[0].rows else 1)
+        checked = self.memo.check(
+            host_indices, device_indices, host_slots=self.host_slots, device_slots=device_slots, page_size=self.page_size
+        )
+        device_tensors = tuple(stream.device(device_pool, layer) for layer in layers for stream in streams)
+        key = (to_host, tuple(layers), id(device_pool))
+        ready = checked.ready.get(key)
+        if ready is not None and ready.matches(device_tensors):  # the same copies as last time
+            if ready.prepared is not None:
+                ready.prepared.run()
+            return
+        ready = self._build(checked, layers, device_tensors, to_host=to_host)
+        if ready is not None:
+            checked.ready[key] = ready
+
+    def _link(self, stream, layer: int, dv, *, to_host: bool) -> Link:
+        """How one layer of one stream copies (block views, unit, steps, extents), cached per
+        host view and device tensor - rebuilt when the device tensor moved or changed shape."""
+        hv = self._views.get((stream.buffer, stream.kv, layer))
+        if hv is None:  # views of the pool's own buffers: made once, dropped by forget()
+            hv = self._views[(stream.buffer, stream.kv, layer)] = self.host_view(stream, layer)
+        key = (stream.buffer, stream.kv, layer, to_host, id(dv))
+        link = self._links.get(key)
+        if link is None or not link.fits(dv):
+            link = self._links[key] = make_link(hv, dv, self.page_size, rows=stream.rows, to_host=to_host)
+        return link
+
+    def _build(self, checked, layers, device_tensors, *, to_host: bool):
+        """Check and issue one transfer; return it prepared for reuse (None when part of it
+        went through torch indexing, which is not reusable)."""
+        hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
+        patterns = checked.patterns
+        batch = Descriptors(self.copy_engine)  # every layer's page copies, issued together
+        later: list = []  # torch-indexing copies: run only once every part passed its checks
+        reusable = True
+        tensors = iter(device_tensors)
+        for layer in layers:
+            for stream in self.streams:
+                dv = next(tensors)
+                link = self._link(stream, layer, dv, to_host=to_host)
+                where = Where(layer, stream.buffer, stream.kv)
+                if stream.rows or (hpages is not None and dpages is not None and link.whole_pages):
+                    if hpages is None or dpages is None:
+                        raise TransferError(f"{self.name} moves whole pages: indices must be page-aligned runs")
+                    dst_ids, src_ids = (hpages, dpages) if to_host else (dpages, hpages)
+                    reusable &= link.copy(dst_ids, src_ids, batch, patterns, where=where, later=later)
+                else:
+                    if didx.numel() and int(didx.max()) >= dv.shape[0]:
+                        raise TransferError(
+                            f"{where}: device index {int(didx.max())} is past the end of "
+                            f"that tensor ({dv.shape[0]} slots); nothing was copied"
+                        )
+                    later.append(lambda hv=link.host_view, dv=dv: copy_tokens(hv, hidx, dv, didx, self.page_size,
+                                                                              to_host=to_host))
+                    reusable = False
+        for copy in later:
+            copy()
+        prepared = batch.prepare()
+        if prepared is not None:
+            prepared.run()
+        if not reusable:
+            return None
+        return ReadyCopy(device_tensors, tuple(t.data_ptr() for t in device_tensors), prepared)

@@ -13,15 +13,15 @@ import time
 import attrs
 
 from hicache.effects._interrupts import deferred_interrupts, interrupt_requested
-from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
-from hicache.effects._registration import (
+from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
+from hicache.effects._cuda._registration import (
     RegisteredRange,
     Registration,
     _leak_message,
     _State,
     _undo,
 )
-from hicache.effects._runtime import HostRuntime
+from hicache.effects._cuda._runtime import HostRuntime
 from hicache.errors import (
     ApplyError,
     CudaCallError,
@@ -34,7 +34,7 @@ from hicache.errors import (
 )
 from hicache.plan import PoolPlan, RegistrationPlan, replan
 from hicache.plan._checks import check_int
-from hicache.effects._codes import ALREADY_REGISTERED, NAMES
+from hicache.effects._cuda._codes import ALREADY_REGISTERED, NAMES
 
 
 @attrs.frozen

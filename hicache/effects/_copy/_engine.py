@@ -10,7 +10,7 @@ parameters so tests stand in for both.
 
 from __future__ import annotations
 
-from hicache.effects._host_copy import copy_host_blocks, copy_parts, host_copy_mode
+from hicache.effects._copy._host_copy import copy_host_blocks, copy_parts, host_copy_mode
 from hicache.errors import CudaCallError
 
 
@@ -23,7 +23,7 @@ def cuda_copy(dsts, srcs, sizes, *, stream: int, binding=None) -> str:
     if binding is None:
         from cuda.bindings import runtime as binding
 
-    from hicache.effects._copies import FALLBACK_CODES, memcpy, memcpy_batch
+    from hicache.effects._copy._device import FALLBACK_CODES, memcpy, memcpy_batch
 
     try:
         memcpy_batch(dsts, srcs, sizes, stream=stream, binding=binding)

@@ -8,7 +8,7 @@ rate), go in the caller's order (a pool's: the page they reach), and wait only f
 bytes of the background pre-fault, registering no more than is already faulted. A stop request
 ends the thread after the call in flight; `release` unregisters every call (newest first) once
 the thread has ended. What "ready" means for pages is the pool's business (hicache.pools);
-faulting the memory alongside is hicache.effects._background's.
+faulting the memory alongside is hicache.effects._bringup._background's.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import threading
 
 import attrs
 
-from hicache.effects._executor import _apply
+from hicache.effects._cuda._executor import _apply
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._runtime import default_runtime
+from hicache.effects._cuda._runtime import default_runtime
 from hicache.errors import ApplyError, ReleaseError
 from hicache.plan import Limits, pace, plan_registration
 
 #: The first call of a progressive bring-up registers at most this much: its rate is unknown
 #: yet (the issue's cap is 256 MiB), and the first page waits for it and for faulting its bytes
-#: (hicache.effects._background.FIRST_PIECE_BYTES, the same 16 MiB) - not for 256 MiB of both.
+#: (hicache.effects._bringup._faulting.FIRST_PIECE_BYTES, the same 16 MiB) - not for 256 MiB of both.
 FIRST_CALL_BYTES = 16 * 2**20
 #: Default stall budget: no single call should hold the driver lock longer (it blocks every
 #: other CUDA call of the process meanwhile - a serving engine's included).
@@ -99,6 +99,7 @@ class ProgressiveRegistration:
         self.flags = flags
         self.on_chunk = on_chunk
         self.registrations: list = []  # one Registration per call, in order
+        self.leaked: tuple = ()  # (ptr, size) a release could not unregister
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._go = threading.Event()  # the background thread's turn: the foreground part ended
@@ -182,6 +183,11 @@ class ProgressiveRegistration:
             logger.error("background registration stopped with %d of %d chunks registered: %s",
                          self.completed, len(self.chunks), error)
 
+    def registered(self) -> list:
+        """The `Registration` of every call made and not yet released, in order."""
+        with self._lock:
+            return list(self.registrations)
+
     @property
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -203,6 +209,8 @@ class ProgressiveRegistration:
         self._stop.set()
         self._go.set()
         interrupted = None
+        if self._thread is threading.current_thread():
+            return  # asked from its own thread (a finalizer there): it ends after this call
         while self._thread is not None and self._thread.is_alive():
             try:
                 self._thread.join()
@@ -212,18 +220,33 @@ class ProgressiveRegistration:
             raise interrupted
 
     def release(self) -> None:
-        """Stop, then unregister every call, newest first; `ReleaseError` lists what stays. A
-        Ctrl-C meanwhile is held until all of it is done (a half-done release would drop
-        registrations from the books)."""
+        """Stop, then unregister every call, newest first; `ReleaseError` lists what stays
+        registered, and a second call retries it. An interrupt raised meanwhile (by the runtime
+        too) is re-raised once every call was attempted; a Ctrl-C is held until then (a
+        half-done release would drop registrations from the books)."""
         leaked: list = []
+        kept: list = []
+        interrupt = None
         with deferred_interrupts():
             self.stop()
             with self._lock:
-                registrations, self.registrations = self.registrations, []
+                registrations = list(self.registrations)
             for registration in reversed(registrations):
                 try:
                     registration.release()
                 except ReleaseError as error:
                     leaked.extend(error.leaked)
+                    kept.append(registration)
+                except BaseException as error:  # e.g. KeyboardInterrupt from inside the runtime
+                    interrupt = interrupt or error
+                    status = registration.status()
+                    if status.state != "released":
+                        leaked.extend(status.leaked)
+                        kept.append(registration)
+            with self._lock:
+                self.registrations = kept[::-1]
+        self.leaked = tuple(sorted(leaked))
+        if interrupt is not None:
+            raise interrupt
         if leaked:
-            raise ReleaseError(f"{len(leaked)} range(s) stay registered after a progressive release", leaked=tuple(leaked))
+            raise ReleaseError(f"{len(leaked)} range(s) stay registered after a progressive release", leaked=self.leaked)

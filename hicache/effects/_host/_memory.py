@@ -21,9 +21,11 @@ from pathlib import Path
 import attrs
 
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._ledger import PROCESS_LEDGER, HostLedger
+from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
+from hicache.effects._host._numa import bind
 from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
 from hicache.plan._checks import check_int
+from hicache.plan._settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES  # noqa: F401 - used here and re-exported
 
 MAP_HUGETLB = 0x40000  # linux/mman.h
 MAP_HUGE_SHIFT = 26
@@ -35,12 +37,6 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writi
 #: 309 ms behind 512 MiB (TensorRT-LLM's piece size), at most 32 ms behind 64 MiB; 16-64 MiB
 #: calls fault as fast as 2 GiB ones (4 KiB pages, 2 threads: 0.65 s per 4 GiB either way).
 PREFAULT_PIECE_BYTES = 32 * 2**20
-HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
-HUGETLBFS_MODES = ("prefer", "required")  # the modes that map hugetlbfs pages
-#: hugetlbfs page size when none is named: 2 MiB, the x86-64 default (Hugepagesize).
-DEFAULT_HUGEPAGE_BYTES = 2 * 2**20
-
-
 #: Buffers whose memory CUDA may still have pinned (a release or rollback leaked): kept here
 #: for the life of the process so that garbage collection can never unmap them.
 QUARANTINE: list = []
@@ -51,6 +47,13 @@ def quarantine(*buffers) -> None:
     """Keep ``buffers`` mapped until the process exits (their registration leaked)."""
     with _QUARANTINE_LOCK:
         QUARANTINE.extend(buffers)
+
+
+def unquarantine(*buffers) -> None:
+    """Let ``buffers`` go again: a later release unregistered what had leaked."""
+    with _QUARANTINE_LOCK:
+        keep = {id(b) for b in buffers}
+        QUARANTINE[:] = [b for b in QUARANTINE if id(b) not in keep]
 
 
 def os_page_bytes() -> int:
@@ -225,7 +228,6 @@ def allocate_host(
             notes.append("madvise(THP) refused; the system default applies")
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
     if numa_node is not None:
-        from hicache.effects._numa import bind
 
         try:
             bind(tensor.data_ptr(), length, numa_node)

@@ -1,7 +1,7 @@
 """Machine probes: the only place hicache reads the environment, /proc and /sys.
 
 Owns turning the machine into data (`MachineFacts`, `CudaFacts`) and into `Limits`
-(`probe_limits`). Environment variables are parsed strictly: a bad value is an error naming
+(`probe_limits`), and resolving a pool's ``numa_node`` (the current GPU's node). Environment variables are parsed strictly: a bad value is an error naming
 the variable and the value, never a silent default. ``root`` re-roots /proc and /sys reads
 so tests can feed a fake tree.
 """
@@ -15,12 +15,14 @@ from pathlib import Path
 
 import attrs
 
-from hicache.effects._host_memory import HUGEPAGE_MODES, os_page_bytes
-from hicache.effects._runtime import default_binding
+from hicache.effects._host._memory import os_page_bytes
+from hicache.effects._cuda._runtime import default_binding
+from hicache.effects._host._numa import online_nodes
+from hicache.errors import EnvError, PlanError
 from hicache.plan import (
-    DEFAULT_CHUNK_LIMIT_BYTES,  # noqa: F401  (re-exported by hicache.effects)
+    HUGEPAGE_MODES,
+    SGLANG_CHUNK_ENV,
     SETTINGS_ENV,
-    EnvError,
     Limits,
     ResolvedLimits,
     kernel_pin_cap,
@@ -230,7 +232,6 @@ def probe_cuda(binding=None) -> CudaFacts:
 
 
 #: SGLang's own setting for its registration helpers (hicache.compat.sglang reads it here).
-SGLANG_CHUNK_ENV = "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB"
 
 
 def sglang_register_chunk_bytes(env=None, *, default_gib: int = 256) -> int:
@@ -320,3 +321,38 @@ def pool_settings(env=None) -> PoolSettings:
     if hugepages not in HUGEPAGE_MODES:
         raise EnvError(f"environment variable HICACHE_HUGEPAGES={raw_pages!r} must be one of {', '.join(HUGEPAGE_MODES)}")
     return PoolSettings(progressive in _TRUE, hugepages)
+
+
+def resolve_numa_node(numa, *, cuda_binding=None, root: str = "/") -> tuple[int | None, str | None]:
+    """``numa`` ("auto", "off", None or a node number) -> (node or None, a note when auto
+    cannot be honoured). A node that is not online is a PlanError naming the online ones."""
+    if numa is None or numa == "off":
+        return None, None
+    if numa == "auto":
+        if len(online_nodes(root=root)) == 1:
+            return None, None  # one node: nothing to choose, nothing to probe
+        gpus = probe_gpus(cuda_binding, root=root)
+        device = _current_device()
+        gpu = next((g for g in gpus if g.index == device), None)
+        if gpu is None or gpu.numa_node is None:
+            return None, "NUMA placement auto: no CUDA device with a known NUMA node; memory is not bound"
+        return gpu.numa_node, None
+    try:
+        node = int(numa)
+    except (TypeError, ValueError):
+        raise PlanError(f"numa_node must be 'auto', 'off' or a node number, got {numa!r}") from None
+    nodes = online_nodes(root=root)
+    if node not in nodes:
+        raise PlanError(f"numa_node {node} is not online; online nodes: {', '.join(map(str, nodes))}")
+    return node, None
+
+
+def _current_device() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+    except Exception:  # no torch, no CUDA: device 0 is what a process starts on
+        pass
+    return 0

@@ -2,8 +2,9 @@
 
 Owns ``mbind``/``get_mempolicy`` through ctypes (glibc does not export them; the syscall
 numbers are per architecture), the online-node list and each node's free memory from sysfs,
-and resolving ``numa_node`` = ``"auto" | "off" | N`` (auto: the NUMA node of the current CUDA
-device, from its PCI bus id). Binding happens before pre-fault, so every page is placed there.
+binding a mapping. Resolving ``numa_node`` = ``"auto" | "off" | N`` needs the GPUs' PCI
+placement and lives with the probes (`_probes.resolve_numa_node`). Binding happens before
+pre-fault, so every page is placed there. Imports nothing of hicache.effects.
 """
 
 from __future__ import annotations
@@ -94,40 +95,3 @@ def bound_node(ptr: int) -> int | None:
         if bits:
             return word * 64 + (bits & -bits).bit_length() - 1
     return None
-
-
-def resolve_numa_node(numa, *, cuda_binding=None, root: str = "/") -> tuple[int | None, str | None]:
-    """``numa`` ("auto", "off", None or a node number) -> (node or None, a note when auto
-    cannot be honoured). A node that is not online is a PlanError naming the online ones."""
-    if numa is None or numa == "off":
-        return None, None
-    if numa == "auto":
-        from hicache.effects._probes import probe_gpus
-
-        if len(online_nodes(root=root)) == 1:
-            return None, None  # one node: nothing to choose, nothing to probe
-        gpus = probe_gpus(cuda_binding, root=root)
-        device = _current_device()
-        gpu = next((g for g in gpus if g.index == device), None)
-        if gpu is None or gpu.numa_node is None:
-            return None, "NUMA placement auto: no CUDA device with a known NUMA node; memory is not bound"
-        return gpu.numa_node, None
-    try:
-        node = int(numa)
-    except (TypeError, ValueError):
-        raise PlanError(f"numa_node must be 'auto', 'off' or a node number, got {numa!r}") from None
-    nodes = online_nodes(root=root)
-    if node not in nodes:
-        raise PlanError(f"numa_node {node} is not online; online nodes: {', '.join(map(str, nodes))}")
-    return node, None
-
-
-def _current_device() -> int:
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return torch.cuda.current_device()
-    except Exception:  # no torch, no CUDA: device 0 is what a process starts on
-        pass
-    return 0

@@ -3,6 +3,13 @@
 Ranks on one host that start together otherwise each see the others' pools as used memory and
 count them twice (sglang #38156). The lock file lives in a private runtime directory (mode 0700,
 owned by us, not a symlink) and is opened without following symlinks.
+
+Giving budget back never waits on a holder in this process: `forget_soon` queues the bytes
+while any `BudgetLock` of this process holds the file (each holds it through its own file
+descriptor, so a second ``flock`` from this process would wait for the first forever - a pool
+finalized by the garbage collector in the middle of the next pool's bring-up did), and the
+holder applies the queue before it lets go. A queue rather than one shared re-entrant lock
+object: the collector may run a finalizer in any thread, also one the holder is waiting for.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import fcntl
 import json
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +58,13 @@ def _private_dir(path: Path) -> Path:
             f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
         )
     return path
+
+
+#: Per lock file of this process: how many BudgetLocks hold it, and budget to give back once
+#: one of them is done (guarded by _PROCESS; re-entrant, as a finalizer may run inside).
+_PROCESS = threading.RLock()
+_HOLDERS: dict[str, int] = {}
+_PENDING: dict[str, list[int]] = {}
 
 
 def _alive(pid: int) -> bool:
@@ -99,7 +114,11 @@ class BudgetLock:
         except BaseException:
             os.close(fd)
             raise
-        self._fd, self._depth = fd, 1
+        with _PROCESS:
+            self._fd, self._depth = fd, 1
+            key = str(self.path)
+            _HOLDERS[key] = _HOLDERS.get(key, 0) + 1
+            self._apply_pending()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -110,10 +129,59 @@ class BudgetLock:
     def release_all(self) -> None:
         """Let the lock go however deep it is held (after an interrupt skipped an ``__exit__``:
         CPython cannot promise ``__exit__`` runs when a KeyboardInterrupt lands at its call)."""
-        fd, self._fd, self._depth = self._fd, None, 0
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        with _PROCESS:
+            if self._fd is None:
+                return
+            try:
+                self._apply_pending()  # budget given back meanwhile by others of this process
+            finally:
+                fd, self._fd, self._depth = self._fd, None, 0
+                key = str(self.path)
+                _HOLDERS[key] = _HOLDERS.get(key, 1) - 1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def _apply_pending(self) -> None:
+        pending = _PENDING.get(str(self.path))
+        while pending:
+            self.forget(pending.pop())
+
+    def forget_soon(self, nbytes: int, *, wait: bool = True) -> None:
+        """Give ``nbytes`` of this process's entry back without ever waiting on a holder in this
+        process: while one holds the file the bytes are queued and it applies them before it
+        lets go. Otherwise take the lock (``wait=False``, a finalizer's: only if it is free now;
+        if another process holds it, a short-lived thread waits for it and applies the queue)."""
+        key = str(self.path)
+        with _PROCESS:
+            if self.held:
+                self.forget(nbytes)
+                return
+            if _HOLDERS.get(key, 0) > 0:
+                _PENDING.setdefault(key, []).append(nbytes)
+                return
+            if not wait:
+                _PENDING.setdefault(key, []).append(nbytes)
+                if self._try_enter():
+                    self.release_all()  # applied the queue
+                    return
+        if not wait:
+            threading.Thread(target=_drain, args=(self.path.parent,), name="hicache-budget-forget", daemon=True).start()
+            return
+        with self:
+            self.forget(nbytes)
+
+    def _try_enter(self) -> bool:
+        """Take the file now if no other process holds it (never waits)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
             os.close(fd)
+            return False
+        key = str(self.path)
+        self._fd, self._depth = fd, 1
+        _HOLDERS[key] = _HOLDERS.get(key, 0) + 1
+        return True
 
     def _entries(self) -> dict[int, int]:
         if self._fd is None:
@@ -159,3 +227,9 @@ class BudgetLock:
 def budget_lock(*, directory: Path | None = None, timeout_s: float | None = None) -> BudgetLock:
     """The host-wide budget lock (see `BudgetLock`)."""
     return BudgetLock(directory, timeout_s=timeout_s)
+
+
+def _drain(directory: Path) -> None:
+    """Wait for the lock (another process holds it) and apply this process's queued forgets."""
+    with BudgetLock(directory):
+        pass

@@ -9,7 +9,7 @@ fails with invalid argument (sglang PR #36798), which the plan rules out.
 
 from __future__ import annotations
 
-from hicache.effects import _codes
+from hicache.effects._cuda import _codes
 
 FALLBACK_CODES = (_codes.NOT_SUPPORTED, _codes.CALL_REQUIRES_NEWER_DRIVER)
 

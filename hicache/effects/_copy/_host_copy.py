@@ -12,8 +12,10 @@ import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
 
+import attrs
+
 try:
-    from hicache.effects import _hostcopy as _native
+    from hicache.effects._copy import _hostcopy as _native
 except ImportError:  # built without a C compiler: the memmove path below
     _native = None
 
@@ -36,17 +38,37 @@ def copy_threads() -> int:
 
 def host_copy_mode(env=None) -> str:
     """``"native"`` or ``"python"``: what `copy_host_blocks` will use, after ``HICACHE_HOST_COPY``."""
-    from hicache.effects._probes import EnvError
+    from hicache.errors import EnvError
 
     env = os.environ if env is None else env
     wanted = env.get(ENV_VAR, "auto").strip().lower() or "auto"
     if wanted not in MODES:
         raise EnvError(f"{ENV_VAR}={env[ENV_VAR]!r} is not one of {', '.join(MODES)}")
     if wanted == "native" and _native is None:
-        raise EnvError(f"{ENV_VAR}=native but hicache.effects._hostcopy was not built (no C compiler at install?)")
+        raise EnvError(f"{ENV_VAR}=native but hicache.effects._copy._hostcopy was not built (no C compiler at install?)")
     if wanted == "python" or _native is None:
         return "python"
     return "native"
+
+
+@attrs.frozen
+class HostCopyInfo:
+    """How host<->host page copies run here: ``mode`` (``native`` or ``python``), the
+    ``threads`` a large copy uses, whether the C helper is ``native_built``, the ``asked`` value
+    of ``env_var`` (empty when unset)."""
+
+    mode: str
+    threads: int
+    native_built: bool
+    asked: str
+    env_var: str = ENV_VAR
+
+
+def host_copy_info(env=None) -> HostCopyInfo:
+    """The host copy path in use (`hicache doctor`); `EnvError` for a bad ``HICACHE_HOST_COPY``."""
+    env = os.environ if env is None else env
+    return HostCopyInfo(host_copy_mode(env), copy_threads(), _native is not None,
+                        env.get(ENV_VAR, "").strip().lower())
 
 
 def _check(name: str, tensor, count: int | None):
@@ -95,20 +117,6 @@ def copy_checked_blocks(dst_addrs, src_addrs, sizes, total: int, *, mode: str, t
     else:
         _memmove_threads(dst_addrs.tolist(), src_addrs.tolist(), sizes.tolist(), workers)
     return mode
-
-
-def copy_based_blocks(dst_offsets, src_offsets, sizes, total: int, dst_base: int, src_base: int, *, mode: str,
-                      threads: int | None = None) -> None:
-    """`copy_checked_blocks` for offsets relative to ``dst_base`` / ``src_base`` (checked
-    contiguous int64 CPU tensors): one layer of a transfer whose pattern every layer shares."""
-    if mode == "native":
-        workers = 1 if total < PARALLEL_BYTES else (threads or copy_threads())
-        _native.copy_blocks(dst_offsets.data_ptr(), src_offsets.data_ptr(), sizes.data_ptr(), sizes.numel(), workers,
-                            total >= STREAM_BYTES, dst_base, src_base)
-        return
-    dsts = [offset + dst_base for offset in dst_offsets.tolist()]
-    srcs = [offset + src_base for offset in src_offsets.tolist()]
-    _memmove_threads(dsts, srcs, sizes.tolist(), 1 if total < PARALLEL_BYTES else (threads or copy_threads()))
 
 
 def copy_parts(parts, total: int, *, mode: str, threads: int | None = None) -> None:

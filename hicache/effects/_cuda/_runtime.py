@@ -8,9 +8,11 @@ The bindings are imported lazily, on first use.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Protocol, runtime_checkable
 
-from hicache.effects import _codes
+from hicache.effects._cuda import _codes
 
 
 @runtime_checkable
@@ -154,6 +156,22 @@ def _names_from_cuda_python(code: int) -> tuple[str, str]:
 #: Stand-ins installed by `hicache.testing.fake_cuda`: (runtime, cuda-python-style binding).
 #: Empty in production; every default below then means the real CUDA.
 _STAND_INS: list = []
+_STAND_INS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def stand_in_runtime(runtime, binding):
+    """Within the block every default runtime is ``runtime`` and every default binding
+    ``binding`` (process-wide; blocks nest, the innermost wins). What `hicache.testing.fake_cuda`
+    uses to stand in for CUDA."""
+    entry = (runtime, binding)
+    with _STAND_INS_LOCK:
+        _STAND_INS.append(entry)
+    try:
+        yield runtime
+    finally:
+        with _STAND_INS_LOCK:
+            _STAND_INS.remove(entry)
 
 
 def default_runtime() -> HostRuntime:

@@ -15,7 +15,7 @@ import weakref
 import attrs
 
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._runtime import HostRuntime
+from hicache.effects._cuda._runtime import HostRuntime
 from hicache.errors import HostNotRegisteredError, ReleaseError, StickyCudaError
 
 
@@ -105,12 +105,15 @@ def _release(state: _State) -> None:
     with state.lock, deferred_interrupts():  # a Ctrl-C waits until the books are straight
         if state.state == "released":
             return
-        if state.state == "leaked":
-            raise ReleaseError(_leak_message("release", state.leaked), leaked=state.leaked)
         start = time.perf_counter()
-        leaked, _, interrupt = _undo(state.runtime, state.entries)
+        if state.state == "leaked":  # a second release retries what the first left (713: undone)
+            still = set(state.leaked)
+            leaked, _, interrupt = _undo(state.runtime, [e for e in state.entries if (e.ptr, e.size) in still])
+            state.ledger.replace([ptr for ptr, _ in state.leaked], leaked)
+        else:
+            leaked, _, interrupt = _undo(state.runtime, state.entries)
+            state.ledger.replace([ptr for ptr, _ in state.spans], leaked)
         state.release_seconds = time.perf_counter() - start
-        state.ledger.replace([ptr for ptr, _ in state.spans], leaked)
         state.leaked = tuple(leaked)
         state.state = "leaked" if leaked else "released"
         if interrupt is not None:
@@ -147,7 +150,8 @@ class Registration:
     """Host memory registered by `apply_plan` / `apply_pool_plan`; release it when done.
 
     A context manager. `release()` attempts every unregister, is idempotent, and raises
-    `ReleaseError` (``.leaked``) when some range stays registered. A registration that is
+    `ReleaseError` (``.leaked``) when some range stays registered; calling it again retries
+    those (a range CUDA no longer holds, 713, counts as undone). A registration that is
     garbage-collected unreleased is released by a finalizer, with a `ResourceWarning`.
     """
 
@@ -164,6 +168,11 @@ class Registration:
     def release(self) -> None:
         """Unregister every range (in reverse); safe to call twice."""
         _release(self._state)
+
+    @property
+    def leaked(self) -> tuple[tuple[int, int], ...]:
+        """``(ptr, size)`` a release could not unregister (empty unless ``state == "leaked"``)."""
+        return self._state.leaked
 
     @property
     def ranges(self) -> tuple[RegisteredRange, ...]:

@@ -1,4 +1,5 @@
-"""The pipelined half of the bring-up: pre-fault chunk k+1 while chunk k registers.
+"""What is faulted when: the background pre-fault that the pipelined and progressive bring-ups
+register behind.
 
 Owns a background thread that faults the buffers in the order the executor registers them,
 in calls of at most PREFAULT_PIECE_BYTES that its worker threads take one after another (none
@@ -6,15 +7,19 @@ waits for another at a piece's end), and tells the executor how far each buffer 
 in order (it waits for that before each register call, so ``cudaHostRegister`` finds its pages
 already faulted and does not fault them single-threaded under the driver lock). A stop request
 ends the thread after the calls in flight; `join` must run before the memory can be freed.
+For progressive bring-ups it also owns cutting each chunk into pieces in the order the calls
+will reach them (`fault_pieces`) and the hooks that make each call wait for its own pieces
+only (`ProgressiveFaulting`). Imports the host room only.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
 
-from hicache.effects._host_memory import (
+from hicache.effects._host._memory import (
     PREFAULT_PIECE_BYTES,
     _run_workers,
     lower_priority,
@@ -157,3 +162,84 @@ class Prefaulter:
             raise interrupted
         if self.error is not None and not quiet:
             raise self.error
+
+
+#: The first pre-fault piece of each chunk; each next one doubles up to the pipeline's
+#: PIECE_BYTES (256 MiB), so the first call of every chunk waits for little faulting - and the
+#: last pieces halve back down to it, so the last call, made once the last piece is faulted,
+#: registers little (not up to 256 MiB after all faulting is done).
+FIRST_PIECE_BYTES = 16 * 2**20
+
+
+def piece_sizes(size: int) -> list[int]:
+    """A chunk of ``size`` bytes cut into pre-fault pieces: `FIRST_PIECE_BYTES` first, doubling
+    up to `PIECE_BYTES`, then as many of those as fit, and halving again towards the end."""
+    front, back, rest, piece = [], [], size, min(FIRST_PIECE_BYTES, PIECE_BYTES)
+    while piece < PIECE_BYTES and rest:
+        for side in (front, back):
+            take = min(piece, rest)
+            if take:
+                side.append(take)
+                rest -= take
+        piece *= 2
+    middle = [PIECE_BYTES] * (rest // PIECE_BYTES) + ([rest % PIECE_BYTES] if rest % PIECE_BYTES else [])
+    return front + middle + back[::-1]
+
+
+def fault_pieces(spans, key=None) -> tuple[list, list]:
+    """Cut each chunk's span ``(buffer index, offset, size)`` into pre-fault pieces
+    (`piece_sizes`) and order them as the registration will reach them (``key(index, offset in
+    chunk)``, then chunk, then offset). Returns the pieces and, per chunk, ``[(end in chunk,
+    position in the order)]`` in offset order (positions rise with it): a call on chunk i
+    ending at e waits for the piece whose end is the first at or past e."""
+    key = key if key is not None else _chunk_order
+    cut = []
+    for index, (buffer, offset, size) in enumerate(spans):
+        done = 0
+        for length in piece_sizes(size):
+            cut.append((key(index, done), index, done, buffer, offset + done, length))
+            done += length
+    cut.sort(key=lambda c: (c[0], c[1], c[2]))
+    ends: list[list] = [[] for _ in spans]
+    for position, (_, index, done, _, _, length) in enumerate(cut):
+        ends[index].append((done + length, position))
+    return [(buffer, offset, length) for *_, buffer, offset, length in cut], ends
+
+
+def _chunk_order(index: int, done: int) -> int:
+    return index
+
+
+class ProgressiveFaulting:
+    """The background pre-fault of a progressive bring-up: ``order`` (each chunk's ``(buffer
+    index, offset, size)`` in ``buffers``) cut into pieces in the order the calls reach them
+    (``key`` as `ProgressiveRegistration`'s), and the two hooks its calls wait through."""
+
+    def __init__(self, buffers, order, *, key=None, threads: int | None = None) -> None:
+        pieces, self._ends = fault_pieces(order, key)
+        self._positions = [[position for _, position in chunk_ends] for chunk_ends in self._ends]
+        self._count = len(pieces)
+        self.faulter = Prefaulter(buffers, order=pieces, threads=threads)  # started by start()
+
+    def start(self) -> None:
+        self.faulter.start()
+
+    def before_call(self, index: int, end: int, stop) -> None:
+        """Return once chunk ``index`` is faulted up to ``end`` (its piece reaching ``end``)."""
+        ends = self._ends[index]
+        at = bisect.bisect_left(ends, (end, -1))
+        self.faulter.wait_span(ends[at][1], stop=stop)
+
+    def resident(self, index: int, done: int, stop) -> int:
+        """How far chunk ``index`` is faulted from its start, waiting for one piece past ``done``."""
+        ends = self._ends[index]
+        at = bisect.bisect_right(ends, (done, self._count))  # the next piece past done
+        self.faulter.wait_span(ends[at][1], stop=stop)
+        faulted = bisect.bisect_left(self._positions[index], self.faulter.spans_done) - 1
+        return ends[max(at, faulted)][0]
+
+    def stop(self) -> None:
+        """End the faulting after the calls in flight and wait for it (no page may still be
+        faulting when the memory is freed; a Ctrl-C meanwhile is re-raised after)."""
+        self.faulter.stop()
+        self.faulter.join(quiet=True)

@@ -1,0 +1,331 @@
+"""`bring_up`: the one bring-up of host pools, used by `HostKVCache`, `hicache apply` and compat.
+
+Owns the sequence budget (under the host-wide lock) -> map (+ pre-fault) -> register, in one of
+four modes, always into one `HostPools` handle that owns what came up and releases it in order:
+- ``"blocking"``: allocate and pre-fault every buffer, then register all as one transaction;
+- ``"pipelined"``: map unfaulted, fault in the background, register each call once its bytes
+  are resident - still one transaction (the default where the allocator can map unfaulted);
+- `Progressive(...)`: map unfaulted; fault and register call by call, paced, the first calls
+  before returning and the rest in the background (each call its own transaction);
+- ``"map-only"``: map unfaulted, register nothing (the caller faults and registers).
+The budget lock is held until the memory is resident (progressive: until it is mapped), so
+ranks that start together each see the others' pools as used memory and never overcommit
+(sglang #38156). Machine facts, the lock, the allocator and the runtime are parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import attrs
+
+from hicache.effects._bringup._faulting import Prefaulter, ProgressiveFaulting
+from hicache.effects._bringup._handle import HostPools
+from hicache.effects._bringup._lock import budget_lock
+from hicache.effects._cuda._executor import _apply
+from hicache.effects._cuda._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration
+from hicache.effects._cuda._runtime import default_runtime
+from hicache.effects._host._allocators import host_allocator
+from hicache.effects._host._probes import probe_machine
+from hicache.effects._interrupts import deferred_interrupts
+from hicache.errors import PlanError
+from hicache.plan import DEFAULT_RESERVE_BYTES, PoolPlan, RegistrationPlan, check_budget, plan_registration
+
+BLOCKING, PIPELINED, MAP_ONLY = "blocking", "pipelined", "map-only"
+MODES = (BLOCKING, PIPELINED, MAP_ONLY, "Progressive(...)")
+
+
+def _stall(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PlanError(f"Progressive.max_stall_s must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+@attrs.frozen
+class Progressive:
+    """The progressive mode's settings: serve early, keep registering in the background.
+
+    ``order``: the calls' chunks as ``(buffer index, offset, size)`` within the buffers (None:
+    every range of every plan, in plan order); ``key(position, done)``: which chunk goes next
+    given its bytes registered so far (smallest first; a pool passes the page they reach);
+    ``on_chunk(position, offset in chunk, size)``: after each call (from the background thread
+    too); ``ready()``: register in the foreground until it is true (None: after the first
+    call); ``max_stall_s``: no call holds the driver longer at the measured rate (the first at
+    most 16 MiB; None: one call per chunk).
+    """
+
+    order: tuple | None = attrs.field(default=None, converter=lambda o: None if o is None else tuple(tuple(i) for i in o))
+    key: Callable | None = None
+    on_chunk: Callable | None = None
+    ready: Callable | None = None
+    max_stall_s: float | None = attrs.field(default=MAX_STALL_S, converter=_stall)
+
+
+@attrs.frozen
+class BufferRequest:
+    """One host buffer to bring up: its name, shape and torch dtype (None: uint8), and the plan
+    to register it by (None: allocate only, e.g. ``pin_memory=False``)."""
+
+    name: str
+    shape: tuple = attrs.field(converter=lambda dims: tuple(int(d) for d in dims))
+    dtype: object = None
+    plan: RegistrationPlan | None = None
+
+
+def pool_requests(pool_plan: PoolPlan, dtypes=None, *, register: bool = True, prefix: str = "") -> list[BufferRequest]:
+    """The requests of every buffer of ``pool_plan`` (``dtypes``: one torch dtype per buffer)."""
+    if not isinstance(pool_plan, PoolPlan):
+        raise PlanError(f"expected a PoolPlan, got {pool_plan!r}")
+    buffers = pool_plan.buffers
+    dtypes = [None] * len(buffers) if dtypes is None else list(dtypes)
+    if len(dtypes) != len(buffers):
+        raise PlanError(f"{len(dtypes)} dtypes for {len(buffers)} buffers")
+    requests = []
+    for buffer, dtype in zip(buffers, dtypes):
+        shape = buffer.spec.shape if dtype is not None else (buffer.spec.nbytes,)
+        requests.append(BufferRequest(prefix + buffer.spec.name, shape, dtype, buffer.plan if register else None))
+    return requests
+
+
+def _requests(pools, dtypes, register: bool) -> list[BufferRequest]:
+    """`BufferRequest`s of one `PoolPlan`, several (named ``index/buffer``), or requests as given."""
+    if isinstance(pools, PoolPlan):
+        return pool_requests(pools, dtypes, register=register)
+    pools = list(pools)
+    if pools and all(isinstance(p, BufferRequest) for p in pools):
+        if dtypes is not None:
+            raise PlanError("bring_up(dtypes=) is for pool plans; a BufferRequest carries its own dtype")
+        return pools if register else [attrs.evolve(r, plan=None) for r in pools]
+    dtypes = [None] * len(pools) if dtypes is None else list(dtypes)
+    requests = []
+    for index, (pool, pool_dtypes) in enumerate(zip(pools, dtypes, strict=True)):
+        requests += pool_requests(pool, pool_dtypes, register=register, prefix=f"{index}/")
+    return requests
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8
+
+
+def _aligned_plan(plan: RegistrationPlan, ptr: int) -> RegistrationPlan:
+    """``plan``, re-planned when the memory's base is less aligned than the plan assumed (a
+    hugepage mapping that fell back to normal pages, a 64-byte aligned ``torch.empty``):
+    boundaries then follow only what the base really guarantees."""
+    assumed = plan.limits.base_alignment_bytes
+    if not ptr or ptr % assumed == 0:
+        return plan
+    real = ptr & -ptr
+    limits = attrs.evolve(plan.limits, base_alignment_bytes=real)
+    return plan_registration(plan.total_bytes, granularity_bytes=plan.granularity_bytes, limits=limits)
+
+
+def _nbytes(request: BufferRequest) -> int:
+    if request.plan is not None:
+        return request.plan.total_bytes
+    import torch
+
+    size = torch.empty((), dtype=request.dtype or torch.uint8).element_size()
+    for d in request.shape:
+        size *= d
+    return size
+
+
+def _mode(mode, requests, allocator, device) -> str | Progressive:
+    can_map = allocator.can_map_unfaulted and str(device) == "cpu"
+    registered = [r for r in requests if r.plan is not None and r.plan.total_bytes]
+    if mode is None:
+        return PIPELINED if can_map and registered and len(registered) == len(requests) else BLOCKING
+    if not isinstance(mode, Progressive) and mode not in (BLOCKING, PIPELINED, MAP_ONLY):
+        raise PlanError(f"bring_up(mode=) must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode != BLOCKING and not can_map:
+        raise PlanError(f"bring_up(mode={mode!r}) maps memory unfaulted: it needs an allocator that can "
+                        f"(allocate_unfaulted) and device 'cpu', got {allocator!r} on {device!r}")
+    if isinstance(mode, Progressive) and any(r.plan is None for r in requests):
+        raise PlanError("bring_up(mode=Progressive(...)) registers every buffer: each request needs a plan")
+    return mode
+
+
+def bring_up(
+    pools,
+    *,
+    mode=None,
+    dtypes=None,
+    register: bool = True,
+    runtime=None,
+    allocator=None,
+    machine=None,
+    host_memory_bytes: int | None = None,
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    lock=None,
+    budget: bool = True,
+    ledger=None,
+    progress=None,
+    flags: int = 0,
+    retry_halvings: int = 0,
+    owns_memory: bool = True,
+    device: str = "cpu",
+) -> HostPools:
+    """Bring ``pools`` up - one `PoolPlan`, several (a model's pools on one rank; buffers named
+    ``index/buffer``) or `BufferRequest`s - and return the `HostPools` handle that owns them.
+
+    ``mode``: ``"blocking"``, ``"pipelined"``, ``"map-only"`` or `Progressive(...)` (see the
+    module charter; None: pipelined where the allocator can map unfaulted, else blocking).
+    ``dtypes``: per pool, one torch dtype per buffer (default: flat uint8 buffers);
+    ``register=False`` allocates only. ``runtime``: a `HostRuntime` (default:
+    `default_runtime()`, cuda-python unless `hicache.testing.fake_cuda` is active);
+    ``allocator``: a `HostAllocator` (default `HostTensorAllocator()`); ``machine``:
+    `MachineFacts` (default `probe_machine()`); ``host_memory_bytes`` overrides its available
+    memory; ``lock``: a `BudgetLock` (default `budget_lock()`); ``budget=False`` skips the
+    budget (memory someone else already budgeted); ``owns_memory=False`` leaves freeing to
+    the tensors' owner. Raises `CapacityError` before allocating when the budget refuses,
+    `ApplyError` / `RollbackError` from the executor (everything else undone first).
+    """
+    requests = _requests(pools, dtypes, register)
+    allocator = host_allocator(allocator)
+    mode = _mode(mode, requests, allocator, device)
+    handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory, nbytes=[_nbytes(r) for r in requests],
+                       mode=mode if isinstance(mode, str) else "progressive")
+
+    def fill() -> None:  # what happens under the budget lock: until the memory is resident
+        if mode == PIPELINED:
+            _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+        elif mode == BLOCKING:
+            _allocate(handle, requests, device)
+        else:
+            _map(handle, requests)
+
+    try:
+        start = time.perf_counter()
+        if budget:
+            lock = budget_lock() if lock is None else lock
+            total = handle.total_bytes
+            with lock:  # held until the memory is resident: peers then see it as used
+                facts = probe_machine() if machine is None else machine
+                available = facts.available_bytes if host_memory_bytes is None else host_memory_bytes
+                ranks = facts.ranks_per_host
+                check_budget(
+                    total, available_bytes=available, ranks_per_host=ranks, reserve_bytes=reserve_bytes,
+                    ranks_already_allocated=min(len(lock.peers()), ranks - 1),
+                    cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0,
+                )
+                handle._hold_budget(lock, total)
+                fill()
+        else:
+            fill()
+        handle.timings["allocate_prefault_s"] = time.perf_counter() - start
+        if mode == BLOCKING:
+            _register(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+        elif isinstance(mode, Progressive):
+            _progressive(handle, requests, mode, runtime, ledger, start)
+        handle._activate()
+    except BaseException as error:
+        if budget and lock is not None and lock.held:
+            lock.release_all()  # an interrupt at the with-exit skipped BudgetLock.__exit__
+        handle._abort(error)
+        raise
+    return handle
+
+
+def _items(handle: HostPools, requests) -> list:
+    return [(r.name, t.data_ptr(), _aligned_plan(r.plan, t.data_ptr()))
+            for r, t in zip(requests, handle.tensors) if r.plan is not None and r.plan.total_bytes]
+
+
+def _register(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, before_call=None) -> None:
+    items = _items(handle, requests)
+    handle.plans = [plan for _, _, plan in items]
+    if not items:
+        return
+    runtime = default_runtime() if runtime is None else runtime
+    with deferred_interrupts():  # a Ctrl-C after the last call lands once it is stored
+        registration = _apply(
+            items, runtime=runtime, flags=flags, progress=progress,
+            retry_halvings=retry_halvings, ledger=ledger, before_call=before_call,
+        )
+        handle._hold_registration(registration)
+    handle.timings["register_s"] = registration.status().register_seconds
+
+
+def _unfaulted(handle: HostPools, requests) -> list:
+    buffers = []
+    for request in requests:
+        dtype = request.dtype if request.dtype is not None else _uint8()
+        tensor, buffer = handle.allocator.allocate_unfaulted(request.shape, dtype)
+        handle.tensors.append(tensor)
+        buffers.append(buffer)
+    return buffers
+
+
+def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger) -> None:
+    """Map every buffer unfaulted, fault them in the background, register as they become
+    resident; the faulting thread is stopped and joined before anything can be freed."""
+    buffers = _unfaulted(handle, requests)
+    faulter = Prefaulter(buffers, threads=handle.allocator.prefault_threads).start()
+    try:
+        _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, before_call=faulter.wait)
+    except BaseException:
+        faulter.stop()  # after the piece in flight; the memory is freed only once it has ended
+        faulter.join(quiet=True)  # the executor's error (it carries any faulting error) wins
+        _faulting_time(handle, faulter.seconds)
+        raise
+    faulter.join()
+    _faulting_time(handle, faulter.seconds)
+
+
+def _map(handle: HostPools, requests) -> None:
+    handle.host_buffers = _unfaulted(handle, requests)
+
+
+def _faulting_time(handle: HostPools, seconds: float) -> None:
+    handle.allocator.add_prefault_time(seconds)
+    handle.timings["prefault_s"] = seconds
+
+
+def _allocate(handle: HostPools, requests, device: str) -> None:
+    for request in requests:
+        dtype = request.dtype if request.dtype is not None else _uint8()
+        handle.tensors.append(handle.allocator.allocate(request.shape, dtype=dtype, device=device))
+
+
+def _progressive(handle: HostPools, requests, settings: Progressive, runtime, ledger, start: float) -> None:
+    """Fault and register call by call: the first calls here, until ``settings.ready()``, the
+    rest in the background. Both threads are in the handle's books before either starts, so a
+    failing start is undone by the handle's release."""
+    order = settings.order
+    if order is None:
+        order = [(index, item.offset, item.size) for index, request in enumerate(requests) for item in request.plan.ranges]
+    chunks = []
+    for index, offset, size in order:
+        request, tensor = requests[index], handle.tensors[index]
+        plan = request.plan
+        if offset < 0 or size < 0 or offset + size > plan.total_bytes:
+            raise PlanError(f"Progressive.order: ({index}, {offset}, {size}) lies outside buffer {request.name!r} "
+                            f"of {plan.total_bytes} bytes")
+        chunks.append(Chunk(request.name, tensor.data_ptr() + offset, size, plan.granularity_bytes, plan.limits))
+    handle.plans = [r.plan for r in requests]
+
+    first_call = handle._first_call  # not the handle: the thread must not keep it alive
+    user_on_chunk = settings.on_chunk
+
+    def on_chunk(position: int, done: int, size: int) -> None:
+        if not first_call:
+            first_call.append(time.perf_counter() - start)
+        if user_on_chunk is not None:
+            user_on_chunk(position, done, size)
+
+    faulting = ProgressiveFaulting(handle.host_buffers, order, key=settings.key,
+                                   threads=handle.allocator.prefault_threads)
+    registration = ProgressiveRegistration(
+        chunks, runtime=default_runtime() if runtime is None else runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=settings.max_stall_s,
+        key=settings.key, before_call=faulting.before_call, resident=faulting.resident,
+    )
+    handle._hold_progressive(registration, faulting)
+    # the registration thread first, then the pre-fault (no thread starts while a pre-fault
+    # call holds the mmap lock), then register here until ready()
+    registration.start(settings.ready, begin=faulting.start)

@@ -1,0 +1,309 @@
+"""`HostPools`: the one handle of a bring-up, in every mode, and its one teardown.
+
+Owns what a bring-up holds - the memory, the budget entry, the registration (one transaction,
+or the calls of a progressive one and its background pre-fault) - and the one release: stop
+the threads, unregister newest first, free, then give the budget back. What a failed or
+interrupted undo means is written here once: memory CUDA may still pin is quarantined, never
+unmapped, and `state`/`leaked` say exactly what stays registered; releasing again retries it.
+The books live apart from the handle (and never leave this module) so that a handle dropped
+while active is released by a finalizer in the same order - one that never waits on the
+budget lock (`BudgetLock.forget_soon`) nor joins the thread it runs in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+
+from hicache.effects._cuda._registration import _leak_message
+from hicache.effects._host._memory import quarantine, unquarantine
+from hicache.effects._interrupts import deferred_interrupts
+from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
+
+STATES = ("bringing-up", "active", "released", "leaked")
+
+
+class _Books:
+    """Everything teardown needs; referenced by the handle and by its finalizer."""
+
+    def __init__(self, allocator, ledger, owns_memory: bool) -> None:
+        self.lock = threading.Lock()
+        self.allocator = allocator
+        self.ledger = ledger
+        self.owns_memory = owns_memory
+        self.tensors: list = []
+        self.registration = None  # the blocking / pipelined transaction's Registration
+        self.progressive = None  # the progressive mode's ProgressiveRegistration
+        self.faulting = None  # its background pre-fault (ProgressiveFaulting)
+        self.budget = None  # (lock, bytes) while this process's budget entry holds them
+        self.state = "bringing-up"
+        self.leaked: tuple = ()  # (ptr, size) still registered after a failed undo
+        self.orphans: tuple = ()  # leaked by a rollback: no Registration left to retry them
+        self.quarantined: list = []
+        self.release_s: float | None = None
+
+    def owned(self) -> list:
+        return self.allocator.owned()
+
+    def holds_anything(self) -> bool:
+        return bool(self.registration is not None or self.progressive is not None or self.tensors
+                    or self.budget is not None or self.owned())
+
+    def stop(self) -> None:
+        """End the background threads (registration after its call in flight, pre-fault after
+        its calls in flight): nothing may register or fault while memory is let go. A Ctrl-C
+        while waiting is re-raised with everything still held."""
+        try:
+            if self.progressive is not None:
+                self.progressive.stop()
+        finally:
+            if self.faulting is not None:
+                self.faulting.stop()
+
+    def forget_budget(self, *, wait: bool = True) -> None:
+        if self.budget is not None:
+            lock, nbytes = self.budget
+            self.budget = None  # first: forgetting twice would take a peer's bytes
+            lock.forget_soon(nbytes, wait=wait)  # never waits on a holder in this process
+
+    def keep_mapped(self) -> None:
+        """Some of the memory stays registered: keep all of it mapped until the process exits."""
+        if not self.quarantined:
+            self.quarantined = [*self.tensors, *self.owned()]
+            quarantine(*self.quarantined)
+
+
+def _unregister(books: _Books) -> tuple[list, BaseException | None]:
+    """Unregister everything registered, newest first; returns what stays registered and an
+    interrupt raised meanwhile (by the runtime too), for after the books are straight."""
+    leaked: list = []
+    interrupt = None
+    for holder in (books.progressive, books.registration):
+        if holder is None:
+            continue
+        try:
+            holder.release()  # idempotent; a second call retries what stayed registered
+        except ReleaseError as error:
+            leaked.extend(error.leaked)
+        except BaseException as error:  # an interrupt from inside the runtime: its books are kept
+            interrupt = interrupt or error
+            leaked.extend(holder.leaked)
+    return sorted(set(leaked) | set(books.orphans)), interrupt
+
+
+def _release(books: _Books, *, finalizing: bool = False) -> None:
+    """The one teardown: stop the threads, unregister, free, give the budget back."""
+    with books.lock, deferred_interrupts():  # a Ctrl-C waits until the books are straight
+        if books.state == "released":
+            return
+        start = time.perf_counter()
+        books.stop()
+        leaked, interrupt = _unregister(books)
+        if leaked:
+            books.keep_mapped()
+            books.state, books.leaked = "leaked", tuple(leaked)
+            books.forget_budget(wait=not finalizing)  # the handle no longer counts as a pool
+            if interrupt is not None:
+                raise interrupt
+            raise ReleaseError(_leak_message("release", books.leaked) + " (release again to retry)", leaked=books.leaked)
+        books.tensors = []
+        if books.owns_memory:
+            try:
+                books.allocator.free_all(ledger=books.ledger)
+            except RegistrationStateError:  # part of it is still registered elsewhere
+                books.keep_mapped()
+        if books.quarantined and not books.owned():  # an earlier leak was undone after all
+            unquarantine(*books.quarantined)
+            books.quarantined = []
+        books.forget_budget(wait=not finalizing)
+        books.registration = books.progressive = books.faulting = None
+        books.state, books.leaked, books.orphans = "released", (), ()
+        books.release_s = time.perf_counter() - start
+        if interrupt is not None:
+            raise interrupt
+
+
+def _finalize(books: _Books) -> None:
+    if books.state not in ("active", "bringing-up"):
+        return
+    if not books.holds_anything():
+        books.state = "released"  # dropped before it held anything: nothing to report
+        return
+    if threading.current_thread().name.startswith("hicache-"):
+        # collected in one of its own threads (or another hicache worker): joining them from
+        # here would wait forever - release from a thread of its own instead
+        threading.Thread(target=_release_quietly, args=(books,), name="hicache-release", daemon=True).start()
+    else:
+        _release_quietly(books)
+    warnings.warn("a HostPools handle was garbage-collected without release(); released it",
+                  ResourceWarning, stacklevel=2)
+
+
+def _release_quietly(books: _Books) -> None:
+    try:
+        _release(books, finalizing=True)  # first: a warning turned into an error must not skip it
+    except ReleaseError as error:
+        warnings.warn(str(error), ResourceWarning, stacklevel=2)
+
+
+class HostPools:
+    """Host buffers brought up together, in any mode (see `bring_up`): ``tensors`` (one per
+    request, in order), ``registration`` (the transaction's `Registration`; None when nothing
+    is registered or the mode is progressive), ``plans`` (as registered), ``timings``,
+    ``state`` (``bringing-up``, ``active``, ``released`` or ``leaked``) and ``leaked`` (the
+    ``(ptr, size)`` ranges that stay registered).
+
+    `release()` stops the background threads, unregisters newest first, frees, then gives
+    the budget back; it is idempotent, raises `ReleaseError` when a range stays registered
+    (that memory is kept mapped) and, called again, retries it. A handle garbage-collected
+    while active is released the same way, with a ResourceWarning.
+    """
+
+    def __init__(self, requests, allocator, ledger, *, owns_memory: bool, nbytes, mode: str = "blocking") -> None:
+        self.requests = tuple(requests)
+        self.mode = mode
+        self.plans: list = []
+        self.host_buffers: list = []  # the HostBuffers, when mapped without faulting
+        self.timings: dict[str, float] = {}
+        self._first_call: list = []  # progressive: seconds to the first registered call, once made
+        self._nbytes = tuple(nbytes)
+        self._books = _Books(allocator, ledger, owns_memory)
+        self._finalizer = weakref.finalize(self, _finalize, self._books)
+
+    # -- what the bring-up records (hicache.effects._bringup._bring_up only) -----------------
+    def _hold_budget(self, lock, nbytes: int) -> None:
+        self._books.budget = (lock, nbytes)  # set first: forgetting more than recorded is harmless
+        lock.record(nbytes)
+
+    def _hold_registration(self, registration) -> None:
+        self._books.registration = registration
+
+    def _hold_progressive(self, progressive, faulting) -> None:
+        self._books.progressive, self._books.faulting = progressive, faulting
+
+    def _activate(self) -> None:
+        self._books.state = "active"
+
+    def _abort(self, error: BaseException) -> None:
+        """Undo a bring-up that failed; ranges its rollback could not undo stay counted."""
+        books = self._books
+        rollback = error if isinstance(error, RollbackError) else error.__cause__
+        if isinstance(rollback, RollbackError):
+            books.orphans = tuple(rollback.leaked) + tuple(rollback.uncertain)
+        try:
+            _release(books)
+        except ReleaseError as release:
+            if not set(release.leaked) <= set(books.orphans):
+                raise  # more stays registered than the bring-up's error says: this names it all
+            # only what the rollback already reports stays registered: its error says so
+
+    # -- what callers read ----------------------------------------------------------------
+    @property
+    def first_call_s(self) -> float | None:
+        """Progressive: seconds from the start of the bring-up to its first registered call."""
+        return self._first_call[0] if self._first_call else None
+
+    @property
+    def tensors(self) -> list:
+        return self._books.tensors
+
+    @property
+    def registration(self):
+        return self._books.registration
+
+    @property
+    def allocator(self):
+        return self._books.allocator
+
+    @property
+    def state(self) -> str:
+        return self._books.state
+
+    @property
+    def leaked(self) -> tuple:
+        return self._books.leaked
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._nbytes)
+
+    @property
+    def calls(self) -> list:
+        """Progressive: ``(chunk index, bytes, seconds)`` per call made so far; otherwise one
+        entry per registered range."""
+        progressive = self._books.progressive
+        if progressive is not None:
+            return list(progressive.calls)
+        registration = self._books.registration
+        if registration is None:
+            return []
+        return [(r.index, r.size, 0.0) for r in registration.ranges]
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes registered now (a progressive bring-up's grow while it runs)."""
+        books = self._books
+        if books.progressive is not None:
+            return sum(size for _, size, _ in books.progressive.calls)
+        return books.registration.status().registered_bytes if books.registration is not None else 0
+
+    def registered_ranges(self) -> tuple[tuple[int, int], ...]:
+        """``(ptr, size)`` of every range this handle holds registered now, by address."""
+        books = self._books
+        held = list(books.orphans)
+        registrations = list(books.progressive.registered()) if books.progressive is not None else []
+        if books.registration is not None:
+            registrations.append(books.registration)
+        for registration in registrations:
+            status = registration.status()
+            if status.state == "active":
+                held += [(r.ptr, r.size) for r in status.ranges]
+            elif status.state == "leaked":
+                held += status.leaked
+        return tuple(sorted(held))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once everything is registered (at once unless progressive); False on timeout;
+        raises the error that stopped a background registration."""
+        progressive = self._books.progressive
+        return True if progressive is None else progressive.wait(timeout)
+
+    def stop(self) -> None:
+        """Stop the background threads (progressive) and keep everything else held: what a pool
+        does before waiting for copies in flight, then `release()`. Interruptible."""
+        self._books.stop()
+
+    def release(self) -> None:
+        """Stop, unregister, free, give the budget back; safe to call twice (again after a
+        `ReleaseError`: retries what stayed registered)."""
+        try:
+            _release(self._books)
+        finally:
+            if self._books.release_s is not None:
+                self.timings["release_s"] = self._books.release_s
+
+    def detach(self):
+        """Hand the registration over to the caller (who now releases it) and let the rest go
+        without undoing anything: the budget entry is given back, memory stays where it is.
+        For helpers whose caller owns the tensors (compat.sglang). Returns the `Registration`
+        (None when nothing was registered)."""
+        books = self._books
+        with deferred_interrupts(), books.lock:
+            if books.state != "active" or books.progressive is not None:
+                raise RegistrationStateError(f"cannot detach a {self.mode} HostPools handle that is {books.state}")
+            registration, books.registration = books.registration, None
+            books.tensors = []
+            books.forget_budget()
+            books.state = "released"
+        return registration
+
+    def __enter__(self) -> "HostPools":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<HostPools {self.mode} {self.state}: {len(self.requests)} buffer(s), {self.total_bytes} bytes>"
