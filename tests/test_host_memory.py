@@ -210,12 +210,10 @@ def test_a_failing_piece_stops_the_other_threads_after_their_call_in_flight(monk
     buffer.free()
 
 
-@pytest.mark.parametrize("own_pool", [True, False])
-def test_ctrl_c_while_prefaulting_stops_the_threads_before_it_is_raised(monkeypatch, own_pool):
+def test_ctrl_c_while_prefaulting_stops_the_threads_before_it_is_raised(monkeypatch):
     """A Ctrl-C reaching the waiting caller stops the workers after their call in flight and
     is raised only once none is still faulting (the memory may be freed next), without
-    faulting the rest of the buffer first - on prefault's own pool and on one passed in
-    (which nothing shuts down for it)."""
+    faulting the rest of the buffer first."""
     import signal
     import threading
     import time
@@ -243,17 +241,14 @@ def test_ctrl_c_while_prefaulting_stops_the_threads_before_it_is_raised(monkeypa
 
     monkeypatch.setattr(_host_memory, "_madvise", lambda: madvise)
     buffer = allocate_host(256 * 2**20)
-    pool = None if own_pool else _host_memory.started_executor(2)
     try:
         with pytest.raises(KeyboardInterrupt):
-            prefault(buffer, threads=2, piece_bytes=2**20, executor=pool)
+            prefault(buffer, threads=2, piece_bytes=2**20)
         assert in_flight[0] == 0
         made = len(calls)
         time.sleep(0.1)
         assert len(calls) == made < 256 // 2
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
         buffer.free()
 
 
@@ -342,10 +337,14 @@ def test_a_ctrl_c_at_any_step_of_handing_out_the_pieces_is_raised_only_once_no_c
             self.futures.append(future)
             return future
 
+        def shutdown(self, wait=True):  # prefault's own shutdown: the test reuses the threads
+            pass
+
     monkeypatch.setattr(_host_memory, "_madvise", lambda: madvise)
     here = _host_memory.__file__
     buffer = allocate_host(12 * 2**20)
     pool = Recording(_host_memory.started_executor(2))
+    monkeypatch.setattr(_host_memory, "started_executor", lambda workers, prefix="", nice=0: pool)
     landed = []
     try:
         target = 0
@@ -367,7 +366,7 @@ def test_a_ctrl_c_at_any_step_of_handing_out_the_pieces_is_raised_only_once_no_c
             calls.clear()
             sys.settrace(trace)
             try:
-                prefault(buffer, threads=2, piece_bytes=2**20, executor=pool)
+                prefault(buffer, threads=2, piece_bytes=2**20)
                 interrupted = False
             except KeyboardInterrupt:
                 interrupted = True

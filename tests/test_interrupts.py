@@ -17,7 +17,8 @@ import pytest
 from machine import ROOMY
 
 from hicache.effects._bringup._lock import BudgetLock
-from hicache.effects import HostTensorAllocator, Registration, apply_plan, bring_up, deferred_interrupts
+from hicache.effects import HostTensorAllocator, Registration, apply_plan, bring_up
+from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.effects._bringup import _bring_up as _bringup
 from hicache.effects._cuda import _executor

@@ -39,7 +39,6 @@ from hicache.effects._host._probes import (
     resolve_numa_node,
     sglang_register_chunk_bytes,
 )
-from hicache.effects._interrupts import deferred_interrupts
 
 __all__ = [
     # ARCHITECTURE's stable API
@@ -79,7 +78,6 @@ __all__ = [
     # compat.sglang and hicache.testing
     "TorchCudartRuntime",
     "cuda_codes",
-    "deferred_interrupts",
     "stand_in_runtime",
     "torch_runtime",
     "unregister_ranges",

@@ -36,8 +36,8 @@ class MHATokenToKVPoolHost(HostKVCache):
     def descriptor_class(cls):
         return MHALayout
 
-    def _dims(self, device_pool=None):
-        pool = device_pool or self.device_pool
+    def _dims(self):
+        pool = self.device_pool
         return dict(layer_num=self.layer_num, head_num=pool.head_num, head_dim=pool.head_dim,
                     page_size=self.page_size, itemsize=_itemsize(self.dtype))
 

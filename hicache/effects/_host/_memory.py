@@ -162,7 +162,6 @@ def allocate_host(
     *,
     hugepages: str = "off",
     hugepage_bytes: int = DEFAULT_HUGEPAGE_BYTES,
-    transparent_hugepages: bool = False,
     sysfs_root: str = "/",
     numa_node: int | None = None,
 ) -> HostBuffer:
@@ -186,8 +185,9 @@ def allocate_host(
         return HostBuffer(0, 0, page, None, (), None, torch.empty(0, dtype=torch.uint8))
     notes: list[str] = []
     mapping = huge = None
-    if hugepages == "thp":
-        transparent_hugepages, hugepages = True, "off"
+    transparent_hugepages = hugepages == "thp"
+    if transparent_hugepages:
+        hugepages = "off"
     if hugepages != "off":
         if hugepage_bytes & (hugepage_bytes - 1) or hugepage_bytes < page:
             raise PlanError(f"allocate_host.hugepage_bytes must be a power of two >= {page}, got {hugepage_bytes}")
@@ -247,9 +247,6 @@ class PrefaultReport:
     threads: int
     pieces: int
     seconds: float
-
-    def gbps(self, nbytes: int) -> float:
-        return nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 _libc = None
@@ -342,7 +339,7 @@ def _run_workers(pool, workers: int, fault, items, *, stop: threading.Event | No
 
 def prefault(
     buffer: HostBuffer, *, threads: int | None = None, piece_bytes: int = PREFAULT_PIECE_BYTES,
-    start: int = 0, length: int | None = None, executor=None,
+    start: int = 0, length: int | None = None,
 ) -> PrefaultReport:
     """Fault every page of ``buffer`` in now, from ``threads`` threads, outside any CUDA call.
 
@@ -351,9 +348,9 @@ def prefault(
     contents. ENOMEM becomes ``HostOutOfMemoryError`` rather than a visit from the OOM killer.
     Pages not faulted here are faulted single-threaded inside ``cudaHostRegister``.
     ``start``/``length``: only that byte range (widened to whole pages) - one chunk of a plan,
-    so that registering chunk k can overlap faulting chunk k+1; ``executor``: a thread pool to
-    reuse across such calls, its threads already started (`started_executor`; else one is
-    made for this call). Calls fault at most ``piece_bytes`` each (see `PREFAULT_PIECE_BYTES`).
+    so that registering chunk k can overlap faulting chunk k+1. Its worker threads are all
+    started before the first call (`started_executor`); calls fault at most ``piece_bytes``
+    each (see `PREFAULT_PIECE_BYTES`).
     """
     began = time.perf_counter()
     if buffer.nbytes == 0:
@@ -393,8 +390,6 @@ def prefault(
     if workers == 1:
         for offset in offsets:
             fault(offset)
-    elif executor is not None:
-        _run_workers(executor, workers, fault, offsets)
     else:
         pool = started_executor(workers)
         try:

@@ -1,0 +1,149 @@
+"""The import rules of hicache/, read from the source (AST, no import): effects' four rooms
+import downward only, nothing outside effects reaches into a room, no module imports its own
+package's face from inside effects, the face stays small, and the package has no import
+cycle - imports inside functions included (they were what hid the last one)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "hicache"
+FACE = "hicache.effects"
+FACE_LIMIT = 35
+
+#: Which rooms a room of hicache.effects may import (itself always): downward only.
+ALLOWED = {
+    "_interrupts": set(),
+    "_cuda": {"_interrupts"},
+    "_host": {"_interrupts", "_cuda"},
+    "_copy": {"_interrupts", "_cuda"},
+    "_bringup": {"_interrupts", "_cuda", "_host", "_copy"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
+NATIVE = {_module_name(p) for p in ROOT.rglob("*.c")}  # the optional C helpers: leaves
+
+
+def _imports(path: Path):
+    """``(line, imported module, how)`` for every import of a hicache module in ``path``, at
+    any depth; ``from package import name`` counts as importing ``package.name`` when that is
+    a module. ``how`` is ``"from-face"`` for ``from hicache.effects import <not a module>``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("hicache"):
+                    yield node.lineno, alias.name, "import"
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("hicache"):
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                if target in MODULES or target in NATIVE:
+                    yield node.lineno, target, "from"
+                else:
+                    yield node.lineno, node.module, "from-face" if node.module == FACE else "from"
+
+
+def _room(module: str) -> str | None:
+    """The room of a module of hicache.effects (None: the face, or outside effects)."""
+    if not module.startswith(FACE + "."):
+        return None
+    return module.split(".")[2]
+
+
+def test_the_rooms_are_what_the_table_names():
+    """Not vacuous: every room exists and holds modules, and every module of effects is in one."""
+    rooms = {_room(m) for m in MODULES if m.startswith(FACE + ".")}
+    assert rooms == set(ALLOWED)
+    assert all(any(_room(m) == room for m in MODULES) for room in ALLOWED)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m)), ids=str)
+def test_a_room_imports_only_the_rooms_below_it_and_never_the_face(module):
+    room = _room(module)
+    bad = []
+    for line, target, how in _imports(MODULES[module]):
+        if target == FACE or how == "from-face":
+            bad.append((line, "imports the face hicache.effects"))
+        elif target.startswith(FACE + "."):
+            other = _room(target)
+            if other != room and other not in ALLOWED[room]:
+                bad.append((line, f"imports {target} (room {other}; {room} may import {sorted(ALLOWED[room]) or 'none'})"))
+    assert not bad, f"{module}: {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith(FACE + ".") and m != FACE), ids=str)
+def test_nothing_outside_effects_imports_a_room(module):
+    bad = [(line, target) for line, target, _ in _imports(MODULES[module]) if target.startswith(FACE + "._")]
+    assert not bad, f"{module} reaches into hicache.effects' rooms: {bad} - use the face"
+
+
+def test_the_face_is_small_and_exports_what_it_imports():
+    """At most 35 names: ARCHITECTURE's stable API plus what pools, the CLI, compat and
+    hicache.testing use; every one of them is used by something outside effects."""
+    tree = ast.parse(MODULES[FACE].read_text())
+    exported = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", "") == "__all__")
+    names = [element.value for element in exported.elts]
+    assert len(names) == len(set(names)) <= FACE_LIMIT, (len(names), names)
+    import hicache.effects as face
+
+    assert all(hasattr(face, name) for name in names)
+    outside = "\n".join(p.read_text() for m, p in MODULES.items() if not m.startswith(FACE))
+    for name in ("CudaPythonRuntime", "apply_plan", "apply_pool_plan", "Registration"):  # ARCHITECTURE's
+        assert name in names
+    unused = [n for n in names if n not in outside and n not in ("CudaPythonRuntime", "apply_pool_plan")]
+    assert not unused, f"exported but used by nothing outside effects: {unused}"
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for module, path in MODULES.items():
+        graph[module] = {target for _, target, _ in _imports(path) if target in MODULES and target != module}
+    return graph
+
+
+def _cycle(graph) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    """Imports inside functions count: a cycle they hold together is still a cycle. A package's
+    face importing its own modules is not one (a module never imports its own face here)."""
+    cycle = _cycle(_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_search_finds_a_cycle():
+    """Not vacuous: a planted loop (the one effects had) is found."""
+    graph = {"a._memory": {"a._numa"}, "a._numa": {"a._probes"}, "a._probes": {"a._memory"}, "b": set()}
+    assert _cycle(graph) == ["a._memory", "a._numa", "a._probes", "a._memory"]
