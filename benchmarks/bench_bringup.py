@@ -21,8 +21,8 @@ from _timing import interleaved, median_line  # noqa: E402
 
 import torch  # noqa: E402
 
-from hicache.effects._host._memory import allocate_host, prefault
-from hicache.effects import apply_pool_plan
+from hicache.effects._host._memory import allocate_host, prefault  # noqa: E402
+from hicache.effects import apply_pool_plan  # noqa: E402
 from hicache.plan import Limits  # noqa: E402
 from hicache.pools import MHATokenToKVPoolHost  # noqa: E402
 from hicache.testing import FakeRuntime, MHADevicePool  # noqa: E402

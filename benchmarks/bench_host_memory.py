@@ -30,7 +30,7 @@ from _timing import interleaved, longest_mmap_wait, median_line  # noqa: E402
 
 import torch  # noqa: E402
 
-from hicache.effects._host._memory import allocate_host, free_hugepages, prefault
+from hicache.effects._host._memory import allocate_host, free_hugepages, prefault  # noqa: E402
 
 MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)

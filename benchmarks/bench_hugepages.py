@@ -16,7 +16,7 @@ from _timing import interleaved, median_line  # noqa: E402
 
 import torch  # noqa: E402,F401  (the state users run in)
 
-from hicache.effects._host._memory import allocate_host, free_hugepages, prefault
+from hicache.effects._host._memory import allocate_host, free_hugepages, prefault  # noqa: E402
 
 
 def bring(nbytes: int, mode: str):

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _timing import interleaved, median_line  # noqa: E402
 
-from hicache.effects._bringup._lock import BudgetLock
-from hicache.effects._cuda._ledger import HostLedger
-from hicache.effects import MachineFacts, bring_up
+from hicache.effects._bringup._lock import BudgetLock  # noqa: E402
+from hicache.effects._cuda._ledger import HostLedger  # noqa: E402
+from hicache.effects import MachineFacts, bring_up  # noqa: E402
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost  # noqa: E402
 from hicache.testing import FakeRuntime, MHADevicePool, MLADevicePool  # noqa: E402
 

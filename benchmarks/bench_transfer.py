@@ -25,7 +25,8 @@ from _timing import interleaved, median_line  # noqa: E402
 
 import torch  # noqa: E402
 
-from hicache.effects import CopyEngine, _host_copy  # noqa: E402
+from hicache.effects import CopyEngine  # noqa: E402
+from hicache.effects._copy import _host_copy  # noqa: E402
 from hicache.plan import Limits  # noqa: E402
 from hicache.pools import MHATokenToKVPoolHost  # noqa: E402
 from hicache.testing import MHADevicePool  # noqa: E402

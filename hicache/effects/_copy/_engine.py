@@ -2,7 +2,7 @@
 
 Owns the dispatch of (dst, src, bytes) descriptor batches - host<->host through the batched
 host copy (`_host_copy`, mode resolved once), anything touching a CUDA device through
-cudaMemcpyBatchAsync on that device's current torch stream (`_copies`; per page on drivers
+cudaMemcpyBatchAsync on that device's current torch stream (`_device`; per page on drivers
 without it) - and synchronizing the devices before pinned memory is let go. Pools call this;
 they make no CUDA call themselves. ``cuda`` (torch.cuda) and ``binding`` (cuda-python) are
 parameters so tests stand in for both.

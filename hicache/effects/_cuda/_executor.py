@@ -3,7 +3,8 @@
 Owns the journal (a range is journaled only after its register call succeeded), the rollback
 on any failure (with _registration's undo rules), overlap refusal through the ledger, and
 progress reporting. It holds no policy: the retry shape comes from the pure `replan`. Never
-frees memory; see _host_memory for that.
+frees memory; that is the host room's (`_host._memory`). Imports the rest of this room,
+`_interrupts`, `hicache.plan` and `hicache.errors` only.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ rate), go in the caller's order (a pool's: the page they reach), and wait only f
 bytes of the background pre-fault, registering no more than is already faulted. A stop request
 ends the thread after the call in flight; `release` unregisters every call (newest first) once
 the thread has ended. What "ready" means for pages is the pool's business (hicache.pools);
-faulting the memory alongside is hicache.effects._bringup._background's.
+faulting the memory alongside is the bring-up room's (`_bringup._faulting`).
 """
 
 from __future__ import annotations

@@ -47,22 +47,13 @@ class CudaPythonRuntime:
         return f"CudaPythonRuntime(binding={getattr(self.binding, '__name__', self.binding)!r})"
 
     def register(self, ptr: int, size: int, flags: int) -> None:
-        self._check(self.binding.cudaHostRegister(ptr, size, flags), "cudaHostRegister", ptr, size)
+        _check(self, self.binding.cudaHostRegister(ptr, size, flags), "cudaHostRegister", ptr, size)
 
     def unregister(self, ptr: int) -> None:
-        self._check(self.binding.cudaHostUnregister(ptr), "cudaHostUnregister", ptr, None)
+        _check(self, self.binding.cudaHostUnregister(ptr), "cudaHostUnregister", ptr, None)
 
-    def _check(self, result, op: str, ptr: int, size: int | None) -> None:
-        status = result[0] if isinstance(result, tuple) else result
-        code = int(status)
-        if code == _codes.SUCCESS:
-            return
-        self._drain()
-        raise _codes.cuda_error(
-            op, code, self._text("cudaGetErrorName", status, code),
-            self._text("cudaGetErrorString", status, code), ptr=ptr, size=size,
-            found=self._found(),
-        )
+    def _describe(self, status, code: int) -> tuple[str, str]:
+        return self._text("cudaGetErrorName", status, code), self._text("cudaGetErrorString", status, code)
 
     def _enum(self, status, code):
         enum = getattr(self.binding, "cudaError_t", None)
@@ -121,23 +112,37 @@ class TorchCudartRuntime:
         self.cudart = cudart
 
     def register(self, ptr: int, size: int, flags: int) -> None:
-        self._check(self.cudart.cudaHostRegister(ptr, size, flags), "cudaHostRegister", ptr, size)
+        _check(self, self.cudart.cudaHostRegister(ptr, size, flags), "cudaHostRegister", ptr, size)
 
     def unregister(self, ptr: int) -> None:
-        self._check(self.cudart.cudaHostUnregister(ptr), "cudaHostUnregister", ptr, None)
+        _check(self, self.cudart.cudaHostUnregister(ptr), "cudaHostUnregister", ptr, None)
 
-    def _check(self, result, op: str, ptr: int, size: int | None) -> None:
-        code = int(result[0] if isinstance(result, tuple) else result)
-        if code == _codes.SUCCESS:
-            return
-        drain = getattr(self.cudart, "cudaGetLastError", None)
+    def _drain(self) -> None:
+        drain = getattr(self.cudart, "cudaGetLastError", None)  # torch's binding may lack it
         if drain is not None:
             try:
                 drain()
             except Exception:
-                pass
-        name, detail = _names_from_cuda_python(code)
-        raise _codes.cuda_error(op, code, name, detail, ptr=ptr, size=size)
+                pass  # the original failure is what the caller needs to see
+
+    def _describe(self, status, code: int) -> tuple[str, str]:
+        return _names_from_cuda_python(code)
+
+    def _found(self) -> str:
+        return ""
+
+
+def _check(adapter, result, op: str, ptr: int, size: int | None) -> None:
+    """The one result checker of every adapter: success returns; any other code drains the
+    pending error (else the next call would report it) and raises its classified
+    `CudaCallError`, named by the adapter (``_describe``) with what it found (``_found``)."""
+    status = result[0] if isinstance(result, tuple) else result
+    code = int(status)
+    if code == _codes.SUCCESS:
+        return
+    adapter._drain()
+    name, detail = adapter._describe(status, code)
+    raise _codes.cuda_error(op, code, name, detail, ptr=ptr, size=size, found=adapter._found())
 
 
 def _names_from_cuda_python(code: int) -> tuple[str, str]:
