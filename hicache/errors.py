@@ -26,6 +26,7 @@ __all__ = [
     "ConfigError",
     "NoAllocatorError",
     "HostPagesExhaustedError",
+    "caused_by_interrupt",
 ]
 
 
@@ -149,3 +150,14 @@ class NoAllocatorError(RegistrationStateError, NotImplementedError):
 
 class HostPagesExhaustedError(CapacityError, RuntimeError):
     """No host pages left for a HiSparse request: a RuntimeError, as SGLang's callers expect."""
+
+
+def caused_by_interrupt(error: BaseException | None) -> bool:
+    """True when ``error`` is, or was caused by, a KeyboardInterrupt (its cause/context chain,
+    16 links at most): the interrupt is already being honoured."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False

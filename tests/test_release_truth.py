@@ -196,14 +196,16 @@ def test_a_pool_whose_destroy_raised_refuses_use_until_a_second_destroy(tmp_path
     pool.destroy()  # idempotent
 
 
-def test_apply_says_what_stays_registered_after_an_interrupted_release(capsys):
+@pytest.mark.parametrize("progressive", [[], ["--progressive"]], ids=["blocking", "progressive"])
+def test_apply_says_what_stays_registered_after_an_interrupted_release(capsys, progressive):
     """The documented fault (an interrupt raised by the runtime during release): apply exits
-    as interrupted and names the range that stays registered, never "nothing is left"."""
+    as interrupted and names the range that stays registered, never "nothing is left" - on
+    its one path, blocking or progressive."""
     from hicache.cli import main
 
     with fake_cuda(interrupt_unregister={0: "before"}) as fake:
         code = main(["apply", "--model", "llama-3.1-8b", "--host-gb", "0.01", "--reserve", "1MiB",
-                     "--chunk-limit", "4MiB"])
+                     "--chunk-limit", "4MiB", *progressive])
     err = capsys.readouterr().err
     assert code == 130, err
     assert "nothing is left registered" not in err

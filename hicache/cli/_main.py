@@ -10,7 +10,16 @@ import sys
 
 from hicache._extras import MissingExtraError
 from hicache.cli._common import CUDA_FAILURE, INFEASIBLE, INTERRUPTED, USAGE, CliError, Parser, fail
-from hicache.errors import ApplyError, CapacityError, CudaCallError, HicacheError, PlanError, ReleaseError, RollbackError
+from hicache.errors import (
+    ApplyError,
+    CapacityError,
+    CudaCallError,
+    HicacheError,
+    PlanError,
+    ReleaseError,
+    RollbackError,
+    caused_by_interrupt,
+)
 
 _COMMANDS = ("plan", "doctor", "apply")
 
@@ -53,15 +62,6 @@ def _what_is_left(error: BaseException | None) -> str:
     return "nothing is left registered"
 
 
-def _interrupted(error: BaseException | None) -> bool:
-    seen = 0
-    while error is not None and seen < 16:
-        if isinstance(error, KeyboardInterrupt):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hicache` and `python -m hicache`; returns the exit code."""
     try:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail("cuda-error", str(error), "run `hicache doctor`", CUDA_FAILURE)
         return fail("apply-failed", str(error), "run `hicache doctor`", INFEASIBLE)
     except ReleaseError as error:
-        interrupted = _interrupted(error)
+        interrupted = caused_by_interrupt(error)
         return fail("interrupted" if interrupted else "release-leaked", str(error), _what_is_left(error),
                     INTERRUPTED if interrupted else CUDA_FAILURE)
     except CudaCallError as error:

@@ -4,13 +4,15 @@ Owns `deferred_interrupts`, used by the executor, release and the bring-up aroun
 statements that must run together (a register call and its journal entry; storing a handle).
 A held interrupt is visible as ``.pending`` so long loops can stop between calls, and is
 delivered to the previous handler on exit. Only the main thread receives signals; elsewhere
-this does nothing. Imports signal and threading only.
+this does nothing. Imports signal, threading and hicache.errors only.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+
+from hicache.errors import caused_by_interrupt
 
 
 class deferred_interrupts:
@@ -49,18 +51,8 @@ class deferred_interrupts:
             return
         signal.signal(signal.SIGINT, self._previous)
         self._installed = False
-        if self.consume() and not _caused_by_interrupt(exc):
+        if self.consume() and not caused_by_interrupt(exc):
             self._previous(signal.SIGINT, None)  # Python's default handler: KeyboardInterrupt
-
-
-def _caused_by_interrupt(error) -> bool:
-    """True when ``error`` is, or was caused by, a KeyboardInterrupt (already being honoured)."""
-    seen = 0
-    while error is not None and seen < 16:
-        if isinstance(error, KeyboardInterrupt):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
 
 
 def interrupt_requested(held: deferred_interrupts | None) -> None:
