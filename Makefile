@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 .SILENT:
 
-.PHONY: help plan test bench clean
+.PHONY: help plan test bench clean sglang
 
 help:  ## list the targets
 	grep -E '^[a-z]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/:.*## /\t/' | expand -t 8
@@ -19,6 +19,18 @@ $(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_copy/_hos
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cuda,test]' --config-settings editable_mode=compat >&2
 	touch $(STAMP)
+
+# SGLang 0.5.23's real code for the suite's SGLang tests (they skip, naming this target, where
+# it is absent; .ci/run builds it and requires them): the wheel without its dependencies (they
+# pin torch 2.14.1 and CUDA), then the light packages its host-pool imports need.
+SGLANG_STAMP := $(VENV)/.sglang-0.5.23
+$(SGLANG_STAMP): $(STAMP) requirements-sglang.txt
+	echo "installing sglang 0.5.23 for the suite (first run only)" >&2
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -c constraints-dev.txt sglang==0.5.23 >&2
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -r requirements-sglang.txt >&2
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)  ## SGLang 0.5.23's real code in .venv, for its tests (requirements-sglang.txt)
 
 plan: $(STAMP)  ## capacity plan (ARGS="--model deepseek-v3.2 --host-gb 300", ARGS="--format json")
 	$(BIN)/hicache plan $(ARGS)

@@ -41,6 +41,7 @@ __all__ = [
     "check_runtime_conformance",
     "fake_cuda",
     "FakeHostBuffer",
+    "sglang_on_cpu",
 ]
 
 SUCCESS, ALREADY_REGISTERED, NOT_REGISTERED = cuda_codes.SUCCESS, cuda_codes.ALREADY_REGISTERED, cuda_codes.NOT_REGISTERED
@@ -304,3 +305,14 @@ def fake_cuda(**faults):
     runtime = FakeRuntime(**faults)
     with stand_in_runtime(runtime, FakeCudaBinding(runtime.cudart)):
         yield runtime
+
+
+def sglang_on_cpu() -> bool:
+    """Let SGLang's real code (0.5.23) import on a CPU box: installs a `torchvision` stand-in
+    (see hicache/_sglang_cpu.py) unless a working torchvision imports. Idempotent; returns True
+    when the stand-in is in place. With `fake_cuda()` around the code under test, SGLang's pools
+    then build and run on CPU with hicache's plug-in loaded (its registration goes through the
+    fake)."""
+    from hicache import _sglang_cpu
+
+    return _sglang_cpu.install()

@@ -71,5 +71,6 @@ def test_the_sdist_carries_docs_license_and_test_helpers(tmp_path):
     for needed in ("LICENSE", "CHANGELOG.md", "README.md", "docs/sglang.md", "docs/json.md", "hicache/py.typed",
                    "tests/conftest.py", "tests/machine.py", "tests/strategies.py", "tests/rank_child.py",
                    "tests/transfer_fuzz_child.py", "tests/golden/llama-3.1-70b-tp8.txt",
-                   "hicache/effects/_copy/_hostcopy.c", "hicache/pools/_pagestack.c", "setup.py", "constraints-dev.txt"):
+                   "hicache/effects/_copy/_hostcopy.c", "hicache/pools/_pagestack.c", "setup.py", "constraints-dev.txt",
+                   "requirements-sglang.txt"):
         assert needed in names, needed

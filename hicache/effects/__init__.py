@@ -37,6 +37,7 @@ from hicache.effects._host._probes import (
     probe_machine,
     probe_resolved_limits,
     resolve_numa_node,
+    sglang_plugin_enabled,
     sglang_register_chunk_bytes,
 )
 
@@ -71,6 +72,7 @@ __all__ = [
     "probe_machine",
     "probe_resolved_limits",
     "resolve_numa_node",
+    "sglang_plugin_enabled",
     "sglang_register_chunk_bytes",
     # copies
     "CopyEngine",

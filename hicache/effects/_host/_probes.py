@@ -35,6 +35,7 @@ ENV_VARS = {
     "HICACHE_HOST_COPY": "host page copies: auto (native helper when built), native or python",
     "HICACHE_PROGRESSIVE": "host pools register in the background, serving from the first page (1/0; default 0)",
     "HICACHE_HUGEPAGES": "host pools' page size: off (4 KiB, default), thp, prefer or required (hugetlbfs)",
+    "HICACHE_SGLANG": "the sglang.srt.plugins entry point: on (default) or off (SGLang's own bring-up stays)",
 }
 
 
@@ -250,6 +251,18 @@ def sglang_register_chunk_bytes(env=None, *, default_gib: int = 256) -> int:
         except ValueError:
             raise ValueError(f"environment variable {SGLANG_CHUNK_ENV}={raw!r} must be an integer number of GiB") from None
     return max(gib, 1) * 2**30
+
+
+def sglang_plugin_enabled(env=None) -> bool:
+    """HICACHE_SGLANG: whether the `hicache` SGLang plug-in patches anything (default on; off,
+    0, false, no turn it off). Another value is an `EnvError` naming it."""
+    env = os.environ if env is None else env
+    raw = env.get("HICACHE_SGLANG", "").strip().lower()
+    if raw in ("", "on", "1", "true", "yes"):
+        return True
+    if raw in ("off", "0", "false", "no"):
+        return False
+    raise EnvError(f"environment variable HICACHE_SGLANG={env.get('HICACHE_SGLANG')!r} must be on or off")
 
 
 @attrs.frozen

@@ -1,0 +1,91 @@
+"""The `sglang.srt.plugins` entry point named ``hicache``: hicache's bring-up inside SGLang.
+
+SGLang 0.5.23 loads every entry point of the group in every process (`load_plugins()`) and
+patches what they register through `HookRegistry` (a REPLACE hook reaches every ``from X
+import name`` too). Every one of its host-pool classes allocates through
+`pool_host.common.alloc_with_host_register` and releases through `_cuda_host_unregister`, so
+replacing those three functions with hicache's (`hicache.compat.sglang`, SGLang's exact
+signatures) puts hicache's planned, all-or-nothing registration under all of them. Outside
+the SGLang versions it was tested with nothing is patched (one warning); HICACHE_SGLANG=off
+turns it off. Reads the environment through hicache.effects only.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+logger = logging.getLogger(__name__)
+
+#: The SGLang releases this plug-in was tested with: [low, high).
+TESTED_RANGE = ((0, 5, 23), (0, 5, 24))
+_COMMON = "sglang.srt.mem_cache.pool_host.common"
+#: What the plug-in replaces: SGLang's dotted name -> hicache.compat.sglang's function.
+TARGETS = {
+    f"{_COMMON}.alloc_with_host_register": "alloc_with_host_register",
+    f"{_COMMON}._cuda_host_register": "_cuda_host_register",
+    f"{_COMMON}._cuda_host_unregister": "_cuda_host_unregister",
+}
+
+
+def _version_tuple(text: str) -> tuple[int, ...] | None:
+    match = re.match(r"^(\d+)\.(\d+)\.(\d+)", text or "")
+    return tuple(int(part) for part in match.groups()) if match else None
+
+
+def sglang_version() -> str | None:
+    """The installed SGLang's version (None when it is not installed)."""
+    from hicache.effects import package_version
+
+    return package_version("sglang")
+
+
+def supported(version: str | None) -> bool:
+    """True for an SGLang version inside `TESTED_RANGE`."""
+    parsed = _version_tuple(version)
+    low, high = TESTED_RANGE
+    return parsed is not None and low <= parsed < high
+
+
+def _forget_resolved_alloc_funcs() -> None:
+    """SGLang's pools pick their allocation function from `ALLOC_MEMORY_FUNCS`, a defaultdict
+    whose factory returns the module's `alloc_with_host_register` - and stores it on first use
+    ("cuda" included). An entry stored before the hooks apply would keep SGLang's own function
+    past the patch, so entries holding it are dropped: the factory then finds the patched one."""
+    import importlib
+
+    common = importlib.import_module(_COMMON)
+    table = getattr(common, "ALLOC_MEMORY_FUNCS", None)
+    original = getattr(common, "alloc_with_host_register", None)
+    if table is None or original is None:
+        return
+    for key, func in list(table.items()):
+        if func is original:
+            del table[key]
+
+
+def load() -> list[str]:
+    """The entry point SGLang calls: register the REPLACE hooks (applied by SGLang's
+    `HookRegistry.apply_hooks()` right after). Returns the targets registered ([] when off or
+    outside the tested range)."""
+    from hicache.effects import sglang_plugin_enabled
+
+    if not sglang_plugin_enabled():
+        logger.info("hicache: HICACHE_SGLANG=off; SGLang's own host-memory registration stays")
+        return []
+    version = sglang_version()
+    if not supported(version):
+        low, high = (".".join(map(str, v)) for v in TESTED_RANGE)
+        logger.warning("hicache: SGLang %s is outside the range this plug-in was tested with (>=%s, <%s); "
+                       "nothing is patched", version, low, high)
+        return []
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from hicache.compat import sglang as ours
+
+    for target, name in TARGETS.items():
+        HookRegistry.register(target, getattr(ours, name), HookType.REPLACE)
+    _forget_resolved_alloc_funcs()
+    logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s", version,
+                ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
+    return list(TARGETS)

@@ -1,0 +1,186 @@
+"""The `hicache` entry point in `sglang.srt.plugins`, judged by SGLang 0.5.23's own code: its
+`load_plugins()` discovers the installed entry point and its `HookRegistry` patches the host
+pools' bring-up seam; SGLang's real host pools then come up through hicache (under
+`hicache.testing.fake_cuda`), SGLang's own `destroy()` leaves nothing registered, a failed
+register leaves nothing behind; outside the tested versions, with HICACHE_SGLANG=off or an
+SGLANG_PLUGINS list without it, SGLang's functions stay in place.
+
+Needs SGLang's real code (`make sglang`); skips naming that target where it is absent, and
+fails instead where HICACHE_REQUIRE_SGLANG=1 (CI)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+from hicache.testing import fake_cuda, sglang_on_cpu
+
+torch = pytest.importorskip("torch")
+
+
+def _sglang():
+    from hicache.effects import package_version
+
+    if package_version("sglang") is None:
+        if os.environ.get("HICACHE_REQUIRE_SGLANG") == "1":
+            pytest.fail("SGLang's real code is required here (HICACHE_REQUIRE_SGLANG=1): run `make sglang`")
+        pytest.skip("SGLang 0.5.23 is not installed: `make sglang` installs its real code for these tests")
+    sglang_on_cpu()
+    with warnings.catch_warnings():  # SGLang's imports warn about their own dependencies
+        warnings.simplefilter("ignore")
+        import sglang.srt.mem_cache.memory_pool  # noqa: F401
+        import sglang.srt.mem_cache.pool_host.base  # noqa: F401
+        import sglang.srt.mem_cache.pool_host.common as common
+        import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
+        import sglang.srt.plugins  # noqa: F401
+
+    return common
+
+
+COMMON = "sglang.srt.mem_cache.pool_host.common"
+NAMES = ("alloc_with_host_register", "_cuda_host_register", "_cuda_host_unregister")
+_ORIGINALS: dict = {}
+
+
+def _restore(common) -> None:
+    """Put SGLang's own functions back everywhere the registry's propagation put ours."""
+    from sglang.srt.plugins import hook_registry
+
+    import sglang.srt.plugins as plugins
+
+    if not _ORIGINALS:
+        _ORIGINALS.update({name: getattr(common, name) for name in NAMES})
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]:
+        for name, original in _ORIGINALS.items():
+            current = getattr(module, name, None)
+            if current is not None and current is not original and getattr(current, "__wrapped__", None) is not None:
+                setattr(module, name, original)
+    for key, func in list(common.ALLOC_MEMORY_FUNCS.items()):
+        if func is not _ORIGINALS["alloc_with_host_register"] and getattr(func, "__wrapped__", None) is not None:
+            del common.ALLOC_MEMORY_FUNCS[key]  # a resolved entry of the patched function
+    hook_registry.HookRegistry.reset()
+    plugins._plugins_loaded = False
+
+
+@pytest.fixture
+def sglang(monkeypatch):
+    """SGLang's modules with no plug-in applied, before and after the test."""
+    common = _sglang()
+    import sglang.srt.mem_cache.pool_host.base as base
+
+    _restore(common)
+    for name in ("HICACHE_SGLANG", "SGLANG_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    # SGLang's destroy() unregisters only where it thinks CUDA is (`base._is_cuda`): this CPU box
+    # stands in for a CUDA node, as fake_cuda stands in for its driver
+    monkeypatch.setattr(base, "_is_cuda", True)
+    yield common
+    _restore(common)
+
+
+def _plugged(common) -> bool:
+    return all(getattr(common, name) is not _ORIGINALS[name] for name in NAMES)
+
+
+def test_load_plugins_discovers_the_entry_point_and_replaces_the_seam(sglang):
+    """SGLang's own loader finds `hicache` in group sglang.srt.plugins (declared in
+    pyproject.toml) and its registry patches the three functions, also where SGLang's modules
+    imported them by name - and where SGLang's pools look the allocation function up
+    (`ALLOC_MEMORY_FUNCS`, whose "cuda" entry a pool built earlier may have resolved)."""
+    from importlib.metadata import entry_points
+
+    import sglang.srt.mem_cache.pool_host.base as base
+    import sglang.srt.plugins as plugins
+
+    assert sglang.ALLOC_MEMORY_FUNCS["cuda"] is _ORIGINALS["alloc_with_host_register"]  # resolved before
+    (point,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "hicache"]
+    assert point.value == "hicache.compat.sglang_plugin:load"
+    plugins.load_plugins()
+    assert _plugged(sglang)
+    assert base._cuda_host_unregister is sglang._cuda_host_unregister
+    assert sglang.ALLOC_MEMORY_FUNCS["cuda"] is sglang.alloc_with_host_register
+    assert sglang.ALLOC_MEMORY_FUNCS["npu"] is not sglang.alloc_with_host_register  # framework-pinned
+
+
+@pytest.mark.parametrize("setting", ["HICACHE_SGLANG=off", "SGLANG_PLUGINS=other", "version 0.5.22"])
+def test_when_told_not_to_sglangs_own_functions_stay(sglang, monkeypatch, caplog, setting):
+    import sglang.srt.plugins as plugins
+
+    from hicache.compat import sglang_plugin
+
+    if setting == "version 0.5.22":
+        monkeypatch.setattr(sglang_plugin, "sglang_version", lambda: "0.5.22")
+    else:
+        name, value = setting.split("=")
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("INFO"):
+        plugins.load_plugins()
+    assert not any(getattr(sglang, name) is not _ORIGINALS[name] for name in NAMES)
+    if setting == "version 0.5.22":
+        assert "outside the range this plug-in was tested with" in caplog.text
+
+
+def _device_pool(layers: int = 3):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64,
+                            layer_num=layers, device="cpu", enable_memory_saver=False)
+
+
+def _host_pool(device_pool, layout: str):
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    with host_memory_budget_scope(10**12):  # SGLang's own way to give its check a budget
+        return MHATokenToKVPoolHost(info, 2.0, 0, 16, layout, True, "cpu", device_capacity_tokens=256,
+                                    start_layer=0, end_layer=device_pool.layer_num)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_sglangs_own_mha_pool_comes_up_through_hicache_and_goes_down_clean(sglang, layout):
+    """SGLang's real MHATokenToKVPoolHost with the plug-in loaded: every register call is
+    hicache's (the fake sees them), the ranges attribute SGLang's teardown reads is exactly what
+    is registered, each boundary on SGLang's page granularity, and SGLang's destroy() leaves
+    nothing registered."""
+    import sglang.srt.plugins as plugins
+
+    plugins.load_plugins()
+    device = _device_pool()
+    with fake_cuda() as fake:
+        host = _host_pool(device, layout)
+        buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
+        recorded = {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges}
+        assert recorded and recorded == fake.held()
+        registered = [entry for entry in fake.cudart.log if entry[0] == "register"]
+        assert len(registered) == len(recorded)
+        if layout != "layer_first":
+            page_bytes = host.page_size * host.layout_dim
+            for b in buffers:
+                for ptr, size in b._sglang_cuda_host_registered_ranges:
+                    assert (ptr - b.data_ptr()) % page_bytes == 0
+        host.destroy()
+        assert fake.held() == set()
+        fake.check_valid()
+
+
+def test_without_the_plug_in_the_same_pool_would_call_the_real_cuda(sglang):
+    """Not vacuous: SGLang's own function reaches for torch's CUDA, which a CPU torch lacks."""
+    device = _device_pool()
+    with fake_cuda(), pytest.raises((AssertionError, RuntimeError)):
+        _host_pool(device, "page_first_direct")
+
+
+def test_a_failed_register_leaves_nothing_registered_and_raises_runtime_error(sglang):
+    """What SGLang's constructor sees when the driver refuses: a RuntimeError, as its own
+    helper raises, with nothing left registered."""
+    import sglang.srt.plugins as plugins
+
+    plugins.load_plugins()
+    device = _device_pool()
+    with fake_cuda(fail_register={0: 2}) as fake, pytest.raises(RuntimeError):
+        _host_pool(device, "page_first_direct")
+    assert fake.held() == set()
