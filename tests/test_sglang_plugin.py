@@ -184,3 +184,31 @@ def test_a_failed_register_leaves_nothing_registered_and_raises_runtime_error(sg
     with fake_cuda(fail_register={0: 2}) as fake, pytest.raises(RuntimeError):
         _host_pool(device, "page_first_direct")
     assert fake.held() == set()
+
+
+@pytest.mark.parametrize(
+    "version, points, env, status, says",
+    [
+        (None, (), {}, "pass", "SGLang is not installed"),
+        ("0.5.23", ("hicache",), {}, "pass", "replaces alloc_with_host_register, _cuda_host_register, _cuda_host_unregister"),
+        ("0.5.23", (), {}, "fail", "entry point is not in group sglang.srt.plugins"),
+        ("0.5.23", ("hicache", "other"), {"SGLANG_PLUGINS": "other"}, "warn", "leaves hicache out"),
+        ("0.5.23", ("hicache",), {"SGLANG_PLUGINS": "other, hicache"}, "pass", "loads in every SGLang process"),
+        ("0.5.23", ("hicache",), {"HICACHE_SGLANG": "off"}, "warn", "HICACHE_SGLANG=off"),
+        ("0.5.23", ("hicache",), {"HICACHE_SGLANG": "maybe"}, "fail", "HICACHE_SGLANG='maybe' must be on or off"),
+        ("0.6.0", ("hicache",), {}, "warn", "outside the tested range (>=0.5.23, <0.5.24)"),
+    ],
+)
+def test_doctor_says_whether_the_plug_in_will_load(monkeypatch, version, points, env, status, says):
+    """`hicache doctor`'s sglang rule: installed or not (version), entry point discoverable,
+    admitted by SGLANG_PLUGINS, turned off, inside the tested range - and what it replaces.
+    Machine-independent: version and entry points are injected."""
+    from hicache.cli._doctor import Context, _sglang
+    from hicache.compat import sglang_plugin
+
+    monkeypatch.setattr(sglang_plugin, "sglang_version", lambda: version)
+    monkeypatch.setattr(sglang_plugin, "entry_point_names", lambda: points)
+    context = Context(plan=None, facts=None, resolved=None, env=env, cuda_binding=None, total=0, calls=0,
+                      largest=0, ranks=1, limits=None)
+    check = _sglang(context)
+    assert (check.status, check.name) == (status, "sglang") and says in check.finding + check.hint, check

@@ -19,7 +19,7 @@ DESCRIPTION = (
     "Check this machine against a saved plan (or in general): kernel pin cap, the caps this "
     "machine plans with and where each comes from, hugepages, what host pools will do "
     "(HICACHE_PROGRESSIVE, HICACHE_HUGEPAGES), memlock, mappings, memory budget, "
-    "NUMA, the host copy path and CUDA. Exit 1 when a check fails. "
+    "NUMA, the host copy path, CUDA and the SGLang plug-in. Exit 1 when a check fails. "
     "Example: hicache doctor --plan plan.json"
 )
 
@@ -265,9 +265,40 @@ def _cuda(c: Context) -> Check:
     return Check("cuda", "fail", f"CUDA unavailable: {cuda.error}", "install the NVIDIA driver or run on a GPU node")
 
 
+def _sglang(c: Context) -> Check:
+    """Whether SGLang is installed, and whether hicache's plug-in will load in its processes."""
+    from hicache.compat import sglang_plugin
+    from hicache.effects import sglang_plugin_enabled
+    from hicache.errors import EnvError
+
+    replaces = ", ".join(target.rsplit(".", 1)[1] for target in sglang_plugin.TARGETS)
+    try:
+        enabled = sglang_plugin_enabled(c.env)
+    except EnvError as error:
+        return Check("sglang", "fail", str(error), "HICACHE_SGLANG=on or off")
+    version = sglang_plugin.sglang_version()
+    if version is None:
+        return Check("sglang", "pass", "SGLang is not installed: the plug-in has nothing to load into")
+    low, high = (".".join(map(str, v)) for v in sglang_plugin.TESTED_RANGE)
+    if "hicache" not in sglang_plugin.entry_point_names():
+        return Check("sglang", "fail", f"SGLang {version}: hicache's entry point is not in group sglang.srt.plugins",
+                     'reinstall hicache in this environment: pip install "hicache[cuda]"')
+    if not sglang_plugin.admitted(c.env):
+        return Check("sglang", "warn", f"SGLang {version}: SGLANG_PLUGINS={c.env.get('SGLANG_PLUGINS')!r} leaves "
+                     "hicache out: SGLang's own registration stays", "add hicache to SGLANG_PLUGINS")
+    if not enabled:
+        return Check("sglang", "warn", f"SGLang {version}: HICACHE_SGLANG=off: SGLang's own registration stays",
+                     "unset HICACHE_SGLANG to let hicache register host pools")
+    if not sglang_plugin.supported(version):
+        return Check("sglang", "warn", f"SGLang {version} is outside the tested range (>={low}, <{high}): the plug-in "
+                     "patches nothing", f"run SGLang {low}, or hicache's drop-in helpers (docs/sglang.md)")
+    return Check("sglang", "pass", f"SGLang {version}: the hicache plug-in loads in every SGLang process and "
+                 f"replaces {replaces}")
+
+
 #: The rules, in the order they print.
 RULES = (_versions, _kernel, _limits, _thp, _hugepages, _pools, _memlock, _max_map_count, _memory, _numa, _host_copy,
-         _cuda, _binding, _gpus)
+         _cuda, _binding, _gpus, _sglang)
 
 
 def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, facts=None) -> list[Check]:

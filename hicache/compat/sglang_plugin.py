@@ -64,6 +64,21 @@ def _forget_resolved_alloc_funcs() -> None:
             del table[key]
 
 
+def entry_point_names() -> tuple[str, ...]:
+    """The names of the entry points installed in group ``sglang.srt.plugins`` (what SGLang's
+    `load_plugins()` discovers)."""
+    from importlib.metadata import entry_points
+
+    return tuple(sorted(point.name for point in entry_points(group="sglang.srt.plugins")))
+
+
+def admitted(env) -> bool:
+    """Whether ``SGLANG_PLUGINS`` (SGLang's comma-separated list; unset or empty: all) admits
+    the ``hicache`` entry point."""
+    raw = (env.get("SGLANG_PLUGINS") or "").strip()
+    return not raw or "hicache" in {name.strip() for name in raw.split(",") if name.strip()}
+
+
 def load() -> list[str]:
     """The entry point SGLang calls: register the REPLACE hooks (applied by SGLang's
     `HookRegistry.apply_hooks()` right after). Returns the targets registered ([] when off or
