@@ -444,3 +444,36 @@ def test_a_small_span_is_shared_by_every_pre_fault_thread(monkeypatch):
     first = sorted(n for addr, n, _ in calls if addr - buffer.ptr < 16 * 2**20)
     buffer.free()
     assert first == [4 * 2**20] * 4
+
+
+def test_a_forked_child_neither_inherits_nor_touches_the_pool_memory():
+    """Host pool memory is mapped MADV_DONTFORK: a forked child (SGLang starts workers) has no
+    mapping there - it cannot copy-on-write the parent's pinned pages - and the parent's bytes
+    are what the parent wrote, before and after the child ran."""
+    import os
+
+    buffer = allocate_host(8 * 2**20)
+    try:
+        buffer.tensor[::4096] = 7
+        start, end = buffer.ptr, buffer.ptr + buffer.mapped_bytes
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: is any of the parent's mapping there?
+            try:
+                os.close(read)
+                inherited = False
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                        inherited |= lo < end and start < hi
+                os.write(write, b"inherited" if inherited else b"absent")
+            finally:
+                os._exit(0)
+        os.close(write)
+        seen = os.read(read, 64)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert seen == b"absent"
+        assert int(buffer.tensor[::4096].eq(7).all()) == 1
+    finally:
+        buffer.free()

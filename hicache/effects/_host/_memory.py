@@ -226,6 +226,13 @@ def allocate_host(
             mapping.madvise(advice)
         except OSError:
             notes.append("madvise(THP) refused; the system default applies")
+    try:
+        # A forked child (SGLang starts workers) must not inherit pinned pages: a copy-on-write
+        # fault there would move the parent's page under CUDA's pin (SGLang's own mmap
+        # allocator notes registered memory needs this too).
+        mapping.madvise(mmap.MADV_DONTFORK)
+    except (OSError, AttributeError):
+        notes.append("madvise(MADV_DONTFORK) refused: a forked child shares these pages copy-on-write")
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
     if numa_node is not None:
 
