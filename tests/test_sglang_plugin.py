@@ -51,8 +51,11 @@ def _restore(common) -> None:
 
     import sglang.srt.plugins as plugins
 
+    import sglang.srt.mem_cache.pool_host.base as base
+
     if not _ORIGINALS:
         _ORIGINALS.update({name: getattr(common, name) for name in NAMES})
+        _ORIGINALS["host_memory_budget_bytes"] = base.host_memory_budget_bytes
     for module in [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]:
         for name, original in _ORIGINALS.items():
             current = getattr(module, name, None)
@@ -167,6 +170,39 @@ def test_sglangs_own_mha_pool_comes_up_through_hicache_and_goes_down_clean(sglan
         fake.check_valid()
 
 
+def test_sglangs_default_allocator_gives_way_to_hicaches_and_a_back_ends_is_kept(sglang, monkeypatch):
+    """SGLang's default HostTensorAllocator (MAP_POPULATE: one thread faults it all inside
+    mmap) is replaced for the bring-up by hicache's (parallel pre-fault pipelined with the
+    registration); any other allocator (a storage back end's) allocates its own memory."""
+    from hicache.compat import sglang as compat
+    from hicache.effects import HostTensorAllocator
+
+    made = []
+    real = HostTensorAllocator.allocate_unfaulted
+    monkeypatch.setattr(HostTensorAllocator, "allocate_unfaulted",
+                        lambda self, dims, dtype: made.append(dims) or real(self, dims, dtype))
+
+    class BackEnd:  # a storage back end's allocator: its memory, hicache registers it
+        def __init__(self):
+            self.calls = 0
+
+        def allocate(self, dims, dtype, device="cpu"):
+            self.calls += 1
+            return torch.zeros(dims, dtype=dtype)
+
+    with fake_cuda() as fake:
+        ours = compat.alloc_with_host_register((64, 4096), torch.uint8, "cpu", True, sglang.HostTensorAllocator(),
+                                               registration_granularity_bytes=4096)
+        assert made == [(64, 4096)] and fake.held() == {tuple(r) for r in ours._sglang_cuda_host_registered_ranges}
+        compat._cuda_host_unregister(ours)
+        back_end = BackEnd()
+        theirs = compat.alloc_with_host_register((16, 4096), torch.uint8, "cpu", True, back_end,
+                                                 registration_granularity_bytes=4096)
+        assert back_end.calls == 1 and made == [(64, 4096)] and fake.held()
+        compat._cuda_host_unregister(theirs)
+        assert fake.held() == set()
+
+
 def test_without_the_plug_in_the_same_pool_would_call_the_real_cuda(sglang):
     """Not vacuous: SGLang's own function reaches for torch's CUDA, which a CPU torch lacks."""
     device = _device_pool()
@@ -212,3 +248,84 @@ def test_doctor_says_whether_the_plug_in_will_load(monkeypatch, version, points,
                       largest=0, ranks=1, limits=None)
     check = _sglang(context)
     assert (check.status, check.name) == (status, "sglang") and says in check.finding + check.hint, check
+
+
+_RANK = r"""
+import json, os, sys, time, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")
+from hicache.testing import fake_cuda, sglang_on_cpu
+sglang_on_cpu()
+import torch
+import sglang.srt.mem_cache.pool_host.base as base
+import sglang.srt.plugins as plugins
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from hicache.effects import HostTensorAllocator
+
+shared, room, ranks = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+if sys.argv[4] == "plugin":
+    plugins.load_plugins()
+mine = shared / f"mapped-{os.getpid()}"
+mine.write_text("0")
+real = HostTensorAllocator.allocate_unfaulted
+
+def allocate_unfaulted(self, dims, dtype):  # the machine's memory is used from the mapping on
+    tensor, buffer = real(self, dims, dtype)
+    mine.write_text(str(int(mine.read_text()) + buffer.mapped_bytes))
+    return tensor, buffer
+
+HostTensorAllocator.allocate_unfaulted = allocate_unfaulted
+
+def available(allow_cgroup_fallback=True):  # a host with room for one pool beyond SGLang's reserve
+    used = sum(int(p.read_text() or 0) for p in shared.glob("mapped-*"))
+    time.sleep(0.3)  # sampling takes a while: ranks starting together all sample before any maps
+    return base.HICACHE_HOST_MEMORY_RESERVE_BYTES + room - used
+
+base.available_host_memory_bytes = available
+device = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=4,
+                          device="cpu", enable_memory_saver=False)
+info = device.get_device_pool_infos()[0].buffer_info
+(shared / f"ready-{os.getpid()}").touch()
+deadline = time.monotonic() + 240
+while len(list(shared.glob("ready-*"))) < ranks and time.monotonic() < deadline:  # start together
+    time.sleep(0.01)
+result = {}
+with fake_cuda() as fake:
+    try:
+        host = MHATokenToKVPoolHost(info, 2.0, 0, 16, "page_first_direct", True, "cpu", device_capacity_tokens=256,
+                                    start_layer=0, end_layer=4, host_token_capacity=int(sys.argv[5]))
+        result["admitted"] = len(fake.held())
+    except ValueError as error:
+        result["refused"] = str(error)
+print(json.dumps(result))
+"""
+
+
+def test_ranks_starting_together_against_room_for_one_admit_exactly_one(tmp_path):
+    """Four processes build SGLang's real pool with the plug-in at the same moment on a host
+    with room for one (its free memory drops as soon as a pool is mapped): SGLang's own check,
+    run under hicache's budget lock until the admitted pool is resident, admits exactly one;
+    the others fail with SGLang's own "Not enough host memory" error."""
+    import json
+    import subprocess
+
+    _sglang()
+    ranks, tokens = 4, 4096  # 4096 tokens x 4 layers x 2 x 2 heads x 64 x 2 bytes = 8 MiB
+    pool_bytes = (tokens // 16 + 1) * 16 * 4 * 2 * 2 * 64 * 2
+    shared = tmp_path / "host"
+    shared.mkdir()
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime)}
+    args = [str(shared), str(pool_bytes * 3 // 2), str(ranks), "plugin", str(tokens)]
+    children = [subprocess.Popen([sys.executable, "-c", _RANK, *args], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(ranks)]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    admitted = [r for r in results if "admitted" in r]
+    assert len(admitted) == 1, results
+    assert all("Not enough host memory available" in r["refused"] for r in results if "refused" in r), results

@@ -24,6 +24,7 @@ from hicache.effects import (
     apply_plan,
     bring_up,
     quarantine,
+    resolve_numa_node,
     sglang_register_chunk_bytes,
     torch_runtime,
     unregister_ranges,
@@ -179,33 +180,60 @@ def _cuda_host_unregister(buffer) -> None:
         quarantine(buffer)
 
 
+def _bring_up_allocator(allocator, device):
+    """The allocator a host buffer comes up with. SGLang's default `HostTensorAllocator`
+    (``storage/mmap.alloc_mmap``: MAP_POPULATE, so one thread faults the whole buffer inside
+    mmap before registration can start) gives way to hicache's: mapped unfaulted, pre-faulted
+    in parallel and pipelined with registration, bound to the GPU's NUMA node, MADV_DONTFORK.
+    A storage back end's allocator (mooncake, shm, mori, umbp, ...) is kept: its memory is its
+    own, hicache plans and registers it."""
+    cls = type(allocator)
+    if str(device) != "cpu" or cls.__name__ != "HostTensorAllocator" or not cls.__module__.startswith("sglang."):
+        return allocator
+    try:
+        node, _ = resolve_numa_node("auto")
+    except Exception:  # placement is an optimisation: a probe that fails places nothing
+        node = None
+    return HostTensorAllocator(numa_node=node)
+
+
 def alloc_with_host_register(
     dims, dtype, device, pin_memory, allocator, registration_granularity_bytes: int | None = None
 ):
     """Allocate with ``allocator`` and, when ``pin_memory``, register in copy-unit chunks.
 
-    Through hicache's one bring-up (`hicache.effects.bring_up`) without a budget check
-    (SGLang's pool budgets before it calls this): the plan is made for the real base address
+    Through hicache's one bring-up (`hicache.effects.bring_up`) without a budget check of its
+    own (SGLang's pool budgets before it calls this; with the plug-in that check holds the
+    host-wide budget lock until this returns, see `hicache.compat.sglang_budget`): the plan is made for the real base address
     (a ``torch.empty`` base is often only 64-byte aligned; boundaries then follow the copy
     unit). Errors as `_cuda_host_register`; on failure nothing stays registered, or what does
     is quarantined with its memory.
     """
-    if not pin_memory:
-        return allocator.allocate(dims, dtype=dtype, device=device)
     import torch
+
+    from hicache.compat import sglang_budget
 
     dims = tuple(int(d) for d in dims)
     total = torch.empty((), dtype=dtype).element_size()
     for d in dims:
         total *= d
-    plan = _chunk_plan(total, registration_granularity_bytes, 4096)
+    if not pin_memory:
+        try:
+            return allocator.allocate(dims, dtype=dtype, device=device)
+        finally:
+            sglang_budget.resident(total)
     try:
+        plan = _chunk_plan(total, registration_granularity_bytes, 4096)
         handle = bring_up(
             [BufferRequest("host buffer", dims, dtype, plan)], runtime=torch_runtime(_cudart),
-            allocator=allocator, budget=False, owns_memory=False, device=device,
+            allocator=_bring_up_allocator(allocator, device), budget=False, owns_memory=False, device=device,
         )
-    except (ApplyError, HostAlreadyRegisteredError) as error:
-        _raise_for_apply(error)
+    except BaseException as error:
+        sglang_budget.abandon()  # an admitted request that failed lets the budget lock go now
+        if isinstance(error, (ApplyError, HostAlreadyRegisteredError)):
+            _raise_for_apply(error)
+        raise
+    sglang_budget.resident(total)  # resident and registered: the next rank may sample now
     buffer = handle.tensors[0]
     registration = handle.detach()  # the tensor's owner releases it (_cuda_host_unregister)
     if registration is None:  # a zero-byte buffer has nothing to register

@@ -5,7 +5,9 @@ patches what they register through `HookRegistry` (a REPLACE hook reaches every 
 import name`` too). Every one of its host-pool classes allocates through
 `pool_host.common.alloc_with_host_register` and releases through `_cuda_host_unregister`, so
 replacing those three functions with hicache's (`hicache.compat.sglang`, SGLang's exact
-signatures) puts hicache's planned, all-or-nothing registration under all of them. Outside
+signatures) puts hicache's planned, all-or-nothing registration under all of them, and its
+admission check (`host_memory_budget_bytes`) runs under hicache's host-wide budget lock, held
+until the admitted memory is resident (`hicache.compat.sglang_budget`). Outside
 the SGLang versions it was tested with nothing is patched (one warning); HICACHE_SGLANG=off
 turns it off. Reads the environment through hicache.effects only.
 """
@@ -26,6 +28,11 @@ TARGETS = {
     f"{_COMMON}._cuda_host_register": "_cuda_host_register",
     f"{_COMMON}._cuda_host_unregister": "_cuda_host_unregister",
 }
+
+
+#: SGLang's admission check, wrapped (AROUND) so ranks sample it one after another, each once
+#: the previous one's memory is resident (`hicache.compat.sglang_budget`).
+BUDGET_TARGET = "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes"
 
 
 def _version_tuple(text: str) -> tuple[int, ...] | None:
@@ -101,6 +108,9 @@ def load() -> list[str]:
     for target, name in TARGETS.items():
         HookRegistry.register(target, getattr(ours, name), HookType.REPLACE)
     _forget_resolved_alloc_funcs()
-    logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s", version,
-                ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
-    return list(TARGETS)
+    from hicache.compat import sglang_budget
+
+    HookRegistry.register(BUDGET_TARGET, sglang_budget.host_memory_budget_bytes, HookType.AROUND)
+    logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s; its admission check "
+                "runs under the host-wide budget lock", version, ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
+    return [*TARGETS, BUDGET_TARGET]

@@ -1,0 +1,94 @@
+"""SGLang 0.5.23's own host pool construction, with hicache's plug-in loaded and without (#24).
+
+Both are SGLang's real `MHATokenToKVPoolHost(..., pin_memory=True)` (page_first_direct, 32
+layers x 8 heads x 128 dims, bf16) on CPU, its budget given by its own
+`host_memory_budget_scope`, timed from the constructor's call to its return (the pool is
+usable then), its `destroy()` untimed. With the plug-in its three seam functions are
+hicache's (loaded by SGLang's own `load_plugins()`); without, they are SGLang's own, whose
+`torch.cuda.cudart()` is a `hicache.testing.FakeCudart` here. Two drivers: one that registers
+instantly and one at 10 GB/s. Sizes: HICACHE_BENCH_SGLANG_GIB (default "2,4,8"); medians of
+HICACHE_BENCH_ROUNDS (3) interleaved rounds. Needs `make sglang`; says so and exits 0 without.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _timing import interleaved, median_line  # noqa: E402
+
+from hicache.effects import package_version  # noqa: E402
+from hicache.testing import FakeCudart, fake_cuda, sglang_on_cpu  # noqa: E402
+
+GiB = 2**30
+SEAM = ("alloc_with_host_register", "_cuda_host_register", "_cuda_host_unregister")
+
+
+def main() -> int:
+    if package_version("sglang") is None:
+        print("bench_sglang: SGLang is not installed (make sglang); skipped")
+        return 0
+    sglang_on_cpu()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        import sglang.srt.mem_cache.pool_host.base as base
+        import sglang.srt.mem_cache.pool_host.common as common
+        import sglang.srt.plugins as plugins
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    own = {name: getattr(common, name) for name in SEAM}
+    plugins.load_plugins()  # SGLang's loader finds hicache's entry point and patches the seam
+    ours = {name: getattr(common, name) for name in SEAM}
+    assert all(ours[name] is not own[name] for name in SEAM), "the hicache plug-in did not load"
+    base._is_cuda = True  # SGLang's destroy() unregisters only where it believes CUDA is
+
+    def use(functions) -> None:
+        for name, function in functions.items():
+            setattr(common, name, function)
+        base._cuda_host_unregister = functions["_cuda_host_unregister"]
+        common.ALLOC_MEMORY_FUNCS.pop("cpu", None)  # resolved again from the module's name
+
+    device = MHATokenToKVPool(size=4096, page_size=64, dtype=torch.bfloat16, head_num=8, head_dim=128,
+                              layer_num=32, device="cpu", enable_memory_saver=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    per_token = 32 * 2 * 8 * 128 * 2
+
+    def build(size: int, rate, plugged: bool):
+        def run():
+            use(ours if plugged else own)
+            fake = FakeCudart(register_bytes_per_s=rate)
+            torch.cuda.cudart = lambda: fake  # SGLang's own helper asks torch for the driver
+            with fake_cuda(register_bytes_per_s=rate), host_memory_budget_scope(10**13):
+                host = MHATokenToKVPoolHost(info, 2.0, 0, 64, "page_first_direct", True, "cpu",
+                                            device_capacity_tokens=4096, start_layer=0, end_layer=32,
+                                            host_token_capacity=size // per_token)
+
+            def teardown():
+                with fake_cuda():
+                    host.destroy()
+
+            return teardown
+
+        return run
+
+    rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "3"))
+    sizes = [int(s) for s in os.environ.get("HICACHE_BENCH_SGLANG_GIB", "2,4,8").split(",")]
+    for rate, driver in ((None, "instant fake driver"), (10e9, "fake driver at 10 GB/s")):
+        for gib in sizes:
+            times = interleaved({"plugin": build(gib * GiB, rate, True), "sglang": build(gib * GiB, rate, False)},
+                                rounds=rounds, warmup=1)
+            print(median_line(f"SGLang's MHA host pool, {gib} GiB, {driver}, with the hicache plug-in",
+                              times["plugin"], "SGLang's own registration", times["sglang"]), flush=True)
+    use(own)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""SGLang's host-memory admission check under hicache's host-wide budget lock (sglang #38156).
+
+SGLang 0.5.23 asks `pool_host.base.host_memory_budget_bytes(requested)` and then allocates;
+ranks (and independent servers) that start together each sample free memory before any of
+them allocated, and all are admitted. Wrapped by the plug-in (an AROUND hook), the check takes
+hicache's host-wide budget lock first and - when it admits the request - keeps holding it until
+this thread's buffers of that request are resident and registered (`hicache.compat.sglang`'s
+``alloc_with_host_register`` calls `resident`), the way hicache's own bring-up holds it: the next
+rank samples only once this rank's memory is really used, and SGLang's own arithmetic (its
+reserve, its ranks-per-host split) decides. A refused request lets the lock go at once; a hold
+nobody finishes (a pool that fails between its check and its allocation) ends after
+`HOLD_LIMIT_S`. Imports hicache.effects only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger(__name__)
+
+#: The longest an admitted request keeps the lock waiting for its buffers (seconds): a pool
+#: whose constructor fails between the check and the allocation must not stall the host.
+HOLD_LIMIT_S = 600.0
+
+_HELD = threading.local()  # .lock, .remaining (bytes still to come up), .timer
+
+
+def _release(reason: str) -> None:
+    lock, timer = getattr(_HELD, "lock", None), getattr(_HELD, "timer", None)
+    _HELD.lock = _HELD.timer = None
+    _HELD.remaining = 0
+    if timer is not None:
+        timer.cancel()
+    if lock is not None:
+        lock.release_all()
+        logger.debug("hicache: budget lock released (%s)", reason)
+
+
+def _expire(lock) -> None:
+    logger.warning("hicache: an admitted host pool did not come up within %.0f s; releasing the budget lock",
+                   HOLD_LIMIT_S)
+    lock.release_all()
+
+
+def host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
+    """SGLang's own answer, sampled under the host-wide budget lock; an admitted request keeps
+    the lock until its memory is resident (see the module charter)."""
+    if getattr(_HELD, "sampling", False):  # wrapped twice: the outer call holds the lock already
+        return original(requested_bytes, auto_size=auto_size)
+    _HELD.sampling = True
+    try:
+        return _sample(original, requested_bytes, auto_size)
+    finally:
+        _HELD.sampling = False
+
+
+def _sample(original, requested_bytes: int, auto_size: bool) -> int:
+    from hicache.effects import budget_lock
+
+    lock = getattr(_HELD, "lock", None)
+    if lock is None:  # a thread already holding (pool after pool in one constructor) samples on
+        lock = budget_lock()
+        lock.__enter__()
+    try:
+        allowance = original(requested_bytes, auto_size=auto_size)
+    except BaseException:
+        if getattr(_HELD, "lock", None) is not lock:
+            lock.release_all()
+        raise
+    if requested_bytes and 0 < requested_bytes <= allowance:
+        if getattr(_HELD, "lock", None) is not lock:
+            _HELD.lock, _HELD.remaining = lock, 0
+            _HELD.timer = threading.Timer(HOLD_LIMIT_S, _expire, args=(lock,))
+            _HELD.timer.daemon = True
+            _HELD.timer.start()
+        _HELD.remaining += requested_bytes
+    elif getattr(_HELD, "lock", None) is not lock:
+        lock.release_all()  # refused, or only asked: nothing to wait for
+    return allowance
+
+
+def resident(nbytes: int) -> None:
+    """``nbytes`` of an admitted request are resident (or failed): once all are, the lock goes."""
+    if getattr(_HELD, "lock", None) is None:
+        return
+    _HELD.remaining -= nbytes
+    if _HELD.remaining <= 0:
+        _release("resident")
+
+
+def abandon() -> None:
+    """The request's allocation failed: let the lock go now."""
+    _release("failed")
