@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from hicache.effects import budget_lock
+from hicache.effects._bringup._lock import budget_lock
 from hicache.errors import RegistrationStateError
 
 
 def test_lock_excludes_other_processes(tmp_path):
     """While held here, another process cannot take it (it times out)."""
     code = (
-        "import sys; from pathlib import Path; from hicache.effects import budget_lock\n"
+        "import sys; from pathlib import Path; from hicache.effects._bringup._lock import budget_lock\n"
         "try:\n"
         f"    with budget_lock(directory=Path({str(tmp_path)!r}), timeout_s=0.3): print('got')\n"
         "except Exception as e: print(type(e).__name__)\n"

@@ -204,14 +204,14 @@ def alloc_with_host_register(
 
     Through hicache's one bring-up (`hicache.effects.bring_up`) without a budget check of its
     own (SGLang's pool budgets before it calls this; with the plug-in that check holds the
-    host-wide budget lock until this returns, see `hicache.compat.sglang_budget`): the plan is made for the real base address
+    host-wide budget lock until this returns, see `hicache.effects.admission`): the plan is made for the real base address
     (a ``torch.empty`` base is often only 64-byte aligned; boundaries then follow the copy
     unit). Errors as `_cuda_host_register`; on failure nothing stays registered, or what does
     is quarantined with its memory.
     """
     import torch
 
-    from hicache.compat import sglang_budget
+    from hicache.effects import admission
 
     dims = tuple(int(d) for d in dims)
     total = torch.empty((), dtype=dtype).element_size()
@@ -221,7 +221,7 @@ def alloc_with_host_register(
         try:
             return allocator.allocate(dims, dtype=dtype, device=device)
         finally:
-            sglang_budget.resident(total)
+            admission.resident(total)
     try:
         plan = _chunk_plan(total, registration_granularity_bytes, 4096)
         handle = bring_up(
@@ -229,11 +229,11 @@ def alloc_with_host_register(
             allocator=_bring_up_allocator(allocator, device), budget=False, owns_memory=False, device=device,
         )
     except BaseException as error:
-        sglang_budget.abandon()  # an admitted request that failed lets the budget lock go now
+        admission.abandon()  # an admitted request that failed lets the budget lock go now
         if isinstance(error, (ApplyError, HostAlreadyRegisteredError)):
             _raise_for_apply(error)
         raise
-    sglang_budget.resident(total)  # resident and registered: the next rank may sample now
+    admission.resident(total)  # resident and registered: the next rank may sample now
     buffer = handle.tensors[0]
     registration = handle.detach()  # the tensor's owner releases it (_cuda_host_unregister)
     if registration is None:  # a zero-byte buffer has nothing to register

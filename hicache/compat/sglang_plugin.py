@@ -7,7 +7,7 @@ import name`` too). Every one of its host-pool classes allocates through
 replacing those three functions with hicache's (`hicache.compat.sglang`, SGLang's exact
 signatures) puts hicache's planned, all-or-nothing registration under all of them, and its
 admission check (`host_memory_budget_bytes`) runs under hicache's host-wide budget lock, held
-until the admitted memory is resident (`hicache.compat.sglang_budget`). Outside
+until the admitted memory is resident (`hicache.effects.admission`). Outside
 the SGLang versions it was tested with nothing is patched (one warning); HICACHE_SGLANG=off
 turns it off. Reads the environment through hicache.effects only.
 """
@@ -31,7 +31,7 @@ TARGETS = {
 
 
 #: SGLang's admission check, wrapped (AROUND) so ranks sample it one after another, each once
-#: the previous one's memory is resident (`hicache.compat.sglang_budget`).
+#: the previous one's memory is resident (`hicache.effects.admission`).
 BUDGET_TARGET = "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes"
 
 
@@ -108,9 +108,9 @@ def load() -> list[str]:
     for target, name in TARGETS.items():
         HookRegistry.register(target, getattr(ours, name), HookType.REPLACE)
     _forget_resolved_alloc_funcs()
-    from hicache.compat import sglang_budget
+    from hicache.effects import admission
 
-    HookRegistry.register(BUDGET_TARGET, sglang_budget.host_memory_budget_bytes, HookType.AROUND)
+    HookRegistry.register(BUDGET_TARGET, admission.host_memory_budget_bytes, HookType.AROUND)
     logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s; its admission check "
                 "runs under the host-wide budget lock", version, ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
     return [*TARGETS, BUDGET_TARGET]

@@ -11,7 +11,7 @@ ARCHITECTURE's stable API plus what pools, the CLI, compat and hicache.testing u
 
 from hicache.effects._bringup._bring_up import BufferRequest, Progressive, bring_up
 from hicache.effects._bringup._handle import HostPools
-from hicache.effects._bringup._lock import budget_lock
+from hicache.effects._bringup import _admission as admission
 from hicache.effects._copy._engine import CopyEngine
 from hicache.effects._copy._host_copy import host_copy_info
 from hicache.effects._cuda import _codes as cuda_codes
@@ -52,7 +52,7 @@ __all__ = [
     "HostPools",
     "Progressive",
     "bring_up",
-    "budget_lock",
+    "admission",
     # host memory and allocators
     "FrameworkPinnedAllocator",
     "HostAllocator",

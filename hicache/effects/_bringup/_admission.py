@@ -1,21 +1,25 @@
-"""SGLang's host-memory admission check under hicache's host-wide budget lock (sglang #38156).
+"""An admission check under the host-wide budget lock, held until the admitted memory is resident.
+
+What hicache's plug-in wraps SGLang's check with (sglang #38156).
 
 SGLang 0.5.23 asks `pool_host.base.host_memory_budget_bytes(requested)` and then allocates;
 ranks (and independent servers) that start together each sample free memory before any of
 them allocated, and all are admitted. Wrapped by the plug-in (an AROUND hook), the check takes
 hicache's host-wide budget lock first and - when it admits the request - keeps holding it until
 this thread's buffers of that request are resident and registered (`hicache.compat.sglang`'s
-``alloc_with_host_register`` calls `resident`), the way hicache's own bring-up holds it: the next
+``alloc_with_host_register`` calls `resident`), the way `bring_up` holds it: the next
 rank samples only once this rank's memory is really used, and SGLang's own arithmetic (its
 reserve, its ranks-per-host split) decides. A refused request lets the lock go at once; a hold
 nobody finishes (a pool that fails between its check and its allocation) ends after
-`HOLD_LIMIT_S`. Imports hicache.effects only.
+`HOLD_LIMIT_S`. Imports this room's budget lock only.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+
+from hicache.effects._bringup._lock import budget_lock
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +48,9 @@ def _expire(lock) -> None:
 
 
 def host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
-    """SGLang's own answer, sampled under the host-wide budget lock; an admitted request keeps
-    the lock until its memory is resident (see the module charter)."""
+    """``original(requested_bytes, auto_size=)`` - SGLang's own answer - sampled under the
+    host-wide budget lock; an admitted request keeps the lock until its memory is resident
+    (see the module charter). The signature of an AROUND hook on SGLang's function."""
     if getattr(_HELD, "sampling", False):  # wrapped twice: the outer call holds the lock already
         return original(requested_bytes, auto_size=auto_size)
     _HELD.sampling = True
@@ -56,8 +61,6 @@ def host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: b
 
 
 def _sample(original, requested_bytes: int, auto_size: bool) -> int:
-    from hicache.effects import budget_lock
-
     lock = getattr(_HELD, "lock", None)
     if lock is None:  # a thread already holding (pool after pool in one constructor) samples on
         lock = budget_lock()
