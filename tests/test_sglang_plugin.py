@@ -203,6 +203,29 @@ def test_sglangs_default_allocator_gives_way_to_hicaches_and_a_back_ends_is_kept
         assert fake.held() == set()
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_sglangs_own_mla_pool_comes_up_through_hicache_and_goes_down_clean(sglang, layout):
+    """The same for SGLang's real MLATokenToKVPoolHost (one latent buffer per pool)."""
+    import sglang.srt.plugins as plugins
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    plugins.load_plugins()
+    device = MLATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16,
+                              layer_num=3, device="cpu", enable_memory_saver=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    with fake_cuda() as fake:
+        with host_memory_budget_scope(10**12):
+            host = MLATokenToKVPoolHost(info, 2.0, 0, 16, layout, True, "cpu", device_capacity_tokens=256,
+                                        start_layer=0, end_layer=3, target_layer_num=3)
+        buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
+        recorded = {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges}
+        assert recorded and recorded == fake.held()
+        host.destroy()
+        assert fake.held() == set()
+
+
 def test_without_the_plug_in_the_same_pool_would_call_the_real_cuda(sglang):
     """Not vacuous: SGLang's own function reaches for torch's CUDA, which a CPU torch lacks."""
     device = _device_pool()
