@@ -226,6 +226,26 @@ def test_sglangs_own_mla_pool_comes_up_through_hicache_and_goes_down_clean(sglan
         assert fake.held() == set()
 
 
+def test_the_chunk_setting_is_read_through_sglangs_envs(sglang, monkeypatch):
+    """In an SGLang process hicache reads SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through SGLang's
+    own `envs` accessor: its override, its floor of 1 GiB, and its reading of a bad value (a
+    warning and the default 256 GiB, where hicache alone would refuse it)."""
+    from sglang.srt.environ import envs
+
+    from hicache.compat import sglang as compat
+
+    setting = envs.SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB
+    with setting.override(3):
+        assert compat.host_register_chunk_bytes() == 3 * 2**30
+    with setting.override(0):
+        assert compat.host_register_chunk_bytes() == 2**30
+    monkeypatch.setenv("SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", "junk")
+    with pytest.warns(UserWarning, match="Invalid value for SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB"):
+        assert compat.host_register_chunk_bytes() == 256 * 2**30
+    with pytest.raises(ValueError, match="must be an integer number of GiB"):
+        compat.host_register_chunk_bytes(env={"SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB": "junk"})
+
+
 def test_without_the_plug_in_the_same_pool_would_call_the_real_cuda(sglang):
     """Not vacuous: SGLang's own function reaches for torch's CUDA, which a CPU torch lacks."""
     device = _device_pool()

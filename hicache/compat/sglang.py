@@ -12,6 +12,7 @@ Chunking and rollback are hicache's (plan_registration, apply_plan); nothing is 
 from __future__ import annotations
 
 import logging
+import sys
 
 from hicache._extras import require
 
@@ -56,8 +57,15 @@ DEFAULT_CHUNK_GB = 256
 
 
 def host_register_chunk_bytes(env=None) -> int:
-    """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it: GiB, at least 1, default 256
-    (read by `hicache.effects.sglang_register_chunk_bytes`; a non-integer is a ValueError)."""
+    """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it: GiB, at least 1, default 256.
+    Inside an SGLang process (its `sglang.srt.environ` loaded) through SGLang's own `envs`
+    accessor - what its tests patch, and its reading of a bad value (a warning, the default);
+    elsewhere by `hicache.effects.sglang_register_chunk_bytes` (a non-integer is a ValueError).
+    ``env``: a mapping to read instead (never SGLang's)."""
+    environ = sys.modules.get("sglang.srt.environ") if env is None else None
+    setting = getattr(getattr(environ, "envs", None), "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", None)
+    if setting is not None:
+        return max(int(setting.get()), 1) * 2**30
     return sglang_register_chunk_bytes(env, default_gib=DEFAULT_CHUNK_GB)
 
 
