@@ -53,7 +53,7 @@ def install() -> bool:
     Returns True when the stand-in is (now) in place."""
     existing = sys.modules.get("torchvision")
     if existing is not None:
-        return getattr(existing, "__doc__", "") is not None and "CPU stand-in" in (existing.__doc__ or "")
+        return "CPU stand-in" in (getattr(existing, "__doc__", None) or "")
     try:
         import torchvision  # noqa: F401 - a working real one wins
         return False

@@ -60,32 +60,42 @@ def host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: b
         _HELD.sampling = False
 
 
-def _sample(original, requested_bytes: int, auto_size: bool) -> int:
+def _held_lock():
+    """The lock this thread holds for an admitted request whose memory is not resident yet
+    (None: none, or its hold ran out - the timer let it go)."""
     lock = getattr(_HELD, "lock", None)
-    if lock is None:  # a thread already holding (pool after pool in one constructor) samples on
-        lock = budget_lock()
+    if lock is not None and not lock.held:
+        _release("expired")
+        return None
+    return lock
+
+
+def _sample(original, requested_bytes: int, auto_size: bool) -> int:
+    held = _held_lock()  # pool after pool in one constructor: this thread samples on under it
+    lock = held if held is not None else budget_lock()
+    if held is None:
         lock.__enter__()
     try:
         allowance = original(requested_bytes, auto_size=auto_size)
     except BaseException:
-        if getattr(_HELD, "lock", None) is not lock:
+        if held is None:
             lock.release_all()
         raise
-    if requested_bytes and 0 < requested_bytes <= allowance:
-        if getattr(_HELD, "lock", None) is not lock:
+    if 0 < requested_bytes <= allowance:
+        if held is None:
             _HELD.lock, _HELD.remaining = lock, 0
             _HELD.timer = threading.Timer(HOLD_LIMIT_S, _expire, args=(lock,))
             _HELD.timer.daemon = True
             _HELD.timer.start()
         _HELD.remaining += requested_bytes
-    elif getattr(_HELD, "lock", None) is not lock:
+    elif held is None:
         lock.release_all()  # refused, or only asked: nothing to wait for
     return allowance
 
 
 def resident(nbytes: int) -> None:
     """``nbytes`` of an admitted request are resident (or failed): once all are, the lock goes."""
-    if getattr(_HELD, "lock", None) is None:
+    if _held_lock() is None:
         return
     _HELD.remaining -= nbytes
     if _HELD.remaining <= 0:

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 
+from hicache.effects._cuda._progressive import chunk_order
 from hicache.effects._host._memory import (
     PREFAULT_PIECE_BYTES,
     _run_workers,
@@ -192,7 +193,7 @@ def fault_pieces(spans, key=None) -> tuple[list, list]:
     chunk)``, then chunk, then offset). Returns the pieces and, per chunk, ``[(end in chunk,
     position in the order)]`` in offset order (positions rise with it): a call on chunk i
     ending at e waits for the piece whose end is the first at or past e."""
-    key = key if key is not None else _chunk_order
+    key = key if key is not None else chunk_order
     cut = []
     for index, (buffer, offset, size) in enumerate(spans):
         done = 0
@@ -204,10 +205,6 @@ def fault_pieces(spans, key=None) -> tuple[list, list]:
     for position, (_, index, done, _, _, length) in enumerate(cut):
         ends[index].append((done + length, position))
     return [(buffer, offset, length) for *_, buffer, offset, length in cut], ends
-
-
-def _chunk_order(index: int, done: int) -> int:
-    return index
 
 
 class ProgressiveFaulting:

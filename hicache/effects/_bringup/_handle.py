@@ -22,9 +22,6 @@ from hicache.effects._host._memory import quarantine, unquarantine
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 
-STATES = ("bringing-up", "active", "released", "leaked")
-
-
 class _Books:
     """Everything teardown needs; referenced by the handle and by its finalizer."""
 
@@ -240,14 +237,6 @@ class HostPools:
         if registration is None:
             return []
         return [(r.index, r.size, 0.0) for r in registration.ranges]
-
-    @property
-    def registered_bytes(self) -> int:
-        """Bytes registered now (a progressive bring-up's grow while it runs)."""
-        books = self._books
-        if books.progressive is not None:
-            return sum(size for _, size, _ in books.progressive.calls)
-        return books.registration.status().registered_bytes if books.registration is not None else 0
 
     def registered_ranges(self) -> tuple[tuple[int, int], ...]:
         """``(ptr, size)`` of every range this handle holds registered now, by address."""
