@@ -197,3 +197,21 @@ def test_the_strict_allocator_check_is_opt_in():
     """hicache's stricter check: an unknown name is an error listing the known ones."""
     with pytest.raises(PlanError, match="unknown allocator_type 'nvme'; known: default, torch"):
         sg.get_allocator_from_storage("nvme", strict=True)
+
+
+def test_call_progress_says_a_line_at_most_once_a_second_and_always_the_last(caplog):
+    """The plug-in's progress lines: none for a one-call buffer; for many calls at most one a
+    second (by an injected clock) and always the last, each with counts, bytes and time."""
+    from hicache.compat._sglang_log import CallProgress
+    from hicache.effects._cuda._executor import ProgressEvent
+
+    now = [0.0]
+    progress = CallProgress(logging.getLogger("test.progress"), clock=lambda: now[0])
+    with caplog.at_level("INFO", logger="test.progress"):
+        progress(ProgressEvent("b", 0, 1, 1, 10, 10, 0.1))  # one call: nothing to report
+        for index in range(1, 11):
+            now[0] = index * 0.4  # a call every 0.4 s
+            progress(ProgressEvent("b", 0, index, 10, index * GiB, 10 * GiB, index * 0.4))
+    said = [r.getMessage() for r in caplog.records]
+    assert [line.split()[2] for line in said] == ["1/10", "4/10", "7/10", "10/10"]
+    assert said[-1] == "hicache: registered 10/10 calls, 10 GiB of 10 GiB in 4.0 s (2.68 GB/s)"

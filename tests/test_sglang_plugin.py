@@ -246,6 +246,33 @@ def test_the_chunk_setting_is_read_through_sglangs_envs(sglang, monkeypatch):
         compat.host_register_chunk_bytes(env={"SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB": "junk"})
 
 
+def test_the_bring_up_is_told_through_sglangs_own_logger(sglang, monkeypatch, caplog):
+    """The plan (calls, largest, every cap and its source), progress per call and the timings
+    reach SGLang's logger for the seam (`pool_host.common`), so its log level and logging
+    config decide what a server shows. A kernel pin cap (HICACHE_KERNEL_PIN_CAP) binds here."""
+    import sglang.srt.plugins as plugins
+
+    from hicache.compat._sglang_log import SGLANG_LOGGER
+
+    plugins.load_plugins()
+    monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", "64KiB")
+    device = _device_pool()
+    with fake_cuda() as fake, caplog.at_level("INFO", logger=SGLANG_LOGGER):
+        host = _host_pool(device, "page_first_direct")
+        calls = len([entry for entry in fake.cudart.log if entry[0] == "register"])
+        host.destroy()
+    lines = [r.getMessage() for r in caplog.records if r.name == SGLANG_LOGGER and "hicache:" in r.getMessage()]
+    plans = [line for line in lines if "cudaHostRegister call(s)" in line]
+    assert len(plans) == 1  # one buffer holds K and V in this layout
+    assert all("kernel cap 64 KiB (HICACHE_KERNEL_PIN_CAP)" in line and "binding: kernel_cap" in line
+               and "chunk 256 GiB (SGLang's default 256 GiB)" in line and "driver ceiling" in line for line in plans)
+    assert sum(int(line.split(": ")[2].split()[0]) for line in plans) == calls > 2
+    progress = [line for line in lines if "hicache: registered" in line]
+    assert progress and progress[-1].startswith(f"hicache: registered {calls}/{calls} calls")
+    ready = [line for line in lines if " ready: pre-faulted in " in line]
+    assert len(ready) == 1 and all("GB/s" in line or "instant" in line for line in ready)
+
+
 def test_without_the_plug_in_the_same_pool_would_call_the_real_cuda(sglang):
     """Not vacuous: SGLang's own function reaches for torch's CUDA, which a CPU torch lacks."""
     device = _device_pool()

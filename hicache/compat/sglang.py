@@ -12,6 +12,7 @@ Chunking and rollback are hicache's (plan_registration, apply_plan); nothing is 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from hicache._extras import require
@@ -19,11 +20,15 @@ from hicache._extras import require
 require("torch", "hicache.compat.sglang")
 from collections import defaultdict
 
+import attrs
+
 from hicache.effects import (
     BufferRequest,
     HostTensorAllocator,
     apply_plan,
     bring_up,
+    os_page_bytes,
+    probe_kernel_release,
     quarantine,
     resolve_numa_node,
     sglang_register_chunk_bytes,
@@ -32,7 +37,8 @@ from hicache.effects import (
 )
 from hicache.plan import SGLANG_CHUNK_ENV
 from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, ReleaseError
-from hicache.plan import Limits, plan_registration
+from hicache.plan import plan_registration, resolve_limits
+from hicache.compat import _sglang_log
 from hicache.pools._allocator import get_allocator_from_storage
 
 __all__ = [
@@ -83,7 +89,9 @@ def _base_alignment(ptr: int) -> int:
 
 
 def _chunk_plan(total: int, granularity, base_alignment: int):
-    """The registration plan of a ``total``-byte buffer under SGLang's chunk setting."""
+    """The registration plan of a ``total``-byte buffer under SGLang's chunk setting and this
+    machine's caps (the driver ceiling, the running kernel's per-pin cap; HICACHE_DRIVER_CEILING
+    and HICACHE_KERNEL_PIN_CAP override them), and where each cap came from."""
     limit = host_register_chunk_bytes()
     if granularity is not None:
         if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0:
@@ -93,10 +101,16 @@ def _chunk_plan(total: int, granularity, base_alignment: int):
                 "host registration granularity exceeds the configured chunk limit: "
                 f"granularity={granularity}, chunk_limit={limit} ({CHUNK_ENV})"
             )
-    return plan_registration(
-        total, granularity_bytes=granularity,
-        limits=Limits(chunk_limit_bytes=limit, base_alignment_bytes=base_alignment),
+    chunk_source = CHUNK_ENV if os.environ.get(CHUNK_ENV) else f"SGLang's default {DEFAULT_CHUNK_GB} GiB"
+    resolved = resolve_limits(
+        env=os.environ, chunk_limit_bytes=limit, machine_kernel_release=probe_kernel_release(),
+        os_page_bytes=os_page_bytes(), flag_names={"chunk_limit": chunk_source},
     )
+    # the buffer is whatever SGLang's allocator mapped: no hugepage alignment is assumed, only
+    # what the base address shows
+    limits = attrs.evolve(resolved.limits, hugepage_bytes=None, base_alignment_bytes=base_alignment)
+    plan = plan_registration(total, granularity_bytes=granularity, limits=limits)
+    return plan, resolved.sources
 
 
 def _raise_for_apply(error: ApplyError):
@@ -127,12 +141,14 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
         return
     base = buffer.data_ptr()
     total = buffer.numel() * buffer.element_size()
-    plan = _chunk_plan(total, registration_granularity_bytes, _base_alignment(base))
+    plan, sources = _chunk_plan(total, registration_granularity_bytes, _base_alignment(base))
     if not plan.ranges:
         setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [])
         return
+    _sglang_log.log().info("%s", _sglang_log.plan_line(plan, sources))
     try:
-        registration = apply_plan(plan, base_ptr=base, runtime=torch_runtime(_cudart), name="host buffer")
+        registration = apply_plan(plan, base_ptr=base, runtime=torch_runtime(_cudart), name="host buffer",
+                                  progress=_sglang_log.CallProgress(_sglang_log.log()))
     except HostAlreadyRegisteredError as error:  # overlaps a registration this process holds
         raise RuntimeError(f"cudaHostRegister refused: {error}") from error
     except ApplyError as error:
@@ -230,11 +246,15 @@ def alloc_with_host_register(
             return allocator.allocate(dims, dtype=dtype, device=device)
         finally:
             admission.resident(total)
+    log = _sglang_log.log()
     try:
-        plan = _chunk_plan(total, registration_granularity_bytes, 4096)
+        plan, sources = _chunk_plan(total, registration_granularity_bytes, 4096)
+        if plan.ranges:
+            log.info("%s", _sglang_log.plan_line(plan, sources))
         handle = bring_up(
             [BufferRequest("host buffer", dims, dtype, plan)], runtime=torch_runtime(_cudart),
             allocator=_bring_up_allocator(allocator, device), budget=False, owns_memory=False, device=device,
+            progress=_sglang_log.CallProgress(log),
         )
     except BaseException as error:
         admission.abandon()  # an admitted request that failed lets the budget lock go now
@@ -242,6 +262,8 @@ def alloc_with_host_register(
             _raise_for_apply(error)
         raise
     admission.resident(total)  # resident and registered: the next rank may sample now
+    if plan.ranges:
+        log.info("%s", _sglang_log.timing_line(total, handle.timings, plan.call_count))
     buffer = handle.tensors[0]
     registration = handle.detach()  # the tensor's owner releases it (_cuda_host_unregister)
     if registration is None:  # a zero-byte buffer has nothing to register
