@@ -22,9 +22,22 @@ $(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_copy/_hos
 
 # SGLang 0.5.23's real code for the suite's SGLang tests (they skip, naming this target, where
 # it is absent; .ci/run builds it and requires them): the wheel without its dependencies (they
-# pin torch 2.14.1 and CUDA), then the light packages its host-pool imports need.
+# pin torch 2.14.1 and CUDA), then the light packages its host-pool imports need and Mooncake's
+# non-CUDA wheel (the L3 test's real master and client), whose binaries need Debian's RDMA and
+# NUMA libraries even for TCP: installed here when missing and run as root, else named.
 SGLANG_STAMP := $(VENV)/.sglang-0.5.23
+MOONCAKE_LIBS := libibverbs1 librdmacm1 libnuma1
 $(SGLANG_STAMP): $(STAMP) requirements-sglang.txt
+	if ! ldconfig -p | grep -q 'libibverbs\.so\.1 ' || ! ldconfig -p | grep -q 'librdmacm\.so\.1 ' \
+	   || ! ldconfig -p | grep -q 'libnuma\.so\.1 '; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $(MOONCAKE_LIBS) for Mooncake's binaries" >&2; \
+	    apt-get install -y -q --no-install-recommends $(MOONCAKE_LIBS) >/dev/null 2>&1 \
+	      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $(MOONCAKE_LIBS) >&2; }; \
+	  else \
+	    echo "warning: Mooncake's binaries need $(MOONCAKE_LIBS): apt-get install $(MOONCAKE_LIBS)" >&2; \
+	  fi; \
+	fi
 	echo "installing sglang 0.5.23 for the suite (first run only)" >&2
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -c constraints-dev.txt sglang==0.5.23 >&2
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -r requirements-sglang.txt >&2

@@ -1,12 +1,13 @@
 """Stand-ins that let SGLang's real code import and run on a CPU box (issue #24's test setup).
 
-Owns the one piece SGLang's host-pool path cannot import without: `torchvision`, which
+Owns the two pieces SGLang's host-pool path lacks on CPU. First `torchvision`, which
 `sglang.srt.configs` imports at module level and for which PyPI has no CPU build matching
 torch 2.13 (the CUDA wheel fails with ``operator torchvision::nms does not exist``). Nothing on
 the host-pool paths calls it; every name it is asked for is a class that refuses to be built.
 transformers' own "is torchvision installed" answer is settled (cached False) before the
-stand-in exists, so it never takes the stand-in for the real package. CUDA itself is stood
-in for by `hicache.testing.fake_cuda`. Imports nothing of hicache.
+stand-in exists, so it never takes the stand-in for the real package. Second, sgl-kernel's
+"direct" io_backend copies, which SGLang binds only on CUDA (`bind_transfers`). CUDA itself is
+stood in for by `hicache.testing.fake_cuda`. Imports nothing of hicache.
 """
 
 from __future__ import annotations
@@ -70,3 +71,80 @@ def install() -> bool:
     transforms.InterpolationMode = functional.InterpolationMode = InterpolationMode
     sys.modules.update(zip(_NAMES, (root, transforms, functional)))
     return True
+
+
+# -- sgl-kernel's "direct" io_backend copies, as plain torch indexing -------------------------
+# SGLang binds these from sgl_kernel.kvcacheio only on CUDA/ROCm (pool_host/mha.py, mla.py), so
+# on CPU the "direct" backend is a NameError. Their semantics are per-token and per-page copies
+# (sgl-kernel's tests/test_kvcacheio.py states them as reference loops); here they are the same
+# copies by torch indexing, which bounds-checks every index against every tensor it touches.
+_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla")
+
+
+def _pages(indices, page_size: int, what: str):
+    if indices.numel() % page_size:
+        raise ValueError(f"{what}: {indices.numel()} indices is not a whole number of {page_size}-token pages")
+    first = indices.reshape(-1, page_size)[:, 0]
+    if bool((first % page_size).ne(0).any()):
+        raise ValueError(f"{what}: a page's first index is not page-aligned (page_size {page_size})")
+    return first // page_size
+
+
+def transfer_kv_direct(*, src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """Each ``dst_layers[i][dst_indices] = src_layers[i][src_indices]`` (layer-first both sides)."""
+    if len(src_layers) != len(dst_layers) or src_indices.numel() != dst_indices.numel():
+        raise ValueError("transfer_kv_direct: layer lists or index counts differ")
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)].to(dst.device)
+
+
+def transfer_kv_per_layer_direct_pf_lf(*, src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
+    """Host page-first-direct (``[page, layer, token, ...]``) to one device layer."""
+    if len(src_ptrs) != len(dst_ptrs) or src_indices.numel() != dst_indices.numel():
+        raise ValueError("transfer_kv_per_layer_direct_pf_lf: buffer lists or index counts differ")
+    pages = _pages(src_indices, page_size, "transfer_kv_per_layer_direct_pf_lf")
+    for src, dst in zip(src_ptrs, dst_ptrs):
+        rows = src[pages.to(src.device), layer_id]  # [pages, page_size, ...]
+        dst[dst_indices.to(dst.device)] = rows.reshape(-1, *rows.shape[2:]).to(dst.device)
+
+
+def transfer_kv_all_layer_direct_lf_pf(*, src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+    """Every device layer (``src_ptrs``: the layers of each destination in turn) to host
+    page-first-direct."""
+    if not dst_ptrs or len(src_ptrs) % len(dst_ptrs) or src_indices.numel() != dst_indices.numel():
+        raise ValueError("transfer_kv_all_layer_direct_lf_pf: buffer lists or index counts differ")
+    layers = len(src_ptrs) // len(dst_ptrs)
+    pages = _pages(dst_indices, page_size, "transfer_kv_all_layer_direct_lf_pf")
+    for j, dst in enumerate(dst_ptrs):
+        if dst.shape[1] < layers:
+            raise ValueError(f"transfer_kv_all_layer_direct_lf_pf: host buffer has {dst.shape[1]} layers, not {layers}")
+        where = pages.to(dst.device)
+        for layer in range(layers):
+            src = src_ptrs[j * layers + layer]
+            rows = src[src_indices.to(src.device)]
+            dst[where, layer] = rows.reshape(-1, page_size, *rows.shape[1:]).to(dst.device)
+
+
+_TRANSFERS = {f.__name__: f for f in (transfer_kv_direct, transfer_kv_per_layer_direct_pf_lf,
+                                      transfer_kv_all_layer_direct_lf_pf)}
+
+
+def bind_transfers() -> tuple[str, ...]:
+    """Give SGLang's MHA and MLA host-pool modules the direct-backend copies where they have
+    none (off CUDA); a real sgl-kernel binding is left alone. Returns what was bound."""
+    import importlib
+    import warnings
+
+    bound = []
+    for name in _POOL_MODULES:
+        try:
+            with warnings.catch_warnings():  # SGLang's imports warn about their own dependencies
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attribute, function in _TRANSFERS.items():
+            if attribute not in vars(module):
+                setattr(module, attribute, function)
+                bound.append(f"{name}.{attribute}")
+    return tuple(bound)
