@@ -12,80 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 import pytest
+from sglang_support import NAMES, ORIGINALS, load_sglang, plugged, sglang  # noqa: F401 - sglang: a fixture
 
-from hicache.testing import fake_cuda, sglang_on_cpu
+from hicache.testing import fake_cuda
 
 torch = pytest.importorskip("torch")
-
-
-def _sglang():
-    from hicache.effects import package_version
-
-    if package_version("sglang") is None:
-        if os.environ.get("HICACHE_REQUIRE_SGLANG") == "1":
-            pytest.fail("SGLang's real code is required here (HICACHE_REQUIRE_SGLANG=1): run `make sglang`")
-        pytest.skip("SGLang 0.5.23 is not installed: `make sglang` installs its real code for these tests")
-    sglang_on_cpu()
-    with warnings.catch_warnings():  # SGLang's imports warn about their own dependencies
-        warnings.simplefilter("ignore")
-        import sglang.srt.mem_cache.memory_pool  # noqa: F401
-        import sglang.srt.mem_cache.pool_host.base  # noqa: F401
-        import sglang.srt.mem_cache.pool_host.common as common
-        import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
-        import sglang.srt.plugins  # noqa: F401
-
-    return common
-
-
-COMMON = "sglang.srt.mem_cache.pool_host.common"
-NAMES = ("alloc_with_host_register", "_cuda_host_register", "_cuda_host_unregister")
-_ORIGINALS: dict = {}
-
-
-def _restore(common) -> None:
-    """Put SGLang's own functions back everywhere the registry's propagation put ours."""
-    from sglang.srt.plugins import hook_registry
-
-    import sglang.srt.plugins as plugins
-
-    import sglang.srt.mem_cache.pool_host.base as base
-
-    if not _ORIGINALS:
-        _ORIGINALS.update({name: getattr(common, name) for name in NAMES})
-        _ORIGINALS["host_memory_budget_bytes"] = base.host_memory_budget_bytes
-    for module in [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]:
-        for name, original in _ORIGINALS.items():
-            current = getattr(module, name, None)
-            if current is not None and current is not original and getattr(current, "__wrapped__", None) is not None:
-                setattr(module, name, original)
-    for key, func in list(common.ALLOC_MEMORY_FUNCS.items()):
-        if func is not _ORIGINALS["alloc_with_host_register"] and getattr(func, "__wrapped__", None) is not None:
-            del common.ALLOC_MEMORY_FUNCS[key]  # a resolved entry of the patched function
-    hook_registry.HookRegistry.reset()
-    plugins._plugins_loaded = False
-
-
-@pytest.fixture
-def sglang(monkeypatch):
-    """SGLang's modules with no plug-in applied, before and after the test."""
-    common = _sglang()
-    import sglang.srt.mem_cache.pool_host.base as base
-
-    _restore(common)
-    for name in ("HICACHE_SGLANG", "SGLANG_PLUGINS"):
-        monkeypatch.delenv(name, raising=False)
-    # SGLang's destroy() unregisters only where it thinks CUDA is (`base._is_cuda`): this CPU box
-    # stands in for a CUDA node, as fake_cuda stands in for its driver
-    monkeypatch.setattr(base, "_is_cuda", True)
-    yield common
-    _restore(common)
-
-
-def _plugged(common) -> bool:
-    return all(getattr(common, name) is not _ORIGINALS[name] for name in NAMES)
 
 
 def test_load_plugins_discovers_the_entry_point_and_replaces_the_seam(sglang):
@@ -98,11 +31,11 @@ def test_load_plugins_discovers_the_entry_point_and_replaces_the_seam(sglang):
     import sglang.srt.mem_cache.pool_host.base as base
     import sglang.srt.plugins as plugins
 
-    assert sglang.ALLOC_MEMORY_FUNCS["cuda"] is _ORIGINALS["alloc_with_host_register"]  # resolved before
+    assert sglang.ALLOC_MEMORY_FUNCS["cuda"] is ORIGINALS["alloc_with_host_register"]  # resolved before
     (point,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "hicache"]
     assert point.value == "hicache.compat.sglang_plugin:load"
     plugins.load_plugins()
-    assert _plugged(sglang)
+    assert plugged(sglang)
     assert base._cuda_host_unregister is sglang._cuda_host_unregister
     assert sglang.ALLOC_MEMORY_FUNCS["cuda"] is sglang.alloc_with_host_register
     assert sglang.ALLOC_MEMORY_FUNCS["npu"] is not sglang.alloc_with_host_register  # framework-pinned
@@ -121,7 +54,7 @@ def test_when_told_not_to_sglangs_own_functions_stay(sglang, monkeypatch, caplog
         monkeypatch.setenv(name, value)
     with caplog.at_level("INFO"):
         plugins.load_plugins()
-    assert not any(getattr(sglang, name) is not _ORIGINALS[name] for name in NAMES)
+    assert not any(getattr(sglang, name) is not ORIGINALS[name] for name in NAMES)
     if setting == "version 0.5.22":
         assert "outside the range this plug-in was tested with" in caplog.text
 
@@ -380,7 +313,7 @@ def test_ranks_starting_together_against_room_for_one_admit_exactly_one(tmp_path
     import json
     import subprocess
 
-    _sglang()
+    load_sglang()
     ranks, tokens = 4, 4096  # 4096 tokens x 4 layers x 2 x 2 heads x 64 x 2 bytes = 8 MiB
     pool_bytes = (tokens // 16 + 1) * 16 * 4 * 2 * 2 * 64 * 2
     shared = tmp_path / "host"

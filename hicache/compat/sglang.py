@@ -251,9 +251,12 @@ def alloc_with_host_register(
         plan, sources = _chunk_plan(total, registration_granularity_bytes, 4096)
         if plan.ranges:
             log.info("%s", _sglang_log.plan_line(plan, sources))
+        chosen = _bring_up_allocator(allocator, device)
+        # hicache's own allocator (SGLang's default swapped out) is this call's: a failed bring-up
+        # unmaps what it mapped. A back end's allocator keeps its memory whatever happens.
         handle = bring_up(
             [BufferRequest("host buffer", dims, dtype, plan)], runtime=torch_runtime(_cudart),
-            allocator=_bring_up_allocator(allocator, device), budget=False, owns_memory=False, device=device,
+            allocator=chosen, budget=False, owns_memory=chosen is not allocator, device=device,
             progress=_sglang_log.CallProgress(log),
         )
     except BaseException as error:

@@ -1,0 +1,117 @@
+"""Shared setup for the tests that run SGLang 0.5.23's real code with the hicache plug-in:
+SGLang's modules imported on CPU (`hicache.testing.sglang_on_cpu`), SGLang's own functions put
+back everywhere the plug-in's hooks reached between tests, and SGLang's pool modules told they
+run on CUDA (their destroy() unregisters only there) while `fake_cuda` stands in for the driver.
+
+Skips naming `make sglang` where SGLang is absent; fails instead under HICACHE_REQUIRE_SGLANG=1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+
+import pytest
+
+from hicache.testing import sglang_on_cpu
+
+#: SGLang's host-pool modules, imported up front (the plug-in's hooks reach names they import)
+POOL_MODULES = (
+    "sglang.srt.mem_cache.pool_host.base", "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.pool_host.mla", "sglang.srt.mem_cache.pool_host.dsa",
+    "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.mem_cache.memory_pool_host",
+)
+
+
+def load_sglang():
+    from hicache.effects import package_version
+
+    if package_version("sglang") is None:
+        if os.environ.get("HICACHE_REQUIRE_SGLANG") == "1":
+            pytest.fail("SGLang's real code is required here (HICACHE_REQUIRE_SGLANG=1): run `make sglang`")
+        pytest.skip("SGLang 0.5.23 is not installed: `make sglang` installs its real code for these tests")
+    sglang_on_cpu()
+    with warnings.catch_warnings():  # SGLang's imports warn about their own dependencies
+        warnings.simplefilter("ignore")
+        import importlib
+
+        import sglang.srt.mem_cache.memory_pool  # noqa: F401
+        import sglang.srt.mem_cache.pool_host.common as common
+        import sglang.srt.plugins  # noqa: F401
+
+        for name in POOL_MODULES:
+            importlib.import_module(name)
+
+    return common
+
+
+COMMON = "sglang.srt.mem_cache.pool_host.common"
+NAMES = ("alloc_with_host_register", "_cuda_host_register", "_cuda_host_unregister")
+ORIGINALS: dict = {}
+
+
+def restore(common) -> None:
+    """Put SGLang's own functions back everywhere the registry's propagation put ours."""
+    from sglang.srt.plugins import hook_registry
+
+    import sglang.srt.plugins as plugins
+
+    import sglang.srt.mem_cache.pool_host.base as base
+
+    if not ORIGINALS:
+        ORIGINALS.update({name: getattr(common, name) for name in NAMES})
+        ORIGINALS["host_memory_budget_bytes"] = base.host_memory_budget_bytes
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]:
+        for name, original in ORIGINALS.items():
+            current = getattr(module, name, None)
+            if current is not None and current is not original and getattr(current, "__wrapped__", None) is not None:
+                setattr(module, name, original)
+    for key, func in list(common.ALLOC_MEMORY_FUNCS.items()):
+        if func is not ORIGINALS["alloc_with_host_register"] and getattr(func, "__wrapped__", None) is not None:
+            del common.ALLOC_MEMORY_FUNCS[key]  # a resolved entry of the patched function
+    hook_registry.HookRegistry.reset()
+    plugins._plugins_loaded = False
+
+
+@pytest.fixture
+def sglang(monkeypatch):
+    """SGLang's modules with no plug-in applied, before and after the test."""
+    common = load_sglang()
+    import sglang.srt.mem_cache.pool_host.base as base
+
+    restore(common)
+    for name in ("HICACHE_SGLANG", "SGLANG_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    # SGLang's destroy() unregisters only where it thinks CUDA is (`base._is_cuda`): this CPU box
+    # stands in for a CUDA node, as fake_cuda stands in for its driver. (Only base's: the pool
+    # modules' own flags also switch CUDA-only set-up on; see `cuda_at_destroy`.)
+    monkeypatch.setattr(sys.modules["sglang.srt.mem_cache.pool_host.base"], "_is_cuda", True)
+    yield common
+    restore(common)
+
+
+def plugged(common) -> bool:
+    return all(getattr(common, name) is not ORIGINALS[name] for name in NAMES)
+
+
+def cuda_at_destroy(monkeypatch, module_name: str) -> None:
+    """For a pool built on CPU whose own module gates its destroy() on `_is_cuda` (DSA's
+    indexer): say CUDA from now on, after its CUDA-only set-up was skipped."""
+    monkeypatch.setattr(sys.modules[module_name], "_is_cuda", True)
+
+
+@contextlib.contextmanager
+def published(**server_args):
+    """SGLang's runtime context published as a server publishes it at start (SGLang's own
+    `publish` over a `ServerArgs`, as its `sglang.test.test_utils.published_topology` does, whose
+    module needs `datasets`): what its pools read through get_parallel()/get_memory()."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    reset_context()
+    publish(ServerArgs(model_path="dummy", **server_args), role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    try:
+        yield
+    finally:
+        reset_context()

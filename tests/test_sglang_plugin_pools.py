@@ -1,0 +1,202 @@
+"""SGLang 0.5.23's other host-pool families under the hicache plug-in, and an interrupt at each
+register call through SGLang's own constructor.
+
+Mamba (`MambaPoolHost` over a `MambaStateBufferInfo`), DSA's indexer (`DSAIndexerPoolHost` beside
+its MLA anchor, from SGLang's `make_dsa_indexer_pool_decl`) and DeepSeek-V4's paged and state
+pools (`DeepSeekV4PagedHostPool`, `DeepSeekV4StateHostPool` over SGLang's `CompressStatePool`),
+all built by SGLang's real code on CPU with a small kernel pin cap so every buffer takes several
+calls: each call is hicache's plan (within the cap, every boundary on the granularity SGLang
+passed, the calls tiling the buffer), the ranges SGLang records are exactly those registered,
+and SGLang's own destroy() leaves nothing held. Needs `make sglang`."""
+
+from __future__ import annotations
+
+import pytest
+from sglang_support import cuda_at_destroy, published, sglang  # noqa: F401 - sglang: a fixture
+
+from hicache.testing import fake_cuda
+
+torch = pytest.importorskip("torch")
+
+CAP = 16 * 1024  # HICACHE_KERNEL_PIN_CAP: several calls per buffer even for these small pools
+
+
+@pytest.fixture
+def plugged(sglang, monkeypatch):
+    """SGLang with the plug-in loaded by its own loader, and a record of the granularity SGLang
+    passed for each buffer (by its size)."""
+    import sglang.srt.plugins as plugins
+
+    from hicache.compat import sglang as compat
+
+    plugins.load_plugins()
+    granularities: dict[int, object] = {}
+    real = compat._chunk_plan
+
+    def spy(total, granularity, base_alignment):
+        granularities[total] = granularity
+        return real(total, granularity, base_alignment)
+
+    monkeypatch.setattr(compat, "_chunk_plan", spy)
+    return granularities
+
+
+def _tensors(pool) -> list:
+    """Every host buffer the pool registered: each tensor carrying SGLang's ranges attribute."""
+    seen, found = set(), []
+    values = list(vars(pool).values())
+    while values:
+        value = values.pop()
+        if isinstance(value, (list, tuple)):
+            values.extend(value)
+        elif isinstance(value, torch.Tensor) and hasattr(value, "_sglang_cuda_host_registered_ranges"):
+            if id(value) not in seen:
+                seen.add(id(value))
+                found.append(value)
+    return found
+
+
+def _small_cap(monkeypatch, layout: str, cap: int = CAP):
+    """A kernel pin cap that splits every buffer - except layer-first ones, which SGLang passes
+    without a copy unit: they must be one call each (hicache refuses to split them blind)."""
+    if layout == "layer_first":
+        return None
+    monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", str(cap))
+    return cap
+
+
+def _check_calls(fake, buffers, granularities, cap) -> None:
+    recorded = set()
+    for buffer in buffers:
+        base, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        ranges = sorted(tuple(r) for r in buffer._sglang_cuda_host_registered_ranges)
+        assert ranges[0][0] == base and sum(size for _, size in ranges) == nbytes
+        assert all(p + s == q for (p, s), (q, _) in zip(ranges, ranges[1:]))  # they tile the buffer
+        granularity = granularities[nbytes]
+        if cap is None or granularity is None:
+            assert len(ranges) == 1 if granularity is None else all(size <= 2**38 for _, size in ranges)
+        else:
+            assert all(size <= cap for _, size in ranges) and len(ranges) > 1
+            assert all((ptr - base) % granularity == 0 for ptr, _ in ranges)  # no page straddles one
+        recorded |= set(ranges)
+    assert recorded == fake.held()
+    assert len([e for e in fake.cudart.log if e[0] == "register"]) == len(recorded)
+
+
+def _budget():
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    return host_memory_budget_scope(10**12)  # SGLang's own way to give its check a budget
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_sglangs_mamba_pool(plugged, layout, monkeypatch):
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    cap = _small_cap(monkeypatch, layout)
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 16, 32), conv=(torch.zeros(2, 9, 8, 32),))
+    with fake_cuda() as fake:
+        with _budget():
+            host = MambaPoolHost(info, 2.0, 0, device_capacity=8, layout=layout)
+        _check_calls(fake, _tensors(host), plugged, cap)
+        host.destroy()
+        assert fake.held() == set()
+        fake.check_valid()
+
+
+def test_sglangs_dsa_indexer_pool_beside_its_mla_anchor(plugged, monkeypatch):
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    cap = _small_cap(monkeypatch, "page_first", 64 * 1024)  # above its 20 KiB page
+    with published(), fake_cuda() as fake:
+        device = DSATokenToKVPool(size=256, page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
+                                  layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
+                                  kv_cache_dim=80)
+        info = device.get_device_pool_infos()[0].buffer_info
+        with _budget():
+            anchor = MLATokenToKVPoolHost(info, 2.0, 0, 64, "page_first", True, "cpu", device_capacity_tokens=256,
+                                          start_layer=0, end_layer=2, target_layer_num=2)
+            indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor)
+        _check_calls(fake, _tensors(anchor) + _tensors(indexer), plugged, cap)
+        cuda_at_destroy(monkeypatch, "sglang.srt.mem_cache.pool_host.dsa")
+        indexer.destroy()
+        anchor.destroy()
+        assert fake.held() == set()
+        fake.check_valid()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_sglangs_deepseek_v4_paged_pool(plugged, layout, monkeypatch):
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+    cap = _small_cap(monkeypatch, layout)
+    device_buffers = [torch.zeros(16, 512, dtype=torch.uint8) for _ in range(3)]
+    with fake_cuda() as fake:
+        with _budget():
+            host = DeepSeekV4PagedHostPool("c4", device_buffers, 512, 96, 64, layout=layout, page_aligned_only=True)
+        _check_calls(fake, _tensors(host), plugged, cap)
+        host.destroy()
+        assert fake.held() == set()
+        fake.check_valid()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_sglangs_deepseek_v4_state_pool(plugged, layout, monkeypatch):
+    from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4StateHostPool
+
+    cap = _small_cap(monkeypatch, layout)
+    states = [CompressStatePool(size=64, ring_size=4, overlap=False, head_dim=64, dtype=torch.float32, device="cpu",
+                                enable_memory_saver=False, ratio=4, swa_page_size=16) for _ in range(2)]
+    with fake_cuda() as fake:
+        with _budget():
+            host = DeepSeekV4StateHostPool("state", states, 48, 16, layout=layout)
+        _check_calls(fake, _tensors(host), plugged, cap)
+        host.destroy()
+        assert fake.held() == set()
+        fake.check_valid()
+
+
+def test_a_ctrl_c_at_each_register_call_leaves_sglangs_constructor_holding_nothing(plugged, monkeypatch):
+    """KeyboardInterrupt at call k (before it takes effect, and after it did), for every k of an
+    MHA pool's registration: SGLang's constructor raises KeyboardInterrupt, nothing stays
+    registered, and every buffer hicache mapped for it is unmapped again."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from hicache.compat import sglang as compat
+
+    made = []
+
+    class Recording(compat.HostTensorAllocator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(compat, "HostTensorAllocator", Recording)
+    _small_cap(monkeypatch, "page_first_direct")
+    device = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=3,
+                              device="cpu", enable_memory_saver=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+
+    def build():
+        with _budget():
+            return MHATokenToKVPoolHost(info, 2.0, 0, 16, "page_first_direct", True, "cpu",
+                                        device_capacity_tokens=256, start_layer=0, end_layer=3)
+
+    with fake_cuda() as fake:
+        whole = build()
+        calls = len([e for e in fake.cudart.log if e[0] == "register"])
+        whole.destroy()
+    assert calls > 3
+    for k in range(calls):
+        for when in ("before", "after"):
+            made.clear()
+            with fake_cuda(interrupt_register={k: when}) as fake, pytest.raises(KeyboardInterrupt):
+                build()
+            assert fake.held() == set(), (k, when)
+            assert made and all(allocator.owned() == [] for allocator in made), (k, when)
+            fake.check_valid()
