@@ -1,0 +1,99 @@
+"""SGLang 0.5.23's own controller over SGLang's own host pools with the hicache plug-in loaded:
+`HybridCacheController` (what `UnifiedRadixCache` drives) over a `HostPoolGroup` whose pool
+SGLang's assembler built - its registration hicache's (under `fake_cuda`) - writes device pages
+to host through `L2TransferEngine`, and loads them back into a cleared device pool byte for
+byte, with SGLang's "direct" io_backend (its sgl-kernel copies stood in for on CPU by
+`hicache.testing.sglang_on_cpu`). Needs `make sglang`."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
+
+from hicache.testing import fake_cuda
+
+torch = pytest.importorskip("torch")
+
+PAGE, LAYERS = 16, 3
+
+
+def _device_pool(kind: str):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    if kind == "mha":
+        return MHATokenToKVPool(size=256, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=64,
+                                layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    return MLATokenToKVPool(size=256, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16,
+                            layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+
+
+def _layers(device, kind: str) -> list:
+    if kind == "mha":
+        return [*device.k_buffer, *device.v_buffer]
+    return list(device.kv_buffer)
+
+
+def _host_rows(host, kind: str, layout: str, j: int, indices):
+    """Rows ``indices`` of device layer ``j`` (in `_layers` order) where SGLang's layout puts them
+    in the host buffer - read by hand from the shapes, independent of the copy code."""
+    kv = host.kv_buffer[j // LAYERS] if kind == "mha" else host.kv_buffer  # K then V for MHA
+    layer = j % LAYERS
+    if layout == "layer_first":  # [layer, token, ...]
+        return kv[layer][indices]
+    return kv[indices // PAGE, layer, indices % PAGE]  # page_first_direct: [page, layer, token, ...]
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sglang, kind, layout):
+    import sglang.srt.plugins as plugins
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    plugins.load_plugins()
+    settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
+                    hicache_io_backend="direct")
+    with published(**settings), fake_cuda() as fake:
+        device = _device_pool(kind)
+        allocator = PagedTokenToKVPoolAllocator(256, PAGE, torch.bfloat16, "cpu", device, False)
+        with host_memory_budget_scope(10**12):
+            host = build_kv_host_pool(kv_pool=device, page_size=PAGE)
+        try:
+            buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
+            assert {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges} == fake.held() != set()
+            group = HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=host, device_pool=device,
+                                             layer_mapper=lambda layer: layer, is_primary_index_anchor=True)])
+            controller = HybridCacheController(allocator, group, PAGE, None, threading.Event(), io_backend="direct")
+
+            generator = torch.Generator().manual_seed(11)
+            written = allocator.alloc(5 * PAGE)
+            for layer in _layers(device, kind):
+                layer[written] = torch.randn(layer[written].shape, generator=generator).to(layer.dtype)
+            want = [layer[written].clone() for layer in _layers(device, kind)]
+
+            host_indices = controller.write(written)
+            assert host_indices is not None and len(host_indices) == len(written)
+            for ack in controller.ack_write_queue:
+                ack.finish_event.synchronize()
+            for j, rows in enumerate(want):  # on the host where SGLang's layout says, not just round trip
+                assert torch.equal(_host_rows(host, kind, layout, j, host_indices).view(torch.int16), rows.view(torch.int16))
+            allocator.free(written)
+            for layer in _layers(device, kind):
+                layer.zero_()
+
+            loaded = controller.load(host_indices)
+            controller.start_loading()
+            for ack in controller.ack_load_queue:
+                ack.finish_event.synchronize()
+            got = [layer[loaded] for layer in _layers(device, kind)]
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want))
+        finally:
+            host.destroy()  # also when an assertion failed: nothing left for the next test
+        assert fake.held() == set()
+        fake.check_valid()
