@@ -14,7 +14,7 @@ import os
 import sys
 
 import pytest
-from sglang_support import NAMES, ORIGINALS, load_sglang, plugged, sglang  # noqa: F401 - sglang: a fixture
+from sglang_support import NAMES, ORIGINALS, load_sglang, plugged, published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
 
@@ -77,17 +77,28 @@ def _host_pool(device_pool, layout: str):
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_sglangs_own_mha_pool_comes_up_through_hicache_and_goes_down_clean(sglang, layout):
-    """SGLang's real MHATokenToKVPoolHost with the plug-in loaded: every register call is
+@pytest.mark.parametrize("built_by", ["assembler", "constructor"])
+def test_sglangs_own_mha_pool_comes_up_through_hicache_and_goes_down_clean(sglang, layout, built_by, monkeypatch):
+    """SGLang's real MHATokenToKVPoolHost with the plug-in loaded, built by SGLang's assembler
+    from the published settings (as a server does) or by its constructor: every register call is
     hicache's (the fake sees them), the ranges attribute SGLang's teardown reads is exactly what
-    is registered, each boundary on SGLang's page granularity, and SGLang's destroy() leaves
-    nothing registered."""
+    is registered, each boundary on SGLang's page granularity (a 64 KiB kernel pin cap makes
+    several), and SGLang's destroy() leaves nothing registered."""
     import sglang.srt.plugins as plugins
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
     plugins.load_plugins()
+    if layout != "layer_first":  # layer-first buffers come without a copy unit: one call each
+        monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", "64KiB")
     device = _device_pool()
-    with fake_cuda() as fake:
-        host = _host_pool(device, layout)
+    with fake_cuda() as fake, published(page_size=16, hicache_ratio=2.0, hicache_mem_layout=layout):
+        if built_by == "assembler":
+            with host_memory_budget_scope(10**12):
+                host = build_kv_host_pool(kv_pool=device, page_size=16)
+            assert type(host).__name__ == "MHATokenToKVPoolHost" and host.layout == layout
+        else:
+            host = _host_pool(device, layout)
         buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
         recorded = {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges}
         assert recorded and recorded == fake.held()
@@ -95,6 +106,7 @@ def test_sglangs_own_mha_pool_comes_up_through_hicache_and_goes_down_clean(sglan
         assert len(registered) == len(recorded)
         if layout != "layer_first":
             page_bytes = host.page_size * host.layout_dim
+            assert all(len(b._sglang_cuda_host_registered_ranges) > 1 for b in buffers)
             for b in buffers:
                 for ptr, size in b._sglang_cuda_host_registered_ranges:
                     assert (ptr - b.data_ptr()) % page_bytes == 0
@@ -138,8 +150,10 @@ def test_sglangs_default_allocator_gives_way_to_hicaches_and_a_back_ends_is_kept
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_sglangs_own_mla_pool_comes_up_through_hicache_and_goes_down_clean(sglang, layout):
-    """The same for SGLang's real MLATokenToKVPoolHost (one latent buffer per pool)."""
+    """The same for SGLang's real MLATokenToKVPoolHost (one latent buffer per pool), built as a
+    server builds it: by SGLang's assembler (`build_kv_host_pool`) from the published settings."""
     import sglang.srt.plugins as plugins
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -147,11 +161,10 @@ def test_sglangs_own_mla_pool_comes_up_through_hicache_and_goes_down_clean(sglan
     plugins.load_plugins()
     device = MLATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16,
                               layer_num=3, device="cpu", enable_memory_saver=False)
-    info = device.get_device_pool_infos()[0].buffer_info
-    with fake_cuda() as fake:
+    with fake_cuda() as fake, published(page_size=16, hicache_ratio=2.0, hicache_mem_layout=layout):
         with host_memory_budget_scope(10**12):
-            host = MLATokenToKVPoolHost(info, 2.0, 0, 16, layout, True, "cpu", device_capacity_tokens=256,
-                                        start_layer=0, end_layer=3, target_layer_num=3)
+            host = build_kv_host_pool(kv_pool=device, page_size=16)
+        assert isinstance(host, MLATokenToKVPoolHost) and host.layout == layout
         buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
         recorded = {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges}
         assert recorded and recorded == fake.held()
