@@ -226,16 +226,35 @@ def test_without_the_plug_in_the_same_pool_would_call_the_real_cuda(sglang):
         _host_pool(device, "page_first_direct")
 
 
-def test_a_failed_register_leaves_nothing_registered_and_raises_runtime_error(sglang):
-    """What SGLang's constructor sees when the driver refuses: a RuntimeError, as its own
-    helper raises, with nothing left registered."""
+def test_a_failed_register_leaves_nothing_registered_and_raises_runtime_error(sglang, monkeypatch):
+    """What SGLang's constructor sees when the driver refuses call k (for every k of a buffer
+    that takes several calls): a RuntimeError, as its own helper raises, with nothing left
+    registered and nothing hicache mapped for it left mapped."""
     import sglang.srt.plugins as plugins
 
+    from hicache.compat import sglang as compat
+
+    made = []
+
+    class Recording(compat.HostTensorAllocator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
     plugins.load_plugins()
+    monkeypatch.setattr(compat, "HostTensorAllocator", Recording)
+    monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", "64KiB")
     device = _device_pool()
-    with fake_cuda(fail_register={0: 2}) as fake, pytest.raises(RuntimeError):
-        _host_pool(device, "page_first_direct")
-    assert fake.held() == set()
+    with fake_cuda() as fake:
+        _host_pool(device, "page_first_direct").destroy()
+        calls = len([entry for entry in fake.cudart.log if entry[0] == "register"])
+    assert calls > 2
+    for k in range(calls):
+        made.clear()
+        with fake_cuda(fail_register={k: 2}) as fake, pytest.raises(RuntimeError, match="cudaErrorMemoryAllocation"):
+            _host_pool(device, "page_first_direct")
+        assert fake.held() == set(), k
+        assert made and all(allocator.owned() == [] for allocator in made), k
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ Chunking and rollback are hicache's (plan_registration, apply_plan); nothing is 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from hicache._extras import require
@@ -27,8 +26,7 @@ from hicache.effects import (
     HostTensorAllocator,
     apply_plan,
     bring_up,
-    os_page_bytes,
-    probe_kernel_release,
+    probe_resolved_limits,
     quarantine,
     resolve_numa_node,
     sglang_register_chunk_bytes,
@@ -37,7 +35,7 @@ from hicache.effects import (
 )
 from hicache.plan import SGLANG_CHUNK_ENV
 from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, ReleaseError
-from hicache.plan import plan_registration, resolve_limits
+from hicache.plan import plan_registration
 from hicache.compat import _sglang_log
 from hicache.pools._allocator import get_allocator_from_storage
 
@@ -101,11 +99,8 @@ def _chunk_plan(total: int, granularity, base_alignment: int):
                 "host registration granularity exceeds the configured chunk limit: "
                 f"granularity={granularity}, chunk_limit={limit} ({CHUNK_ENV})"
             )
-    chunk_source = CHUNK_ENV if os.environ.get(CHUNK_ENV) else f"SGLang's default {DEFAULT_CHUNK_GB} GiB"
-    resolved = resolve_limits(
-        env=os.environ, chunk_limit_bytes=limit, machine_kernel_release=probe_kernel_release(),
-        os_page_bytes=os_page_bytes(), flag_names={"chunk_limit": chunk_source},
-    )
+    chunk_source = f"SGLang's default {DEFAULT_CHUNK_GB} GiB" if limit == DEFAULT_CHUNK_GB * 2**30 else CHUNK_ENV
+    resolved = probe_resolved_limits(chunk_limit_bytes=limit, flag_names={"chunk_limit": chunk_source})
     # the buffer is whatever SGLang's allocator mapped: no hugepage alignment is assumed, only
     # what the base address shows
     limits = attrs.evolve(resolved.limits, hugepage_bytes=None, base_alignment_bytes=base_alignment)
