@@ -268,3 +268,21 @@ def test_apply_refuses_a_bad_hold(capsys, hold):
     """--hold must be seconds >= 0 or inf: a usage error before anything is allocated."""
     code, out, err = run(capsys, "apply", "--host-gb", "1", "--hold", hold)
     assert code == 2 and "error[bad-number]: --hold" in err
+
+
+def test_apply_refuses_a_saved_plan_whose_calls_exceed_this_machines_cap(capsys, tmp_path, monkeypatch):
+    """A plan saved elsewhere (4 MiB calls) on a machine whose kernel pins at most 1 MiB per call:
+    `apply --plan` refuses it before anything is allocated or CUDA is asked, naming the call, the
+    cap and its source - it never hands the driver a call above the ceiling. Within the cap the
+    same plan passes that check (and goes on to the CUDA check, absent here)."""
+    saved = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.02",
+                     "--chunk-limit", "4MiB", "--format", "json", "--out", str(saved))
+    assert code == 0
+    monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", "1MiB")
+    code, _, err = run(capsys, "apply", "--plan", str(saved))
+    assert "error[plan-exceeds-machine]" in err and "4 MiB, over this machine's 1 MiB cap" in err
+    assert "kernel cap: HICACHE_KERNEL_PIN_CAP" in err and code != 0
+    monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", "4MiB")
+    code, _, err = run(capsys, "apply", "--plan", str(saved))
+    assert "plan-exceeds-machine" not in err and code != 0  # on to the CUDA check: none here

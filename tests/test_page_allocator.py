@@ -191,3 +191,28 @@ def _run_threads(worker, count: int) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("first_page", [-1, -PAGES, PAGES, PAGES + 3])
+def test_a_free_of_a_page_outside_the_pool_is_refused_and_changes_nothing(native, first_page):
+    """A page before the first (negative indices: the C path would read and write the byte before
+    its marks array, the torch path would wrap to the last page) or at/after ``page_num`` (one
+    past the marks) is "out of range", whatever those bytes or pages hold - with every page
+    allocated, so a wrapped index would find a page to free. Nothing changes: the same pages stay
+    allocated, and freeing them all afterwards works."""
+    from hicache.errors import PlanError
+
+    allocator = PageAllocator(PAGES, PAGE, native=native)
+    held = [allocator.alloc(PAGE) for _ in range(PAGES)]
+    assert allocator.available_size() == 0
+    bad = torch.arange(first_page * PAGE, (first_page + 1) * PAGE, dtype=torch.int64)
+    for indices in (bad, torch.cat([held[0], bad])):  # alone, and after a good page (which stays held)
+        with pytest.raises(PlanError, match=r"out of range \[0, 160\)"):
+            allocator.free(indices)
+        assert allocator.available_size() == 0
+    for pages in held:
+        assert allocator.free(pages) == PAGE
+    assert allocator.available_size() == PAGES * PAGE
+    again = torch.cat([allocator.alloc(PAGE) for _ in range(PAGES)])
+    assert sorted(again.tolist()) == list(range(PAGES * PAGE))  # no page outside the pool handed out

@@ -87,3 +87,31 @@ def test_a_tampered_tiling_is_refused():
     ranges.total = 9 * 2**20
     with pytest.raises(PlanError):
         _plan(ranges, 9 * 2**20)
+
+
+def _listed(ranges, total, unit=4096, cap=2**20):
+    """A hand-built plan: a plain list of Ranges (the validator's list path, not a Tiling)."""
+    return RegistrationPlan(total_bytes=total, granularity_bytes=unit, step_bytes=2**20,
+                            limits=Limits(chunk_limit_bytes=cap), ranges=[Range(o, s) for o, s in ranges])
+
+
+def test_a_listed_plan_that_tiles_within_the_cap_passes():
+    assert _listed([(0, 2**20), (2**20, 2**20), (2 * 2**20, 4096)], 2 * 2**20 + 4096).call_count == 3
+
+
+@pytest.mark.parametrize(
+    "ranges, total, says",
+    [
+        # its last range ends past the buffer: the driver would pin memory that is not ours
+        ([(0, 2**20), (2**20, 2**20 + 4096)], 2 * 2**20, "over the cap|total_bytes is"),
+        ([(0, 2**20), (2**20, 8192)], 2**20 + 4096, r"cover \[0, 1056768\) but total_bytes is 1052672"),
+        # only its last range is over the cap (every other one fits): one call above the ceiling
+        ([(0, 2**20), (2**20, 2 * 2**20)], 3 * 2**20, r"ranges\[1\] .* over the cap of 1048576"),
+        ([(0, 4096), (4096, 4 * 2**20)], 4 * 2**20 + 4096, r"ranges\[1\] .* over the cap"),
+        # the first range over the cap, the last within it
+        ([(0, 2 * 2**20), (2 * 2**20, 4096)], 2 * 2**20 + 4096, r"ranges\[0\] .* over the cap"),
+    ],
+)
+def test_a_listed_plan_past_the_buffer_or_over_the_cap_is_refused(ranges, total, says):
+    with pytest.raises(PlanError, match=says):
+        _listed(ranges, total)

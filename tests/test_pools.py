@@ -265,6 +265,10 @@ def test_destroy_keeps_memory_a_failed_release_left_registered():
         (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 7, "direct"), r"layer_id 7 out of range \[0, 3\)"),
         (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 0, "kernel"), "supported: direct/layer_first"),
         (lambda p, d: p.backup_from_device_all_layer(d, torch.tensor([10**6]), torch.tensor([1]), "direct"), "host_indices out of range"),
+        # negative indices would wrap (torch indexing counts from the end): a copy to the wrong slot
+        (lambda p, d: p.backup_from_device_all_layer(d, torch.tensor([-1]), torch.tensor([1]), "direct"), r"host_indices out of range \[0, \d+\): min -1"),
+        (lambda p, d: p.backup_from_device_all_layer(d, torch.tensor([1]), torch.tensor([-1]), "direct"), r"device_indices out of range \[0, \d+\): min -1"),
+        (lambda p, d: p.load_to_device_per_layer(d, torch.tensor([0, -4]), torch.tensor([1, 2]), 0, "direct"), "host_indices out of range"),
         (lambda p, d: p.backup_from_device_all_layer(d, [0, 1], torch.tensor([1, 2]), "direct"), "must be a torch tensor"),
         (lambda p, d: p.get_data_page(10**6), "page index"),
         (lambda p, d: p.alloc(3), "not a multiple of the page size"),
@@ -277,6 +281,22 @@ def test_bad_input_is_a_clear_error(call, pattern):
     with pytest.raises((TransferError, PlanError), match=pattern):
         call(pool, device)
     pool.destroy()
+
+
+@pytest.mark.parametrize("name", ["mha", "mla"])
+def test_zero_copy_pointers_only_for_indices_that_start_a_page(name):
+    """`get_page_buffer_meta` hands out raw pointers a back end reads or writes a whole page at:
+    an index inside a page (or before the first, or past the last) is an error, never a pointer
+    into the middle of a page or outside the buffer."""
+    pool, _ = make(name, "page_first")
+    try:
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(P, 2 * P))
+        assert ptrs and all(size > 0 for size in sizes)
+        for bad in ([1, 2, 3, 4], [P + 1] * P, [-P] * P, [pool.size] * P):
+            with pytest.raises(TransferError):
+                pool.get_page_buffer_meta(bad)
+    finally:
+        pool.destroy()
 
 
 def test_unsupported_layout_lists_the_supported_ones():
