@@ -1,6 +1,10 @@
-"""Hypothesis profiles (quick `dev` by default, thorough `ci` in CI) and the `gpu` marker."""
+"""Hypothesis profiles (quick `dev` by default, thorough `ci` in CI), the `gpu` marker, and the
+file order: HICACHE_TEST_ORDER=reverse or random[:SEED] runs the test files in that order (each
+file's tests in their own order), so a test that passes only after, or only before, another
+file's shows up; CI runs a random order, its seed in the header (rerun with the same value)."""
 
 import os
+import random
 
 from hypothesis import HealthCheck, settings
 
@@ -11,8 +15,44 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+def _file_order():
+    """("reverse" | "random", seed) from HICACHE_TEST_ORDER, or None for pytest's order."""
+    setting = os.environ.get("HICACHE_TEST_ORDER", "").strip()
+    if not setting:
+        return None
+    kind, _, seed = setting.partition(":")
+    if kind not in ("reverse", "random") or (seed and not seed.isdigit()):
+        raise ValueError(f"HICACHE_TEST_ORDER={setting!r}: use reverse, random or random:SEED")
+    return kind, int(seed) if seed else random.SystemRandom().randrange(10**6)
+
+
+_ORDER = _file_order()
+
+
+def pytest_report_header(config):
+    if _ORDER is not None:
+        kind, seed = _ORDER
+        return f"test file order: {kind}" + (f" (HICACHE_TEST_ORDER=random:{seed} repeats it)" if kind == "random" else "")
+    return None
+
+
+def _reorder(items) -> None:
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    names = list(files)
+    kind, seed = _ORDER
+    if kind == "reverse":
+        names.reverse()
+    else:
+        random.Random(seed).shuffle(names)
+    items[:] = [item for name in names for item in files[name]]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu` tests, with the reason, where CUDA is not usable."""
+    """The file order asked for; skip `gpu` tests, with the reason, where CUDA is not usable."""
+    if _ORDER is not None:
+        _reorder(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

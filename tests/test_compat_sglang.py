@@ -215,3 +215,29 @@ def test_call_progress_says_a_line_at_most_once_a_second_and_always_the_last(cap
     said = [r.getMessage() for r in caplog.records]
     assert [line.split()[2] for line in said] == ["1/10", "4/10", "7/10", "10/10"]
     assert said[-1] == "hicache: registered 10/10 calls, 10 GiB of 10 GiB in 4.0 s (2.68 GB/s)"
+
+
+def test_ranges_unregistered_from_the_tensors_records_can_be_registered_again(cudart):
+    """A rollback that leaks leaves the range recorded on the tensor (and held in hicache's
+    process ledger); SGLang's teardown then unregisters it from that record - no Registration
+    involved - and must tell the ledger too: the same memory registers again afterwards instead
+    of being refused as "already held" (what made test_guards + test_compat_sglang fail in that
+    order). A range whose unregister fails again stays held."""
+    from hicache.effects._cuda._ledger import PROCESS_LEDGER
+    from hicache.errors import RollbackError
+
+    buffer = FakeBuffer(3 * GiB)
+    cudart.fail_register, cudart.fail_unregister = {2: 2}, {0: 1}  # the rollback leaks chunk 1
+    with pytest.raises(RollbackError):
+        sg._cuda_host_register(buffer, registration_granularity_bytes=GiB)
+    assert PROCESS_LEDGER.overlapping(BASE, 3 * GiB) == (BASE + GiB, GiB)
+    cudart.fail_unregister = {cudart.unregister_calls: 1}  # teardown fails once more
+    sg._cuda_host_unregister(buffer)
+    assert PROCESS_LEDGER.overlapping(BASE, 3 * GiB) == (BASE + GiB, GiB)  # still registered: held
+    sg._cuda_host_unregister(buffer)  # retried: now it goes
+    assert cudart.held() == set() and PROCESS_LEDGER.overlapping(BASE, 3 * GiB) is None
+    cudart.fail_register = {}
+    again = FakeBuffer(3 * GiB)
+    sg._cuda_host_register(again, registration_granularity_bytes=GiB)  # not refused as held
+    sg._cuda_host_unregister(again)
+    assert cudart.held() == set()

@@ -289,3 +289,25 @@ def test_interrupted_call_whose_undo_fails_is_reported_uncertain():
     assert info.value.leaked == () and info.value.uncertain == ((BASE, 900 * MiB),)
     assert runtime.held() == set()
     assert isinstance(info.value.__cause__, KeyboardInterrupt)
+
+
+def test_a_ctrl_c_during_the_rollback_is_honoured_after_it_with_the_books_attached():
+    """The driver refuses call 2; while the executor unregisters calls 1 and 0 a Ctrl-C arrives (a
+    real SIGINT, which the executor holds so the rollback finishes). Once nothing is registered
+    the Ctrl-C reaches the caller as KeyboardInterrupt - not swallowed into the register error -
+    chained to the ApplyError that says what was rolled back."""
+    import signal
+
+    from hicache.testing import FakeCudart
+
+    class CtrlCWhileUndoing(FakeCudart):
+        def cudaHostUnregister(self, ptr):
+            if self.unregister_calls == 0:
+                signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, mid-rollback
+            return super().cudaHostUnregister(ptr)
+
+    runtime = FakeRuntime(CtrlCWhileUndoing(fail_register={2: 2}))
+    with pytest.raises(KeyboardInterrupt) as info:
+        apply(runtime=runtime)
+    assert isinstance(info.value.__cause__, ApplyError) and "rolled back 2" in str(info.value.__cause__)
+    assert runtime.held() == set() and runtime.cudart.unregister_calls == 2  # both undone first

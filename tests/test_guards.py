@@ -198,3 +198,30 @@ def test_apply_exits_1_on_a_refused_budget(capsys):
         code = main(APPLY)
     err = capsys.readouterr().err
     assert code == 1 and "error[budget-refused]" in err and fake.cudart.log == []
+
+
+def test_a_ctrl_c_during_a_leaking_compat_rollback_still_records_and_quarantines_what_stays(cudart):
+    """Call 2 is refused, the rollback's first unregister fails (chunk 1 stays registered) and a
+    Ctrl-C arrives during it: the caller gets the KeyboardInterrupt, and the leaked chunk is on
+    the tensor's record (so teardown retries it) with its memory quarantined - never freed."""
+    import signal
+
+    real = cudart.cudaHostUnregister
+
+    def unregister(ptr):
+        if cudart.unregister_calls == 1:
+            signal.raise_signal(signal.SIGINT)
+        return real(ptr)
+
+    cudart.cudaHostUnregister = unregister
+    buffer = FakeBuffer(3 * 2**30)
+    cudart.fail_register, cudart.fail_unregister = {2: 2}, {0: 1}
+    before = len(QUARANTINE)
+    with pytest.raises(KeyboardInterrupt):
+        sg._cuda_host_register(buffer, registration_granularity_bytes=2**30)
+    recorded = getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR)
+    assert recorded and set(recorded) == cudart.held()
+    assert any(b is buffer for b in QUARANTINE[before:])
+    cudart.fail_unregister = {}
+    sg._cuda_host_unregister(buffer)
+    assert cudart.held() == set() and getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR) == []

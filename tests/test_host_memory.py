@@ -477,3 +477,28 @@ def test_a_forked_child_neither_inherits_nor_touches_the_pool_memory():
         assert int(buffer.tensor[::4096].eq(7).all()) == 1
     finally:
         buffer.free()
+
+
+def test_free_all_keeps_a_buffer_whose_unmap_was_refused_and_frees_it_later():
+    """A buffer still registered (here: in the ledger the allocator frees against) must not be
+    forgotten by `free_all`: it stays in `owned()` - what a failed teardown quarantines, so the
+    garbage collector never unmaps pinned memory - while every other buffer is freed; once it is
+    unregistered a second `free_all` frees it."""
+    from hicache.effects import HostTensorAllocator
+    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.errors import RegistrationStateError
+
+    allocator, ledger = HostTensorAllocator(prefault_threads=1), HostLedger()
+    pinned = allocator.allocate((64 * 1024,), torch.uint8)
+    other = allocator.allocate((64 * 1024,), torch.uint8)
+    (pinned_buffer,) = [b for b in allocator.owned() if b.ptr == pinned.data_ptr()]
+    (other_buffer,) = [b for b in allocator.owned() if b.ptr == other.data_ptr()]
+    assert ledger.claim([(pinned.data_ptr(), 4096)]) is None  # as if CUDA still pinned its first page
+    del pinned, other
+    with pytest.raises(RegistrationStateError, match="still registered"):
+        allocator.free_all(ledger=ledger)
+    assert allocator.owned() == [pinned_buffer] and not pinned_buffer.freed
+    assert other_buffer.freed
+    ledger.replace([pinned_buffer.ptr], [])
+    allocator.free_all(ledger=ledger)
+    assert allocator.owned() == [] and pinned_buffer.freed

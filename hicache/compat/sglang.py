@@ -146,12 +146,17 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
                                   progress=_sglang_log.CallProgress(_sglang_log.log()))
     except HostAlreadyRegisteredError as error:  # overlaps a registration this process holds
         raise RuntimeError(f"cudaHostRegister refused: {error}") from error
-    except ApplyError as error:
-        leaked = list(getattr(error, "leaked", ())) + list(getattr(error, "uncertain", ()))
+    except BaseException as error:
+        # the books of a failed rollback: the error itself, or - a Ctrl-C during the rollback -
+        # its cause (the executor raises the interrupt from them)
+        books = error if isinstance(error, ApplyError) else error.__cause__
+        leaked = list(getattr(books, "leaked", ())) + list(getattr(books, "uncertain", ()))
         if leaked:  # what stays registered stays recorded, so teardown can retry it, and the
             setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, leaked)
             quarantine(buffer)  # tensor is kept alive: its memory must never be freed
-        _raise_for_apply(error)
+        if isinstance(error, ApplyError):
+            _raise_for_apply(error)
+        raise
     _record(buffer, registration)
 
 

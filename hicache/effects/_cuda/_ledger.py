@@ -52,6 +52,21 @@ class HostLedger:
             for ptr, size in add_intervals:
                 self._held.add(ptr, size)
 
+    def forget(self, ranges) -> None:
+        """Stop holding the bytes of ``ranges`` (unregistered outside a `Registration`, e.g. from
+        the records on an SGLang tensor): every held interval they cut keeps only what lies
+        outside them."""
+        with self._lock:
+            for ptr, size in sorted(ranges):
+                end = ptr + size
+                while (held := self._held.overlapping(ptr, size)) is not None:
+                    start, length = held
+                    self._held.remove(start)
+                    if start < ptr:
+                        self._held.add(start, ptr - start)
+                    if start + length > end:
+                        self._held.add(end, start + length - end)
+
     def held(self) -> tuple[tuple[int, int], ...]:
         """Every held interval as ``(ptr, size)``, by address."""
         with self._lock:

@@ -15,6 +15,7 @@ import weakref
 import attrs
 
 from hicache.effects._interrupts import deferred_interrupts
+from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._cuda._runtime import HostRuntime
 from hicache.errors import HostNotRegisteredError, ReleaseError, StickyCudaError
 
@@ -200,14 +201,19 @@ class Registration:
         return f"<Registration {s.state}: {s.registered_bytes} bytes in {len(s.entries)} call(s)>"
 
 
-def unregister_ranges(runtime: HostRuntime, ranges) -> list[tuple[int, int]]:
+def unregister_ranges(runtime: HostRuntime, ranges, *, ledger: HostLedger | None = None) -> list[tuple[int, int]]:
     """Unregister ``(ptr, size)`` ranges in reverse order with the executor's undo rules.
 
     For ranges registered outside a `Registration` (records kept elsewhere, e.g. on an SGLang
-    tensor). Attempts every one, stops at a sticky error; returns those still registered.
+    tensor). Attempts every one, stops at a sticky error; returns those still registered. What
+    was unregistered is no longer held in ``ledger`` (default: this process's), so the same
+    memory can be registered again; what leaked stays held.
     """
+    ledger = PROCESS_LEDGER if ledger is None else ledger
     entries = [RegisteredRange("range", i, int(ptr), int(size)) for i, (ptr, size) in enumerate(ranges)]
-    leaked, _, interrupt = _undo(runtime, entries)
+    leaked, _, interrupt = _undo(runtime, entries)  # an interrupt comes back as a value
+    still = set(leaked)
+    ledger.forget([(e.ptr, e.size) for e in entries if (e.ptr, e.size) not in still])
     if interrupt is not None:
         raise interrupt
     order = {(e.ptr, e.size): e.index for e in entries}
