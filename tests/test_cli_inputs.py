@@ -37,6 +37,18 @@ CASES = {
     "device tokens absurd": (lambda tmp: ["plan", "--ratio", "2", "--device-tokens", str(10**13)], "bad-number", 2),
     "plan file is a fifo": (lambda tmp: ["doctor", "--plan", _fifo(tmp)], "bad-plan", 2),
     "bad HICACHE_REGISTER_CHUNK": (lambda tmp: ["plan", "--chunk-limit", "lots"], "bad-size", 2),
+    # sized by ratio: the same bounds as --host-gb (it once planned 9.5 M calls in 24 GB of RSS)
+    "ratio x device tokens past 1 PB": (lambda tmp: ["plan", "--ratio", "2", "--device-tokens", str(10**12),
+                                                     "--format", "json"], "bad-size", 2),
+    "ratio path millions of calls": (lambda tmp: ["plan", "--ratio", "2", "--device-tokens", str(3 * 10**8),
+                                                  "--chunk-limit", "16MiB", "--format", "json"], "too-many-calls", 2),
+    "forced past the hard call bound": (lambda tmp: ["plan", "--ratio", "2", "--device-tokens", str(3 * 10**8),
+                                                     "--chunk-limit", "16MiB", "--force"], "too-many-calls", 2),
+    "apply sized past 1 PB": (lambda tmp: ["apply", "--ratio", "2", "--device-tokens", str(10**12)], "bad-size", 2),
+    # a release the planner cannot read is refused, never a silent "no kernel cap"
+    "kernel release garbage": (lambda tmp: ["plan", "--kernel-release", "garbage"], "bad-kernel-release", 2),
+    "kernel release major only": (lambda tmp: ["plan", "--kernel-release", "6"], "bad-kernel-release", 2),
+    "kernel release empty": (lambda tmp: ["plan", "--kernel-release="], "bad-kernel-release", 2),
 }
 
 
@@ -67,6 +79,49 @@ def test_bad_input_is_one_error_line_with_its_exit_code(case, tmp_path, capsys):
     assert got == code, err
     assert lines[0].startswith(f"error[{ref}]:") and lines[-1].startswith("hint:"), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("release", ["6.12", "v6.12", "6,12", "Linux 6.12", " 6.12", "6.12.0-31-generic", "6.11", "6.13.2"])
+def test_kernel_releases_as_people_write_them_apply_the_pin_cap(release, capsys):
+    code = main(["plan", "--kernel-release", release, "--format", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["limits"]["kernel_cap_bytes"] is not None, release
+
+
+@pytest.mark.parametrize("release", ["6.10", "6.14", "5.15.0-91-generic"])
+def test_kernel_releases_outside_6_11_to_6_13_have_no_pin_cap(release, capsys):
+    code = main(["plan", "--kernel-release", release, "--format", "json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["limits"]["kernel_cap_bytes"] is None
+
+
+def _bounded_child(argv, *, memory_bytes=2 * 2**30, timeout=60, stdout=subprocess.PIPE):
+    """`hicache ARGV` in a child process limited to ``memory_bytes`` of address space."""
+    code = ("import resource, sys\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({memory_bytes}, {memory_bytes}))\n"
+            "from hicache.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    return subprocess.run([sys.executable, "-c", code, *argv], stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--ratio", "2", "--device-tokens", str(10**12), "--format", "json"],
+    ["plan", "--ratio", "2", "--device-tokens", str(10**12), "--chunk-limit", "1GiB", "--format", "json"],
+    ["plan", "--ratio", "2", "--device-tokens", str(3 * 10**8), "--chunk-limit", "16MiB", "--force", "--format", "json"],
+])
+def test_absurd_sizes_by_ratio_end_quickly_in_little_memory(argv):
+    """Under a 2 GiB address-space limit and a 60 s timeout: one error line, no MemoryError."""
+    result = _bounded_child(argv)
+    assert result.returncode == 2 and result.stderr.splitlines()[-2].startswith("error["), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_a_full_standard_output_is_an_error_line_not_a_traceback(fmt):
+    with open("/dev/full", "w") as full:
+        result = _bounded_child(["plan", "--format", fmt], stdout=full)
+    assert result.returncode == 2 and "error[bad-output]: cannot write to standard output" in result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
 
 
 def test_threads_columns_and_an_unusable_runtime_dir_are_error_lines(tmp_path):

@@ -78,7 +78,26 @@ def emit(text: str, out: str | None) -> None:
             raise CliError("bad-output", f"cannot write {out}: {error.strerror}", "pass a writable --out path") from None
         print(f"wrote {out}", file=sys.stderr)
     else:
-        sys.stdout.write(text)
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except OSError as error:  # a full disk (> /dev/full), a closed pipe
+            _quiet_stdout()
+            raise CliError("bad-output", f"cannot write to standard output: {error.strerror}",
+                           "check where standard output goes (a full disk, a closed pipe), or pass --out FILE") from None
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of what is left cannot fail
+    again (a second traceback after the error line)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (a test's capture): nothing to flush
+        pass
 
 
 def fail(ref: str, message: str, hint: str, code: int) -> int:

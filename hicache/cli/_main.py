@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("infeasible-plan", str(error), "raise --chunk-limit or change --layout/--page-size", INFEASIBLE)
     except HicacheError as error:
         return fail("error", str(error), "run `hicache doctor`", INFEASIBLE)
+    except MemoryError:
+        return fail("out-of-memory", "ran out of memory", "plan a smaller pool or fewer calls (raise --chunk-limit)", INFEASIBLE)
     except KeyboardInterrupt as interrupt:
         detail = interrupt.__cause__ or interrupt.__context__
         message = f"interrupted ({detail})" if detail is not None else "interrupted"

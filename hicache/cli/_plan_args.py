@@ -22,7 +22,9 @@ from hicache.plan import (
     ConfigError,
     EnvError,
     ResolvedLimits,
+    format_bytes,
     model_from_hf_config,
+    parse_kernel_release,
     plan_capacity,
     resolve_limits,
 )
@@ -33,6 +35,7 @@ LAYOUTS = ("page_first_direct", "page_first", "layer_first", "page_head")
 MAX_HOST_GB = 10**6  # 1 PB per rank
 MAX_DEVICE_TOKENS = 10**12
 MAX_CALLS = 100_000  # cudaHostRegister calls per rank a plan may have without --force
+MAX_FORCED_CALLS = 1_000_000  # ... and with it (its JSON is ~60 MB; past this, time and memory run away)
 
 
 def _model(args):
@@ -81,6 +84,9 @@ def _defaults_used(args, sources: dict) -> tuple[str, ...]:
 
 def limits_from_args(args, *, env=None, machine_kernel_release: str | None = None, os_page_bytes: int = 4096) -> ResolvedLimits:
     """The caps the flags ask for, merged with ``env``'s ``HICACHE_*`` settings (a flag wins)."""
+    if args.kernel_release is not None and parse_kernel_release(args.kernel_release) is None:
+        raise CliError("bad-kernel-release", f"--kernel-release {args.kernel_release!r} is not a Linux release",
+                       "e.g. --kernel-release 6.12, or what `uname -r` prints on the target machine")
     chunk = size(args.chunk_limit, "--chunk-limit") if args.chunk_limit else None
     hugepage = size(args.hugepage_size, "--hugepage-size") if args.hugepage_size else None
     try:
@@ -143,7 +149,28 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
         raise CliError("bad-config", str(error), "check --tp against the model's KV heads, or --kv-dtype") from None
     except LayoutError as error:
         raise CliError("unsupported-layout", str(error), "pick a --layout the model's pools support") from None
+    _check_bounded(plan, args, ratio is not None)
     return plan, _defaults_used(args, resolved.sources), resolved.sources
+
+
+def _check_bounded(plan, args, by_ratio: bool) -> None:
+    """Every way of sizing a pool (--host-gb, or --ratio x --device-tokens) meets the same
+    bounds before anything reads the plan's ranges (they are lazy until then): at most 1 PB
+    per rank, at most MAX_CALLS registration calls per rank without --force."""
+    sizing = "lower --ratio or --device-tokens" if by_ratio else "lower --host-gb"
+    if plan.total_bytes > MAX_HOST_GB * 10**9:
+        raise CliError("bad-size", f"the host pool would be {format_bytes(plan.total_bytes)} per rank: over "
+                       f"{MAX_HOST_GB:,} GB (1 PB)", f"{sizing}; sizes are per rank")
+    if plan.call_count > MAX_FORCED_CALLS:
+        raise CliError("too-many-calls", f"{plan.call_count:,} cudaHostRegister calls per rank: over {MAX_FORCED_CALLS:,}, "
+                       "even with --force", f"raise --chunk-limit (or HICACHE_REGISTER_CHUNK), or {sizing}")
+    if plan.call_count > MAX_CALLS and not getattr(args, "force", False):
+        raise CliError(
+            "too-many-calls",
+            f"{plan.call_count:,} cudaHostRegister calls per rank at {plan.limits.effective_cap_bytes:,} bytes each: "
+            f"over {MAX_CALLS:,}",
+            f"raise --chunk-limit (or HICACHE_REGISTER_CHUNK), {sizing}, or pass --force to plan it anyway",
+        )
 
 
 def add_plan_arguments(parser) -> None:

@@ -33,6 +33,7 @@ from hicache.plan._limits import (
     KERNEL_PIN_CAP_BYTES,
     Limits,
     kernel_pin_cap,
+    parse_kernel_release,
 )
 from hicache.plan._planner import RegistrationPlan, pace, plan_registration, replan
 from hicache.plan._models import (
@@ -109,6 +110,7 @@ __all__ = [
     "format_bytes",
     "format_gb",
     "kernel_pin_cap",
+    "parse_kernel_release",
     "from_jsonable",
     "parse_size",
     "plan_pool",

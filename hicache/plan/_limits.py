@@ -32,10 +32,21 @@ KERNEL_PIN_CAP_BYTES = 2**31 - 2 * MiB
 DEFAULT_CHUNK_LIMIT_BYTES = 64 * GiB
 
 
+_RELEASE = re.compile(r"^\s*(?:linux\s+)?v?(\d+)[.,](\d+)(?:\D.*)?$", re.IGNORECASE | re.DOTALL)
+
+
+def parse_kernel_release(release: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a Linux release as people write it - ``6.12``, ``6.12.0-31-generic``
+    (``uname -r``), ``v6.12``, ``6,12``, ``Linux 6.12``, surrounding spaces - or None."""
+    match = _RELEASE.match(release) if isinstance(release, str) else None
+    return (int(match[1]), int(match[2])) if match else None
+
+
 def kernel_pin_cap(release: str) -> int | None:
-    """The per-pin cap of a Linux release string: 6.11-6.13 pin at most ~2 GB per call."""
-    match = re.match(r"(\d+)\.(\d+)", release)
-    if match and (6, 11) <= (int(match[1]), int(match[2])) < (6, 14):
+    """The per-pin cap of a Linux release string: 6.11-6.13 pin at most ~2 GB per call (None
+    for other releases, and for a string that is not a release: see `parse_kernel_release`)."""
+    version = parse_kernel_release(release)
+    if version is not None and (6, 11) <= version < (6, 14):
         return KERNEL_PIN_CAP_BYTES
     return None
 

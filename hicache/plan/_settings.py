@@ -18,6 +18,7 @@ from hicache.plan._limits import (
     DRIVER_CEILING_BYTES,
     Limits,
     kernel_pin_cap,
+    parse_kernel_release,
 )
 from hicache.plan._units import parse_size
 
@@ -93,6 +94,8 @@ def resolve_limits(
 
     env_cap = env_size(env, "HICACHE_KERNEL_PIN_CAP", allow_none=True)
     if kernel_release is not None:
+        if parse_kernel_release(kernel_release) is None:  # never a silent "no cap" for a typo
+            raise PlanError(f"kernel release {kernel_release!r} is not a Linux release (e.g. 6.12 or 6.12.0-31-generic)")
         cap = kernel_pin_cap(kernel_release)
         sources["kernel_cap"] = f"{flags['kernel_release']} {kernel_release}"
     elif env_cap is not None:
