@@ -286,3 +286,32 @@ def test_apply_refuses_a_saved_plan_whose_calls_exceed_this_machines_cap(capsys,
     monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", "4MiB")
     code, _, err = run(capsys, "apply", "--plan", str(saved))
     assert "plan-exceeds-machine" not in err and code != 0  # on to the CUDA check: none here
+
+
+def test_apply_honours_host_memory_and_ranks_per_host_in_its_budget(capsys):
+    """--host-memory and --ranks-per-host take the place of this machine's free memory and rank
+    count in apply's budget check (they were ignored): a 20 MB pool fits a roomy machine, but not
+    100 MB shared by 8 ranks with no reserve - refused before anything is registered."""
+    from hicache.cli import _apply
+    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.errors import CapacityError
+    from hicache.testing import FakeCudaBinding, FakeRuntime
+
+    runtime = FakeRuntime()
+    assert _apply.run(_apply_args("--format", "json"), runtime=runtime, machine=ROOMY,
+                      cuda_binding=FakeCudaBinding(), ledger=HostLedger()) == 0
+    capsys.readouterr()
+    runtime = FakeRuntime()
+    tight = _apply_args("--host-memory", "100MB", "--ranks-per-host", "8", "--reserve", "1")
+    with pytest.raises(CapacityError, match="per rank|budget|exceeds|Not enough|available"):
+        _apply.run(tight, runtime=runtime, machine=ROOMY, cuda_binding=FakeCudaBinding(), ledger=HostLedger())
+    assert runtime.cudart.register_calls == 0
+
+
+def test_apply_refuses_plan_arguments_next_to_a_saved_plan(capsys, tmp_path):
+    saved = tmp_path / "plan.json"
+    assert run(capsys, "plan", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.02", "--chunk-limit", "4MiB",
+               "--format", "json", "--out", str(saved))[0] == 0
+    for extra in (["--host-gb", "3"], ["--model", "llama-3.1-8b"], ["--chunk-limit", "1GiB"], ["--mamba-slots", "9"]):
+        code, _, err = run(capsys, "apply", "--plan", str(saved), *extra)
+        assert code == 2 and f"error[conflicting-flags]: --plan and {extra[0]} both given" in err, err

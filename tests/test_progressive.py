@@ -210,7 +210,7 @@ def progressive_pools(draw):
                                head_dim=draw(st.sampled_from([4, 8, 24])), page_size=page)
     ratio = draw(st.sampled_from([2.0, 3.0, 5.0]))
     chunk = draw(st.sampled_from([4096, 3 * 4096, 16 * 4096, 2**40]))
-    stall = draw(st.sampled_from([1e-6, 0.001, 0.25]))
+    stall = draw(st.sampled_from([0.001, 0.01, 0.25]))
     return family, layout, page, device, ratio, chunk, stall
 
 
@@ -403,3 +403,32 @@ def test_every_thread_exists_before_the_first_pre_fault_call(monkeypatch, family
     # by construction, not by a race: the pre-fault begins only once the registration thread runs
     assert started.index("hicache-progressive") < started.index("hicache-prefault-pipeline")
     assert runtime.held() == set() and ledger.held() == ()
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 1e-9, float("nan"), float("inf"), "0.25", True, [0.25]])
+def test_a_bad_max_stall_is_refused_where_it_enters_before_any_memory(bad):
+    """`max_stall_s` is checked where it enters - the bring-up's `Progressive`, the progressive
+    registration itself, and a pool's constructor - before anything is mapped or registered: a
+    clear PlanError naming the field and the value (not 3,073 one-page calls for 1e-9, nor a raw
+    error after the bring-up began)."""
+    from hicache.effects import Progressive
+    from hicache.effects._cuda._progressive import ProgressiveRegistration
+    from hicache.errors import PlanError
+
+    with pytest.raises(PlanError, match=r"max_stall_s must be"):
+        Progressive(max_stall_s=bad)
+    with pytest.raises(PlanError, match=r"ProgressiveRegistration\.max_stall_s must be"):
+        ProgressiveRegistration([], runtime=FakeRuntime(), max_stall_s=bad)
+    runtime = FakeRuntime()
+    with pytest.raises(PlanError, match=r"max_stall_s must be"):
+        _pool(runtime, HostLedger(), max_stall_s=bad)
+    assert runtime.cudart.log == []
+
+
+def test_max_stall_takes_any_real_number_of_seconds():
+    import numpy as np
+
+    from hicache.effects import Progressive
+
+    for good, seconds in ((np.float32(0.25), 0.25), (np.float64(0.5), 0.5), (1, 1.0), (0.001, 0.001), (None, None)):
+        assert Progressive(max_stall_s=good).max_stall_s == seconds

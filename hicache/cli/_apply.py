@@ -16,7 +16,7 @@ from hicache.cli._common import INFEASIBLE, USAGE, CliError, positive_int, size
 from hicache.cli._plan_args import add_plan_arguments, build_plan, limits_from_args
 from hicache.cli._saved import load_plan, pool_plans
 from hicache.errors import CudaUnavailableError, ReleaseError
-from hicache.plan import DEFAULT_RESERVE_BYTES, format_bytes
+from hicache.plan import CAPACITY_DEFAULTS, DEFAULT_RESERVE_BYTES, format_bytes
 
 DESCRIPTION = (
     "Allocate, pre-fault and register a plan on this machine, all or nothing, as the pools "
@@ -51,7 +51,7 @@ class _Progress:
 
 def add_command(commands) -> None:
     apply = commands.add_parser("apply", help="allocate, pre-fault and register a plan for real", description=DESCRIPTION)
-    add_plan_arguments(apply)
+    add_plan_arguments(apply, budget_title="budget (instead of this machine's free memory and rank count)")
     apply.add_argument("--plan", dest="plan_file", help="a saved JSON plan (instead of plan arguments)")
     apply.add_argument("--hold", default="0", help="seconds to hold the registration, or inf: until Ctrl-C (default 0)")
     apply.add_argument("--hugepages", choices=("off", "thp", "prefer", "required"), default="off",
@@ -81,6 +81,10 @@ def _machine_plan(args):
     from hicache.plan import EnvError
 
     if args.plan_file:
+        given = _plan_arguments_given(args)
+        if given:
+            raise CliError("conflicting-flags", f"--plan and {', '.join(given)} both given: a saved plan is applied as "
+                           "it was saved", "drop the plan arguments, or plan here without --plan")
         plan = load_plan(args.plan_file)
         try:
             machine = probe_resolved_limits()
@@ -99,6 +103,38 @@ def _machine_plan(args):
     resolved = limits_from_args(args, machine_kernel_release=probe_kernel_release(), os_page_bytes=os_page_bytes())
     plan, _, sources = build_plan(args, resolved)
     return plan, sources
+
+
+#: Plan arguments (flag, attribute, value when not given): with --plan none of them may be given.
+_PLAN_ARGUMENTS = (
+    ("--model", "model", None), ("--config", "config", None), ("--model-path", "model_path", None),
+    ("--tp", "tp", None), ("--page-size", "page_size", None), ("--layout", "layout", None),
+    ("--kv-dtype", "kv_dtype", None), ("--mamba-slots", "mamba_slots", str(CAPACITY_DEFAULTS["mamba_slots"])),
+    ("--host-gb", "host_gb", None), ("--ratio", "ratio", None), ("--device-tokens", "device_tokens", None),
+    ("--chunk-limit", "chunk_limit", None), ("--kernel-release", "kernel_release", None),
+    ("--hugepage-size", "hugepage_size", None),
+)
+
+
+def _plan_arguments_given(args) -> list[str]:
+    return [flag for flag, name, unset in _PLAN_ARGUMENTS if getattr(args, name, unset) != unset]
+
+
+def _budget_machine(args, machine):
+    """The machine facts the budget check uses: this machine's, with --host-memory and
+    --ranks-per-host (when given) in place of its free memory and rank count."""
+    import attrs
+
+    from hicache.effects import probe_machine
+
+    memory = size(args.host_memory, "--host-memory") if args.host_memory else None
+    ranks = positive_int(args.ranks_per_host, "--ranks-per-host") if args.ranks_per_host else None
+    if memory is None and ranks is None:
+        return machine, None
+    facts = probe_machine() if machine is None else machine
+    if ranks is not None:
+        facts = attrs.evolve(facts, ranks_per_host=ranks)
+    return facts, memory
 
 
 def _hold_for(seconds: float, total: int) -> None:
@@ -137,6 +173,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     hold = _hold_seconds(args.hold)
     threads = positive_int(args.threads, "--threads") if args.threads else None
     reserve = size(args.reserve, "--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
+    machine, host_memory = _budget_machine(args, machine)
     plan, sources = _machine_plan(args)
     cuda = probe_cuda(cuda_binding)
     if not cuda.available:  # before allocating anything
@@ -159,7 +196,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     try:
         handle = bring_up(pools, mode=Progressive() if args.progressive else None, runtime=runtime,
                           allocator=allocator, machine=machine, lock=lock, ledger=ledger, progress=progress,
-                          reserve_bytes=reserve)
+                          reserve_bytes=reserve, host_memory_bytes=host_memory)
         if progress is not None:
             progress.close()
         else:

@@ -173,7 +173,7 @@ def _check_bounded(plan, args, by_ratio: bool) -> None:
         )
 
 
-def add_plan_arguments(parser) -> None:
+def add_plan_arguments(parser, *, budget_title: str = "budget (plan never reads the machine)") -> None:
     what = parser.add_argument_group("model and parallelism")
     what.add_argument("--model", help=f"embedded preset (default {CAPACITY_DEFAULTS['model']}; --list-models)")
     what.add_argument("--config", help="a HuggingFace config.json instead of a preset")
@@ -196,7 +196,7 @@ def add_plan_arguments(parser) -> None:
     caps.add_argument("--chunk-limit", help="largest cudaHostRegister call (default: HICACHE_REGISTER_CHUNK, else 64GiB)")
     caps.add_argument("--kernel-release", help="apply the per-pin cap of this Linux release (6.11-6.13)")
     caps.add_argument("--hugepage-size", help="hugetlbfs page size of the pool (e.g. 2MiB, 1GiB)")
-    budget = parser.add_argument_group("budget (plan never reads the machine)")
+    budget = parser.add_argument_group(budget_title)
     budget.add_argument("--host-memory", help="memory available on the host (e.g. 2TB, 1.5TiB)")
     budget.add_argument("--ranks-per-host", help="ranks sharing the host memory")
     budget.add_argument("--reserve", help="memory kept back (default 10GiB)")

@@ -15,7 +15,6 @@ ranks that start together each see the others' pools as used memory and never ov
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
 
@@ -25,7 +24,7 @@ from hicache.effects._bringup._faulting import Prefaulter, ProgressiveFaulting
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup._lock import budget_lock
 from hicache.effects._cuda._executor import _apply
-from hicache.effects._cuda._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration
+from hicache.effects._cuda._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration, check_max_stall
 from hicache.effects._cuda._runtime import default_runtime
 from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._probes import probe_machine
@@ -38,11 +37,7 @@ MODES = (BLOCKING, PIPELINED, MAP_ONLY, "Progressive(...)")
 
 
 def _stall(value):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise PlanError(f"Progressive.max_stall_s must be a positive number of seconds or None, got {value!r}")
-    return float(value)
+    return check_max_stall(value)
 
 
 @attrs.frozen

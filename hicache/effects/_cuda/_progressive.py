@@ -14,6 +14,8 @@ faulting the memory alongside is the bring-up room's (`_bringup._faulting`).
 from __future__ import annotations
 
 import heapq
+import math
+import numbers
 import logging
 import threading
 
@@ -22,7 +24,7 @@ import attrs
 from hicache.effects._cuda._executor import _apply
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._runtime import default_runtime
-from hicache.errors import ApplyError, ReleaseError
+from hicache.errors import ApplyError, PlanError, ReleaseError
 from hicache.plan import Limits, pace, plan_registration
 
 #: The first call of a progressive bring-up registers at most this much: its rate is unknown
@@ -34,6 +36,23 @@ FIRST_CALL_BYTES = 16 * 2**20
 MAX_STALL_S = 0.25
 
 logger = logging.getLogger(__name__)
+
+
+MIN_STALL_S = 0.001  # shorter budgets pace a pool into one call per page (a 64 MiB pool: 3,073 calls)
+
+
+def check_max_stall(value, owner: str = "Progressive") -> float | None:
+    """``max_stall_s`` as seconds (None: unpaced), or `PlanError` naming the field and the value:
+    a real number (numpy's included), finite, at least `MIN_STALL_S`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PlanError(f"{owner}.max_stall_s must be seconds (a number) or None, got {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < MIN_STALL_S:
+        raise PlanError(f"{owner}.max_stall_s must be a finite number of seconds >= {MIN_STALL_S} (or None: "
+                        f"unpaced), got {value!r}")
+    return seconds
 
 
 def chunk_order(index: int, done: int) -> int:
@@ -86,7 +105,7 @@ class ProgressiveRegistration:
         self.before_call = before_call
         self.resident = resident
         self.key = key if key is not None else chunk_order
-        self.max_stall_s = max_stall_s
+        self.max_stall_s = check_max_stall(max_stall_s, "ProgressiveRegistration")
         self.calls: list[tuple[int, int, float]] = []  # (chunk index, bytes, seconds) per call
         self._done = [0] * len(self.chunks)  # bytes registered from the start of each chunk
         self._queue = [(self.key(index, 0), index) for index, chunk in enumerate(self.chunks) if chunk.size]
