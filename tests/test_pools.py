@@ -462,3 +462,43 @@ def test_a_device_tensor_shrunk_in_place_is_noticed():
     with pytest.raises(TransferError, match=r"layer 2, buffer 0, V"):
         pool.load_to_device_per_layer(device, host_idx, device_idx, 2, "direct")
     pool.destroy()
+
+
+def _mismatched_device(kind):
+    device = MHADevicePool(size=64, layer_num=3, head_num=2, head_dim=8, page_size=P)
+    if kind == "a later layer of another dtype":
+        device.k_buffer[2] = device.k_buffer[2].to(torch.float32)
+    elif kind == "fewer layers":
+        device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=8, page_size=P)
+    elif kind == "more heads":
+        device = MHADevicePool(size=64, layer_num=3, head_num=4, head_dim=8, page_size=P)
+    elif kind == "another family":
+        device = MLADevicePool(size=64, layer_num=3, kv_lora_rank=12, qk_rope_head_dim=4, page_size=P)
+    for tensor in [*getattr(device, "k_buffer", []), *getattr(device, "v_buffer", []), *getattr(device, "kv_buffer", [])]:
+        tensor.fill_(7)
+    return device
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("kind", ["a later layer of another dtype", "fewer layers", "more heads", "another family"])
+def test_a_device_pool_that_does_not_match_is_refused_before_any_byte_moves(layout, kind):
+    """Every device tensor of a transfer is checked (dtype, elements per slot, the layer exists,
+    the family's buffers exist) before the first copy: a clear TransferError, and neither the host
+    pool (backup) nor the device pool (load) changed - a float32 layer 2 once left layers 0-1
+    backed up in page_first."""
+    pool, _ = make("mha", layout)
+    try:
+        device = _mismatched_device(kind)
+        host_indices = pool.alloc(2 * P)
+        host_before = [b.clone() for b in (pool.kv_buffer if isinstance(pool.kv_buffer, list) else [pool.kv_buffer])]
+        with pytest.raises(TransferError, match="nothing was copied"):
+            pool.backup_from_device_all_layer(device, host_indices, torch.arange(P, 3 * P), "direct")
+        host_after = pool.kv_buffer if isinstance(pool.kv_buffer, list) else [pool.kv_buffer]
+        assert all(torch.equal(a, b) for a, b in zip(host_before, host_after))
+        device_before = [t.clone() for t in getattr(device, "k_buffer", getattr(device, "kv_buffer", []))]
+        layer = 2 if kind in ("a later layer of another dtype", "fewer layers") else 0  # the one that differs
+        with pytest.raises(TransferError, match="nothing was copied"):
+            pool.load_to_device_per_layer(device, host_indices, torch.arange(P, 3 * P), layer, "direct")
+        assert all(torch.equal(a, b) for a, b in zip(device_before, getattr(device, "k_buffer", getattr(device, "kv_buffer", []))))
+    finally:
+        pool.destroy()

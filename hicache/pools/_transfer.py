@@ -11,6 +11,7 @@ layouts go through torch index operations.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from hicache.errors import TransferError
@@ -278,12 +279,12 @@ class Transfers:
     def run(self, device_pool, host_indices, device_indices, layers, *, to_host: bool) -> None:
         """Copy the given slots of ``layers`` between the host buffers and ``device_pool``."""
         streams = self.streams
-        first = streams[0].device(device_pool, 0)
+        first = self._device(device_pool, streams[0], 0)
         device_slots = first.shape[0] * (self.page_size if streams[0].rows else 1)
         checked = self.memo.check(
             host_indices, device_indices, host_slots=self.host_slots, device_slots=device_slots, page_size=self.page_size
         )
-        device_tensors = tuple(stream.device(device_pool, layer) for layer in layers for stream in streams)
+        device_tensors = tuple(self._device(device_pool, stream, layer) for layer in layers for stream in streams)
         key = (to_host, tuple(layers), id(device_pool))
         ready = checked.ready.get(key)
         if ready is not None and ready.matches(device_tensors):  # the same copies as last time
@@ -293,6 +294,37 @@ class Transfers:
         ready = self._build(checked, layers, device_tensors, to_host=to_host)
         if ready is not None:
             checked.ready[key] = ready
+
+    def _device(self, device_pool, stream, layer: int):
+        """The device tensor of ``stream``'s ``layer``, or a TransferError naming what the device
+        pool lacks (fewer layers, another family) - before anything is copied."""
+        try:
+            tensor = stream.device(device_pool, layer)
+        except (AttributeError, IndexError, KeyError, TypeError) as error:
+            raise TransferError(
+                f"{self.name}: the device pool ({type(device_pool).__name__}) has no {Where(layer, stream.buffer, stream.kv)} "
+                f"tensor this host pool copies ({type(error).__name__}: {error}); nothing was copied"
+            ) from None
+        if not hasattr(tensor, "dtype") or not hasattr(tensor, "shape") or tensor.dim() < 1:
+            raise TransferError(f"{self.name}: {Where(layer, stream.buffer, stream.kv)} of the device pool is not a "
+                                f"tensor of slots: {type(tensor).__name__}; nothing was copied")
+        return tensor
+
+    @staticmethod
+    def _check_matches(where, hv, dv, *, rows: bool) -> None:
+        """The device tensor holds what the host view holds: the dtype, and as many elements per
+        slot (row) - checked for every layer before the first byte moves (a later layer of
+        another dtype once left the earlier ones copied)."""
+        item = tuple(hv.shape[1:] if rows else hv.shape[2:])
+        if dv.dtype != hv.dtype:
+            raise TransferError(f"{where}: the device tensor is {dv.dtype}, the host pool holds {hv.dtype}; "
+                                "nothing was copied")
+        if math.prod(dv.shape[1:]) != math.prod(item):
+            raise TransferError(
+                f"{where}: a device {'row' if rows else 'slot'} holds {math.prod(dv.shape[1:])} elements "
+                f"{tuple(dv.shape[1:])}, the host pool's {math.prod(item)} {item} (more heads, another "
+                "model?); nothing was copied"
+            )
 
     def _link(self, stream, layer: int, dv, *, to_host: bool) -> Link:
         """How one layer of one stream copies (block views, unit, steps, extents), cached per
@@ -318,8 +350,12 @@ class Transfers:
         for layer in layers:
             for stream in self.streams:
                 dv = next(tensors)
-                link = self._link(stream, layer, dv, to_host=to_host)
                 where = Where(layer, stream.buffer, stream.kv)
+                hv = self._views.get((stream.buffer, stream.kv, layer))
+                if hv is None:
+                    hv = self._views[(stream.buffer, stream.kv, layer)] = self.host_view(stream, layer)
+                self._check_matches(where, hv, dv, rows=stream.rows)
+                link = self._link(stream, layer, dv, to_host=to_host)
                 if stream.rows or (hpages is not None and dpages is not None and link.whole_pages):
                     if hpages is None or dpages is None:
                         raise TransferError(f"{self.name} moves whole pages: indices must be page-aligned runs")
