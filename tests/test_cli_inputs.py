@@ -235,3 +235,45 @@ def test_doctor_reports_the_pool_settings_of_the_environment(tmp_path):
     assert prefer.status == "warn" and "4 KiB" in prefer.finding
     plenty = (HugepagePool(2 * 2**20, 10**6, 10**6),)
     assert check({"HICACHE_HUGEPAGES": "required"}, hugepages=plenty).status == "pass"
+
+
+def test_a_config_swapped_for_a_fifo_while_being_read_never_hangs(tmp_path, capsys):
+    """A symlink flipped between a real config.json and a FIFO as fast as possible while `plan
+    --config LINK` runs 150 times: each run ends (the file is opened once, without blocking, and
+    checked on the descriptor) with the plan or a bad-config line - never a hang on the FIFO."""
+    import threading
+
+    real = _config(tmp_path)
+    fifo = tmp_path / "swap.fifo"
+    os.mkfifo(fifo)
+    link, spare = tmp_path / "config-link.json", tmp_path / "spare-link"
+    os.symlink(real, link)
+    stop = threading.Event()
+
+    def flip():
+        targets = (str(fifo), real)
+        i = 0
+        while not stop.is_set():
+            if os.path.lexists(spare):
+                os.unlink(spare)
+            os.symlink(targets[i % 2], spare)
+            os.replace(spare, link)  # atomic: the path is always one or the other
+            i += 1
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    flipper.start()
+    outcomes = []
+    try:
+        for _ in range(150):
+            result = []
+            runner = threading.Thread(target=lambda: result.append(main(["plan", "--config", str(link), "--tp", "1"])),
+                                      daemon=True)
+            runner.start()
+            runner.join(10)
+            assert not runner.is_alive(), "plan --config hung on a FIFO"
+            outcomes.append(result[0])
+            capsys.readouterr()
+    finally:
+        stop.set()
+        flipper.join()
+    assert set(outcomes) <= {0, 2}, outcomes

@@ -117,19 +117,27 @@ def read_json_file(path: str, flag: str, limit: int, hint: str, ref: str):
     import json
     import stat
 
+    # opened once, without blocking (a FIFO opens at once, then is refused), and checked on the
+    # open descriptor: a path swapped for a FIFO between a stat and an open cannot hang us
     try:
-        info = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
         raise CliError(ref, f"cannot read {path}: {error.strerror}", hint) from None
-    if not stat.S_ISREG(info.st_mode):
-        raise CliError(ref, f"{flag} {path} is not a regular file", hint)
-    if info.st_size > limit:
-        raise CliError(ref, f"{flag} {path} is {info.st_size:,} bytes, over the {limit:,}-byte limit", hint)
     try:
-        with open(path, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CliError(ref, f"{flag} {path} is not a regular file", hint)
+        if info.st_size > limit:
+            raise CliError(ref, f"{flag} {path} is {info.st_size:,} bytes, over the {limit:,}-byte limit", hint)
+        os.set_blocking(fd, True)  # a regular file: plain reads
+        with os.fdopen(fd, "rb") as handle:
+            fd = None  # the file object closes it
             raw = handle.read(limit + 1)
     except OSError as error:
         raise CliError(ref, f"cannot read {path}: {error.strerror}", hint) from None
+    finally:
+        if fd is not None:
+            os.close(fd)
     if len(raw) > limit:
         raise CliError(ref, f"{flag} {path} grew past the {limit:,}-byte limit while being read", hint)
     try:
