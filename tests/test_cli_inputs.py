@@ -48,7 +48,18 @@ CASES = {
     # a release the planner cannot read is refused, never a silent "no kernel cap"
     "kernel release garbage": (lambda tmp: ["plan", "--kernel-release", "garbage"], "bad-kernel-release", 2),
     "kernel release major only": (lambda tmp: ["plan", "--kernel-release", "6"], "bad-kernel-release", 2),
-    "kernel release empty": (lambda tmp: ["plan", "--kernel-release="], "bad-kernel-release", 2),
+    "kernel release empty": (lambda tmp: ["plan", "--kernel-release="], "empty-value", 2),
+    # an empty value is a mistake, never the default
+    "empty --tp": (lambda tmp: ["plan", "--tp="], "empty-value", 2),
+    "empty --host-gb": (lambda tmp: ["plan", "--host-gb="], "empty-value", 2),
+    "empty --chunk-limit": (lambda tmp: ["plan", "--chunk-limit="], "empty-value", 2),
+    "empty --model": (lambda tmp: ["plan", "--model", ""], "empty-value", 2),
+    "blank --model": (lambda tmp: ["plan", "--model", "  "], "empty-value", 2),
+    "empty --out": (lambda tmp: ["plan", "--out", ""], "empty-value", 2),
+    "empty apply --hold": (lambda tmp: ["apply", "--hold="], "empty-value", 2),
+    # flags that would be ignored are refused
+    "device tokens without ratio": (lambda tmp: ["plan", "--host-gb", "4", "--device-tokens", "1000"], "missing-flag", 2),
+    "reserve without host memory": (lambda tmp: ["plan", "--reserve", "20GiB"], "missing-flag", 2),
 }
 
 
@@ -122,6 +133,18 @@ def test_a_full_standard_output_is_an_error_line_not_a_traceback(fmt):
         result = _bounded_child(["plan", "--format", fmt], stdout=full)
     assert result.returncode == 2 and "error[bad-output]: cannot write to standard output" in result.stderr
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+
+
+def test_sglangs_size_0_means_size_by_ratio(capsys):
+    """SGLang's defaults --hicache-size 0 --hicache-ratio 2: size 0 means "by the ratio" (it
+    was refused as conflicting flags); the pool is what --ratio alone gives."""
+    by_ratio = ["plan", "--ratio", "2", "--device-tokens", "100000", "--format", "json"]
+    assert main(by_ratio) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--hicache-size", "0", "--hicache-ratio", "2", "--device-tokens", "100000", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["size"] == alone["size"]
+    assert main(["plan", "--host-gb", "4", "--ratio", "2", "--device-tokens", "100000"]) == 2
+    assert "error[conflicting-flags]" in capsys.readouterr().err
 
 
 def test_threads_columns_and_an_unusable_runtime_dir_are_error_lines(tmp_path):

@@ -62,12 +62,39 @@ def _what_is_left(error: BaseException | None) -> str:
     return "nothing is left registered"
 
 
+def _option_names(parser) -> dict:
+    """dest -> the first option string naming it, over the parser and its subcommands."""
+    import argparse
+
+    names: dict = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                for dest, flag in _option_names(sub).items():
+                    names.setdefault(dest, flag)
+        elif action.option_strings:
+            names.setdefault(action.dest, action.option_strings[0])
+    return names
+
+
+def _refuse_empty_values(parser, args) -> None:
+    """``--tp=``, ``--model ''``, ``--out ''``...: an empty value is a mistake, never the default
+    (it once became the default silently, and the "defaults used" line then misreported it)."""
+    names = _option_names(parser)
+    for dest, value in vars(args).items():
+        if isinstance(value, str) and not value.strip() and dest in names:
+            raise CliError("empty-value", f"{names[dest]} was given an empty value",
+                           f"give {names[dest]} a value, or leave it out for the default")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hicache` and `python -m hicache`; returns the exit code."""
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
         only = argv[0] if argv and argv[0] in _COMMANDS else None
-        args = make_parser(only).parse_args(argv)
+        parser = make_parser(only)
+        args = parser.parse_args(argv)
+        _refuse_empty_values(parser, args)
         return _module(args.command).run(args)
     except CliError as error:
         return fail(error.ref, str(error), error.hint, error.code)

@@ -49,6 +49,9 @@ def run(args) -> int:
         from hicache.effects import probe_kernel_release  # asked for: the one machine fact used
 
         resolved = limits_from_args(args, machine_kernel_release=probe_kernel_release())
+    if args.reserve is not None and args.host_memory is None:
+        raise CliError("missing-flag", "--reserve is read only with --host-memory (plan never reads the machine)",
+                       "e.g. --host-memory 2TB --ranks-per-host 8 --reserve 20GiB")
     plan, defaults, sources = build_plan(args, resolved)
     if defaults and not any(getattr(args, k) for k in ("model", "config", "model_path")):
         print("hicache plan: no model given; planning the default preset on default settings", file=sys.stderr)

@@ -68,6 +68,13 @@ def _model(args):
     return PRESETS[name]
 
 
+def _is_zero(text: str) -> bool:
+    try:
+        return float(text) == 0.0
+    except ValueError:
+        return False
+
+
 def _defaults_used(args, sources: dict) -> tuple[str, ...]:
     used = []
     if not args.model and not args.config and not getattr(args, "model_path", None):
@@ -104,9 +111,16 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
     source of each cap. ``resolved``: caps already resolved (``apply`` probes the machine)."""
     model = _model(args)
     if args.host_gb is not None and args.ratio is not None:
-        raise CliError("conflicting-flags", "--host-gb and --ratio both given", "size the pool by one of them")
+        if _is_zero(args.host_gb):  # SGLang's --hicache-size 0: "size by --hicache-ratio"
+            args.host_gb = None
+        else:
+            raise CliError("conflicting-flags", "--host-gb and --ratio both given",
+                           "size the pool by one of them (--host-gb 0 means: by --ratio, as SGLang's --hicache-size 0)")
     if args.ratio is not None and args.device_tokens is None:
         raise CliError("missing-flag", "--ratio needs --device-tokens", "e.g. --ratio 2 --device-tokens 500000")
+    if args.device_tokens is not None and args.ratio is None:
+        raise CliError("missing-flag", "--device-tokens is read only with --ratio",
+                       "size the pool by --ratio R --device-tokens N, or by --host-gb alone")
     tp = positive_int(args.tp or str(CAPACITY_DEFAULTS["tp"]), "--tp")
     page_size = positive_int(args.page_size or str(CAPACITY_DEFAULTS["page_size"]), "--page-size")
     if args.kv_dtype == "auto":  # SGLang's default: the model's dtype
