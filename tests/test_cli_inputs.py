@@ -57,6 +57,10 @@ CASES = {
     "blank --model": (lambda tmp: ["plan", "--model", "  "], "empty-value", 2),
     "empty --out": (lambda tmp: ["plan", "--out", ""], "empty-value", 2),
     "empty apply --hold": (lambda tmp: ["apply", "--hold="], "empty-value", 2),
+    # counts past what any deployment has: a typo, named as one (not "check --tp against the model")
+    "tp absurd": (lambda tmp: ["plan", "--tp", str(10**30)], "bad-number", 2),
+    "mamba slots absurd": (lambda tmp: ["plan", "--mamba-slots", str(10**12)], "bad-number", 2),
+    "apply threads absurd": (lambda tmp: ["apply", "--host-gb", "0.01", "--threads", "100000"], "bad-number", 2),
     # flags that would be ignored are refused
     "device tokens without ratio": (lambda tmp: ["plan", "--host-gb", "4", "--device-tokens", "1000"], "missing-flag", 2),
     "reserve without host memory": (lambda tmp: ["plan", "--reserve", "20GiB"], "missing-flag", 2),

@@ -502,3 +502,29 @@ def test_a_device_pool_that_does_not_match_is_refused_before_any_byte_moves(layo
         assert all(torch.equal(a, b) for a, b in zip(device_before, getattr(device, "k_buffer", getattr(device, "kv_buffer", []))))
     finally:
         pool.destroy()
+
+
+def test_sglangs_numbers_of_any_real_type_are_read_and_others_named():
+    """What SGLang passes may be numpy or torch scalars: an np.float32 ratio and an np.int64
+    layer id work as their Python values; a string host_size or a fractional dimension is a clear
+    error naming the field - never a comparison error or a silently truncated shape."""
+    import numpy as np
+
+    from hicache.compat import sglang as compat
+
+    device = MHADevicePool(size=64, layer_num=3, head_num=2, head_dim=8, page_size=P)
+    pool = MHATokenToKVPoolHost(device, np.float32(2.0), 0, P, "layer_first", False, "cpu", limits=LIMITS, machine=ROOMY)
+    try:
+        plain, _ = make("mha", "layer_first")
+        assert pool.size == plain.size
+        plain.destroy()
+        host_indices = pool.alloc(P)
+        pool.load_to_device_per_layer(device, host_indices, torch.arange(P, 2 * P), np.int64(1), "direct")
+        with pytest.raises(TransferError, match="layer_id must be an integer, got 1.0"):
+            pool.load_to_device_per_layer(device, host_indices, torch.arange(P, 2 * P), 1.0, "direct")
+    finally:
+        pool.destroy()
+    with pytest.raises(PlanError, match=r"host_size must be a finite number of GB .* got '2'"):
+        MHATokenToKVPoolHost(device, 2.0, "2", P, "layer_first", False, "cpu", limits=LIMITS, machine=ROOMY)
+    with pytest.raises(TypeError, match=r"dims must be integers, got \(2.5, 1024\)"):
+        compat.alloc_with_host_register((2.5, 1024), torch.uint8, "cpu", False, compat.HostTensorAllocator())

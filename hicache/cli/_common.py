@@ -41,6 +41,12 @@ class Parser(argparse.ArgumentParser):
         raise CliError("usage", message, f"run `{self.prog} --help`")
 
 
+#: The largest value each count flag takes: past these the input is a typo, not a deployment
+#: (and some would start that many threads or plan that many slots).
+MAXIMA = {"--tp": 65_536, "--page-size": 2**20, "--mamba-slots": 10**8, "--threads": 256,
+          "--ranks-per-host": 4_096, "--device-tokens": 10**12}
+
+
 def positive_int(text: str, flag: str) -> int:
     try:
         value = int(text)
@@ -48,6 +54,10 @@ def positive_int(text: str, flag: str) -> int:
         raise CliError("bad-number", f"{flag} must be a whole number, got {text!r}", f"e.g. {flag} 8") from None
     if value <= 0:
         raise CliError("bad-number", f"{flag} must be positive, got {value}", f"e.g. {flag} 8")
+    maximum = MAXIMA.get(flag)
+    if maximum is not None and value > maximum:
+        shown = f"{value:,}" if value < 10**18 else f"{str(value)[:6]}... ({len(str(value))} digits)"
+        raise CliError("bad-number", f"{flag} {shown} is over {maximum:,}", f"at most {maximum:,} (past that it is a typo, not a deployment)")
     return value
 
 

@@ -237,7 +237,9 @@ def alloc_with_host_register(
 
     from hicache.effects import admission
 
-    dims = tuple(int(d) for d in dims)
+    if any(isinstance(d, bool) or not hasattr(type(d), "__index__") for d in dims):  # 2.5 is not 2
+        raise TypeError(f"alloc_with_host_register: dims must be integers, got {tuple(dims)!r}")
+    dims = tuple(d.__index__() for d in dims)
     total = torch.empty((), dtype=dtype).element_size()
     for d in dims:
         total *= d

@@ -7,6 +7,7 @@ figures come in as arguments. Pure: attrs, the standard library and hicache.erro
 
 from __future__ import annotations
 
+import numbers
 from decimal import Decimal, InvalidOperation
 
 import attrs
@@ -20,7 +21,7 @@ DEFAULT_RESERVE_BYTES = 10 * 2**30
 
 
 def _positive_number(owner: str, field: str, value) -> Decimal:
-    if isinstance(value, bool) or not isinstance(value, (int, float, Decimal, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Decimal, str)):  # numpy's floats too
         raise PlanError(f"{owner}.{field} must be a number, got {value!r}")
     try:
         number = Decimal(str(value))

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
+import numbers
+import operator
 import threading
 from functools import wraps
 from typing import NamedTuple
@@ -27,7 +30,7 @@ from hicache.effects import (
     probe_limits,
     resolve_numa_node,
 )
-from hicache.errors import LayoutError, NoAllocatorError, RegistrationStateError, TransferError
+from hicache.errors import LayoutError, NoAllocatorError, PlanError, RegistrationStateError, TransferError
 from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, format_gb, plan_pool, size_pool
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
@@ -51,6 +54,17 @@ def synchronized(func):
 
     return wrapper
 
+
+
+def _gb_or_zero(value, owner: str) -> float:
+    """SGLang's ``host_size``: decimal GB per rank as a real number (numpy's too); 0 or less means
+    "size by the ratio", as SGLang reads it. A string or NaN is an error naming it."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)) \
+            or math.isinf(float(value)):
+        raise PlanError(f"{owner}.host_size must be a finite number of GB (0: size by the ratio), got {value!r}")
+    return float(value)
 
 class Stream(NamedTuple):
     """One host<->device copy stream: a host buffer (and K/V half) and its device tensor."""
@@ -171,6 +185,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
             raise LayoutError(f"{type(self).__name__}: layout {self.layout!r} is not supported; "
                               f"supported: {', '.join(supported)}")
         self.size_per_token = self.get_size_per_token()
+        host_size = _gb_or_zero(host_size, type(self).__name__)
         if page_num is None:
             sized = size_pool(
                 size_per_token_bytes=self.size_per_token, page_size=self.page_size,
@@ -324,9 +339,12 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     def _check_layer(self, layer_id: int) -> int:
         """A pool-local layer id (``0..layer_num-1``: what SGLang's controller passes, also on a
         pipeline stage whose ``start_layer > 0``)."""
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
-            raise TransferError(f"layer_id {layer_id!r} out of range [0, {self.layer_num}) (pool-local ids)")
-        return layer_id
+        if isinstance(layer_id, bool) or not hasattr(type(layer_id), "__index__"):  # numpy/torch ints count
+            raise TransferError(f"layer_id must be an integer, got {layer_id!r} ({type(layer_id).__name__})")
+        layer = operator.index(layer_id)
+        if not 0 <= layer < self.layer_num:
+            raise TransferError(f"layer_id {layer} out of range [0, {self.layer_num}) (pool-local ids)")
+        return layer
 
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
         self._alive()
