@@ -315,3 +315,23 @@ def test_apply_refuses_plan_arguments_next_to_a_saved_plan(capsys, tmp_path):
     for extra in (["--host-gb", "3"], ["--model", "llama-3.1-8b"], ["--chunk-limit", "1GiB"], ["--mamba-slots", "9"]):
         code, _, err = run(capsys, "apply", "--plan", str(saved), *extra)
         assert code == 2 and f"error[conflicting-flags]: --plan and {extra[0]} both given" in err, err
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_apply_fake_cuda_is_a_dry_run_end_to_end_on_a_machine_without_a_gpu(fmt):
+    """`hicache apply --fake-cuda`, as a user runs it (a process, no Python): the whole bring-up
+    against hicache.testing's fake driver - planned, mapped, pre-faulted, budgeted, registered in
+    its calls, released - with the same output as a real run, and said to be a dry run."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hicache", "apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.05",
+         "--chunk-limit", "16MiB", "--fake-cuda", "--format", fmt],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--fake-cuda: a dry run" in result.stderr and "Traceback" not in result.stderr
+    if fmt == "json":
+        out = json.loads(result.stdout)
+        assert out["calls"] == 3 and out["bytes"] == 48 * 2**20 and out["largest_call"] == 16 * 2**20
+    else:
+        assert "bytes          48 MiB (50,331,648 B)" in result.stdout and "calls          3" in result.stdout
+        assert "numa_node      None" not in result.stdout

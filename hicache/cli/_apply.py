@@ -63,6 +63,10 @@ def add_command(commands) -> None:
     apply.add_argument("--progressive", action="store_true",
                        help="register call by call in the background (paced), report the time to the first call")
     apply.add_argument("--format", choices=("table", "json"), default="table")
+    apply.add_argument("--fake-cuda", action="store_true",
+                       help="dry run on a machine without a GPU: the whole bring-up (memory mapped, pre-faulted, "
+                            "budgeted, released) with CUDA stood in for by hicache.testing's fake driver - "
+                            "nothing is pinned; same output")
 
 
 def _hold_seconds(text: str) -> float:
@@ -164,6 +168,18 @@ def _release(handle) -> None:
 def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
     """`hicache apply`. ``runtime``/``cuda_binding``/``ledger``/``machine``/``lock`` stand in for
     CUDA and the machine in tests (`hicache.testing.fake_cuda` does the first two for all)."""
+    if getattr(args, "fake_cuda", False) and runtime is None and cuda_binding is None:
+        from hicache.testing import fake_cuda
+
+        print("note: --fake-cuda: a dry run - CUDA is hicache.testing's fake driver, nothing is pinned "
+              "(memory is really mapped, pre-faulted and budgeted)", file=sys.stderr)
+        import argparse
+
+        real_args = argparse.Namespace(**{**vars(args), "fake_cuda": False})
+        with fake_cuda() as fake:
+            code = run(real_args, ledger=ledger, machine=machine, lock=lock)
+            fake.check_valid()  # every call the driver saw was one a real driver accepts
+        return code
     from hicache._extras import require
 
     require("torch", "hicache apply")
@@ -224,11 +240,24 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     return _write_report(args, report, sources)
 
 
+def _shown(key: str, value) -> str:
+    """A table cell: byte counts as sizes (the exact count beside), an unbound NUMA node said."""
+    if key in ("bytes", "largest_call") and isinstance(value, int):
+        return f"{format_bytes(value)} ({value:,} B)"
+    if key == "numa_node" and value is None:
+        return "not bound (one node, or --numa off)"
+    if key.endswith("_s") and isinstance(value, float):
+        return f"{value:.4f} s"
+    if key == "register_gbps":
+        return f"{value} GB/s"
+    return str(value)
+
+
 def _write_report(args, report: dict, sources: dict, **json_only) -> int:
     if args.format == "json":
         sys.stdout.write(json.dumps({"schema": "hicache.apply", "schema_version": 1, **json_only, **report,
                                      "cap_sources": sources}, sort_keys=True) + "\n")
     else:
-        sys.stdout.write("".join(f"{k:<14} {v}\n" for k, v in report.items()))
+        sys.stdout.write("".join(f"{k:<14} {_shown(k, v)}\n" for k, v in report.items()))
         sys.stdout.write("caps from     " + ", ".join(f"{k}: {v}" for k, v in sorted(sources.items())) + "\n")
     return 0
