@@ -46,6 +46,10 @@ class CapacityError(PlanError):
     """The host cannot hold the requested pool within its budget."""
 
 
+class PoolTooSmallError(CapacityError):
+    """The size asked for holds no token (or page): the pool must be larger, not smaller."""
+
+
 class CudaCallError(HicacheError, RuntimeError):
     """A CUDA runtime call failed.
 

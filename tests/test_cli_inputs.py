@@ -304,3 +304,33 @@ def test_a_config_swapped_for_a_fifo_while_being_read_never_hangs(tmp_path, caps
         stop.set()
         flipper.join()
     assert set(outcomes) <= {0, 2}, outcomes
+
+
+@pytest.mark.parametrize("env, argv, ref, says", [
+    ({"HICACHE_RANKS_PER_HOST": "junk"}, ["doctor"], "bad-environment", "fix or unset the environment variable"),
+    ({"HICACHE_RANKS_PER_HOST": "0"}, ["doctor"], "bad-environment", "fix or unset the environment variable"),
+    ({}, ["plan", "--host-gb", "1e-9"], "pool-too-small", "raise --host-gb"),
+    ({"HICACHE_KERNEL_PIN_CAP": "1"}, ["plan"], "too-many-calls", "HICACHE_KERNEL_PIN_CAP"),
+])
+def test_each_error_names_the_real_cause_and_its_fix(env, argv, ref, says, monkeypatch, capsys):
+    """The hint fixes what is wrong: a bad variable is the variable (not "raise --chunk-limit"),
+    a pool too small to hold a page needs a larger size (not "lower the pool size"), and too
+    many calls names the cap that decides the call size, with its source."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code in (1, 2) and err.startswith(f"error[{ref}]") and says in err.splitlines()[-1], err
+
+
+def test_doctor_fails_a_saved_plan_that_apply_would_refuse(tmp_path, monkeypatch, capsys):
+    """A saved plan whose largest call is over this machine's hard cap: `apply --plan` refuses
+    it, so doctor fails it too (it only warned)."""
+    saved = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.02", "--chunk-limit", "4MiB",
+                 "--format", "json", "--out", str(saved)]) == 0
+    monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", "1MiB")
+    capsys.readouterr()
+    main(["doctor", "--plan", str(saved), "--format", "json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["limits"]["status"] == "fail" and "apply --plan refuses it" in checks["limits"]["finding"]

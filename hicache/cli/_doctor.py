@@ -76,9 +76,13 @@ def _limits(c: Context) -> Check:
     if limits.hugepage_bytes:
         parts.append(f"hugepage {format_bytes(limits.hugepage_bytes)} ({sources['hugepage']})")
     finding = "this machine plans with " + ", ".join(parts)
-    if c.plan is not None and c.largest > limits.effective_cap_bytes:
-        return Check("limits", "warn", finding + f"; the saved plan's largest call is {format_bytes(c.largest)}",
+    if c.plan is not None and c.largest > limits.hard_cap_bytes:  # what `apply --plan` refuses
+        return Check("limits", "fail", finding + f"; the saved plan's largest call is {format_bytes(c.largest)}, over "
+                     f"this machine's {format_bytes(limits.hard_cap_bytes)} cap: hicache apply --plan refuses it",
                      "re-plan on this machine (hicache apply without --plan does)")
+    if c.plan is not None and c.largest > limits.effective_cap_bytes:
+        return Check("limits", "warn", finding + f"; the saved plan's largest call is {format_bytes(c.largest)}, over "
+                     "the chunk limit (the machine accepts it)", "re-plan on this machine (hicache apply without --plan does)")
     return Check("limits", "pass", finding)
 
 

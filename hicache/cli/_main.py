@@ -14,8 +14,10 @@ from hicache.errors import (
     ApplyError,
     CapacityError,
     CudaCallError,
+    EnvError,
     HicacheError,
     PlanError,
+    PoolTooSmallError,
     ReleaseError,
     RollbackError,
     caused_by_interrupt,
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(error.ref, str(error), error.hint, error.code)
     except MissingExtraError as error:
         return fail("missing-extra", str(error).split(": pip install")[0], 'pip install "hicache[cuda]"', USAGE)
+    except PoolTooSmallError as error:  # a CapacityError too, but it needs a larger pool, not a smaller one
+        return fail("pool-too-small", str(error), "raise --host-gb (or --ratio): a pool holds at least one page", USAGE)
     except CapacityError as error:
         return fail("budget-refused", str(error), "lower the pool size or free host memory", INFEASIBLE)
     except ApplyError as error:
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     except CudaCallError as error:
         ref = "cuda-unavailable" if error.__class__.__name__ == "CudaUnavailableError" else "cuda-error"
         return fail(ref, str(error), "run `hicache doctor` on this machine", CUDA_FAILURE)
+    except EnvError as error:  # a PlanError too, but the fix is the variable, not the plan
+        return fail("bad-environment", str(error), "fix or unset the environment variable it names", USAGE)
     except PlanError as error:
         return fail("infeasible-plan", str(error), "raise --chunk-limit or change --layout/--page-size", INFEASIBLE)
     except HicacheError as error:

@@ -140,7 +140,7 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
                 "too-many-calls",
                 f"about {calls:,} cudaHostRegister calls per rank at {resolved.limits.effective_cap_bytes:,} bytes "
                 f"each: over {MAX_CALLS:,}",
-                "raise --chunk-limit (or HICACHE_REGISTER_CHUNK), or pass --force to plan it anyway",
+                f"{_cap_fix(resolved.limits, resolved.sources)}; or pass --force to plan it anyway",
             )
     ratio = positive_decimal(args.ratio, "--ratio") if args.ratio is not None else None
     device_tokens = positive_int(args.device_tokens, "--device-tokens") if args.device_tokens else None
@@ -163,11 +163,24 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
         raise CliError("bad-config", str(error), "check --tp against the model's KV heads, or --kv-dtype") from None
     except LayoutError as error:
         raise CliError("unsupported-layout", str(error), "pick a --layout the model's pools support") from None
-    _check_bounded(plan, args, ratio is not None)
+    _check_bounded(plan, args, ratio is not None, resolved.sources)
     return plan, _defaults_used(args, resolved.sources), resolved.sources
 
 
-def _check_bounded(plan, args, by_ratio: bool) -> None:
+_CAP_FIXES = {
+    "chunk_limit": "raise --chunk-limit (or HICACHE_REGISTER_CHUNK)",
+    "kernel_cap": "the kernel cap decides the call size: raise or unset HICACHE_KERNEL_PIN_CAP (or check --kernel-release)",
+    "driver_ceiling": "the driver ceiling decides the call size: raise or unset HICACHE_DRIVER_CEILING",
+}
+
+
+def _cap_fix(limits, sources: dict) -> str:
+    """How to get larger calls: the fix for whichever cap decides the call size, with its source."""
+    binding = limits.binding_caps()[0]
+    return f"{_CAP_FIXES[binding]} (now {format_bytes(limits.effective_cap_bytes)}, from {sources.get(binding, 'default')})"
+
+
+def _check_bounded(plan, args, by_ratio: bool, sources: dict) -> None:
     """Every way of sizing a pool (--host-gb, or --ratio x --device-tokens) meets the same
     bounds before anything reads the plan's ranges (they are lazy until then): at most 1 PB
     per rank, at most MAX_CALLS registration calls per rank without --force."""
@@ -177,13 +190,13 @@ def _check_bounded(plan, args, by_ratio: bool) -> None:
                        f"{MAX_HOST_GB:,} GB (1 PB)", f"{sizing}; sizes are per rank")
     if plan.call_count > MAX_FORCED_CALLS:
         raise CliError("too-many-calls", f"{plan.call_count:,} cudaHostRegister calls per rank: over {MAX_FORCED_CALLS:,}, "
-                       "even with --force", f"raise --chunk-limit (or HICACHE_REGISTER_CHUNK), or {sizing}")
+                       "even with --force", f"{_cap_fix(plan.limits, sources)}, or {sizing}")
     if plan.call_count > MAX_CALLS and not getattr(args, "force", False):
         raise CliError(
             "too-many-calls",
             f"{plan.call_count:,} cudaHostRegister calls per rank at {plan.limits.effective_cap_bytes:,} bytes each: "
             f"over {MAX_CALLS:,}",
-            f"raise --chunk-limit (or HICACHE_REGISTER_CHUNK), {sizing}, or pass --force to plan it anyway",
+            f"{_cap_fix(plan.limits, sources)}; or {sizing}, or pass --force to plan it anyway",
         )
 
 

@@ -12,7 +12,7 @@ from decimal import Decimal, InvalidOperation
 
 import attrs
 
-from hicache.errors import CapacityError, PlanError
+from hicache.errors import CapacityError, PlanError, PoolTooSmallError
 from hicache.plan._checks import check_int
 from hicache.plan._units import format_bytes, format_gb
 
@@ -73,7 +73,7 @@ def size_pool(
         host_bytes = int(_positive_number(owner, "host_gb", host_gb) * 10**9)
         tokens = host_bytes // per_token
         if tokens == 0:
-            raise CapacityError(
+            raise PoolTooSmallError(
                 f"host_gb={host_gb} ({format_gb(host_bytes)}) holds no token of "
                 f"{per_token} bytes"
             )
@@ -81,7 +81,7 @@ def size_pool(
         ratio = _positive_number(owner, "host_to_device_ratio", host_to_device_ratio)
         tokens = int(device_tokens * ratio)
         if tokens == 0:
-            raise CapacityError(
+            raise PoolTooSmallError(
                 f"{device_tokens} device tokens x ratio {host_to_device_ratio} is no token"
             )
     else:
