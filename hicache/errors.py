@@ -135,6 +135,15 @@ class HostOutOfMemoryError(HicacheError, MemoryError):
     """The host could not provide the memory (mmap or pre-fault returned ENOMEM)."""
 
 
+class HugepagesExhaustedError(HostOutOfMemoryError):
+    """``hugepages="required"`` and the hugetlbfs pool has too few free pages (the message says
+    how many are needed, free and reserved)."""
+
+
+class LockDirectoryError(RegistrationStateError):
+    """The host-wide lock directory (HICACHE_RUNTIME_DIR) cannot be created or is not safe to use."""
+
+
 class TransferError(HicacheError, ValueError):
     """A page transfer was asked with bad indices, layer ids or an unsupported backend/layout."""
 

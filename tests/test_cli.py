@@ -324,7 +324,8 @@ def test_apply_fake_cuda_is_a_dry_run_end_to_end_on_a_machine_without_a_gpu(fmt)
     its calls, released - with the same output as a real run, and said to be a dry run."""
     result = subprocess.run(
         [sys.executable, "-m", "hicache", "apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.05",
-         "--chunk-limit", "16MiB", "--fake-cuda", "--format", fmt],
+         "--chunk-limit", "16MiB", "--fake-cuda", "--format", fmt,
+         "--host-memory", "1TB", "--ranks-per-host", "1"],  # the budget injected: not this machine's free memory
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr

@@ -170,8 +170,9 @@ def test_threads_columns_and_an_unusable_runtime_dir_are_error_lines(tmp_path):
             assert result.stderr.startswith(f"error[{ref}]"), result.stderr
     result = subprocess.run([sys.executable, "-c", code, "apply", "--model", "llama-3.1-8b", "--host-gb", "0.01"],
                             capture_output=True, text=True, env={**os.environ, "HICACHE_RUNTIME_DIR": str(bad_dir)})
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.startswith("error[") and str(bad_dir) in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error[lock-directory]") and str(bad_dir) in result.stderr
+    assert "HICACHE_RUNTIME_DIR" in result.stderr.splitlines()[-1]
 
 
 def test_version_and_sglang_flag_names(capsys):
@@ -334,3 +335,31 @@ def test_doctor_fails_a_saved_plan_that_apply_would_refuse(tmp_path, monkeypatch
     main(["doctor", "--plan", str(saved), "--format", "json"])
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["limits"]["status"] == "fail" and "apply --plan refuses it" in checks["limits"]["finding"]
+
+
+def test_too_few_free_hugepages_is_its_own_error_with_its_fix(monkeypatch, capsys):
+    """`--hugepages required` where the hugetlbfs pool is dry: error[hugepages-exhausted] with the
+    pages needed, free and reserved, and how to get them (it was a generic error[error]). The
+    pool's state is injected: 4 reserved, none free."""
+    from hicache.effects._host import _memory
+
+    monkeypatch.setattr(_memory, "free_hugepages", lambda size, root="/": (4, 0))
+    code = main(["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.05", "--chunk-limit", "16MiB",
+                 "--hugepages", "required", "--hugepage-size", "2MiB", "--fake-cuda",
+                 "--host-memory", "1TB", "--ranks-per-host", "1"])  # the budget: not this machine's free memory
+    err = capsys.readouterr().err
+    assert code == 1 and "error[hugepages-exhausted]" in err and "0 free of 4 reserved" in err, err
+    assert "vm.nr_hugepages" in err.splitlines()[-1]
+
+
+def test_doctor_without_the_cuda_binding_says_to_install_hicaches_cuda_extra(monkeypatch, capsys):
+    """No cuda-bindings (nor cuda-python): the fix is `pip install "hicache[cuda]"`, not a driver."""
+    import hicache.effects as effects
+
+    real = effects.package_version
+    monkeypatch.setattr(effects, "package_version",
+                        lambda name: None if name in ("cuda-bindings", "cuda-python") else real(name))
+    main(["doctor", "--format", "json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["binding"]["status"] == "fail" and checks["binding"]["hint"] == 'pip install "hicache[cuda]"'
+    assert checks["cuda"]["hint"] == 'pip install "hicache[cuda]"'

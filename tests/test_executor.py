@@ -311,3 +311,14 @@ def test_a_ctrl_c_during_the_rollback_is_honoured_after_it_with_the_books_attach
         apply(runtime=runtime)
     assert isinstance(info.value.__cause__, ApplyError) and "rolled back 2" in str(info.value.__cause__)
     assert runtime.held() == set() and runtime.cudart.unregister_calls == 2  # both undone first
+
+
+@pytest.mark.parametrize("when, rolled_back", [("before", 2), ("after", 3)])
+def test_an_interrupted_call_that_took_effect_is_counted_as_rolled_back(when, rolled_back):
+    """Ctrl-C at call 2 (0-based): before it takes effect two registrations are undone; after it
+    did, three - and the message says so (it said 2 for both)."""
+    runtime = FakeRuntime(interrupt_register={2: when})
+    with pytest.raises(ApplyError) as info:
+        apply(plan_registration(4 * GiB, granularity_bytes=GiB, limits=Limits(chunk_limit_bytes=GiB)), runtime=runtime)
+    assert f"rolled back {rolled_back} registration(s)" in str(info.value)
+    assert isinstance(info.value.__cause__, KeyboardInterrupt) and runtime.held() == set()

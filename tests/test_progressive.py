@@ -432,3 +432,23 @@ def test_max_stall_takes_any_real_number_of_seconds():
 
     for good, seconds in ((np.float32(0.25), 0.25), (np.float64(0.5), 0.5), (1, 1.0), (0.001, 0.001), (None, None)):
         assert Progressive(max_stall_s=good).max_stall_s == seconds
+
+
+def test_a_background_failure_is_logged_at_the_chunk_it_happened_in(caplog):
+    """A refused call on chunk 6 of 8 in the background says chunk 6 of 8 (it said "chunk 1 of
+    1": each background call is a one-range plan)."""
+    import logging
+
+    from hicache.effects._cuda._progressive import Chunk, ProgressiveRegistration
+
+    runtime = FakeRuntime(fail_register={5: 2})
+    base = 1 << 44
+    chunks = [Chunk("kv", base + i * 2**20, 2**20, 4096, Limits(chunk_limit_bytes=2**20)) for i in range(8)]
+    registration = ProgressiveRegistration(chunks, runtime=runtime, ledger=HostLedger(), max_stall_s=None)
+    with caplog.at_level(logging.ERROR, logger="hicache.effects._cuda._progressive"):
+        registration.start()
+        with pytest.raises(Exception):
+            registration.wait(10)
+    assert "stopped at chunk 6 of 8 (kv, 0 bytes into it); 5 of 8 chunks wholly registered" in caplog.text
+    registration.release()
+    assert runtime.held() == set()

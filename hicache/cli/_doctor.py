@@ -130,7 +130,9 @@ def _pools(c: Context) -> Check:
             else "registered all at construction (HICACHE_PROGRESSIVE unset)")
     pages = {"off": "4 KiB pages", "thp": "transparent huge pages"}.get(settings.hugepages,
                                                                           f"hugetlbfs pages ({settings.hugepages})")
-    finding = f"host pools: {mode}; {pages} (HICACHE_HUGEPAGES={settings.hugepages})"
+    said = (f"HICACHE_HUGEPAGES={settings.hugepages}" if (c.env or {}).get("HICACHE_HUGEPAGES")
+            else "HICACHE_HUGEPAGES unset")
+    finding = f"host pools: {mode}; {pages} ({said})"
     if settings.hugepages not in HUGETLBFS_MODES:
         return Check("pools", "pass", finding)
     size = (c.limits.hugepage_bytes if c.limits is not None else None) or DEFAULT_HUGEPAGE_BYTES
@@ -234,8 +236,11 @@ def _binding(c: Context) -> Check:
 
     binding = package_version("cuda-bindings")
     cuda = _cuda_facts(c)
+    if binding is None and package_version("cuda-python") is None:
+        return Check("binding", "fail", "cuda-bindings is not installed: hicache cannot call CUDA",
+                     'pip install "hicache[cuda]"')
     if binding is None or not cuda.driver_version:
-        return Check("binding", "pass", f"cuda-bindings {binding or 'not installed'}; no driver to match")
+        return Check("binding", "pass", f"cuda-bindings {binding or '(cuda-python)'}; no driver to match")
     major, driver_major = int(binding.split(".")[0]), cuda.driver_version // 1000
     if major > driver_major:
         return Check("binding", "fail", f"cuda-bindings {binding} needs a CUDA {major} driver; this one is CUDA {driver_major}",
@@ -266,6 +271,10 @@ def _cuda(c: Context) -> Check:
     cuda = probe_cuda(c.cuda_binding)
     if cuda.available:
         return Check("cuda", "pass", f"driver {cuda.driver_version}, runtime {cuda.runtime_version}, {cuda.device_count} device(s)")
+    from hicache.effects import package_version
+
+    if package_version("cuda-bindings") is None and package_version("cuda-python") is None:  # not the driver
+        return Check("cuda", "fail", f"CUDA unavailable: {cuda.error}", 'pip install "hicache[cuda]"')
     return Check("cuda", "fail", f"CUDA unavailable: {cuda.error}", "install the NVIDIA driver or run on a GPU node")
 
 

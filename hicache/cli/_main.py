@@ -16,6 +16,9 @@ from hicache.errors import (
     CudaCallError,
     EnvError,
     HicacheError,
+    HostOutOfMemoryError,
+    HugepagesExhaustedError,
+    LockDirectoryError,
     PlanError,
     PoolTooSmallError,
     ReleaseError,
@@ -102,10 +105,19 @@ def main(argv: list[str] | None = None) -> int:
         return fail(error.ref, str(error), error.hint, error.code)
     except MissingExtraError as error:
         return fail("missing-extra", str(error).split(": pip install")[0], 'pip install "hicache[cuda]"', USAGE)
+    except HugepagesExhaustedError as error:
+        return fail("hugepages-exhausted", str(error),
+                    "reserve more (sysctl vm.nr_hugepages=N) or use --hugepages prefer (falls back), thp or off", INFEASIBLE)
+    except HostOutOfMemoryError as error:
+        return fail("host-out-of-memory", str(error), "free host memory, or plan a smaller pool (--host-gb)", INFEASIBLE)
+    except LockDirectoryError as error:
+        return fail("lock-directory", str(error), "set HICACHE_RUNTIME_DIR to a private directory of yours (mode 0700)",
+                    USAGE)
     except PoolTooSmallError as error:  # a CapacityError too, but it needs a larger pool, not a smaller one
         return fail("pool-too-small", str(error), "raise --host-gb (or --ratio): a pool holds at least one page", USAGE)
-    except CapacityError as error:
-        return fail("budget-refused", str(error), "lower the pool size or free host memory", INFEASIBLE)
+    except CapacityError as error:  # its message may carry its own hint: one hint line, not two
+        message, _, hint = str(error).partition(". Hint: ")
+        return fail("budget-refused", message, hint or "lower the pool size or free host memory", INFEASIBLE)
     except ApplyError as error:
         cause = error.__cause__
         if isinstance(cause, KeyboardInterrupt):

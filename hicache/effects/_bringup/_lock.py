@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from hicache.errors import RegistrationStateError
+from hicache.errors import LockDirectoryError, RegistrationStateError
 
 
 def runtime_dir(env=None) -> Path:
@@ -42,18 +42,18 @@ def _private_dir(path: Path) -> Path:
     except FileExistsError:
         pass
     except OSError as error:
-        raise RegistrationStateError(
+        raise LockDirectoryError(
             f"lock directory {path} cannot be created: {error.strerror} (set HICACHE_RUNTIME_DIR to a "
             "private directory of yours)"
         ) from None
     try:
         info = os.lstat(path)
     except OSError as error:
-        raise RegistrationStateError(f"lock directory {path} cannot be read: {error.strerror}") from None
+        raise LockDirectoryError(f"lock directory {path} cannot be read: {error.strerror}") from None
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise RegistrationStateError(f"lock directory {path} is not a plain directory")
+        raise LockDirectoryError(f"lock directory {path} is not a plain directory")
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise RegistrationStateError(
+        raise LockDirectoryError(
             f"lock directory {path} must be owned by uid {os.getuid()} with mode 0700 "
             f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
         )

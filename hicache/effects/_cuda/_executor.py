@@ -139,7 +139,8 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
             interrupt_requested(held)
             return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))
         except BaseException as failure:
-            leaked, unknown, interrupt = _undo(runtime, journal, in_flight)
+            undone: list = []
+            leaked, unknown, interrupt = _undo(runtime, journal, in_flight, undone)
             ledger.replace([ptr for ptr, _ in spans], leaked + unknown)  # both stay off-limits
             if interrupt is None and held.consume():
                 interrupt = KeyboardInterrupt()
@@ -154,7 +155,7 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                 error = RollbackError(f"{head}; {detail}", leaked=tuple(leaked), uncertain=tuple(unknown))
             else:
                 error = ApplyError(
-                    f"{head}; rolled back {len(journal)} registration(s), nothing is left registered"
+                    f"{head}; rolled back {len(undone)} registration(s), nothing is left registered"
                 )
             if interrupt is not None:  # Ctrl-C during the rollback itself: honour it, with the books
                 raise interrupt from error

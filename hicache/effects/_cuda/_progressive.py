@@ -124,6 +124,7 @@ class ProgressiveRegistration:
         self._go = threading.Event()  # the background thread's turn: the foreground part ended
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.at: tuple[int, int] = (0, 0)  # (chunk index, bytes into it) of the call in progress
 
     def _budget(self) -> int | None:
         if self.max_stall_s is None:
@@ -152,6 +153,7 @@ class ProgressiveRegistration:
             if self._stop.is_set():
                 return False  # nothing of this call registered yet
         plan = _single_plan(chunk, chunk.ptr + done, piece.size)
+        self.at = (index, done)  # what a failure names: the chunk of the whole bring-up, not "1 of 1"
         with deferred_interrupts():  # a Ctrl-C between the call and its book entry would drop it
             registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime,
                                   flags=self.flags, progress=None, retry_halvings=0, ledger=self.ledger)
@@ -199,7 +201,9 @@ class ProgressiveRegistration:
                 pass
         except BaseException as error:  # the pool keeps working at its registered prefix
             self.error = error
-            logger.error("background registration stopped with %d of %d chunks registered: %s",
+            index, done = self.at
+            logger.error("background registration stopped at chunk %d of %d (%s, %d bytes into it); %d of %d "
+                         "chunks wholly registered: %s", index + 1, len(self.chunks), self.chunks[index].buffer, done,
                          self.completed, len(self.chunks), error)
 
     def registered(self) -> list:

@@ -66,7 +66,7 @@ class _State:
         self.release_seconds: float | None = None
 
 
-def _undo(runtime, entries, uncertain=None):
+def _undo(runtime, entries, uncertain=None, undone: list | None = None):
     """Unregister ``entries`` in reverse order, attempting every one.
 
     Returns ``(leaked, unknown, interrupt)``: ranges certainly still registered; the
@@ -75,7 +75,9 @@ def _undo(runtime, entries, uncertain=None):
     books are straight. A sticky error poisons the context: nothing after it can succeed, so
     the rest is reported without further calls. Any other failure leaves that range counted as
     registered and moves on. A 713 (not registered) means the range is not pinned: undone.
-    ``uncertain`` - a register call an interrupt cut short - is undone first.
+    ``uncertain`` - a register call an interrupt cut short - is undone first. ``undone``: a list
+    that gets every entry CUDA really unregistered (an interrupted call that had taken effect
+    included), for a message that counts what was rolled back.
     """
     leaked: list[tuple[int, int]] = []
     unknown: list[tuple[int, int]] = []
@@ -88,6 +90,8 @@ def _undo(runtime, entries, uncertain=None):
         bucket = unknown if entry is uncertain else leaked
         try:
             runtime.unregister(entry.ptr)
+            if undone is not None:
+                undone.append(entry)
         except HostNotRegisteredError:
             pass  # CUDA holds no registration there: nothing is pinned
         except StickyCudaError:

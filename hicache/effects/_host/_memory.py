@@ -23,7 +23,7 @@ import attrs
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._host._numa import bind
-from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
+from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
 from hicache.plan._checks import check_int
 from hicache.plan._settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES  # noqa: F401 - used here and re-exported
 
@@ -211,7 +211,7 @@ def allocate_host(
                 f"reserved (/sys/kernel/mm/hugepages/hugepages-{hugepage_bytes // 1024}kB)"
             )
             if hugepages == "required":
-                raise HostOutOfMemoryError(message) from error
+                raise HugepagesExhaustedError(message) from error
             notes.append(message + "; using normal pages")
     if mapping is None:
         length = -(-nbytes // page) * page
