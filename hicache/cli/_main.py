@@ -21,6 +21,7 @@ from hicache.errors import (
     LockDirectoryError,
     PlanError,
     PoolTooSmallError,
+    RegistrationStateError,
     ReleaseError,
     RollbackError,
     caused_by_interrupt,
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail("bad-environment", str(error), "fix or unset the environment variable it names", USAGE)
     except PlanError as error:
         return fail("infeasible-plan", str(error), "raise --chunk-limit or change --layout/--page-size", INFEASIBLE)
+    except RegistrationStateError as error:  # e.g. memory still registered refused to unmap
+        return fail("registration-state", str(error), "a registration is still held: exiting releases it; "
+                    "run `hicache doctor` if it persists", CUDA_FAILURE)
     except HicacheError as error:
         return fail("error", str(error), "run `hicache doctor`", INFEASIBLE)
     except MemoryError:
