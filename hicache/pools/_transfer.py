@@ -326,15 +326,17 @@ class Transfers:
                 "model?); nothing was copied"
             )
 
-    def _link(self, stream, layer: int, dv, *, to_host: bool) -> Link:
+    def _link(self, stream, layer: int, dv, *, to_host: bool, where) -> Link:
         """How one layer of one stream copies (block views, unit, steps, extents), cached per
-        host view and device tensor - rebuilt when the device tensor moved or changed shape."""
+        host view and device tensor - rebuilt, and the device tensor checked against the host
+        view (`_check_matches`), when it is new, moved or changed shape."""
         hv = self._views.get((stream.buffer, stream.kv, layer))
         if hv is None:  # views of the pool's own buffers: made once, dropped by forget()
             hv = self._views[(stream.buffer, stream.kv, layer)] = self.host_view(stream, layer)
         key = (stream.buffer, stream.kv, layer, to_host, id(dv))
         link = self._links.get(key)
         if link is None or not link.fits(dv):
+            self._check_matches(where, hv, dv, rows=stream.rows)  # before any copy of this transfer
             link = self._links[key] = make_link(hv, dv, self.page_size, rows=stream.rows, to_host=to_host)
         return link
 
@@ -351,11 +353,7 @@ class Transfers:
             for stream in self.streams:
                 dv = next(tensors)
                 where = Where(layer, stream.buffer, stream.kv)
-                hv = self._views.get((stream.buffer, stream.kv, layer))
-                if hv is None:
-                    hv = self._views[(stream.buffer, stream.kv, layer)] = self.host_view(stream, layer)
-                self._check_matches(where, hv, dv, rows=stream.rows)
-                link = self._link(stream, layer, dv, to_host=to_host)
+                link = self._link(stream, layer, dv, to_host=to_host, where=where)
                 if stream.rows or (hpages is not None and dpages is not None and link.whole_pages):
                     if hpages is None or dpages is None:
                         raise TransferError(f"{self.name} moves whole pages: indices must be page-aligned runs")
