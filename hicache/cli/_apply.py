@@ -124,21 +124,12 @@ def _plan_arguments_given(args) -> list[str]:
     return [flag for flag, name, unset in _PLAN_ARGUMENTS if getattr(args, name, unset) != unset]
 
 
-def _budget_machine(args, machine):
-    """The machine facts the budget check uses: this machine's, with --host-memory and
-    --ranks-per-host (when given) in place of its free memory and rank count."""
-    import attrs
-
-    from hicache.effects import probe_machine
-
+def _budget_overrides(args) -> tuple[int | None, int | None]:
+    """``(host memory, ranks per host)`` from --host-memory/--ranks-per-host: what the budget
+    check uses instead of this machine's free memory and rank count (None: the machine's)."""
     memory = size(args.host_memory, "--host-memory") if args.host_memory else None
     ranks = positive_int(args.ranks_per_host, "--ranks-per-host") if args.ranks_per_host else None
-    if memory is None and ranks is None:
-        return machine, None
-    facts = probe_machine() if machine is None else machine
-    if ranks is not None:
-        facts = attrs.evolve(facts, ranks_per_host=ranks)
-    return facts, memory
+    return memory, ranks
 
 
 def _hold_for(seconds: float, total: int) -> None:
@@ -189,7 +180,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     hold = _hold_seconds(args.hold)
     threads = positive_int(args.threads, "--threads") if args.threads else None
     reserve = size(args.reserve, "--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
-    machine, host_memory = _budget_machine(args, machine)
+    host_memory, ranks = _budget_overrides(args)
     plan, sources = _machine_plan(args)
     cuda = probe_cuda(cuda_binding)
     if not cuda.available:  # before allocating anything
@@ -212,7 +203,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     try:
         handle = bring_up(pools, mode=Progressive() if args.progressive else None, runtime=runtime,
                           allocator=allocator, machine=machine, lock=lock, ledger=ledger, progress=progress,
-                          reserve_bytes=reserve, host_memory_bytes=host_memory)
+                          reserve_bytes=reserve, host_memory_bytes=host_memory, ranks_per_host=ranks)
         if progress is not None:
             progress.close()
         else:

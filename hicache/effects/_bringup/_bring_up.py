@@ -156,6 +156,7 @@ def bring_up(
     allocator=None,
     machine=None,
     host_memory_bytes: int | None = None,
+    ranks_per_host: int | None = None,
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
     lock=None,
     budget: bool = True,
@@ -175,8 +176,8 @@ def bring_up(
     ``register=False`` allocates only. ``runtime``: a `HostRuntime` (default:
     `default_runtime()`, cuda-python unless `hicache.testing.fake_cuda` is active);
     ``allocator``: a `HostAllocator` (default `HostTensorAllocator()`); ``machine``:
-    `MachineFacts` (default `probe_machine()`); ``host_memory_bytes`` overrides its available
-    memory; ``lock``: a `BudgetLock` (default `budget_lock()`); ``budget=False`` skips the
+    `MachineFacts` (default `probe_machine()`); ``host_memory_bytes`` and ``ranks_per_host``
+    override its available memory and rank count in the budget; ``lock``: a `BudgetLock` (default `budget_lock()`); ``budget=False`` skips the
     budget (memory someone else already budgeted); ``owns_memory=False`` leaves freeing to
     the tensors' owner. Raises `CapacityError` before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
@@ -203,7 +204,7 @@ def bring_up(
             with lock:  # held until the memory is resident: peers then see it as used
                 facts = probe_machine() if machine is None else machine
                 available = facts.available_bytes if host_memory_bytes is None else host_memory_bytes
-                ranks = facts.ranks_per_host
+                ranks = facts.ranks_per_host if ranks_per_host is None else ranks_per_host
                 check_budget(
                     total, available_bytes=available, ranks_per_host=ranks, reserve_bytes=reserve_bytes,
                     ranks_already_allocated=min(len(lock.peers()), ranks - 1),
