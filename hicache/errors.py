@@ -140,6 +140,11 @@ class HugepagesExhaustedError(HostOutOfMemoryError):
     how many are needed, free and reserved)."""
 
 
+class LockTimeoutError(RegistrationStateError):
+    """HICACHE_LOCK_TIMEOUT passed while another process held the host-wide budget lock (the
+    message names the holder)."""
+
+
 class LockDirectoryError(RegistrationStateError):
     """The host-wide lock directory (HICACHE_RUNTIME_DIR) cannot be created or is not safe to use."""
 

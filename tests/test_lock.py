@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,11 +19,11 @@ def test_lock_excludes_other_processes(tmp_path):
         "import sys; from pathlib import Path; from hicache.effects._bringup._lock import budget_lock\n"
         "try:\n"
         f"    with budget_lock(directory=Path({str(tmp_path)!r}), timeout_s=0.3): print('got')\n"
-        "except Exception as e: print(type(e).__name__)\n"
+        "except Exception as e: print(type(e).__name__, isinstance(e, RuntimeError))\n"
     )
     with budget_lock(directory=tmp_path):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == "RegistrationStateError", out.stderr
+    assert out.stdout.strip() == "LockTimeoutError True", out.stderr  # a RegistrationStateError too
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "got"
 
@@ -53,3 +54,50 @@ def test_symlinked_or_shared_directories_are_refused(tmp_path):
     shared.chmod(0o755)
     with pytest.raises(RegistrationStateError, match="mode 0700"):
         budget_lock(directory=shared)
+
+
+_HOLD = (
+    "import sys, time; from pathlib import Path; from hicache.effects._bringup._lock import budget_lock\n"
+    "with budget_lock(directory=Path(sys.argv[1])):\n"
+    "    print('held', flush=True); time.sleep(float(sys.argv[2]))\n"
+)
+
+
+def test_a_waiter_says_who_holds_the_lock_and_a_timeout_names_the_holder(tmp_path, caplog):
+    """Another process holds the host-wide lock: a waiting bring-up logs the holder's pid and
+    since when every few seconds (here every 0.2 s) instead of waiting in silence, and with
+    HICACHE_LOCK_TIMEOUT it ends in a clean LockTimeoutError naming that pid."""
+    import logging
+
+    from hicache.effects._bringup._lock import BudgetLock
+    from hicache.errors import LockTimeoutError
+
+    tmp_path.chmod(0o700)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "30"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lock = BudgetLock(tmp_path, timeout_s=1.0, report_every_s=0.2)
+        with caplog.at_level(logging.WARNING, logger="hicache.effects._bringup._lock"):
+            started = time.monotonic()
+            with pytest.raises(LockTimeoutError, match=rf"timed out after 1 s .* held by pid {holder.pid} since "):
+                lock.__enter__()
+        assert time.monotonic() - started < 5
+        waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+        assert len(waits) >= 3 and all(f"held by pid {holder.pid}" in w and "HICACHE_LOCK_TIMEOUT" in w for w in waits)
+    finally:
+        holder.kill()
+        holder.communicate()
+    with BudgetLock(tmp_path, timeout_s=5):  # a killed holder blocks nobody
+        pass
+
+
+def test_hicache_lock_timeout_sets_the_default_wait_and_is_validated(tmp_path):
+    from hicache.effects._bringup._lock import budget_lock, lock_timeout_s
+    from hicache.errors import EnvError
+
+    assert lock_timeout_s({}) is None and lock_timeout_s({"HICACHE_LOCK_TIMEOUT": "2.5"}) == 2.5
+    assert budget_lock(directory=tmp_path, env={"HICACHE_LOCK_TIMEOUT": "7"}).timeout_s == 7.0
+    assert budget_lock(directory=tmp_path, timeout_s=3, env={"HICACHE_LOCK_TIMEOUT": "7"}).timeout_s == 3
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(EnvError, match=f"HICACHE_LOCK_TIMEOUT={bad!r}"):
+            lock_timeout_s({"HICACHE_LOCK_TIMEOUT": bad})

@@ -19,6 +19,7 @@ from hicache.errors import (
     HostOutOfMemoryError,
     HugepagesExhaustedError,
     LockDirectoryError,
+    LockTimeoutError,
     PlanError,
     PoolTooSmallError,
     RegistrationStateError,
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                     "reserve more (sysctl vm.nr_hugepages=N) or use --hugepages prefer (falls back), thp or off", INFEASIBLE)
     except HostOutOfMemoryError as error:
         return fail("host-out-of-memory", str(error), "free host memory, or plan a smaller pool (--host-gb)", INFEASIBLE)
+    except LockTimeoutError as error:
+        return fail("lock-timeout", str(error), "another bring-up holds the host-wide budget lock (named above): "
+                    "wait for it, or raise HICACHE_LOCK_TIMEOUT", INFEASIBLE)
     except LockDirectoryError as error:
         return fail("lock-directory", str(error), "set HICACHE_RUNTIME_DIR to a private directory of yours (mode 0700)",
                     USAGE)

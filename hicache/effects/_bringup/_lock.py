@@ -10,6 +10,10 @@ descriptor, so a second ``flock`` from this process would wait for the first for
 finalized by the garbage collector in the middle of the next pool's bring-up did), and the
 holder applies the queue before it lets go. A queue rather than one shared re-entrant lock
 object: the collector may run a finalizer in any thread, also one the holder is waiting for.
+
+A waiting bring-up is never silent (issue #21): the holder writes its pid and since-when beside
+the lock (``budget.lock.holder``), and a waiter logs who holds it every few seconds;
+HICACHE_LOCK_TIMEOUT (seconds) turns a wait into a clean `LockTimeoutError` naming the holder.
 """
 
 from __future__ import annotations
@@ -17,13 +21,35 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
+import math
 import os
 import stat
 import threading
 import time
 from pathlib import Path
 
-from hicache.errors import LockDirectoryError, RegistrationStateError
+from hicache.errors import EnvError, LockDirectoryError, LockTimeoutError, RegistrationStateError
+
+logger = logging.getLogger(__name__)
+
+LOCK_TIMEOUT_ENV = "HICACHE_LOCK_TIMEOUT"
+REPORT_EVERY_S = 5.0  # a waiting bring-up says who holds the lock this often
+
+
+def lock_timeout_s(env=None) -> float | None:
+    """HICACHE_LOCK_TIMEOUT as seconds (None: unset, wait as long as it takes)."""
+    env = os.environ if env is None else env
+    raw = env.get(LOCK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise EnvError(f"environment variable {LOCK_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return seconds
 
 
 def runtime_dir(env=None) -> Path:
@@ -81,9 +107,11 @@ class BudgetLock:
     """Hold with ``with budget_lock() as lock:``; ``peers()`` lists live processes that
     allocated pools, ``record(nbytes)`` / ``forget()`` keep this process's entry."""
 
-    def __init__(self, directory: Path | None = None, *, timeout_s: float | None = None) -> None:
+    def __init__(self, directory: Path | None = None, *, timeout_s: float | None = None,
+                 report_every_s: float = REPORT_EVERY_S) -> None:
         self.path = _private_dir(directory or runtime_dir()) / "budget.lock"
         self.timeout_s = timeout_s
+        self.report_every_s = report_every_s
         self._fd: int | None = None
         self._depth = 0  # re-entrant: teardown may run inside a with-block an interrupt cut short
 
@@ -97,20 +125,29 @@ class BudgetLock:
             self._depth += 1
             return self
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = None if self.timeout_s is None else start + self.timeout_s
+        next_report = start + self.report_every_s
         try:
-            while True:
+            while True:  # polled, not a blocking flock: a waiter reports who it waits for
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline else 0))
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except OSError as error:
                     if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                         raise
-                    if time.monotonic() > deadline:
-                        raise RegistrationStateError(
-                            f"timed out after {self.timeout_s} s waiting for {self.path}"
-                        ) from None
-                    time.sleep(0.05)
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    raise LockTimeoutError(
+                        f"timed out after {self.timeout_s:g} s waiting for the host-wide budget lock {self.path}: "
+                        f"{self.holder()}"
+                    ) from None
+                if now >= next_report:
+                    logger.warning("waiting %.0f s for the host-wide budget lock %s: %s (%s sets a limit)",
+                                   now - start, self.path, self.holder(), LOCK_TIMEOUT_ENV)
+                    next_report = now + self.report_every_s
+                time.sleep(0.05)
+            self._say_holder()
         except BaseException:
             os.close(fd)
             raise
@@ -120,6 +157,34 @@ class BudgetLock:
             _HOLDERS[key] = _HOLDERS.get(key, 0) + 1
             self._apply_pending()
         return self
+
+    @property
+    def _holder_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".holder")
+
+    def _say_holder(self) -> None:
+        """Write who holds the lock now and since when (read by waiters; best effort)."""
+        temporary = self._holder_path.with_name(f"{self._holder_path.name}.{os.getpid()}")
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"pid": os.getpid(), "since": time.time()}, handle)
+            os.replace(temporary, self._holder_path)
+        except OSError:  # a waiter then says the holder left no record; the lock itself is fine
+            pass
+
+    def holder(self) -> str:
+        """Who holds the lock, as a waiter sees it: "held by pid N since HH:MM:SS (X s)"."""
+        try:
+            with open(self._holder_path) as handle:
+                record = json.load(handle)
+            pid, since = int(record["pid"]), float(record["since"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return "held by a process that left no record"
+        if not _alive(pid):
+            return f"held (the last recorded holder, pid {pid}, has exited)"
+        return (f"held by pid {pid} since {time.strftime('%H:%M:%S', time.localtime(since))} "
+                f"({max(0.0, time.time() - since):.0f} s)")
 
     def __exit__(self, *exc_info) -> None:
         self._depth -= 1
@@ -224,9 +289,10 @@ class BudgetLock:
         self._write(entries)
 
 
-def budget_lock(*, directory: Path | None = None, timeout_s: float | None = None) -> BudgetLock:
-    """The host-wide budget lock (see `BudgetLock`)."""
-    return BudgetLock(directory, timeout_s=timeout_s)
+def budget_lock(*, directory: Path | None = None, timeout_s: float | None = None, env=None) -> BudgetLock:
+    """The host-wide budget lock (see `BudgetLock`); ``timeout_s`` defaults to
+    HICACHE_LOCK_TIMEOUT (unset: wait as long as it takes, saying who holds it)."""
+    return BudgetLock(directory, timeout_s=lock_timeout_s(env) if timeout_s is None else timeout_s)
 
 
 def _drain(directory: Path) -> None:
