@@ -82,3 +82,53 @@ def test_a_pool_binds_its_buffers_to_the_node_asked():
                                 machine=ROOMY, numa_node=0)
     assert pool.numa_node == 0 and bound_node(pool.kv_buffer.data_ptr()) == 0
     pool.destroy()
+
+
+def _cpuset(root: str, mems: str | None, cpus: dict) -> str:
+    """A fake /proc/self/status with ``Mems_allowed_list`` (None: no such line) and each node's
+    cpulist (an empty string: a memory-only node)."""
+    from pathlib import Path
+
+    (Path(root) / "proc/self").mkdir(parents=True, exist_ok=True)
+    lines = ["Name:\tpython", "Cpus_allowed_list:\t0-7"] + ([f"Mems_allowed_list:\t{mems}"] if mems is not None else [])
+    (Path(root) / "proc/self/status").write_text("\n".join(lines) + "\n")
+    for node, cpulist in cpus.items():
+        directory = Path(root) / f"sys/devices/system/node/node{node}"
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "cpulist").write_text(cpulist + "\n")
+        (directory / "meminfo").write_text(f"Node {node} MemFree:  {1024 * (node + 1)} kB\n")
+    return root
+
+
+def test_auto_and_explicit_nodes_stay_inside_the_cpuset_and_off_memory_only_nodes(tmp_path):
+    """The process may use nodes 0 and 2 (its cpuset); node 2 has no CPUs. auto never binds to
+    the GPU's node when it is outside the cpuset or memory-only (a note says why); an explicit
+    node outside the cpuset is refused naming the allowed ones; an explicit memory-only node is
+    bound as asked, with a note. doctor reports only the usable nodes and flags node 2."""
+    from hicache.cli._doctor import _numa, Context
+    from hicache.effects import probe_machine
+    from hicache.effects._host._numa import allowed_nodes, memory_only_nodes, node_free_bytes
+
+    root = _cpuset(_sysfs(tmp_path / "a", "0-2", 1), "0,2", {0: "0-3", 1: "4-7", 2: ""})
+    assert allowed_nodes(root=root) == (0, 2) and memory_only_nodes(root=root) == (2,)
+    assert set(node_free_bytes(root=root)) == {0, 2}
+    node, note = resolve_numa_node("auto", cuda_binding=FakeCudaBinding(), root=root)
+    assert node is None and "node 1 is outside this process's cpuset (mems 0,2)" in note
+    with pytest.raises(PlanError, match="numa_node 1 is outside this process's cpuset; it may use nodes 0, 2"):
+        resolve_numa_node(1, root=root)
+    assert resolve_numa_node(0, root=root) == (0, None)
+    node, note = resolve_numa_node(2, root=root)
+    assert node == 2 and "memory-only" in note
+    memory_only_gpu = _cpuset(_sysfs(tmp_path / "b", "0-1", 1), "0-1", {0: "0-3", 1: ""})
+    node, note = resolve_numa_node("auto", cuda_binding=FakeCudaBinding(), root=memory_only_gpu)
+    assert node is None and "has no CPUs (memory-only)" in note
+    no_line = _cpuset(_sysfs(tmp_path / "c", "0-1", 1), None, {0: "0-3", 1: "4-7"})
+    assert allowed_nodes(root=no_line) == (0, 1)  # unreadable cpuset: every online node
+    assert resolve_numa_node("auto", cuda_binding=FakeCudaBinding(), root=no_line) == (1, None)
+
+    facts = probe_machine(root=root, env={})
+    assert facts.numa_allowed_nodes == (0, 2) and facts.numa_memory_only_nodes == (2,)
+    check = _numa(Context(plan=None, facts=facts, resolved=None, env={}, cuda_binding=None, total=0, calls=0,
+                          largest=0, ranks=1, limits=None, root=root))
+    assert "node 2 3 MiB (memory-only: no CPUs)" in check.finding and "node 1 " not in check.finding
+    assert "may use node(s) 0,2 only (its cpuset)" in check.finding

@@ -183,10 +183,17 @@ def _numa(c: Context) -> Check:
     from hicache.effects import node_free_bytes
 
     numa = c.facts.numa_nodes
-    free = node_free_bytes(root=c.root)
-    detail = "; free: " + ", ".join(f"node {n} {format_bytes(b)}" for n, b in sorted(free.items())) if free else ""
+    allowed = tuple(c.facts.numa_allowed_nodes)
+    memory_only = set(c.facts.numa_memory_only_nodes)
+    free = node_free_bytes(root=c.root)  # the nodes this process may use
+    detail = "; free: " + ", ".join(
+        f"node {n} {format_bytes(b)}" + (" (memory-only: no CPUs)" if n in memory_only else "")
+        for n, b in sorted(free.items())) if free else ""
+    if allowed and len(allowed) < numa:
+        detail += f"; this process may use node(s) {','.join(map(str, allowed))} only (its cpuset)"
     return Check("numa", "pass", f"{numa} NUMA node(s){detail}",
-                 "" if numa == 1 else "pools bind to their GPU's node by default (numa_node / --numa auto)")
+                 "" if numa == 1 else "pools bind to their GPU's node by default (numa_node / --numa auto), "
+                 "within this process's cpuset and never to a memory-only node unless asked")
 
 
 def _host_copy(c: Context) -> Check:

@@ -24,25 +24,64 @@ _SYSCALLS = {"x86_64": (237, 239), "aarch64": (235, 236)}  # (mbind, get_mempoli
 _MAX_NODES = 1024
 
 
-def online_nodes(*, root: str = "/") -> tuple[int, ...]:
-    """The online NUMA nodes (``/sys/devices/system/node/online``: "0", "0-3", "0,2")."""
-    try:
-        text = Path(root, "sys/devices/system/node/online").read_text().strip()
-    except OSError:
-        return (0,)
+def parse_node_list(text: str) -> tuple[int, ...]:
+    """A kernel node/CPU list ("0", "0-3", "0,2-3") as numbers; empty for an empty list."""
     nodes: list[int] = []
-    for part in text.split(","):
+    for part in text.strip().split(","):
+        part = part.strip()
         if not part:
             continue
         low, _, high = part.partition("-")
         nodes.extend(range(int(low), int(high or low) + 1))
-    return tuple(nodes) or (0,)
+    return tuple(nodes)
+
+
+def online_nodes(*, root: str = "/") -> tuple[int, ...]:
+    """The online NUMA nodes (``/sys/devices/system/node/online``: "0", "0-3", "0,2")."""
+    try:
+        text = Path(root, "sys/devices/system/node/online").read_text()
+    except OSError:
+        return (0,)
+    return parse_node_list(text) or (0,)
+
+
+def allowed_nodes(*, root: str = "/") -> tuple[int, ...]:
+    """The online nodes this process may allocate on: its cpuset's effective mems
+    (``Mems_allowed_list`` in ``/proc/self/status``, what ``cpuset.mems.effective`` gives the
+    process); every online node where that cannot be read."""
+    online = online_nodes(root=root)
+    try:
+        status = Path(root, "proc/self/status").read_text()
+    except OSError:
+        return online
+    match = re.search(r"^Mems_allowed_list:\s*(\S*)\s*$", status, re.MULTILINE)
+    if not match:
+        return online
+    try:
+        allowed = set(parse_node_list(match[1]))
+    except ValueError:
+        return online
+    return tuple(n for n in online if n in allowed) or online
+
+
+def memory_only_nodes(*, root: str = "/") -> tuple[int, ...]:
+    """Online nodes without CPUs (CXL or other memory-only nodes): an empty ``cpulist``."""
+    found = []
+    for node in online_nodes(root=root):
+        try:
+            cpus = Path(root, f"sys/devices/system/node/node{node}/cpulist").read_text()
+        except OSError:
+            continue  # unreadable: assume it has CPUs
+        if not cpus.strip():
+            found.append(node)
+    return tuple(found)
 
 
 def node_free_bytes(*, root: str = "/") -> dict[int, int]:
-    """Each online node's free memory (``MemFree`` of its meminfo), in bytes."""
+    """Free memory (``MemFree`` of its meminfo), in bytes, of each node this process may use
+    (`allowed_nodes`: online and in its cpuset)."""
     free = {}
-    for node in online_nodes(root=root):
+    for node in allowed_nodes(root=root):
         try:
             text = Path(root, f"sys/devices/system/node/node{node}/meminfo").read_text()
         except OSError:

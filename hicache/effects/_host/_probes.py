@@ -17,7 +17,7 @@ import attrs
 
 from hicache.effects._host._memory import os_page_bytes
 from hicache.effects._cuda._runtime import default_binding
-from hicache.effects._host._numa import online_nodes
+from hicache.effects._host._numa import allowed_nodes, memory_only_nodes, online_nodes
 from hicache.errors import EnvError, PlanError
 from hicache.plan import (
     HUGEPAGE_MODES,
@@ -74,6 +74,8 @@ class MachineFacts:
     cgroup_usage_bytes: int | None
     numa_nodes: int
     ranks_per_host: int
+    numa_allowed_nodes: tuple = ()  # the nodes this process may use (its cpuset); () if unknown
+    numa_memory_only_nodes: tuple = ()  # online nodes without CPUs
 
 
 def _read(root: str, path: str) -> str | None:
@@ -161,6 +163,8 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
         cgroup_limit_bytes=limit,
         cgroup_usage_bytes=usage,
         numa_nodes=_numa_nodes(root),
+        numa_allowed_nodes=allowed_nodes(root=root),
+        numa_memory_only_nodes=memory_only_nodes(root=root),
         ranks_per_host=ranks_per_host(env),
     )
 
@@ -349,6 +353,13 @@ def resolve_numa_node(numa, *, cuda_binding=None, root: str = "/") -> tuple[int 
         gpu = next((g for g in gpus if g.index == device), None)
         if gpu is None or gpu.numa_node is None:
             return None, "NUMA placement auto: no CUDA device with a known NUMA node; memory is not bound"
+        allowed = allowed_nodes(root=root)
+        if gpu.numa_node not in allowed:  # binding there would fail (EINVAL) or fight the cpuset
+            return None, (f"NUMA placement auto: the GPU's node {gpu.numa_node} is outside this process's "
+                          f"cpuset (mems {','.join(map(str, allowed))}); memory is not bound")
+        if gpu.numa_node in memory_only_nodes(root=root):
+            return None, (f"NUMA placement auto: the GPU's node {gpu.numa_node} has no CPUs (memory-only); "
+                          "memory is not bound (pass the node explicitly to bind there)")
         return gpu.numa_node, None
     try:
         node = int(numa)
@@ -357,6 +368,12 @@ def resolve_numa_node(numa, *, cuda_binding=None, root: str = "/") -> tuple[int 
     nodes = online_nodes(root=root)
     if node not in nodes:
         raise PlanError(f"numa_node {node} is not online; online nodes: {', '.join(map(str, nodes))}")
+    allowed = allowed_nodes(root=root)
+    if node not in allowed:
+        raise PlanError(f"numa_node {node} is outside this process's cpuset; it may use nodes "
+                        f"{', '.join(map(str, allowed))}")
+    if node in memory_only_nodes(root=root):
+        return node, f"numa_node {node} has no CPUs (memory-only): bound there as asked"
     return node, None
 
 
