@@ -211,12 +211,13 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
             handle.wait()
         total_s = time.perf_counter() - start
         calls = len(handle.calls)
+        tiers = {name: tier.as_dict() for name, tier in handle.tiers()}  # as obtained, read from the kernel
         status = handle.registration.status() if handle.registration is not None else None
         _hold_for(hold, handle.total_bytes)
     finally:
         if handle is not None:
             _release(handle)
-    report = {"bytes": handle.total_bytes, "calls": calls}
+    report = {"bytes": handle.total_bytes, "calls": calls, "tiers": tiers}
     if args.progressive:
         report |= {"first_chunk_s": round(handle.first_call_s, 4), "total_s": round(total_s, 4), "numa_node": node}
         return _write_report(args, report, sources, progressive=True)
@@ -235,6 +236,11 @@ def _shown(key: str, value) -> str:
     """A table cell: byte counts as sizes (the exact count beside), an unbound NUMA node said."""
     if key in ("bytes", "largest_call") and isinstance(value, int):
         return f"{format_bytes(value)} ({value:,} B)"
+    if key == "tiers" and isinstance(value, dict):
+        return "; ".join(f"{name}: " + ", ".join(f"{format_bytes(n)} {tier}" for tier, n in counts.items()
+                                                   if tier != "exact" and n) + ("" if counts.get("exact", True) else " (approx.)")
+                         if any(n for t, n in counts.items() if t != "exact") else f"{name}: not resident"
+                         for name, counts in value.items())
     if key == "numa_node" and value is None:
         return "not bound (one node, or --numa off)"
     if key.endswith("_s") and isinstance(value, float):

@@ -19,6 +19,7 @@ import weakref
 
 from hicache.effects._cuda._registration import _leak_message
 from hicache.effects._host._memory import quarantine, unquarantine
+from hicache.effects._host._tiers import page_tiers
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 
@@ -252,6 +253,13 @@ class HostPools:
             elif status.state == "leaked":
                 held += status.leaked
         return tuple(sorted(held))
+
+    def tiers(self) -> list:
+        """``(buffer name, PageTiers)`` per buffer: the bytes the kernel backs with hugetlbfs
+        pages, transparent huge pages and base pages right now (``/proc/self/smaps``) - the tier
+        obtained, not the one asked for (a hugepage fallback is a 2-5x bring-up cliff)."""
+        return [(request.name, page_tiers(tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+                for request, tensor in zip(self.requests, self.tensors)]
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once everything is registered (at once unless progressive); False on timeout;
