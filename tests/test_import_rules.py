@@ -15,12 +15,13 @@ FACE = "hicache.effects"
 FACE_LIMIT = 35
 
 #: Which rooms a room of hicache.effects may import (itself always): downward only.
-ALLOWED = {
+ALLOWED = {  # _interrupts and _trace are leaves every room may use (Ctrl-C handling, the trace)
     "_interrupts": set(),
-    "_cuda": {"_interrupts"},
-    "_host": {"_interrupts", "_cuda"},
-    "_copy": {"_interrupts", "_cuda"},
-    "_bringup": {"_interrupts", "_cuda", "_host", "_copy"},
+    "_trace": set(),
+    "_cuda": {"_interrupts", "_trace"},
+    "_host": {"_interrupts", "_trace", "_cuda"},
+    "_copy": {"_interrupts", "_trace", "_cuda"},
+    "_bringup": {"_interrupts", "_trace", "_cuda", "_host", "_copy"},
 }
 
 

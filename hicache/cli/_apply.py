@@ -63,6 +63,9 @@ def add_command(commands) -> None:
     apply.add_argument("--progressive", action="store_true",
                        help="register call by call in the background (paced), report the time to the first call")
     apply.add_argument("--format", choices=("table", "json"), default="table")
+    apply.add_argument("--trace", metavar="FILE",
+                       help="write a Chrome trace-event JSON of the bring-up (Perfetto, chrome://tracing): phases, "
+                            "pre-fault pieces, register calls and lock waits on the threads that ran them")
     apply.add_argument("--fake-cuda", action="store_true",
                        help="dry run on a machine without a GPU: the whole bring-up (memory mapped, pre-faulted, "
                             "budgeted, released) with CUDA stood in for by hicache.testing's fake driver - "
@@ -203,7 +206,8 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     try:
         handle = bring_up(pools, mode=Progressive() if args.progressive else None, runtime=runtime,
                           allocator=allocator, machine=machine, lock=lock, ledger=ledger, progress=progress,
-                          reserve_bytes=reserve, host_memory_bytes=host_memory, ranks_per_host=ranks)
+                          reserve_bytes=reserve, host_memory_bytes=host_memory, ranks_per_host=ranks,
+                          trace=getattr(args, "trace", None))
         if progress is not None:
             progress.close()
         else:

@@ -28,6 +28,7 @@ from hicache.effects._cuda._progressive import MAX_STALL_S, Chunk, ProgressiveRe
 from hicache.effects._cuda._runtime import default_runtime
 from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._probes import probe_machine
+import hicache.effects._trace as _trace
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.errors import PlanError
 from hicache.plan import DEFAULT_RESERVE_BYTES, PoolPlan, RegistrationPlan, check_budget, plan_registration
@@ -166,6 +167,7 @@ def bring_up(
     retry_halvings: int = 0,
     owns_memory: bool = True,
     device: str = "cpu",
+    trace: str | None = None,
 ) -> HostPools:
     """Bring ``pools`` up - one `PoolPlan`, several (a model's pools on one rank; buffers named
     ``index/buffer``) or `BufferRequest`s - and return the `HostPools` handle that owns them.
@@ -179,9 +181,12 @@ def bring_up(
     `MachineFacts` (default `probe_machine()`); ``host_memory_bytes`` and ``ranks_per_host``
     override its available memory and rank count in the budget; ``lock``: a `BudgetLock` (default `budget_lock()`); ``budget=False`` skips the
     budget (memory someone else already budgeted); ``owns_memory=False`` leaves freeing to
-    the tensors' owner. Raises `CapacityError` before allocating when the budget refuses,
+    the tensors' owner. ``trace``: write a Chrome trace-event JSON of this and every later
+    bring-up of the process to that file (as HICACHE_TRACE=FILE does). Raises `CapacityError`
+    before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
     """
+    _trace.start(trace) if trace else _trace.from_env()  # record this process's bring-ups (HICACHE_TRACE=FILE)
     requests = _requests(pools, dtypes, register)
     allocator = host_allocator(allocator)
     mode = _mode(mode, requests, allocator, device)
@@ -190,11 +195,14 @@ def bring_up(
 
     def fill() -> None:  # what happens under the budget lock: until the memory is resident
         if mode == PIPELINED:
-            _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+            with _trace.span("map + pre-fault + register (pipelined)", "phase", bytes=handle.total_bytes):
+                _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
         elif mode == BLOCKING:
-            _allocate(handle, requests, device)
+            with _trace.span("allocate + pre-fault", "phase", bytes=handle.total_bytes):
+                _allocate(handle, requests, device)
         else:
-            _map(handle, requests)
+            with _trace.span("map", "phase", bytes=handle.total_bytes):
+                _map(handle, requests)
 
     try:
         start = time.perf_counter()
@@ -216,14 +224,18 @@ def bring_up(
             fill()
         handle.timings["allocate_prefault_s"] = time.perf_counter() - start
         if mode == BLOCKING:
-            _register(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+            with _trace.span("register", "phase", bytes=handle.total_bytes):
+                _register(handle, requests, runtime, flags, progress, retry_halvings, ledger)
         elif isinstance(mode, Progressive):
-            _progressive(handle, requests, mode, runtime, ledger, start)
+            with _trace.span("first calls (progressive; the rest in the background)", "phase"):
+                _progressive(handle, requests, mode, runtime, ledger, start)
         handle._activate()
+        _trace.flush()  # inside the try: a Ctrl-C here still undoes everything
     except BaseException as error:
         if budget and lock is not None and lock.held:
             lock.release_all()  # an interrupt at the with-exit skipped BudgetLock.__exit__
         handle._abort(error)
+        _trace.flush()
         raise
     return handle
 

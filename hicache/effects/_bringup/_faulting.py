@@ -20,6 +20,7 @@ import threading
 import time
 
 from hicache.effects._cuda._progressive import chunk_order
+from hicache.effects._trace import span
 from hicache.effects._host._memory import (
     PREFAULT_PIECE_BYTES,
     _run_workers,
@@ -92,7 +93,8 @@ class Prefaulter:
             def fault(number: int) -> None:
                 position, index, offset, length = calls[number]
                 if length:
-                    prefault(self.buffers[index], threads=1, start=offset, length=length, piece_bytes=length)
+                    with span("pre-fault", "prefault", buffer=index, offset=offset, size=length):
+                        prefault(self.buffers[index], threads=1, start=offset, length=length, piece_bytes=length)
                 with self._changed:  # progress in order: a later call may finish first
                     finished[number] = True
                     while frontier[0] < len(calls) and finished[frontier[0]]:

@@ -20,6 +20,7 @@ import weakref
 from hicache.effects._cuda._registration import _leak_message
 from hicache.effects._host._memory import quarantine, unquarantine
 from hicache.effects._host._tiers import page_tiers
+import hicache.effects._trace as _trace
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 
@@ -276,10 +277,12 @@ class HostPools:
         """Stop, unregister, free, give the budget back; safe to call twice (again after a
         `ReleaseError`: retries what stayed registered)."""
         try:
-            _release(self._books)
+            with _trace.span("release", "phase", bytes=self.total_bytes):
+                _release(self._books)
         finally:
             if self._books.release_s is not None:
                 self.timings["release_s"] = self._books.release_s
+            _trace.flush()
 
     def detach(self):
         """Hand the registration over to the caller (who now releases it) and let the rest go

@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from hicache.effects._trace import span
 from hicache.errors import EnvError, LockDirectoryError, LockTimeoutError, RegistrationStateError
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,10 @@ class BudgetLock:
         if self._fd is not None:
             self._depth += 1
             return self
+        with span("budget lock wait", "lock", path=str(self.path)):
+            return self._enter()
+
+    def _enter(self) -> "BudgetLock":
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         start = time.monotonic()
         deadline = None if self.timeout_s is None else start + self.timeout_s

@@ -13,6 +13,7 @@ import time
 
 import attrs
 
+from hicache.effects._trace import span
 from hicache.effects._interrupts import deferred_interrupts, interrupt_requested
 from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._cuda._registration import (
@@ -114,7 +115,9 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                     )
                     in_flight = RegisteredRange(name, index, base + item.offset, item.size)
                     try:
-                        runtime.register(base + item.offset, item.size, flags)
+                        with span("cudaHostRegister", "register", buffer=name, chunk=index, offset=item.offset,
+                                  size=item.size, ptr=base + item.offset):
+                            runtime.register(base + item.offset, item.size, flags)
                     except CudaCallError as error:
                         in_flight = None  # CUDA answered: the range is certainly not registered
                         if halvings <= 0 or isinstance(error, _NOT_RETRYABLE):

@@ -1,0 +1,88 @@
+"""The bring-up trace (`hicache apply --trace FILE`, HICACHE_TRACE=FILE): valid Chrome
+trace-event JSON whose register-call spans are the fake driver's calls one for one (pointer and
+size, in order), with phase, pre-fault and lock-wait spans, each on the thread that ran it, and
+no two spans of one thread overlapping unless one holds the other."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from machine import ROOMY
+
+from hicache.effects import _trace
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def _no_recording_left():
+    yield
+    _trace.stop()  # a recording lasts for the process: never into the next test
+
+
+def _check_spans(events) -> None:
+    by_thread: dict = {}
+    for event in events:
+        if event["ph"] == "X":
+            assert event["dur"] >= 0 and isinstance(event["args"], dict)
+            by_thread.setdefault(event["tid"], []).append((event["ts"], event["ts"] + event["dur"], event["name"]))
+    for spans in by_thread.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        open_ends: list = []
+        for start, end, name in spans:
+            while open_ends and open_ends[-1][0] <= start + 0.002:
+                open_ends.pop()
+            if open_ends:  # inside the enclosing span, never across its end
+                assert end <= open_ends[-1][0] + 0.002, (name, "crosses", open_ends[-1][1])
+            open_ends.append((end, name))
+
+
+@pytest.mark.parametrize("mode", ["blocking-pipelined", "progressive"])
+def test_apply_trace_is_valid_and_its_register_spans_are_the_drivers_calls(tmp_path, capsys, mode):
+    from hicache.cli import _apply, make_parser
+    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.testing import FakeCudaBinding, FakeRuntime
+
+    path = tmp_path / "bring-up.json"
+    argv = ["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.05", "--chunk-limit", "4MiB",
+            "--threads", "2", "--trace", str(path)] + (["--progressive"] if mode == "progressive" else [])
+    runtime = FakeRuntime()
+    assert _apply.run(make_parser().parse_args(argv), runtime=runtime, machine=ROOMY, cuda_binding=FakeCudaBinding(),
+                      ledger=HostLedger()) == 0
+    _trace.stop()
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    calls = [e for e in events if e["name"] == "cudaHostRegister"]
+    logged = [(ptr, size) for op, ptr, size, *_ in (e for e in runtime.cudart.log if e[0] == "register")]
+    assert [(e["args"]["ptr"], e["args"]["size"]) for e in sorted(calls, key=lambda e: e["ts"])] == logged
+    assert all(e["args"]["GB/s"] > 0 for e in calls)
+    names = {e["name"] for e in events}
+    assert {"pre-fault", "budget lock wait", "release"} <= names
+    assert any(e.get("cat") == "phase" for e in events if e["name"] != "release")
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert any(name.startswith("hicache-prefault") or "ThreadPool" in name or name.startswith("hicache")
+               for tid, name in threads.items() for e in events if e["name"] == "pre-fault" and e["tid"] == tid)
+    _check_spans(events)
+
+
+def test_hicache_trace_records_a_librarys_bring_ups(tmp_path):
+    """HICACHE_TRACE=FILE, a process that only calls the library: the file is there after the
+    release, with the register calls."""
+    path = tmp_path / "lib.json"
+    code = (
+        "from hicache.effects import BufferRequest, bring_up\n"
+        "from hicache.plan import Limits, plan_registration\n"
+        "from hicache.testing import fake_cuda\n"
+        "plan = plan_registration(8 << 20, granularity_bytes=1 << 20, limits=Limits(chunk_limit_bytes=2 << 20))\n"
+        "with fake_cuda():\n"
+        "    bring_up([BufferRequest('kv', (8 << 20,), None, plan)], budget=False).release()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "HICACHE_TRACE": str(path)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    assert len([e for e in events if e["name"] == "cudaHostRegister"]) == 4
+    _check_spans(events)
