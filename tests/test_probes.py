@@ -81,3 +81,32 @@ def test_ranks_per_host_falls_back_to_local_world_size():
     assert ranks_per_host({"LOCAL_WORLD_SIZE": "8"}) == 8
     assert ranks_per_host({"LOCAL_WORLD_SIZE": "8", "HICACHE_RANKS_PER_HOST": "4"}) == 4
     assert ranks_per_host({}) == 1
+
+
+def test_free_2mib_blocks_and_the_doctor_warning_before_a_thp_run(tmp_path):
+    """/proc/buddyinfo: a free block of order k >= 9 holds 2^(k-9) 2 MiB blocks. doctor warns
+    before a THP run (HICACHE_HUGEPAGES=thp) whose pool needs more than are free, and says
+    nothing against one that fits or against 4 KiB pages."""
+    from hicache.cli._doctor import Context, _buddyinfo
+    from hicache.effects import probe_machine
+    from hicache.effects._host._probes import free_2mib_blocks
+
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/buddyinfo").write_text(
+        "Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3\n"
+        "Node 0, zone   Normal  27217  22865   8947   7192   3319   1983   1366    688    398    191   2066\n"
+    )
+    assert free_2mib_blocks(root=str(tmp_path)) == (1 + 3 * 2) + (191 + 2066 * 2)
+    assert free_2mib_blocks(root=str(tmp_path / "nowhere")) is None
+    facts = probe_machine(root=str(tmp_path), env={})
+    blocks = facts.free_2mib_blocks
+
+    def check(total, env):
+        return _buddyinfo(Context(plan=object(), facts=facts, resolved=None, env=env, cuda_binding=None,
+                                  total=total, calls=1, largest=total, ranks=1, limits=None, root=str(tmp_path)))
+
+    thp = {"HICACHE_HUGEPAGES": "thp"}
+    short = check((blocks + 1) * 2**21, thp)
+    assert short.status == "warn" and f"needing {blocks + 1:,}" in short.finding and "compact" in short.hint
+    assert check(blocks * 2**21, thp).status == "pass"
+    assert check((blocks + 1) * 2**21, {}).status == "pass"  # 4 KiB pages need no contiguous blocks

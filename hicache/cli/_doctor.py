@@ -148,6 +148,30 @@ def _pools(c: Context) -> Check:
     return Check("pools", "warn", finding + short + ": the pools fall back to 4 KiB pages", hint)
 
 
+def _buddyinfo(c: Context) -> Check:
+    """Before a THP run: enough free contiguous 2 MiB blocks for the pool, or THP falls back to
+    4 KiB pages mid-pre-fault (a 2-5x cliff) or stalls compacting."""
+    from hicache.effects import pool_settings
+    from hicache.plan import EnvError
+
+    blocks = c.facts.free_2mib_blocks
+    try:
+        thp = pool_settings(c.env).hugepages == "thp"
+    except EnvError:
+        thp = False  # the pools rule names the bad variable
+    if blocks is None:
+        return Check("buddyinfo", "pass", "free 2 MiB blocks: unknown (/proc/buddyinfo unreadable)")
+    finding = f"{blocks:,} free 2 MiB blocks ({format_bytes(blocks * 2 * 2**20)}, /proc/buddyinfo)"
+    if not thp or c.plan is None:
+        return Check("buddyinfo", "pass", finding)
+    needed = -(-c.total // (2 * 2**20))
+    if blocks >= needed:
+        return Check("buddyinfo", "pass", finding + f" cover the pool's {needed:,}")
+    return Check("buddyinfo", "warn", finding + f" for a THP pool needing {needed:,}: the rest falls back to 4 KiB "
+                 "pages or waits on compaction",
+                 "compact first (echo 1 > /proc/sys/vm/compact_memory), reserve hugetlbfs pages at boot, or use 4 KiB pages")
+
+
 def _memlock(c: Context) -> Check:
     memlock = c.facts.memlock_soft
     text = "unlimited" if memlock is None else format_bytes(memlock)
@@ -317,7 +341,7 @@ def _sglang(c: Context) -> Check:
 
 
 #: The rules, in the order they print.
-RULES = (_versions, _kernel, _limits, _thp, _hugepages, _pools, _memlock, _max_map_count, _memory, _numa, _host_copy,
+RULES = (_versions, _kernel, _limits, _thp, _hugepages, _pools, _buddyinfo, _memlock, _max_map_count, _memory, _numa, _host_copy,
          _cuda, _binding, _gpus, _sglang)
 
 

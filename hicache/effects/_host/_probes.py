@@ -76,6 +76,7 @@ class MachineFacts:
     ranks_per_host: int
     numa_allowed_nodes: tuple = ()  # the nodes this process may use (its cpuset); () if unknown
     numa_memory_only_nodes: tuple = ()  # online nodes without CPUs
+    free_2mib_blocks: int | None = None  # free physically contiguous 2 MiB blocks (/proc/buddyinfo)
 
 
 def _read(root: str, path: str) -> str | None:
@@ -138,6 +139,24 @@ def ranks_per_host(env=None) -> int:
     return _env_int(env, "HICACHE_RANKS_PER_HOST") or _env_int(env, "LOCAL_WORLD_SIZE") or 1
 
 
+def free_2mib_blocks(*, root: str = "/", page_bytes: int = 4096) -> int | None:
+    """Free 2 MiB blocks the buddy allocator holds, over every node and zone
+    (``/proc/buddyinfo``: free blocks per order; a block of order k >= 9 (4 KiB pages) holds
+    2^(k-9) of them) - what THP can get at fault time without compacting. None if unreadable."""
+    text = _read(root, "/proc/buddyinfo")
+    if not text:
+        return None
+    order = (2 * 2**20 // page_bytes).bit_length() - 1
+    total = 0
+    for line in text.splitlines():
+        counts = line.split(",", 1)[-1].split()[2:]  # "Node 0, zone Normal c0 c1 ..."
+        try:
+            total += sum(int(count) << (k - order) for k, count in enumerate(counts) if k >= order)
+        except ValueError:
+            return None
+    return total
+
+
 def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
     """Read this machine's memory, kernel and limit facts (no CUDA)."""
     import psutil  # lazy: the plan path must not import it
@@ -165,6 +184,7 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
         numa_nodes=_numa_nodes(root),
         numa_allowed_nodes=allowed_nodes(root=root),
         numa_memory_only_nodes=memory_only_nodes(root=root),
+        free_2mib_blocks=free_2mib_blocks(root=root),
         ranks_per_host=ranks_per_host(env),
     )
 
