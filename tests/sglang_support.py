@@ -115,3 +115,19 @@ def published(**server_args):
         yield
     finally:
         reset_context()
+
+
+def recording_allocators(monkeypatch) -> list:
+    """Every hicache allocator the plug-in makes for SGLang's default one, from now on (to check
+    that what it mapped is unmapped again: each one's ``owned()``)."""
+    from hicache.compat import sglang as compat
+
+    made = []
+
+    class Recording(compat.HostTensorAllocator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(compat, "HostTensorAllocator", Recording)
+    return made

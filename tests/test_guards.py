@@ -112,6 +112,17 @@ def test_a_rollback_that_leaks_during_pool_construction_raises_and_quarantines(t
 
 
 # -- compat ------------------------------------------------------------------------------------
+def _leak_recorded_then_retried(cudart, buffer, before: int) -> None:
+    """What stayed registered is on the tensor's record and its memory quarantined; teardown then
+    retries exactly that and leaves nothing."""
+    recorded = getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR)
+    assert recorded and set(recorded) == cudart.held()
+    assert any(b is buffer for b in QUARANTINE[before:])
+    cudart.fail_unregister = {}
+    sg._cuda_host_unregister(buffer)  # teardown retries exactly what stayed
+    assert cudart.held() == set() and getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+
+
 def test_a_failed_compat_registration_quarantines_and_records_what_stays(cudart):
     buffer = FakeBuffer(3 * 2**30)  # three 1 GiB chunks
     cudart.fail_register = {2: 2}
@@ -119,12 +130,7 @@ def test_a_failed_compat_registration_quarantines_and_records_what_stays(cudart)
     before = len(QUARANTINE)
     with pytest.raises(RollbackError):
         sg._cuda_host_register(buffer, registration_granularity_bytes=2**30)
-    recorded = getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR)
-    assert recorded and set(recorded) == cudart.held()
-    assert any(b is buffer for b in QUARANTINE[before:])
-    cudart.fail_unregister = {}
-    sg._cuda_host_unregister(buffer)  # teardown retries exactly what stayed
-    assert cudart.held() == set() and getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+    _leak_recorded_then_retried(cudart, buffer, before)
 
 
 def test_a_failed_compat_teardown_quarantines_and_records_what_stays(cudart, monkeypatch):
@@ -219,9 +225,4 @@ def test_a_ctrl_c_during_a_leaking_compat_rollback_still_records_and_quarantines
     before = len(QUARANTINE)
     with pytest.raises(KeyboardInterrupt):
         sg._cuda_host_register(buffer, registration_granularity_bytes=2**30)
-    recorded = getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR)
-    assert recorded and set(recorded) == cudart.held()
-    assert any(b is buffer for b in QUARANTINE[before:])
-    cudart.fail_unregister = {}
-    sg._cuda_host_unregister(buffer)
-    assert cudart.held() == set() and getattr(buffer, sg._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+    _leak_recorded_then_retried(cudart, buffer, before)

@@ -14,7 +14,9 @@ import os
 import sys
 
 import pytest
-from sglang_support import NAMES, ORIGINALS, load_sglang, plugged, published, sglang  # noqa: F401 - sglang: a fixture
+from sglang_support import (  # noqa: F401 - sglang: a fixture
+    NAMES, ORIGINALS, load_sglang, plugged, published, recording_allocators, sglang,
+)
 
 from hicache.testing import fake_cuda
 
@@ -232,17 +234,8 @@ def test_a_failed_register_leaves_nothing_registered_and_raises_runtime_error(sg
     registered and nothing hicache mapped for it left mapped."""
     import sglang.srt.plugins as plugins
 
-    from hicache.compat import sglang as compat
-
-    made = []
-
-    class Recording(compat.HostTensorAllocator):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
     plugins.load_plugins()
-    monkeypatch.setattr(compat, "HostTensorAllocator", Recording)
+    made = recording_allocators(monkeypatch)
     monkeypatch.setenv("HICACHE_KERNEL_PIN_CAP", "64KiB")
     device = _device_pool()
     with fake_cuda() as fake:

@@ -12,7 +12,7 @@ and SGLang's own destroy() leaves nothing held. Needs `make sglang`."""
 from __future__ import annotations
 
 import pytest
-from sglang_support import cuda_at_destroy, published, sglang  # noqa: F401 - sglang: a fixture
+from sglang_support import cuda_at_destroy, published, recording_allocators, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
 
@@ -167,16 +167,7 @@ def test_a_ctrl_c_at_each_register_call_leaves_sglangs_constructor_holding_nothi
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    from hicache.compat import sglang as compat
-
-    made = []
-
-    class Recording(compat.HostTensorAllocator):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(compat, "HostTensorAllocator", Recording)
+    made = recording_allocators(monkeypatch)
     _small_cap(monkeypatch, "page_first_direct")
     device = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=3,
                               device="cpu", enable_memory_saver=False)

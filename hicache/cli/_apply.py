@@ -241,10 +241,7 @@ def _shown(key: str, value) -> str:
     if key in ("bytes", "largest_call") and isinstance(value, int):
         return f"{format_bytes(value)} ({value:,} B)"
     if key == "tiers" and isinstance(value, dict):
-        return "; ".join(f"{name}: " + ", ".join(f"{format_bytes(n)} {tier}" for tier, n in counts.items()
-                                                   if tier != "exact" and n) + ("" if counts.get("exact", True) else " (approx.)")
-                         if any(n for t, n in counts.items() if t != "exact") else f"{name}: not resident"
-                         for name, counts in value.items())
+        return "; ".join(f"{name}: {_tiers_cell(counts)}" for name, counts in value.items())
     if key == "numa_node" and value is None:
         return "not bound (one node, or --numa off)"
     if key.endswith("_s") and isinstance(value, float):
@@ -252,6 +249,14 @@ def _shown(key: str, value) -> str:
     if key == "register_gbps":
         return f"{value} GB/s"
     return str(value)
+
+
+def _tiers_cell(counts: dict) -> str:
+    """One buffer's pages as obtained: "48 MiB 4k", "40 MiB thp, 8 MiB 4k (approx.)"."""
+    parts = [f"{format_bytes(n)} {tier}" for tier, n in counts.items() if tier != "exact" and n]
+    if not parts:
+        return "not resident"
+    return ", ".join(parts) + ("" if counts.get("exact", True) else " (approx.)")
 
 
 def _write_report(args, report: dict, sources: dict, **json_only) -> int:

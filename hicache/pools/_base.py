@@ -61,8 +61,7 @@ def _gb_or_zero(value, owner: str) -> float:
     "size by the ratio", as SGLang reads it. A string or NaN is an error naming it."""
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)) \
-            or math.isinf(float(value)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise PlanError(f"{owner}.host_size must be a finite number of GB (0: size by the ratio), got {value!r}")
     return float(value)
 

@@ -37,10 +37,6 @@ BLOCKING, PIPELINED, MAP_ONLY = "blocking", "pipelined", "map-only"
 MODES = (BLOCKING, PIPELINED, MAP_ONLY, "Progressive(...)")
 
 
-def _stall(value):
-    return check_max_stall(value)
-
-
 @attrs.frozen
 class Progressive:
     """The progressive mode's settings: serve early, keep registering in the background.
@@ -58,7 +54,7 @@ class Progressive:
     key: Callable | None = None
     on_chunk: Callable | None = None
     ready: Callable | None = None
-    max_stall_s: float | None = attrs.field(default=MAX_STALL_S, converter=_stall)
+    max_stall_s: float | None = attrs.field(default=MAX_STALL_S, converter=check_max_stall)
 
 
 @attrs.frozen

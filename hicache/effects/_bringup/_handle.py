@@ -19,7 +19,7 @@ import weakref
 
 from hicache.effects._cuda._registration import _leak_message
 from hicache.effects._host._memory import quarantine, unquarantine
-from hicache.effects._host._tiers import page_tiers
+from hicache.effects._host._tiers import page_tiers, read_smaps
 import hicache.effects._trace as _trace
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
@@ -259,7 +259,8 @@ class HostPools:
         """``(buffer name, PageTiers)`` per buffer: the bytes the kernel backs with hugetlbfs
         pages, transparent huge pages and base pages right now (``/proc/self/smaps``) - the tier
         obtained, not the one asked for (a hugepage fallback is a 2-5x bring-up cliff)."""
-        return [(request.name, page_tiers(tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        smaps = read_smaps()  # one read for every buffer
+        return [(request.name, page_tiers(tensor.data_ptr(), tensor.numel() * tensor.element_size(), smaps_text=smaps))
                 for request, tensor in zip(self.requests, self.tensors)]
 
     def wait(self, timeout: float | None = None) -> bool:

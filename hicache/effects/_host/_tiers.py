@@ -55,15 +55,23 @@ def _mappings(text: str):
         yield start, end, fields
 
 
+def read_smaps(path: str = SMAPS) -> str | None:
+    """The smaps text (None when it cannot be read)."""
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
 def page_tiers(ptr: int, length: int, *, smaps_text: str | None = None, smaps_path: str = SMAPS) -> PageTiers:
-    """How ``[ptr, ptr + length)`` is backed now (``smaps_text``: parse this instead of reading
-    ``smaps_path``; for tests). An unreadable smaps gives zeros with ``exact`` False."""
+    """How ``[ptr, ptr + length)`` is backed now (``smaps_text``: parse this - one read for many
+    ranges, or a test's - instead of reading ``smaps_path``). An unreadable smaps gives zeros
+    with ``exact`` False."""
     if smaps_text is None:
-        try:
-            with open(smaps_path) as handle:
-                smaps_text = handle.read()
-        except OSError:
-            return PageTiers(0, 0, 0, exact=False)
+        smaps_text = read_smaps(smaps_path)
+    if smaps_text is None:
+        return PageTiers(0, 0, 0, exact=False)
     end = ptr + length
     hugetlb = thp = base = 0.0
     exact = True
