@@ -158,8 +158,10 @@ def test_zero_copy_meta_sizes_and_alignment_as_the_backends_read_them():
     mla.destroy()
     layer_first = _pool(_mha(), "layer_first")
     assert layer_first.is_stride_page_aligned(64) is False
-    with pytest.raises(TransferError, match="page_first"):
-        layer_first.get_page_buffer_meta(torch.arange(P))
+    ptrs, sizes = layer_first.get_page_buffer_meta(torch.arange(P, 2 * P))  # as SGLang's: per layer, K then V
+    assert sizes == [P * 2 * 8 * 2] * (2 * layer_first.layer_num)
+    assert ptrs[:2] == [layer_first.k_buffer[0, P:].data_ptr(), layer_first.v_buffer[0, P:].data_ptr()]
+    assert ptrs[-1] == layer_first.v_buffer[layer_first.layer_num - 1, P:].data_ptr()
     layer_first.destroy()
     assert HICACHE_HOST_MEMORY_RESERVE_BYTES == 10 * 1024**3
 

@@ -14,6 +14,7 @@ import logging
 import math
 import numbers
 import operator
+import sys
 import threading
 from functools import wraps
 from typing import NamedTuple
@@ -35,13 +36,17 @@ from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
+from hicache.pools._sglang_inputs import BufferDevice
+from hicache.pools._sglang_sizing import size_as_sglang
 from hicache.pools._transfer import Transfers, check_backend
 from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._views import layer_token_view
 
 logger = logging.getLogger(__name__)
 
-_FRAMEWORK_PINNED = ("npu", "musa")  # devices whose framework pins host memory itself
+_FRAMEWORK_PINNED = ("npu", "musa")
+#: SGLang's record of registered ranges on a host tensor (pool_host/common.py)
+RANGES_ATTR = "_sglang_cuda_host_registered_ranges"  # devices whose framework pins host memory itself
 
 
 def synchronized(func):
@@ -64,6 +69,18 @@ def _gb_or_zero(value, owner: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise PlanError(f"{owner}.host_size must be a finite number of GB (0: size by the ratio), got {value!r}")
     return float(value)
+
+def _under_sglang_chunk_setting(limits):
+    """Inside SGLang (its `envs` loaded), a pool built by SGLang 0.5.23's constructor also keeps
+    each call within SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB read through SGLang's own accessor
+    (what SGLang's tests patch, its handling of a bad value): the smaller cap wins."""
+    envs = getattr(sys.modules.get("sglang.srt.environ"), "envs", None)
+    setting = getattr(envs, "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", None)
+    if setting is None:
+        return limits
+    chunk = max(int(setting.get()), 1) * 2**30
+    return attrs.evolve(limits, chunk_limit_bytes=chunk) if chunk < limits.chunk_limit_bytes else limits
+
 
 class Stream(NamedTuple):
     """One host<->device copy stream: a host buffer (and K/V half) and its device tensor."""
@@ -108,6 +125,16 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     """
 
     has_allocator = True
+    # SGLang 0.5.23's class defaults its callers read (pool_host/base.py): no decode context
+    # parallelism, no shared compacting layout, no page envelope, no storage format of its own
+    dcp_size = 1
+    dcp_rank = 0
+    shared_allocation_domain = None
+    stores_page_envelope = False
+    storage_format_tag = None
+    #: which SGLang constructor built the pool: "0.5.23" (a device-buffer description) or
+    #: "older" (a device pool first, SGLang before 0.5.23)
+    sglang_form = "older"
 
     def __init__(
         self,
@@ -135,9 +162,24 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         progressive: bool | None = None,
         max_stall_s: float | None = 0.25,
         hugepages: str | None = None,
+        device_capacity_tokens: int | None = None,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+        host_token_capacity: int | None = None,
+        dcp_size: int = 1,
+        dcp_rank: int = 0,
+        is_dummy: bool = False,
     ) -> None:
         self.device_pool = device_pool
+        if isinstance(device_pool, BufferDevice):  # built from 0.5.23's device-buffer description
+            self.sglang_form = "0.5.23"
+            page_size = self._dcp(page_size, dcp_size, dcp_rank)
+        elif dcp_size != 1 or is_dummy or host_token_capacity is not None:
+            raise LayoutError(f"{type(self).__name__}: dcp_size, is_dummy and host_token_capacity come with SGLang "
+                              "0.5.23's constructor (a device-buffer description first), not a device pool")
         self.page_size = page_size
+        self.can_use_write_back_jit = False  # SGLang's staged write-back JIT kernel is CUDA-only
+        self.is_dummy = bool(is_dummy)
         self.layout = layout
         self.pin_memory = pin_memory
         self.device = device
@@ -152,26 +194,49 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self._pages = None
         self._readiness = None
         self._transfers = None
-        self._size(host_to_device_ratio, host_size, page_num)
+        self._size(host_to_device_ratio, host_size, page_num,
+                   dict(device_capacity_tokens=device_capacity_tokens, start_layer=start_layer, end_layer=end_layer,
+                        host_token_capacity=host_token_capacity))
         self._settings(limits, progressive, hugepages, max_stall_s, numa_node)
         self.pool_plan = plan_pool(self.descriptor, self._limits)
         self.allocator = self._allocator(allocator_type, allocator_fallback, strict_allocator)
         self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
         self._bring_up_options = {"runtime": runtime, "machine": machine, "host_memory_bytes": host_memory_bytes,
                                   "lock": budget_lock, "ledger": ledger, "device": device}
+        if self.is_dummy:  # SGLang's allocator-only pool: indices, no memory
+            self._pages = PageAllocator(self.page_num, self.logical_page_size)
+            return
         self._reserve()
         try:
             self._transfers = Transfers(self._host_view, self.streams(), page_size=page_size, host_slots=self.size,
                                         copy_engine=self.copy_engine, name=type(self).__name__)
             if self._pages is None and self.has_allocator:
-                self._pages = PageAllocator(self.page_num, page_size)
+                self._pages = PageAllocator(self.page_num, self.logical_page_size)
         except BaseException:  # never leave a half-built pool holding pinned memory
             self.destroy()
             raise
 
     # -- construction, in order: sizing, settings, allocator ---------------------------------
-    def _size(self, host_to_device_ratio: float, host_size: float, page_num: int | None) -> None:
+    def _dcp(self, page_size: int, dcp_size: int, dcp_rank: int) -> int:
+        """SGLang 0.5.23: ``page_size`` arrives widened by ``dcp_size`` (decode context
+        parallelism); this rank holds every ``dcp_size``-th slot, so its physical page is
+        ``page_size // dcp_size``."""
+        name = type(self).__name__
+        for field, value in (("dcp_size", dcp_size), ("dcp_rank", dcp_rank), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise LayoutError(f"{name}.{field} must be an integer, got {value!r}")
+        if dcp_size < 1 or not 0 <= dcp_rank < dcp_size:
+            raise LayoutError(f"{name}: dcp_rank must lie in [0, dcp_size), got dcp_size={dcp_size}, dcp_rank={dcp_rank}")
+        if page_size <= 0 or page_size % dcp_size:
+            raise LayoutError(f"{name}: page_size ({page_size}) must be a positive multiple of dcp_size ({dcp_size}): "
+                              "the widened page from the DCP paged allocator")
+        self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
+        return page_size // dcp_size
+
+    def _size(self, host_to_device_ratio: float, host_size: float, page_num: int | None, sglang: dict) -> None:
         """Layers, dtype and pages from the device pool and SGLang's sizing arguments."""
+        if self.sglang_form == "0.5.23":
+            return size_as_sglang(self, host_to_device_ratio, host_size, **sglang)
         device_pool = self.device_pool
         self.dtype = self._store_dtype(device_pool)
         self.start_layer = getattr(device_pool, "start_layer", 0) or 0
@@ -198,6 +263,8 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self.page_num = page_num
         self.size = page_num * self.page_size
         self.descriptor = self.layout_descriptor(page_num)
+        self.device_capacity_tokens = getattr(device_pool, "size", 0) or 0
+        self.target_layer_num = self.layer_num
 
     def _settings(self, limits, progressive, hugepages, max_stall_s, numa_node) -> None:
         """Progressive, page size (keywords beat HICACHE_*), limits, stall budget, NUMA node."""
@@ -207,6 +274,8 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         if self.hugepages not in HUGEPAGE_MODES:
             raise LayoutError(f"{type(self).__name__}.hugepages must be one of {HUGEPAGE_MODES}, got {self.hugepages!r}")
         self._limits = limits if limits is not None else probe_limits()
+        if limits is None and self.sglang_form == "0.5.23":
+            self._limits = _under_sglang_chunk_setting(self._limits)
         if self.hugepages in HUGETLBFS_MODES and self._limits.hugepage_bytes is None:
             # hugetlbfs: boundaries on the huge page, so no two calls share one (vLLM PR #51081);
             # the base is then hugepage aligned (or, if "prefer" falls back, page aligned: finer)
@@ -281,7 +350,25 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration
         tensors = self._host.tensors
+        self._record_ranges(tensors)
+        self.fd = getattr(self.allocator, "fd", None)  # SGLang's shm allocator's descriptor
         return tensors[0] if len(tensors) == 1 else list(tensors)
+
+    def _record_ranges(self, tensors) -> None:
+        """Each buffer carries SGLang's record of what is registered in it,
+        ``_sglang_cuda_host_registered_ranges`` = ``[(ptr, size), ...]`` (SGLang's own unregister
+        reads it; without it, it would treat the buffer as one range). Progressive pools extend
+        it as chunks register (`_progressive_mode`)."""
+        with self.lock:  # a progressive pool's background chunks append under it
+            held = self._host.registered_ranges()
+            records = []
+            for tensor in tensors:
+                low = tensor.data_ptr()
+                high = low + tensor.numel() * tensor.element_size()
+                record = [(ptr, size) for ptr, size in held if low <= ptr < high]
+                setattr(tensor, RANGES_ATTR, record)
+                records.append((tensor, record))
+            self._range_records = records
 
     @property
     def buffers(self) -> list:
@@ -347,18 +434,84 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
 
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
         self._alive()
+        if self._transfers is None:
+            raise RegistrationStateError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no memory to copy")
         if io_backend != "direct":  # the layout was checked when the pool was built
             check_backend(io_backend, self.layout, self.descriptor_class().supported())
+        if isinstance(self.device_pool, BufferDevice):
+            # 0.5.23: the device buffers of the description, whatever pool the caller passes
+            # (SGLang's own pools copy to the captured tensors too); this rank's rows under DCP
+            device_pool = self.device_pool
+            host_indices, device_indices = (self._dcp_rows(host_indices), self._dcp_rows(device_indices))
         self._transfers.run(device_pool, host_indices, device_indices, layers, to_host=to_host)
 
-    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
-        """Copy the given slots of one layer host -> device."""
-        layer = self._check_layer(layer_id)
-        self._transfer(device_pool, host_indices, device_indices, [layer], io_backend, to_host=False)
+    def _dcp_rows(self, indices):
+        """SGLang's `maybe_dcp_kernel_indices`: widened logical slots -> this rank's rows (slot %
+        dcp_size == dcp_rank owns row slot // dcp_size)."""
+        if self.dcp_size == 1:
+            return indices
+        return indices[self.dcp_rank :: self.dcp_size] // self.dcp_size
+
+    def _layers_for(self, layer_id, is_draft: bool) -> list[int]:
+        """The host layer a controller's ``layer_id`` loads: pool-local ids, checked (older
+        form); 0.5.23's map (targets by id, packed drafts with ``is_draft``), and nothing for a
+        layer the pool does not hold - SGLang's own pools skip it too."""
+        if self.sglang_form != "0.5.23":
+            return [self._check_layer(layer_id)]
+        if isinstance(layer_id, bool) or not hasattr(type(layer_id), "__index__"):
+            raise TransferError(f"layer_id must be an integer, got {layer_id!r} ({type(layer_id).__name__})")
+        host = self.device_pool.resolve(operator.index(layer_id), is_draft=bool(is_draft))
+        return [] if host is None else [host]
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
+                                 is_draft: bool = False) -> None:
+        """Copy the given slots of one layer host -> device (``is_draft``: a packed MTP draft
+        layer, SGLang 0.5.23)."""
+        layers = self._layers_for(layer_id, is_draft)
+        if layers:
+            self._transfer(device_pool, host_indices, device_indices, layers, io_backend, to_host=False)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
         """Copy the given slots of every layer device -> host."""
         self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), io_backend, to_host=True)
+
+    # -- SGLang 0.5.23's L2 hooks (pool_host/base.py; called by mem_cache/l2_transfer.py) ---
+    def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
+        """Indices as the transfer uses them: physical already (no compacting layout here)."""
+        return host_indices, device_indices
+
+    def backup_from_device_all_layer_physical(self, device_pool, host_indices, device_indices, io_backend) -> None:
+        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+
+    def load_to_device_per_layer_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
+                                          is_draft: bool = False) -> None:
+        self.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
+                                      is_draft=is_draft)
+
+    @property
+    def logical_size(self) -> int:
+        """Slots the radix cache and controllers see: ``dcp_size`` of them share a row."""
+        return self.size * self.dcp_size
+
+    @property
+    def logical_page_size(self) -> int:
+        """The page in that same logical space (the widened DCP page)."""
+        return self.page_size * self.dcp_size
+
+    def get_page_buffer_element_size(self, split_factor: int = 1):
+        """Bytes of one storage element (SGLang's: the first size of the page meta of page 0),
+        or None when the pool has no zero-copy elements."""
+        import torch
+
+        indices = torch.zeros(self.logical_page_size, dtype=torch.int64)
+        meta = (self.get_split_heads_page_buffer_meta(indices, split_factor) if split_factor != 1
+                else self.get_page_buffer_meta(indices))
+        sizes = meta[1] if meta else None
+        return int(sizes[0]) if sizes else None
+
+    def get_hybrid_pool_buffer(self) -> list:
+        """The host tensors a zero-copy back end registers (mooncake, nixl, umbp linkers)."""
+        return list(self.buffers)
 
     # -- teardown ---------------------------------------------------------------------------
     def destroy(self) -> None:
@@ -382,6 +535,8 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
                     host.release()  # one teardown, whatever the mode; a leak keeps the memory
             finally:
                 if host is None or host.state == "released":
+                    for tensor in self.buffers if self.kv_buffer is not None else ():
+                        setattr(tensor, RANGES_ATTR, [])  # nothing of it is registered any more
                     self.kv_buffer = None
                     if self._transfers is not None:
                         self._transfers.forget()

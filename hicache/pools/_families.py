@@ -19,8 +19,10 @@ from hicache.plan import (
     MHALayout,
     MLALayout,
 )
+from hicache.errors import LayoutError, TransferError
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
+from hicache.pools._sglang_inputs import is_mha_info, is_mla_allocation, is_mla_info, mha_device, mla_device
 
 
 def _itemsize(dtype) -> int:
@@ -29,8 +31,67 @@ def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _first(pool, buffer_info, device_pool):
+    """The first argument: 0.5.23's ``buffer_info`` or the older SGLang's ``device_pool`` (either
+    may come by keyword, as SGLang's HiSparse coordinator passes them), exactly one of them."""
+    if (buffer_info is None) == (device_pool is None):
+        raise TypeError(f"{type(pool).__name__}() takes a device-buffer description (buffer_info, SGLang 0.5.23) or a "
+                        "device pool (device_pool, older SGLang) first - exactly one")
+    return buffer_info if buffer_info is not None else device_pool
+
+
+def _mha_input(pool, first, drafts, write_back_staging, head_group_num, kwargs):
+    """SGLang 0.5.23's MHA form (an `MHABufferInfo` first) -> its `BufferDevice`; the older
+    form (a device pool first) as it is. Keywords only 0.5.23 has are refused with a pool."""
+    name = type(pool).__name__
+    if isinstance(head_group_num, bool) or not isinstance(head_group_num, int) or head_group_num < 1:
+        raise LayoutError(f"{name}.head_group_num must be a positive integer, got {head_group_num!r}")
+    pool.head_group_num = head_group_num  # only SGLang's page_unified layout groups heads
+    pool.write_back_staging = write_back_staging  # SGLang's CUDA write-back kernel's staging; unused here
+    if is_mha_info(first):
+        return mha_device(name, first, tuple(drafts), device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
+                          start_layer=kwargs.get("start_layer") or 0)
+    if drafts:
+        raise LayoutError(f"{name}: draft_buffer_infos come with SGLang 0.5.23's constructor (an MHABufferInfo first)")
+    return first
+
+
 class MHATokenToKVPoolHost(HostKVCache):
-    """Multi-head attention: K and V in one buffer with a leading axis of 2."""
+    """Multi-head attention: K and V in one buffer with a leading axis of 2.
+
+    SGLang 0.5.23's constructor: ``(buffer_info: MHABufferInfo, host_to_device_ratio,
+    host_size, page_size, layout, pin_memory=True, device="cpu", allocator_type="default", *,
+    device_capacity_tokens, start_layer, end_layer, draft_buffer_infos=(),
+    write_back_staging=None, pool_label="kv", head_group_num=1, host_token_capacity=None)``;
+    the older SGLang's (a device pool first) still works, chosen by the first argument's type.
+    """
+
+    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
+                 pin_memory=True, device="cpu", allocator_type="default", *, draft_buffer_infos=(),
+                 write_back_staging=None, head_group_num=1, device_pool=None, **kwargs):
+        first = _mha_input(self, _first(self, buffer_info, device_pool), draft_buffer_infos, write_back_staging, head_group_num, kwargs)
+        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                         allocator_type, **kwargs)
+        self._mha_geometry()
+
+    def _mha_geometry(self) -> None:
+        """SGLang's MHA fields: heads, widths, bytes of one token row and of one token's layers."""
+        pool = self.device_pool
+        self.head_num = pool.head_num
+        self.head_dim = getattr(pool, "head_dim", None) or pool.k_head_dim
+        self.v_head_dim = getattr(pool, "v_head_dim", None) or self.head_dim
+        self.element_dim = self.head_num * self.head_dim
+        self.token_stride_size = self.element_dim * _itemsize(self.dtype)
+        self.layout_dim = self.token_stride_size * self.layer_num
+
+    def get_hybrid_pool_buffer(self) -> list:
+        """The K and V host tensors a zero-copy back end registers."""
+        return [self.k_buffer, self.v_buffer]
+
+    def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
+        """Zero-copy pointers for heterogeneous TP (mooncake, umbp): per page, per group of
+        ``head_num // split_factor`` heads, a K and a V block - layout page_head only, as SGLang's."""
+        return _split_heads_meta(self, indices, split_factor)
 
     @classmethod
     def descriptor_class(cls):
@@ -82,7 +143,33 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
 
 
 class AsymmetricMHATokenToKVPoolHost(HostKVCache):
-    """MHA with different K and V head dims: buffers ``k`` and ``v``."""
+    """MHA with different K and V head dims: buffers ``k`` and ``v``. Constructors as
+    `MHATokenToKVPoolHost` (0.5.23's with an `MHABufferInfo` whose ``v_head_dim`` differs)."""
+
+    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
+                 pin_memory=True, device="cpu", allocator_type="default", *, draft_buffer_infos=(),
+                 write_back_staging=None, head_group_num=1, device_pool=None, **kwargs):
+        first = _mha_input(self, _first(self, buffer_info, device_pool), draft_buffer_infos, write_back_staging, head_group_num, kwargs)
+        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                         allocator_type, **kwargs)
+        pool = self.device_pool
+        self.head_num = pool.head_num
+        self.head_dim = getattr(pool, "head_dim", None) or pool.k_head_dim
+        self.v_head_dim = pool.v_head_dim
+        # no token_stride_size / layout_dim: K and V rows differ, and SGLang's pool leaves them
+        # unset on purpose so a caller reaching for one shared stride fails loudly
+
+    def get_ksize_per_token(self) -> int:
+        """Bytes of one token's K over all layers (its V is narrower or wider)."""
+        return self.head_dim * self.head_num * self.layer_num * _itemsize(self.dtype)
+
+    @property
+    def k_buffer(self):
+        return self.buffers[0]
+
+    @property
+    def v_buffer(self):
+        return self.buffers[1]
 
     @classmethod
     def descriptor_class(cls):
@@ -106,15 +193,68 @@ class AsymmetricMHATokenToKVPoolHost(HostKVCache):
 class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     """Multi-head latent attention: one ``kv_lora_rank + qk_rope_head_dim`` vector per token
     (``override_kv_cache_dim``: another width, as SGLang's HiSparse coordinator passes the
-    device pool's ``kv_cache_dim``; ``token_stride_size`` is its bytes)."""
+    device pool's ``kv_cache_dim``; ``token_stride_size`` is its bytes).
 
-    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory=True,
-                 device="cpu", allocator_type="default", *, override_kv_cache_dim=None, **kwargs):
-        pool = device_pool
-        self.kv_cache_dim = override_kv_cache_dim or pool.kv_lora_rank + pool.qk_rope_head_dim
-        super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+    SGLang 0.5.23's constructor: ``(buffer_info: MLABufferInfo | MLAHostAllocation,
+    host_to_device_ratio, host_size, page_size, layout, pin_memory=True, device="cpu",
+    allocator_type="default", override_kv_cache_dim=None, draft_buffer_infos=(), dcp_size=1,
+    dcp_rank=0, *, device_capacity_tokens, start_layer, end_layer, target_layer_num,
+    layer_shard_enabled=False, pool_label="kv", host_token_capacity=None)`` - an
+    `MLAHostAllocation` makes SGLang's allocator-only pool (``is_dummy``: indices, no memory).
+    The older SGLang's (a device pool first) still works, chosen by the first argument's type.
+    """
+
+    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
+                 pin_memory=True, device="cpu", allocator_type="default", override_kv_cache_dim=None,
+                 draft_buffer_infos=(), dcp_size=1, dcp_rank=0, *, target_layer_num=None, layer_shard_enabled=False,
+                 device_pool=None, **kwargs):
+        name = type(self).__name__
+        first = _first(self, buffer_info, device_pool)
+        self.override_kv_cache_dim = override_kv_cache_dim
+        self._allocation_size_per_token = None
+        if is_mla_info(first):
+            if target_layer_num is None:
+                raise LayoutError(f"{name}: SGLang 0.5.23's constructor needs the keyword target_layer_num")
+            dummy = is_mla_allocation(first)
+            self.dsa_kv_cache_store_fp8 = bool(getattr(first, "packed_fp8", False))
+            default_dim = first.kv_cache_dim if dummy else first.kv_lora_rank + first.qk_rope_head_dim
+            self.kv_cache_dim = override_kv_cache_dim or default_dim
+            if dummy:
+                self._allocation_size_per_token = int(first.size_per_token)
+                kwargs["is_dummy"] = True
+            first = mla_device(name, first, tuple(draft_buffer_infos),
+                               device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
+                               start_layer=kwargs.get("start_layer") or 0, target_layer_num=target_layer_num,
+                               layer_shard_enabled=layer_shard_enabled)
+            kwargs.update(dcp_size=dcp_size, dcp_rank=dcp_rank)
+        else:
+            if draft_buffer_infos or dcp_size != 1 or target_layer_num is not None or layer_shard_enabled:
+                raise LayoutError(f"{name}: draft_buffer_infos, dcp_size, target_layer_num and layer_shard_enabled "
+                                  "come with SGLang 0.5.23's constructor (an MLABufferInfo first)")
+            self.dsa_kv_cache_store_fp8 = False
+            self.kv_cache_dim = override_kv_cache_dim or first.kv_lora_rank + first.qk_rope_head_dim
+        self.kv_lora_rank = first.kv_lora_rank
+        self.qk_rope_head_dim = first.qk_rope_head_dim
+        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
                          allocator_type, **kwargs)
         self.token_stride_size = self.kv_cache_dim * _itemsize(self.dtype)
+        self.layout_dim = self.token_stride_size * self.layer_num
+
+    def get_size_per_token(self) -> int:
+        if self._allocation_size_per_token is not None:  # MLAHostAllocation says it
+            return self._allocation_size_per_token
+        return super().get_size_per_token()
+
+    def get_contiguous_buf_infos(self):
+        """``(data_ptrs, data_lens, item_lens)`` per layer, as SGLang's MLA host pool reports them
+        to the disaggregation transfer engine (its per-layer references and lengths)."""
+        if self.is_dummy:
+            return [], [], []
+        buffer = self.buffers[0]
+        refs = buffer.transpose(0, 1) if self.layout == "page_first" else buffer
+        data_ptrs = [refs[i].data_ptr() for i in range(self.layer_num)]
+        data_lens = [buffer[i].nbytes for i in range(self.layer_num)]
+        return data_ptrs, data_lens, [self.token_stride_size * self.page_size] * self.layer_num
 
     @classmethod
     def descriptor_class(cls):
@@ -310,3 +450,27 @@ def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
     HostKVCache.__init__(pool, device_pool, 1.0, 0, page_size, layout, pin_memory, device, allocator_type,
                          page_num=num_host_pages, **kwargs)
     pool.size_per_token = getattr(device_pool, pool.row_attribute)  # SGLang's: one row's bytes
+
+
+def _split_heads_meta(pool, indices, split_factor: int):
+    """SGLang's ``get_split_heads_page_buffer_meta`` for an MHA page_head pool: for each page,
+    for each head group, the K block and the V block (``layer_num * page_size * head_num *
+    head_dim / split_factor`` elements each), pointers inside the host buffer."""
+    if pool.layout != "page_head":
+        raise TransferError(f"{type(pool).__name__}: split-heads page meta needs layout page_head, not {pool.layout!r}")
+    if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor < 1 \
+            or pool.head_num % split_factor:
+        raise TransferError(f"split_factor must divide head_num={pool.head_num}, got {split_factor!r}")
+    pages = pool._meta_pages(indices)
+    itemsize = _itemsize(pool.dtype)
+    base = pool.buffers[0].data_ptr()
+    page_bytes = pool.layer_num * pool.head_num * pool.head_dim * itemsize * pool.page_size
+    head_bytes = pool.page_size * pool.layer_num * pool.head_dim * itemsize
+    v_offset = pool.layer_num * pool.size * pool.head_num * pool.head_dim * itemsize
+    step = pool.head_num // split_factor
+    ptrs = []
+    for page in pages:
+        for head in range(0, pool.head_num, step):
+            k_ptr = base + page * page_bytes + head * head_bytes
+            ptrs += (k_ptr, k_ptr + v_offset)
+    return ptrs, [page_bytes // split_factor] * len(ptrs)

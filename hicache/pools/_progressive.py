@@ -99,14 +99,15 @@ class ProgressiveMixin:
         every buffer. Calls go by the page they reach (K and V halves and all buffers
         together); effects faults the memory in the same order, each call waiting for its own
         bytes."""
-        self._pages = PageAllocator(self.page_num, self.page_size)
-        self._pages.alloc(self.page_num * self.page_size)
+        self._pages = PageAllocator(self.page_num, self.logical_page_size)
+        self._pages.alloc(self.page_num * self.logical_page_size)
         self._readiness = PageReadiness(self)
         parts = ordered_parts(self, self._readiness)
 
         def on_chunk(position: int, done: int, size: int) -> None:
             part = parts[position]
             with self.lock:
+                self._note_registered(part.buffer, part.offset + done, size)
                 ready = self._readiness.registered(part.buffer, part.offset + done, size)
                 if len(ready) and not self._destroyed:
                     self._pages.free(self._slots(ready))
@@ -120,8 +121,19 @@ class ProgressiveMixin:
     def _slots(self, pages: range):
         import torch
 
-        first = pages.start * self.page_size
-        return torch.arange(first, pages.stop * self.page_size, dtype=torch.int64)
+        first = pages.start * self.logical_page_size
+        return torch.arange(first, pages.stop * self.logical_page_size, dtype=torch.int64)
+
+    def _note_registered(self, buffer: int, offset: int, size: int) -> None:
+        """Extend the buffer's SGLang record of registered ranges (set once the bring-up
+        returned; what registered before is in it already)."""
+        records = getattr(self, "_range_records", None)
+        if records is None:
+            return
+        tensor, record = records[buffer]
+        entry = (tensor.data_ptr() + offset, size)
+        if entry not in record:
+            record.append(entry)
 
     def ready_pages(self) -> int:
         """Pages whose bytes are registered in every buffer (all of them unless progressive)."""

@@ -32,12 +32,25 @@ class StoragePagesMixin:
     """Mixed into `HostKVCache` (needs ``buffers``, ``descriptor``, ``layout``, ``page_size``,
     ``size``, ``dtype``, ``size_per_token`` and ``_alive()``)."""
 
-    def _page_parts(self, index):
-        self._alive()
+    def _storage_index(self, index) -> int:
+        """A token index of the pool's logical space -> this rank's physical token index
+        (SGLang's DCP rule: a logical page start / ``dcp_size``), checked against the pool."""
         index = as_index(index, "page index")
+        dcp = getattr(self, "dcp_size", 1)
+        if dcp > 1:
+            if index < 0 or index % self.logical_page_size:
+                raise TransferError(f"page index {index} is not a logical page start (DCP pages of "
+                                    f"{self.logical_page_size})")
+            index //= dcp
         if not 0 <= index < self.size:
             raise TransferError(f"page index {index!r} out of range [0, {self.size})")
-        page = index // self.page_size
+        return index
+
+    def _page_parts(self, index):
+        self._alive()
+        if self.kv_buffer is None:
+            raise TransferError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no pages")
+        page = self._storage_index(index) // self.page_size
         family, layout = self.descriptor.family, self.layout
         return [page_slice(t, family, layout, page, self.page_size) for t in self.buffers]
 
@@ -48,6 +61,8 @@ class StoragePagesMixin:
         parts = self._page_parts(index)
         if not flat:
             return parts[0] if len(parts) == 1 else parts
+        if len(parts) == 1:  # a view where the page is contiguous (MLA page-first), as SGLang's
+            return parts[0].flatten()
         if len({p.dtype for p in parts}) > 1:  # mixed dtypes (Mamba): raw bytes
             return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
         return torch.cat([p.flatten() for p in parts])
@@ -103,30 +118,78 @@ class StoragePagesMixin:
                 blocks.append(half)
         return blocks
 
-    def get_page_buffer_meta(self, indices):
-        """Zero-copy pointers: for every page of ``indices`` (token indices, whole pages, ints
-        or an int tensor), its K and V block (MHA) or its one block (MLA) as ``(ptr_list,
-        size_list)`` of Python ints inside the registered host buffer."""
+    def _meta_kinds(self) -> list:
+        """``(ptr of page 0, bytes from one page to the next, bytes)`` of each contiguous block of
+        a page, in SGLang's order: per layer K then V for layer_first, K then V for the page
+        layouts (MLA: one block, per layer for layer_first). Derived once from pages 0 and 1."""
+        kinds = getattr(self, "_kinds", None)
+        if kinds is not None and kinds[0] == id(self.kv_buffer):
+            return kinds[1]
+        first = self._layer_blocks(0)
+        second = self._layer_blocks(1) if self.page_num > 1 else first
+        made = [(a.data_ptr(), b.data_ptr() - a.data_ptr(), a.numel() * a.element_size()) for a, b in zip(first, second)]
+        self._kinds = (id(self.kv_buffer), made)
+        return made
+
+    def _layer_blocks(self, page: int) -> list:
+        family, layout = self.descriptor.family, self.layout
+        symbols = buffer_symbols(family, layout)
+        token = min(symbols.index(s) for s in ("S", "N") if s in symbols)
+        blocks = []
+        for tensor in self.buffers:
+            part = page_slice(tensor, family, layout, page, self.page_size)
+            halves = [part.select(0, 0), part.select(0, 1)] if symbols[0] == "2" else [part]
+            axis_l = symbols.index("L") if "L" in symbols and symbols.index("L") < token else None
+            if axis_l is None:
+                blocks += halves
+            else:  # layer_first: layer outer, K/V inner
+                axis = axis_l - (1 if symbols[0] == "2" else 0)
+                blocks += [half.select(axis, layer) for layer in range(self.layer_num) for half in halves]
+        for block in blocks:
+            if not block.is_contiguous():
+                raise TransferError(f"{type(self).__name__} ({layout}): a page block is not contiguous; "
+                                    "no zero-copy page pointers for this layout")
+        return blocks
+
+    def _meta_pages(self, indices) -> list:
+        """The physical page of every logical page of ``indices`` (token indices covering whole
+        pages, ints or an int tensor), each checked to start a page inside the pool: a raw pointer
+        past the buffer would be a wild read or write in the back end."""
+        self._alive()
         values = indices.tolist() if hasattr(indices, "tolist") else list(indices)
         if isinstance(values, int):
             values = [values]
-        ptrs, sizes = [], []
-        for i in range(0, len(values), self.page_size):
-            first = as_index(values[i], "index")
-            if first % self.page_size:
-                raise TransferError(f"index {first} does not start a page of {self.page_size}")
-            for block in self._page_blocks(first):
-                ptrs.append(block.data_ptr())
-                sizes.append(block.numel() * block.element_size())
-        return ptrs, sizes
+        step = self.logical_page_size
+        if len(values) % step:
+            raise TransferError(f"{len(values)} indices are not whole pages of {step}")
+        pages = []
+        for value in values[::step]:
+            index = self._storage_index(value)
+            if index % self.page_size:
+                raise TransferError(f"index {value} does not start a page of {step}")
+            pages.append(index // self.page_size)
+        return pages
 
-    def is_stride_page_aligned(self, alignment: int) -> bool:
-        """True when every page's blocks start on a multiple of ``alignment`` bytes (what RDMA
-        back ends need for zero-copy); always False for layer_first."""
-        if self.layout not in ("page_first", "page_first_direct"):
+    def get_page_buffer_meta(self, indices):
+        """Zero-copy pointers, as SGLang's pools compute them: for every page of ``indices``,
+        each block of the page (`_meta_kinds`) as ``(ptr_list, size_list)`` of Python ints
+        inside the registered host buffer. Every layout SGLang serves (layer_first: one block
+        per layer and K/V)."""
+        pages = self._meta_pages(indices)
+        kinds = self._meta_kinds()
+        ptrs = [ptr + page * step for page in pages for ptr, step, _ in kinds]
+        return ptrs, [size for _ in pages for _, _, size in kinds]
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096, *, alignment: int | None = None) -> bool:
+        """True when every page's blocks start on a multiple of ``page_size_bytes`` (what
+        O_DIRECT and RDMA back ends need for zero-copy); always False for layer_first, as
+        SGLang's. ``alignment``: the older keyword for the same number."""
+        if alignment is not None:
+            page_size_bytes = alignment
+        if self.layout not in ("page_first", "page_first_direct", "page_head") or self.kv_buffer is None:
             return False
         try:
-            blocks = self._page_blocks(0) + (self._page_blocks(self.page_size) if self.size > self.page_size else [])
+            kinds = self._meta_kinds()
         except TransferError:
             return False
-        return all(block.data_ptr() % alignment == 0 for block in blocks)
+        return all(ptr % page_size_bytes == 0 and step % page_size_bytes == 0 for ptr, step, _ in kinds)

@@ -1,0 +1,170 @@
+"""SGLang 0.5.23's device-buffer descriptions, read into what hicache's pool families copy with.
+
+0.5.23 builds a host pool from a description of the device buffers (`MHABufferInfo`,
+`MLABufferInfo`, `MLAHostAllocation`; sglang/srt/mem_cache/device_pool_info.py) instead of the
+device pool itself. This module recognizes them by their fields (no SGLang import: hicache runs
+without SGLang) and turns one, with its packed draft descriptions, into a `BufferDevice`: the
+device side a pool copies to and from, indexed by *host* layer (targets first, then drafts, as
+SGLang's pools order ``device_k_buffers``), plus the controller-layer -> host-layer map SGLang's
+pools use. Bad descriptions get SGLang's own ValueError messages' facts, naming the field.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hicache.errors import LayoutError
+
+#: KVBufferLayout values whose per-layer tensors are token rows (what hicache's copies address)
+_TOKEN_ROW_LAYOUTS = ("nhd",)
+
+
+def _fields(obj) -> set:
+    return set(getattr(type(obj), "__struct_fields__", ()) or ()) or set(vars(obj) if hasattr(obj, "__dict__") else ())
+
+
+def is_mha_info(obj) -> bool:
+    """An `MHABufferInfo` (0.5.23): ``buffers`` with per-layer ``k``/``v`` and the head geometry."""
+    buffers = getattr(obj, "buffers", None)
+    return hasattr(buffers, "k") and hasattr(buffers, "v") and hasattr(obj, "head_num") and hasattr(obj, "v_head_dim")
+
+
+def is_mla_info(obj) -> bool:
+    """An `MLABufferInfo` (device rows per layer slot) or `MLAHostAllocation` (geometry only)."""
+    return hasattr(obj, "kv_lora_rank") and hasattr(obj, "kv_cache_dim") and (
+        hasattr(obj, "layer_indices") or hasattr(obj, "size_per_token"))
+
+
+def is_mla_allocation(obj) -> bool:
+    """`MLAHostAllocation`: allocator-only geometry, no device buffers (SGLang's dummy MLA pool)."""
+    return is_mla_info(obj) and not hasattr(obj, "buffers") and hasattr(obj, "size_per_token")
+
+
+@attrs.define
+class BufferDevice:
+    """The device side of a 0.5.23 host pool: what hicache's families read on a device pool.
+
+    MHA: ``k_buffer``/``v_buffer`` (per host layer), ``head_num``, ``head_dim`` (K),
+    ``v_head_dim``; MLA: ``kv_buffer``, ``kv_lora_rank``, ``qk_rope_head_dim``. ``size`` is the
+    device capacity in tokens, ``layer_num`` the host layers (targets + drafts).
+    ``host_layer``: controller layer id -> host layer for target layers; ``draft_base``: the
+    controller id of the first draft layer (drafts come with ``is_draft=True``)."""
+
+    dtype: object
+    device: object
+    size: int
+    layer_num: int
+    target_layer_num: int
+    host_layer: dict
+    draft_base: int
+    start_layer: int = 0
+    k_buffer: tuple = ()
+    v_buffer: tuple = ()
+    kv_buffer: tuple = ()
+    head_num: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    data_ptrs: object = None
+
+    @property
+    def store_dtype(self):
+        return self.dtype
+
+    @property
+    def k_head_dim(self):
+        return self.head_dim
+
+    def resolve(self, layer_id, *, is_draft: bool) -> int | None:
+        """The host layer of a controller layer id, or None where SGLang's pool copies nothing
+        (a target call for a layer this pool does not hold)."""
+        if is_draft:
+            host = self.target_layer_num + (layer_id - self.draft_base)
+            return host if self.target_layer_num <= host < self.layer_num else None
+        return self.host_layer.get(layer_id)
+
+
+def _check_token_rows(owner: str, info, name: str) -> None:
+    layout = getattr(getattr(info.buffers, "layout", None), "value", "nhd")
+    if layout not in _TOKEN_ROW_LAYOUTS:
+        raise LayoutError(f"{owner}: {name}.buffers.layout={layout!r} is not supported; hicache copies token rows "
+                          f"(KVBufferLayout {', '.join(_TOKEN_ROW_LAYOUTS)})")
+
+
+def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_layer: int) -> BufferDevice:
+    """A `BufferDevice` from an `MHABufferInfo` and its packed drafts (one layer each, same
+    heads, widths, dtype and device), checked as SGLang's MHA host pool checks them."""
+    infos = (info, *drafts)
+    for index, item in enumerate(infos):
+        name = "buffer_info" if index == 0 else f"draft_buffer_infos[{index - 1}]"
+        if not is_mha_info(item):
+            raise LayoutError(f"{owner}: {name} must be an MHABufferInfo, got {type(item).__name__}")
+        validate = getattr(item, "validate", None)
+        if validate is not None:
+            validate()
+        if getattr(item, "scales", None) is not None:
+            raise LayoutError(f"{owner}: {name}.scales is set: hicache's MHA host pool does not copy KV scales")
+        _check_token_rows(owner, item, name)
+        if index:
+            if len(item.buffers.k) != 1:
+                raise LayoutError(f"{owner}: packed {name} has {len(item.buffers.k)} layers; expected 1")
+            geometry = (item.head_num, item.head_dim, item.v_head_dim, item.dtype, item.device)
+            expected = (info.head_num, info.head_dim, info.v_head_dim, info.dtype, info.device)
+            if geometry != expected:
+                raise LayoutError(f"{owner}: packed {name} (heads, K width, V width, dtype, device)={geometry}, "
+                                  f"expected {expected}")
+    transfer = getattr(info, "transfer_buffers", None)
+    if transfer is not None:
+        raise LayoutError(f"{owner}: buffer_info.transfer_buffers (a relocatable device pool) is not supported; "
+                          "hicache copies the per-layer buffers")
+    targets = len(info.buffers.k)
+    return BufferDevice(
+        dtype=info.dtype, device=info.device, size=int(device_capacity_tokens), start_layer=start_layer,
+        layer_num=targets + len(drafts), target_layer_num=targets, host_layer={i: i for i in range(targets)},
+        draft_base=targets, k_buffer=tuple(t for item in infos for t in item.buffers.k),
+        v_buffer=tuple(t for item in infos for t in item.buffers.v), head_num=info.head_num,
+        head_dim=info.head_dim, v_head_dim=info.v_head_dim,
+    )
+
+
+def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_layer: int, target_layer_num: int,
+               layer_shard_enabled: bool) -> BufferDevice:
+    """A `BufferDevice` from an `MLABufferInfo` (or `MLAHostAllocation`: no buffers) and its
+    packed drafts: host layer i holds the device slot ``layer_indices[i]``; drafts follow every
+    device layer (controller ids ``device_layer_num + i``), as SGLang's MLA host pool maps them."""
+    if layer_shard_enabled:
+        raise LayoutError(f"{owner}: layer_shard_enabled=True (layer-sharded MLA device pools) is not supported by "
+                          "hicache's MLA host pool; SGLang's own pool serves it")
+    if is_mla_allocation(info):
+        if drafts:
+            raise LayoutError(f"{owner}: an allocator-only MLAHostAllocation takes no draft_buffer_infos")
+        layers = target_layer_num + int(getattr(info, "draft_layer_num", 0))
+        return BufferDevice(dtype=info.dtype, device=None, size=int(device_capacity_tokens), start_layer=start_layer,
+                            layer_num=layers, target_layer_num=target_layer_num, host_layer={}, draft_base=0,
+                            kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim)
+    infos = (info, *drafts)
+    for index, item in enumerate(infos):
+        name = "buffer_info" if index == 0 else f"draft_buffer_infos[{index - 1}]"
+        if not is_mla_info(item) or not isinstance(getattr(item, "buffers", None), tuple):
+            raise LayoutError(f"{owner}: {name} must be an MLABufferInfo with a tuple of per-layer buffers "
+                              f"(split NPU buffers are not supported), got {type(item).__name__}")
+        validate = getattr(item, "validate", None)
+        if validate is not None:
+            validate()
+        if getattr(item, "scales", None) is not None:
+            raise LayoutError(f"{owner}: {name}.scales is set: packed FP4 payload and block scales cannot be restored")
+        if index and ((item.kv_cache_dim, item.dtype) != (info.kv_cache_dim, info.dtype) or len(item.layer_indices) != 1):
+            raise LayoutError(f"{owner}: packed {name} must hold one layer of the target's row "
+                              f"{(info.kv_cache_dim, info.dtype)}, got {len(item.layer_indices)} of "
+                              f"{(item.kv_cache_dim, item.dtype)}")
+    if len(info.layer_indices) != target_layer_num:
+        raise LayoutError(f"{owner}: buffer_info has {len(info.layer_indices)} layer slots but target_layer_num="
+                          f"{target_layer_num}; without layer sharding they must match")
+    host_layer = {slot: i for i, slot in enumerate(info.layer_indices)}
+    return BufferDevice(
+        dtype=info.dtype, device=info.device, size=int(device_capacity_tokens), start_layer=start_layer,
+        layer_num=target_layer_num + len(drafts), target_layer_num=target_layer_num, host_layer=host_layer,
+        draft_base=int(info.device_layer_num), kv_buffer=tuple(t for item in infos for t in item.buffers),
+        kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim, data_ptrs=info.data_ptrs,
+    )

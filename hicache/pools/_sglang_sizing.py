@@ -1,0 +1,93 @@
+"""Sizing a pool as SGLang 0.5.23's `HostKVCache.__init__` does (pool_host/base.py), for pools
+built from its device-buffer descriptions: the same ``size``, ``page_num`` and layer fields, so
+SGLang's controllers, radix cache and L3 keys see the pool they would see with SGLang's own.
+
+0.5.23's rule: ``host_token_capacity`` if given (positive, page-aligned; no padding page), else
+``int(host_size * 1e9 // size_per_token)`` when ``host_size > 0`` (synced to the pipeline
+group's minimum by SGLang's own helper when SGLang runs distributed), else
+``int(device_capacity_tokens * host_to_device_ratio)``; then a padding page: ``page_num = size
+// page_size + 1``, ``size = page_num * page_size``. Layers come from the description (targets
+plus packed drafts), ``start_layer``/``end_layer`` are kept as the caller passed them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import sys
+
+from hicache.errors import LayoutError, PlanError
+
+logger = logging.getLogger(__name__)
+
+_SGLANG_BASE = "sglang.srt.mem_cache.pool_host.base"
+
+
+def _integer(owner: str, field: str, value, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise LayoutError(f"{owner}.{field} must be an integer, got {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise LayoutError(f"{owner}.{field} must be at least {minimum}, got {value}")
+    return value
+
+
+def _real(owner: str, field: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise PlanError(f"{owner}.{field} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _synced(size: int, host_size: float) -> int:
+    """SGLang's PP-group minimum for a fixed --hicache-size, where SGLang is loaded (it acts only
+    under an initialized torch.distributed with a pipeline group; otherwise returns ``size``)."""
+    base = sys.modules.get(_SGLANG_BASE)
+    sync = getattr(base, "sync_fixed_hicache_size", None)
+    return int(sync(size, host_size)) if sync is not None else size
+
+
+def size_as_sglang(pool, host_to_device_ratio, host_size, *, device_capacity_tokens, start_layer, end_layer,
+                   host_token_capacity) -> None:
+    """Set ``dtype``, layers, ``size_per_token``, ``size``, ``page_num`` and the descriptor on
+    ``pool`` (a `HostKVCache` whose ``device_pool`` is a `BufferDevice`)."""
+    owner = type(pool).__name__
+    device = pool.device_pool
+    if device_capacity_tokens is None or start_layer is None or end_layer is None:
+        missing = [name for name, value in (("device_capacity_tokens", device_capacity_tokens),
+                                            ("start_layer", start_layer), ("end_layer", end_layer)) if value is None]
+        raise LayoutError(f"{owner}: SGLang 0.5.23's constructor needs the keyword(s) {', '.join(missing)}")
+    pool.device_capacity_tokens = _integer(owner, "device_capacity_tokens", device_capacity_tokens)
+    pool.start_layer = _integer(owner, "start_layer", start_layer)
+    pool.end_layer = _integer(owner, "end_layer", end_layer)
+    pool.dtype = device.dtype
+    pool.layer_num = device.layer_num
+    pool.target_layer_num = device.target_layer_num
+    supported = pool.descriptor_class().supported()
+    if pool.layout not in supported:
+        raise LayoutError(f"{owner}: layout {pool.layout!r} is not supported; supported: {', '.join(supported)}")
+    pool.size_per_token = pool.get_size_per_token()
+    page_size = pool.page_size
+    if host_token_capacity is not None:
+        size = _integer(owner, "host_token_capacity", host_token_capacity, minimum=1)
+        if size % page_size:
+            raise LayoutError(f"{owner}: host_token_capacity must be positive and page-aligned, got {size} for "
+                              f"page_size={page_size}")
+        page_num = size // page_size
+    else:
+        gb = _real(owner, "host_size", host_size if host_size is not None else 0)
+        if gb > 0:
+            size = _synced(int(gb * 1e9 // pool.size_per_token), gb)
+        else:
+            size = int(pool.device_capacity_tokens * _real(owner, "host_to_device_ratio", host_to_device_ratio))
+        if size < 0:
+            raise PlanError(f"{owner}: the pool would hold {size} tokens (host_to_device_ratio="
+                            f"{host_to_device_ratio!r}, host_size={host_size!r})")
+        page_num = size // page_size + 1  # SGLang's padding page for an independent pool
+    pool.page_num = page_num
+    pool.size = page_num * page_size
+    if pool.size <= pool.device_capacity_tokens:
+        logger.warning("HiCache %s host pool (%d tokens) is smaller than the device pool (%d tokens); L2 cache "
+                       "effectiveness is reduced. Consider increasing --hicache-ratio (or --hicache-size).",
+                       pool.pool_label, pool.size, pool.device_capacity_tokens)
+    pool.descriptor = pool.layout_descriptor(page_num)

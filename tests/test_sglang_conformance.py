@@ -1,0 +1,346 @@
+"""Conformance with SGLang 0.5.23's own host pools, judged by SGLang's code: for each family and
+layout hicache has, SGLang's pool and hicache's are built by 0.5.23's constructor from the same
+device-buffer description (SGLang's `get_device_pool_infos()` of its real device pool, on CPU),
+then compared attribute by attribute and call by call - sizes, shapes, dtypes, return types,
+pointers (as offsets into each pool's buffer), flat pages and transfers, byte for byte. SGLang's
+pool runs unpinned (its pinning needs a CUDA torch); hicache's registers under `fake_cuda`.
+Needs `make sglang`."""
+
+from __future__ import annotations
+
+import pytest
+from sglang_support import sglang  # noqa: F401 - a fixture
+
+from hicache.testing import fake_cuda
+
+torch = pytest.importorskip("torch")
+
+PAGE, LAYERS, TOKENS = 16, 3, 256
+KW = dict(device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS - 1)
+ROOM = dict(host_memory_bytes=10**12)  # hicache's budget, injected (no machine dependence)
+
+CASES = [
+    ("mha", "layer_first"), ("mha", "page_first"), ("mha", "page_first_direct"), ("mha", "page_head"),
+    ("asym", "page_first"), ("asym", "page_first_direct"),
+    ("mla", "layer_first"), ("mla", "page_first"), ("mla", "page_first_direct"),
+]
+
+COMMON_FIELDS = (
+    "size", "page_num", "page_size", "layer_num", "start_layer", "end_layer", "logical_size", "logical_page_size",
+    "dcp_size", "dcp_rank", "can_use_write_back_jit", "shared_allocation_domain", "stores_page_envelope",
+    "storage_format_tag", "token_stride_size", "layout_dim", "size_per_token", "dtype", "layout", "device",
+    "pool_label", "target_layer_num", "device_capacity_tokens",
+)
+FAMILY_FIELDS = {"mha": ("head_num", "head_dim", "v_head_dim"), "asym": ("head_num", "head_dim", "v_head_dim"),
+                 "mla": ("kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim", "dsa_kv_cache_store_fp8")}
+
+
+def _device(kind: str, layers: int = LAYERS):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    common = dict(size=TOKENS, page_size=PAGE, dtype=torch.bfloat16, layer_num=layers, device="cpu",
+                  enable_memory_saver=False)
+    if kind == "mha":
+        return MHATokenToKVPool(head_num=2, head_dim=64, **common)
+    if kind == "asym":
+        return MHATokenToKVPool(head_num=2, head_dim=64, v_head_dim=32, **common)
+    return MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common)
+
+
+def _classes(kind: str):
+    import sglang.srt.mem_cache.pool_host.mha as smha
+    import sglang.srt.mem_cache.pool_host.mla as smla
+
+    import hicache.pools as ours
+
+    return {
+        "mha": (smha.MHATokenToKVPoolHost, ours.MHATokenToKVPoolHost),
+        "asym": (smha.AsymmetricMHATokenToKVPoolHost, ours.AsymmetricMHATokenToKVPoolHost),
+        "mla": (smla.MLATokenToKVPoolHost, ours.MLATokenToKVPoolHost),
+    }[kind]
+
+
+def _build(cls, kind, info, layout, *, hicache: bool, **extra):
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    kw = dict(KW, **extra)
+    if kind == "mla":
+        kw.setdefault("target_layer_num", LAYERS)
+    if hicache:
+        return cls(info, 2.0, 0, PAGE, layout, **kw, **ROOM)
+    with host_memory_budget_scope(10**12):
+        return cls(info, 2.0, 0, PAGE, layout, pin_memory=False, **kw)
+
+
+@pytest.fixture
+def pair(sglang, request):
+    """(kind, layout, device pool, SGLang's host pool, hicache's host pool) - destroyed after."""
+    kind, layout = request.param
+    device = _device(kind)
+    info = device.get_device_pool_infos()[0].buffer_info
+    theirs_cls, ours_cls = _classes(kind)
+    with fake_cuda() as fake:
+        theirs = _build(theirs_cls, kind, info, layout, hicache=False)
+        ours = _build(ours_cls, kind, info, layout, hicache=True)
+        try:
+            yield kind, layout, device, theirs, ours
+        finally:
+            ours.destroy()
+            theirs.destroy()
+        assert fake.held() == set()
+
+
+def _buffers(pool) -> list:
+    if hasattr(pool, "k_buffer") and not isinstance(pool.kv_buffer, torch.Tensor):
+        return [pool.k_buffer, pool.v_buffer]
+    return pool.kv_buffer if isinstance(pool.kv_buffer, list) else [pool.kv_buffer]
+
+
+def _fill(pools, seed: int = 3) -> None:
+    """The same random bytes in both pools' buffers."""
+    generator = torch.Generator().manual_seed(seed)
+    for theirs, ours in zip(_buffers(pools[0]), _buffers(pools[1])):
+        data = torch.randint(-30000, 30000, theirs.shape, generator=generator, dtype=torch.int16)
+        theirs.view(torch.int16).copy_(data)
+        ours.view(torch.int16).copy_(data)
+
+
+def _same_bytes(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+@pytest.mark.parametrize("pair", CASES, indirect=True, ids=[f"{k}-{l}" for k, l in CASES])
+def test_attributes_match_sglangs_pool(pair):
+    kind, layout, _, theirs, ours = pair
+    assert type(theirs).__name__ == type(ours).__name__
+    for field in COMMON_FIELDS + FAMILY_FIELDS[kind]:
+        if kind == "asym" and field in ("token_stride_size", "layout_dim"):  # unset on purpose by both
+            assert not hasattr(theirs, field) and not hasattr(ours, field), field
+            continue
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert [(b.shape, b.dtype) for b in _buffers(ours)] == [(b.shape, b.dtype) for b in _buffers(theirs)]
+    assert ours.get_size_per_token() == theirs.get_size_per_token()
+    assert ours.get_ksize_per_token() == theirs.get_ksize_per_token()
+    assert ours.available_size() == theirs.available_size() == theirs.size
+    assert type(ours.is_stride_page_aligned()) is type(theirs.is_stride_page_aligned()) is bool
+    if layout in ("page_first", "page_first_direct", "page_head") or kind != "asym":
+        assert ours.get_page_buffer_element_size() == theirs.get_page_buffer_element_size()
+    if hasattr(theirs, "get_hybrid_pool_buffer"):
+        assert [t.shape for t in ours.get_hybrid_pool_buffer()] == [t.shape for t in theirs.get_hybrid_pool_buffer()]
+
+
+@pytest.mark.parametrize("pair", CASES, indirect=True, ids=[f"{k}-{l}" for k, l in CASES])
+def test_zero_copy_meta_points_at_the_same_offsets(pair):
+    kind, layout, _, theirs, ours = pair
+    if kind == "asym" and layout not in ("page_first", "page_first_direct"):
+        pytest.skip("SGLang's asymmetric pool has no zero-copy meta for this layout")
+    indices = torch.tensor([*range(2 * PAGE, 3 * PAGE), *range(7 * PAGE, 8 * PAGE), *range(0, PAGE)])
+    t_ptrs, t_sizes = theirs.get_page_buffer_meta(indices)
+    o_ptrs, o_sizes = ours.get_page_buffer_meta(indices)
+    def offsets(ptrs, pool):  # (which buffer, offset inside it)
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in _buffers(pool)]
+        return [next((i, ptr - lo) for i, (lo, hi) in enumerate(spans) if lo <= ptr < hi) for ptr in ptrs]
+
+    assert offsets(o_ptrs, ours) == offsets(t_ptrs, theirs)
+    assert o_sizes == t_sizes and all(type(v) is int for v in o_ptrs + o_sizes)
+
+
+@pytest.mark.parametrize("pair", CASES, indirect=True, ids=[f"{k}-{l}" for k, l in CASES])
+def test_flat_pages_are_byte_identical_both_ways(pair):
+    kind, layout, _, theirs, ours = pair
+    if kind == "asym":  # SGLang's asymmetric pool refuses flat pages (NotImplementedError)
+        with pytest.raises(NotImplementedError):
+            theirs.get_data_page(0)
+        return
+    _fill((theirs, ours))
+    for index in (0, 3 * PAGE, torch.tensor(5 * PAGE)):  # the controller passes 0-d tensors
+        assert _same_bytes(ours.get_data_page(index, flat=True), theirs.get_data_page(index, flat=True))
+        assert ours.get_data_page(index, flat=False).shape == theirs.get_data_page(index, flat=False).shape
+    dummy_t, dummy_o = theirs.get_dummy_flat_data_page(), ours.get_dummy_flat_data_page()
+    assert (dummy_o.shape, dummy_o.dtype) == (dummy_t.shape, dummy_t.dtype)
+    page = torch.randn(dummy_t.shape).to(dummy_t.dtype)
+    theirs.set_from_flat_data_page(4 * PAGE, page)
+    ours.set_from_flat_data_page(4 * PAGE, page)
+    for a, b in zip(_buffers(theirs), _buffers(ours)):
+        assert _same_bytes(a, b)
+
+
+@pytest.mark.parametrize("pair", [c for c in CASES if c[1] in ("layer_first", "page_first_direct")], indirect=True,
+                         ids=[f"{k}-{l}" for k, l in CASES if l in ("layer_first", "page_first_direct")])
+def test_direct_transfers_write_and_load_the_same_bytes(pair):
+    """SGLang's "direct" backend (its copies on CPU): backup of every layer lands on the same
+    host bytes, a per-layer load into a cleared device pool restores the same rows; a target
+    layer id the pool does not hold is skipped by both, silently."""
+    kind, layout, device, theirs, ours = pair
+    if kind == "asym" and layout == "layer_first":
+        pytest.skip("not a case SGLang serves")
+    layers = [*device.k_buffer, *device.v_buffer] if kind != "mla" else list(device.kv_buffer)
+    generator = torch.Generator().manual_seed(5)
+    for layer in layers:
+        layer.copy_(torch.randn(layer.shape, generator=generator).to(layer.dtype))
+    device_indices = torch.arange(2 * PAGE, 5 * PAGE)
+    host_indices = torch.cat([torch.arange(7 * PAGE, 8 * PAGE), torch.arange(PAGE, 3 * PAGE)])
+    for pool in (theirs, ours):
+        pool.backup_from_device_all_layer_physical(device, host_indices, device_indices, "direct")
+    for a, b in zip(_buffers(theirs), _buffers(ours)):
+        assert _same_bytes(a, b)
+    want = [layer[device_indices].clone() for layer in layers]
+    for pool in (theirs, ours):
+        for layer in layers:
+            layer.zero_()
+        for layer_id in range(LAYERS + 1):  # LAYERS: not a layer of the pool: skipped
+            pool.load_to_device_per_layer_physical(device, host_indices, device_indices, layer_id, "direct")
+        got = [layer[device_indices] for layer in layers]
+        assert all(_same_bytes(g, w) for g, w in zip(got, want)), type(pool).__module__
+
+
+@pytest.mark.parametrize("pair", [("mha", "page_first")], indirect=True)
+def test_l2_hooks_and_allocation_return_what_sglangs_do(pair):
+    _, _, device, theirs, ours = pair
+    host, dev = torch.arange(PAGE), torch.arange(PAGE, 2 * PAGE)
+    for pool in (theirs, ours):
+        got = pool.prepare_transfer_indices(host, dev, "direct")
+        assert isinstance(got, tuple) and got[0] is host and got[1] is dev
+    t, o = theirs.alloc(3 * PAGE), ours.alloc(3 * PAGE)
+    assert (o.dtype, o.shape) == (t.dtype, t.shape)
+    assert ours.available_size() == theirs.available_size()
+    assert ours.alloc(10**6 * PAGE) is None and theirs.alloc(10**6 * PAGE) is None
+    assert ours.free(o) == theirs.free(t) == 3 * PAGE
+    assert ours.available_size() == theirs.available_size() == theirs.size
+
+
+@pytest.mark.parametrize("pair", [("mha", "page_head")], indirect=True)
+def test_split_heads_meta_matches_for_page_head(pair):
+    _, _, _, theirs, ours = pair
+    indices = torch.arange(3 * PAGE, 5 * PAGE)
+    t_ptrs, t_sizes = theirs.get_split_heads_page_buffer_meta(indices, 2)
+    o_ptrs, o_sizes = ours.get_split_heads_page_buffer_meta(indices, 2)
+    assert [p - theirs.kv_buffer.data_ptr() for p in t_ptrs] == [p - ours.kv_buffer.data_ptr() for p in o_ptrs]
+    assert o_sizes == t_sizes
+    assert ours.get_page_buffer_element_size(2) == theirs.get_page_buffer_element_size(2)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mla_contiguous_buffer_infos_match(sglang, layout):
+    device = _device("mla")
+    info = device.get_device_pool_infos()[0].buffer_info
+    theirs_cls, ours_cls = _classes("mla")
+    with fake_cuda():
+        theirs = _build(theirs_cls, "mla", info, layout, hicache=False)
+        ours = _build(ours_cls, "mla", info, layout, hicache=True)
+        try:
+            (tp, tl, ti), (op, ol, oi) = theirs.get_contiguous_buf_infos(), ours.get_contiguous_buf_infos()
+            assert [p - theirs.kv_buffer.data_ptr() for p in tp] == [p - ours.kv_buffer.data_ptr() for p in op]
+            assert (ol, oi) == (tl, ti)
+        finally:
+            ours.destroy()
+            theirs.destroy()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("sizing", [dict(host_token_capacity=20 * PAGE), dict(host_size=0.01), dict()])
+def test_sizing_with_drafts_and_explicit_capacity_matches(sglang, kind, sizing):
+    """Packed MTP draft layers (one each) widen the pool; ``host_token_capacity`` (no padding
+    page), ``host_size`` in decimal GB and the ratio size it as SGLang's."""
+    device = _device(kind)
+    draft = _device(kind, layers=1)
+    info = device.get_device_pool_infos()[0].buffer_info
+    drafts = (draft.get_device_pool_infos()[0].buffer_info,)
+    theirs_cls, ours_cls = _classes(kind)
+    host_size = sizing.pop("host_size", 0)
+    pools = []
+    with fake_cuda():
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        kw = dict(KW, draft_buffer_infos=drafts, **sizing)
+        if kind == "mla":
+            kw["target_layer_num"] = LAYERS
+        with host_memory_budget_scope(10**12):
+            pools.append(theirs_cls(info, 2.0, host_size, PAGE, "page_first_direct", pin_memory=False, **kw))
+        pools.append(ours_cls(info, 2.0, host_size, PAGE, "page_first_direct", **kw, **ROOM))
+        try:
+            theirs, ours = pools
+            for field in ("size", "page_num", "layer_num", "target_layer_num", "size_per_token"):
+                assert getattr(ours, field) == getattr(theirs, field), field
+            assert ours.kv_buffer.shape == theirs.kv_buffer.shape
+            # a draft layer loads with is_draft=True by its controller id; as a target id: skipped
+            layers = list(draft.k_buffer) if kind == "mha" else list(draft.kv_buffer)
+            draft_id = LAYERS if kind == "mha" else info.device_layer_num
+            _fill((theirs, ours))
+            rows = torch.arange(PAGE, 2 * PAGE)
+            for pool in (theirs, ours):
+                for layer in layers:
+                    layer.zero_()
+                pool.load_to_device_per_layer(draft, rows, rows, draft_id, "direct", is_draft=True)
+                got = [layer[rows].clone() for layer in layers]
+                if pool is theirs:
+                    want = got
+                else:
+                    assert all(_same_bytes(g, w) for g, w in zip(got, want)) and any(g.any() for g in got)
+        finally:
+            for pool in pools:
+                pool.destroy()
+
+
+def test_mla_allocator_only_pool_as_sglangs_dummy(sglang):
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation
+
+    allocation = MLAHostAllocation(dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16, kv_cache_dim=80,
+                                   size_per_token=80 * 2 * LAYERS)
+    theirs_cls, ours_cls = _classes("mla")
+    with fake_cuda() as fake:
+        with host_memory_budget_scope(10**12):
+            theirs = theirs_cls(allocation, 2.0, 0, PAGE, "page_first", pin_memory=False, target_layer_num=LAYERS, **KW)
+        ours = ours_cls(allocation, 2.0, 0, PAGE, "page_first", target_layer_num=LAYERS, **KW, **ROOM)
+        assert fake.held() == set() and ours.kv_buffer is None is theirs.kv_buffer
+        for field in ("size", "page_num", "size_per_token", "token_stride_size", "layout_dim", "layer_num"):
+            assert getattr(ours, field) == getattr(theirs, field), field
+        assert ours.get_contiguous_buf_infos() == theirs.get_contiguous_buf_infos() == ([], [], [])
+        assert len(ours.alloc(2 * PAGE)) == len(theirs.alloc(2 * PAGE)) == 2 * PAGE
+        ours.destroy()
+        theirs.destroy()
+
+
+def test_mla_decode_context_parallel_pages_as_sglangs(sglang):
+    """dcp_size=2: the page arrives widened, the pool holds this rank's half of each page,
+    logical sizes are twice the physical, flat pages and meta address logical page starts."""
+    device = _device("mla")
+    info = device.get_device_pool_infos()[0].buffer_info
+    theirs_cls, ours_cls = _classes("mla")
+    kw = dict(KW, target_layer_num=LAYERS, dcp_size=2, dcp_rank=1)
+    with fake_cuda():
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        with host_memory_budget_scope(10**12):
+            theirs = theirs_cls(info, 2.0, 0, 2 * PAGE, "page_first_direct", pin_memory=False, **kw)
+        ours = ours_cls(info, 2.0, 0, 2 * PAGE, "page_first_direct", **kw, **ROOM)
+        try:
+            for field in ("size", "page_num", "page_size", "logical_size", "logical_page_size", "dcp_size", "dcp_rank"):
+                assert getattr(ours, field) == getattr(theirs, field), field
+            _fill((theirs, ours))
+            start = 3 * ours.logical_page_size
+            assert _same_bytes(ours.get_data_page(start), theirs.get_data_page(start))
+            indices = torch.arange(start, start + 2 * ours.logical_page_size)
+            t_ptrs, t_sizes = theirs.get_page_buffer_meta(indices)
+            o_ptrs, o_sizes = ours.get_page_buffer_meta(indices)
+            assert [p - theirs.kv_buffer.data_ptr() for p in t_ptrs] == [p - ours.kv_buffer.data_ptr() for p in o_ptrs]
+            assert o_sizes == t_sizes
+            assert len(ours.alloc(ours.logical_page_size)) == len(theirs.alloc(theirs.logical_page_size))
+        finally:
+            ours.destroy()
+            theirs.destroy()
+
+
+@pytest.mark.parametrize("pair", [("mha", "page_first_direct"), ("mla", "layer_first")], indirect=True)
+def test_every_buffer_carries_sglangs_registered_ranges_record(pair):
+    """SGLang's `_cuda_host_unregister` reads ``_sglang_cuda_host_registered_ranges``: on hicache's
+    buffers it lists exactly what the driver holds for them; empty after destroy."""
+    from hicache.testing import fake_cuda as _unused  # noqa: F401 - the pair fixture's fake is live
+
+    _, _, _, _, ours = pair
+    buffers = _buffers(ours) if not hasattr(ours, "k_buffer") else [ours.kv_buffer]
+    recorded = {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges}
+    assert recorded == set(ours._host.registered_ranges()) != set()
+    ours.destroy()
+    assert all(b._sglang_cuda_host_registered_ranges == [] for b in buffers)
