@@ -4,7 +4,10 @@ forgets)."""
 
 from __future__ import annotations
 
+import collections
+
 import attrs
+import pytest
 
 from hicache.effects import MachineFacts
 
@@ -25,3 +28,20 @@ def facts(**changes) -> MachineFacts:
 
 #: What the patched psutil reports: a 4 GB box with 3 GB available (CI's smallest).
 SMALL_TOTAL, SMALL_AVAILABLE = 4 * GB, 3 * GB
+
+
+@pytest.fixture
+def roomy_psutil(monkeypatch):
+    """For code that takes no machine facts (SGLang's call sites pass none): psutil reports a
+    roomy machine (ROOMY's total and available memory)."""
+    import psutil
+
+    real = getattr(psutil.virtual_memory, "__wrapped__", psutil.virtual_memory)
+    Memory = collections.namedtuple("svmem", real()._fields)
+
+    def roomy():
+        values = real()._asdict()
+        values.update(total=ROOMY.total_bytes, available=ROOMY.available_bytes)
+        return Memory(**values)
+
+    monkeypatch.setattr(psutil, "virtual_memory", roomy)

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 
+from hicache.compat.sglang_plugin import POOL_CLASSES
 from hicache.testing import sglang_on_cpu
 
 #: SGLang's host-pool modules, imported up front (the plug-in's hooks reach names they import)
@@ -49,6 +50,7 @@ def load_sglang():
 COMMON = "sglang.srt.mem_cache.pool_host.common"
 NAMES = ("alloc_with_host_register", "_cuda_host_register", "_cuda_host_unregister")
 ORIGINALS: dict = {}
+CLASSES: dict = {}  # SGLang's host-pool classes the plug-in may REPLACE (HICACHE_SGLANG_POOLS=1)
 
 
 def restore(common) -> None:
@@ -62,6 +64,14 @@ def restore(common) -> None:
     if not ORIGINALS:
         ORIGINALS.update({name: getattr(common, name) for name in NAMES})
         ORIGINALS["host_memory_budget_bytes"] = base.host_memory_budget_bytes
+        for target in POOL_CLASSES:  # SGLang's own host-pool classes, before any class REPLACE
+            module, name = target.rsplit(".", 1)
+            CLASSES[name] = getattr(sys.modules[module], name)
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]:
+        for name, original in CLASSES.items():
+            current = getattr(module, name, None)
+            if isinstance(current, type) and current.__module__.startswith("hicache."):
+                setattr(module, name, original)
     for module in [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]:
         for name, original in ORIGINALS.items():
             current = getattr(module, name, None)
@@ -81,7 +91,7 @@ def sglang(monkeypatch):
     import sglang.srt.mem_cache.pool_host.base as base
 
     restore(common)
-    for name in ("HICACHE_SGLANG", "SGLANG_PLUGINS"):
+    for name in ("HICACHE_SGLANG", "SGLANG_PLUGINS", "HICACHE_SGLANG_POOLS", "HICACHE_PROGRESSIVE"):
         monkeypatch.delenv(name, raising=False)
     # SGLang's destroy() unregisters only where it thinks CUDA is (`base._is_cuda`): this CPU box
     # stands in for a CUDA node, as fake_cuda stands in for its driver. (Only base's: the pool

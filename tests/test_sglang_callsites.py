@@ -4,10 +4,8 @@ zero-copy meta for L3 back ends, HiSparse helpers, and a destroyed pool refusing
 
 from __future__ import annotations
 
-import collections
-
 import pytest
-from machine import ROOMY
+from machine import ROOMY, roomy_psutil  # noqa: F401 - roomy_psutil: a fixture
 
 from hicache.errors import RegistrationStateError, TransferError
 from hicache.plan import Limits
@@ -22,22 +20,6 @@ from hicache.testing import AsymmetricMHADevicePool, MHADevicePool, MLADevicePoo
 
 torch = pytest.importorskip("torch")
 P = 4
-
-
-@pytest.fixture
-def roomy_psutil(monkeypatch):
-    """SGLang's calls pass no machine facts: psutil reports a roomy machine for them."""
-    import psutil
-
-    real = getattr(psutil.virtual_memory, "__wrapped__", psutil.virtual_memory)
-    Memory = collections.namedtuple("svmem", real()._fields)
-
-    def roomy():
-        values = real()._asdict()
-        values.update(total=ROOMY.total_bytes, available=ROOMY.available_bytes)
-        return Memory(**values)
-
-    monkeypatch.setattr(psutil, "virtual_memory", roomy)
 
 
 def _mha(**kw):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from machine import roomy_psutil  # noqa: F401 - a fixture
 from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
@@ -45,9 +46,14 @@ def _host_rows(host, kind: str, layout: str, j: int, indices):
     return kv[indices // PAGE, layer, indices % PAGE]  # page_first_direct: [page, layer, token, ...]
 
 
+@pytest.mark.parametrize("pools", ["sglang", "hicache"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
-def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sglang, kind, layout):
+def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sglang, monkeypatch, roomy_psutil,
+                                                                            kind, layout, pools):
+    """pools="sglang": SGLang's own pool classes (hicache registers their buffers);
+    pools="hicache": HICACHE_SGLANG_POOLS=1 - the plug-in's class REPLACE, so SGLang's assembler
+    builds hicache's pool and SGLang's controller drives it."""
     import sglang.srt.plugins as plugins
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -56,6 +62,8 @@ def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sgl
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
+    if pools == "hicache":
+        monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
     plugins.load_plugins()
     settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
                     hicache_io_backend="direct")
@@ -64,6 +72,7 @@ def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sgl
         allocator = PagedTokenToKVPoolAllocator(256, PAGE, torch.bfloat16, "cpu", device, False)
         with host_memory_budget_scope(10**12):
             host = build_kv_host_pool(kv_pool=device, page_size=PAGE)
+        assert type(host).__module__.startswith("hicache.pools" if pools == "hicache" else "sglang.")
         try:
             buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
             assert {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges} == fake.held() != set()

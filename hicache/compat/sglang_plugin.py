@@ -30,6 +30,16 @@ TARGETS = {
 }
 
 
+#: With HICACHE_SGLANG_POOLS=1: SGLang's host-pool classes hicache has -> hicache.pools' class
+#: (class REPLACE: SGLang's assembler, `get_mha_host_pool_cls` and every ``from X import`` then
+#: build hicache's pools - HICACHE_PROGRESSIVE=1 makes them serve before they are pinned)
+POOL_CLASSES = {
+    "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost": "MHATokenToKVPoolHost",
+    "sglang.srt.mem_cache.pool_host.mha.AsymmetricMHATokenToKVPoolHost": "AsymmetricMHATokenToKVPoolHost",
+    "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost": "MLATokenToKVPoolHost",
+}
+
+
 #: SGLang's admission check, wrapped (AROUND) so ranks sample it one after another, each once
 #: the previous one's memory is resident (`hicache.effects.admission`).
 BUDGET_TARGET = "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes"
@@ -111,6 +121,26 @@ def load() -> list[str]:
     from hicache.effects import admission
 
     HookRegistry.register(BUDGET_TARGET, admission.host_memory_budget_bytes, HookType.AROUND)
+    classes = _register_pool_classes(HookRegistry, HookType)
     logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s; its admission check "
                 "runs under the host-wide budget lock", version, ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
-    return [*TARGETS, BUDGET_TARGET]
+    return [*TARGETS, BUDGET_TARGET, *classes]
+
+
+def _register_pool_classes(registry, hook_type) -> list[str]:
+    """HICACHE_SGLANG_POOLS=1: REPLACE SGLang's MHA / asymmetric MHA / MLA host-pool classes with
+    hicache's (their 0.5.23 constructors); [] otherwise."""
+    from hicache.effects import pool_settings
+
+    settings = pool_settings()
+    if not settings.sglang_pools:
+        return []
+    import hicache.pools as pools
+
+    for target, name in POOL_CLASSES.items():
+        registry.register(target, getattr(pools, name), hook_type.REPLACE)
+    logger.info("hicache: HICACHE_SGLANG_POOLS=1: SGLang builds hicache's host pools (%s)%s",
+                ", ".join(POOL_CLASSES.values()),
+                "; progressive (HICACHE_PROGRESSIVE=1): serving from the first registered page" if settings.progressive
+                else "")
+    return list(POOL_CLASSES)

@@ -36,6 +36,7 @@ ENV_VARS = {
     "HICACHE_PROGRESSIVE": "host pools register in the background, serving from the first page (1/0; default 0)",
     "HICACHE_HUGEPAGES": "host pools' page size: off (4 KiB, default), thp, prefer or required (hugetlbfs)",
     "HICACHE_SGLANG": "the sglang.srt.plugins entry point: on (default) or off (SGLang's own bring-up stays)",
+    "HICACHE_SGLANG_POOLS": "the plug-in also puts hicache's host-pool classes in place of SGLang's (1/0; default 0)",
 }
 
 
@@ -338,10 +339,12 @@ def package_version(name: str) -> str | None:
 @attrs.frozen
 class PoolSettings:
     """What a host pool does when its constructor was not told (SGLang's call sites pass no
-    hicache keywords): from HICACHE_PROGRESSIVE and HICACHE_HUGEPAGES."""
+    hicache keywords): from HICACHE_PROGRESSIVE and HICACHE_HUGEPAGES; and whether the SGLang
+    plug-in puts hicache's host-pool classes in place of SGLang's (HICACHE_SGLANG_POOLS)."""
 
     progressive: bool = False
     hugepages: str = "off"
+    sglang_pools: bool = False
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -357,7 +360,11 @@ def pool_settings(env=None) -> PoolSettings:
         raise EnvError(f"environment variable HICACHE_PROGRESSIVE={raw!r} must be 1 or 0 (true/false, yes/no, on/off)")
     if hugepages not in HUGEPAGE_MODES:
         raise EnvError(f"environment variable HICACHE_HUGEPAGES={raw_pages!r} must be one of {', '.join(HUGEPAGE_MODES)}")
-    return PoolSettings(progressive in _TRUE, hugepages)
+    raw_pools = env.get("HICACHE_SGLANG_POOLS", "")
+    pools = raw_pools.strip().lower()
+    if pools not in _TRUE + _FALSE:
+        raise EnvError(f"environment variable HICACHE_SGLANG_POOLS={raw_pools!r} must be 1 or 0 (true/false, yes/no, on/off)")
+    return PoolSettings(progressive in _TRUE, hugepages, pools in _TRUE)
 
 
 def resolve_numa_node(numa, *, cuda_binding=None, root: str = "/") -> tuple[int | None, str | None]:
