@@ -344,3 +344,120 @@ def test_every_buffer_carries_sglangs_registered_ranges_record(pair):
     assert recorded == set(ours._host.registered_ranges()) != set()
     ours.destroy()
     assert all(b._sglang_cuda_host_registered_ranges == [] for b in buffers)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_k_only_pool_beside_its_anchor_matches(sglang, layout):
+    """`MHATokenToKOnlyPoolHost(device_pool, anchor_host, layout, ...)` (MiniMax's index-K): sized
+    by its anchor, one K tensor; pages, meta and direct transfers as SGLang's."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKOnlyPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost as Theirs
+
+    from hicache.pools import MHATokenToKOnlyPoolHost as Ours
+
+    anchor_device = _device("mha")
+    info = anchor_device.get_device_pool_infos()[0].buffer_info
+    index_k = MHATokenToKOnlyPool(size=TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=1, head_dim=128,
+                                  layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    theirs_cls, ours_cls = _classes("mha")
+    with fake_cuda() as fake:
+        theirs_anchor = _build(theirs_cls, "mha", info, layout, hicache=False)
+        ours_anchor = _build(ours_cls, "mha", info, layout, hicache=True)
+        with host_memory_budget_scope(10**12):
+            theirs = Theirs(index_k, theirs_anchor, layout, pin_memory=False)
+        ours = Ours(index_k, ours_anchor, layout, **ROOM)
+        try:
+            for field in ("size", "page_num", "page_size", "layer_num", "start_layer", "end_layer", "head_num",
+                          "head_dim", "token_stride_size", "layout_dim", "size_per_token", "dtype", "layout"):
+                assert getattr(ours, field) == getattr(theirs, field), field
+            assert ours.k_buffer.shape == theirs.k_buffer.shape and not hasattr(ours, "v_buffer")
+            assert ours.get_ksize_per_token() == theirs.get_ksize_per_token()
+            assert [t.shape for t in ours.get_hybrid_pool_buffer()] == [t.shape for t in theirs.get_hybrid_pool_buffer()]
+            generator = torch.Generator().manual_seed(1)
+            data = torch.randint(-30000, 30000, theirs.k_buffer.shape, generator=generator, dtype=torch.int16)
+            theirs.k_buffer.view(torch.int16).copy_(data)
+            ours.k_buffer.view(torch.int16).copy_(data)
+            assert _same_bytes(ours.get_data_page(2 * PAGE), theirs.get_data_page(2 * PAGE))
+            if layout != "layer_first":
+                indices = torch.arange(3 * PAGE, 5 * PAGE)
+                t_ptrs, t_sizes = theirs.get_page_buffer_meta(indices)
+                o_ptrs, o_sizes = ours.get_page_buffer_meta(indices)
+                assert [p - theirs.k_buffer.data_ptr() for p in t_ptrs] == [p - ours.k_buffer.data_ptr() for p in o_ptrs]
+                assert o_sizes == t_sizes
+            if layout != "page_first":  # the direct backend's layouts
+                for layer in index_k.k_buffer:
+                    layer.copy_(torch.randn(layer.shape, generator=generator).to(layer.dtype))
+                rows = torch.arange(PAGE, 3 * PAGE)
+                for pool in (theirs, ours):
+                    pool.backup_from_device_all_layer(index_k, rows, rows, "direct")
+                assert _same_bytes(ours.k_buffer, theirs.k_buffer)
+        finally:
+            for pool in (ours, theirs, ours_anchor, theirs_anchor):
+                pool.destroy()
+        assert fake.held() == set()
+
+
+@pytest.mark.parametrize("drafts", [0, 1])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mamba_pool_from_its_state_description_matches(sglang, layout, drafts):
+    """`MambaPoolHost(MambaStateBufferInfo, ratio, size, *, device_capacity, layout,
+    mtp_draft_buffer_infos)`: sizes, buffers, raw-byte pages, zero-copy meta and the direct
+    transfers of every layer (drafts included) as SGLang's."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost as Theirs
+
+    from hicache.pools import MambaPoolHost as Ours
+
+    generator = torch.Generator().manual_seed(2)
+
+    def states(layers):
+        return MambaStateBufferInfo(temporal=torch.randn(layers, 9, 16, 32, generator=generator),
+                                    conv=(torch.randn(layers, 9, 8, 32, generator=generator).to(torch.bfloat16),))
+
+    info = states(2)
+    draft_infos = tuple(states(1) for _ in range(drafts))
+    kw = dict(device_capacity=8, layout=layout, mtp_draft_buffer_infos=draft_infos)
+    with fake_cuda() as fake:
+        with host_memory_budget_scope(10**12):
+            theirs = Theirs(info, 2.0, 0, pin_memory=False, **kw)
+        ours = Ours(info, 2.0, 0, **kw, **ROOM)
+        try:
+            for field in ("size", "page_num", "page_size", "size_per_token", "num_mamba_layers", "dtype", "layout",
+                          "can_use_write_back_jit"):
+                assert getattr(ours, field) == getattr(theirs, field), field
+            assert [(t.shape, t.dtype) for t in ours.get_hybrid_pool_buffer()] == \
+                [(t.shape, t.dtype) for t in theirs.get_hybrid_pool_buffer()]
+            layers = [*info.temporal.unbind(0), *[d.temporal[0] for d in draft_infos],
+                      *info.conv[0].unbind(0), *[d.conv[0][0] for d in draft_infos]]
+            rows_d, rows_h = torch.tensor([1, 4, 6]), torch.tensor([9, 2, 16])
+            for pool in (theirs, ours):
+                pool.backup_from_device_all_layer(None, rows_h, rows_d, "direct")
+            for a, b in zip(theirs.get_hybrid_pool_buffer(), ours.get_hybrid_pool_buffer()):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for index in (2, torch.tensor(9)):
+                assert torch.equal(ours.get_data_page(index), theirs.get_data_page(index))
+            dummy = theirs.get_dummy_flat_data_page()
+            assert (ours.get_dummy_flat_data_page().shape, ours.get_dummy_flat_data_page().dtype) == (dummy.shape, dummy.dtype)
+            page = theirs.get_data_page(16)
+            for pool in (theirs, ours):
+                pool.set_from_flat_data_page(3, page)
+            assert torch.equal(ours.get_data_page(3), theirs.get_data_page(3))
+            t_ptrs, t_sizes = theirs.get_page_buffer_meta(torch.tensor([2, 9]))
+            o_ptrs, o_sizes = ours.get_page_buffer_meta(torch.tensor([2, 9]))
+            t_bases = [t.data_ptr() for t in theirs.get_hybrid_pool_buffer()]
+            o_bases = [t.data_ptr() for t in ours.get_hybrid_pool_buffer()]
+            assert [p - t_bases[i % 2] for i, p in enumerate(t_ptrs)] == [p - o_bases[i % 2] for i, p in enumerate(o_ptrs)]
+            assert o_sizes == t_sizes
+            want = [layer[rows_d].clone() for layer in layers]
+            for pool in (theirs, ours):
+                for layer in layers:
+                    layer.zero_()
+                for layer_id in range(2 + drafts):
+                    pool.load_to_device_per_layer(None, rows_h, rows_d, layer_id, "direct", is_draft=layer_id >= 2)
+                assert all(torch.equal(layer[rows_d], w) for layer, w in zip(layers, want)), type(pool).__module__
+        finally:
+            ours.destroy()
+            theirs.destroy()
+        assert fake.held() == set()

@@ -9,6 +9,8 @@ MHA, ``kv_buffer`` for MLA, ``index_k_with_scale_buffer`` for the DSA indexer,
 
 from __future__ import annotations
 
+import math
+
 from hicache.plan import (
     AsymmetricMHALayout,
     DeepSeekV4PagedLayout,
@@ -22,13 +24,40 @@ from hicache.plan import (
 from hicache.errors import LayoutError, TransferError
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
-from hicache.pools._sglang_inputs import is_mha_info, is_mla_allocation, is_mla_info, mha_device, mla_device
+from hicache.pools._sglang_inputs import (
+    is_mamba_info,
+    is_mha_info,
+    is_mla_allocation,
+    is_mla_info,
+    mamba_device,
+    mha_device,
+    mla_device,
+)
 
 
 def _itemsize(dtype) -> int:
     import torch
 
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _k_only_args(owner: str, args, kwargs) -> tuple:
+    """``layout, pin_memory=True, device="cpu", allocator_type="default"`` after the anchor (by
+    position or keyword); hicache's own keywords stay in ``kwargs``."""
+    kwargs.pop("anchor_host", None)
+    names = ("layout", "pin_memory", "device", "allocator_type")
+    values = dict(zip(names, args))
+    if len(args) > len(names):
+        raise TypeError(f"{owner}() takes at most {2 + len(names)} positional arguments")
+    for name in names:
+        if name in kwargs:
+            if name in values:
+                raise TypeError(f"{owner}() got multiple values for argument {name!r}")
+            values[name] = kwargs.pop(name)
+    if "layout" not in values:
+        raise TypeError(f"{owner}() missing the argument 'layout'")
+    return values["layout"], values.get("pin_memory", True), values.get("device", "cpu"), \
+        values.get("allocator_type", "default")
 
 
 def _first(pool, buffer_info, device_pool):
@@ -132,7 +161,35 @@ def get_mha_host_pool_cls(device_pool):
 
 
 class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
-    """MHA keys only (the index-K of sparse-attention models); sized like its anchor pool."""
+    """MHA keys only (the index-K of sparse-attention models); sized like its anchor pool.
+
+    SGLang 0.5.23's constructor: ``(device_pool, anchor_host, layout, pin_memory=True,
+    device="cpu", allocator_type="default")`` - the anchor's page size and page count, the
+    device pool's layers; ``k_buffer`` is the one host tensor (no ``v_buffer``). The older
+    form ``(device_pool, ratio, host_size, page_size, layout, ..., page_num=)`` still works,
+    chosen by the second argument (a host pool, not a number)."""
+
+    def __init__(self, device_pool=None, *args, **kwargs):
+        anchor = args[0] if args else kwargs.get("anchor_host")
+        if anchor is not None and hasattr(anchor, "page_num") and hasattr(anchor, "page_size"):
+            layout, pin_memory, device, allocator_type = _k_only_args(type(self).__name__, args[1:], kwargs)
+            super().__init__(device_pool, 1.0, 0, anchor.page_size, layout, pin_memory, device, allocator_type,
+                             page_num=anchor.page_num, **kwargs)
+            self.end_layer = getattr(device_pool, "end_layer", self.end_layer)  # SGLang's: the device pool's
+            return
+        super().__init__(device_pool, *args, **kwargs)
+
+    @property
+    def k_buffer(self):
+        """The one host tensor (keys of every layer)."""
+        return self.buffers[0]
+
+    @property
+    def v_buffer(self):
+        raise AttributeError(f"{type(self).__name__} holds no V")  # back ends branch on hasattr(v_buffer)
+
+    def get_hybrid_pool_buffer(self) -> list:
+        return [self.k_buffer]
 
     @classmethod
     def descriptor_class(cls):
@@ -308,17 +365,36 @@ class DSAIndexerPoolHost(HostKVCache):
 class MambaPoolHost(HostKVCache):
     """Linear-attention state: one slot per request (page size 1), temporal + conv states.
 
-    SGLang's constructor: ``MambaPoolHost(mamba_pool, ratio, size, pin_memory=True,
-    device="cpu", allocator_type="default", layout="layer_first")`` - no page size; like
-    SGLang's, only the page-first layouts are supported, so callers pass ``layout``. The device
-    pool is SGLang's `MambaPool` (``num_mamba_layers``, ``mamba_cache.temporal`` / ``.conv``,
-    ``size``, ``device``; no ``store_dtype`` or ``layer_num``).
+    SGLang 0.5.23's constructor: ``MambaPoolHost(buffer_info: MambaStateBufferInfo,
+    host_to_device_ratio, host_size, *, device_capacity, pin_memory=True, device="cpu",
+    allocator_type="default", layout="layer_first", mtp_draft_buffer_infos=())`` - sized as
+    SGLang's (a padding slot), copies to the described device tensors (targets, then the packed
+    draft layers); flat pages are raw bytes. The older SGLang's ``MambaPoolHost(mamba_pool, ratio,
+    size, pin_memory=True, device="cpu", allocator_type="default", layout="layer_first")`` (a
+    `MambaPool`: ``num_mamba_layers``, ``mamba_cache.temporal`` / ``.conv``) still works. Like
+    SGLang's, only the page-first layouts are supported, so callers pass ``layout``.
     """
 
-    def __init__(self, device_pool, host_to_device_ratio, host_size, pin_memory=True, device="cpu",
-                 allocator_type="default", layout="layer_first", **kwargs):
-        super().__init__(device_pool, host_to_device_ratio, host_size, 1, layout, pin_memory, device,
-                         allocator_type, **kwargs)
+    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, pin_memory=True, device="cpu",
+                 allocator_type="default", layout="layer_first", *, device_capacity=None, mtp_draft_buffer_infos=(),
+                 device_pool=None, **kwargs):
+        first = _first(self, buffer_info, device_pool)
+        if is_mamba_info(first):
+            first = mamba_device(type(self).__name__, first, tuple(mtp_draft_buffer_infos),
+                                 device_capacity=device_capacity or 0)
+            self.mtp_draft_buffer_infos = tuple(mtp_draft_buffer_infos)
+            kwargs.update(device_capacity_tokens=device_capacity, start_layer=0, end_layer=first.layer_num)
+        elif mtp_draft_buffer_infos or device_capacity is not None:
+            raise LayoutError(f"{type(self).__name__}: device_capacity and mtp_draft_buffer_infos come with SGLang "
+                              "0.5.23's constructor (a MambaStateBufferInfo first)")
+        self._states_facts = _mamba_states(first)
+        super().__init__(first, host_to_device_ratio, host_size, 1, layout, pin_memory, device, allocator_type,
+                         **kwargs)
+        if self.sglang_form == "0.5.23":
+            self.num_mamba_layers = self.layer_num
+            # SGLang's Mamba pool says True so HostPoolGroup's AND keeps its MLA sibling's
+            # staged write-back; its own backup routes by layout and backend, as this one does
+            self.can_use_write_back_jit = True
 
     @classmethod
     def descriptor_class(cls):
@@ -329,31 +405,78 @@ class MambaPoolHost(HostKVCache):
         return layers if layers is not None else device_pool.mamba_cache.temporal.shape[0]
 
     def _store_dtype(self, device_pool):
-        cache = device_pool.mamba_cache
-        return cache.conv[0].dtype if cache.conv else cache.temporal.dtype
-
-    def _states(self):
-        cache = self.device_pool.mamba_cache
-        return [cache.temporal, *cache.conv]
+        facts = self._states_facts
+        return facts[1][1] if len(facts) > 1 else facts[0][1]
 
     def buffer_dtypes(self):
-        return [t.dtype for t in self._states() if t[0, 0].numel()]
+        return [dtype for shape, dtype in self._states_facts if math.prod(shape)]
 
     def layout_descriptor(self, page_num: int):
-        cache = self.device_pool.mamba_cache
+        (temporal_shape, temporal_dtype), *convs = self._states_facts
         return MambaLayout(
             self.layout, layer_num=self.layer_num, slots=page_num,
-            temporal_shape=tuple(cache.temporal.shape[2:]), temporal_itemsize=cache.temporal.element_size(),
-            conv_shapes=tuple(tuple(c.shape[2:]) for c in cache.conv),
-            conv_itemsize=cache.conv[0].element_size() if cache.conv else 1,
+            temporal_shape=tuple(temporal_shape), temporal_itemsize=_itemsize(temporal_dtype),
+            conv_shapes=tuple(tuple(shape) for shape, _ in convs),
+            conv_itemsize=_itemsize(convs[0][1]) if convs else 1,
         )
 
     def streams(self):
-        states = [i for i, t in enumerate(self._states()) if t[0, 0].numel()]
+        states = [i for i, (shape, _) in enumerate(self._states_facts) if math.prod(shape)]
         return [
             Stream(buffer, None, lambda pool, layer, i=i: ([pool.mamba_cache.temporal, *pool.mamba_cache.conv][i])[layer])
             for buffer, i in enumerate(states)
         ]
+
+    @property
+    def temporal_buffer(self):
+        """The temporal state's host tensor (SGLang's name; None for a conv-only model)."""
+        return self.buffers[0] if math.prod(self._states_facts[0][0]) else None
+
+    @property
+    def conv_buffer(self) -> list:
+        """The conv states' host tensors (SGLang's name)."""
+        return self.buffers[1:] if math.prod(self._states_facts[0][0]) else list(self.buffers)
+
+    def get_data_page(self, index, flat: bool = True):
+        """0.5.23: the slot's bytes, state by state (SGLang's L3 format for Mamba)."""
+        if self.sglang_form != "0.5.23":
+            return super().get_data_page(index, flat)
+        import torch
+
+        return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in self._page_parts(index)])
+
+    def get_dummy_flat_data_page(self):
+        if self.sglang_form != "0.5.23":
+            return super().get_dummy_flat_data_page()
+        import torch
+
+        return torch.zeros(self.page_size * self.size_per_token, dtype=torch.uint8)
+
+    def set_from_flat_data_page(self, index, data_page) -> None:
+        if self.sglang_form != "0.5.23":
+            return super().set_from_flat_data_page(index, data_page)
+        import torch
+
+        parts = self._page_parts(index)
+        flat = data_page.contiguous().view(torch.uint8).reshape(-1)
+        expected = sum(part.numel() * part.element_size() for part in parts)
+        if flat.numel() != expected:
+            raise TransferError(f"a Mamba state page holds {expected} bytes, data_page has {flat.numel()}")
+        offset = 0
+        for part in parts:
+            size = part.numel() * part.element_size()
+            part.copy_(flat[offset : offset + size].clone().view(part.dtype).reshape(part.shape))
+            offset += size
+
+
+def _mamba_states(first) -> list:
+    """``[(state shape, dtype)]``: temporal, then each conv state - from a `MambaPool`'s
+    ``mamba_cache`` or a 0.5.23 description's adapter."""
+    if hasattr(first, "mamba_facts"):
+        return list(first.mamba_facts)
+    cache = first.mamba_cache
+    return [(tuple(cache.temporal.shape[2:]), cache.temporal.dtype),
+            *[(tuple(conv.shape[2:]), conv.dtype) for conv in cache.conv]]
 
 
 class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):

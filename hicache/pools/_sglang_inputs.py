@@ -29,6 +29,11 @@ def is_mha_info(obj) -> bool:
     return hasattr(buffers, "k") and hasattr(buffers, "v") and hasattr(obj, "head_num") and hasattr(obj, "v_head_dim")
 
 
+def is_mamba_info(obj) -> bool:
+    """A `MambaStateBufferInfo` (0.5.23): ``temporal`` and ``conv`` device tensors, layer first."""
+    return hasattr(obj, "temporal") and hasattr(obj, "conv") and not hasattr(obj, "mamba_cache")
+
+
 def is_mla_info(obj) -> bool:
     """An `MLABufferInfo` (device rows per layer slot) or `MLAHostAllocation` (geometry only)."""
     return hasattr(obj, "kv_lora_rank") and hasattr(obj, "kv_cache_dim") and (
@@ -67,6 +72,12 @@ class BufferDevice:
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     data_ptrs: object = None
+    mamba_cache: object = None  # Mamba: ``.temporal`` (per layer) and ``.conv`` (per conv state, per layer)
+    mamba_facts: tuple = ()  # Mamba: ((state shape, dtype), ...) temporal first
+
+    @property
+    def num_mamba_layers(self):
+        return self.layer_num if self.mamba_cache is not None else None
 
     @property
     def store_dtype(self):
@@ -79,7 +90,7 @@ class BufferDevice:
     def resolve(self, layer_id, *, is_draft: bool) -> int | None:
         """The host layer of a controller layer id, or None where SGLang's pool copies nothing
         (a target call for a layer this pool does not hold)."""
-        if is_draft:
+        if is_draft and self.mamba_cache is None:  # Mamba's drafts are plain layer ids (SGLang's too)
             host = self.target_layer_num + (layer_id - self.draft_base)
             return host if self.target_layer_num <= host < self.layer_num else None
         return self.host_layer.get(layer_id)
@@ -167,4 +178,43 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
         layer_num=target_layer_num + len(drafts), target_layer_num=target_layer_num, host_layer=host_layer,
         draft_base=int(info.device_layer_num), kv_buffer=tuple(t for item in infos for t in item.buffers),
         kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim, data_ptrs=info.data_ptrs,
+    )
+
+
+@attrs.frozen
+class _MambaLayers:
+    temporal: tuple
+    conv: tuple
+
+
+def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> BufferDevice:
+    """A `BufferDevice` from a `MambaStateBufferInfo` and its MTP drafts (one layer each, same
+    state shapes and dtypes): per-layer views of the device tensors, targets then drafts, as
+    SGLang's Mamba host pool copies them."""
+    infos = (info, *drafts)
+    for index, item in enumerate(infos):
+        name = "buffer_info" if index == 0 else f"mtp_draft_buffer_infos[{index - 1}]"
+        if not is_mamba_info(item):
+            raise LayoutError(f"{owner}: {name} must be a MambaStateBufferInfo, got {type(item).__name__}")
+        validate = getattr(item, "validate", None)
+        if validate is not None:
+            validate()
+        if tuple(getattr(item, "extra_checkpoint_buffers", ()) or ()):
+            raise LayoutError(f"{owner}: {name}.extra_checkpoint_buffers (per-slot side state) is not supported by "
+                              "hicache's Mamba host pool; SGLang's own pool serves it")
+        if index:
+            same = item.temporal.shape[0] == 1 and len(item.conv) == len(info.conv) and all(
+                a.shape[1:] == b.shape[1:] and a.dtype == b.dtype for a, b in zip((*info.conv, info.temporal),
+                                                                                 (*item.conv, item.temporal)))
+            if not same:
+                raise LayoutError(f"{owner}: {name} must be one layer shaped like the target's states")
+    temporal = tuple(layer for item in infos for layer in item.temporal.unbind(0))
+    conv = tuple(tuple(layer for item in infos for layer in item.conv[i].unbind(0)) for i in range(len(info.conv)))
+    facts = ((tuple(info.temporal.shape[2:]), info.temporal.dtype),
+             *[(tuple(c.shape[2:]), c.dtype) for c in info.conv])
+    layers = len(temporal)
+    return BufferDevice(
+        dtype=info.conv[0].dtype, device=info.temporal.device, size=int(device_capacity), layer_num=layers,
+        target_layer_num=layers, host_layer={i: i for i in range(layers)}, draft_base=layers,
+        mamba_cache=_MambaLayers(temporal, conv), mamba_facts=facts,
     )
