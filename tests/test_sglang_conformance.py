@@ -461,3 +461,31 @@ def test_mamba_pool_from_its_state_description_matches(sglang, layout, drafts):
             ours.destroy()
             theirs.destroy()
         assert fake.held() == set()
+
+
+def test_logical_host_pool_as_sglangs(sglang):
+    """DeepSeek-V4's anchor: slots, no memory; SGLang's return values for every call."""
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool as Theirs
+
+    from hicache.errors import PlanError
+    from hicache.pools import LogicalHostPool as Ours
+
+    theirs, ours = Theirs(8 * PAGE, PAGE), Ours(8 * PAGE, PAGE)
+    for field in ("size", "logical_size", "page_size", "device", "layout", "dtype", "layer_num", "start_layer",
+                  "end_layer", "kv_buffer", "size_per_token", "allocator", "can_use_write_back_jit",
+                  "shared_allocation_domain", "stores_page_envelope", "storage_format_tag"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    t, o = theirs.alloc(3 * PAGE), ours.alloc(3 * PAGE)
+    assert (o.dtype, o.shape) == (t.dtype, t.shape) and ours.available_size() == theirs.available_size()
+    assert ours.alloc(100 * PAGE) is None is theirs.alloc(100 * PAGE)
+    assert ours.free(o) == theirs.free(t)
+    for pool, error in ((theirs, ValueError), (ours, PlanError)):
+        with pytest.raises(error):
+            pool.alloc(PAGE + 1)
+    assert ours.get_page_buffer_meta(torch.arange(PAGE)) is None is theirs.get_page_buffer_meta(torch.arange(PAGE))
+    assert ours.get_data_page(0).numel() == 0 == theirs.get_data_page(0).numel()
+    assert ours.get_page_buffer_element_size() is None and ours.get_ksize_per_token() == 0
+    assert ours.load_to_device_per_layer_physical(None, None, None, 0, "direct", is_draft=True) is None
+    with pytest.raises(PlanError, match="page-aligned"):
+        Ours(PAGE + 1, PAGE)
+    ours.destroy()

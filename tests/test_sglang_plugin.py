@@ -43,6 +43,53 @@ def test_load_plugins_discovers_the_entry_point_and_replaces_the_seam(sglang):
     assert sglang.ALLOC_MEMORY_FUNCS["npu"] is not sglang.alloc_with_host_register  # framework-pinned
 
 
+def test_hicache_sglang_pools_replaces_sglangs_pool_classes_everywhere_and_only_when_asked(sglang, monkeypatch):
+    """HICACHE_SGLANG_POOLS=1: SGLang's registry puts hicache's classes where SGLang's were -
+    their modules and every module that imported them by name (the assembler's chooser
+    resolves them at call time); unset: SGLang's own classes stay."""
+    import importlib
+    import sys
+
+    import sglang.srt.plugins as plugins
+
+    import hicache.pools
+    from hicache.compat.sglang_plugin import POOL_CLASSES
+
+    originals = {t: getattr(importlib.import_module(t.rsplit(".", 1)[0]), t.rsplit(".", 1)[1]) for t in POOL_CLASSES}
+    plugins.load_plugins()
+    for target, original in originals.items():
+        module, name = target.rsplit(".", 1)
+        assert getattr(sys.modules[module], name) is original  # not asked: SGLang's own
+
+    from sglang_support import restore
+
+    restore(sglang)
+    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
+    plugins.load_plugins()
+    for target, name in POOL_CLASSES.items():
+        module, attribute = target.rsplit(".", 1)
+        assert getattr(sys.modules[module], attribute) is getattr(hicache.pools, name)
+        holders = [m for n, m in list(sys.modules.items()) if n.startswith("sglang") and m is not None
+                   and getattr(m, attribute, None) is originals[target]]
+        assert holders == [], f"{attribute} is still SGLang's in {[m.__name__ for m in holders]}"
+    from sglang.srt.mem_cache.pool_host import mha
+
+    info = _device_pool().get_device_pool_infos()[0].buffer_info
+    assert mha.get_mha_host_pool_cls(info) is hicache.pools.MHATokenToKVPoolHost
+
+
+def test_a_bad_hicache_sglang_pools_value_registers_nothing_and_names_the_variable(sglang, monkeypatch):
+    from hicache.compat import sglang_plugin
+    from hicache.errors import EnvError
+
+    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "maybe")
+    with pytest.raises(EnvError, match="HICACHE_SGLANG_POOLS='maybe'"):
+        sglang_plugin.load()
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    assert not HookRegistry._hooks
+
+
 @pytest.mark.parametrize("setting", ["HICACHE_SGLANG=off", "SGLANG_PLUGINS=other", "version 0.5.22"])
 def test_when_told_not_to_sglangs_own_functions_stay(sglang, monkeypatch, caplog, setting):
     import sglang.srt.plugins as plugins

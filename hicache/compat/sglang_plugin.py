@@ -30,13 +30,17 @@ TARGETS = {
 }
 
 
-#: With HICACHE_SGLANG_POOLS=1: SGLang's host-pool classes hicache has -> hicache.pools' class
+#: With HICACHE_SGLANG_POOLS=1: SGLang's host-pool classes hicache has and proves against SGLang's
+#: own (tests/test_sglang_conformance.py) -> hicache.pools' class
 #: (class REPLACE: SGLang's assembler, `get_mha_host_pool_cls` and every ``from X import`` then
 #: build hicache's pools - HICACHE_PROGRESSIVE=1 makes them serve before they are pinned)
 POOL_CLASSES = {
     "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost": "MHATokenToKVPoolHost",
     "sglang.srt.mem_cache.pool_host.mha.AsymmetricMHATokenToKVPoolHost": "AsymmetricMHATokenToKVPoolHost",
     "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost": "MLATokenToKVPoolHost",
+    "sglang.srt.mem_cache.pool_host.mha.MHATokenToKOnlyPoolHost": "MHATokenToKOnlyPoolHost",
+    "sglang.srt.mem_cache.pool_host.mamba.MambaPoolHost": "MambaPoolHost",
+    "sglang.srt.mem_cache.memory_pool_host.LogicalHostPool": "LogicalHostPool",
 }
 
 
@@ -114,25 +118,24 @@ def load() -> list[str]:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from hicache.compat import sglang as ours
+    from hicache.effects import pool_settings
 
+    settings = pool_settings()  # a bad HICACHE_* value: an EnvError naming it, before anything is registered
     for target, name in TARGETS.items():
         HookRegistry.register(target, getattr(ours, name), HookType.REPLACE)
     _forget_resolved_alloc_funcs()
     from hicache.effects import admission
 
     HookRegistry.register(BUDGET_TARGET, admission.host_memory_budget_bytes, HookType.AROUND)
-    classes = _register_pool_classes(HookRegistry, HookType)
+    classes = _register_pool_classes(HookRegistry, HookType, settings)
     logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s; its admission check "
                 "runs under the host-wide budget lock", version, ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
     return [*TARGETS, BUDGET_TARGET, *classes]
 
 
-def _register_pool_classes(registry, hook_type) -> list[str]:
-    """HICACHE_SGLANG_POOLS=1: REPLACE SGLang's MHA / asymmetric MHA / MLA host-pool classes with
-    hicache's (their 0.5.23 constructors); [] otherwise."""
-    from hicache.effects import pool_settings
-
-    settings = pool_settings()
+def _register_pool_classes(registry, hook_type, settings) -> list[str]:
+    """HICACHE_SGLANG_POOLS=1: REPLACE SGLang's host-pool classes in `POOL_CLASSES` with hicache's
+    (their 0.5.23 constructors); [] otherwise."""
     if not settings.sglang_pools:
         return []
     import hicache.pools as pools

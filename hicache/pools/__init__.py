@@ -26,6 +26,7 @@ from hicache.pools._families import (
     get_mha_host_pool_cls,
 )
 from hicache.pools._hisparse import HiSparseHostPoolMixin
+from hicache.pools._logical import LogicalHostPool
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._storage import HICACHE_HOST_MEMORY_RESERVE_BYTES
 
@@ -39,6 +40,7 @@ __all__ = [
     "HiSparseHostPoolMixin",
     "HostKVCache",
     "HostTensorAllocator",
+    "LogicalHostPool",
     "MHATokenToKOnlyPoolHost",
     "MHATokenToKVPoolHost",
     "MLATokenToKVPoolHost",

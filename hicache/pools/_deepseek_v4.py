@@ -38,6 +38,10 @@ def paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_pag
     import operator
 
     item_bytes, num_host_pages, slot_page_size = (operator.index(v) for v in (item_bytes, num_host_pages, slot_page_size))
+    # 0.5.23's tenth argument: SGLang's pool then refuses token-granular copies; hicache's V4
+    # pools move whole page rows only, whatever it says (kept for SGLang's readers)
+    page_aligned_only = bool(args[4] if len(args) > 4 else kwargs.pop("page_aligned_only", False))
+    args = args[:4]
     buffers = list(device_buffers)
     if not buffers:
         raise LayoutError(f"{pool_name}: device_buffers is empty")
@@ -45,6 +49,7 @@ def paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_pag
     view = SimpleNamespace(
         kv_buffer=rows, item_bytes=item_bytes, store_dtype=torch.uint8, layer_num=len(rows), start_layer=0,
         size=rows[0].shape[0] * slot_page_size, device=str(buffers[0].device), page_size=slot_page_size,
+        page_aligned_only=page_aligned_only,
     )
     options, extras = _options(*args, **kwargs)
     return view, num_host_pages, slot_page_size, options, extras

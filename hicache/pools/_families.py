@@ -573,6 +573,8 @@ def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
     HostKVCache.__init__(pool, device_pool, 1.0, 0, page_size, layout, pin_memory, device, allocator_type,
                          page_num=num_host_pages, **kwargs)
     pool.size_per_token = getattr(device_pool, pool.row_attribute)  # SGLang's: one row's bytes
+    pool.page_aligned_only = getattr(device_pool, "page_aligned_only", False)
+    pool.num_host_pages, pool.slot_page_size = num_host_pages, page_size
 
 
 def _split_heads_meta(pool, indices, split_factor: int):
