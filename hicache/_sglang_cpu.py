@@ -79,7 +79,8 @@ def install() -> bool:
 # (sgl-kernel's tests/test_kvcacheio.py states them as reference loops); here they are the same
 # copies by torch indexing, which bounds-checks every index against every tensor it touches.
 _POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla",
-                 "sglang.srt.mem_cache.pool_host.mamba")
+                 "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.mem_cache.pool_host.dsa",
+                 "sglang.srt.mem_cache.memory_pool_host")
 
 
 def _pages(indices, page_size: int, what: str):
@@ -131,7 +132,7 @@ _TRANSFERS = {f.__name__: f for f in (transfer_kv_direct, transfer_kv_per_layer_
 
 
 def bind_transfers() -> tuple[str, ...]:
-    """Give SGLang's MHA, MLA and Mamba host-pool modules the direct-backend copies where they have
+    """Give SGLang's MHA, MLA, Mamba, DSA and DeepSeek-V4 host-pool modules the direct-backend copies where they have
     none (off CUDA); a real sgl-kernel binding is left alone. Returns what was bound."""
     import importlib
     import warnings

@@ -5,6 +5,7 @@ file's shows up; CI runs a random order, its seed in the header (rerun with the 
 
 import os
 import random
+import signal
 
 from hypothesis import HealthCheck, settings
 
@@ -13,6 +14,13 @@ settings.register_profile(
     "ci", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# The Ctrl-C tests raise a real SIGINT and expect Python's KeyboardInterrupt. A process started
+# in the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python then
+# installs no handler: those tests would see nothing. The suite must not depend on how it was
+# launched, so Python's own handler is put back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _file_order():

@@ -9,7 +9,7 @@ Needs `make sglang`."""
 from __future__ import annotations
 
 import pytest
-from sglang_support import sglang  # noqa: F401 - a fixture
+from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
 
@@ -489,3 +489,133 @@ def test_logical_host_pool_as_sglangs(sglang):
     with pytest.raises(PlanError, match="page-aligned"):
         Ours(PAGE + 1, PAGE)
     ours.destroy()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_dsa_indexer_pool_from_its_declaration_matches(sglang, layout):
+    """`DSAIndexerPoolHost(decl, anchor_host)` beside its MLA anchor: the anchor's slots and
+    pages, the index buffer, pages, meta and direct transfers as SGLang's."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost as Theirs
+    from sglang.srt.mem_cache.pool_host.dsa import make_dsa_indexer_pool_decl
+
+    from hicache.pools import DSAIndexerPoolHost as Ours
+
+    theirs_cls, ours_cls = _classes("mla")
+    kw = dict(device_capacity_tokens=TOKENS, start_layer=0, end_layer=2, target_layer_num=2)
+    with published(), fake_cuda() as fake:  # SGLang's DSA device pool reads the parallel config
+        device = DSATokenToKVPool(size=TOKENS, page_size=64, kv_lora_rank=64, dtype=torch.bfloat16,
+                                  qk_rope_head_dim=16, layer_num=2, device="cpu", index_head_dim=128,
+                                  enable_memory_saver=False, kv_cache_dim=80)
+        info = device.get_device_pool_infos()[0].buffer_info
+        decl = make_dsa_indexer_pool_decl(device)
+        with host_memory_budget_scope(10**12):
+            theirs_anchor = theirs_cls(info, 2.0, 0, 64, layout, pin_memory=False, **kw)
+            theirs = Theirs(decl, theirs_anchor, pin_memory=False)
+        ours_anchor = ours_cls(info, 2.0, 0, 64, layout, **kw, **ROOM)
+        ours = Ours(decl, ours_anchor, **ROOM)
+        try:
+            for field in ("size", "page_num", "page_size", "layer_num", "target_layer_num", "indexer_page_num",
+                          "indexer_page_stride_size", "indexer_layout_dim", "indexer_dtype", "size_per_token",
+                          "layout", "start_layer", "end_layer", "can_use_write_back_jit"):
+                assert getattr(ours, field) == getattr(theirs, field), field
+            assert ours.index_k_with_scale_buffer.shape == theirs.index_k_with_scale_buffer.shape
+            assert ours.get_ksize_per_token() == theirs.get_ksize_per_token()
+            assert ours.available_size() == theirs.available_size()
+            generator = torch.Generator().manual_seed(4)
+            for layer in device.index_k_with_scale_buffer:
+                layer.copy_(torch.randint(0, 255, layer.shape, generator=generator, dtype=torch.uint8))
+            rows = torch.arange(64, 3 * 64)  # device pages 1, 2 -> host pages 1, 2
+            if layout != "page_first":
+                for pool in (theirs, ours):
+                    pool.backup_from_device_all_layer(device, rows, rows, "direct")
+                assert torch.equal(ours.index_k_with_scale_buffer, theirs.index_k_with_scale_buffer)
+            else:
+                data = torch.randint(0, 255, theirs.index_k_with_scale_buffer.shape, generator=generator,
+                                     dtype=torch.uint8)
+                theirs.index_k_with_scale_buffer.copy_(data)
+                ours.index_k_with_scale_buffer.copy_(data)
+            assert torch.equal(ours.get_data_page(64), theirs.get_data_page(64))
+            if layout != "layer_first":
+                t_ptrs, t_sizes = theirs.get_page_buffer_meta(rows)
+                o_ptrs, o_sizes = ours.get_page_buffer_meta(rows)
+                t_base, o_base = theirs.index_k_with_scale_buffer.data_ptr(), ours.index_k_with_scale_buffer.data_ptr()
+                assert [p - t_base for p in t_ptrs] == [p - o_base for p in o_ptrs] and o_sizes == t_sizes
+            if layout != "page_first":
+                want = [layer[1:3].clone() for layer in device.index_k_with_scale_buffer]
+                for pool in (theirs, ours):
+                    for layer in device.index_k_with_scale_buffer:
+                        layer.zero_()
+                    for layer_id in range(2):
+                        pool.load_to_device_per_layer(device, rows, rows, layer_id, "direct")
+                    assert all(torch.equal(layer[1:3], w) for layer, w in zip(device.index_k_with_scale_buffer, want))
+        finally:
+            for pool in (ours, theirs, ours_anchor, theirs_anchor):
+                pool.destroy()
+        assert fake.held() == set()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_deepseek_v4_paged_pool_matches(sglang, layout):
+    """`DeepSeekV4PagedHostPool(pool_name, device_buffers, item_bytes, num_host_pages,
+    slot_page_size, layout=, page_aligned_only=)`: sizes, buffers, pages and whole-page
+    transfers as SGLang's."""
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool as Theirs
+
+    from hicache.pools import DeepSeekV4PagedHostPool as Ours
+
+    generator = torch.Generator().manual_seed(6)
+    device_buffers = [torch.randint(0, 255, (16, 512), generator=generator, dtype=torch.uint8) for _ in range(3)]
+    args = ("c4", device_buffers, 512, 24, 64)
+    with fake_cuda() as fake:
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        with host_memory_budget_scope(10**12):
+            theirs = Theirs(*args, layout=layout, pin_memory=False, page_aligned_only=True)
+        ours = Ours(*args, layout=layout, page_aligned_only=True, **ROOM)
+        try:
+            for field in ("pool_name", "layer_num", "item_bytes", "num_host_pages", "slot_page_size", "page_size",
+                          "size", "size_per_token", "dtype", "layout", "start_layer", "end_layer", "page_aligned_only"):
+                assert getattr(ours, field) == getattr(theirs, field), field
+            assert [b.shape for b in _buffers(ours)] == [b.shape for b in _buffers(theirs)]
+            assert ours.available_size() == theirs.available_size()
+            device_rows, host_rows = torch.arange(64, 3 * 64), torch.arange(5 * 64, 7 * 64)
+            if layout == "page_first":  # SGLang's direct backend has no page_first copy: same bytes by hand
+                data = torch.randint(0, 255, theirs.kv_buffer.shape, generator=generator, dtype=torch.uint8)
+                theirs.kv_buffer.copy_(data)
+                ours.kv_buffer.copy_(data)
+            else:
+                for pool in (theirs, ours):
+                    pool.backup_from_device_all_layer(None, host_rows, device_rows, "direct")
+            for a, b in zip(_buffers(theirs), _buffers(ours)):
+                assert torch.equal(a, b)
+            assert torch.equal(ours.get_data_page(5 * 64), theirs.get_data_page(5 * 64))
+        finally:
+            ours.destroy()
+            theirs.destroy()
+        assert fake.held() == set()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_deepseek_v4_state_pool_matches(sglang, layout):
+    from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4StateHostPool as Theirs
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    from hicache.pools import DeepSeekV4StateHostPool as Ours
+
+    states = [CompressStatePool(size=64, ring_size=4, overlap=False, head_dim=64, dtype=torch.float32, device="cpu",
+                                enable_memory_saver=False, ratio=4, swa_page_size=16) for _ in range(2)]
+    with fake_cuda() as fake:
+        with host_memory_budget_scope(10**12):
+            theirs = Theirs("state", states, 48, 16, layout=layout, pin_memory=False)
+        ours = Ours("state", states, 48, 16, layout=layout, **ROOM)
+        try:
+            for field in ("pool_name", "layer_num", "page_size", "size", "dtype", "layout", "start_layer", "end_layer"):
+                assert getattr(ours, field) == getattr(theirs, field), field
+            assert [b.shape for b in _buffers(ours)] == [b.shape for b in _buffers(theirs)]
+        finally:
+            ours.destroy()
+            theirs.destroy()
+        assert fake.held() == set()

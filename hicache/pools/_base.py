@@ -236,7 +236,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     def _size(self, host_to_device_ratio: float, host_size: float, page_num: int | None, sglang: dict) -> None:
         """Layers, dtype and pages from the device pool and SGLang's sizing arguments."""
         if self.sglang_form == "0.5.23":
-            return size_as_sglang(self, host_to_device_ratio, host_size, **sglang)
+            return size_as_sglang(self, host_to_device_ratio, host_size, page_num=page_num, **sglang)
         device_pool = self.device_pool
         self.dtype = self._store_dtype(device_pool)
         self.start_layer = getattr(device_pool, "start_layer", 0) or 0

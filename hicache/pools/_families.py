@@ -24,6 +24,7 @@ from hicache.plan import (
 from hicache.errors import LayoutError, TransferError
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
+from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._sglang_inputs import (
     is_mamba_info,
     is_mha_info,
@@ -330,16 +331,31 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
 class DSAIndexerPoolHost(HostKVCache):
     """DeepSeek sparse-attention index keys (FP8 + fp32 scales, uint8), in whole page rows.
 
-    Pass ``anchor_pool`` (the MLA host pool) to size it as SGLang does: ``(tokens + page_size
-    + 1) // page_size`` pages.
+    SGLang 0.5.23's constructor: ``(decl: HostPoolDecl, anchor_host, *,
+    packed_draft_device_pools=(), pin_memory=True, device="cpu", allocator_type="default",
+    is_dummy=False)`` - the declaration's device pool and owned layers (then one host layer per
+    packed draft pool), the anchor's page size, layout and size, ``(size + page_size + 1) //
+    page_size`` index pages; copies to the declared device tensors. The older form
+    ``(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *,
+    anchor_pool=None)`` still works, chosen by the first argument (a declaration or a pool).
     """
 
-    def __init__(self, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
-                 allocator_type="default", *, anchor_pool=None, **kwargs):
+    def __init__(self, *args, anchor_pool=None, **kwargs):
+        first = args[0] if args else kwargs.get("decl")
+        if first is not None and hasattr(first, "storage_info") and hasattr(first, "device_pool"):
+            return _init_dsa_from_decl(self, *args, **kwargs)
         if anchor_pool is not None:
+            page_size = args[3] if len(args) > 3 else kwargs["page_size"]
             kwargs.setdefault("page_num", (anchor_pool.size + page_size + 1) // page_size)
-        super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory,
-                         device, allocator_type, **kwargs)
+        super().__init__(*args, **kwargs)
+
+    def get_hybrid_pool_buffer(self) -> list:
+        return [self.index_k_with_scale_buffer]
+
+    @property
+    def index_k_with_scale_buffer(self):
+        """The host index buffer (SGLang's name)."""
+        return self.buffers[0]
 
     @classmethod
     def descriptor_class(cls):
@@ -574,6 +590,8 @@ def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
                          page_num=num_host_pages, **kwargs)
     pool.size_per_token = getattr(device_pool, pool.row_attribute)  # SGLang's: one row's bytes
     pool.page_aligned_only = getattr(device_pool, "page_aligned_only", False)
+    setattr(pool, pool.row_attribute, getattr(device_pool, pool.row_attribute))  # item_bytes / state_page_bytes
+    pool.device_buffers = getattr(device_pool, "kv_buffer", None) if pool.row_attribute == "item_bytes" else None
     pool.num_host_pages, pool.slot_page_size = num_host_pages, page_size
 
 
@@ -599,3 +617,32 @@ def _split_heads_meta(pool, indices, split_factor: int):
             k_ptr = base + page * page_bytes + head * head_bytes
             ptrs += (k_ptr, k_ptr + v_offset)
     return ptrs, [page_bytes // split_factor] * len(ptrs)
+
+
+def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=(), pin_memory=True, device="cpu",
+                        allocator_type="default", is_dummy=False, **kwargs):
+    """SGLang 0.5.23's DSA indexer host pool from its `HostPoolDecl`, beside ``anchor_host``."""
+    from hicache.pools._sglang_inputs import dsa_device
+
+    name = type(pool).__name__
+    view, layers = dsa_device(name, decl, tuple(packed_draft_device_pools), anchor_host)
+    pool.decl = decl
+    pool.mtp_draft_device_pools = tuple(packed_draft_device_pools)
+    page_size = anchor_host.page_size
+    indexer_page_num = (anchor_host.size + page_size + 1) // page_size
+    HostKVCache.__init__(pool, view, 1.0, 0, page_size, anchor_host.layout, pin_memory, device, allocator_type,
+                         page_num=indexer_page_num, is_dummy=is_dummy, device_capacity_tokens=anchor_host.size,
+                         start_layer=view.start_layer, end_layer=getattr(decl.device_pool, "end_layer", layers),
+                         **kwargs)
+    storage = decl.storage_info
+    if pool.descriptor.bytes_per_token_per_layer() != storage.bytes_per_token_per_layer:
+        raise LayoutError(f"{name}: the declaration stores {storage.bytes_per_token_per_layer} bytes per token and "
+                          f"layer, the device pool's index geometry {pool.descriptor.bytes_per_token_per_layer()}")
+    # SGLang's fields: the anchor's slots and pages; the buffer holds indexer_page_num pages
+    pool.indexer_page_num = indexer_page_num
+    pool.indexer_dtype = storage.dtype
+    pool.indexer_page_stride_size = storage.page_bytes(page_size)
+    pool.indexer_layout_dim = pool.indexer_page_stride_size * pool.layer_num
+    pool.size, pool.page_num = anchor_host.size, anchor_host.page_num
+    if pool._readiness is None and pool._pages is not None:  # slots as SGLang's: the anchor's
+        pool._pages = PageAllocator(anchor_host.page_num, pool.logical_page_size)

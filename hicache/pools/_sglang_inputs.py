@@ -74,6 +74,9 @@ class BufferDevice:
     data_ptrs: object = None
     mamba_cache: object = None  # Mamba: ``.temporal`` (per layer) and ``.conv`` (per conv state, per layer)
     mamba_facts: tuple = ()  # Mamba: ((state shape, dtype), ...) temporal first
+    index_k_with_scale_buffer: tuple = ()  # DSA: per host layer, page rows
+    index_head_dim: int | None = None
+    quant_block_size: int | None = None
 
     @property
     def num_mamba_layers(self):
@@ -218,3 +221,26 @@ def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> BufferDev
         target_layer_num=layers, host_layer={i: i for i in range(layers)}, draft_base=layers,
         mamba_cache=_MambaLayers(temporal, conv), mamba_facts=facts,
     )
+
+
+def dsa_device(owner: str, decl, drafts, anchor_host) -> tuple[BufferDevice, int]:
+    """A `BufferDevice` from a DSA `HostPoolDecl` (its device pool's ``index_k_with_scale_buffer``
+    for the owned layers, then layer 0 of each packed draft pool) and the host layer count, as
+    SGLang's DSA indexer host pool maps them (drafts come as ``device layer_num + depth``)."""
+    device_pool = decl.device_pool
+    if getattr(device_pool, "layer_shard_enabled", False):
+        raise LayoutError(f"{owner}: a layer-sharded DSA device pool is not supported by hicache's indexer host pool")
+    if decl.storage_info is None:
+        raise LayoutError(f"{owner}: decl.storage_info is None (a layout root); the indexer needs its byte facts")
+    declared = decl.owned_device_layers
+    targets = [layer for layer in range(device_pool.layer_num) if declared is None or layer in declared]
+    buffers = [device_pool.index_k_with_scale_buffer[layer] for layer in targets]
+    buffers += [draft.index_k_with_scale_buffer[0] for draft in drafts]
+    view = BufferDevice(
+        dtype=decl.storage_info.dtype, device=getattr(device_pool, "device", "cpu"), size=int(anchor_host.size),
+        start_layer=getattr(device_pool, "start_layer", 0) or 0, layer_num=len(buffers), target_layer_num=len(targets),
+        host_layer={layer: i for i, layer in enumerate(targets)}, draft_base=int(device_pool.layer_num),
+        index_k_with_scale_buffer=tuple(buffers), index_head_dim=int(device_pool.index_head_dim),
+        quant_block_size=int(getattr(device_pool, "quant_block_size", 128)),
+    )
+    return view, len(buffers)

@@ -48,9 +48,10 @@ def _synced(size: int, host_size: float) -> int:
 
 
 def size_as_sglang(pool, host_to_device_ratio, host_size, *, device_capacity_tokens, start_layer, end_layer,
-                   host_token_capacity) -> None:
+                   host_token_capacity, page_num=None) -> None:
     """Set ``dtype``, layers, ``size_per_token``, ``size``, ``page_num`` and the descriptor on
-    ``pool`` (a `HostKVCache` whose ``device_pool`` is a `BufferDevice`)."""
+    ``pool`` (a `HostKVCache` whose ``device_pool`` is a `BufferDevice`); ``page_num``: sized by
+    an anchor pool instead (SGLang's side pools)."""
     owner = type(pool).__name__
     device = pool.device_pool
     if device_capacity_tokens is None or start_layer is None or end_layer is None:
@@ -68,7 +69,10 @@ def size_as_sglang(pool, host_to_device_ratio, host_size, *, device_capacity_tok
         raise LayoutError(f"{owner}: layout {pool.layout!r} is not supported; supported: {', '.join(supported)}")
     pool.size_per_token = pool.get_size_per_token()
     page_size = pool.page_size
-    if host_token_capacity is not None:
+    anchored = page_num is not None
+    if anchored:
+        size = page_num * page_size
+    elif host_token_capacity is not None:
         size = _integer(owner, "host_token_capacity", host_token_capacity, minimum=1)
         if size % page_size:
             raise LayoutError(f"{owner}: host_token_capacity must be positive and page-aligned, got {size} for "
@@ -84,9 +88,11 @@ def size_as_sglang(pool, host_to_device_ratio, host_size, *, device_capacity_tok
             raise PlanError(f"{owner}: the pool would hold {size} tokens (host_to_device_ratio="
                             f"{host_to_device_ratio!r}, host_size={host_size!r})")
         page_num = size // page_size + 1  # SGLang's padding page for an independent pool
+    if page_num < 1:
+        raise PlanError(f"{owner}: page_num must be at least 1, got {page_num}")
     pool.page_num = page_num
     pool.size = page_num * page_size
-    if pool.size <= pool.device_capacity_tokens:
+    if not anchored and pool.size <= pool.device_capacity_tokens:
         logger.warning("HiCache %s host pool (%d tokens) is smaller than the device pool (%d tokens); L2 cache "
                        "effectiveness is reduced. Consider increasing --hicache-ratio (or --hicache-size).",
                        pool.pool_label, pool.size, pool.device_capacity_tokens)
