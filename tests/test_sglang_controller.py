@@ -106,3 +106,57 @@ def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sgl
             host.destroy()  # also when an assertion failed: nothing left for the next test
         assert fake.held() == set()
         fake.check_valid()
+
+
+@pytest.mark.parametrize("pools", ["sglang", "hicache"])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_decode_offloads_hicache_controller_round_trips_pages_byte_exact(sglang, monkeypatch, roomy_psutil, kind,
+                                                                         pools):
+    """Decode-side KV offload (`disaggregation/decode_kvcache_offload_manager.py`): SGLang's
+    assembler builds the host pool for a flat device pool and SGLang's `HiCacheController` (no
+    HostPoolGroup) backs pages up and loads them back - over SGLang's pool and, with
+    HICACHE_SGLANG_POOLS=1, over hicache's."""
+    import sglang.srt.plugins as plugins
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    if pools == "hicache":
+        monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
+    plugins.load_plugins()
+    layout = "page_first_direct"
+    settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
+                    hicache_io_backend="direct")
+    with published(**settings), fake_cuda() as fake:
+        device = _device_pool(kind)
+        allocator = PagedTokenToKVPoolAllocator(256, PAGE, torch.bfloat16, "cpu", device, False)
+        with host_memory_budget_scope(10**12):
+            host = build_kv_host_pool(kv_pool=device, page_size=PAGE, use_mla=kind == "mla")
+        assert type(host).__module__.startswith("hicache.pools" if pools == "hicache" else "sglang.")
+        try:
+            controller = HiCacheController(token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=PAGE,
+                                           tp_group=None, load_cache_event=threading.Event(), io_backend="direct")
+            generator = torch.Generator().manual_seed(13)
+            written = allocator.alloc(4 * PAGE)
+            for layer in _layers(device, kind):
+                layer[written] = torch.randn(layer[written].shape, generator=generator).to(layer.dtype)
+            want = [layer[written].clone() for layer in _layers(device, kind)]
+            host_indices = controller.write(written)
+            assert host_indices is not None and len(host_indices) == len(written)
+            for ack in controller.ack_write_queue:
+                ack.finish_event.synchronize()
+            for j, rows in enumerate(want):
+                assert torch.equal(_host_rows(host, kind, layout, j, host_indices).view(torch.int16), rows.view(torch.int16))
+            allocator.free(written)
+            for layer in _layers(device, kind):
+                layer.zero_()
+            loaded = controller.load(host_indices)
+            controller.start_loading()
+            for ack in controller.ack_load_queue:
+                ack.finish_event.synchronize()
+            got = [layer[loaded] for layer in _layers(device, kind)]
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want))
+        finally:
+            host.destroy()
+        assert fake.held() == set()
