@@ -619,3 +619,43 @@ def test_deepseek_v4_state_pool_matches(sglang, layout):
             ours.destroy()
             theirs.destroy()
         assert fake.held() == set()
+
+
+def test_hisparse_coordinators_mla_call_and_slot_helpers_match(sglang):
+    """`hisparse_coordinator.py:618`: MLATokenToKVPoolHost(buffer_info=..., device_capacity_tokens=...,
+    start_layer=..., end_layer=..., target_layer_num=..., host_to_device_ratio=..., host_size=0,
+    page_size=..., layout="layer_first", override_kv_cache_dim=...) - all by keyword - then its
+    per-request slot helpers, on the same request tables, give the same slots."""
+    device = _device("mla")
+    info = device.get_device_pool_infos()[0].buffer_info
+    theirs_cls, ours_cls = _classes("mla")
+    kw = dict(buffer_info=info, device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS - 1,
+              target_layer_num=LAYERS, host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout="layer_first",
+              override_kv_cache_dim=device.kv_cache_dim)
+    with fake_cuda() as fake:
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        with host_memory_budget_scope(10**12):
+            theirs = theirs_cls(pin_memory=False, **kw)
+        ours = ours_cls(**kw, **ROOM)
+        try:
+            for field in ("size", "page_num", "token_stride_size", "kv_cache_dim", "layer_num", "end_layer"):
+                assert getattr(ours, field) == getattr(theirs, field), field
+            results = []
+            for pool in (theirs, ours):
+                table = torch.full((4, 8 * PAGE), -1, dtype=torch.int64)
+                lengths = torch.zeros(4, dtype=torch.int64)
+                got = [pool.alloc_paged_token_slots(table, lengths, 1, 0, 5),
+                       pool.alloc_paged_token_slots(table, lengths, 1, 5, PAGE),
+                       pool.alloc_paged_token_slots(table, lengths, 2, 0, 3 * PAGE + 1),
+                       pool.alloc_paged_token_slots(table, lengths, 1, 0, 0)]
+                got.append(pool.allocated_host_indices(table, 1, 5 + PAGE))
+                got.append(pool.allocated_host_indices(table, 3, 0))
+                results.append((got, lengths.clone(), pool.available_size()))
+            (t_got, t_len, t_free), (o_got, o_len, o_free) = results
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(t_got, o_got))
+            assert torch.equal(t_len, o_len) and t_free == o_free
+        finally:
+            ours.destroy()
+            theirs.destroy()
+        assert fake.held() == set()

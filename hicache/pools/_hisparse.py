@@ -61,8 +61,8 @@ class HiSparseHostPoolMixin:
 
     def allocated_host_indices(self, req_to_host_pool, req_pool_idx, allocated_len):
         """The host slots request ``req_pool_idx`` holds: its row up to
-        ``min(round_up(allocated_len), width)``, ``-1`` entries dropped."""
+        ``min(round_up(allocated_len), width)``, unset (negative) entries dropped."""
         row = req_to_host_pool[req_pool_idx]
         end = min(self._round_up_to_page_size(int(allocated_len)), row.shape[0])
         held = row[:end]
-        return held[held != -1]
+        return held[held >= 0]

@@ -10,9 +10,10 @@ SGLang; and zero-copy page pointers (`get_page_buffer_meta`, `get_ksize_per_toke
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 from hicache.errors import TransferError
-from hicache.pools._views import buffer_symbols, page_slice
+from hicache.pools._views import buffer_symbols, page_axis, page_slice
 
 #: Imported by name from SGLang's pool modules: host memory kept back from the pool budget.
 HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
@@ -28,6 +29,18 @@ def as_index(value, what: str) -> int:
         raise TransferError(f"{what} must be an integer or a 0-d integer tensor, got {value!r}") from None
 
 
+class _PageGeometry(NamedTuple):
+    key: int  # id of the buffers it was derived from
+    tensors: tuple  # those buffers
+    lead: tuple  # full slices before the axis a page is cut on (the same in every buffer)
+    by_page: bool  # that axis counts pages (True) or tokens (False)
+    mixed: bool  # buffers of several dtypes: flat pages are raw bytes
+    sizes: tuple  # per buffer: elements (bytes when mixed) of one page
+    total: int
+    dtype: object  # of a flat page (None when mixed: uint8)
+    shapes: tuple
+
+
 class StoragePagesMixin:
     """Mixed into `HostKVCache` (needs ``buffers``, ``descriptor``, ``layout``, ``page_size``,
     ``size``, ``dtype``, ``size_per_token`` and ``_alive()``)."""
@@ -35,8 +48,9 @@ class StoragePagesMixin:
     def _storage_index(self, index) -> int:
         """A token index of the pool's logical space -> this rank's physical token index
         (SGLang's DCP rule: a logical page start / ``dcp_size``), checked against the pool."""
-        index = as_index(index, "page index")
-        dcp = getattr(self, "dcp_size", 1)
+        if type(index) is not int:
+            index = as_index(index, "page index")
+        dcp = self.dcp_size
         if dcp > 1:
             if index < 0 or index % self.logical_page_size:
                 raise TransferError(f"page index {index} is not a logical page start (DCP pages of "
@@ -46,24 +60,61 @@ class StoragePagesMixin:
             raise TransferError(f"page index {index!r} out of range [0, {self.size})")
         return index
 
-    def _page_parts(self, index):
+    def _geometry(self) -> _PageGeometry:
+        """How a page sits in each buffer and what its flat form is, derived once per set of
+        buffers (a page is read and written per L3 page: this is on the hot path)."""
+        cached = getattr(self, "_page_geometry", None)
+        if cached is not None and cached.key == id(self.kv_buffer):
+            return cached
         self._alive()
         if self.kv_buffer is None:
             raise TransferError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no pages")
-        page = self._storage_index(index) // self.page_size
         family, layout = self.descriptor.family, self.layout
-        return [page_slice(t, family, layout, page, self.page_size) for t in self.buffers]
+        axes = [page_axis(t, family, layout) for t in self.buffers]
+        parts = [page_slice(t, family, layout, 0, self.page_size) for t in self.buffers]
+        mixed = len({p.dtype for p in parts}) > 1
+        sizes = tuple(p.numel() * (p.element_size() if mixed else 1) for p in parts)
+        if len(set(axes)) != 1:
+            raise TransferError(f"{type(self).__name__}: its buffers cut pages on different axes {axes}")
+        (axis, by_page), = set(axes)
+        made = _PageGeometry(id(self.kv_buffer), tuple(self.buffers), (slice(None),) * axis, by_page, mixed, sizes,
+                             sum(sizes), None if mixed else parts[0].dtype, tuple(tuple(p.shape) for p in parts))
+        self._page_geometry = made
+        return made
+
+    def _page_key(self, index, geometry):
+        """The index into each buffer that selects the page holding token ``index``."""
+        page_size = self.page_size
+        page = self._storage_index(index) // page_size
+        if geometry.by_page:
+            cut = slice(page, page + 1)
+        else:
+            cut = slice(page * page_size, (page + 1) * page_size)
+        # basic slicing, torch's fast path: a bare slice on axis 0 (a 1-tuple, or narrow(), costs
+        # half as much again per page)
+        return geometry.lead + (cut,) if geometry.lead else cut
+
+    def _page_parts(self, index):
+        self._alive()
+        geometry = self._geometry()
+        key = self._page_key(index, geometry)
+        return [t[key] for t in geometry.tensors]
 
     def get_data_page(self, index, flat: bool = True):
-        """The page holding token ``index`` (all layers, K and V); flat: one 1-D tensor."""
+        """The page holding token ``index`` (all layers, K and V); flat: one 1-D tensor (a view
+        where the page is contiguous - MLA page-first - as SGLang's)."""
         import torch
 
-        parts = self._page_parts(index)
+        self._alive()
+        geometry = self._geometry()
+        key = self._page_key(index, geometry)
+        if len(geometry.tensors) == 1:  # the common case, on every L3 page: no list
+            part = geometry.tensors[0][key]
+            return part.flatten() if flat else part
+        parts = [t[key] for t in geometry.tensors]
         if not flat:
-            return parts[0] if len(parts) == 1 else parts
-        if len(parts) == 1:  # a view where the page is contiguous (MLA page-first), as SGLang's
-            return parts[0].flatten()
-        if len({p.dtype for p in parts}) > 1:  # mixed dtypes (Mamba): raw bytes
+            return parts
+        if geometry.mixed:  # mixed dtypes (Mamba): raw bytes
             return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
         return torch.cat([p.flatten() for p in parts])
 
@@ -72,26 +123,31 @@ class StoragePagesMixin:
         into a buffer before `set_from_flat_data_page`."""
         import torch
 
-        parts = self._page_parts(0)
-        if len({p.dtype for p in parts}) > 1:
-            return torch.zeros(sum(p.numel() * p.element_size() for p in parts), dtype=torch.uint8)
-        return torch.zeros(sum(p.numel() for p in parts), dtype=parts[0].dtype)
+        geometry = self._geometry()
+        return torch.zeros(geometry.total, dtype=torch.uint8 if geometry.mixed else geometry.dtype)
 
     def set_from_flat_data_page(self, index, data_page) -> None:
         """Write a page produced by `get_data_page` back at token ``index``."""
         import torch
 
-        parts = self._page_parts(index)
-        mixed = len({p.dtype for p in parts}) > 1
-        sizes = [p.numel() * (p.element_size() if mixed else 1) for p in parts]
-        if data_page.numel() != sum(sizes):
-            raise TransferError(f"data_page has {data_page.numel()} elements; a page has {sum(sizes)}")
+        self._alive()
+        geometry = self._geometry()
+        key = self._page_key(index, geometry)
+        if data_page.numel() != geometry.total:
+            raise TransferError(f"data_page has {data_page.numel()} elements; a page has {geometry.total}")
+        if len(geometry.tensors) == 1 and not geometry.mixed:
+            # view(*ints): torch's fast path (a torch.Size argument costs about three times more)
+            shape = geometry.shapes[0]
+            geometry.tensors[0][key].copy_(data_page.view(*shape) if data_page.is_contiguous()
+                                           else data_page.reshape(*shape))
+            return
+        parts = [t[key] for t in geometry.tensors]
         offset = 0
-        for part, size in zip(parts, sizes):
+        for part, size, shape in zip(parts, geometry.sizes, geometry.shapes):
             chunk = data_page[offset : offset + size]
-            if mixed:
+            if geometry.mixed:
                 chunk = chunk.view(torch.uint8).view(part.dtype)
-            part.copy_(chunk.view(part.shape) if chunk.is_contiguous() else chunk.reshape(part.shape))
+            part.copy_(chunk.view(*shape) if chunk.is_contiguous() else chunk.reshape(*shape))
             offset += size
 
     # -- zero-copy --------------------------------------------------------------------------
@@ -162,23 +218,57 @@ class StoragePagesMixin:
         step = self.logical_page_size
         if len(values) % step:
             raise TransferError(f"{len(values)} indices are not whole pages of {step}")
+        starts = values[::step]
+        page_size = self.page_size
+        if self.dcp_size == 1 and starts and all(type(v) is int for v in starts):
+            # one pass of plain int arithmetic (SGLang's cost), the same checks as below
+            if min(starts) >= 0 and max(starts) < self.size and not any(v % page_size for v in starts):
+                return [v // page_size for v in starts]
         pages = []
-        for value in values[::step]:
+        for value in starts:
             index = self._storage_index(value)
-            if index % self.page_size:
+            if index % page_size:
                 raise TransferError(f"index {value} does not start a page of {step}")
-            pages.append(index // self.page_size)
+            pages.append(index // page_size)
         return pages
+
+    def _meta_tensor(self, indices, kinds):
+        """`get_page_buffer_meta` for a 1-D integer tensor, in a few vectorized torch ops (the
+        same checks as `_meta_pages`); None where the plain path must answer (DCP, an empty or
+        odd-length tensor, a bad index - it raises the error naming it)."""
+        import torch
+
+        step = self.logical_page_size
+        if (self.dcp_size != 1 or indices.dim() != 1 or indices.numel() == 0 or indices.numel() % step
+                or indices.dtype not in (torch.int64, torch.int32) or indices.device.type != "cpu"):
+            return None
+        starts = indices[::step].to(torch.int64)
+        pages, offsets = starts.div(self.page_size, rounding_mode="floor"), starts.remainder(self.page_size)
+        if bool(offsets.any()) or int(starts.min()) < 0 or int(starts.max()) >= self.size:
+            return None
+        bases = torch.tensor([ptr for ptr, _, _ in kinds], dtype=torch.int64)
+        strides = torch.tensor([stride for _, stride, _ in kinds], dtype=torch.int64)
+        ptrs = (pages.unsqueeze(1) * strides + bases).view(-1).tolist()
+        return ptrs, [size for _, _, size in kinds] * pages.numel()
 
     def get_page_buffer_meta(self, indices):
         """Zero-copy pointers, as SGLang's pools compute them: for every page of ``indices``,
         each block of the page (`_meta_kinds`) as ``(ptr_list, size_list)`` of Python ints
         inside the registered host buffer. Every layout SGLang serves (layer_first: one block
         per layer and K/V)."""
+        if hasattr(indices, "dim") and hasattr(indices, "div"):
+            self._alive()
+            kinds = self._meta_kinds()
+            fast = self._meta_tensor(indices, kinds)
+            if fast is not None:
+                return fast
         pages = self._meta_pages(indices)
         kinds = self._meta_kinds()
+        if len(kinds) == 1:
+            ((ptr, step, size),) = kinds
+            return [ptr + page * step for page in pages], [size] * len(pages)
         ptrs = [ptr + page * step for page in pages for ptr, step, _ in kinds]
-        return ptrs, [size for _ in pages for _, _, size in kinds]
+        return ptrs, [size for _, _, size in kinds] * len(pages)
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096, *, alignment: int | None = None) -> bool:
         """True when every page's blocks start on a multiple of ``page_size_bytes`` (what

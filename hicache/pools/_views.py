@@ -56,3 +56,12 @@ def page_slice(tensor, family: str, layout: str, page: int, page_size: int):
         return tensor.narrow(symbols.index("N"), page, 1)
     axis = symbols.index("S")
     return tensor.narrow(axis, page * page_size, page_size)
+
+
+def page_axis(tensor, family: str, layout: str) -> tuple[int, bool]:
+    """``(axis, by_page)``: the axis `page_slice` narrows - a page axis (``by_page``) or the
+    token axis (narrowed by ``page_size`` tokens)."""
+    symbols = _expand(buffer_symbols(family, layout), tensor.dim())
+    if "N" in symbols:
+        return symbols.index("N"), True
+    return symbols.index("S"), False

@@ -1,0 +1,187 @@
+"""hicache's host pools against SGLang 0.5.23's own, both built by 0.5.23's constructor from the
+same device-buffer description (SGLang's real device pools on CPU), in one run (#25).
+
+Each line times the same calls on SGLang's pool and on hicache's, interleaved; ratio = SGLang's
+time / hicache's (> 1: hicache is faster). Both unpinned: the registration is not what is timed.
+- alloc + free at 10/50/90/99 % full (a 1M-slot pool, 64-token pages, 1-32-page requests):
+  SGLang's `alloc`/`free` (its free-slot tensor and release list) vs hicache's.
+- `get_page_buffer_meta` for 256 pages (MHA page_first_direct and layer_first, MLA page_first).
+- `get_data_page(flat=True)` + `set_from_flat_data_page` for 256 pages (MHA page_first_direct,
+  MLA page_first).
+- SGLang's `HiCacheFile` `batch_set_v2` / `batch_get_v2` of 256 pages to tmpfs (/dev/shm).
+Rounds: HICACHE_BENCH_ROUNDS (default 5). Needs `make sglang`; says so and exits 0 without.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _timing import interleaved, median_line  # noqa: E402
+
+from hicache.effects import package_version  # noqa: E402
+from hicache.testing import fake_cuda, sglang_on_cpu  # noqa: E402
+
+ROOM = dict(host_memory_bytes=10**13)
+PAGES_IO = 256
+
+
+def _sglang():
+    sglang_on_cpu()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import sglang.srt.mem_cache.hicache_storage as storage
+        import sglang.srt.mem_cache.memory_pool as memory_pool
+        import sglang.srt.mem_cache.pool_host.base as base
+        import sglang.srt.mem_cache.pool_host.mha as mha
+        import sglang.srt.mem_cache.pool_host.mla as mla
+    return storage, memory_pool, base, mha, mla
+
+
+def _pair(theirs_cls, ours_cls, info, layout, page, base, **kw):
+    with base.host_memory_budget_scope(10**13):
+        theirs = theirs_cls(info, 2.0, 0, page, layout, pin_memory=False, **kw)
+    ours = ours_cls(info, 2.0, 0, page, layout, pin_memory=False, **kw, **ROOM)
+    return theirs, ours
+
+
+def _alloc_free(pools, rounds: int) -> None:
+    """Steady state at each occupancy: pairs of (alloc 1-32 pages, free a random held one)."""
+    theirs, ours = pools
+    page = ours.page_size
+    for occupancy in (0.10, 0.50, 0.90, 0.99):
+        rng = random.Random(int(occupancy * 100))
+        fill, pages = [], 0
+        while pages < occupancy * ours.page_num - 32:
+            size = rng.randint(1, 32)
+            fill.append(size)
+            pages += size
+        pairs = [(rng.randint(1, 32), rng.random()) for _ in range(2000)]
+
+        def run(pool):
+            def timed():
+                pool.clear()
+                held = [pool.alloc(size * page) for size in fill]
+                start = time.perf_counter()
+                for size, which in pairs:
+                    got = pool.alloc(size * page)
+                    if got is not None:
+                        held.append(got)
+                    index = int(which * len(held))
+                    held[index], held[-1] = held[-1], held[index]
+                    pool.free(held.pop())
+                return time.perf_counter() - start
+            return timed
+
+        times = {"ours": [], "theirs": []}
+        for _ in range(rounds):  # interleaved; the fill is not timed
+            times["ours"].append(run(ours)())
+            times["theirs"].append(run(theirs)())
+        print(median_line(f"alloc + free, {int(occupancy * 100)} % full, 2000 pairs (1M slots, 64-token pages)",
+                          times["ours"], "SGLang 0.5.23's pool", times["theirs"]), flush=True)
+
+
+def _calls(name, pools, make_call, rounds: int) -> None:
+    theirs, ours = pools
+    times = interleaved({"ours": make_call(ours), "theirs": make_call(theirs)}, rounds=rounds, warmup=1)
+    ms = {key: [t * 1e3 for t in values] for key, values in times.items()}
+    print(median_line(name, ms["ours"], "SGLang 0.5.23's pool", ms["theirs"], unit="ms"), flush=True)
+
+
+def main() -> int:
+    if package_version("sglang") is None:
+        print("bench_sglang_pools: SGLang is not installed (make sglang); skipped")
+        return 0
+    import torch
+
+    from hicache import pools as ours_pools
+
+    storage, memory_pool, base, mha, mla = _sglang()
+    rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "5"))
+    with fake_cuda():
+        # alloc + free: a 1M-slot pool with a tiny token (what is timed is the bookkeeping)
+        small = memory_pool.MHATokenToKVPool(size=4096, page_size=64, dtype=torch.bfloat16, head_num=1, head_dim=8,
+                                             layer_num=1, device="cpu", enable_memory_saver=False)
+        info = small.get_device_pool_infos()[0].buffer_info
+        pools = _pair(mha.MHATokenToKVPoolHost, ours_pools.MHATokenToKVPoolHost, info, "page_first_direct", 64, base,
+                      device_capacity_tokens=4096, start_layer=0, end_layer=0, host_token_capacity=1 << 20)
+        _alloc_free(pools, rounds)
+        for pool in pools:
+            pool.destroy()
+
+        # pages: 8 layers x 8 heads x 128 dims bf16 (MHA), 8 layers x 576 bf16 (MLA), 16-token pages
+        page = 16
+        mha_device = memory_pool.MHATokenToKVPool(size=4096, page_size=page, dtype=torch.bfloat16, head_num=8,
+                                                  head_dim=128, layer_num=8, device="cpu", enable_memory_saver=False)
+        mla_device = memory_pool.MLATokenToKVPool(size=4096, page_size=page, dtype=torch.bfloat16, kv_lora_rank=512,
+                                                  qk_rope_head_dim=64, layer_num=8, device="cpu",
+                                                  enable_memory_saver=False)
+        kw = dict(device_capacity_tokens=4096, start_layer=0, end_layer=7, host_token_capacity=1024 * page)
+        cases = {
+            "MHA page_first_direct": (mha.MHATokenToKVPoolHost, ours_pools.MHATokenToKVPoolHost, mha_device,
+                                      "page_first_direct", kw),
+            "MHA layer_first": (mha.MHATokenToKVPoolHost, ours_pools.MHATokenToKVPoolHost, mha_device, "layer_first",
+                                kw),
+            "MLA page_first": (mla.MLATokenToKVPoolHost, ours_pools.MLATokenToKVPoolHost, mla_device, "page_first",
+                               dict(kw, target_layer_num=8)),
+        }
+        indices = torch.cat([torch.arange(p * page, (p + 1) * page) for p in range(3, 3 + 2 * PAGES_IO, 2)])
+        tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        try:
+            for label, (theirs_cls, ours_cls, device, layout, extra) in cases.items():
+                pools = _pair(theirs_cls, ours_cls, device.get_device_pool_infos()[0].buffer_info, layout, page, base,
+                              **extra)
+                for pool in pools:
+                    for buffer in (pool.kv_buffer if isinstance(pool.kv_buffer, (list, tuple)) else [pool.kv_buffer]):
+                        buffer.view(torch.int16).random_(-30000, 30000)
+                _calls(f"get_page_buffer_meta, {PAGES_IO} pages, {label}", pools,
+                       lambda pool: lambda: pool.get_page_buffer_meta(indices), rounds)
+                if layout != "layer_first":
+                    starts = [int(indices[i * page]) for i in range(PAGES_IO)]
+                    targets = [s + page for s in starts]
+
+                    def pages(pool):
+                        def run():
+                            for source, target in zip(starts, targets):
+                                pool.set_from_flat_data_page(target, pool.get_data_page(source, flat=True))
+                        return run
+
+                    _calls(f"get_data_page + set_from_flat_data_page, {PAGES_IO} pages, {label}", pools, pages, rounds)
+                    _file(storage, pools, indices, tmp / label.replace(" ", "_"), label, rounds, is_mla="MLA" in label)
+                for pool in pools:
+                    pool.destroy()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _file(storage, pools, indices, where: Path, label: str, rounds: int, *, is_mla: bool) -> None:
+    """SGLang's HiCacheFile: batch_set_v2 then batch_get_v2 of 256 pages, tmpfs."""
+    config = storage.HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                          is_mla_model=is_mla, enable_storage_metrics=False,
+                                          is_page_first_layout=True, model_name="bench")
+    keys = [f"page-{i}" for i in range(PAGES_IO)]
+    transfer = [storage.PoolTransfer(name=storage.PoolName.KV, host_indices=indices, keys=keys)]
+
+    def backend(pool, tag):
+        made = storage.HiCacheFile(config, file_path=str(where / tag))
+        made.register_mem_host_pool_v2(pool, storage.PoolName.KV)
+        return made
+
+    backends = {id(pool): backend(pool, tag) for pool, tag in zip(pools, ("theirs", "ours"))}
+    _calls(f"HiCacheFile batch_set_v2, {PAGES_IO} pages to tmpfs, {label}", pools,
+           lambda pool: lambda: backends[id(pool)].batch_set_v2(transfer), rounds)
+    _calls(f"HiCacheFile batch_get_v2, {PAGES_IO} pages from tmpfs, {label}", pools,
+           lambda pool: lambda: backends[id(pool)].batch_get_v2(transfer), rounds)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
