@@ -1,7 +1,9 @@
-"""Page allocator at steady state: alloc+free pairs at 10/50/90/99 % occupancy, ours vs SGLang's
-scheme, one run.
+"""Page allocator at steady state: alloc+free pairs at 10/50/90/99 % occupancy, ours vs the older
+SGLang's scheme, one run.
 
-SGLang's scheme keeps a tensor of free token slots, slices it on alloc and concatenates on every
+This models SGLang before 0.5.23, which concatenated on every free; 0.5.23 keeps freed runs
+aside and merges them lazily - bench_sglang_pools.py times 0.5.23's real pools instead (its
+code, not a model). The older scheme keeps a tensor of free token slots, slices it on alloc and concatenates on every
 free: cheap when the free list is short (a full, evicting cache - the normal steady state),
 costly when it is long. Same pool (1M slots, 64-token pages), same operations: fill to the
 occupancy with 1-32-page requests, then pairs of (alloc 1-32 pages, free a random held
