@@ -6,7 +6,8 @@ over a Mooncake master on 127.0.0.1.
 
     python sglang_instance.py store|fetch RPC_PORT METADATA_PORT SEED PAGES
 
-``store`` fills its device pool from SEED, backs the pages up to its host pool (SGLang's
+With HICACHE_SGLANG_POOLS=1 in its environment the plug-in makes the assembler build hicache's
+pool instead of SGLang's (the report names whose it got). ``store`` fills its device pool from SEED, backs the pages up to its host pool (SGLang's
 "direct" backend) and stores them zero-copy through MooncakeStore; it then says "stored" and
 keeps its Mooncake segment (where the pages may live) until its stdin closes. ``fetch`` looks
 the pages up, fetches them into its host pool and loads them to its device pool, comparing
@@ -68,7 +69,8 @@ def main(role: str, rpc_port: int, metadata_port: int, seed: int, pages: int) ->
     with fake_cuda() as fake:
         with host_memory_budget_scope(10**12):
             host = build_kv_host_pool(kv_pool=device, page_size=PAGE)
-        report["pool"] = [type(host).__name__, host.layout, type(host.allocator).__name__]
+        report["pool"] = [type(host).__name__, host.layout, type(host.allocator).__name__,
+                          type(host).__module__.split(".")[0]]
         ranges = {tuple(r) for r in host.kv_buffer._sglang_cuda_host_registered_ranges}
         report["ranges_exact"] = bool(ranges) and ranges == fake.held()
         config = HiCacheStorageConfig(

@@ -659,3 +659,29 @@ def test_hisparse_coordinators_mla_call_and_slot_helpers_match(sglang):
             ours.destroy()
             theirs.destroy()
         assert fake.held() == set()
+
+
+def test_a_back_ends_own_allocator_comes_from_sglang_and_hicache_registers_its_memory(sglang):
+    """allocator_type="shm" inside SGLang: SGLang's `ShmHostTensorAllocator` (its ``fd``, as
+    SGLang's pool exposes it), its memory registered by hicache exactly; a name SGLang has no
+    allocator for gets hicache's default."""
+    from sglang.srt.mem_cache.pool_host.common import ShmHostTensorAllocator
+
+    from hicache.pools import HostTensorAllocator
+
+    info = _device("mha").get_device_pool_infos()[0].buffer_info
+    _, ours_cls = _classes("mha")
+    with fake_cuda() as fake:
+        shm = ours_cls(info, 2.0, 0, PAGE, "page_first_direct", allocator_type="shm", **KW, **ROOM)
+        plain = ours_cls(info, 2.0, 0, PAGE, "page_first_direct", allocator_type="file", **KW, **ROOM)
+        try:
+            assert isinstance(shm.allocator, ShmHostTensorAllocator) and isinstance(shm.fd, int)
+            assert isinstance(plain.allocator, HostTensorAllocator) and plain.fd is None
+            recorded = {tuple(r) for r in shm.kv_buffer._sglang_cuda_host_registered_ranges}
+            assert recorded and recorded <= fake.held()
+            shm.kv_buffer.view(torch.int16).fill_(7)
+            assert int(shm.get_data_page(PAGE).view(torch.int16)[0]) == 7
+        finally:
+            shm.destroy()
+            plain.destroy()
+        assert fake.held() == set()

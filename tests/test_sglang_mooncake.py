@@ -94,8 +94,11 @@ def master(tmp_path):
                 process.wait()
 
 
-def _instance(role: str, rpc: int, metadata: int, seed: int, pages: int, logs: Path):
+def _instance(role: str, rpc: int, metadata: int, seed: int, pages: int, logs: Path, pools: str = "sglang"):
     env = dict(os.environ, PYTHONWARNINGS="ignore", GLOG_minloglevel="2")
+    env.pop("HICACHE_SGLANG_POOLS", None)
+    if pools == "hicache":  # the plug-in's class REPLACE: SGLang's assembler builds hicache's pool
+        env["HICACHE_SGLANG_POOLS"] = "1"
     log = logs / f"{role}.log"  # Mooncake's client logs to stderr: a file, never a full pipe
     with log.open("w") as sink:
         process = subprocess.Popen(
@@ -114,24 +117,31 @@ def _report(process, timeout: float = 240.0) -> dict:
     return json.loads(lines[-1])
 
 
-def test_two_instances_share_pages_through_sglangs_mooncake_store_byte_exact(master, tmp_path):
+@pytest.mark.parametrize("store_pools, fetch_pools", [("sglang", "hicache"), ("hicache", "sglang")])
+def test_two_instances_share_pages_through_sglangs_mooncake_store_byte_exact(master, tmp_path, store_pools,
+                                                                             fetch_pools):
+    """One instance with SGLang's own pool (hicache's registration under it), the other with
+    hicache's pool (HICACHE_SGLANG_POOLS=1), each way round: the L3 pages one stores the other
+    fetches byte for byte - servers on SGLang's pools and on hicache's share a store."""
     rpc, metadata, master_process = master
+    seed = 7 if store_pools == "sglang" else 8
     pages = 8
-    store = _instance("store", rpc, metadata, seed=7, pages=pages, logs=tmp_path)
+    store = _instance("store", rpc, metadata, seed=seed, pages=pages, logs=tmp_path, pools=store_pools)
     try:
         said = store.stdout.readline()  # "stored" once A's pages are in Mooncake
         if said.strip() != "stored":
             _report(store)  # names why A failed
             raise AssertionError(f"instance A said {said!r}")
-        b = _report(_instance("fetch", rpc, metadata, seed=7, pages=pages, logs=tmp_path))
+        b = _report(_instance("fetch", rpc, metadata, seed=seed, pages=pages, logs=tmp_path, pools=fetch_pools))
     except BaseException:
         store.kill()
         store.communicate()
         raise
     a = _report(store)  # A lets its segment go once B is done
-    for report in (a, b):
+    for report, pools in ((a, store_pools), (b, fetch_pools)):
         assert report["plugged"], "SGLang's load_plugins() did not put hicache in"
         assert report["pool"][:2] == ["MHATokenToKVPoolHost", "page_first_direct"]
+        assert report["pool"][3] == pools, report["pool"]
         assert report["pool"][2] == "MooncakeHostTensorAllocator"  # the back end's memory, hicache's registration
         assert report["ranges_exact"], "the ranges SGLang records are not what was registered"
         assert report["held_after_destroy"] == []

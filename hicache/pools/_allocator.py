@@ -27,6 +27,29 @@ def register_allocator(allocator_type: str, factory) -> None:
         _REGISTRY[allocator_type] = factory
 
 
+_SGLANG_COMMON = "sglang.srt.mem_cache.pool_host.common"
+
+
+def _sglangs_allocator(name: str):
+    """Inside SGLang (its pool module loaded): the allocator SGLang's own
+    `get_allocator_from_storage` gives a back end that brings its memory - Mooncake's, UMBP's,
+    TensorCast's, ``"shm"``'s `ShmHostTensorAllocator` (``fd``/``mm``) - whose memory hicache
+    then plans and registers; None where SGLang would use its plain default allocator (hicache's
+    default serves instead) or SGLang is not loaded."""
+    import sys
+
+    common = sys.modules.get(_SGLANG_COMMON)
+    get = getattr(common, "get_allocator_from_storage", None)
+    plain = getattr(common, "HostTensorAllocator", None)
+    if get is None or plain is None:
+        return None
+    allocator = get(name)
+    if type(allocator) is plain:  # SGLang's default (or its fallback when a back end is missing)
+        return None
+    logger.info("host allocator for storage back end %r: SGLang's %s", name, type(allocator).__name__)
+    return allocator
+
+
 def known_allocators() -> tuple[str, ...]:
     with _REGISTRY_LOCK:
         return tuple(sorted(_REGISTRY))
@@ -35,13 +58,19 @@ def known_allocators() -> tuple[str, ...]:
 def get_allocator_from_storage(allocator_type: str | None = "default", *, fallback: str | None = "default",
                                strict: bool = False):
     """A new allocator for a storage back end, as SGLang's does: ``allocator_type`` is the
-    ``--hicache-storage-backend`` name (``None``, ``"file"``, ``"mooncake"``, ...), and every
-    name without an allocator of its own gets the ``fallback`` (the default allocator), with a
-    log line naming the fallback. ``strict=True`` (hicache's stricter check) makes an unknown
+    ``--hicache-storage-backend`` name (``None``, ``"file"``, ``"mooncake"``, ...). A registered
+    name gets its factory's; inside SGLang, a name SGLang has an allocator of its own for
+    (mooncake, mori, shm, tensorcast) gets SGLang's; every other name gets the ``fallback`` (the
+    default allocator), with a log line naming the fallback. ``strict=True`` (hicache's stricter check) makes an unknown
     name an error listing the known ones instead."""
     name = "default" if allocator_type is None else allocator_type
     with _REGISTRY_LOCK:
         factory = _REGISTRY.get(name)
+    if factory is None:
+        sglangs = _sglangs_allocator(name)
+        if sglangs is not None:
+            return sglangs
+    with _REGISTRY_LOCK:
         if factory is None and not strict and fallback is not None:
             factory = _REGISTRY.get(fallback)
             if factory is not None:
