@@ -1,5 +1,5 @@
 # Two commands a new user needs: `make plan` (a capacity plan) and `make test` (the suite).
-# Each bootstraps .venv on first use (hicache with its "cuda" and "test" extras; torch pinned to
+# Each bootstraps .venv on first use (hicache with its "cuda", "test" and "metrics" extras; torch pinned to
 # the CPU build by constraints-dev.txt). Commands are not echoed, so
 # `make plan ARGS="--format json" > plan.json` writes plain JSON.
 PYTHON ?= python3
@@ -17,7 +17,7 @@ help:  ## list the targets
 $(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_copy/_hostcopy.c hicache/pools/_pagestack.c
 	echo "setting up $(VENV) (first run only)" >&2
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cuda,test]' --config-settings editable_mode=compat >&2
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cuda,test,metrics]' --config-settings editable_mode=compat >&2
 	touch $(STAMP)
 
 # SGLang 0.5.23's real code for the suite's SGLang tests (they skip, naming this target, where

@@ -66,10 +66,45 @@ def add_command(commands) -> None:
     apply.add_argument("--trace", metavar="FILE",
                        help="write a Chrome trace-event JSON of the bring-up (Perfetto, chrome://tracing): phases, "
                             "pre-fault pieces, register calls and lock waits on the threads that ran them")
+    apply.add_argument("--metrics-port", metavar="N",
+                       help="serve Prometheus metrics of the bring-up on http://127.0.0.1:N/metrics while apply "
+                            "runs (with --hold: while it holds); needs hicache[metrics]")
     apply.add_argument("--fake-cuda", action="store_true",
                        help="dry run on a machine without a GPU: the whole bring-up (memory mapped, pre-faulted, "
                             "budgeted, released) with CUDA stood in for by hicache.testing's fake driver - "
                             "nothing is pinned; same output")
+
+
+#: the ``pool`` label of `hicache apply`'s bring-up in its metrics
+_METRICS_POOL = "apply"
+
+
+def _metrics_port(args) -> int | None:
+    """--metrics-port: a TCP port (1-65535), checked - and hicache[metrics] there - before any memory."""
+    if not getattr(args, "metrics_port", None):
+        return None
+    port = positive_int(args.metrics_port, "--metrics-port")
+    from hicache import metrics
+
+    if not metrics.available():
+        raise CliError("missing-extra", "--metrics-port needs prometheus_client, which is not installed",
+                       'pip install "hicache[metrics]"', USAGE)
+    return port
+
+
+def _serve_metrics(port: int | None):
+    """The /metrics server on 127.0.0.1:port (None without --metrics-port); a port in use is an error."""
+    if port is None:
+        return None
+    from hicache import metrics
+
+    try:
+        server, _ = metrics.serve(port)
+    except OSError as error:
+        raise CliError("bad-port", f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({error.strerror})",
+                       "pick a free port") from None
+    print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
+    return server
 
 
 def _hold_seconds(text: str) -> float:
@@ -181,6 +216,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     from hicache.errors import PlanError
 
     hold = _hold_seconds(args.hold)
+    metrics_port = _metrics_port(args)
     threads = positive_int(args.threads, "--threads") if args.threads else None
     reserve = size(args.reserve, "--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
     host_memory, ranks = _budget_overrides(args)
@@ -201,6 +237,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     progress = None if args.progressive else _Progress(sum(p.call_count for p in pools))
     if args.progressive:
         import torch  # noqa: F401 - loaded before the clock starts, as in a server
+    server = _serve_metrics(metrics_port)
     start = time.perf_counter()
     handle = None
     try:
@@ -214,6 +251,10 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
             print(f"first call registered after {handle.first_call_s:.3f} s; registering the rest", file=sys.stderr)
             handle.wait()
         total_s = time.perf_counter() - start
+        if server is not None:
+            from hicache import metrics
+
+            metrics.track(_METRICS_POOL, handle, numa_node=node, page_num=None)
         calls = len(handle.calls)
         tiers = {name: tier.as_dict() for name, tier in handle.tiers()}  # as obtained, read from the kernel
         status = handle.registration.status() if handle.registration is not None else None
@@ -221,6 +262,12 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     finally:
         if handle is not None:
             _release(handle)
+            if server is not None:
+                from hicache import metrics
+
+                metrics.released(_METRICS_POOL)
+        if server is not None:
+            server.shutdown()
     report = {"bytes": handle.total_bytes, "calls": calls, "tiers": tiers}
     if args.progressive:
         report |= {"first_chunk_s": round(handle.first_call_s, 4), "total_s": round(total_s, 4), "numa_node": node}

@@ -44,7 +44,7 @@ class Parser(argparse.ArgumentParser):
 #: The largest value each count flag takes: past these the input is a typo, not a deployment
 #: (and some would start that many threads or plan that many slots).
 MAXIMA = {"--tp": 65_536, "--page-size": 2**20, "--mamba-slots": 10**8, "--threads": 256,
-          "--ranks-per-host": 4_096, "--device-tokens": 10**12}
+          "--ranks-per-host": 4_096, "--device-tokens": 10**12, "--metrics-port": 65_535}
 
 
 def positive_int(text: str, flag: str) -> int:

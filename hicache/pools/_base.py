@@ -31,6 +31,7 @@ from hicache.effects import (
     probe_limits,
     resolve_numa_node,
 )
+from hicache import metrics
 from hicache.errors import LayoutError, NoAllocatorError, PlanError, RegistrationStateError, TransferError
 from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, format_gb, plan_pool, size_pool
 from hicache.pools._allocator import get_allocator_from_storage
@@ -212,9 +213,16 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
                                         copy_engine=self.copy_engine, name=type(self).__name__)
             if self._pages is None and self.has_allocator:
                 self._pages = PageAllocator(self.page_num, self.logical_page_size)
+            metrics.track(self.metrics_name, self._host, numa_node=self.numa_node, page_num=self.page_num,
+                          ready_pages=self.ready_pages)
         except BaseException:  # never leave a half-built pool holding pinned memory
             self.destroy()
             raise
+
+    @property
+    def metrics_name(self) -> str:
+        """The ``pool`` label of this pool's metrics (`hicache.metrics`): class and pool label."""
+        return f"{type(self).__name__}:{self.pool_label}"
 
     # -- construction, in order: sizing, settings, allocator ---------------------------------
     def _dcp(self, page_size: int, dcp_size: int, dcp_rank: int) -> int:
@@ -330,6 +338,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         try:
             self.kv_buffer = self.init_kv_buffer()
         except BaseException:
+            metrics.failed(self.metrics_name)
             self.destroy()  # whatever came up goes down; leaked memory stays quarantined
             raise
 
@@ -541,6 +550,8 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
                     if self._transfers is not None:
                         self._transfers.forget()
                     self._destroyed = True
+                    if host is not None:
+                        metrics.released(self.metrics_name)
 
     def _wait_for_device_copies(self) -> None:
         """Transfers run asynchronously on CUDA streams: none may still use memory we unpin or free."""

@@ -225,6 +225,7 @@ def bring_up(
         elif isinstance(mode, Progressive):
             with _trace.span("first calls (progressive; the rest in the background)", "phase"):
                 _progressive(handle, requests, mode, runtime, ledger, start)
+        handle.timings["ready_s"] = time.perf_counter() - start  # budget wait included: what a caller waited
         handle._activate()
         _trace.flush()  # inside the try: a Ctrl-C here still undoes everything
     except BaseException as error:

@@ -255,6 +255,13 @@ class HostPools:
                 held += status.leaked
         return tuple(sorted(held))
 
+    def budget_claims(self) -> dict[int, int]:
+        """This host's budget claims (pid -> bytes, this process's included) as the host-wide
+        budget file says now; {} when this bring-up took no budget."""
+        budget = self._books.budget
+        snapshot = getattr(budget[0], "snapshot", None) if budget is not None else None
+        return snapshot() if snapshot is not None else {}
+
     def tiers(self) -> list:
         """``(buffer name, PageTiers)`` per buffer: the bytes the kernel backs with hugetlbfs
         pages, transparent huge pages and base pages right now (``/proc/self/smaps``) - the tier

@@ -272,6 +272,15 @@ class BudgetLock:
         os.lseek(self._fd, 0, os.SEEK_SET)
         os.write(self._fd, payload)
 
+    def snapshot(self) -> dict[int, int]:
+        """Every live process's claim (pid -> bytes) as the file says now, read without taking
+        the lock (for metrics: a torn read gives {} rather than a wait behind a bring-up)."""
+        try:
+            data = json.loads(self.path.read_bytes() or b"{}")
+            return {int(pid): int(nbytes) for pid, nbytes in data.items() if _alive(int(pid))}
+        except (OSError, ValueError, AttributeError, TypeError):
+            return {}
+
     def peers(self) -> dict[int, int]:
         """Live other processes that allocated host pools: pid -> bytes."""
         me = os.getpid()

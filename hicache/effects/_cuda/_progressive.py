@@ -208,7 +208,9 @@ class ProgressiveRegistration:
 
     def registered(self) -> list:
         """The `Registration` of every call made and not yet released, in order."""
-        with self._lock:
+        # with Ctrl-C held: one landing at the with's exit (after the body, before __exit__)
+        # would leave the lock held, and the release that follows would wait on it forever
+        with deferred_interrupts(), self._lock:
             return list(self.registrations)
 
     @property

@@ -1,0 +1,226 @@
+"""Prometheus metrics of host-pool bring-ups (issue #21): what a server's `/metrics` shows about
+hicache's pools - bytes by the tier the kernel gave, registration, calls, phase seconds, rates,
+pages ready, this host's budget claims. Names and labels: docs/metrics.md.
+
+Optional: with `prometheus_client` installed (``pip install "hicache[metrics]"``) a collector in
+its default registry (a server's existing `/metrics` endpoint shows it) reports every pool this
+process brought up; without it every function here does nothing. Values are read from the
+pools' bring-up handles when scraped - a pool's constructor only adds an entry, so tracking
+costs a bring-up nothing, and a progressive pool's pages and registered bytes move as it
+registers. Each value is re-derivable from the pool's plan dump and its handle's report: this
+module copies them, it measures nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("plan", "map", "prefault", "register", "ready")
+TIERS = ("hugetlb", "thp", "4k")
+
+
+class _Entry:
+    """One tracked bring-up: its handle (weakly: tracking keeps no memory alive) and readers."""
+
+    def __init__(self, handle, numa_node, page_num, ready_pages, phases) -> None:
+        self.handle = weakref.ref(handle)
+        self.numa_node = "none" if numa_node is None else str(numa_node)
+        self.page_num = page_num
+        self.ready_pages = _weakly(ready_pages) if ready_pages is not None else None
+        self.phases = dict(phases or {})
+        self.released = False
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[str, _Entry] = {}
+        self.calls: dict[tuple[str, str], int] = {}  # (pool, result) -> calls of bring-ups no longer tracked
+        self.last_rates = (0.0, 0.0)  # (pre-fault, register) bytes/s of the last bring-up
+        self.registered: set = set()  # ids of the registries the collector is in
+        self.turnstile_waits: list = []
+
+
+_STATE = _State()
+
+
+def available() -> bool:
+    """Whether `prometheus_client` is importable (``hicache[metrics]``)."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _weakly(read):
+    """``read`` as a scrape callback that keeps no pool alive: a bound method is held weakly
+    (0 once its pool is gone)."""
+    if not hasattr(read, "__self__"):
+        return read
+    method = weakref.WeakMethod(read)
+
+    def value():
+        bound = method()
+        return bound() if bound is not None else 0
+
+    return value
+
+
+def install(registry=None) -> bool:
+    """Put the collector in ``registry`` (default: prometheus_client's) once; False without
+    prometheus_client. Pools call it; a server's `/metrics` then shows hicache's families."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return False
+    registry = prometheus_client.REGISTRY if registry is None else registry
+    with _STATE.lock:
+        if id(registry) in _STATE.registered:
+            return True
+        _STATE.registered.add(id(registry))
+    registry.register(_Collector())
+    return True
+
+
+def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None, phases=None) -> None:
+    """Report ``handle`` (a `HostPools`) as pool ``pool`` from now on: ``page_num`` its pages,
+    ``ready_pages`` a callable giving those ready now (held weakly), ``phases`` seconds of
+    phases the handle does not time itself (``plan``). A second bring-up under the same name
+    replaces the first (its calls stay counted)."""
+    try:
+        if not install():
+            return
+        entry = _Entry(handle, numa_node, page_num, ready_pages, phases)
+        timings, allocator = dict(handle.timings), handle.allocator
+        prefault = _prefault_s(timings, allocator)
+        registered = sum(size for _, size in handle.registered_ranges())
+        rates = (handle.total_bytes / prefault if prefault else 0.0,
+                 registered / timings["register_s"] if timings.get("register_s") else 0.0)
+    except Exception:  # metrics never fail a bring-up (an interrupt still propagates)
+        logger.exception("hicache metrics: could not track %s", pool)
+        return
+    with _STATE.lock:
+        _retire(pool)
+        _STATE.entries[pool] = entry
+        _STATE.last_rates = rates
+
+
+def _retire(pool: str) -> None:
+    """Move a replaced or released entry's calls into the running tally (under the lock)."""
+    entry = _STATE.entries.pop(pool, None)
+    handle = entry.handle() if entry is not None else None
+    if handle is not None:
+        key = (pool, "ok")
+        _STATE.calls[key] = _STATE.calls.get(key, 0) + len(handle.calls)
+
+
+def failed(pool: str) -> None:
+    """A bring-up of ``pool`` that failed and was rolled back."""
+    if not install():
+        return
+    with _STATE.lock:
+        key = (pool, "failed")
+        _STATE.calls[key] = _STATE.calls.get(key, 0) + 1
+
+
+def released(pool: str) -> None:
+    """``pool`` gave its memory back: it reports nothing held from now on (its calls stay)."""
+    with _STATE.lock:
+        entry = _STATE.entries.get(pool)
+        if entry is not None and not entry.released:
+            _retire(pool)
+            entry.released = True
+            _STATE.entries[pool] = entry
+
+
+def observe_turnstile_wait(seconds: float) -> None:
+    """A register call's wait at the node-wide turnstile (kept for `hicache_turnstile_wait_seconds`)."""
+    with _STATE.lock:
+        _STATE.turnstile_waits.append(float(seconds))
+
+
+def _prefault_s(timings: dict, allocator):
+    return timings.get("prefault_s") or getattr(allocator, "prefault_s", None) or timings.get("allocate_prefault_s")
+
+
+_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Collector:
+    """Reads every tracked bring-up when the registry is scraped."""
+
+    def describe(self):
+        return []  # families are made at collect time (prometheus_client then skips the dry run)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        pool_bytes = GaugeMetricFamily("hicache_host_pool_bytes", "Host pool bytes by the page tier the kernel "
+                                       "backs them with (/proc/self/smaps)", labels=("pool", "numa_node", "tier"))
+        registered = GaugeMetricFamily("hicache_registered_bytes", "Bytes registered with CUDA now", labels=("pool",))
+        calls = CounterMetricFamily("hicache_registration_calls", "cudaHostRegister calls of bring-ups, by result",
+                                    labels=("pool", "result"))
+        seconds = GaugeMetricFamily("hicache_bringup_seconds", "Seconds of each bring-up phase (ready: the "
+                                    "bring-up's start to a usable pool, budget wait included)", labels=("pool", "phase"))
+        ready = GaugeMetricFamily("hicache_ready_pages", "Pages registered in every buffer", labels=("pool",))
+        pages = GaugeMetricFamily("hicache_pages", "Pages of the pool", labels=("pool",))
+        budget = GaugeMetricFamily("hicache_budget_bytes", "This host's host-memory budget claims, by process",
+                                   labels=("holder",))
+        with _STATE.lock:
+            entries = list(_STATE.entries.items())
+            tally = dict(_STATE.calls)
+            rates = _STATE.last_rates
+            waits = list(_STATE.turnstile_waits)
+        claims: dict = {}
+        for pool, entry in entries:
+            handle = entry.handle()
+            alive = handle is not None and not entry.released and handle.state != "released"
+            tiers = dict.fromkeys(TIERS, 0)
+            if alive:
+                for _, tier in handle.tiers():  # as obtained: the kernel's numbers
+                    tiers["hugetlb"] += tier.hugetlb
+                    tiers["thp"] += tier.thp
+                    tiers["4k"] += tier.base
+            for tier, nbytes in tiers.items():
+                pool_bytes.add_metric([pool, entry.numa_node, tier], nbytes)
+            registered.add_metric([pool], sum(size for _, size in handle.registered_ranges()) if alive else 0)
+            if alive:
+                key = (pool, "ok")
+                tally[key] = tally.get(key, 0) + len(handle.calls)
+                timings, allocator = dict(handle.timings), handle.allocator
+                phase = {"map": getattr(allocator, "allocate_s", None), "prefault": _prefault_s(timings, allocator),
+                         "register": timings.get("register_s"), "ready": timings.get("ready_s"), **entry.phases}
+                for name in PHASES:
+                    if phase.get(name) is not None:
+                        seconds.add_metric([pool, name], float(phase[name]))
+                claims.update(handle.budget_claims())
+            ready.add_metric([pool], float(entry.ready_pages()) if alive and entry.ready_pages else 0.0)
+            pages.add_metric([pool], float(entry.page_num or 0) if alive else 0.0)
+        for (pool, result), count in sorted(tally.items()):
+            calls.add_metric([pool, result], count)
+        for pid, nbytes in sorted(claims.items()):
+            budget.add_metric([f"pid:{pid}"], nbytes)
+        prefault_rate = GaugeMetricFamily("hicache_prefault_bytes_per_second", "Pre-fault rate of the last bring-up",
+                                          value=rates[0])
+        register_rate = GaugeMetricFamily("hicache_register_bytes_per_second",
+                                          "Registration rate of the last bring-up", value=rates[1])
+        counts = [sum(1 for w in waits if w <= bound) for bound in _BUCKETS]
+        buckets = [(str(bound), count) for bound, count in zip(_BUCKETS, counts)] + [("+Inf", len(waits))]
+        turnstile = HistogramMetricFamily("hicache_turnstile_wait_seconds", "Seconds register calls waited for the "
+                                          "node-wide turnstile", buckets=buckets, sum_value=sum(waits))
+        yield from (pool_bytes, registered, calls, seconds, prefault_rate, register_rate, ready, pages, budget,
+                    turnstile)
+
+
+def serve(port: int, *, addr: str = "127.0.0.1", registry=None):
+    """Serve the registry over HTTP on ``addr:port`` (``/metrics``) in a daemon thread; returns
+    ``(server, thread)`` (``server.shutdown()`` stops it). Needs ``hicache[metrics]``."""
+    from prometheus_client import REGISTRY, start_http_server
+
+    install(registry)
+    return start_http_server(port, addr=addr, registry=REGISTRY if registry is None else registry)

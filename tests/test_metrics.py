@@ -1,0 +1,162 @@
+"""Prometheus metrics (#21 item 2; docs/metrics.md): after a fake bring-up the default registry
+holds every documented name with the values the pool's handle reports (tiers as the kernel
+reports them, registered bytes, calls, phase seconds, pages, budget claims), progressive pools'
+pages move as they register, a failed bring-up counts, a released pool reads nothing held; and
+`hicache apply --metrics-port` serves them over HTTP on 127.0.0.1 while it holds the memory."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from machine import ROOMY
+
+from hicache.plan import Limits
+from hicache.testing import FakeRuntime, MHADevicePool
+
+prometheus_client = pytest.importorskip("prometheus_client")
+torch = pytest.importorskip("torch")
+from prometheus_client import REGISTRY  # noqa: E402
+
+from hicache import metrics  # noqa: E402
+
+P = 4
+NAMES = ("hicache_host_pool_bytes", "hicache_registered_bytes", "hicache_registration_calls_total",
+         "hicache_bringup_seconds", "hicache_prefault_bytes_per_second", "hicache_register_bytes_per_second",
+         "hicache_ready_pages", "hicache_pages", "hicache_budget_bytes", "hicache_turnstile_wait_seconds_count")
+
+
+def _value(name: str, **labels):
+    return REGISTRY.get_sample_value(name, labels)
+
+
+def _pool(label: str, runtime, tmp_path, *, tokens: int = 64, chunk: int = 64 * 1024, **kw):
+    from hicache.effects._bringup._lock import BudgetLock
+    from hicache.pools import MHATokenToKVPoolHost
+
+    device = MHADevicePool(size=tokens, layer_num=2, head_num=2, head_dim=64, page_size=P)
+    return MHATokenToKVPoolHost(device, 2.0, 0, P, "page_first_direct", True, "cpu", runtime=runtime, machine=ROOMY,
+                                budget_lock=BudgetLock(tmp_path), pool_label=label,
+                                limits=Limits(chunk_limit_bytes=chunk), **kw)
+
+
+def test_a_bring_up_shows_every_documented_name_with_the_handles_values(tmp_path):
+    runtime = FakeRuntime()
+    pool = _pool("metrics-a", runtime, tmp_path)
+    name = pool.metrics_name
+    handle = pool._host
+    try:
+        sampled = {metric.name for family in REGISTRY.collect() for metric in family.samples}
+        assert set(NAMES) <= sampled, set(NAMES) - sampled
+        tiers = {tier: _value("hicache_host_pool_bytes", pool=name, numa_node="none", tier=tier)
+                 for tier in ("hugetlb", "thp", "4k")}
+        obtained = [t for _, t in handle.tiers()]
+        assert tiers == {"hugetlb": sum(t.hugetlb for t in obtained), "thp": sum(t.thp for t in obtained),
+                         "4k": sum(t.base for t in obtained)}
+        assert sum(tiers.values()) >= handle.total_bytes  # pre-faulted: all of it resident
+        assert _value("hicache_registered_bytes", pool=name) == sum(s for _, s in handle.registered_ranges()) \
+            == sum(s for _, s in runtime.held()) > 0
+        assert _value("hicache_registration_calls_total", pool=name, result="ok") == len(handle.calls) > 1
+        assert _value("hicache_bringup_seconds", pool=name, phase="register") == pytest.approx(handle.timings["register_s"])
+        assert _value("hicache_bringup_seconds", pool=name, phase="ready") == pytest.approx(handle.timings["ready_s"])
+        assert _value("hicache_bringup_seconds", pool=name, phase="prefault") > 0
+        assert _value("hicache_pages", pool=name) == pool.page_num
+        assert _value("hicache_ready_pages", pool=name) == pool.ready_pages() == pool.page_num
+        claims = handle.budget_claims()
+        assert claims.get(os.getpid()) == handle.total_bytes
+        assert _value("hicache_budget_bytes", holder=f"pid:{os.getpid()}") == handle.total_bytes
+    finally:
+        pool.destroy()
+    assert _value("hicache_registered_bytes", pool=name) == 0 and _value("hicache_pages", pool=name) == 0
+    assert _value("hicache_registration_calls_total", pool=name, result="ok") == len(handle.calls)  # kept
+
+
+def test_a_progressive_pools_ready_pages_move_as_it_registers(tmp_path):
+    runtime = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.01)  # 10 ms a 16 KiB call: 32 calls, 0.3 s
+    pool = _pool("metrics-p", runtime, tmp_path, tokens=256, chunk=16 * 1024, progressive=True, max_stall_s=None)
+    name = pool.metrics_name
+    try:
+        first = _value("hicache_ready_pages", pool=name)
+        assert 0 < first < pool.page_num
+        assert pool.wait_ready(timeout=30)
+        assert _value("hicache_ready_pages", pool=name) == pool.page_num
+        assert _value("hicache_registered_bytes", pool=name) == sum(s for _, s in runtime.held())
+    finally:
+        pool.destroy()
+
+
+def test_a_failed_bring_up_counts_as_failed(tmp_path):
+    runtime = FakeRuntime(fail_register={1: 2})
+    label = "metrics-f"
+    before = _value("hicache_registration_calls_total", pool=f"MHATokenToKVPoolHost:{label}", result="failed") or 0
+    with pytest.raises(Exception):
+        _pool(label, runtime, tmp_path)
+    assert _value("hicache_registration_calls_total", pool=f"MHATokenToKVPoolHost:{label}", result="failed") == before + 1
+    assert runtime.held() == set()
+
+
+def test_without_prometheus_client_tracking_does_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(metrics, "install", lambda registry=None: False)
+    runtime = FakeRuntime()
+    pool = _pool("metrics-off", runtime, tmp_path)
+    try:
+        assert _value("hicache_pages", pool=pool.metrics_name) is None
+    finally:
+        pool.destroy()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_apply_serves_the_metrics_over_http_on_localhost(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "hicache", "apply", "--fake-cuda", "--model", "llama-3.1-8b", "--host-gb", "0.25",
+               "--host-memory", "1TB", "--ranks-per-host", "1", "--hold", "30", "--metrics-port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               cwd=Path(__file__).parent.parent)
+    try:
+        body, deadline = "", time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                    body = response.read().decode()
+                if 'hicache_registered_bytes{pool="apply"}' in body and ' 0.0' not in _line(body, "hicache_registered_bytes"):
+                    break
+            except OSError:
+                pass
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.2)
+        for name in NAMES[:-1]:
+            assert name in body, name
+        assert float(_line(body, "hicache_registered_bytes").split()[-1]) > 0
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+def _line(body: str, name: str) -> str:
+    return next((line for line in body.splitlines() if line.startswith(name + "{")), "")
+
+
+def test_a_port_that_is_taken_is_a_clear_error(tmp_path, capsys):
+    from hicache.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["apply", "--fake-cuda", "--model", "llama-3.1-8b", "--host-gb", "0.01", "--host-memory", "1TB",
+                     "--ranks-per-host", "1", "--metrics-port", str(port)])
+    err = capsys.readouterr().err
+    assert code != 0 and f"--metrics-port {port}" in err and "bad-port" in err
+    assert main(["apply", "--fake-cuda", "--model", "llama-3.1-8b", "--host-gb", "0.01", "--metrics-port", "70000"]) != 0
