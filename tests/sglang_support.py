@@ -67,12 +67,14 @@ def restore(common) -> None:
         for target in POOL_CLASSES:  # SGLang's own host-pool classes, before any class REPLACE
             module, name = target.rsplit(".", 1)
             CLASSES[name] = getattr(sys.modules[module], name)
-    for module in [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]:
+    # sys.modules.copy(): one C call - a finalizer's warning importing a module mid-iteration
+    # must not break the restore
+    for module in [m for name, m in sys.modules.copy().items() if name.startswith("sglang") and m is not None]:
         for name, original in CLASSES.items():
             current = getattr(module, name, None)
             if isinstance(current, type) and current.__module__.startswith("hicache."):
                 setattr(module, name, original)
-    for module in [m for name, m in list(sys.modules.items()) if name.startswith("sglang") and m is not None]:
+    for module in [m for name, m in sys.modules.copy().items() if name.startswith("sglang") and m is not None]:
         for name, original in ORIGINALS.items():
             current = getattr(module, name, None)
             if current is not None and current is not original and getattr(current, "__wrapped__", None) is not None:

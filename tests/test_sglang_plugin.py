@@ -69,7 +69,7 @@ def test_hicache_sglang_pools_replaces_sglangs_pool_classes_everywhere_and_only_
     for target, name in POOL_CLASSES.items():
         module, attribute = target.rsplit(".", 1)
         assert getattr(sys.modules[module], attribute) is getattr(hicache.pools, name)
-        holders = [m for n, m in list(sys.modules.items()) if n.startswith("sglang") and m is not None
+        holders = [m for n, m in sys.modules.copy().items() if n.startswith("sglang") and m is not None
                    and getattr(m, attribute, None) is originals[target]]
         assert holders == [], f"{attribute} is still SGLang's in {[m.__name__ for m in holders]}"
     from sglang.srt.mem_cache.pool_host import mha

@@ -56,20 +56,21 @@ def known_allocators() -> tuple[str, ...]:
 
 
 def get_allocator_from_storage(allocator_type: str | None = "default", *, fallback: str | None = "default",
-                               strict: bool = False):
+                               strict: bool = False, sglangs: bool = False):
     """A new allocator for a storage back end, as SGLang's does: ``allocator_type`` is the
     ``--hicache-storage-backend`` name (``None``, ``"file"``, ``"mooncake"``, ...). A registered
-    name gets its factory's; inside SGLang, a name SGLang has an allocator of its own for
-    (mooncake, mori, shm, tensorcast) gets SGLang's; every other name gets the ``fallback`` (the
-    default allocator), with a log line naming the fallback. ``strict=True`` (hicache's stricter check) makes an unknown
+    name gets its factory's; with ``sglangs=True`` (a pool built by SGLang 0.5.23's constructor)
+    and SGLang loaded, a name SGLang has an allocator of its own for (mooncake, mori, shm,
+    tensorcast) gets SGLang's; every other name gets the ``fallback`` (the default allocator),
+    with a log line naming the fallback. ``strict=True`` (hicache's stricter check) makes an unknown
     name an error listing the known ones instead."""
     name = "default" if allocator_type is None else allocator_type
     with _REGISTRY_LOCK:
         factory = _REGISTRY.get(name)
-    if factory is None:
-        sglangs = _sglangs_allocator(name)
-        if sglangs is not None:
-            return sglangs
+    if factory is None and sglangs:
+        theirs = _sglangs_allocator(name)
+        if theirs is not None:
+            return theirs
     with _REGISTRY_LOCK:
         if factory is None and not strict and fallback is not None:
             factory = _REGISTRY.get(fallback)

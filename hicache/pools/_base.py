@@ -296,7 +296,8 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
 
     def _allocator(self, allocator_type, fallback, strict: bool):
         """The storage back end's allocator, configured with this pool's NUMA node and pages."""
-        allocator = get_allocator_from_storage(allocator_type, fallback=fallback or "default", strict=strict)
+        allocator = get_allocator_from_storage(allocator_type, fallback=fallback or "default", strict=strict,
+                                               sglangs=self.sglang_form == "0.5.23")
         if isinstance(allocator, HostAllocator):  # hicache's: settings at construction
             allocator = allocator.configure(
                 numa_node=self.numa_node, hugepages=self.hugepages,
