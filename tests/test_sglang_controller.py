@@ -46,6 +46,31 @@ def _host_rows(host, kind: str, layout: str, j: int, indices):
     return kv[indices // PAGE, layer, indices % PAGE]  # page_first_direct: [page, layer, token, ...]
 
 
+def _round_trip(controller, allocator, device, host, kind: str, layout: str, *, seed: int, pages: int) -> None:
+    """The controller writes ``pages`` device pages to the host - checked where SGLang's layout
+    puts them there, not just round trip - then loads them into a cleared device pool: byte-exact."""
+    generator = torch.Generator().manual_seed(seed)
+    written = allocator.alloc(pages * PAGE)
+    for layer in _layers(device, kind):
+        layer[written] = torch.randn(layer[written].shape, generator=generator).to(layer.dtype)
+    want = [layer[written].clone() for layer in _layers(device, kind)]
+    host_indices = controller.write(written)
+    assert host_indices is not None and len(host_indices) == len(written)
+    for ack in controller.ack_write_queue:
+        ack.finish_event.synchronize()
+    for j, rows in enumerate(want):
+        assert torch.equal(_host_rows(host, kind, layout, j, host_indices).view(torch.int16), rows.view(torch.int16))
+    allocator.free(written)
+    for layer in _layers(device, kind):
+        layer.zero_()
+    loaded = controller.load(host_indices)
+    controller.start_loading()
+    for ack in controller.ack_load_queue:
+        ack.finish_event.synchronize()
+    got = [layer[loaded] for layer in _layers(device, kind)]
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("pools", ["sglang", "hicache"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
@@ -80,28 +105,7 @@ def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sgl
                                              layer_mapper=lambda layer: layer, is_primary_index_anchor=True)])
             controller = HybridCacheController(allocator, group, PAGE, None, threading.Event(), io_backend="direct")
 
-            generator = torch.Generator().manual_seed(11)
-            written = allocator.alloc(5 * PAGE)
-            for layer in _layers(device, kind):
-                layer[written] = torch.randn(layer[written].shape, generator=generator).to(layer.dtype)
-            want = [layer[written].clone() for layer in _layers(device, kind)]
-
-            host_indices = controller.write(written)
-            assert host_indices is not None and len(host_indices) == len(written)
-            for ack in controller.ack_write_queue:
-                ack.finish_event.synchronize()
-            for j, rows in enumerate(want):  # on the host where SGLang's layout says, not just round trip
-                assert torch.equal(_host_rows(host, kind, layout, j, host_indices).view(torch.int16), rows.view(torch.int16))
-            allocator.free(written)
-            for layer in _layers(device, kind):
-                layer.zero_()
-
-            loaded = controller.load(host_indices)
-            controller.start_loading()
-            for ack in controller.ack_load_queue:
-                ack.finish_event.synchronize()
-            got = [layer[loaded] for layer in _layers(device, kind)]
-            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want))
+            _round_trip(controller, allocator, device, host, kind, layout, seed=11, pages=5)
         finally:
             host.destroy()  # also when an assertion failed: nothing left for the next test
         assert fake.held() == set()
@@ -137,26 +141,7 @@ def test_decode_offloads_hicache_controller_round_trips_pages_byte_exact(sglang,
         try:
             controller = HiCacheController(token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=PAGE,
                                            tp_group=None, load_cache_event=threading.Event(), io_backend="direct")
-            generator = torch.Generator().manual_seed(13)
-            written = allocator.alloc(4 * PAGE)
-            for layer in _layers(device, kind):
-                layer[written] = torch.randn(layer[written].shape, generator=generator).to(layer.dtype)
-            want = [layer[written].clone() for layer in _layers(device, kind)]
-            host_indices = controller.write(written)
-            assert host_indices is not None and len(host_indices) == len(written)
-            for ack in controller.ack_write_queue:
-                ack.finish_event.synchronize()
-            for j, rows in enumerate(want):
-                assert torch.equal(_host_rows(host, kind, layout, j, host_indices).view(torch.int16), rows.view(torch.int16))
-            allocator.free(written)
-            for layer in _layers(device, kind):
-                layer.zero_()
-            loaded = controller.load(host_indices)
-            controller.start_loading()
-            for ack in controller.ack_load_queue:
-                ack.finish_event.synchronize()
-            got = [layer[loaded] for layer in _layers(device, kind)]
-            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want))
+            _round_trip(controller, allocator, device, host, kind, layout, seed=13, pages=4)
         finally:
             host.destroy()
         assert fake.held() == set()

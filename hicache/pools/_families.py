@@ -86,7 +86,22 @@ def _mha_input(pool, first, drafts, write_back_staging, head_group_num, kwargs):
     return first
 
 
-class MHATokenToKVPoolHost(HostKVCache):
+class _MHAForms:
+    """The MHA families' constructors: SGLang 0.5.23's (an `MHABufferInfo` first, its packed
+    drafts, staging and head groups) or the older one (a device pool first), then the family's
+    geometry fields (`_mha_geometry`)."""
+
+    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
+                 pin_memory=True, device="cpu", allocator_type="default", *, draft_buffer_infos=(),
+                 write_back_staging=None, head_group_num=1, device_pool=None, **kwargs):
+        first = _mha_input(self, _first(self, buffer_info, device_pool), draft_buffer_infos, write_back_staging,
+                           head_group_num, kwargs)
+        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                         allocator_type, **kwargs)
+        self._mha_geometry()
+
+
+class MHATokenToKVPoolHost(_MHAForms, HostKVCache):
     """Multi-head attention: K and V in one buffer with a leading axis of 2.
 
     SGLang 0.5.23's constructor: ``(buffer_info: MHABufferInfo, host_to_device_ratio,
@@ -95,14 +110,6 @@ class MHATokenToKVPoolHost(HostKVCache):
     write_back_staging=None, pool_label="kv", head_group_num=1, host_token_capacity=None)``;
     the older SGLang's (a device pool first) still works, chosen by the first argument's type.
     """
-
-    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
-                 pin_memory=True, device="cpu", allocator_type="default", *, draft_buffer_infos=(),
-                 write_back_staging=None, head_group_num=1, device_pool=None, **kwargs):
-        first = _mha_input(self, _first(self, buffer_info, device_pool), draft_buffer_infos, write_back_staging, head_group_num, kwargs)
-        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
-                         allocator_type, **kwargs)
-        self._mha_geometry()
 
     def _mha_geometry(self) -> None:
         """SGLang's MHA fields: heads, widths, bytes of one token row and of one token's layers."""
@@ -200,16 +207,11 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
         return [Stream(0, None, lambda pool, layer: pool.k_buffer[layer])]
 
 
-class AsymmetricMHATokenToKVPoolHost(HostKVCache):
+class AsymmetricMHATokenToKVPoolHost(_MHAForms, HostKVCache):
     """MHA with different K and V head dims: buffers ``k`` and ``v``. Constructors as
     `MHATokenToKVPoolHost` (0.5.23's with an `MHABufferInfo` whose ``v_head_dim`` differs)."""
 
-    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
-                 pin_memory=True, device="cpu", allocator_type="default", *, draft_buffer_infos=(),
-                 write_back_staging=None, head_group_num=1, device_pool=None, **kwargs):
-        first = _mha_input(self, _first(self, buffer_info, device_pool), draft_buffer_infos, write_back_staging, head_group_num, kwargs)
-        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
-                         allocator_type, **kwargs)
+    def _mha_geometry(self) -> None:
         pool = self.device_pool
         self.head_num = pool.head_num
         self.head_dim = getattr(pool, "head_dim", None) or pool.k_head_dim
