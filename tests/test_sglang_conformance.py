@@ -427,6 +427,11 @@ def test_mamba_pool_from_its_state_description_matches(sglang, layout, drafts):
             for field in ("size", "page_num", "page_size", "size_per_token", "num_mamba_layers", "dtype", "layout",
                           "can_use_write_back_jit"):
                 assert getattr(ours, field) == getattr(theirs, field), field
+            import inspect
+
+            for method in ("load_to_device_per_layer", "backup_from_device_all_layer"):  # io_backend="kernel"
+                theirs_default = inspect.signature(getattr(theirs, method)).parameters["io_backend"].default
+                assert inspect.signature(getattr(ours, method)).parameters["io_backend"].default == theirs_default
             assert [(t.shape, t.dtype) for t in ours.get_hybrid_pool_buffer()] == \
                 [(t.shape, t.dtype) for t in theirs.get_hybrid_pool_buffer()]
             layers = [*info.temporal.unbind(0), *[d.temporal[0] for d in draft_infos],
@@ -568,12 +573,22 @@ def test_deepseek_v4_paged_pool_matches(sglang, layout):
     generator = torch.Generator().manual_seed(6)
     device_buffers = [torch.randint(0, 255, (16, 512), generator=generator, dtype=torch.uint8) for _ in range(3)]
     args = ("c4", device_buffers, 512, 24, 64)
+    by_keyword = dict(pool_name="dsv4_hisparse_c4", device_buffers=device_buffers, item_bytes=512, num_host_pages=24,
+                      slot_page_size=64, layout="layer_first")  # hisparse_coordinator.py:580's call
     with fake_cuda() as fake:
         from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
         with host_memory_budget_scope(10**12):
             theirs = Theirs(*args, layout=layout, pin_memory=False, page_aligned_only=True)
         ours = Ours(*args, layout=layout, page_aligned_only=True, **ROOM)
+        with host_memory_budget_scope(10**12):
+            theirs_kw = Theirs(**by_keyword, pin_memory=False)
+        ours_kw = Ours(**by_keyword, **ROOM)
+        assert [b.shape for b in _buffers(ours_kw)] == [b.shape for b in _buffers(theirs_kw)]
+        assert (ours_kw.pool_name, ours_kw.size, ours_kw.layer_num) == (theirs_kw.pool_name, theirs_kw.size,
+                                                                         theirs_kw.layer_num)
+        ours_kw.destroy()
+        theirs_kw.destroy()
         try:
             for field in ("pool_name", "layer_num", "item_bytes", "num_host_pages", "slot_page_size", "page_size",
                           "size", "size_per_token", "dtype", "layout", "start_layer", "end_layer", "page_aligned_only"):

@@ -445,6 +445,16 @@ class MambaPoolHost(HostKVCache):
             for buffer, i in enumerate(states)
         ]
 
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend="kernel", *,
+                                 is_draft: bool = False) -> None:
+        """As every pool's; ``io_backend`` defaults to "kernel" as SGLang's Mamba pool's does
+        (hicache copies with "direct"; "kernel" is an error naming what it supports)."""
+        super().load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
+                                         is_draft=is_draft)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend="kernel") -> None:
+        super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+
     @property
     def temporal_buffer(self):
         """The temporal state's host tensor (SGLang's name; None for a conv-only model)."""
