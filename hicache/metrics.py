@@ -98,9 +98,9 @@ def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None,
         entry = _Entry(handle, numa_node, page_num, ready_pages, phases)
         timings, allocator = dict(handle.timings), handle.allocator
         prefault = _prefault_s(timings, allocator)
-        registered = sum(size for _, size in handle.registered_ranges())
-        rates = (handle.total_bytes / prefault if prefault else 0.0,
-                 registered / timings["register_s"] if timings.get("register_s") else 0.0)
+        register_s = timings.get("register_s")  # absent for progressive bring-ups (calls go on after)
+        registered = sum(size for _, size in handle.registered_ranges()) if register_s else 0
+        rates = (handle.total_bytes / prefault if prefault else 0.0, registered / register_s if register_s else 0.0)
     except Exception:  # metrics never fail a bring-up (an interrupt still propagates)
         logger.exception("hicache metrics: could not track %s", pool)
         return

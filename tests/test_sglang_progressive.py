@@ -80,6 +80,8 @@ def test_sglangs_controller_writes_while_the_pool_registers_and_after_it_is_read
             during = [write() for _ in range(200) if host.ready_pages() < host.page_num]
             assert during and during[0]  # the first pages were ready at once
             assert host.wait_ready(timeout=60)
+            recorded = {tuple(r) for r in host.kv_buffer._sglang_cuda_host_registered_ranges}
+            assert recorded == fake.held()  # SGLang's record kept up as the background registered
             assert all(write() for _ in range(20))
             assert host.available_size() == host.size - PAGE * 2 * (sum(during) + 20)
         finally:

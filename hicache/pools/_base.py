@@ -370,12 +370,18 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         reads it; without it, it would treat the buffer as one range). Progressive pools extend
         it as chunks register (`_progressive_mode`)."""
         with self.lock:  # a progressive pool's background chunks append under it
-            held = self._host.registered_ranges()
             records = []
-            for tensor in tensors:
+            early = getattr(self, "_early_ranges", None)
+            # progressive: what its chunks reported (no walk over the handle's registrations,
+            # whose length depends on how far the background thread got)
+            held = None if early is not None else self._host.registered_ranges()
+            for index, tensor in enumerate(tensors):
                 low = tensor.data_ptr()
                 high = low + tensor.numel() * tensor.element_size()
-                record = [(ptr, size) for ptr, size in held if low <= ptr < high]
+                if early is not None:
+                    record = [(low + offset, size) for buffer, offset, size in early if buffer == index]
+                else:
+                    record = [(ptr, size) for ptr, size in held if low <= ptr < high]
                 setattr(tensor, RANGES_ATTR, record)
                 records.append((tensor, record))
             self._range_records = records

@@ -102,6 +102,7 @@ class ProgressiveMixin:
         self._pages = PageAllocator(self.page_num, self.logical_page_size)
         self._pages.alloc(self.page_num * self.logical_page_size)
         self._readiness = PageReadiness(self)
+        self._early_ranges = []  # (buffer, offset, size) registered before the tensors are known
         parts = ordered_parts(self, self._readiness)
 
         def on_chunk(position: int, done: int, size: int) -> None:
@@ -125,15 +126,15 @@ class ProgressiveMixin:
         return torch.arange(first, pages.stop * self.logical_page_size, dtype=torch.int64)
 
     def _note_registered(self, buffer: int, offset: int, size: int) -> None:
-        """Extend the buffer's SGLang record of registered ranges (set once the bring-up
-        returned; what registered before is in it already)."""
+        """Note a registered chunk for the buffer's SGLang record of registered ranges: by
+        offset until the bring-up returns (the tensors exist then), on the record itself after
+        (under ``self.lock``, as `_record_ranges` reads it)."""
         records = getattr(self, "_range_records", None)
         if records is None:
+            self._early_ranges.append((buffer, offset, size))
             return
         tensor, record = records[buffer]
-        entry = (tensor.data_ptr() + offset, size)
-        if entry not in record:
-            record.append(entry)
+        record.append((tensor.data_ptr() + offset, size))
 
     def ready_pages(self) -> int:
         """Pages whose bytes are registered in every buffer (all of them unless progressive)."""
