@@ -15,17 +15,16 @@ Rounds: HICACHE_BENCH_ROUNDS (default 5). Needs `make sglang`; says so and exits
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _timing import interleaved, median_line  # noqa: E402
+from bench_allocator import _pairs_per_second, _script  # noqa: E402
 
 from hicache.effects import package_version  # noqa: E402
 from hicache.testing import fake_cuda, sglang_on_cpu  # noqa: E402
@@ -56,36 +55,18 @@ def _pair(theirs_cls, ours_cls, info, layout, page, base, **kw):
 def _alloc_free(pools, rounds: int) -> None:
     """Steady state at each occupancy: pairs of (alloc 1-32 pages, free a random held one)."""
     theirs, ours = pools
-    page = ours.page_size
     for occupancy in (0.10, 0.50, 0.90, 0.99):
-        rng = random.Random(int(occupancy * 100))
-        fill, pages = [], 0
-        while pages < occupancy * ours.page_num - 32:
-            size = rng.randint(1, 32)
-            fill.append(size)
-            pages += size
-        pairs = [(rng.randint(1, 32), rng.random()) for _ in range(2000)]
+        fill, pairs = _script(occupancy, seed=int(occupancy * 100))  # bench_allocator's script and loop
 
-        def run(pool):
-            def timed():
-                pool.clear()
-                held = [pool.alloc(size * page) for size in fill]
-                start = time.perf_counter()
-                for size, which in pairs:
-                    got = pool.alloc(size * page)
-                    if got is not None:
-                        held.append(got)
-                    index = int(which * len(held))
-                    held[index], held[-1] = held[-1], held[index]
-                    pool.free(held.pop())
-                return time.perf_counter() - start
-            return timed
+        def cleared(pool):
+            pool.clear()
+            return pool
 
         times = {"ours": [], "theirs": []}
         for _ in range(rounds):  # interleaved; the fill is not timed
-            times["ours"].append(run(ours)())
-            times["theirs"].append(run(theirs)())
-        print(median_line(f"alloc + free, {int(occupancy * 100)} % full, 2000 pairs (1M slots, 64-token pages)",
+            for name, pool in (("ours", ours), ("theirs", theirs)):
+                times[name].append(len(pairs) / _pairs_per_second(lambda pool=pool: cleared(pool), fill, pairs))
+        print(median_line(f"alloc + free, {int(occupancy * 100)} % full, {len(pairs)} pairs (1M slots, 64-token pages)",
                           times["ours"], "SGLang 0.5.23's pool", times["theirs"]), flush=True)
 
 

@@ -38,6 +38,7 @@ from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, Re
 from hicache.plan import plan_registration
 from hicache.compat import _sglang_log
 from hicache.pools._allocator import get_allocator_from_storage
+from hicache.pools._base import RANGES_ATTR
 
 __all__ = [
     "ALLOC_MEMORY_FUNCS",
@@ -54,7 +55,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_CUDA_HOST_REGISTERED_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
+_CUDA_HOST_REGISTERED_RANGES_ATTR = RANGES_ATTR  # SGLang's name for it, as its module exports it
 _REGISTRATION_ATTR = "_hicache_registration"
 CHUNK_ENV = SGLANG_CHUNK_ENV
 DEFAULT_CHUNK_GB = 256

@@ -45,9 +45,9 @@ from hicache.pools._views import layer_token_view
 
 logger = logging.getLogger(__name__)
 
-_FRAMEWORK_PINNED = ("npu", "musa")
+_FRAMEWORK_PINNED = ("npu", "musa")  # devices whose framework pins host memory itself
 #: SGLang's record of registered ranges on a host tensor (pool_host/common.py)
-RANGES_ATTR = "_sglang_cuda_host_registered_ranges"  # devices whose framework pins host memory itself
+RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
 
 
 def synchronized(func):
@@ -91,6 +91,13 @@ class Stream(NamedTuple):
     device: object  # callable(device_pool, layer) -> device tensor for that layer
     rows: bool = False  # whole page rows (DSA, DeepSeek-V4) instead of token slots
 
+
+
+def _layer_id(layer_id) -> int:
+    """A controller's layer id as an int (numpy/torch integers count; a bool does not)."""
+    if isinstance(layer_id, bool) or not hasattr(type(layer_id), "__index__"):
+        raise TransferError(f"layer_id must be an integer, got {layer_id!r} ({type(layer_id).__name__})")
+    return operator.index(layer_id)
 
 
 def _device_type(device_pool) -> str:
@@ -441,9 +448,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     def _check_layer(self, layer_id: int) -> int:
         """A pool-local layer id (``0..layer_num-1``: what SGLang's controller passes, also on a
         pipeline stage whose ``start_layer > 0``)."""
-        if isinstance(layer_id, bool) or not hasattr(type(layer_id), "__index__"):  # numpy/torch ints count
-            raise TransferError(f"layer_id must be an integer, got {layer_id!r} ({type(layer_id).__name__})")
-        layer = operator.index(layer_id)
+        layer = _layer_id(layer_id)
         if not 0 <= layer < self.layer_num:
             raise TransferError(f"layer_id {layer} out of range [0, {self.layer_num}) (pool-local ids)")
         return layer
@@ -474,9 +479,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         layer the pool does not hold - SGLang's own pools skip it too."""
         if self.sglang_form != "0.5.23":
             return [self._check_layer(layer_id)]
-        if isinstance(layer_id, bool) or not hasattr(type(layer_id), "__index__"):
-            raise TransferError(f"layer_id must be an integer, got {layer_id!r} ({type(layer_id).__name__})")
-        host = self.device_pool.resolve(operator.index(layer_id), is_draft=bool(is_draft))
+        host = self.device_pool.resolve(_layer_id(layer_id), is_draft=bool(is_draft))
         return [] if host is None else [host]
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,

@@ -26,6 +26,7 @@ from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._sglang_inputs import (
+    dsa_device,
     is_mamba_info,
     is_mha_info,
     is_mla_allocation,
@@ -634,22 +635,22 @@ def _split_heads_meta(pool, indices, split_factor: int):
 def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=(), pin_memory=True, device="cpu",
                         allocator_type="default", is_dummy=False, **kwargs):
     """SGLang 0.5.23's DSA indexer host pool from its `HostPoolDecl`, beside ``anchor_host``."""
-    from hicache.pools._sglang_inputs import dsa_device
-
     name = type(pool).__name__
-    view, layers = dsa_device(name, decl, tuple(packed_draft_device_pools), anchor_host)
+    view = dsa_device(name, decl, tuple(packed_draft_device_pools), anchor_host)
+    page_size = anchor_host.page_size
+    storage = decl.storage_info
+    geometry = DSAIndexerLayout(anchor_host.layout, layer_num=view.layer_num, index_head_dim=view.index_head_dim,
+                                page_size=page_size, page_num=1, quant_block_size=view.quant_block_size)
+    if geometry.bytes_per_token_per_layer() != storage.bytes_per_token_per_layer:  # before any memory
+        raise LayoutError(f"{name}: the declaration stores {storage.bytes_per_token_per_layer} bytes per token and "
+                          f"layer, the device pool's index geometry {geometry.bytes_per_token_per_layer()}")
     pool.decl = decl
     pool.mtp_draft_device_pools = tuple(packed_draft_device_pools)
-    page_size = anchor_host.page_size
     indexer_page_num = (anchor_host.size + page_size + 1) // page_size
     HostKVCache.__init__(pool, view, 1.0, 0, page_size, anchor_host.layout, pin_memory, device, allocator_type,
                          page_num=indexer_page_num, is_dummy=is_dummy, device_capacity_tokens=anchor_host.size,
-                         start_layer=view.start_layer, end_layer=getattr(decl.device_pool, "end_layer", layers),
+                         start_layer=view.start_layer, end_layer=getattr(decl.device_pool, "end_layer", view.layer_num),
                          **kwargs)
-    storage = decl.storage_info
-    if pool.descriptor.bytes_per_token_per_layer() != storage.bytes_per_token_per_layer:
-        raise LayoutError(f"{name}: the declaration stores {storage.bytes_per_token_per_layer} bytes per token and "
-                          f"layer, the device pool's index geometry {pool.descriptor.bytes_per_token_per_layer()}")
     # SGLang's fields: the anchor's slots and pages; the buffer holds indexer_page_num pages
     pool.indexer_page_num = indexer_page_num
     pool.indexer_dtype = storage.dtype

@@ -19,10 +19,6 @@ from hicache.errors import LayoutError
 _TOKEN_ROW_LAYOUTS = ("nhd",)
 
 
-def _fields(obj) -> set:
-    return set(getattr(type(obj), "__struct_fields__", ()) or ()) or set(vars(obj) if hasattr(obj, "__dict__") else ())
-
-
 def is_mha_info(obj) -> bool:
     """An `MHABufferInfo` (0.5.23): ``buffers`` with per-layer ``k``/``v`` and the head geometry."""
     buffers = getattr(obj, "buffers", None)
@@ -71,7 +67,6 @@ class BufferDevice:
     v_head_dim: int | None = None
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
-    data_ptrs: object = None
     mamba_cache: object = None  # Mamba: ``.temporal`` (per layer) and ``.conv`` (per conv state, per layer)
     mamba_facts: tuple = ()  # Mamba: ((state shape, dtype), ...) temporal first
     index_k_with_scale_buffer: tuple = ()  # DSA: per host layer, page rows
@@ -99,6 +94,19 @@ class BufferDevice:
         return self.host_layer.get(layer_id)
 
 
+def _checked(owner: str, infos, drafts_field: str, kind: str, is_kind):
+    """``(index, field name, description)`` of the target (index 0) and each packed draft, each
+    checked to be ``kind`` (``is_kind``) and then by its own ``validate()`` - SGLang's checks."""
+    for index, item in enumerate(infos):
+        name = "buffer_info" if index == 0 else f"{drafts_field}[{index - 1}]"
+        if not is_kind(item):
+            raise LayoutError(f"{owner}: {name} must be {kind}, got {type(item).__name__}")
+        validate = getattr(item, "validate", None)
+        if validate is not None:
+            validate()
+        yield index, name, item
+
+
 def _check_token_rows(owner: str, info, name: str) -> None:
     layout = getattr(getattr(info.buffers, "layout", None), "value", "nhd")
     if layout not in _TOKEN_ROW_LAYOUTS:
@@ -110,13 +118,7 @@ def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
     """A `BufferDevice` from an `MHABufferInfo` and its packed drafts (one layer each, same
     heads, widths, dtype and device), checked as SGLang's MHA host pool checks them."""
     infos = (info, *drafts)
-    for index, item in enumerate(infos):
-        name = "buffer_info" if index == 0 else f"draft_buffer_infos[{index - 1}]"
-        if not is_mha_info(item):
-            raise LayoutError(f"{owner}: {name} must be an MHABufferInfo, got {type(item).__name__}")
-        validate = getattr(item, "validate", None)
-        if validate is not None:
-            validate()
+    for index, name, item in _checked(owner, infos, "draft_buffer_infos", "an MHABufferInfo", is_mha_info):
         if getattr(item, "scales", None) is not None:
             raise LayoutError(f"{owner}: {name}.scales is set: hicache's MHA host pool does not copy KV scales")
         _check_token_rows(owner, item, name)
@@ -158,14 +160,10 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
                             layer_num=layers, target_layer_num=target_layer_num, host_layer={}, draft_base=0,
                             kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim)
     infos = (info, *drafts)
-    for index, item in enumerate(infos):
-        name = "buffer_info" if index == 0 else f"draft_buffer_infos[{index - 1}]"
-        if not is_mla_info(item) or not isinstance(getattr(item, "buffers", None), tuple):
-            raise LayoutError(f"{owner}: {name} must be an MLABufferInfo with a tuple of per-layer buffers "
-                              f"(split NPU buffers are not supported), got {type(item).__name__}")
-        validate = getattr(item, "validate", None)
-        if validate is not None:
-            validate()
+    checked = _checked(owner, infos, "draft_buffer_infos", "an MLABufferInfo with a tuple of per-layer buffers "
+                       "(split NPU buffers are not supported)",
+                       lambda item: is_mla_info(item) and isinstance(getattr(item, "buffers", None), tuple))
+    for index, name, item in checked:
         if getattr(item, "scales", None) is not None:
             raise LayoutError(f"{owner}: {name}.scales is set: packed FP4 payload and block scales cannot be restored")
         if index and ((item.kv_cache_dim, item.dtype) != (info.kv_cache_dim, info.dtype) or len(item.layer_indices) != 1):
@@ -180,7 +178,7 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
         dtype=info.dtype, device=info.device, size=int(device_capacity_tokens), start_layer=start_layer,
         layer_num=target_layer_num + len(drafts), target_layer_num=target_layer_num, host_layer=host_layer,
         draft_base=int(info.device_layer_num), kv_buffer=tuple(t for item in infos for t in item.buffers),
-        kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim, data_ptrs=info.data_ptrs,
+        kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
     )
 
 
@@ -195,13 +193,7 @@ def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> BufferDev
     state shapes and dtypes): per-layer views of the device tensors, targets then drafts, as
     SGLang's Mamba host pool copies them."""
     infos = (info, *drafts)
-    for index, item in enumerate(infos):
-        name = "buffer_info" if index == 0 else f"mtp_draft_buffer_infos[{index - 1}]"
-        if not is_mamba_info(item):
-            raise LayoutError(f"{owner}: {name} must be a MambaStateBufferInfo, got {type(item).__name__}")
-        validate = getattr(item, "validate", None)
-        if validate is not None:
-            validate()
+    for index, name, item in _checked(owner, infos, "mtp_draft_buffer_infos", "a MambaStateBufferInfo", is_mamba_info):
         if tuple(getattr(item, "extra_checkpoint_buffers", ()) or ()):
             raise LayoutError(f"{owner}: {name}.extra_checkpoint_buffers (per-slot side state) is not supported by "
                               "hicache's Mamba host pool; SGLang's own pool serves it")
@@ -223,10 +215,10 @@ def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> BufferDev
     )
 
 
-def dsa_device(owner: str, decl, drafts, anchor_host) -> tuple[BufferDevice, int]:
+def dsa_device(owner: str, decl, drafts, anchor_host) -> BufferDevice:
     """A `BufferDevice` from a DSA `HostPoolDecl` (its device pool's ``index_k_with_scale_buffer``
-    for the owned layers, then layer 0 of each packed draft pool) and the host layer count, as
-    SGLang's DSA indexer host pool maps them (drafts come as ``device layer_num + depth``)."""
+    for the owned layers, then layer 0 of each packed draft pool), as SGLang's DSA indexer host
+    pool maps them (drafts come as ``device layer_num + depth``)."""
     device_pool = decl.device_pool
     if getattr(device_pool, "layer_shard_enabled", False):
         raise LayoutError(f"{owner}: a layer-sharded DSA device pool is not supported by hicache's indexer host pool")
@@ -236,11 +228,10 @@ def dsa_device(owner: str, decl, drafts, anchor_host) -> tuple[BufferDevice, int
     targets = [layer for layer in range(device_pool.layer_num) if declared is None or layer in declared]
     buffers = [device_pool.index_k_with_scale_buffer[layer] for layer in targets]
     buffers += [draft.index_k_with_scale_buffer[0] for draft in drafts]
-    view = BufferDevice(
+    return BufferDevice(
         dtype=decl.storage_info.dtype, device=getattr(device_pool, "device", "cpu"), size=int(anchor_host.size),
         start_layer=getattr(device_pool, "start_layer", 0) or 0, layer_num=len(buffers), target_layer_num=len(targets),
         host_layer={layer: i for i, layer in enumerate(targets)}, draft_base=int(device_pool.layer_num),
         index_k_with_scale_buffer=tuple(buffers), index_head_dim=int(device_pool.index_head_dim),
         quant_block_size=int(getattr(device_pool, "quant_block_size", 128)),
     )
-    return view, len(buffers)

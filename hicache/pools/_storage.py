@@ -218,14 +218,9 @@ class StoragePagesMixin:
         step = self.logical_page_size
         if len(values) % step:
             raise TransferError(f"{len(values)} indices are not whole pages of {step}")
-        starts = values[::step]
         page_size = self.page_size
-        if self.dcp_size == 1 and starts and all(type(v) is int for v in starts):
-            # one pass of plain int arithmetic (SGLang's cost), the same checks as below
-            if min(starts) >= 0 and max(starts) < self.size and not any(v % page_size for v in starts):
-                return [v // page_size for v in starts]
         pages = []
-        for value in starts:
+        for value in values[::step]:  # index tensors take `_meta_tensor`; this is lists and bad indices
             index = self._storage_index(value)
             if index % page_size:
                 raise TransferError(f"index {value} does not start a page of {step}")
@@ -256,14 +251,13 @@ class StoragePagesMixin:
         each block of the page (`_meta_kinds`) as ``(ptr_list, size_list)`` of Python ints
         inside the registered host buffer. Every layout SGLang serves (layer_first: one block
         per layer and K/V)."""
+        self._alive()
+        kinds = self._meta_kinds()
         if hasattr(indices, "dim") and hasattr(indices, "div"):
-            self._alive()
-            kinds = self._meta_kinds()
             fast = self._meta_tensor(indices, kinds)
             if fast is not None:
                 return fast
         pages = self._meta_pages(indices)
-        kinds = self._meta_kinds()
         if len(kinds) == 1:
             ((ptr, step, size),) = kinds
             return [ptr + page * step for page in pages], [size] * len(pages)
