@@ -42,7 +42,7 @@ class _State:
         self.calls: dict[tuple[str, str], int] = {}  # (pool, result) -> calls of bring-ups no longer tracked
         self.last_rates = (0.0, 0.0)  # (pre-fault, register) bytes/s of the last bring-up
         self.registered: set = set()  # ids of the registries the collector is in
-        self.turnstile_waits: list = []
+        self.turnstile_waits = None  # the handles' reader of this process's turnstile waits
 
 
 _STATE = _State()
@@ -108,6 +108,7 @@ def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None,
         _retire(pool)
         _STATE.entries[pool] = entry
         _STATE.last_rates = rates
+        _STATE.turnstile_waits = getattr(type(handle), "turnstile_waits", None)
 
 
 def _retire(pool: str) -> None:
@@ -138,17 +139,8 @@ def released(pool: str) -> None:
             _STATE.entries[pool] = entry
 
 
-def observe_turnstile_wait(seconds: float) -> None:
-    """A register call's wait at the node-wide turnstile (kept for `hicache_turnstile_wait_seconds`)."""
-    with _STATE.lock:
-        _STATE.turnstile_waits.append(float(seconds))
-
-
 def _prefault_s(timings: dict, allocator):
     return timings.get("prefault_s") or getattr(allocator, "prefault_s", None) or timings.get("allocate_prefault_s")
-
-
-_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _Collector:
@@ -175,7 +167,7 @@ class _Collector:
             entries = list(_STATE.entries.items())
             tally = dict(_STATE.calls)
             rates = _STATE.last_rates
-            waits = list(_STATE.turnstile_waits)
+            read_waits = _STATE.turnstile_waits
         claims: dict = {}
         for pool, entry in entries:
             handle = entry.handle()
@@ -209,10 +201,11 @@ class _Collector:
                                           value=rates[0])
         register_rate = GaugeMetricFamily("hicache_register_bytes_per_second",
                                           "Registration rate of the last bring-up", value=rates[1])
-        counts = [sum(1 for w in waits if w <= bound) for bound in _BUCKETS]
-        buckets = [(str(bound), count) for bound, count in zip(_BUCKETS, counts)] + [("+Inf", len(waits))]
-        turnstile = HistogramMetricFamily("hicache_turnstile_wait_seconds", "Seconds register calls waited for the "
-                                          "node-wide turnstile", buckets=buckets, sum_value=sum(waits))
+        waits = read_waits() if read_waits is not None else {"buckets": [(float("inf"), 0)], "sum": 0.0}
+        buckets = [("+Inf" if bound == float("inf") else str(bound), count) for bound, count in waits["buckets"]]
+        turnstile = HistogramMetricFamily("hicache_turnstile_wait_seconds", "Seconds register calls waited for "
+                                          "their turn at the host's registration turnstile", buckets=buckets,
+                                          sum_value=waits["sum"])
         yield from (pool_bytes, registered, calls, seconds, prefault_rate, register_rate, ready, pages, budget,
                     turnstile)
 

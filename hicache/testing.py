@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
+import json
+import os
 import threading
 import time
 
@@ -63,6 +66,11 @@ class FakeCudart:
     ``register_bytes_per_s``: each register call takes size / rate seconds while holding one
     process-wide lock (the driver lock), for testing and benchmarking pacing and pipelining
     without a GPU; ``timeline`` records each successful call's start and end.
+    ``driver_lock=PATH`` makes that lock host-wide, as the real driver's is (a ``flock`` on the
+    file: processes sharing it wait for each other's calls, and `cudaMemGetInfo` waits for
+    them - what a co-located rank's probe suffers); ``shared_log=PATH`` appends one JSON line
+    per successful register call (pid, ptr, size, start, end on the host's monotonic clock)
+    for tests that watch several processes.
 
     Faults, by 0-based call index of that function: ``fail_register={k: code}``,
     ``fail_unregister={k: code}`` (a sticky code there poisons the context from then on),
@@ -74,10 +82,13 @@ class FakeCudart:
     def __init__(
         self, *, fail_register=None, fail_unregister=None, interrupt_register=None,
         interrupt_unregister=None, register_bytes_per_s: float | None = None,
+        driver_lock: str | None = None, shared_log: str | None = None,
     ):
         if register_bytes_per_s is not None and not register_bytes_per_s > 0:
             raise ValueError(f"register_bytes_per_s must be positive, got {register_bytes_per_s!r}")
         self.register_bytes_per_s = register_bytes_per_s
+        self.driver_lock = None if driver_lock is None else str(driver_lock)
+        self.shared_log = None if shared_log is None else str(shared_log)
         self.timeline: list[tuple] = []  # ("register", ptr, size, start, end) of successful calls
         self.fail_register = dict(fail_register or {})
         self.fail_unregister = dict(fail_unregister or {})
@@ -112,16 +123,44 @@ class FakeCudart:
         with self._state:
             if any(base < ptr + size and ptr < base + held for base, held in self.registered.items()):
                 return self._fail(ALREADY_REGISTERED)
-        start = time.perf_counter()
+        start, host_start = time.perf_counter(), time.monotonic()
         if self.register_bytes_per_s:  # a driver pinning at this rate, under its one lock
-            with _DRIVER_LOCK:
+            with _DRIVER_LOCK, self._host_driver():
                 time.sleep(size / self.register_bytes_per_s)
         with self._state:
             self.timeline.append(("register", ptr, size, start, time.perf_counter()))
             self.registered[ptr] = size
+        if self.shared_log is not None:
+            line = json.dumps({"pid": os.getpid(), "ptr": ptr, "size": size, "start": host_start,
+                               "end": time.monotonic()}) + "\n"
+            fd = os.open(self.shared_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line.encode())  # one short O_APPEND write: lines never interleave
+            finally:
+                os.close(fd)
         if self.interrupt_register.get(call) == "after":
             raise KeyboardInterrupt(f"fake interrupt after register call {call}")
         return SUCCESS
+
+    @contextlib.contextmanager
+    def _host_driver(self):
+        """The host-wide driver lock (``driver_lock=``), held for the block; nothing without one."""
+        if self.driver_lock is None:
+            yield
+            return
+        fd = os.open(self.driver_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # dies with its holder, as the driver's hold does
+            yield
+        finally:
+            os.close(fd)
+
+    def cudaMemGetInfo(self):
+        """``(0, free, total)`` once the driver lock is free - the call a co-located rank's
+        probe makes (it waits behind a register call in flight, host-wide with ``driver_lock=``)."""
+        with _DRIVER_LOCK, self._host_driver():
+            pass
+        return SUCCESS, 0, 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
         call = self.unregister_calls

@@ -15,13 +15,15 @@ FACE = "hicache.effects"
 FACE_LIMIT = 35
 
 #: Which rooms a room of hicache.effects may import (itself always): downward only.
-ALLOWED = {  # _interrupts and _trace are leaves every room may use (Ctrl-C handling, the trace)
+LEAVES = {"_interrupts", "_trace", "_rundir"}  # every room may use them (Ctrl-C, the trace, the runtime dir)
+ALLOWED = {
     "_interrupts": set(),
     "_trace": set(),
-    "_cuda": {"_interrupts", "_trace"},
-    "_host": {"_interrupts", "_trace", "_cuda"},
-    "_copy": {"_interrupts", "_trace", "_cuda"},
-    "_bringup": {"_interrupts", "_trace", "_cuda", "_host", "_copy"},
+    "_rundir": set(),
+    "_cuda": LEAVES,
+    "_host": LEAVES | {"_cuda"},
+    "_copy": LEAVES | {"_cuda"},
+    "_bringup": LEAVES | {"_cuda", "_host", "_copy"},
 }
 
 

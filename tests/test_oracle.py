@@ -159,3 +159,42 @@ def test_paced_plans_keep_every_law_and_the_oracle(family, data):
             start, end = byte_interval(view)
             holder = paced.ranges[bisect.bisect_right(ends, start)]
             assert holder.offset <= start and end <= holder.end, (start, end, holder)
+
+
+@pytest.mark.parametrize("family", sorted(LAYOUT_STRATEGIES))
+@given(data=st.data())
+def test_a_paced_head_keeps_every_law_and_the_oracle(family, data):
+    """The turnstile paces blocking bring-ups call by call (`pace_head`: the next call split
+    off a range at the measured budget, the rest kept whole): the result is a valid plan, the
+    head fits the budget unless one aligned block does not, head + rest are the range, and
+    no page copy straddles two registrations - also after pacing the rest again."""
+    from hicache.plan import pace_head
+
+    layout, limits = data.draw(layout_and_limits(family))
+    pool = plan_pool(layout, limits)
+    for buffer in pool.buffers:
+        plan = buffer.plan
+        if not plan.ranges:
+            continue
+        index = data.draw(st.integers(0, len(plan.ranges) - 1))
+        target = plan.ranges[index]
+        paced = plan
+        for _ in range(data.draw(st.integers(1, 3))):  # the rest re-paced at the next call
+            budget = data.draw(st.integers(1, max(1, paced.ranges[index].size)))
+            before = paced.ranges[index]
+            paced = pace_head(paced, index, budget)
+            alignment = plan.alignment_bytes or plan.granularity_bytes
+            assert len(paced.ranges) - len(plan.ranges) <= 3
+            if paced.ranges[index] != before:
+                head, rest = paced.ranges[index], paced.ranges[index + 1]
+                assert head.size <= max(budget, alignment) and rest.offset == head.end and rest.end == before.end
+            if index + 1 < len(paced.ranges) and paced.ranges[index + 1].end <= target.end:
+                index += 1  # pace the rest next, as the executor does
+        assert paced.total_bytes == plan.total_bytes and [r.offset for r in paced.ranges][0] == 0
+        spec = buffer.spec
+        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.itemsize], device="meta")
+        ends = [r.end for r in paced.ranges]
+        for view in page_copies(layout, spec.name, tensor):
+            start, end = byte_interval(view)
+            holder = paced.ranges[bisect.bisect_right(ends, start)]
+            assert holder.offset <= start and end <= holder.end, (start, end, holder)

@@ -35,7 +35,7 @@ from hicache.plan._limits import (
     kernel_pin_cap,
     parse_kernel_release,
 )
-from hicache.plan._planner import RegistrationPlan, pace, plan_registration, replan
+from hicache.plan._planner import RegistrationPlan, pace, pace_head, plan_registration, replan
 from hicache.plan._models import (
     DEFAULT_MODEL,
     KV_DTYPES,
@@ -62,6 +62,7 @@ from hicache.plan._units import format_bytes, format_gb, parse_size
 
 __all__ = [
     "pace",
+    "pace_head",
     "CAPACITY_DEFAULTS",
     "SETTINGS_ENV",
     "IntervalSet",

@@ -305,3 +305,17 @@ def pace(plan: RegistrationPlan, index: int, budget_bytes: int) -> RegistrationP
         notes += (f"pace: a {format_bytes(budget)} budget is below the {format_bytes(alignment)} boundary "
                   f"alignment; ranges[{index}] split into {format_bytes(step)} calls",)
     return attrs.evolve(plan, ranges=plan.ranges[:index] + pieces + plan.ranges[index + 1:], notes=notes)
+
+
+def pace_head(plan: RegistrationPlan, index: int, budget_bytes: int) -> RegistrationPlan:
+    """Split only the next call off ``ranges[index]``: its first `pace` piece of at most
+    ``budget_bytes`` (never below the plan's boundary alignment) and the rest of the range as
+    one more range - the executor re-paces that rest at its next call with the rate measured
+    meanwhile (a whole range cut to the first, unmeasured budget would be thousands of calls).
+    The result is a `RegistrationPlan`, checked range by range."""
+    paced = pace(plan, index, budget_bytes)
+    if paced is plan:
+        return plan
+    head, target = paced.ranges[index], plan.ranges[index]
+    rest = Range(head.offset + head.size, target.size - head.size)
+    return attrs.evolve(plan, ranges=plan.ranges[:index] + (head, rest) + plan.ranges[index + 1:], notes=paced.notes)

@@ -26,6 +26,7 @@ from hicache.effects._bringup._lock import budget_lock
 from hicache.effects._cuda._executor import _apply
 from hicache.effects._cuda._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration, check_max_stall
 from hicache.effects._cuda._runtime import default_runtime
+from hicache.effects._cuda import _turnstile
 from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._probes import probe_machine
 import hicache.effects._trace as _trace
@@ -164,6 +165,7 @@ def bring_up(
     owns_memory: bool = True,
     device: str = "cpu",
     trace: str | None = None,
+    turnstile="auto",
 ) -> HostPools:
     """Bring ``pools`` up - one `PoolPlan`, several (a model's pools on one rank; buffers named
     ``index/buffer``) or `BufferRequest`s - and return the `HostPools` handle that owns them.
@@ -178,11 +180,15 @@ def bring_up(
     override its available memory and rank count in the budget; ``lock``: a `BudgetLock` (default `budget_lock()`); ``budget=False`` skips the
     budget (memory someone else already budgeted); ``owns_memory=False`` leaves freeing to
     the tensors' owner. ``trace``: write a Chrome trace-event JSON of this and every later
-    bring-up of the process to that file (as HICACHE_TRACE=FILE does). Raises `CapacityError`
+    bring-up of the process to that file (as HICACHE_TRACE=FILE does). ``turnstile``: the
+    host's registration turnstile every register call waits its turn at (``"auto"``:
+    HICACHE_PIN_CONCURRENCY's - turns always, calls paced while another process brings up
+    pools; None: off; or a `Turnstile`). Raises `CapacityError`
     before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
     """
     _trace.start(trace) if trace else _trace.from_env()  # record this process's bring-ups (HICACHE_TRACE=FILE)
+    turnstile = _turnstile.resolve(turnstile)  # a bad HICACHE_PIN_CONCURRENCY: an error before anything is held
     requests = _requests(pools, dtypes, register)
     allocator = host_allocator(allocator)
     mode = _mode(mode, requests, allocator, device)
@@ -192,7 +198,7 @@ def bring_up(
     def fill() -> None:  # what happens under the budget lock: until the memory is resident
         if mode == PIPELINED:
             with _trace.span("map + pre-fault + register (pipelined)", "phase", bytes=handle.total_bytes):
-                _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+                _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger, turnstile)
         elif mode == BLOCKING:
             with _trace.span("allocate + pre-fault", "phase", bytes=handle.total_bytes):
                 _allocate(handle, requests, device)
@@ -221,10 +227,10 @@ def bring_up(
         handle.timings["allocate_prefault_s"] = time.perf_counter() - start
         if mode == BLOCKING:
             with _trace.span("register", "phase", bytes=handle.total_bytes):
-                _register(handle, requests, runtime, flags, progress, retry_halvings, ledger)
+                _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, turnstile=turnstile)
         elif isinstance(mode, Progressive):
             with _trace.span("first calls (progressive; the rest in the background)", "phase"):
-                _progressive(handle, requests, mode, runtime, ledger, start)
+                _progressive(handle, requests, mode, runtime, ledger, start, turnstile)
         handle.timings["ready_s"] = time.perf_counter() - start  # budget wait included: what a caller waited
         handle._activate()
         _trace.flush()  # inside the try: a Ctrl-C here still undoes everything
@@ -242,7 +248,8 @@ def _items(handle: HostPools, requests) -> list:
             for r, t in zip(requests, handle.tensors) if r.plan is not None and r.plan.total_bytes]
 
 
-def _register(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, before_call=None) -> None:
+def _register(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, before_call=None,
+              turnstile=None) -> None:
     items = _items(handle, requests)
     handle.plans = [plan for _, _, plan in items]
     if not items:
@@ -251,7 +258,7 @@ def _register(handle: HostPools, requests, runtime, flags, progress, retry_halvi
     with deferred_interrupts():  # a Ctrl-C after the last call lands once it is stored
         registration = _apply(
             items, runtime=runtime, flags=flags, progress=progress,
-            retry_halvings=retry_halvings, ledger=ledger, before_call=before_call,
+            retry_halvings=retry_halvings, ledger=ledger, before_call=before_call, turnstile=turnstile,
         )
         handle._hold_registration(registration)
     handle.timings["register_s"] = registration.status().register_seconds
@@ -267,13 +274,14 @@ def _unfaulted(handle: HostPools, requests) -> list:
     return buffers
 
 
-def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger) -> None:
+def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, turnstile) -> None:
     """Map every buffer unfaulted, fault them in the background, register as they become
     resident; the faulting thread is stopped and joined before anything can be freed."""
     buffers = _unfaulted(handle, requests)
     faulter = Prefaulter(buffers, threads=handle.allocator.prefault_threads).start()
     try:
-        _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, before_call=faulter.wait)
+        _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, before_call=faulter.wait,
+                  turnstile=turnstile)
     except BaseException:
         faulter.stop()  # after the piece in flight; the memory is freed only once it has ended
         faulter.join(quiet=True)  # the executor's error (it carries any faulting error) wins
@@ -298,7 +306,8 @@ def _allocate(handle: HostPools, requests, device: str) -> None:
         handle.tensors.append(handle.allocator.allocate(request.shape, dtype=dtype, device=device))
 
 
-def _progressive(handle: HostPools, requests, settings: Progressive, runtime, ledger, start: float) -> None:
+def _progressive(handle: HostPools, requests, settings: Progressive, runtime, ledger, start: float,
+                 turnstile=None) -> None:
     """Fault and register call by call: the first calls here, until ``settings.ready()``, the
     rest in the background. Both threads are in the handle's books before either starts, so a
     failing start is undone by the handle's release."""
@@ -328,7 +337,7 @@ def _progressive(handle: HostPools, requests, settings: Progressive, runtime, le
                                    threads=handle.allocator.prefault_threads)
     registration = ProgressiveRegistration(
         chunks, runtime=default_runtime() if runtime is None else runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=settings.max_stall_s,
-        key=settings.key, before_call=faulting.before_call, resident=faulting.resident,
+        key=settings.key, before_call=faulting.before_call, resident=faulting.resident, turnstile=turnstile,
     )
     handle._hold_progressive(registration, faulting)
     # the registration thread first, then the pre-fault (no thread starts while a pre-fault

@@ -18,6 +18,7 @@ import warnings
 import weakref
 
 from hicache.effects._cuda._registration import _leak_message
+from hicache.effects._cuda._turnstile import wait_histogram
 from hicache.effects._host._memory import quarantine, unquarantine
 from hicache.effects._host._tiers import page_tiers, read_smaps
 import hicache.effects._trace as _trace
@@ -261,6 +262,13 @@ class HostPools:
         budget = self._books.budget
         snapshot = getattr(budget[0], "snapshot", None) if budget is not None else None
         return snapshot() if snapshot is not None else {}
+
+    @staticmethod
+    def turnstile_waits() -> dict:
+        """How long this process's register calls waited for their turn at the host's
+        registration turnstile (every bring-up together): ``buckets`` of ``(upper bound,
+        cumulative count)``, ``count``, ``sum`` seconds (`hicache_turnstile_wait_seconds`)."""
+        return wait_histogram()
 
     def tiers(self) -> list:
         """``(buffer name, PageTiers)`` per buffer: the bytes the kernel backs with hugetlbfs

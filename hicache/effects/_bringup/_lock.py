@@ -24,13 +24,13 @@ import json
 import logging
 import math
 import os
-import stat
 import threading
 import time
 from pathlib import Path
 
+from hicache.effects._rundir import private_dir as _private_dir, runtime_dir
 from hicache.effects._trace import span
-from hicache.errors import EnvError, LockDirectoryError, LockTimeoutError, RegistrationStateError
+from hicache.errors import EnvError, LockTimeoutError, RegistrationStateError
 
 logger = logging.getLogger(__name__)
 
@@ -51,40 +51,6 @@ def lock_timeout_s(env=None) -> float | None:
     if not math.isfinite(seconds) or seconds <= 0:
         raise EnvError(f"environment variable {LOCK_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
     return seconds
-
-
-def runtime_dir(env=None) -> Path:
-    """HICACHE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/hicache, else /tmp/hicache-<uid>."""
-    env = os.environ if env is None else env
-    if env.get("HICACHE_RUNTIME_DIR"):
-        return Path(env["HICACHE_RUNTIME_DIR"])
-    if env.get("XDG_RUNTIME_DIR"):
-        return Path(env["XDG_RUNTIME_DIR"], "hicache")
-    return Path(f"/tmp/hicache-{os.getuid()}")
-
-
-def _private_dir(path: Path) -> Path:
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as error:
-        raise LockDirectoryError(
-            f"lock directory {path} cannot be created: {error.strerror} (set HICACHE_RUNTIME_DIR to a "
-            "private directory of yours)"
-        ) from None
-    try:
-        info = os.lstat(path)
-    except OSError as error:
-        raise LockDirectoryError(f"lock directory {path} cannot be read: {error.strerror}") from None
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise LockDirectoryError(f"lock directory {path} is not a plain directory")
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise LockDirectoryError(
-            f"lock directory {path} must be owned by uid {os.getuid()} with mode 0700 "
-            f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
-        )
-    return path
 
 
 #: Per lock file of this process: how many BudgetLocks hold it, and budget to give back once

@@ -24,6 +24,7 @@ from hicache.effects._cuda._registration import (
     _undo,
 )
 from hicache.effects._cuda._runtime import HostRuntime
+from hicache.effects._cuda import _turnstile
 from hicache.errors import (
     ApplyError,
     CudaCallError,
@@ -34,7 +35,7 @@ from hicache.errors import (
     RollbackError,
     StickyCudaError,
 )
-from hicache.plan import PoolPlan, RegistrationPlan, replan
+from hicache.plan import PoolPlan, RegistrationPlan, pace_head, replan
 from hicache.plan._checks import check_int
 from hicache.effects._cuda._codes import ALREADY_REGISTERED, NAMES
 
@@ -73,11 +74,13 @@ def _check_items(items, runtime, flags) -> None:
             )
 
 
-def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_call=None) -> Registration:
+def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_call=None, turnstile=None) -> Registration:
     """The transaction. ``before_call(item_index, end_offset, stop)``, when given, runs before
     each register call and returns once the bytes up to ``end_offset`` of that item are ready
-    (the pipelined bring-up: they are pre-faulted meanwhile); ``stop()`` says a Ctrl-C is held."""
+    (the pipelined bring-up: they are pre-faulted meanwhile); ``stop()`` says a Ctrl-C is held.
+    ``turnstile``: each call waits for its turn at the host's driver, paced (`_turnstile`)."""
     _check_items(items, runtime, flags)
+    turnstile = _turnstile.resolve(turnstile)
     ledger = PROCESS_LEDGER if ledger is None else ledger
     spans = [(base, plan.total_bytes) for _, base, plan in items if plan.total_bytes]
     journal: list[RegisteredRange] = []
@@ -99,11 +102,16 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                 op="cudaHostRegister", code=ALREADY_REGISTERED, name=NAMES[ALREADY_REGISTERED],
                 ptr=ptr, size=size,
             )
+        member = turnstile is not None
+        if member:
+            turnstile.join()  # other processes' auto turnstiles pace while this one registers
         try:
             for buffer_index, (name, base, plan) in enumerate(items):
                 halvings, index = retry_halvings, 0
                 while index < len(plan.ranges):
                     interrupt_requested(held)
+                    if turnstile is not None and turnstile.paces():  # this call within the stall budget
+                        plan = pace_head(plan, index, turnstile.budget_bytes())
                     item = plan.ranges[index]
                     if before_call is not None:
                         where = f"buffer {name!r} chunk {index + 1}: waiting for its pre-fault"
@@ -113,11 +121,19 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                         f"buffer {name!r} chunk {index + 1} of {len(plan.ranges)} "
                         f"(offset={item.offset}, size={item.size}, ptr=0x{base + item.offset:x})"
                     )
+                    turn = None
+                    if turnstile is not None:
+                        turn = turnstile.acquire(stop=lambda: held.pending)  # in arrival order, host-wide
+                        if turn is None:  # it stopped waiting for a held Ctrl-C: no call was made
+                            held.consume()
+                            raise KeyboardInterrupt
                     in_flight = RegisteredRange(name, index, base + item.offset, item.size)
+                    registered = False
                     try:
                         with span("cudaHostRegister", "register", buffer=name, chunk=index, offset=item.offset,
                                   size=item.size, ptr=base + item.offset):
                             runtime.register(base + item.offset, item.size, flags)
+                        registered = True
                     except CudaCallError as error:
                         in_flight = None  # CUDA answered: the range is certainly not registered
                         if halvings <= 0 or isinstance(error, _NOT_RETRYABLE):
@@ -129,6 +145,9 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                         halvings -= 1
                         retries += 1
                         continue
+                    finally:
+                        if turn is not None:  # a registered call's time measures the rate calls are paced by
+                            turn.release(item.size if registered else None)
                     journal.append(in_flight)
                     in_flight = None
                     done += item.size
@@ -138,10 +157,14 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                             name, buffer_index, index, len(plan.ranges), done, total,
                             time.perf_counter() - start,
                         ))
+            if member:
+                member = turnstile.leave()  # no call is left to make
             where = "after the last call"
             interrupt_requested(held)
             return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))
         except BaseException as failure:
+            if member:
+                turnstile.leave()
             undone: list = []
             leaked, unknown, interrupt = _undo(runtime, journal, in_flight, undone)
             ledger.replace([ptr for ptr, _ in spans], leaked + unknown)  # both stay off-limits
@@ -175,6 +198,7 @@ def apply_plan(
     retry_halvings: int = 0,
     ledger: HostLedger | None = None,
     name: str = "buffer",
+    turnstile=None,
 ) -> Registration:
     """Register ``plan``'s ranges at ``base_ptr`` in order, all or nothing.
 
@@ -189,7 +213,7 @@ def apply_plan(
     """
     return _apply(
         [(name, base_ptr, plan)], runtime=runtime, flags=flags, progress=progress,
-        retry_halvings=retry_halvings, ledger=ledger,
+        retry_halvings=retry_halvings, ledger=ledger, turnstile=turnstile,
     )
 
 
@@ -212,6 +236,7 @@ def apply_pool_plan(
     progress=None,
     retry_halvings: int = 0,
     ledger: HostLedger | None = None,
+    turnstile=None,
 ) -> Registration:
     """Register every buffer of ``pool_plan`` as **one** transaction (see `apply_plan`).
 
@@ -221,7 +246,7 @@ def apply_pool_plan(
     items = _pool_items(pool_plan, base_ptrs, "apply_pool_plan")
     return _apply(
         items, runtime=runtime, flags=flags, progress=progress,
-        retry_halvings=retry_halvings, ledger=ledger,
+        retry_halvings=retry_halvings, ledger=ledger, turnstile=turnstile,
     )
 
 

@@ -22,7 +22,8 @@ import threading
 import attrs
 
 from hicache.effects._cuda._executor import _apply
-from hicache.effects._interrupts import deferred_interrupts
+from hicache.effects._cuda import _turnstile
+from hicache.effects._interrupts import deferred_interrupts, interrupt_requested
 from hicache.effects._cuda._runtime import default_runtime
 from hicache.errors import ApplyError, PlanError, ReleaseError
 from hicache.plan import Limits, pace, plan_registration
@@ -30,10 +31,10 @@ from hicache.plan import Limits, pace, plan_registration
 #: The first call of a progressive bring-up registers at most this much: its rate is unknown
 #: yet (the issue's cap is 256 MiB), and the first page waits for it and for faulting its bytes
 #: (hicache.effects._bringup._faulting.FIRST_PIECE_BYTES, the same 16 MiB) - not for 256 MiB of both.
-FIRST_CALL_BYTES = 16 * 2**20
+FIRST_CALL_BYTES = _turnstile.FIRST_CALL_BYTES
 #: Default stall budget: no single call should hold the driver lock longer (it blocks every
 #: other CUDA call of the process meanwhile - a serving engine's included).
-MAX_STALL_S = 0.25
+MAX_STALL_S = _turnstile.DEFAULT_MAX_STALL_S
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class ProgressiveRegistration:
     ``on_chunk(index, offset, size)`` after each call."""
 
     def __init__(self, chunks, *, runtime=None, ledger=None, flags: int = 0, on_chunk=None, before_call=None,
-                 resident=None, key=None, max_stall_s: float | None = MAX_STALL_S) -> None:
+                 resident=None, key=None, max_stall_s: float | None = MAX_STALL_S, turnstile=None) -> None:
         """``before_call(index, end, stop)``: runs before each call on chunk ``index`` and returns
         once the chunk's first ``end`` bytes are resident (the pool's background pre-fault): a
         paced call waits for its own bytes, not the whole chunk's. ``resident(index, done,
@@ -100,8 +101,10 @@ class ProgressiveRegistration:
         first page needs one call on each, not a whole 64 GiB chunk of K first. ``max_stall_s``:
         pace the calls - the first at most `FIRST_CALL_BYTES`, then what the measured rate
         registers in that many seconds (`hicache.plan.pace`: never below the plan's boundary
-        alignment); None: one call per chunk."""
+        alignment); None: one call per chunk. ``turnstile``: each call waits for its turn at
+        the host's driver and is paced to the turnstile's stall budget too (`_turnstile`)."""
         self.chunks = list(chunks)
+        self.turnstile = _turnstile.resolve(turnstile)
         self.before_call = before_call
         self.resident = resident
         self.key = key if key is not None else chunk_order
@@ -127,11 +130,13 @@ class ProgressiveRegistration:
         self.at: tuple[int, int] = (0, 0)  # (chunk index, bytes into it) of the call in progress
 
     def _budget(self) -> int | None:
-        if self.max_stall_s is None:
-            return None
-        if not self._seconds:
-            return FIRST_CALL_BYTES
-        return max(1, int(self._bytes / self._seconds * self.max_stall_s))
+        own = None
+        if self.max_stall_s is not None:
+            own = FIRST_CALL_BYTES if not self._seconds else max(1, int(self._bytes / self._seconds * self.max_stall_s))
+        if self.turnstile is not None and self.turnstile.paces():  # the host's stall budget too
+            host = self.turnstile.budget_bytes()
+            return host if own is None else min(own, host)
+        return own
 
     def _step(self) -> bool:
         """Register the next call; False once nothing is left or a stop was asked for (the
@@ -154,9 +159,21 @@ class ProgressiveRegistration:
                 return False  # nothing of this call registered yet
         plan = _single_plan(chunk, chunk.ptr + done, piece.size)
         self.at = (index, done)  # what a failure names: the chunk of the whole bring-up, not "1 of 1"
-        with deferred_interrupts():  # a Ctrl-C between the call and its book entry would drop it
-            registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime,
-                                  flags=self.flags, progress=None, retry_halvings=0, ledger=self.ledger)
+        with deferred_interrupts() as held:  # a Ctrl-C between the call and its book entry would drop it
+            turn = None
+            if self.turnstile is not None:  # waited for here: a stop ends the wait, not as a failed call
+                turn = self.turnstile.acquire(stop=lambda: held.pending or self._stop.is_set())
+                if turn is None:
+                    interrupt_requested(held)
+                    return False  # stopped: nothing of this call registered
+            registration = None
+            try:
+                registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime,
+                                      flags=self.flags, progress=None, retry_halvings=0, ledger=self.ledger,
+                                      turnstile=self.turnstile)  # the same turn, re-entered
+            finally:
+                if turn is not None:  # a registered call's time measures the rate calls are paced by
+                    turn.release(piece.size if registration is not None else None)
             with self._lock:
                 self.registrations.append(registration)
         seconds = registration.status().register_seconds
@@ -181,7 +198,14 @@ class ProgressiveRegistration:
         if ready is None:
             ready = lambda: bool(self.calls)  # noqa: E731
         self._thread = threading.Thread(target=self._run, name="hicache-progressive", daemon=True)
-        self._thread.start()  # it waits for the foreground part to end
+        if self.turnstile is not None:
+            self.turnstile.join()  # a member until the background thread ends (it leaves)
+        try:
+            self._thread.start()  # it waits for the foreground part to end
+        except BaseException:
+            if self.turnstile is not None:
+                self.turnstile.leave()
+            raise
         try:
             if begin is not None:
                 begin()
@@ -195,8 +219,8 @@ class ProgressiveRegistration:
         return self
 
     def _run(self) -> None:
-        self._go.wait()
         try:
+            self._go.wait()
             while self._step():
                 pass
         except BaseException as error:  # the pool keeps working at its registered prefix
@@ -205,6 +229,9 @@ class ProgressiveRegistration:
             logger.error("background registration stopped at chunk %d of %d (%s, %d bytes into it); %d of %d "
                          "chunks wholly registered: %s", index + 1, len(self.chunks), self.chunks[index].buffer, done,
                          self.completed, len(self.chunks), error)
+        finally:
+            if self.turnstile is not None:
+                self.turnstile.leave()
 
     def registered(self) -> list:
         """The `Registration` of every call made and not yet released, in order."""

@@ -1,0 +1,412 @@
+"""The host's registration turnstile (issue #21 item 1): processes sharing the runtime directory
+take turns at the driver - at most HICACHE_PIN_CONCURRENCY register calls in flight, in arrival
+order, paced to the stall budget; a dead holder never blocks; threads re-enter; Ctrl-C and a
+stop leave the queue.
+
+Several processes against a fake driver whose lock is host-wide (a ``flock``, as the real
+driver's hold is) and a shared call log; threads in this process for the finer laws. No test
+reads a clock to judge speed except the probe bound, which allows a whole second of slack."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from machine import ROOMY
+
+from hicache.effects import BufferRequest, HostPools, Progressive, apply_plan, bring_up
+from hicache.effects._cuda import _turnstile
+from hicache.effects._cuda._turnstile import FIRST_CALL_BYTES, Turnstile, from_env
+from hicache.errors import ApplyError, EnvError, PlanError, caused_by_interrupt
+from hicache.plan import Limits, plan_registration
+from hicache.testing import FakeCudart, FakeRuntime
+
+MiB = 2**20
+CHILD = Path(__file__).parent / "turnstile_child.py"
+
+
+@pytest.fixture
+def directory(tmp_path) -> Path:
+    path = tmp_path / "run"
+    path.mkdir(mode=0o700)
+    return path
+
+
+def _tickets(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory / "turnstile") if n.startswith("t."))
+
+
+def _max_overlap(intervals) -> int:
+    """The most intervals in flight at one instant (an end before a start at the same time)."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
+    running = most = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return most
+
+
+# --- the environment -----------------------------------------------------------------------
+
+def test_the_environment_chooses_the_turnstile(directory):
+    auto = from_env({}, directory=directory)
+    assert (auto.concurrency, auto.auto, auto.max_stall_s) == (1, True, 0.25)
+    assert from_env({"HICACHE_PIN_CONCURRENCY": "auto"}, directory=directory).auto
+    three = from_env({"HICACHE_PIN_CONCURRENCY": " 3 ", "HICACHE_PIN_MAX_STALL_S": "0.5"}, directory=directory)
+    assert (three.concurrency, three.auto, three.max_stall_s) == (3, False, 0.5)
+    for off in ("off", "0", "OFF", "false"):
+        assert from_env({"HICACHE_PIN_CONCURRENCY": off}, directory=directory) is None
+
+
+@pytest.mark.parametrize("name, value", [
+    ("HICACHE_PIN_CONCURRENCY", "abc"), ("HICACHE_PIN_CONCURRENCY", "-1"), ("HICACHE_PIN_CONCURRENCY", "1.5"),
+    ("HICACHE_PIN_MAX_STALL_S", "x"), ("HICACHE_PIN_MAX_STALL_S", "0"), ("HICACHE_PIN_MAX_STALL_S", "inf"),
+])
+def test_a_bad_setting_is_an_error_naming_it_before_anything_is_held(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    allocations = []
+
+    class Refusing:
+        can_map_unfaulted = False
+
+        def allocate(self, *args, **kwargs):  # pragma: no cover - the error comes first
+            allocations.append(args)
+            raise AssertionError("allocated")
+
+    with pytest.raises(EnvError, match=f"{name}={value!r}"):
+        bring_up([BufferRequest("kv", (4096,), None, plan_registration(4096, granularity_bytes=4096,
+                                                                         limits=Limits(chunk_limit_bytes=4096)))],
+                 runtime=FakeRuntime(), allocator=Refusing(), machine=ROOMY)
+    assert allocations == []
+
+
+def test_bad_constructor_values_name_the_field(directory):
+    with pytest.raises(PlanError, match="concurrency"):
+        Turnstile(directory, concurrency=0)
+    with pytest.raises(PlanError, match="max_stall_s"):
+        Turnstile(directory, max_stall_s=float("nan"))
+    with pytest.raises(PlanError, match="turnstile must be"):
+        _turnstile.resolve("on")
+
+
+# --- turns between threads -----------------------------------------------------------------
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_threads_never_hold_more_turns_than_allowed(directory, concurrency):
+    turnstile = Turnstile(directory, concurrency=concurrency, poll_s=0.0005)
+    intervals, lock = [], threading.Lock()
+
+    def worker():
+        for _ in range(15):
+            turn = turnstile.acquire()
+            start = time.monotonic()
+            time.sleep(0.003)
+            end = time.monotonic()
+            turn.release()
+            with lock:
+                intervals.append((start, end))
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(intervals) == 60
+    assert _max_overlap(intervals) == concurrency  # never more, and the allowance is used
+    assert _tickets(directory) == []
+
+
+def test_turns_go_in_arrival_order(directory):
+    turnstile = Turnstile(directory, poll_s=0.0005)
+    first = turnstile.acquire()
+    order = []
+
+    def waiter(name):
+        turn = turnstile.acquire()
+        order.append(name)
+        turn.release()
+
+    threads = []
+    for name in "abcd":
+        threads.append(threading.Thread(target=waiter, args=(name,), daemon=True))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while len(_tickets(directory)) < len(threads) + 1:  # its ticket is taken before the next arrives
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    first.release()
+    for t in threads:
+        t.join(10)
+    assert order == list("abcd")
+
+
+def test_a_thread_that_holds_a_turn_re_enters_it_and_others_wait(directory):
+    turnstile = Turnstile(directory, poll_s=0.0005)
+    outer = turnstile.acquire()
+    deadline = time.monotonic() + 2
+    inner = turnstile.acquire(stop=lambda: time.monotonic() > deadline)  # not re-entrant: it waits for itself
+    assert inner is outer and _tickets(directory) == [outer.name]
+    got = threading.Event()
+    other = threading.Thread(target=lambda: (turnstile.acquire().release(), got.set()), daemon=True)
+    other.start()
+    inner.release()
+    assert not got.wait(0.1)  # the outer turn still holds
+    outer.release()
+    assert got.wait(10)
+    other.join()
+
+
+def test_a_stopped_wait_gives_its_place_up(directory):
+    turnstile = Turnstile(directory, poll_s=0.0005)
+    held = turnstile.acquire()
+    stop = threading.Event()
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(turnstile.acquire(stop=stop.is_set)), daemon=True)
+    waiter.start()
+    while len(_tickets(directory)) < 2:
+        time.sleep(0.001)
+    stop.set()
+    waiter.join(10)
+    assert result == [None] and _tickets(directory) == [held.name]
+    held.release()
+    assert _tickets(directory) == []
+
+
+def test_a_ticket_whose_holder_died_does_not_count(directory):
+    """A holder that dies lets its lock go with it; the next waiter removes its ticket. Dying
+    is what closing the ticket's file without giving it back looks like from outside."""
+    turnstile = Turnstile(directory, poll_s=0.0005)
+    name, fd = turnstile._core.enqueue()
+    os.close(fd)  # the process "died": the kernel dropped its lock, its ticket file stays
+    turnstile._core.open_fds.discard(fd)
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(turnstile.acquire()), daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert done and done[0] is not None
+    done[0].release()
+    assert name not in os.listdir(directory / "turnstile")
+
+
+def test_a_dropped_turn_lets_go_when_collected(directory):
+    turnstile = Turnstile(directory)
+    turn = turnstile.acquire()
+    turnstile._core.local.turn = None  # as if its thread ended holding it
+    del turn
+    import gc
+
+    gc.collect()
+    assert _tickets(directory) == []
+
+
+# --- the executor and the bring-up ---------------------------------------------------------
+
+BASE = 1 << 40  # the fake driver never touches memory: any aligned address serves
+
+
+def _forced(directory, **kw) -> Turnstile:
+    return Turnstile(directory, auto=False, **kw)
+
+
+def test_every_call_is_paced_to_the_stall_budget_at_the_measured_rate(directory):
+    rate, stall = 4e9, 0.02
+    plan = plan_registration(512 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=256 * MiB))
+    cudart = FakeCudart(register_bytes_per_s=rate)
+    registration = apply_plan(plan, base_ptr=BASE, runtime=FakeRuntime(cudart), turnstile=_forced(directory, max_stall_s=stall))
+    sizes = [size for _, _, size, _, _ in cudart.timeline]
+    assert sizes[0] <= FIRST_CALL_BYTES  # the rate is unknown before the first call
+    assert all(size <= rate * stall + 4096 for size in sizes[1:])  # the measured rate never beats the fake's
+    assert len(sizes) > 2 * len(plan.ranges) and sum(sizes) == plan.total_bytes
+    starts = [ptr for _, ptr, _, _, _ in cudart.timeline]
+    assert starts == sorted(starts) and all(a + s == b for a, s, b in zip(starts, sizes, starts[1:]))
+    assert {(r.ptr, r.size) for r in registration.ranges} == cudart.held()
+    registration.release()
+    assert cudart.registered == {} and _tickets(directory) == []
+
+
+def test_auto_paces_only_while_another_process_brings_up_pools(directory):
+    plan = plan_registration(64 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=32 * MiB))
+    turnstile = Turnstile(directory, auto=True, max_stall_s=0.002)  # 4 MB a call at the fake's 2 GB/s
+    alone = FakeCudart(register_bytes_per_s=2e9)
+    apply_plan(plan, base_ptr=BASE, runtime=FakeRuntime(alone), turnstile=turnstile).release()
+    assert [size for _, _, size, _ in (c for c in alone.log if c[0] == "register")] == [32 * MiB, 32 * MiB]
+    # another member: a process bringing up pools holds m.<pid> locked (its own open file)
+    other = os.open(directory / "turnstile" / "m.999999999", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        assert turnstile.paces()
+        shared = FakeCudart(register_bytes_per_s=2e9)
+        apply_plan(plan, base_ptr=BASE, runtime=FakeRuntime(shared), turnstile=turnstile).release()
+        assert len([c for c in shared.log if c[0] == "register"]) > 8
+    finally:
+        os.close(other)  # the other process ended: its member file no longer counts
+    assert not turnstile.paces()
+    assert "m.999999999" not in os.listdir(directory / "turnstile")
+
+
+def test_a_ctrl_c_while_waiting_for_a_turn_registers_nothing_and_leaves_the_queue(directory):
+    turnstile = _forced(directory, poll_s=0.0005)
+    holder = turnstile.acquire()
+    plan = plan_registration(8 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=8 * MiB))
+    cudart = FakeCudart()
+    result = []
+
+    def hold_then_interrupt():
+        while len(_tickets(directory)) < 2:
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)  # to the main thread, waiting for its turn
+
+    # the holder is this thread's: wait in the main thread from a turn held by another thread
+    turnstile._core.local.turn = None
+    releaser = threading.Thread(target=hold_then_interrupt, daemon=True)
+    releaser.start()
+    with pytest.raises((ApplyError, KeyboardInterrupt)) as caught:
+        apply_plan(plan, base_ptr=BASE, runtime=FakeRuntime(cudart), turnstile=turnstile)
+    releaser.join()
+    result.append(caught.value)
+    assert caused_by_interrupt(caught.value)
+    assert cudart.register_calls == 0 and cudart.registered == {}
+    assert _tickets(directory) == [holder.name]
+    holder.release()
+
+
+def test_a_progressive_bring_up_takes_turns_and_is_paced_by_the_host_budget(directory):
+    from hicache.effects import HostTensorAllocator
+
+    plan = plan_registration(64 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=64 * MiB))
+    cudart = FakeCudart(register_bytes_per_s=2e9)
+    turnstile = _forced(directory, max_stall_s=0.005)  # 10 MB a call at the fake's rate
+    handle = bring_up([BufferRequest("kv", (plan.total_bytes,), None, plan)], mode=Progressive(max_stall_s=None),
+                      runtime=FakeRuntime(cudart), allocator=HostTensorAllocator(), machine=ROOMY,
+                      turnstile=turnstile)
+    try:
+        assert handle.wait(30)
+        sizes = [size for _, size, _ in handle.calls]
+        assert sum(sizes) == plan.total_bytes and len(sizes) > 3  # unpaced (max_stall_s=None) it is one call
+        assert sizes[0] <= FIRST_CALL_BYTES and all(s <= 2e9 * 0.005 + 4096 for s in sizes[1:])
+    finally:
+        handle.release()
+    assert _tickets(directory) == [] and cudart.registered == {}
+
+
+def test_waits_are_counted_for_the_metrics(directory):
+    before = HostPools.turnstile_waits()["count"]
+    plan = plan_registration(8 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=4 * MiB))
+    apply_plan(plan, base_ptr=BASE, runtime=FakeRuntime(), turnstile=Turnstile(directory)).release()
+    waits = HostPools.turnstile_waits()
+    assert waits["count"] == before + 2 and waits["buckets"][-1] == (float("inf"), waits["count"])
+
+
+# --- processes of one host -----------------------------------------------------------------
+
+def _spawn(args, env):
+    return subprocess.Popen([sys.executable, str(CHILD), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+
+
+def _run_together(tmp_path, *, concurrency: str, processes: int = 4, probe: bool = True):
+    """``processes`` bring-ups (128 MiB, one 128 MiB call unpaced, at 512 MB/s) and a probe,
+    started together; returns (call intervals by pid, per-process results, probe waits)."""
+    runtime, barrier = tmp_path / "run", tmp_path / "barrier"
+    runtime.mkdir(mode=0o700)
+    barrier.mkdir()
+    env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime), "HICACHE_PIN_CONCURRENCY": concurrency,
+           "HICACHE_PIN_MAX_STALL_S": "0.05", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    children = [_spawn(["register", str(barrier), "128", str(512e6), "128"], env) for _ in range(processes)]
+    if probe:
+        children.append(_spawn(["probe", str(barrier)], env))
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in barrier.glob("ready-*") if not p.name.endswith(".tmp")]) < len(children):
+            assert time.monotonic() < deadline and all(c.poll() is None for c in children), \
+                [c.communicate() for c in children if c.poll() is not None]
+            time.sleep(0.01)
+        (barrier / "go").write_text("go")
+        for child in children[:processes]:
+            assert child.wait(timeout=120) == 0, child.communicate()
+        (barrier / "done").write_text("done")
+        if probe:
+            assert children[-1].wait(timeout=60) == 0, children[-1].communicate()
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.communicate()
+    calls = [json.loads(line) for line in (barrier / "calls.log").read_text().splitlines()]
+    results = [json.loads(p.read_text()) for p in barrier.glob("result-*") if not p.name.endswith(".tmp")]
+    waits = next((r["probe"] for r in results if "probe" in r), [])
+    return calls, [r for r in results if "probe" not in r], waits
+
+
+def test_four_processes_never_overlap_their_calls_and_a_probe_waits_at_most_one_paced_call(tmp_path):
+    calls, results, waits = _run_together(tmp_path, concurrency="1")
+    assert len({c["pid"] for c in calls}) == 4 and sum(c["size"] for c in calls) == 4 * 128 * MiB
+    assert _max_overlap([(c["start"], c["end"]) for c in calls]) == 1
+    assert all(r["calls"] > 4 for r in results)  # paced: 128 MiB at 25 MB a call
+    longest = max(c["end"] - c["start"] for c in calls)
+    assert longest < 0.05 + 0.25  # one paced call: the 50 ms budget (a loaded box sleeps longer)
+    assert waits and max(waits) < longest + 1.0  # behind one call in flight, never a queue of them
+
+
+def test_without_the_turnstile_the_processes_calls_pile_up_at_the_driver(tmp_path):
+    """The negative control: the same four bring-ups with HICACHE_PIN_CONCURRENCY=off put
+    several calls in flight at once (each waiting for the fake's host-wide driver lock)."""
+    calls, results, _ = _run_together(tmp_path, concurrency="off", probe=False)
+    assert all(r["calls"] == 1 for r in results)
+    assert _max_overlap([(c["start"], c["end"]) for c in calls]) > 1
+
+
+def test_a_holder_killed_mid_call_does_not_block_the_others(tmp_path):
+    runtime, barrier = tmp_path / "run", tmp_path / "barrier"
+    runtime.mkdir(mode=0o700)
+    barrier.mkdir()
+    env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime), "HICACHE_PIN_CONCURRENCY": "1",
+           "PYTHONPATH": str(Path(__file__).parent.parent)}
+    # 16 MiB at 1 MB/s: the holder's first call lasts ~17 s - it is killed inside it
+    holder = _spawn(["register", str(barrier), "16", str(1e6), "16"], env)
+    other = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (barrier / f"ready-{holder.pid}").exists():
+            assert time.monotonic() < deadline and holder.poll() is None, holder.communicate()
+            time.sleep(0.01)
+        (barrier / "go").write_text("go")
+        driver = os.open(barrier / "driver.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while True:  # in its call: its ticket is taken and the driver lock held
+                assert time.monotonic() < deadline and holder.poll() is None, holder.communicate()
+                try:
+                    fcntl.flock(driver, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(driver, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    break
+                time.sleep(0.01)
+        finally:
+            os.close(driver)
+        assert any(f".{holder.pid}." in n for n in _tickets(runtime))
+        other = _spawn(["register", str(barrier), "32", str(512e6), "32"], env)
+        while not (barrier / f"ready-{other.pid}").exists():
+            assert time.monotonic() < deadline and other.poll() is None, other.communicate()
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert not list(barrier.glob("result-*"))  # it waits for the holder's turn
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        assert other.wait(timeout=30) == 0, other.communicate()
+    finally:
+        for child in (holder, other):
+            if child is not None and child.poll() is None:
+                child.kill()
+            if child is not None:
+                child.communicate()
+    results = [json.loads(p.read_text()) for p in barrier.glob("result-*")]
+    assert len(results) == 1 and sum(results[0]["sizes"]) == 32 * MiB
+    assert _tickets(runtime) == []
