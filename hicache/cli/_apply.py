@@ -14,6 +14,7 @@ import time
 
 from hicache.cli._common import INFEASIBLE, USAGE, CliError, positive_int, size
 from hicache.cli._plan_args import add_plan_arguments, build_plan, limits_from_args
+from hicache.cli._progress import BringupProgress, wait_progressive
 from hicache.cli._saved import load_plan, pool_plans
 from hicache.errors import CudaUnavailableError, ReleaseError
 from hicache.plan import CAPACITY_DEFAULTS, DEFAULT_RESERVE_BYTES, format_bytes
@@ -24,29 +25,6 @@ DESCRIPTION = (
     "Plans with this machine's kernel cap and the HICACHE_* settings unless --plan is given. "
     "Example: hicache apply --model llama-3.1-8b --host-gb 4 --hold 30"
 )
-
-
-class _Progress:
-    """A one-line progress bar on stderr (a line per buffer when stderr is not a terminal)."""
-
-    def __init__(self, total_calls: int) -> None:
-        self.total_calls = total_calls
-        self.calls = 0
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, event) -> None:
-        self.calls += 1
-        rate = event.bytes_done / event.elapsed_s / 1e9 if event.elapsed_s > 0 else 0.0
-        line = (f"registering {format_bytes(event.bytes_done)} / {format_bytes(event.bytes_total)}  "
-                f"calls {self.calls}/{self.total_calls}  {rate:.1f} GB/s")
-        if self.tty:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        elif event.chunk_index == event.chunk_count:
-            print(f"{line}  ({event.buffer} done)", file=sys.stderr)
-
-    def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
 
 
 def add_command(commands) -> None:
@@ -234,22 +212,26 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         print(f"note: {note}", file=sys.stderr)
     allocator = HostTensorAllocator(prefault_threads=threads, hugepages=args.hugepages, hugepage_bytes=hugepage,
                                     numa_node=node)
-    progress = None if args.progressive else _Progress(sum(p.call_count for p in pools))
+    progress = None if args.progressive else BringupProgress(sum(p.call_count for p in pools))
     if args.progressive:
         import torch  # noqa: F401 - loaded before the clock starts, as in a server
     server = _serve_metrics(metrics_port)
     start = time.perf_counter()
     handle = None
     try:
-        handle = bring_up(pools, mode=Progressive() if args.progressive else None, runtime=runtime,
-                          allocator=allocator, machine=machine, lock=lock, ledger=ledger, progress=progress,
-                          reserve_bytes=reserve, host_memory_bytes=host_memory, ranks_per_host=ranks,
-                          trace=getattr(args, "trace", None))
         if progress is not None:
-            progress.close()
-        else:
+            progress.start()
+        try:
+            handle = bring_up(pools, mode=Progressive() if args.progressive else None, runtime=runtime,
+                              allocator=allocator, machine=machine, lock=lock, ledger=ledger, progress=progress,
+                              prefault_progress=progress, reserve_bytes=reserve, host_memory_bytes=host_memory,
+                              ranks_per_host=ranks, trace=getattr(args, "trace", None))
+        finally:
+            if progress is not None:
+                progress.close()
+        if progress is None:
             print(f"first call registered after {handle.first_call_s:.3f} s; registering the rest", file=sys.stderr)
-            handle.wait()
+            wait_progressive(handle, handle.total_bytes)
         total_s = time.perf_counter() - start
         if server is not None:
             from hicache import metrics

@@ -22,8 +22,9 @@ import attrs
 
 from hicache.effects._bringup._faulting import Prefaulter, ProgressiveFaulting
 from hicache.effects._bringup._handle import HostPools
+from hicache.effects._bringup._progress import PrefaultCounter, ProgressLog, tee
 from hicache.effects._bringup._lock import budget_lock
-from hicache.effects._cuda._executor import _apply
+from hicache.effects._cuda._executor import ProgressEvent, _apply
 from hicache.effects._cuda._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration, check_max_stall
 from hicache.effects._cuda._runtime import default_runtime
 from hicache.effects._cuda import _turnstile
@@ -166,6 +167,7 @@ def bring_up(
     device: str = "cpu",
     trace: str | None = None,
     turnstile="auto",
+    prefault_progress=None,
 ) -> HostPools:
     """Bring ``pools`` up - one `PoolPlan`, several (a model's pools on one rank; buffers named
     ``index/buffer``) or `BufferRequest`s - and return the `HostPools` handle that owns them.
@@ -183,12 +185,16 @@ def bring_up(
     bring-up of the process to that file (as HICACHE_TRACE=FILE does). ``turnstile``: the
     host's registration turnstile every register call waits its turn at (``"auto"``:
     HICACHE_PIN_CONCURRENCY's - turns always, calls paced while another process brings up
-    pools; None: off; or a `Turnstile`). Raises `CapacityError`
+    pools; None: off; or a `Turnstile`). ``prefault_progress(PrefaultEvent)``: after each
+    background pre-fault piece (pipelined and progressive modes; from the faulting threads).
+    Both phases also go to the library's log (INFO, at most a line a second). Raises `CapacityError`
     before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
     """
     _trace.start(trace) if trace else _trace.from_env()  # record this process's bring-ups (HICACHE_TRACE=FILE)
     turnstile = _turnstile.resolve(turnstile)  # a bad HICACHE_PIN_CONCURRENCY: an error before anything is held
+    log = ProgressLog()
+    progress, prefault_progress = tee(log, progress), tee(log, prefault_progress)
     requests = _requests(pools, dtypes, register)
     allocator = host_allocator(allocator)
     mode = _mode(mode, requests, allocator, device)
@@ -198,7 +204,8 @@ def bring_up(
     def fill() -> None:  # what happens under the budget lock: until the memory is resident
         if mode == PIPELINED:
             with _trace.span("map + pre-fault + register (pipelined)", "phase", bytes=handle.total_bytes):
-                _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger, turnstile)
+                _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger, turnstile,
+                           prefault_progress)
         elif mode == BLOCKING:
             with _trace.span("allocate + pre-fault", "phase", bytes=handle.total_bytes):
                 _allocate(handle, requests, device)
@@ -230,7 +237,7 @@ def bring_up(
                 _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, turnstile=turnstile)
         elif isinstance(mode, Progressive):
             with _trace.span("first calls (progressive; the rest in the background)", "phase"):
-                _progressive(handle, requests, mode, runtime, ledger, start, turnstile)
+                _progressive(handle, requests, mode, runtime, ledger, start, turnstile, prefault_progress, log)
         handle.timings["ready_s"] = time.perf_counter() - start  # budget wait included: what a caller waited
         handle._activate()
         _trace.flush()  # inside the try: a Ctrl-C here still undoes everything
@@ -274,11 +281,13 @@ def _unfaulted(handle: HostPools, requests) -> list:
     return buffers
 
 
-def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, turnstile) -> None:
+def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, turnstile,
+               prefault_progress=None) -> None:
     """Map every buffer unfaulted, fault them in the background, register as they become
     resident; the faulting thread is stopped and joined before anything can be freed."""
     buffers = _unfaulted(handle, requests)
-    faulter = Prefaulter(buffers, threads=handle.allocator.prefault_threads).start()
+    on_piece = PrefaultCounter(handle.total_bytes, prefault_progress) if prefault_progress is not None else None
+    faulter = Prefaulter(buffers, threads=handle.allocator.prefault_threads, on_piece=on_piece).start()
     try:
         _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, before_call=faulter.wait,
                   turnstile=turnstile)
@@ -307,10 +316,11 @@ def _allocate(handle: HostPools, requests, device: str) -> None:
 
 
 def _progressive(handle: HostPools, requests, settings: Progressive, runtime, ledger, start: float,
-                 turnstile=None) -> None:
+                 turnstile=None, prefault_progress=None, log=None) -> None:
     """Fault and register call by call: the first calls here, until ``settings.ready()``, the
     rest in the background. Both threads are in the handle's books before either starts, so a
-    failing start is undone by the handle's release."""
+    failing start is undone by the handle's release. ``log`` hears of every call (the
+    library's progress lines); a caller's ``progress`` does not (it would run in the thread)."""
     order = settings.order
     if order is None:
         order = [(index, item.offset, item.size) for index, request in enumerate(requests) for item in request.plan.ranges]
@@ -326,15 +336,22 @@ def _progressive(handle: HostPools, requests, settings: Progressive, runtime, le
 
     first_call = handle._first_call  # not the handle: the thread must not keep it alive
     user_on_chunk = settings.on_chunk
+    total = sum(size for _, _, size in order)
+    registered = [0]
 
     def on_chunk(position: int, done: int, size: int) -> None:
         if not first_call:
             first_call.append(time.perf_counter() - start)
+        registered[0] += size
+        if log is not None:
+            log(ProgressEvent(chunks[position].buffer, position, position + 1, len(chunks), registered[0], total,
+                              time.perf_counter() - start))
         if user_on_chunk is not None:
             user_on_chunk(position, done, size)
 
+    on_piece = PrefaultCounter(total, prefault_progress) if prefault_progress is not None else None
     faulting = ProgressiveFaulting(handle.host_buffers, order, key=settings.key,
-                                   threads=handle.allocator.prefault_threads)
+                                   threads=handle.allocator.prefault_threads, on_piece=on_piece)
     registration = ProgressiveRegistration(
         chunks, runtime=default_runtime() if runtime is None else runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=settings.max_stall_s,
         key=settings.key, before_call=faulting.before_call, resident=faulting.resident, turnstile=turnstile,

@@ -42,10 +42,13 @@ BACKGROUND_NICE = 5
 class Prefaulter:
     """Faults ``buffers`` (HostBuffers, in registration order) in the background."""
 
-    def __init__(self, buffers, *, threads: int | None = None, piece_bytes: int | None = None, order=None) -> None:
+    def __init__(self, buffers, *, threads: int | None = None, piece_bytes: int | None = None, order=None,
+                 on_piece=None) -> None:
         """``order``: ``(buffer index, start, length)`` spans to fault in that order (default:
-        each buffer front to back); with it, wait with `wait_span`."""
+        each buffer front to back); with it, wait with `wait_span`. ``on_piece(nbytes)``: after
+        each piece, from the thread that faulted it (progress reports)."""
         self.buffers = list(buffers)
+        self.on_piece = on_piece
         self.order = list(order) if order is not None else [(i, 0, b.nbytes) for i, b in enumerate(self.buffers)]
         self.spans_done = 0
         self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
@@ -105,6 +108,8 @@ class Prefaulter:
                         if frontier[0] == len(calls) or calls[frontier[0]][0] != position:
                             self.spans_done += 1
                     self._changed.notify_all()
+                if length and self.on_piece is not None:
+                    self.on_piece(length)
 
             if self._workers > 1:
                 # threads started before the first call (a thread started beside one waits for
@@ -214,11 +219,11 @@ class ProgressiveFaulting:
     index, offset, size)`` in ``buffers``) cut into pieces in the order the calls reach them
     (``key`` as `ProgressiveRegistration`'s), and the two hooks its calls wait through."""
 
-    def __init__(self, buffers, order, *, key=None, threads: int | None = None) -> None:
+    def __init__(self, buffers, order, *, key=None, threads: int | None = None, on_piece=None) -> None:
         pieces, self._ends = fault_pieces(order, key)
         self._positions = [[position for _, position in chunk_ends] for chunk_ends in self._ends]
         self._count = len(pieces)
-        self.faulter = Prefaulter(buffers, order=pieces, threads=threads)  # started by start()
+        self.faulter = Prefaulter(buffers, order=pieces, threads=threads, on_piece=on_piece)  # started by start()
 
     def start(self) -> None:
         self.faulter.start()

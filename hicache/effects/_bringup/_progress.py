@@ -1,0 +1,99 @@
+"""Progress of a bring-up while it runs (issue #21 item 4): "still pinning" told apart from "hung".
+
+Owns the pre-fault's progress events (`PrefaultEvent`, counted across the faulting threads by
+`PrefaultCounter`) and the library's own log lines about both phases (`ProgressLog`: bytes,
+rate, ETA - at most one a second per phase, and the last). Register calls report through the
+executor's `ProgressEvent`. Imports attrs and the executor's event only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import attrs
+
+from hicache.effects._cuda._executor import ProgressEvent
+from hicache.plan import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class PrefaultEvent:
+    """Reported after every pre-fault piece (at most 256 MiB): bytes resident so far."""
+
+    bytes_done: int
+    bytes_total: int
+    elapsed_s: float
+
+
+class PrefaultCounter:
+    """``on_piece(nbytes)`` for the faulting threads: adds up, then calls ``report`` with a
+    `PrefaultEvent` (serialized: events arrive in order of ``bytes_done``)."""
+
+    def __init__(self, total: int, report, clock=time.perf_counter) -> None:
+        self.total, self.report, self.clock = total, report, clock
+        self.done = 0
+        self.start = clock()
+        self._lock = threading.Lock()
+
+    def __call__(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            self.report(PrefaultEvent(self.done, self.total, self.clock() - self.start))
+
+
+def eta_s(done: int, total: int, elapsed_s: float) -> float | None:
+    """Seconds left at the rate so far (None: no rate yet)."""
+    if done <= 0 or elapsed_s <= 0:
+        return None
+    return max(0.0, (total - done) / (done / elapsed_s))
+
+
+def describe(event) -> str:
+    """``pre-faulted|registered X / Y (P %), R GB/s, ETA S s`` for either event."""
+    verb = "pre-faulted" if isinstance(event, PrefaultEvent) else "registered"
+    share = 100.0 * event.bytes_done / event.bytes_total if event.bytes_total else 100.0
+    rate = event.bytes_done / event.elapsed_s / 1e9 if event.elapsed_s > 0 else 0.0
+    eta = eta_s(event.bytes_done, event.bytes_total, event.elapsed_s)
+    line = (f"{verb} {format_bytes(event.bytes_done)} / {format_bytes(event.bytes_total)} ({share:.0f} %), "
+            f"{rate:.2f} GB/s, ETA {'?' if eta is None else f'{eta:.0f} s'}")
+    if isinstance(event, ProgressEvent):
+        line += f" (buffer {event.buffer} call {event.chunk_index}/{event.chunk_count})"
+    return line
+
+
+class ProgressLog:
+    """The library's log lines about a bring-up: at most one a second per phase, and the last
+    (a server's log then shows a long bring-up moving; INFO, logger ``hicache.effects...``)."""
+
+    def __init__(self, log: logging.Logger = logger, *, every_s: float = 1.0, clock=time.monotonic) -> None:
+        self.log, self.every_s, self.clock = log, every_s, clock
+        self._last: dict[type, float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, event) -> None:
+        if not self.log.isEnabledFor(logging.INFO):
+            return
+        now = self.clock()
+        with self._lock:
+            last = self._last.get(type(event))
+            if last is not None and now - last < self.every_s and event.bytes_done < event.bytes_total:
+                return
+            self._last[type(event)] = now
+        self.log.info("hicache bring-up: %s", describe(event))
+
+
+def tee(*reports):
+    """One progress callback calling each of ``reports`` that is not None, in order."""
+    reports = [r for r in reports if r is not None]
+    if len(reports) == 1:
+        return reports[0]
+
+    def report(event) -> None:
+        for each in reports:
+            each(event)
+
+    return report
