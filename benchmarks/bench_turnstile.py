@@ -75,13 +75,7 @@ def child(role: str, barrier: str) -> None:
     if role == "probe":
         cudart = FakeCudart(driver_lock=driver)
         _ready(barrier)
-        waits = []
-        while not os.path.exists(os.path.join(barrier, "done")):
-            start = time.monotonic()
-            cudart.cudaMemGetInfo()
-            waits.append(time.monotonic() - start)
-            time.sleep(0.01)
-        _result(barrier, {"probe": waits})
+        _result(barrier, {"probe": cudart.probe(lambda: os.path.exists(os.path.join(barrier, "done")))})
         return
     total = POOL_MIB * MiB
     plan = plan_registration(total, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=total))
@@ -126,8 +120,7 @@ def _round(concurrency: str) -> dict:
 
 
 def _alone() -> None:
-    from hicache.effects import apply_plan
-    from hicache.effects._cuda._turnstile import Turnstile
+    from hicache.effects import admission, apply_plan
     from hicache.plan import Limits, plan_registration
     from hicache.testing import FakeCudart, FakeRuntime
 
@@ -143,8 +136,8 @@ def _alone() -> None:
 
         times = interleaved({
             "off": run(None),
-            "auto": run(Turnstile(Path(tmp), auto=True, max_stall_s=float(STALL))),
-            "forced": run(Turnstile(Path(tmp), auto=False, max_stall_s=float(STALL))),
+            "auto": run(admission.Turnstile(Path(tmp), auto=True, max_stall_s=float(STALL))),
+            "forced": run(admission.Turnstile(Path(tmp), auto=False, max_stall_s=float(STALL))),
         }, rounds=ROUNDS)
     print(median_line("alone, turnstile auto (one process: tickets, no pacing)", times["auto"], "off", times["off"]))
     print(median_line("alone, turnstile forced 1 (paced to 25 ms)", times["forced"], "off", times["off"]))

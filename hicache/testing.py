@@ -162,6 +162,17 @@ class FakeCudart:
             pass
         return SUCCESS, 0, 0
 
+    def probe(self, until, every_s: float = 0.01) -> list[float]:
+        """A co-located rank's probe: `cudaMemGetInfo` every ``every_s`` until ``until()``;
+        the seconds each call waited for the driver."""
+        waits = []
+        while not until():
+            start = time.monotonic()
+            self.cudaMemGetInfo()
+            waits.append(time.monotonic() - start)
+            time.sleep(every_s)
+        return waits
+
     def cudaHostUnregister(self, ptr: int) -> int:
         call = self.unregister_calls
         self.unregister_calls += 1

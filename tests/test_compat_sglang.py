@@ -241,3 +241,38 @@ def test_ranges_unregistered_from_the_tensors_records_can_be_registered_again(cu
     sg._cuda_host_register(again, registration_granularity_bytes=GiB)  # not refused as held
     sg._cuda_host_unregister(again)
     assert cudart.held() == set()
+
+
+def test_sglangs_own_registrations_take_their_turn_at_the_hosts_driver(cudart, monkeypatch):
+    """Under the plug-in SGLang's ranks register their own buffers through hicache: those calls
+    wait for the host's turnstile like a pool's (another process's turn is held here by a
+    thread: a turn of another thread counts as anyone else's)."""
+    import threading
+    import time
+
+    from hicache.effects._cuda._turnstile import from_env
+
+    monkeypatch.setenv("HICACHE_PIN_CONCURRENCY", "1")
+    turnstile = from_env()
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        turn = turnstile.acquire()
+        held.set()
+        release.wait(30)
+        turn.release()
+
+    other = threading.Thread(target=holder, daemon=True)
+    other.start()
+    assert held.wait(10)
+    buffer = FakeBuffer(64 * MiB)
+    registering = threading.Thread(target=sg._cuda_host_register, args=(buffer,),
+                                   kwargs={"registration_granularity_bytes": MiB}, daemon=True)
+    registering.start()
+    time.sleep(0.2)
+    assert cudart.held() == set()  # it waits its turn
+    release.set()
+    registering.join(30)
+    other.join(30)
+    assert sum(size for _, size in cudart.held()) == 64 * MiB
+    sg._cuda_host_unregister(buffer)

@@ -131,6 +131,16 @@ def test_oracle_catches_a_straddling_split():
     assert straddles > 0
 
 
+def _assert_no_copy_straddles(layout, spec, plan) -> None:
+    """Every page copy of buffer ``spec`` lies inside one range of ``plan``."""
+    tensor = torch.empty(spec.shape, dtype=DTYPES[spec.itemsize], device="meta")
+    ends = [r.end for r in plan.ranges]
+    for view in page_copies(layout, spec.name, tensor):
+        start, end = byte_interval(view)
+        holder = plan.ranges[bisect.bisect_right(ends, start)]
+        assert holder.offset <= start and end <= holder.end, (start, end, holder)
+
+
 @pytest.mark.parametrize("family", sorted(LAYOUT_STRATEGIES))
 @given(data=st.data())
 def test_paced_plans_keep_every_law_and_the_oracle(family, data):
@@ -152,13 +162,7 @@ def test_paced_plans_keep_every_law_and_the_oracle(family, data):
         new = paced.ranges[index: index + len(paced.ranges) - len(plan.ranges) + 1]
         assert sum(r.size for r in new) == plan.ranges[index].size
         assert all(r.size <= max(budget, alignment) for r in new[:-1]) and new[-1].size <= plan.ranges[index].size
-        spec = buffer.spec
-        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.itemsize], device="meta")
-        ends = [r.end for r in paced.ranges]
-        for view in page_copies(layout, spec.name, tensor):
-            start, end = byte_interval(view)
-            holder = paced.ranges[bisect.bisect_right(ends, start)]
-            assert holder.offset <= start and end <= holder.end, (start, end, holder)
+        _assert_no_copy_straddles(layout, buffer.spec, paced)
 
 
 @pytest.mark.parametrize("family", sorted(LAYOUT_STRATEGIES))
@@ -191,10 +195,4 @@ def test_a_paced_head_keeps_every_law_and_the_oracle(family, data):
             if index + 1 < len(paced.ranges) and paced.ranges[index + 1].end <= target.end:
                 index += 1  # pace the rest next, as the executor does
         assert paced.total_bytes == plan.total_bytes and [r.offset for r in paced.ranges][0] == 0
-        spec = buffer.spec
-        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.itemsize], device="meta")
-        ends = [r.end for r in paced.ranges]
-        for view in page_copies(layout, spec.name, tensor):
-            start, end = byte_interval(view)
-            holder = paced.ranges[bisect.bisect_right(ends, start)]
-            assert holder.offset <= start and end <= holder.end, (start, end, holder)
+        _assert_no_copy_straddles(layout, buffer.spec, paced)

@@ -410,3 +410,18 @@ def test_a_holder_killed_mid_call_does_not_block_the_others(tmp_path):
     results = [json.loads(p.read_text()) for p in barrier.glob("result-*")]
     assert len(results) == 1 and sum(results[0]["sizes"]) == 32 * MiB
     assert _tickets(runtime) == []
+
+
+def test_each_wait_is_a_span_of_the_trace(directory, tmp_path):
+    from hicache.effects import _trace
+
+    plan = plan_registration(8 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=4 * MiB))
+    path = tmp_path / "trace.json"
+    with _trace.tracing(str(path)):
+        apply_plan(plan, base_ptr=BASE, runtime=FakeRuntime(), turnstile=Turnstile(directory)).release()
+    events = json.loads(path.read_text())["traceEvents"]
+    waits = [e for e in events if e.get("cat") == "turnstile"]
+    calls = [e for e in events if e.get("cat") == "register"]
+    assert len(waits) == len(calls) == 2 and all(w["name"] == "turnstile wait" for w in waits)
+    for wait, call in zip(waits, calls):  # each wait ends before its call starts, on the same thread
+        assert wait["tid"] == call["tid"] and wait["ts"] + wait["dur"] <= call["ts"]

@@ -61,13 +61,7 @@ def register(barrier: str, pool_mib: str, rate: str, chunk_mib: str) -> int:
 def probe(barrier: str) -> int:
     cudart = FakeCudart(driver_lock=os.path.join(barrier, "driver.lock"))
     _barrier(barrier)
-    waits = []
-    while not os.path.exists(os.path.join(barrier, "done")):
-        start = time.monotonic()
-        cudart.cudaMemGetInfo()
-        waits.append(time.monotonic() - start)
-        time.sleep(0.01)
-    _write(barrier, {"probe": waits})
+    _write(barrier, {"probe": cudart.probe(lambda: os.path.exists(os.path.join(barrier, "done")))})
     return 0
 
 

@@ -144,7 +144,8 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
     _sglang_log.log().info("%s", _sglang_log.plan_line(plan, sources))
     try:
         registration = apply_plan(plan, base_ptr=base, runtime=torch_runtime(_cudart), name="host buffer",
-                                  progress=_sglang_log.CallProgress(_sglang_log.log()))
+                                  progress=_sglang_log.CallProgress(_sglang_log.log()),
+                                  turnstile="auto")  # SGLang's ranks take turns at the driver too (#21)
     except HostAlreadyRegisteredError as error:  # overlaps a registration this process holds
         raise RuntimeError(f"cudaHostRegister refused: {error}") from error
     except BaseException as error:

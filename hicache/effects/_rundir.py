@@ -1,5 +1,6 @@
 """The private runtime directory where hicache's host-wide coordination files live: the budget
-lock and its ledger (`_bringup._lock`), the registration turnstile (`_cuda._turnstile`).
+lock and its ledger (`_bringup._lock`), the registration turnstile (`_cuda._turnstile`) - and
+the one reading of their seconds settings (HICACHE_LOCK_TIMEOUT, HICACHE_PIN_MAX_STALL_S).
 
 A leaf every room may use: its scope is what "the host" means to hicache - processes that share
 it coordinate. Mode 0700, owned by us, not a symlink: another user must not be able to hold a
@@ -8,11 +9,12 @@ lock of ours or forge a ticket. Imports hicache.errors only.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from pathlib import Path
 
-from hicache.errors import LockDirectoryError
+from hicache.errors import EnvError, LockDirectoryError
 
 
 def runtime_dir(env=None) -> Path:
@@ -47,3 +49,18 @@ def private_dir(path: Path) -> Path:
             f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
         )
     return path
+
+
+def env_seconds(env, name: str) -> float | None:
+    """Environment variable ``name`` as a positive, finite number of seconds (None: unset or
+    blank); anything else is an `EnvError` naming the variable and the value."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise EnvError(f"environment variable {name}={raw!r} must be a positive number of seconds")
+    return seconds

@@ -12,6 +12,10 @@ rank samples only once this rank's memory is really used, and SGLang's own arith
 reserve, its ranks-per-host split) decides. A refused request lets the lock go at once; a hold
 nobody finishes (a pool that fails between its check and its allocation) ends after
 `HOLD_LIMIT_S`. Imports this room's budget lock only.
+
+Admission to the host's driver lives beside it: `Turnstile` (and `turnstile_from_env`) is the
+host's registration turnstile (`hicache.effects._cuda._turnstile`), re-exported here so that
+callers can pass their own to ``bring_up(turnstile=)`` through the face's ``admission``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import threading
 
 from hicache.effects._bringup._lock import budget_lock
+from hicache.effects._cuda._turnstile import Turnstile, from_env as turnstile_from_env  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 

@@ -22,15 +22,14 @@ import errno
 import fcntl
 import json
 import logging
-import math
 import os
 import threading
 import time
 from pathlib import Path
 
-from hicache.effects._rundir import private_dir as _private_dir, runtime_dir
+from hicache.effects._rundir import env_seconds, private_dir as _private_dir, runtime_dir
 from hicache.effects._trace import span
-from hicache.errors import EnvError, LockTimeoutError, RegistrationStateError
+from hicache.errors import LockTimeoutError, RegistrationStateError
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +39,7 @@ REPORT_EVERY_S = 5.0  # a waiting bring-up says who holds the lock this often
 
 def lock_timeout_s(env=None) -> float | None:
     """HICACHE_LOCK_TIMEOUT as seconds (None: unset, wait as long as it takes)."""
-    env = os.environ if env is None else env
-    raw = env.get(LOCK_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise EnvError(f"environment variable {LOCK_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
-    return seconds
+    return env_seconds(os.environ if env is None else env, LOCK_TIMEOUT_ENV)
 
 
 #: Per lock file of this process: how many BudgetLocks hold it, and budget to give back once

@@ -38,7 +38,7 @@ import weakref
 from pathlib import Path
 
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._rundir import private_dir, runtime_dir
+from hicache.effects._rundir import env_seconds, private_dir, runtime_dir
 from hicache.effects._trace import span
 from hicache.errors import EnvError, PlanError
 
@@ -404,16 +404,6 @@ def wait_histogram() -> dict:
     return {"buckets": cumulative, "count": running, "sum": total}
 
 
-def _stall(raw: str) -> float:
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise EnvError(f"environment variable {STALL_ENV}={raw!r} must be a positive number of seconds")
-    return seconds
-
-
 def from_env(env=None, *, directory: Path | None = None) -> Turnstile | None:
     """The turnstile the environment asks for: HICACHE_PIN_CONCURRENCY ``auto`` (unset: turns
     always, pacing while another process brings up pools), a whole number N >= 1 (at most N
@@ -422,8 +412,7 @@ def from_env(env=None, *, directory: Path | None = None) -> Turnstile | None:
     env = os.environ if env is None else env
     raw = env.get(CONCURRENCY_ENV, "")
     value = raw.strip().lower() or AUTO
-    raw_stall = env.get(STALL_ENV, "").strip()
-    stall = _stall(raw_stall) if raw_stall else DEFAULT_MAX_STALL_S
+    stall = env_seconds(env, STALL_ENV) or DEFAULT_MAX_STALL_S
     if value in (OFF, "0", "false", "no"):
         return None
     if value == AUTO:
