@@ -106,3 +106,14 @@ def test_a_progressive_apply_reports_while_it_waits_for_the_background():
         handle.release()
     lines = stream.getvalue().splitlines()
     assert len(lines) >= 3 and all(line.startswith("registered ") and "ETA" in line for line in lines), lines
+
+
+def test_the_library_says_it_is_still_working_during_a_long_call(caplog):
+    """A call that takes seconds (a 64 GiB one) leaves no event to log: the heartbeat logs a
+    line each second nothing else was, naming the seconds since the last call."""
+    with caplog.at_level(logging.INFO, logger="hicache.effects._bringup._progress"):
+        bring_up([_request(48 * MiB, 48 * MiB)], mode="blocking",
+                 runtime=FakeRuntime(FakeCudart(register_bytes_per_s=20e6)),  # one call of ~2.5 s
+                 allocator=HostTensorAllocator(), machine=ROOMY, turnstile=None).release()
+    beats = [r.getMessage() for r in caplog.records if "still working" in r.getMessage()]
+    assert beats and all("s since the last register call" in line for line in beats), beats

@@ -213,6 +213,7 @@ def bring_up(
             with _trace.span("map", "phase", bytes=handle.total_bytes):
                 _map(handle, requests)
 
+    log.start_heartbeat()  # a line a second while nothing else is logged (INFO only)
     try:
         start = time.perf_counter()
         if budget:
@@ -239,9 +240,11 @@ def bring_up(
             with _trace.span("first calls (progressive; the rest in the background)", "phase"):
                 _progressive(handle, requests, mode, runtime, ledger, start, turnstile, prefault_progress, log)
         handle.timings["ready_s"] = time.perf_counter() - start  # budget wait included: what a caller waited
+        log.stop_heartbeat()
         handle._activate()
         _trace.flush()  # inside the try: a Ctrl-C here still undoes everything
     except BaseException as error:
+        log.stop_heartbeat()
         if budget and lock is not None and lock.held:
             lock.release_all()  # an interrupt at the with-exit skipped BudgetLock.__exit__
         handle._abort(error)

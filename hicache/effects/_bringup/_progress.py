@@ -67,23 +67,64 @@ def describe(event) -> str:
 
 class ProgressLog:
     """The library's log lines about a bring-up: at most one a second per phase, and the last
-    (a server's log then shows a long bring-up moving; INFO, logger ``hicache.effects...``)."""
+    (a server's log then shows a long bring-up moving; INFO, logger ``hicache.effects...``).
+    `start_heartbeat` adds a line each second nothing else was logged - a 64 GiB call takes
+    seconds, and "still pinning" must not look like "hung"."""
 
     def __init__(self, log: logging.Logger = logger, *, every_s: float = 1.0, clock=time.monotonic) -> None:
         self.log, self.every_s, self.clock = log, every_s, clock
         self._last: dict[type, float] = {}
+        self._events: dict[type, object] = {}
         self._lock = threading.Lock()
+        self._logged = clock()
+        self._started = self._logged
+        self._since_call = self._logged
+        self._stop = None
+
+    def enabled(self) -> bool:
+        return self.log.isEnabledFor(logging.INFO)
 
     def __call__(self, event) -> None:
-        if not self.log.isEnabledFor(logging.INFO):
+        if not self.enabled():
             return
         now = self.clock()
         with self._lock:
+            self._events[type(event)] = event
+            if isinstance(event, ProgressEvent):
+                self._since_call = now
             last = self._last.get(type(event))
             if last is not None and now - last < self.every_s and event.bytes_done < event.bytes_total:
                 return
-            self._last[type(event)] = now
+            self._last[type(event)] = self._logged = now
         self.log.info("hicache bring-up: %s", describe(event))
+
+    def heartbeat(self) -> str:
+        """What the heartbeat says now: the last state of each phase and the call's wait."""
+        with self._lock:
+            now = self.clock()
+            parts = [describe(e) for e in self._events.values()]
+            waited = now - self._since_call
+        state = "; ".join(parts) if parts else "budget, mapping"
+        return f"{state}; {waited:.0f} s since the last register call, {now - self._started:.0f} s in"
+
+    def start_heartbeat(self) -> None:
+        """Log `heartbeat` each ``every_s`` nothing else was logged, until `stop_heartbeat`
+        (a daemon thread; only while INFO is enabled)."""
+        if not self.enabled() or self._stop is not None:
+            return
+        self._stop = stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.every_s):
+                if self.clock() - self._logged >= self.every_s:
+                    self._logged = self.clock()
+                    self.log.info("hicache bring-up: still working: %s", self.heartbeat())
+
+        threading.Thread(target=beat, name="hicache-progress-log", daemon=True).start()
+
+    def stop_heartbeat(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
 
 
 def tee(*reports):
