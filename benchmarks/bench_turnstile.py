@@ -13,9 +13,11 @@ interleaved rounds (per-round range):
 
 - probe: the longest a probe call waited for the driver in the round;
 - makespan: the barrier to the last rank's pool being registered;
-- alone: one process registering 2 GiB at 10 GB/s in-process - turnstile off, auto (tickets
-  taken, calls not paced: nobody else brings up pools) and forced 1 (paced) - the cost of
-  the turnstile to a process with the driver to itself.
+- both with HICACHE_PIN_CONCURRENCY=1 (always paced) and auto (the default: turns and pacing
+  once the ranks see each other);
+- alone: one process registering 2 GiB at 10 GB/s in-process - turnstile off, auto (nobody
+  else brings up pools: no tickets, no pacing) and forced 1 (paced) - the cost of the
+  turnstile to a process with the driver to itself.
 """
 
 from __future__ import annotations
@@ -139,21 +141,23 @@ def _alone() -> None:
             "auto": run(admission.Turnstile(Path(tmp), auto=True, max_stall_s=float(STALL))),
             "forced": run(admission.Turnstile(Path(tmp), auto=False, max_stall_s=float(STALL))),
         }, rounds=ROUNDS)
-    print(median_line("alone, turnstile auto (one process: tickets, no pacing)", times["auto"], "off", times["off"]))
+    print(median_line("alone, turnstile auto (no other process: no tickets, no pacing)", times["auto"], "off", times["off"]))
     print(median_line("alone, turnstile forced 1 (paced to 25 ms)", times["forced"], "off", times["off"]))
 
 
 def main() -> None:
-    rounds = {"off": [], "1": []}
-    for _ in range(ROUNDS):  # interleaved: machine noise hits both alike
+    rounds = {"off": [], "1": [], "auto": []}
+    for _ in range(ROUNDS):  # interleaved: machine noise hits all alike
         for concurrency in rounds:
             rounds[concurrency].append(_round(concurrency))
-    for key, unit in (("probe", "s"), ("makespan", "s")):
-        on, off = [r[key] for r in rounds["1"]], [r[key] for r in rounds["off"]]
-        print(median_line(f"{RANKS} ranks x {POOL_MIB} MiB, {key} with the turnstile (1)", on, "off", off, unit))
-    print(f"calls per rank: turnstile {statistics.median(r['calls'] for r in rounds['1']):.0f}, "
-          f"off {statistics.median(r['calls'] for r in rounds['off']):.0f}; one unpaced call lasts "
-          f"{POOL_MIB * MiB / RATE:.3f} s at {RATE / 1e9:g} GB/s")
+    for setting in ("1", "auto"):
+        for key, unit in (("probe", "s"), ("makespan", "s")):
+            on, off = [r[key] for r in rounds[setting]], [r[key] for r in rounds["off"]]
+            print(median_line(f"{RANKS} ranks x {POOL_MIB} MiB, {key} with HICACHE_PIN_CONCURRENCY={setting}",
+                              on, "off", off, unit))
+    calls = {k: statistics.median(r["calls"] for r in v) for k, v in rounds.items()}
+    print(f"calls per rank: 1: {calls['1']:.0f}, auto: {calls['auto']:.0f}, off: {calls['off']:.0f}; one unpaced "
+          f"call lasts {POOL_MIB * MiB / RATE:.3f} s at {RATE / 1e9:g} GB/s")
     _alone()
 
 

@@ -45,7 +45,9 @@ def _page_bytes_registered(pool, runtime, page):
 
 @pytest.mark.parametrize("family", ["mla", "mha"])
 def test_pages_become_usable_front_to_back_and_only_registered_ones_are_handed_out(family):
-    runtime, ledger = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.005), HostLedger()  # 5 ms a chunk
+    # 50 ms a chunk: the constructor's own first-time work (a process's first pool imports
+    # prometheus_client for its metrics, ~40 ms) must not outlast the background's calls
+    runtime, ledger = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.05), HostLedger()
     pool = _pool(runtime, ledger, family=family)
     calls = len(runtime.cudart.timeline)
     total = sum(b.plan.call_count for b in pool.pool_plan.buffers)

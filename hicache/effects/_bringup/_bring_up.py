@@ -184,7 +184,7 @@ def bring_up(
     the tensors' owner. ``trace``: write a Chrome trace-event JSON of this and every later
     bring-up of the process to that file (as HICACHE_TRACE=FILE does). ``turnstile``: the
     host's registration turnstile every register call waits its turn at (``"auto"``:
-    HICACHE_PIN_CONCURRENCY's - turns always, calls paced while another process brings up
+    HICACHE_PIN_CONCURRENCY's - turns and paced calls while another process brings up
     pools; None: off; or a `Turnstile`). ``prefault_progress(PrefaultEvent)``: after each
     background pre-fault piece (pipelined and progressive modes; from the faulting threads).
     Both phases also go to the library's log (INFO, at most a line a second). Raises `CapacityError`
@@ -214,7 +214,11 @@ def bring_up(
                 _map(handle, requests)
 
     log.start_heartbeat()  # a line a second while nothing else is logged (INFO only)
+    member = False
     try:
+        if turnstile is not None:  # from the start: ranks that start together see each other
+            turnstile.join()       # before their first call (auto paces from it), not after
+            member = True
         start = time.perf_counter()
         if budget:
             lock = budget_lock() if lock is None else lock
@@ -241,10 +245,14 @@ def bring_up(
                 _progressive(handle, requests, mode, runtime, ledger, start, turnstile, prefault_progress, log)
         handle.timings["ready_s"] = time.perf_counter() - start  # budget wait included: what a caller waited
         log.stop_heartbeat()
+        if member:  # a progressive registration stays a member until its thread ends
+            member = turnstile.leave()
         handle._activate()
         _trace.flush()  # inside the try: a Ctrl-C here still undoes everything
     except BaseException as error:
         log.stop_heartbeat()
+        if member:
+            turnstile.leave()
         if budget and lock is not None and lock.held:
             lock.release_all()  # an interrupt at the with-exit skipped BudgetLock.__exit__
         handle._abort(error)

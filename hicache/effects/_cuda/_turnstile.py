@@ -15,7 +15,8 @@ an unlocked ticket and removes it; no pid is trusted (a zombie or a reused pid w
 - ``guard``: the ticket counter, locked for the microseconds a ticket takes;
 - ``t.<seq>.<pid>.<thread>``: a ticket, locked by its owner until its call has ended;
 - ``m.<pid>``: a member - a process bringing up pools now. In ``auto`` mode (the default)
-  calls are paced only while another member is live: a process alone keeps its plan's calls.
+  calls take turns and are paced only while another member is live: a process alone keeps
+  its plan's calls and touches no file per call (looking for members at most every 50 ms).
 
 Re-entrant for threads (a thread holding a turn that asks again gets the same turn: a
 progressive step takes it around the transaction that takes it again), interrupt-safe (a
@@ -55,6 +56,7 @@ FIRST_CALL_BYTES = 16 * 2**20
 DEFAULT_MAX_STALL_S = 0.25
 POLL_S = 0.002  # a waiter looks this often: the gap it adds between two paced calls
 REPORT_EVERY_S = 5.0
+OTHERS_EVERY_S = 0.05  # auto mode looks for other processes at most this often
 #: Upper bounds (seconds) of the wait histogram (`wait_histogram`, hicache_turnstile_wait_seconds).
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -87,6 +89,7 @@ class _Core:
         self.wait_sum = 0.0
         self.members = 0
         self.member_fd: int | None = None
+        self.others_seen = (False, -math.inf)  # (another member live?, when looked up)
         self.open_fds: set[int] = set()  # tickets and the member file: closed in a forked child
 
     def enqueue(self) -> tuple[str, int]:
@@ -165,6 +168,16 @@ class _Core:
             self.open_fds.discard(fd)
             (self.path / f"m.{os.getpid()}").unlink(missing_ok=True)
             os.close(fd)
+
+    def others_now(self) -> bool:
+        """Whether another member is live, as looked up within the last `OTHERS_EVERY_S`."""
+        now = time.monotonic()
+        seen, when = self.others_seen
+        if now - when < OTHERS_EVERY_S:
+            return seen
+        seen = bool(self.other_members())
+        self.others_seen = (seen, now)
+        return seen
 
     def other_members(self) -> list[int]:
         """Pids of the other live members (processes bringing up pools now)."""
@@ -250,6 +263,27 @@ class Turn:
         self._finalizer()  # callers hold Ctrl-C (the executor does); a turn lost anyway lets go when collected
 
 
+class _Solo:
+    """A call's turn while alone on the host (auto mode): no ticket; re-entrant like a `Turn`,
+    and its time still measures the rate (pacing starts from it once another process comes)."""
+
+    __slots__ = ("core", "since", "depth")
+    held = True
+
+    def __init__(self, core: _Core) -> None:
+        self.core, self.since, self.depth = core, time.perf_counter(), 1
+        core.local.turn = self
+
+    def release(self, nbytes: int | None = None) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        if getattr(self.core.local, "turn", None) is self:
+            self.core.local.turn = None
+        if nbytes:
+            self.core.record(nbytes, time.perf_counter() - self.since)
+
+
 def _drop(core: _Core, name: str, fd: int) -> None:
     try:
         os.unlink(f"{core.dir}/{name}")  # first: nobody sees it unlocked and thinks its owner dead
@@ -265,7 +299,7 @@ class Turnstile:
     """Turns at the driver for the processes sharing ``directory`` (default: the runtime
     directory): at most ``concurrency`` register calls in flight across them, in arrival
     order; ``max_stall_s`` paces each call to what the measured rate registers in that time;
-    ``auto``: pace only while another process brings up pools (turns are taken always)."""
+    ``auto``: take turns and pace only while another process brings up pools."""
 
     def __init__(self, directory: Path | None = None, *, concurrency: int = 1,
                  max_stall_s: float = DEFAULT_MAX_STALL_S, auto: bool = False, poll_s: float = POLL_S,
@@ -290,9 +324,11 @@ class Turnstile:
 
     # pacing ----------------------------------------------------------------------------
     def paces(self) -> bool:
-        """Whether calls are paced now: always when asked for; in auto mode while another
-        process brings up pools on this host."""
-        return not self.auto or bool(self._core.other_members())
+        """Whether calls take turns and are paced now: always when asked for; in auto mode
+        while another process brings up pools on this host (looked up at most every
+        `OTHERS_EVERY_S`: a call alone costs no file operation - each one would hand the GIL
+        to a serving thread and wait up to its switch interval to get it back)."""
+        return not self.auto or self._core.others_now()
 
     def budget_bytes(self) -> int:
         """The most one call should register: what the measured rate registers in
@@ -314,14 +350,18 @@ class Turnstile:
         return False
 
     # turns -----------------------------------------------------------------------------
-    def acquire(self, stop=None) -> Turn | None:
+    def acquire(self, stop=None) -> "Turn | _Solo | None":
         """Wait for this thread's turn (the one it holds, if it holds one); None when
-        ``stop()`` became true first (the place is given up)."""
+        ``stop()`` became true first (the place is given up). In auto mode, alone on the
+        host, no ticket is taken: a process that arrives meanwhile overlaps the call in
+        flight once - as it would wait behind it - and every later call takes turns."""
         core = self._core
         held = getattr(core.local, "turn", None)
         if held is not None and held.held:
             held.depth += 1
             return held
+        if self.auto and not core.others_now():
+            return _Solo(core)
         with deferred_interrupts():  # the ticket and the object that gives it back, together
             name, fd = core.enqueue()
             turn = Turn(core, name, fd)
@@ -406,7 +446,7 @@ def wait_histogram() -> dict:
 
 def from_env(env=None, *, directory: Path | None = None) -> Turnstile | None:
     """The turnstile the environment asks for: HICACHE_PIN_CONCURRENCY ``auto`` (unset: turns
-    always, pacing while another process brings up pools), a whole number N >= 1 (at most N
+    and pacing while another process brings up pools), a whole number N >= 1 (at most N
     calls in flight, always paced) or ``off``/``0`` (None); HICACHE_PIN_MAX_STALL_S the stall
     budget in seconds (default 0.25). A value hicache cannot read is an `EnvError` naming it."""
     env = os.environ if env is None else env
