@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.plan import plan_pool
@@ -166,6 +166,7 @@ def test_paced_plans_keep_every_law_and_the_oracle(family, data):
 
 
 @pytest.mark.parametrize("family", sorted(LAYOUT_STRATEGIES))
+@settings(max_examples=100)  # pace_head is pace (400 examples above) plus the rest kept whole
 @given(data=st.data())
 def test_a_paced_head_keeps_every_law_and_the_oracle(family, data):
     """The turnstile paces blocking bring-ups call by call (`pace_head`: the next call split
