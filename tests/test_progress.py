@@ -75,7 +75,7 @@ class _Event:
 def test_the_display_says_bytes_rate_eta_and_how_long_the_call_in_flight_has_taken():
     clock = _Clock()
     progress = BringupProgress(4, stream=io.StringIO(), clock=clock)
-    assert progress.line().startswith("preparing")
+    assert progress.line().startswith("preparing: budget lock")
     progress(_Event(512 * MiB, 2048 * MiB, 0.5))  # a pre-fault piece
     assert "pre-faulted 512 MiB / 2 GiB (25 %) 1.07 GB/s ETA 2 s" in progress.line()
     assert "call 1 waits for its pre-fault" in progress.line()

@@ -45,6 +45,7 @@ class BringupProgress:
         self.call_since = self.start_s  # when the call now in flight (or the first) began waiting
         self._lock = threading.Lock()
         self._shown = False
+        self._last = None  # the plain line last shown with a buffer's end (not shown again)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._tick, name="hicache-apply-progress", daemon=True)
 
@@ -59,7 +60,9 @@ class BringupProgress:
                 self.prefault = event
                 buffer_done = False
         if buffer_done and not self.tty:
-            self._show(f"{self.line()}  ({event.buffer} done)")
+            line = self.line()
+            self._show(f"{line}  ({event.buffer} done)")
+            self._last = line
 
     def line(self) -> str:
         with self._lock:
@@ -72,7 +75,7 @@ class BringupProgress:
                 parts.append(_phase("registered", r.bytes_done, r.bytes_total, r.elapsed_s)
                              + f" calls {self.calls}/{self.total_calls}")
             if r is None and self.prefault is None:
-                parts.append("preparing: budget, mapping")
+                parts.append("preparing: budget lock, mapping (and the first import of torch)")
             elif self.calls < self.total_calls:
                 parts.append("call 1 waits for its pre-fault" if r is None
                              else f"call {self.calls + 1} in flight {self.clock() - self.call_since:.0f} s")
@@ -100,8 +103,9 @@ class BringupProgress:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        if self.register is not None or self.prefault is not None:
-            self._show(self.line())
+        line = self.line()
+        if (self.register is not None or self.prefault is not None) and line != self._last:
+            self._show(line)
         if self.tty and self._shown:
             print(file=self.stream)
 
