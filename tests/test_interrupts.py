@@ -156,7 +156,7 @@ def _register_only_caller(runtime, ledger, lock, allocator, holder: list):
 def _progressive_caller(runtime, ledger, lock, allocator, holder: list):
     """A progressive pool: the constructor registers the first page's calls in the foreground
     (the background thread gets no signals) and destroys what came up if interrupted; the
-    caller destroys the pool in finally."""
+    caller waits for the background calls, then destroys the pool, in finally."""
     from hicache.pools import MHATokenToKVPoolHost
     from hicache.testing import MHADevicePool
 
@@ -167,7 +167,10 @@ def _progressive_caller(runtime, ledger, lock, allocator, holder: list):
                                            limits=Limits(chunk_limit_bytes=64 * 1024)))
     finally:
         if holder:
-            holder[0].destroy()
+            try:  # the background's calls all made first: how many there are to release must not
+                holder[0].wait_ready()  # depend on how far it got while this thread ran traced
+            finally:
+                holder[0].destroy()
 
 
 CALLERS = {"deferring": _deferring_caller, "plain": _plain_caller, "register-only": _register_only_caller,

@@ -7,6 +7,7 @@ byte, with SGLang's "direct" io_backend (its sgl-kernel copies stood in for on C
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -71,20 +72,16 @@ def _round_trip(controller, allocator, device, host, kind: str, layout: str, *, 
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("pools", ["sglang", "hicache"])
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
-def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sglang, monkeypatch, roomy_psutil,
-                                                                            kind, layout, pools):
-    """pools="sglang": SGLang's own pool classes (hicache registers their buffers);
-    pools="hicache": HICACHE_SGLANG_POOLS=1 - the plug-in's class REPLACE, so SGLang's assembler
-    builds hicache's pool and SGLang's controller drives it."""
+@contextlib.contextmanager
+def _assembled_host(monkeypatch, pools: str, kind: str, layout: str, **build):
+    """SGLang's assembler builds the host pool of a device pool of ``kind`` - SGLang's own class
+    (pools="sglang": hicache registers its buffers) or, with HICACHE_SGLANG_POOLS=1, hicache's -
+    under the fake driver; yields ``(fake, allocator, device, host)`` and destroys the pool
+    after (also when an assertion failed: nothing left for the next test), then checks that
+    nothing stays registered."""
     import sglang.srt.plugins as plugins
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
-    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
     if pools == "hicache":
@@ -96,20 +93,35 @@ def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sgl
         device = _device_pool(kind)
         allocator = PagedTokenToKVPoolAllocator(256, PAGE, torch.bfloat16, "cpu", device, False)
         with host_memory_budget_scope(10**12):
-            host = build_kv_host_pool(kv_pool=device, page_size=PAGE)
+            host = build_kv_host_pool(kv_pool=device, page_size=PAGE, **build)
         assert type(host).__module__.startswith("hicache.pools" if pools == "hicache" else "sglang.")
         try:
-            buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
-            assert {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges} == fake.held() != set()
-            group = HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=host, device_pool=device,
-                                             layer_mapper=lambda layer: layer, is_primary_index_anchor=True)])
-            controller = HybridCacheController(allocator, group, PAGE, None, threading.Event(), io_backend="direct")
-
-            _round_trip(controller, allocator, device, host, kind, layout, seed=11, pages=5)
+            yield fake, allocator, device, host
         finally:
-            host.destroy()  # also when an assertion failed: nothing left for the next test
+            host.destroy()
         assert fake.held() == set()
-        fake.check_valid()
+
+
+@pytest.mark.parametrize("pools", ["sglang", "hicache"])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sglang, monkeypatch, roomy_psutil,
+                                                                            kind, layout, pools):
+    """pools="sglang": SGLang's own pool classes (hicache registers their buffers);
+    pools="hicache": HICACHE_SGLANG_POOLS=1 - the plug-in's class REPLACE, so SGLang's assembler
+    builds hicache's pool and SGLang's controller drives it."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+
+    with _assembled_host(monkeypatch, pools, kind, layout) as (fake, allocator, device, host):
+        buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
+        assert {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges} == fake.held() != set()
+        group = HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=host, device_pool=device,
+                                         layer_mapper=lambda layer: layer, is_primary_index_anchor=True)])
+        controller = HybridCacheController(allocator, group, PAGE, None, threading.Event(), io_backend="direct")
+        _round_trip(controller, allocator, device, host, kind, layout, seed=11, pages=5)
+    fake.check_valid()
 
 
 @pytest.mark.parametrize("pools", ["sglang", "hicache"])
@@ -120,28 +132,10 @@ def test_decode_offloads_hicache_controller_round_trips_pages_byte_exact(sglang,
     assembler builds the host pool for a flat device pool and SGLang's `HiCacheController` (no
     HostPoolGroup) backs pages up and loads them back - over SGLang's pool and, with
     HICACHE_SGLANG_POOLS=1, over hicache's."""
-    import sglang.srt.plugins as plugins
     from sglang.srt.managers.cache_controller import HiCacheController
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
-    if pools == "hicache":
-        monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
-    plugins.load_plugins()
     layout = "page_first_direct"
-    settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
-                    hicache_io_backend="direct")
-    with published(**settings), fake_cuda() as fake:
-        device = _device_pool(kind)
-        allocator = PagedTokenToKVPoolAllocator(256, PAGE, torch.bfloat16, "cpu", device, False)
-        with host_memory_budget_scope(10**12):
-            host = build_kv_host_pool(kv_pool=device, page_size=PAGE, use_mla=kind == "mla")
-        assert type(host).__module__.startswith("hicache.pools" if pools == "hicache" else "sglang.")
-        try:
-            controller = HiCacheController(token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=PAGE,
-                                           tp_group=None, load_cache_event=threading.Event(), io_backend="direct")
-            _round_trip(controller, allocator, device, host, kind, layout, seed=13, pages=4)
-        finally:
-            host.destroy()
-        assert fake.held() == set()
+    with _assembled_host(monkeypatch, pools, kind, layout, use_mla=kind == "mla") as (_, allocator, device, host):
+        controller = HiCacheController(token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=PAGE,
+                                       tp_group=None, load_cache_event=threading.Event(), io_backend="direct")
+        _round_trip(controller, allocator, device, host, kind, layout, seed=13, pages=4)

@@ -259,7 +259,6 @@ def test_a_ctrl_c_while_waiting_for_a_turn_registers_nothing_and_leaves_the_queu
     holder = turnstile.acquire()
     plan = plan_registration(8 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=8 * MiB))
     cudart = FakeCudart()
-    result = []
 
     def hold_then_interrupt():
         while len(_tickets(directory)) < 2:
@@ -273,7 +272,6 @@ def test_a_ctrl_c_while_waiting_for_a_turn_registers_nothing_and_leaves_the_queu
     with pytest.raises((ApplyError, KeyboardInterrupt)) as caught:
         apply_plan(plan, base_ptr=BASE, runtime=FakeRuntime(cudart), turnstile=turnstile)
     releaser.join()
-    result.append(caught.value)
     assert caused_by_interrupt(caught.value)
     assert cudart.register_calls == 0 and cudart.registered == {}
     assert _tickets(directory) == [holder.name]

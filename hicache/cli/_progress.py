@@ -14,19 +14,7 @@ import sys
 import threading
 import time
 
-from hicache.plan import format_bytes
-
-
-def _eta(done: int, total: int, elapsed_s: float) -> str:
-    if done <= 0 or elapsed_s <= 0:
-        return "ETA ?"
-    return f"ETA {max(0.0, (total - done) / (done / elapsed_s)):.0f} s"
-
-
-def _phase(verb: str, done: int, total: int, elapsed_s: float) -> str:
-    share = 100.0 * done / total if total else 100.0
-    rate = done / elapsed_s / 1e9 if elapsed_s > 0 else 0.0
-    return f"{verb} {format_bytes(done)} / {format_bytes(total)} ({share:.0f} %) {rate:.2f} GB/s {_eta(done, total, elapsed_s)}"
+from hicache.plan import format_progress as _phase
 
 
 class BringupProgress:

@@ -58,7 +58,7 @@ from hicache.plan._settings import (
     resolve_limits,
 )
 from hicache.errors import EnvError
-from hicache.plan._units import format_bytes, format_gb, parse_size
+from hicache.plan._units import format_bytes, format_gb, format_progress, parse_size
 
 __all__ = [
     "pace",
@@ -110,6 +110,7 @@ __all__ = [
     "check_budget",
     "format_bytes",
     "format_gb",
+    "format_progress",
     "kernel_pin_cap",
     "parse_kernel_release",
     "from_jsonable",

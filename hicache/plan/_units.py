@@ -71,6 +71,15 @@ def format_bytes(nbytes: int) -> str:
     return f"{text} {unit}"
 
 
+def format_progress(verb: str, done: int, total: int, elapsed_s: float) -> str:
+    """One phase of a bring-up for people: ``registered 1 GiB / 2 GiB (50 %) 1.07 GB/s ETA 1 s``
+    (rate in decimal GB/s; ETA at the rate so far, ``?`` before there is one)."""
+    share = 100.0 * done / total if total else 100.0
+    rate = done / elapsed_s if elapsed_s > 0 else 0.0
+    eta = f"{max(0.0, (total - done) / rate):.0f} s" if done > 0 and rate > 0 else "?"
+    return f"{verb} {format_bytes(done)} / {format_bytes(total)} ({share:.0f} %) {rate / 1e9:.2f} GB/s ETA {eta}"
+
+
 def format_gb(nbytes: int) -> str:
     """Decimal gigabytes (10**9), as SGLang's --hicache-size counts: ``85.9 GB``."""
     return f"{nbytes / 1e9:.1f} GB"

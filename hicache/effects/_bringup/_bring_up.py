@@ -194,7 +194,8 @@ def bring_up(
     _trace.start(trace) if trace else _trace.from_env()  # record this process's bring-ups (HICACHE_TRACE=FILE)
     turnstile = _turnstile.resolve(turnstile)  # a bad HICACHE_PIN_CONCURRENCY: an error before anything is held
     log = ProgressLog()
-    progress, prefault_progress = tee(log, progress), tee(log, prefault_progress)
+    listening = log if log.enabled() else None  # no events made for a log nobody reads
+    progress, prefault_progress = tee(listening, progress), tee(listening, prefault_progress)
     requests = _requests(pools, dtypes, register)
     allocator = host_allocator(allocator)
     mode = _mode(mode, requests, allocator, device)
@@ -242,11 +243,12 @@ def bring_up(
                 _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, turnstile=turnstile)
         elif isinstance(mode, Progressive):
             with _trace.span("first calls (progressive; the rest in the background)", "phase"):
-                _progressive(handle, requests, mode, runtime, ledger, start, turnstile, prefault_progress, log)
+                _progressive(handle, requests, mode, runtime, ledger, start, turnstile, prefault_progress, listening)
         handle.timings["ready_s"] = time.perf_counter() - start  # budget wait included: what a caller waited
         log.stop_heartbeat()
         if member:  # a progressive registration stays a member until its thread ends
-            member = turnstile.leave()
+            member = False
+            turnstile.leave()
         handle._activate()
         _trace.flush()  # inside the try: a Ctrl-C here still undoes everything
     except BaseException as error:

@@ -15,7 +15,7 @@ import time
 import attrs
 
 from hicache.effects._cuda._executor import ProgressEvent
-from hicache.plan import format_bytes
+from hicache.plan import format_progress
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +45,10 @@ class PrefaultCounter:
             self.report(PrefaultEvent(self.done, self.total, self.clock() - self.start))
 
 
-def eta_s(done: int, total: int, elapsed_s: float) -> float | None:
-    """Seconds left at the rate so far (None: no rate yet)."""
-    if done <= 0 or elapsed_s <= 0:
-        return None
-    return max(0.0, (total - done) / (done / elapsed_s))
-
-
 def describe(event) -> str:
-    """``pre-faulted|registered X / Y (P %), R GB/s, ETA S s`` for either event."""
+    """``pre-faulted|registered X / Y (P %) R GB/s ETA S s`` for either event."""
     verb = "pre-faulted" if isinstance(event, PrefaultEvent) else "registered"
-    share = 100.0 * event.bytes_done / event.bytes_total if event.bytes_total else 100.0
-    rate = event.bytes_done / event.elapsed_s / 1e9 if event.elapsed_s > 0 else 0.0
-    eta = eta_s(event.bytes_done, event.bytes_total, event.elapsed_s)
-    line = (f"{verb} {format_bytes(event.bytes_done)} / {format_bytes(event.bytes_total)} ({share:.0f} %), "
-            f"{rate:.2f} GB/s, ETA {'?' if eta is None else f'{eta:.0f} s'}")
+    line = format_progress(verb, event.bytes_done, event.bytes_total, event.elapsed_s)
     if isinstance(event, ProgressEvent):
         line += f" (buffer {event.buffer} call {event.chunk_index}/{event.chunk_count})"
     return line
@@ -128,10 +117,11 @@ class ProgressLog:
 
 
 def tee(*reports):
-    """One progress callback calling each of ``reports`` that is not None, in order."""
+    """One progress callback calling each of ``reports`` that is not None, in order (None
+    when every one is)."""
     reports = [r for r in reports if r is not None]
-    if len(reports) == 1:
-        return reports[0]
+    if len(reports) <= 1:
+        return reports[0] if reports else None  # None: nobody listens, no event is made
 
     def report(event) -> None:
         for each in reports:

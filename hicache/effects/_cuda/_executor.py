@@ -157,8 +157,9 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                             name, buffer_index, index, len(plan.ranges), done, total,
                             time.perf_counter() - start,
                         ))
-            if member:
-                member = turnstile.leave()  # no call is left to make
+            if member:  # no call is left to make
+                member = False
+                turnstile.leave()
             where = "after the last call"
             interrupt_requested(held)
             return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))

@@ -344,10 +344,9 @@ class Turnstile:
         """Announce this process as bringing up pools (re-entrant; `leave` once per join)."""
         self._core.join()
 
-    def leave(self) -> bool:
-        """End one `join` (False, for a caller's flag)."""
+    def leave(self) -> None:
+        """End one `join`."""
         self._core.leave()
-        return False
 
     # turns -----------------------------------------------------------------------------
     def acquire(self, stop=None) -> "Turn | _Solo | None":
