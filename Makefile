@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 .SILENT:
 
-.PHONY: help plan test bench clean sglang
+.PHONY: help plan test test-loaded bench clean sglang
 
 help:  ## list the targets
 	grep -E '^[a-z]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/:.*## /\t/' | expand -t 8
@@ -38,9 +38,9 @@ $(SGLANG_STAMP): $(STAMP) requirements-sglang.txt
 	    echo "warning: Mooncake's binaries need $(MOONCAKE_LIBS): apt-get install $(MOONCAKE_LIBS)" >&2; \
 	  fi; \
 	fi
-	echo "installing sglang 0.5.23 for the suite (first run only)" >&2
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -c constraints-dev.txt sglang==0.5.23 >&2
+	echo "installing sglang 0.5.23 for the suite (first run only): the wheel without its own dependencies, which pin torch 2.14.1 and CUDA; the light ones it needs on CPU come from requirements-sglang.txt" >&2
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -r requirements-sglang.txt >&2
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -c constraints-dev.txt sglang==0.5.23 >&2
 	touch $(SGLANG_STAMP)
 
 sglang: $(SGLANG_STAMP)  ## SGLang 0.5.23's real code in .venv, for its tests (requirements-sglang.txt)
@@ -48,8 +48,17 @@ sglang: $(SGLANG_STAMP)  ## SGLang 0.5.23's real code in .venv, for its tests (r
 plan: $(STAMP)  ## capacity plan (ARGS="--model deepseek-v3.2 --host-gb 300", ARGS="--format json")
 	$(BIN)/hicache plan $(ARGS)
 
-test: $(STAMP)  ## the whole test suite (ARGS passes pytest options)
-	$(BIN)/python -m pytest $(ARGS)
+# Files run in parallel workers (pytest-xdist), a file's tests together on one worker: they share
+# its fixtures (SGLang's imports, a Mooncake master). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
+test: $(STAMP)  ## the whole test suite (ARGS passes pytest options; TEST_WORKERS=0: no workers)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# The suite's concurrency files (marker `concurrency`: processes, threads, signals, waits) again,
+# beside six busy processes - the load of a shared 2-core box - in a random file order.
+test-loaded: $(STAMP)  ## the concurrency tests under a load of about 8 (scripts/under_load.py)
+	HICACHE_TEST_ORDER=$${HICACHE_TEST_ORDER:-random} $(BIN)/python scripts/under_load.py --hogs 6 -- \
+	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m concurrency $(ARGS)
 
 bench: $(STAMP)  ## the benchmarks: figure, baseline, ratio (ARGS=plan runs bench_plan only)
 	$(BIN)/python benchmarks/run.py $(ARGS)

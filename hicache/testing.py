@@ -69,8 +69,9 @@ class FakeCudart:
     ``driver_lock=PATH`` makes that lock host-wide, as the real driver's is (a ``flock`` on the
     file: processes sharing it wait for each other's calls, and `cudaMemGetInfo` waits for
     them - what a co-located rank's probe suffers); ``shared_log=PATH`` appends one JSON line
-    per successful register call (pid, ptr, size, start, end on the host's monotonic clock)
-    for tests that watch several processes.
+    per successful register call (pid, ptr, size, start - before it queued for the driver
+    lock - and end, on the host's monotonic clock) for tests that watch several processes, and
+    one ``"op": "queue"`` line as each call starts to wait for the driver lock.
 
     Faults, by 0-based call index of that function: ``fail_register={k: code}``,
     ``fail_unregister={k: code}`` (a sticky code there poisons the context from then on),
@@ -125,19 +126,15 @@ class FakeCudart:
                 return self._fail(ALREADY_REGISTERED)
         start, host_start = time.perf_counter(), time.monotonic()
         if self.register_bytes_per_s:  # a driver pinning at this rate, under its one lock
+            if self.shared_log is not None:  # queued for the driver: a test can hold the lock and count
+                self._log_shared({"op": "queue", "pid": os.getpid(), "ptr": ptr, "size": size, "start": host_start})
             with _DRIVER_LOCK, self._host_driver():
                 time.sleep(size / self.register_bytes_per_s)
         with self._state:
             self.timeline.append(("register", ptr, size, start, time.perf_counter()))
             self.registered[ptr] = size
         if self.shared_log is not None:
-            line = json.dumps({"pid": os.getpid(), "ptr": ptr, "size": size, "start": host_start,
-                               "end": time.monotonic()}) + "\n"
-            fd = os.open(self.shared_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line.encode())  # one short O_APPEND write: lines never interleave
-            finally:
-                os.close(fd)
+            self._log_shared({"pid": os.getpid(), "ptr": ptr, "size": size, "start": host_start, "end": time.monotonic()})
         if self.interrupt_register.get(call) == "after":
             raise KeyboardInterrupt(f"fake interrupt after register call {call}")
         return SUCCESS
@@ -157,10 +154,21 @@ class FakeCudart:
 
     def cudaMemGetInfo(self):
         """``(0, free, total)`` once the driver lock is free - the call a co-located rank's
-        probe makes (it waits behind a register call in flight, host-wide with ``driver_lock=``)."""
+        probe makes (it waits behind a register call in flight, host-wide with ``driver_lock=``).
+        With ``shared_log=`` it logs a line too, ``"op": "probe"`` (register lines have none)."""
+        host_start = time.monotonic()
         with _DRIVER_LOCK, self._host_driver():
             pass
+        if self.shared_log is not None:
+            self._log_shared({"op": "probe", "pid": os.getpid(), "start": host_start, "end": time.monotonic()})
         return SUCCESS, 0, 0
+
+    def _log_shared(self, entry: dict) -> None:
+        fd = os.open(self.shared_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (json.dumps(entry) + "\n").encode())  # one short O_APPEND write: lines never interleave
+        finally:
+            os.close(fd)
 
     def probe(self, until, every_s: float = 0.01) -> list[float]:
         """A co-located rank's probe: `cudaMemGetInfo` every ``every_s`` until ``until()``;

@@ -31,7 +31,12 @@ def _file_order():
     kind, _, seed = setting.partition(":")
     if kind not in ("reverse", "random") or (seed and not seed.isdigit()):
         raise ValueError(f"HICACHE_TEST_ORDER={setting!r}: use reverse, random or random:SEED")
-    return kind, int(seed) if seed else random.SystemRandom().randrange(10**6)
+    if kind == "random" and not seed:
+        # Chosen once, by the process that starts the run: its xdist workers inherit the
+        # variable and so collect the same order (a different one per worker is an xdist error).
+        seed = str(random.SystemRandom().randrange(10**6))
+        os.environ["HICACHE_TEST_ORDER"] = f"random:{seed}"
+    return kind, int(seed) if seed else 0
 
 
 _ORDER = _file_order()

@@ -19,6 +19,8 @@ from hicache.plan import Limits, MHALayout, plan_pool, plan_registration
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 LIMITS = Limits(chunk_limit_bytes=64 * 1024, os_page_bytes=4096)
 

@@ -12,6 +12,8 @@ import pytest
 
 from hicache.cli import main
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 
 def _config(tmp_path, **fields):
     base = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 2, "num_key_value_heads": 8,

@@ -5,6 +5,7 @@ Like SGLang's own tests, these substitute a fake for torch.cuda.cudart() that re
 
 from __future__ import annotations
 
+import os
 import logging
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 import hicache.compat.sglang as sg
 from hicache.errors import PlanError
 from hicache.testing import FakeHostBuffer
+
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 
 torch = pytest.importorskip("torch")
 
@@ -269,7 +272,10 @@ def test_sglangs_own_registrations_take_their_turn_at_the_hosts_driver(cudart, m
     registering = threading.Thread(target=sg._cuda_host_register, args=(buffer,),
                                    kwargs={"registration_granularity_bytes": MiB}, daemon=True)
     registering.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 60  # a hang guard
+    while len([n for n in os.listdir(turnstile.path) if n.startswith("t.")]) < 2:  # its ticket is behind the holder's
+        assert time.monotonic() < deadline and registering.is_alive()
+        time.sleep(0.005)
     assert cudart.held() == set()  # it waits its turn
     release.set()
     registering.join(30)

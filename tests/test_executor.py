@@ -18,6 +18,8 @@ from hicache.errors import (
 from hicache.plan import Limits, MambaLayout, plan_pool, plan_registration
 from hicache.testing import FakeRuntime
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 MiB, GiB = 2**20, 2**30
 BASE = 1 << 40
 SGLANG_PLAN = plan_registration(2500 * MiB, granularity_bytes=300 * MiB, limits=Limits(chunk_limit_bytes=GiB))

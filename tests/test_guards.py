@@ -25,6 +25,8 @@ from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda
 from hicache.testing import FakeHostBuffer as FakeBuffer
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 MiB = 2**20
 

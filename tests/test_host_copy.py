@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from hicache.effects._copy import _host_copy
 from hicache.effects._host._probes import EnvError
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 native = pytest.mark.skipif(_host_copy._native is None, reason="hicache.effects._copy._hostcopy was not built (no C compiler)")
 

@@ -11,6 +11,8 @@ from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateErr
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeRuntime
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 
 

@@ -31,6 +31,8 @@ from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 pytest.importorskip("torch")
 FILES = {m.__file__ for m in (_bringup, _executor, _host_pools, _registration, _interrupts, _progressive)}
 # not _pipeline: its wait loop runs as often as the pre-fault thread's timing makes it, so the

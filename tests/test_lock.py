@@ -12,6 +12,8 @@ import pytest
 from hicache.effects._bringup._lock import budget_lock
 from hicache.errors import RegistrationStateError
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 
 def test_lock_excludes_other_processes(tmp_path):
     """While held here, another process cannot take it (it times out)."""
@@ -65,25 +67,32 @@ _HOLD = (
 
 def test_a_waiter_says_who_holds_the_lock_and_a_timeout_names_the_holder(tmp_path, caplog):
     """Another process holds the host-wide lock: a waiting bring-up logs the holder's pid and
-    since when every few seconds (here every 0.2 s) instead of waiting in silence, and with
-    HICACHE_LOCK_TIMEOUT it ends in a clean LockTimeoutError naming that pid."""
+    since when every few seconds (here every 0.2 s of an injected clock that each poll's sleep
+    moves on) instead of waiting in silence, and with HICACHE_LOCK_TIMEOUT it ends in a clean
+    LockTimeoutError naming that pid - at the first poll past the timeout, not later."""
     import logging
 
-    from hicache.effects._bringup._lock import BudgetLock
+    from hicache.effects._bringup._lock import POLL_S, BudgetLock
     from hicache.errors import LockTimeoutError
 
     tmp_path.chmod(0o700)
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "30"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "600"], stdout=subprocess.PIPE, text=True)
+    now = [1000.0]
+    sleeps = []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        now[0] += seconds
+
     try:
         assert holder.stdout.readline().strip() == "held"
-        lock = BudgetLock(tmp_path, timeout_s=1.0, report_every_s=0.2)
+        lock = BudgetLock(tmp_path, timeout_s=1.0, report_every_s=0.2, clock=lambda: now[0], sleep=sleep)
         with caplog.at_level(logging.WARNING, logger="hicache.effects._bringup._lock"):
-            started = time.monotonic()
             with pytest.raises(LockTimeoutError, match=rf"timed out after 1 s .* held by pid {holder.pid} since "):
                 lock.__enter__()
-        assert time.monotonic() - started < 5
+        assert 1.0 < now[0] - 1000.0 <= 1.0 + POLL_S + 1e-9 and set(sleeps) == {POLL_S}
         waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
-        assert len(waits) >= 3 and all(f"held by pid {holder.pid}" in w and "HICACHE_LOCK_TIMEOUT" in w for w in waits)
+        assert 4 <= len(waits) <= 5 and all(f"held by pid {holder.pid}" in w and "HICACHE_LOCK_TIMEOUT" in w for w in waits)
     finally:
         holder.kill()
         holder.communicate()

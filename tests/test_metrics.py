@@ -26,6 +26,8 @@ from prometheus_client import REGISTRY  # noqa: E402
 
 from hicache import metrics  # noqa: E402
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 P = 4
 NAMES = ("hicache_host_pool_bytes", "hicache_registered_bytes", "hicache_registration_calls_total",
          "hicache_bringup_seconds", "hicache_prefault_bytes_per_second", "hicache_register_bytes_per_second",

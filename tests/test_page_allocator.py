@@ -13,6 +13,8 @@ from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, PageAllocator
 from hicache.testing import MHADevicePool
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 
 PAGES, PAGE = 40, 4

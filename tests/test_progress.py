@@ -16,6 +16,8 @@ from hicache.effects import BufferRequest, HostTensorAllocator, Progressive, bri
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeCudart, FakeRuntime
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 MiB = 2**20
 
 
@@ -89,7 +91,10 @@ def test_the_display_redraws_at_least_every_tick_while_nothing_happens():
     stream = io.StringIO()
     progress = BringupProgress(2, stream=stream, every_s=0.02).start()
     progress(_Event(0, 10, 0.0))
-    time.sleep(0.3)
+    deadline = time.monotonic() + 120  # a hang guard: without the ticker no line comes
+    while len(stream.getvalue().splitlines()) < 5:  # one event, then ticks alone
+        assert time.monotonic() < deadline, stream.getvalue()
+        time.sleep(0.01)
     progress.close()
     lines = stream.getvalue().splitlines()
     assert len(lines) >= 5 and all("elapsed" in line for line in lines)  # not a tty: a line each tick
@@ -110,10 +115,20 @@ def test_a_progressive_apply_reports_while_it_waits_for_the_background():
 
 def test_the_library_says_it_is_still_working_during_a_long_call(caplog):
     """A call that takes seconds (a 64 GiB one) leaves no event to log: the heartbeat logs a
-    line each second nothing else was, naming the seconds since the last call."""
+    line each second nothing else was, naming the seconds since the last call. The fake's one
+    call lasts until a heartbeat was logged (a hang guard bounds it): however busy the machine,
+    the test waits for the event, not for seconds."""
+
+    class LongCall(FakeCudart):
+        def cudaHostRegister(self, ptr, size, flags):
+            deadline = time.monotonic() + 120
+            while not any("still working" in r.getMessage() for r in list(caplog.records)):
+                assert time.monotonic() < deadline, "hang guard: no heartbeat during the call"
+                time.sleep(0.01)
+            return super().cudaHostRegister(ptr, size, flags)
+
     with caplog.at_level(logging.INFO, logger="hicache.effects._bringup._progress"):
-        bring_up([_request(48 * MiB, 48 * MiB)], mode="blocking",
-                 runtime=FakeRuntime(FakeCudart(register_bytes_per_s=20e6)),  # one call of ~2.5 s
+        bring_up([_request(48 * MiB, 48 * MiB)], mode="blocking", runtime=FakeRuntime(LongCall()),
                  allocator=HostTensorAllocator(), machine=ROOMY, turnstile=None).release()
     beats = [r.getMessage() for r in caplog.records if "still working" in r.getMessage()]
     assert beats and all("s since the last register call" in line for line in beats), beats

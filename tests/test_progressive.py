@@ -17,6 +17,8 @@ from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, MLADevicePool
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 P = 4
 

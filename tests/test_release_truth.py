@@ -21,6 +21,8 @@ from hicache.errors import RegistrationStateError, ReleaseError
 from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = MHALayout("page_first_direct", layer_num=2, head_num=2, head_dim=64, page_size=4, page_num=32, itemsize=2)

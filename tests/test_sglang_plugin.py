@@ -20,6 +20,8 @@ from sglang_support import (  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 
 

@@ -15,6 +15,8 @@ from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 
 PAGE, LAYERS, DEVICE_TOKENS = 16, 3, 512

@@ -24,6 +24,8 @@ from hicache.errors import ApplyError, ReleaseError
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeRuntime
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 
 MiB = 2**20

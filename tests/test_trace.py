@@ -14,6 +14,8 @@ from machine import ROOMY
 
 from hicache.effects import _trace
 
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
 torch = pytest.importorskip("torch")
 
 

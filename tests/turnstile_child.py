@@ -2,10 +2,13 @@
 either bring a pool up against a fake driver that is host-wide (``register``) or stand for a
 co-located rank's ``cudaMemGetInfo`` probe (``probe``), and write what it saw as JSON.
 
-register BARRIER POOL_MIB RATE CHUNK_MIB: a blocking bring-up (budgeted, ROOMY machine facts)
-whose register calls run at RATE bytes/s under the fake's host-wide driver lock and land in
-the shared call log. probe BARRIER: call ``cudaMemGetInfo`` every 10 ms until ``done`` exists,
-timing each call's wait for the driver.
+register BARRIER POOL_MIB RATE CHUNK_MIB [together]: a blocking bring-up (budgeted, ROOMY
+machine facts) whose register calls run at RATE bytes/s under the fake's host-wide driver lock
+and land in the shared call log. ``together``: the process announces itself to the host's
+turnstile before the barrier and stays announced until ``done`` exists - ranks that start
+together, each seeing the others from its first call to its last whatever the scheduler does.
+probe BARRIER: call ``cudaMemGetInfo`` every 10 ms until ``done`` exists; each call lands in
+the shared log too (queued at ``start``, served at ``end``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch  # noqa: F401  (imported before the barrier)
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, bring_up
+from hicache.effects._cuda._turnstile import from_env
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeCudart, FakeRuntime
 
@@ -42,11 +46,18 @@ def _write(barrier: str, result: dict) -> None:
     os.rename(path + ".tmp", path)
 
 
-def register(barrier: str, pool_mib: str, rate: str, chunk_mib: str) -> int:
+def _done(barrier: str) -> bool:
+    return os.path.exists(os.path.join(barrier, "done"))
+
+
+def register(barrier: str, pool_mib: str, rate: str, chunk_mib: str, together: str = "") -> int:
     total = int(pool_mib) * MiB
     plan = plan_registration(total, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=int(chunk_mib) * MiB))
     cudart = FakeCudart(register_bytes_per_s=float(rate), driver_lock=os.path.join(barrier, "driver.lock"),
                         shared_log=os.path.join(barrier, "calls.log"))
+    turnstile = from_env() if together else None
+    if turnstile is not None:
+        turnstile.join()
     _barrier(barrier)
     handle = bring_up([BufferRequest("kv", (total,), None, plan)], mode="blocking", runtime=FakeRuntime(cudart),
                       machine=ROOMY)
@@ -55,13 +66,17 @@ def register(barrier: str, pool_mib: str, rate: str, chunk_mib: str) -> int:
                          "waits": handle.turnstile_waits()["count"]})
     finally:
         handle.release()
+    if turnstile is not None:
+        while not _done(barrier):
+            time.sleep(0.01)
+        turnstile.leave()
     return 0
 
 
 def probe(barrier: str) -> int:
-    cudart = FakeCudart(driver_lock=os.path.join(barrier, "driver.lock"))
+    cudart = FakeCudart(driver_lock=os.path.join(barrier, "driver.lock"), shared_log=os.path.join(barrier, "calls.log"))
     _barrier(barrier)
-    _write(barrier, {"probe": cudart.probe(lambda: os.path.exists(os.path.join(barrier, "done")))})
+    _write(barrier, {"probe": cudart.probe(lambda: _done(barrier))})
     return 0
 
 

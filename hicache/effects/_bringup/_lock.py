@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_TIMEOUT_ENV = "HICACHE_LOCK_TIMEOUT"
 REPORT_EVERY_S = 5.0  # a waiting bring-up says who holds the lock this often
+POLL_S = 0.05  # how often a waiting bring-up tries the lock again
 
 
 def lock_timeout_s(env=None) -> float | None:
@@ -64,10 +65,11 @@ class BudgetLock:
     allocated pools, ``record(nbytes)`` / ``forget()`` keep this process's entry."""
 
     def __init__(self, directory: Path | None = None, *, timeout_s: float | None = None,
-                 report_every_s: float = REPORT_EVERY_S) -> None:
+                 report_every_s: float = REPORT_EVERY_S, clock=time.monotonic, sleep=time.sleep) -> None:
         self.path = _private_dir(directory or runtime_dir()) / "budget.lock"
         self.timeout_s = timeout_s
         self.report_every_s = report_every_s
+        self._clock, self._sleep = clock, sleep  # the wait's time: injected by tests, never judged by seconds
         self._fd: int | None = None
         self._depth = 0  # re-entrant: teardown may run inside a with-block an interrupt cut short
 
@@ -85,7 +87,7 @@ class BudgetLock:
 
     def _enter(self) -> "BudgetLock":
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        start = time.monotonic()
+        start = self._clock()
         deadline = None if self.timeout_s is None else start + self.timeout_s
         next_report = start + self.report_every_s
         try:
@@ -96,7 +98,7 @@ class BudgetLock:
                 except OSError as error:
                     if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                         raise
-                now = time.monotonic()
+                now = self._clock()
                 if deadline is not None and now > deadline:
                     raise LockTimeoutError(
                         f"timed out after {self.timeout_s:g} s waiting for the host-wide budget lock {self.path}: "
@@ -106,7 +108,7 @@ class BudgetLock:
                     logger.warning("waiting %.0f s for the host-wide budget lock %s: %s (%s sets a limit)",
                                    now - start, self.path, self.holder(), LOCK_TIMEOUT_ENV)
                     next_report = now + self.report_every_s
-                time.sleep(0.05)
+                self._sleep(POLL_S)
             self._say_holder()
         except BaseException:
             os.close(fd)
