@@ -9,7 +9,8 @@ over a Mooncake master on 127.0.0.1.
 With HICACHE_SGLANG_POOLS=1 in its environment the plug-in makes the assembler build hicache's
 pool instead of SGLang's (the report names whose it got). ``store`` fills its device pool from SEED, backs the pages up to its host pool (SGLang's
 "direct" backend) and stores them zero-copy through MooncakeStore; it then says "stored" and
-keeps its Mooncake segment (where the pages may live) until its stdin closes. ``fetch`` looks
+keeps its Mooncake segment (where the pages may live) until its stdin closes. ``fetch``, once
+a line on its stdin says the store is done (both start together: their imports overlap), looks
 the pages up, fetches them into its host pool and loads them to its device pool, comparing
 byte for byte against what SEED gives. Both then destroy the pool and check nothing stays
 registered. The last stdout line is a JSON report.
@@ -97,6 +98,7 @@ def main(role: str, rpc_port: int, metadata_port: int, seed: int, pages: int) ->
             print("stored", flush=True)
             sys.stdin.read()  # keep this instance's Mooncake segment until the fetch is done
         else:
+            sys.stdin.readline()  # started beside the store (their imports overlap): go once it stored
             host.alloc(3 * PAGE)  # other requests' pages: this instance's slots differ from the store's
             host_indices = host.alloc(tokens)
             report["exists"] = store.batch_exists(keys)

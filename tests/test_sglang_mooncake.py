@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+# Not in `make test-loaded`: its two instances take strict turns (B looks up only after A said
+# "stored"), so load changes how long it takes, never what it sees - and its four SGLang
+# imports cost minutes on a loaded box.
 
 INSTANCE = Path(__file__).with_name("sglang_instance.py")
 
@@ -129,15 +131,19 @@ def test_two_instances_share_pages_through_sglangs_mooncake_store_byte_exact(mas
     seed = 7 if store_pools == "sglang" else 8
     pages = 8
     store = _instance("store", rpc, metadata, seed=seed, pages=pages, logs=tmp_path, pools=store_pools)
+    fetch = _instance("fetch", rpc, metadata, seed=seed, pages=pages, logs=tmp_path, pools=fetch_pools)
     try:
         said = store.stdout.readline()  # "stored" once A's pages are in Mooncake
         if said.strip() != "stored":
             _report(store)  # names why A failed
             raise AssertionError(f"instance A said {said!r}")
-        b = _report(_instance("fetch", rpc, metadata, seed=seed, pages=pages, logs=tmp_path, pools=fetch_pools))
+        fetch.stdin.write("go\n")  # B imported beside A; it looks up only now
+        fetch.stdin.flush()
+        b = _report(fetch)
     except BaseException:
-        store.kill()
-        store.communicate()
+        for process in (store, fetch):
+            process.kill()
+            process.communicate()
         raise
     a = _report(store)  # A lets its segment go once B is done
     for report, pools in ((a, store_pools), (b, fetch_pools)):
