@@ -52,13 +52,13 @@ plan: $(STAMP)  ## capacity plan (ARGS="--model deepseek-v3.2 --host-gb 300", AR
 # its fixtures (SGLang's imports, a Mooncake master). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= auto
 test: $(STAMP)  ## the whole test suite (ARGS passes pytest options; TEST_WORKERS=0: no workers)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 # The suite's concurrency files (marker `concurrency`: processes, threads, signals, waits) again,
 # beside six busy processes - the load of a shared 2-core box - in a random file order.
 test-loaded: $(STAMP)  ## the concurrency tests under a load of about 8 (scripts/under_load.py)
 	HICACHE_TEST_ORDER=$${HICACHE_TEST_ORDER:-random} $(BIN)/python scripts/under_load.py --hogs 6 -- \
-	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m concurrency $(ARGS)
+	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m concurrency $(ARGS)
 
 bench: $(STAMP)  ## the benchmarks: figure, baseline, ratio (ARGS=plan runs bench_plan only)
 	$(BIN)/python benchmarks/run.py $(ARGS)

@@ -271,6 +271,12 @@ def test_destroy_keeps_memory_a_failed_release_left_registered():
         (lambda p, d: p.load_to_device_per_layer(d, torch.tensor([0, -4]), torch.tensor([1, 2]), 0, "direct"), "host_indices out of range"),
         (lambda p, d: p.backup_from_device_all_layer(d, [0, 1], torch.tensor([1, 2]), "direct"), "must be a torch tensor"),
         (lambda p, d: p.get_data_page(10**6), "page index"),
+        # a negative page index would wrap to the last page (torch counts from the end): a silent overwrite
+        (lambda p, d: p.get_data_page(-1), r"page index -1 out of range \[0, \d+\)"),
+        (lambda p, d: p.get_data_page(-P), r"page index -4 out of range"),
+        (lambda p, d: p.set_from_flat_data_page(-P, p.get_dummy_flat_data_page()), r"page index -4 out of range"),
+        (lambda p, d: p.get_data_page(p.size), r"page index \d+ out of range"),
+        (lambda p, d: p.set_from_flat_data_page(torch.tensor(p.size), p.get_dummy_flat_data_page()), "out of range"),
         (lambda p, d: p.alloc(3), "not a multiple of the page size"),
         (lambda p, d: p.free(torch.tensor([1, 2, 3, 4])), "page-aligned runs"),
     ],
@@ -292,9 +298,35 @@ def test_zero_copy_pointers_only_for_indices_that_start_a_page(name):
     try:
         ptrs, sizes = pool.get_page_buffer_meta(torch.arange(P, 2 * P))
         assert ptrs and all(size > 0 for size in sizes)
-        for bad in ([1, 2, 3, 4], [P + 1] * P, [-P] * P, [pool.size] * P):
-            with pytest.raises(TransferError):
-                pool.get_page_buffer_meta(bad)
+        last = list(range(pool.size - P, pool.size))  # the last page is the pool's: accepted
+        for dtype in (torch.int64, torch.int32):  # an index tensor takes the vectorized path
+            assert pool.get_page_buffer_meta(torch.tensor(last, dtype=dtype)) == pool.get_page_buffer_meta(last)
+        for bad in ([1, 2, 3, 4], [P + 1] * P, [-P] * P, [pool.size] * P, [0] * P + [pool.size] * P,
+                    [-P] * P + [0] * P, [0] * P + [P + 2] * P):
+            for form in (bad, torch.tensor(bad), torch.tensor(bad, dtype=torch.int32)):
+                with pytest.raises(TransferError):
+                    pool.get_page_buffer_meta(form)
+    finally:
+        pool.destroy()
+
+
+@pytest.mark.parametrize("name, layout", [(name, layout) for name in ("mha", "mla", "asymmetric")
+                                          for layout in ("page_first", "page_first_direct", "layer_first")
+                                          if (name, layout) != ("asymmetric", "layer_first")])  # none such
+def test_zero_copy_pointers_of_an_index_tensor_are_the_plain_paths(name, layout):
+    """The vectorized path for index tensors answers exactly as the checked plain path for
+    lists does, page for page, for any valid set of pages in any order (the plain path is the
+    oracle: a break of either shows as a difference)."""
+    import random
+
+    pool, _ = make(name, layout)
+    try:
+        chooser = random.Random(31)
+        pages = pool.size // P
+        for _ in range(20):
+            chosen = chooser.sample(range(pages), chooser.randint(1, pages))
+            tokens = [page * P + offset for page in chosen for offset in range(P)]
+            assert pool.get_page_buffer_meta(torch.tensor(tokens)) == pool.get_page_buffer_meta(tokens), chosen
     finally:
         pool.destroy()
 

@@ -327,6 +327,28 @@ def test_mla_decode_context_parallel_pages_as_sglangs(sglang):
             assert [p - theirs.kv_buffer.data_ptr() for p in t_ptrs] == [p - ours.kv_buffer.data_ptr() for p in o_ptrs]
             assert o_sizes == t_sizes
             assert len(ours.alloc(ours.logical_page_size)) == len(theirs.alloc(theirs.logical_page_size))
+            # transfers: widened logical slots, this rank's rows (slot % dcp_size == dcp_rank, row
+            # slot // dcp_size); SGLang's direct copies need page-aligned runs, in which both
+            # slots of a row come together - so the rank never changes which rows move
+            step = ours.logical_page_size
+            host_indices = torch.arange(5 * step, 7 * step)
+            device_indices = torch.arange(2 * step, 4 * step)
+            generator = torch.Generator().manual_seed(11)
+            for buffer in device.kv_buffer:
+                buffer.view(torch.int16).copy_(torch.randint(-30000, 30000, buffer.shape, generator=generator,
+                                                             dtype=torch.int16))
+            for pool in (theirs, ours):
+                pool.backup_from_device_all_layer(device, host_indices, device_indices, "direct")
+            assert all(_same_bytes(t, o) for t, o in zip(_buffers(theirs), _buffers(ours)))
+            loaded = []
+            for pool in (theirs, ours):
+                for buffer in device.kv_buffer:
+                    buffer.zero_()
+                for layer in range(LAYERS):
+                    pool.load_to_device_per_layer(device, host_indices, device_indices, layer, "direct")
+                loaded.append([buffer.clone() for buffer in device.kv_buffer])
+            assert all(_same_bytes(t, o) for t, o in zip(*loaded))
+            assert any(bool(b.view(torch.int16).any()) for b in loaded[1])  # rows did move
         finally:
             ours.destroy()
             theirs.destroy()
