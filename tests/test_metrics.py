@@ -79,6 +79,23 @@ def test_a_bring_up_shows_every_documented_name_with_the_handles_values(tmp_path
     assert _value("hicache_registration_calls_total", pool=name, result="ok") == len(handle.calls)  # kept
 
 
+def test_each_tier_is_reported_under_its_own_label(tmp_path, monkeypatch):
+    """What the kernel gave goes out by tier as obtained - hugetlbfs, THP and base-page bytes
+    each under their own label, summed over the pool's buffers (three distinct figures here,
+    so a tier reported under another's label shows)."""
+    from hicache.effects._host._tiers import PageTiers
+
+    pool = _pool("metrics-tiers", FakeRuntime(), tmp_path)
+    try:
+        monkeypatch.setattr(pool._host, "tiers", lambda: [("k", PageTiers(2 * 2**21, 5 * 2**21, 5 * 4096)),
+                                                         ("v", PageTiers(2**21, 0, 7 * 4096))])
+        got = {tier: _value("hicache_host_pool_bytes", pool=pool.metrics_name, numa_node="none", tier=tier)
+               for tier in ("hugetlb", "thp", "4k")}
+        assert got == {"hugetlb": 3 * 2**21, "thp": 5 * 2**21, "4k": 12 * 4096}
+    finally:
+        pool.destroy()
+
+
 def test_a_progressive_pools_ready_pages_move_as_it_registers(tmp_path):
     runtime = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.01)  # 10 ms a 16 KiB call: 32 calls, 0.3 s
     pool = _pool("metrics-p", runtime, tmp_path, tokens=256, chunk=16 * 1024, progressive=True, max_stall_s=None)

@@ -379,6 +379,19 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.parametrize("version, tested", [
+    ("0.5.23", True), ("0.5.23.post1", True), ("0.5.23rc2", True), ("0.5.22", False), ("0.5.22.post3", False),
+    ("0.5.24", False), ("0.5.24rc0", False), ("0.5.3", False), ("0.6.0", False), ("1.0.0", False), (None, False),
+    ("", False), ("dev", False),
+])
+def test_only_the_release_the_plug_in_was_tested_with_counts_as_tested(version, tested):
+    """0.5.23 and its post releases are tested; the next release (0.5.24) is not - the plug-in
+    then patches nothing and says so - nor anything before, nor a version it cannot read."""
+    from hicache.compat import sglang_plugin
+
+    assert sglang_plugin.supported(version) is tested
+
+
 def test_ranks_starting_together_against_room_for_one_admit_exactly_one(tmp_path):
     """Four processes build SGLang's real pool with the plug-in at the same moment on a host
     with room for one (its free memory drops as soon as a pool is mapped): SGLang's own check,

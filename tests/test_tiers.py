@@ -40,15 +40,82 @@ Shared_Hugetlb:        0 kB
 BASE, MiB = 0x7F0000000000, 2**20
 
 
+def _unknown(ptr, length):
+    return None  # mincore cannot say (the fixed text's addresses are not this process's)
+
+
 def test_tiers_of_a_range_from_an_smaps_text():
-    """THP, hugetlb and base pages by mapping; a range that covers half of a mapping counts
-    half of it and says it is approximate."""
-    assert page_tiers(BASE, 4 * MiB, smaps_text=SMAPS) == (0, 2 * MiB, 2 * MiB, True)
-    assert page_tiers(BASE + 4 * MiB, 8 * MiB, smaps_text=SMAPS).tier == "hugetlb"
-    half = page_tiers(BASE + 12 * MiB, 4 * MiB, smaps_text=SMAPS)
+    """THP, hugetlb and base pages by mapping; a range that covers half of a fully resident
+    mapping counts that half, and says the split is approximate."""
+    tiers = lambda ptr, n: page_tiers(ptr, n, smaps_text=SMAPS, resident=_unknown)  # noqa: E731
+    assert tiers(BASE, 4 * MiB) == (0, 2 * MiB, 2 * MiB, True)
+    assert tiers(BASE + 4 * MiB, 8 * MiB).tier == "hugetlb"
+    half = tiers(BASE + 12 * MiB, 4 * MiB)
     assert half == (0, 0, 4 * MiB, False) and half.tier == "4k"
-    assert page_tiers(BASE, 20 * MiB, smaps_text=SMAPS) == (8 * MiB, 2 * MiB, 10 * MiB, True)
-    assert page_tiers(BASE + 64 * MiB, MiB, smaps_text=SMAPS).tier == "none"
+    assert tiers(BASE, 20 * MiB) == (8 * MiB, 2 * MiB, 10 * MiB, True)
+    assert tiers(BASE + 64 * MiB, MiB).tier == "none"
+
+
+MERGED = """\
+7f0000000000-7f0000800000 rw-p 00000000 00:00 0
+Size:               8192 kB
+KernelPageSize:        4 kB
+Rss:                5000 kB
+AnonHugePages:      2048 kB
+Private_Hugetlb:       0 kB
+7f0000800000-7f0001000000 rw-s 00000000 00:10 12 /hugepages/pool (deleted)
+Size:               8192 kB
+KernelPageSize:     2048 kB
+Rss:                   0 kB
+Private_Hugetlb:    6144 kB
+Shared_Hugetlb:        0 kB
+"""
+
+
+@pytest.mark.parametrize("offset, length", [(0, 4 * MiB), (4 * MiB, 4 * MiB), (MiB, 3 * MiB + 8192), (12 * 1024, 4096)])
+def test_a_range_inside_a_merged_mapping_counts_whole_pages_and_all_it_holds(offset, length):
+    """Inside a mapping the kernel merged with a neighbour: the range's resident bytes (what
+    mincore says of the range itself) are all counted, split into whole THP and base pages -
+    never a prorated share that loses bytes of a fully resident buffer (130,997 of 131,072);
+    hugetlbfs bytes are bounded by what the mapping holds and counted in whole hugepages."""
+    asked = []
+
+    def resident(ptr, n):
+        asked.append((ptr, n))
+        return n - n % 4096  # the range is fully resident
+
+    got = page_tiers(BASE + offset, length, smaps_text=MERGED, resident=resident)
+    assert asked == [(BASE + offset, length)] and not got.exact
+    assert got.thp + got.base == length - length % 4096 and got.hugetlb == 0
+    assert got.thp % (2 * MiB) == 0 and got.base % 4096 == 0 and got.thp <= 2 * MiB
+    huge = page_tiers(BASE + 8 * MiB + offset, length, smaps_text=MERGED, resident=resident)
+    # 6 MiB of the 8 MiB mapping are hugepages: at least what cannot lie outside the range
+    assert huge.hugetlb % (2 * MiB) == 0 and max(0, 6 * MiB - (8 * MiB - length)) <= huge.hugetlb + 2 * MiB
+    assert huge.hugetlb <= min(length, 6 * MiB) and huge.thp == huge.base == 0
+
+
+def test_mincore_counts_the_resident_half_of_a_real_mapping():
+    """The kernel's own answer for a mapping of this process: of 8 MiB anonymous memory whose
+    first half was touched, the first half is resident in whole pages and the second not."""
+    import ctypes
+    import mmap
+
+    from hicache.effects._host._tiers import resident_bytes
+
+    size = 8 * MiB
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_NOHUGEPAGE)  # 4 KiB pages: a THP would fault beyond the half
+    for page in range(0, size // 2, 4096):
+        region[page] = 1
+    first = ctypes.c_char.from_buffer(region)
+    ptr = ctypes.addressof(first)
+    try:
+        assert resident_bytes(ptr, size // 2) == size // 2
+        assert resident_bytes(ptr + size // 2, size // 2) == 0
+        assert resident_bytes(ptr + 4096 + 10, 100) == 4096  # part of a page: the whole page
+    finally:
+        del first  # the exported view first, then the mapping can close
+        region.close()
 
 
 def _kernel_says(ptr: int) -> tuple:

@@ -3,19 +3,26 @@
 Owns reading ``/proc/self/smaps`` for an address range: bytes backed by hugetlbfs pages
 (``Private_Hugetlb`` + ``Shared_Hugetlb``), by transparent huge pages (``AnonHugePages``) and by
 base pages (the rest of ``Rss``). A hugepage fallback is a 2-5x bring-up cliff (mori PR #679,
-pegaflow PR #277): what was *obtained*, not what was asked, is what operators need to see. A
-mapping the kernel merged with a neighbour is counted in proportion to the part inside the
-range (``exact`` False then). Pure parsing apart from the one read; imports nothing of hicache.
+pegaflow PR #277): what was *obtained*, not what was asked, is what operators need to see.
+Counts are whole pages. A mapping the kernel merged with a neighbour reports its fields for
+both: the range's resident bytes then come from ``mincore(2)`` over the range itself, and its
+THP share is the mapping's bounded to what can lie inside the range (``exact`` False: the split
+is estimated, the total is not). Parsing, the one read and mincore; imports nothing of hicache.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import re
 from typing import NamedTuple
 
 SMAPS = "/proc/self/smaps"
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+)\s")
 _FIELD = re.compile(r"^(\w+):\s+(\d+) kB")
+OS_PAGE = 4096
+THP_BYTES = 2 * 2**20  # a transparent huge page (the PMD size on x86-64 and 4 KiB-page arm64)
+_MINCORE_WINDOW = 2**30  # bytes per mincore call: its vector stays 256 KiB for any range
 
 
 class PageTiers(NamedTuple):
@@ -64,28 +71,68 @@ def read_smaps(path: str = SMAPS) -> str | None:
         return None
 
 
-def page_tiers(ptr: int, length: int, *, smaps_text: str | None = None, smaps_path: str = SMAPS) -> PageTiers:
+def resident_bytes(ptr: int, length: int) -> int | None:
+    """Bytes of ``[ptr, ptr + length)`` resident now, in whole OS pages, by ``mincore(2)``; None
+    where it cannot say (no libc, or memory this process has not mapped there)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    start, end = ptr - ptr % OS_PAGE, -(-(ptr + length) // OS_PAGE) * OS_PAGE
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    pages = 0
+    for window in range(start, end, _MINCORE_WINDOW):
+        size = min(_MINCORE_WINDOW, end - window)
+        vector = (ctypes.c_ubyte * (size // OS_PAGE))()
+        if libc.mincore(window, size, vector) != 0:
+            return None
+        pages += sum(1 for entry in vector if entry & 1)
+    return pages * OS_PAGE
+
+
+def _bounded(field: int, overlap: int, outside: int, unit: int) -> int:
+    """What of a mapping's ``field`` bytes can lie in the part of it inside the range: at least
+    what does not fit in the ``outside`` part, at most the ``overlap``; the middle of those
+    bounds (the mapping's share, when it is evenly spread), in whole ``unit`` pages."""
+    low, high = max(0, field - outside), min(overlap, field)
+    estimate = min(high, max(low, field * overlap // (overlap + outside)))
+    return estimate - estimate % unit
+
+
+def page_tiers(ptr: int, length: int, *, smaps_text: str | None = None, smaps_path: str = SMAPS,
+               resident=resident_bytes) -> PageTiers:
     """How ``[ptr, ptr + length)`` is backed now (``smaps_text``: parse this - one read for many
-    ranges, or a test's - instead of reading ``smaps_path``). An unreadable smaps gives zeros
-    with ``exact`` False."""
+    ranges, or a test's - instead of reading ``smaps_path``; ``resident(ptr, length)``: the
+    resident bytes of a part of a merged mapping, `resident_bytes` by default). An unreadable
+    smaps gives zeros with ``exact`` False."""
     if smaps_text is None:
         smaps_text = read_smaps(smaps_path)
     if smaps_text is None:
         return PageTiers(0, 0, 0, exact=False)
     end = ptr + length
-    hugetlb = thp = base = 0.0
+    hugetlb = thp = base = 0
     exact = True
     for start, stop, fields in _mappings(smaps_text):
         overlap = min(stop, end) - max(start, ptr)
         if overlap <= 0:
             continue
-        share = overlap / (stop - start)
-        if share < 1.0:
-            exact = False  # merged with a neighbour (or the range cuts it): counted in proportion
         huge = fields.get("Private_Hugetlb", 0) + fields.get("Shared_Hugetlb", 0)
         anon_huge = fields.get("AnonHugePages", 0)
         rss = fields.get("Rss", 0)
-        hugetlb += huge * share
-        thp += anon_huge * share
-        base += max(0, rss - anon_huge) * share if not huge else 0.0
-    return PageTiers(int(hugetlb), int(thp), int(base), exact)
+        outside = (stop - start) - overlap
+        if not outside:  # the whole mapping is inside the range: the kernel's own figures
+            hugetlb += huge
+            thp += anon_huge
+            base += max(0, rss - anon_huge) if not huge else 0
+            continue
+        exact = False  # merged with a neighbour (or the range cuts it)
+        if huge:  # hugetlbfs pages: whole pages of the mapping's own size
+            hugetlb += _bounded(huge, overlap, outside, fields.get("KernelPageSize", OS_PAGE) or OS_PAGE)
+            continue
+        inside = resident(max(start, ptr), overlap)
+        if inside is None:  # mincore cannot say: the mapping's resident bytes, bounded the same way
+            inside = _bounded(rss, overlap, outside, OS_PAGE)
+        huge_part = min(inside - inside % THP_BYTES, _bounded(anon_huge, overlap, outside, THP_BYTES))
+        thp += huge_part
+        base += inside - huge_part
+    return PageTiers(hugetlb, thp, base, exact)
