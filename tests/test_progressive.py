@@ -456,3 +456,23 @@ def test_a_background_failure_is_logged_at_the_chunk_it_happened_in(caplog):
     assert "stopped at chunk 6 of 8 (kv, 0 bytes into it); 5 of 8 chunks wholly registered" in caplog.text
     registration.release()
     assert runtime.held() == set()
+
+
+def test_release_unregisters_the_calls_newest_first():
+    """A progressive registration is torn down as any journal is: its calls unregistered in
+    the reverse of the order they were made (the fake's log), every one of them."""
+    from hicache.effects import BufferRequest, HostTensorAllocator, Progressive, bring_up
+    from hicache.plan import plan_registration
+    from hicache.testing import FakeCudart
+
+    plan = plan_registration(8 * 2**20, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=2 * 2**20))
+    cudart = FakeCudart()
+    handle = bring_up([BufferRequest("kv", (plan.total_bytes,), None, plan)], mode=Progressive(max_stall_s=None),
+                      runtime=FakeRuntime(cudart), allocator=HostTensorAllocator(), machine=ROOMY, turnstile=None)
+    try:
+        assert handle.wait(120)
+    finally:
+        handle.release()
+    registered = [ptr for op, ptr, *_ in cudart.log if op == "register"]
+    unregistered = [ptr for op, ptr, *_ in cudart.log if op == "unregister"]
+    assert len(registered) == 4 and unregistered == registered[::-1] and cudart.registered == {}

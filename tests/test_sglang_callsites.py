@@ -78,6 +78,7 @@ def test_a_pipeline_stage_loads_every_layer_by_pool_local_id(end_layer):
     device.end_layer = 4 + 3 if end_layer == "exclusive" else 4 + 3 - 1
     device.randomize(1)
     host = _pool(device, "layer_first")
+    assert (host.start_layer, host.end_layer, host.layer_num) == (4, 7, 3)  # the stage's layers, end exclusive
     host_idx = host.alloc(2 * P)
     device_idx = torch.arange(4 * P, 6 * P)
     host.backup_from_device_all_layer(device, host_idx, device_idx, "direct")

@@ -277,9 +277,36 @@ def test_sizing_with_drafts_and_explicit_capacity_matches(sglang, kind, sizing):
                     want = got
                 else:
                     assert all(_same_bytes(g, w) for g, w in zip(got, want)) and any(g.any() for g in got)
+            # a draft id below the drafts' base names no draft layer: hicache copies nothing
+            # (never a target layer, nor - for an id that maps below zero - the last layer)
+            every = layers + (list(device.k_buffer) + list(device.v_buffer) if kind == "mha" else list(device.kv_buffer))
+            for below in (draft_id - 1, 0, -1):
+                for layer in every:
+                    layer.zero_()
+                ours.load_to_device_per_layer(draft, rows, rows, below, "direct", is_draft=True)
+                assert not any(bool(layer.any()) for layer in every), below
         finally:
             for pool in pools:
                 pool.destroy()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("capacity", [20 * PAGE + 1, PAGE - 1, 0, -PAGE])
+def test_a_host_token_capacity_that_is_not_whole_positive_pages_is_refused_as_sglangs(sglang, kind, capacity):
+    """SGLang refuses a capacity that is not positive and page-aligned with a ValueError; so
+    does hicache (LayoutError is one), naming the value, before any memory is taken."""
+    device = _device(kind)
+    info = device.get_device_pool_infos()[0].buffer_info
+    theirs_cls, ours_cls = _classes(kind)
+    kw = dict(KW, host_token_capacity=capacity, **({"target_layer_num": LAYERS} if kind == "mla" else {}))
+    with fake_cuda() as fake:
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        with host_memory_budget_scope(10**12), pytest.raises(ValueError, match="page-aligned"):
+            theirs_cls(info, 2.0, 0, PAGE, "page_first_direct", pin_memory=False, **kw)
+        with pytest.raises(ValueError, match=rf"host_token_capacity .*{capacity}"):
+            ours_cls(info, 2.0, 0, PAGE, "page_first_direct", **kw, **ROOM)
+        assert fake.held() == set()
 
 
 def test_mla_allocator_only_pool_as_sglangs_dummy(sglang):

@@ -88,3 +88,20 @@ def test_hicache_trace_records_a_librarys_bring_ups(tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     assert len([e for e in events if e["name"] == "cudaHostRegister"]) == 4
     _check_spans(events)
+
+
+def test_a_span_whose_block_raised_is_in_the_trace_with_its_error(tmp_path):
+    """A failed step is what a trace is read for: its span is kept, named by the error, and
+    the error goes on to the caller unchanged (a diagnostic never fails the work it observes)."""
+    from hicache.effects import _trace
+
+    path = tmp_path / "trace.json"
+    with _trace.tracing(str(path)):
+        with pytest.raises(ValueError, match="the step failed"):
+            with _trace.span("a step", "phase", size=4096):
+                raise ValueError("the step failed")
+        with _trace.span("the next step", "phase"):
+            pass
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "phase"]
+    assert [e["name"] for e in events] == ["a step", "the next step"]
+    assert events[0]["args"]["error"] == "ValueError" and "error" not in events[1].get("args", {})
