@@ -129,6 +129,32 @@ def test_a_rollback_that_leaks_quarantines_the_buffers_and_drops_the_budget(lock
     assert _entries(lock) == {}
 
 
+def test_a_ctrl_c_whose_rollback_leaks_quarantines_the_buffers_too(lock):
+    """A failed call, then a Ctrl-C during its rollback while another undo fails: the interrupt
+    reaches the caller carrying the rollback's error as its cause, and the memory still
+    registered stays mapped (quarantined, never freed) exactly as for a failed call - nothing
+    CUDA may still pin is given back, and the release does not claim it was."""
+    from hicache.effects._host._memory import QUARANTINE
+    from hicache.errors import caused_by_interrupt
+
+    runtime, ledger = FakeRuntime(fail_register={2: 2}, interrupt_unregister={0: "after"}, fail_unregister={1: 1}), HostLedger()
+    allocator = HostTensorAllocator()
+    before = len(QUARANTINE)
+    with pytest.raises(BaseException) as info:
+        bring_up(_pool_plan(), runtime=runtime, machine=ROOMY, lock=lock, allocator=allocator, ledger=ledger)
+    assert caused_by_interrupt(info.value)
+    chain, rollback = info.value, None
+    while chain is not None and rollback is None:
+        rollback = chain if isinstance(chain, RollbackError) else None
+        chain = chain.__cause__ or chain.__context__
+    assert isinstance(info.value, KeyboardInterrupt) and isinstance(info.value.__cause__, RollbackError)
+    # the interrupted undo may not have taken effect: the books count it registered too
+    assert set(ledger.held()) == set(rollback.leaked) >= runtime.held() != set()
+    kept = QUARANTINE[before:]
+    assert any(b in kept for b in allocator.owned()) and all(not b.freed for b in allocator.owned())
+    assert _entries(lock) == {}
+
+
 def test_a_base_less_aligned_than_planned_is_replanned_not_refused():
     """A 64-byte aligned torch.empty base (compat's allocators): boundaries on the copy unit."""
     unit = 1536  # not a multiple of the OS page: page alignment would need lcm(1536, 4096)
