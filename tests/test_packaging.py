@@ -74,3 +74,89 @@ def test_the_sdist_carries_docs_license_and_test_helpers(tmp_path):
                    "hicache/effects/_copy/_hostcopy.c", "hicache/pools/_pagestack.c", "setup.py", "constraints-dev.txt",
                    "requirements-sglang.txt"):
         assert needed in names, needed
+
+
+def _readme_requirements() -> list[str]:
+    """What the README's `make test` installs: pyproject's dependencies and the extras the
+    Makefile's install line names (read from both files, so neither can drift from this test)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = re.search(r"-e '\.\[([a-z,]+)\]'", (ROOT / "Makefile").read_text())[1].split(",")
+    return list(project["dependencies"]) + [r for extra in extras for r in project["optional-dependencies"][extra]]
+
+
+def _closure(requirements: list[str]):
+    """The installed distributions those requirements pull in (markers evaluated, no extras)."""
+    import importlib.metadata as metadata
+
+    from packaging.requirements import Requirement
+
+    seen: dict = {}
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        name = requirement.name.lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen[name] = dist = metadata.distribution(requirement.name)  # installed here by `make test`
+        todo += [Requirement(r) for r in dist.requires or []]
+    return seen
+
+
+def test_the_readme_environment_alone_collects_every_test_module(tmp_path):
+    """A new user's `make test` environment - hicache and exactly what pyproject's dependencies
+    and the Makefile's extras pull in, nothing of `make sglang` - imports every test module
+    (collection succeeds, no error for a missing package), and every package any test imports
+    anywhere (inside test functions too) is there, but for SGLang's and Mooncake's, whose tests
+    skip naming `make sglang`."""
+    import ast
+    import importlib.metadata as metadata
+    import json
+
+    dists = _closure(_readme_requirements())
+    assert "sglang" not in dists
+    tops = metadata.packages_distributions()
+    borrowed = tmp_path / "borrowed"
+    borrowed.mkdir()
+    wanted = set(dists)
+    for top, owners in tops.items():
+        if {o.lower().replace("_", "-") for o in owners} & wanted:
+            spec = importlib.util.find_spec(top)
+            if spec is None or (spec.origin is None and not spec.submodule_search_locations):
+                continue
+            source = Path(spec.submodule_search_locations[0]) if spec.submodule_search_locations else Path(spec.origin)
+            if not (borrowed / source.name).exists():
+                (borrowed / source.name).symlink_to(source)
+    for dist in dists.values():  # metadata too: pytest finds its plugins (hypothesis, xdist) by entry points
+        path = Path(str(dist._path))
+        if path.is_dir() and not (borrowed / path.name).exists():
+            (borrowed / path.name).symlink_to(path.resolve())
+    env_dir = tmp_path / "fresh"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "borrowed.pth").write_text(f"{borrowed}\n{ROOT}\n")  # hicache as make test's editable install has it
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HICACHE_REQUIRE_SGLANG")}
+    imported = set()
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    probe = ("import importlib.util, json, sys; names = json.loads(sys.argv[1]); "
+             "print(json.dumps(sorted(n for n in names if importlib.util.find_spec(n) is None)))")
+    missing = subprocess.run([str(python), "-c", probe, json.dumps(sorted(imported - local))], capture_output=True,
+                             text=True, env=env, cwd=tmp_path, check=True)
+    assert "sglang" in json.loads(missing.stdout)  # the environment really is a new user's
+    assert set(json.loads(missing.stdout)) <= {"sglang", "mooncake"}, missing.stdout
+    collect = subprocess.run([str(python), "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert collect.returncode == 0, collect.stdout[-4000:] + collect.stderr[-2000:]
+    assert "error" not in collect.stdout.splitlines()[-1], collect.stdout[-2000:]
