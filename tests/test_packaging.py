@@ -107,24 +107,17 @@ def _closure(requirements: list[str]):
     return seen
 
 
-def test_the_readme_environment_alone_collects_every_test_module(tmp_path):
-    """A new user's `make test` environment - hicache and exactly what pyproject's dependencies
-    and the Makefile's extras pull in, nothing of `make sglang` - imports every test module
-    (collection succeeds, no error for a missing package), and every package any test imports
-    anywhere (inside test functions too) is there, but for SGLang's and Mooncake's, whose tests
-    skip naming `make sglang`."""
-    import ast
+def _fresh_env(tmp_path: Path, requirements: list[str]) -> tuple[Path, dict]:
+    """A fresh virtualenv holding hicache (as make test's editable install has it) and exactly
+    the installed distributions ``requirements`` pull in, borrowed by symlink (offline); its
+    python and an environment without this one's PYTHONPATH or CI's SGLang requirement."""
     import importlib.metadata as metadata
-    import json
 
-    dists = _closure(_readme_requirements())
-    assert "sglang" not in dists
-    tops = metadata.packages_distributions()
+    dists = _closure(requirements)
     borrowed = tmp_path / "borrowed"
     borrowed.mkdir()
-    wanted = set(dists)
-    for top, owners in tops.items():
-        if {o.lower().replace("_", "-") for o in owners} & wanted:
+    for top, owners in metadata.packages_distributions().items():
+        if {o.lower().replace("_", "-") for o in owners} & set(dists):
             spec = importlib.util.find_spec(top)
             if spec is None or (spec.origin is None and not spec.submodule_search_locations):
                 continue
@@ -140,8 +133,21 @@ def test_the_readme_environment_alone_collects_every_test_module(tmp_path):
     python = env_dir / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    Path(site, "borrowed.pth").write_text(f"{borrowed}\n{ROOT}\n")  # hicache as make test's editable install has it
+    Path(site, "borrowed.pth").write_text(f"{borrowed}\n{ROOT}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HICACHE_REQUIRE_SGLANG")}
+    return python, env
+
+
+def test_the_readme_environment_alone_collects_every_test_module(tmp_path):
+    """A new user's `make test` environment - hicache and exactly what pyproject's dependencies
+    and the Makefile's extras pull in, nothing of `make sglang` - imports every test module
+    (collection succeeds, no error for a missing package), and every package any test imports
+    anywhere (inside test functions too) is there, but for SGLang's and Mooncake's, whose tests
+    skip naming `make sglang`."""
+    import ast
+    import json
+
+    python, env = _fresh_env(tmp_path, _readme_requirements())
     imported = set()
     for path in sorted((ROOT / "tests").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -160,3 +166,19 @@ def test_the_readme_environment_alone_collects_every_test_module(tmp_path):
                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert collect.returncode == 0, collect.stdout[-4000:] + collect.stderr[-2000:]
     assert "error" not in collect.stdout.splitlines()[-1], collect.stdout[-2000:]
+
+
+def test_apply_says_nothing_of_numpy_where_numpy_is_absent(tmp_path):
+    """`pip install "hicache[cuda]"` brings no NumPy; torch's CPU build warns at import then -
+    `hicache apply` keeps that warning out of its progress display (hicache never uses NumPy)."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    python, env = _fresh_env(tmp_path, list(project["dependencies"]) + project["optional-dependencies"]["cuda"])
+    check = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('numpy'))"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert check.stdout.strip() == "None"
+    result = subprocess.run([str(python), "-m", "hicache", "apply", "--model", "llama-3.1-8b", "--host-gb", "0.05",
+                             "--chunk-limit", "16MiB", "--fake-cuda", "--host-memory", "1TB", "--ranks-per-host", "1"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "NumPy" not in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -7,6 +7,7 @@ Exit codes: 0 ok, 1 infeasible plan / refused budget / failed check, 2 usage, 3 
 from __future__ import annotations
 
 import sys
+import warnings
 
 from hicache._extras import MissingExtraError
 from hicache.cli._common import CUDA_FAILURE, INFEASIBLE, INTERRUPTED, USAGE, CliError, Parser, fail
@@ -94,8 +95,14 @@ def _refuse_empty_values(parser, args) -> None:
                            f"give {names[dest]} a value, or leave it out for the default")
 
 
+#: torch's CPU build warns at import when NumPy is absent; hicache never uses NumPy, and on
+#: stderr the warning lands in the middle of apply's progress display (issue #31).
+_TORCH_NUMPY_WARNING = "Failed to initialize NumPy"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hicache` and `python -m hicache`; returns the exit code."""
+    warnings.filterwarnings("ignore", message=_TORCH_NUMPY_WARNING, category=UserWarning)
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
         only = argv[0] if argv and argv[0] in _COMMANDS else None
