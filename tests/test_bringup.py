@@ -14,7 +14,7 @@ from machine import GB, ROOMY, facts
 from hicache.effects._bringup._lock import BudgetLock
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up, probe_cuda
 from hicache.effects._cuda._ledger import HostLedger
-from hicache.errors import CapacityError, RollbackError
+from hicache.errors import CapacityError, ReleaseError, RollbackError
 from hicache.plan import Limits, MHALayout, plan_pool, plan_registration
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda
@@ -153,6 +153,30 @@ def test_a_ctrl_c_whose_rollback_leaks_quarantines_the_buffers_too(lock):
     kept = QUARANTINE[before:]
     assert any(b in kept for b in allocator.owned()) and all(not b.freed for b in allocator.owned())
     assert _entries(lock) == {}
+
+
+def test_a_quarantine_stays_while_the_memory_is_still_registered_elsewhere(lock):
+    """A release that leaked quarantines the buffers; a retry that undoes the leak lifts the
+    quarantine only once the buffers are really freed - not while another registration of
+    this process still holds part of them (the ledger refuses to free them then)."""
+    from hicache.effects._host._memory import QUARANTINE, unquarantine
+
+    runtime, ledger = FakeRuntime(fail_unregister={0: 1}), HostLedger()
+    allocator = HostTensorAllocator()
+    handle = bring_up(_pool_plan(), runtime=runtime, machine=ROOMY, lock=lock, allocator=allocator, ledger=ledger)
+    with pytest.raises(ReleaseError):
+        handle.release()  # the newest range stays registered: quarantined
+    buffers = allocator.owned()
+    assert buffers and all(any(b is q for q in QUARANTINE) for b in buffers)
+    first = min(b.ptr for b in buffers)
+    assert ledger.claim([(first, 4096)]) is None  # registered elsewhere meanwhile (compat's, say)
+    try:
+        handle.release()  # the leak is undone now, but the buffers cannot be freed
+        assert all(any(b is q for q in QUARANTINE) for b in buffers) and not any(b.freed for b in buffers)
+    finally:
+        ledger.forget([(first, 4096)])
+        allocator.free_all(ledger=ledger)
+        unquarantine(*buffers)
 
 
 def test_a_base_less_aligned_than_planned_is_replanned_not_refused():

@@ -8,9 +8,9 @@ moment runs between two lines (Python's default raises KeyboardInterrupt there; 
 
 from __future__ import annotations
 
-import gc
-import signal
+import itertools
 import re
+import signal
 import sys
 import warnings
 
@@ -154,6 +154,9 @@ def _register_only_caller(runtime, ledger, lock, allocator, holder: list):
                 pass  # still registered: kept mapped, as it must be
 
 
+_RUNS = itertools.count()
+
+
 def _progressive_caller(runtime, ledger, lock, allocator, holder: list):
     """A progressive pool: the constructor registers the first page's calls in the foreground
     (the background thread gets no signals) and destroys what came up if interrupted; the
@@ -162,10 +165,14 @@ def _progressive_caller(runtime, ledger, lock, allocator, holder: list):
     from hicache.testing import MHADevicePool
 
     device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=4)
+    # A label of its own per run: a pool of the same name from an earlier run, alive until the
+    # garbage collector gets to it (when depends on the background thread's timing), would make
+    # the metrics read its calls on the way - five traced lines more in some runs than in others.
+    label = f"ctrl-c-{next(_RUNS)}"
     try:
         holder.append(MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", runtime=runtime,
                                            ledger=ledger, machine=ROOMY, budget_lock=lock, progressive=True,
-                                           limits=Limits(chunk_limit_bytes=64 * 1024)))
+                                           limits=Limits(chunk_limit_bytes=64 * 1024), pool_label=label))
     finally:
         if holder:
             try:  # the background's calls all made first: how many there are to release must not
@@ -184,10 +191,6 @@ def _run(target, tmp_path, caller="deferring", **faults):
     runtime, ledger, lock, allocator = FakeRuntime(**faults), HostLedger(), BudgetLock(directory), HostTensorAllocator()
     counter, holder, where = [0], [], []
     error = None
-    # An earlier run's pool, kept alive only by a reference cycle, makes the metrics' retire
-    # step read its calls (five traced lines) when the collector has not run yet - whether it
-    # has depends on the background thread's timing: collected now, every run counts alike.
-    gc.collect()
     with warnings.catch_warnings(record=True) as caught_warnings:
         warnings.simplefilter("always")
         sys.settrace(_tracer(target, counter, where))
