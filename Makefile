@@ -48,13 +48,13 @@ sglang: $(SGLANG_STAMP)  ## SGLang 0.5.23's real code in .venv, for its tests (r
 plan: $(STAMP)  ## capacity plan (ARGS="--model deepseek-v3.2 --host-gb 300", ARGS="--format json")
 	$(BIN)/hicache plan $(ARGS)
 
-# Files run in parallel workers (pytest-xdist), a file's tests together on one worker: they share
-# its fixtures (SGLang's imports, a Mooncake master). TEST_WORKERS=0 runs them in this process.
-TEST_WORKERS ?= auto
+# Tests run in parallel workers (pytest-xdist; an idle worker takes tests queued for a busy one).
+# Three on two cores: many tests wait on child processes. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 3
 test: $(STAMP)  ## the whole test suite (ARGS passes pytest options; TEST_WORKERS=0: no workers)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
-# The suite's concurrency files (marker `concurrency`: processes, threads, signals, waits) again,
+# The suite's concurrency tests (marker `concurrency`: processes, threads, signals, waits) again,
 # beside six busy processes - the load of a shared 2-core box - in a random file order.
 test-loaded: $(STAMP)  ## the concurrency tests under a load of about 8 (scripts/under_load.py)
 	HICACHE_TEST_ORDER=$${HICACHE_TEST_ORDER:-random} $(BIN)/python scripts/under_load.py --hogs 6 -- \

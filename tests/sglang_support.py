@@ -25,13 +25,19 @@ POOL_MODULES = (
 )
 
 
-def load_sglang():
+def need_sglang() -> None:
+    """Skip (naming `make sglang`) where SGLang is not installed - fail where CI requires it -
+    without importing it: for tests whose child processes import SGLang themselves."""
     from hicache.effects import package_version
 
     if package_version("sglang") is None:
         if os.environ.get("HICACHE_REQUIRE_SGLANG") == "1":
             pytest.fail("SGLang's real code is required here (HICACHE_REQUIRE_SGLANG=1): run `make sglang`")
         pytest.skip("SGLang 0.5.23 is not installed: `make sglang` installs its real code for these tests")
+
+
+def load_sglang():
+    need_sglang()
     sglang_on_cpu()
     with warnings.catch_warnings():  # SGLang's imports warn about their own dependencies
         warnings.simplefilter("ignore")

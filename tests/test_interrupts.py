@@ -257,10 +257,12 @@ def _lines(tmp_path, caller) -> int:
     return lines
 
 
-# Every line of a single thread is interrupted by the trace, the same wherever it runs; the
-# progressive caller's background thread is the one that meets the scheduler: it runs loaded too.
-_CALLER_PARAMS = [pytest.param(name, marks=[pytest.mark.concurrency] if name == "progressive" else [])
-                  for name in sorted(CALLERS)]
+# Not in `make test-loaded`: every line of one thread is interrupted by the trace, the same
+# however busy the machine. The progressive caller's background thread once changed that
+# thread's line count under load (a same-named pool of an earlier run still awaiting the
+# collector: see `_progressive_caller`); with a label per run the count is the same under six
+# busy processes as idle (checked so: 863 lines in six of six runs).
+_CALLER_PARAMS = sorted(CALLERS)
 
 
 @pytest.mark.parametrize("caller", _CALLER_PARAMS)

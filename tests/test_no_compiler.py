@@ -8,10 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_pools_allocator_copies_and_cli_pass_without_the_compiled_helpers():
+# One child per file: the parallel workers share them out (one child running all five was the
+# suite's longest single test).
+@pytest.mark.parametrize("tests", ["test_pools.py", "test_page_allocator.py", "test_host_copy.py", "test_cli.py",
+                                   "test_sglang_callsites.py"])
+def test_pools_allocator_copies_and_cli_pass_without_the_compiled_helpers(tests):
+    """The file's tests pass in a child where both compiled helpers cannot be imported."""
     code = (
         "import sys\n"
         "sys.modules['hicache.effects._copy._hostcopy'] = None\n"
@@ -20,8 +27,7 @@ def test_pools_allocator_copies_and_cli_pass_without_the_compiled_helpers():
         "from hicache.effects._copy import _host_copy\n"
         "from hicache.pools import _page_allocator\n"
         "assert _host_copy._native is None and _page_allocator._native is None\n"
-        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_pools.py', 'tests/test_page_allocator.py',"
-        " 'tests/test_host_copy.py', 'tests/test_cli.py', 'tests/test_sglang_callsites.py']))\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', 'tests/{tests}']))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -15,12 +15,10 @@ import sys
 
 import pytest
 from sglang_support import (  # noqa: F401 - sglang: a fixture
-    NAMES, ORIGINALS, load_sglang, plugged, published, recording_allocators, sglang,
+    NAMES, ORIGINALS, load_sglang, need_sglang, plugged, published, recording_allocators, sglang,
 )
 
 from hicache.testing import fake_cuda
-
-pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 
 torch = pytest.importorskip("torch")
 
@@ -392,6 +390,7 @@ def test_only_the_release_the_plug_in_was_tested_with_counts_as_tested(version, 
     assert sglang_plugin.supported(version) is tested
 
 
+@pytest.mark.concurrency  # four processes at once: `make test-loaded` runs it again under load
 def test_ranks_starting_together_against_room_for_one_admit_exactly_one(tmp_path):
     """Four processes build SGLang's real pool with the plug-in at the same moment on a host
     with room for one (its free memory drops as soon as a pool is mapped): SGLang's own check,
@@ -400,7 +399,7 @@ def test_ranks_starting_together_against_room_for_one_admit_exactly_one(tmp_path
     import json
     import subprocess
 
-    load_sglang()
+    need_sglang()  # the ranks import SGLang themselves
     ranks, tokens = 4, 4096  # 4096 tokens x 4 layers x 2 x 2 heads x 64 x 2 bytes = 8 MiB
     pool_bytes = (tokens // 16 + 1) * 16 * 4 * 2 * 2 * 64 * 2
     shared = tmp_path / "host"
