@@ -4,16 +4,17 @@ own process: SGLang 0.5.23's real code with the hicache plug-in loaded by SGLang
 `hicache.testing.fake_cuda`, and SGLang's real `MooncakeStore` (made by its backend factory)
 over a Mooncake master on 127.0.0.1.
 
-    python sglang_instance.py store|fetch RPC_PORT METADATA_PORT SEED PAGES
+    python sglang_instance.py RPC_PORT METADATA_PORT SEED PAGES
 
 With HICACHE_SGLANG_POOLS=1 in its environment the plug-in makes the assembler build hicache's
-pool instead of SGLang's (the report names whose it got). ``store`` fills its device pool from SEED, backs the pages up to its host pool (SGLang's
-"direct" backend) and stores them zero-copy through MooncakeStore; it then says "stored" and
-keeps its Mooncake segment (where the pages may live) until its stdin closes. ``fetch``, once
-a line on its stdin says the store is done (both start together: their imports overlap), looks
-the pages up, fetches them into its host pool and loads them to its device pool, comparing
-byte for byte against what SEED gives. Both then destroy the pool and check nothing stays
-registered. The last stdout line is a JSON report.
+pool instead of SGLang's (the report names whose it got). The instance fills its device pool
+from SEED, backs the pages up to its host pool (SGLang's "direct" backend), stores them
+zero-copy through MooncakeStore and says "stored". Then a line "fetch OTHER_SEED" on its stdin
+(the other instance stored too) makes it look those pages up, fetch them into its host pool
+and load them to its device pool, comparing byte for byte against what OTHER_SEED gives; it
+says "fetched" and keeps its Mooncake segment (where its own pages may live) until its stdin
+closes. It then destroys the pool and checks nothing stays registered. The last stdout line is
+a JSON report.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _device_contents(seed: int, shape) -> list:
     return [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(2 * LAYERS)]
 
 
-def main(role: str, rpc_port: int, metadata_port: int, seed: int, pages: int) -> dict:
+def main(rpc_port: int, metadata_port: int, seed: int, pages: int) -> dict:
     from hicache.testing import fake_cuda, sglang_on_cpu
 
     sglang_on_cpu()
@@ -54,7 +55,7 @@ def main(role: str, rpc_port: int, metadata_port: int, seed: int, pages: int) ->
 
     original = common.alloc_with_host_register
     plugins.load_plugins()
-    report = {"role": role, "plugged": common.alloc_with_host_register is not original}
+    report = {"seed": seed, "plugged": common.alloc_with_host_register is not original}
     base._is_cuda = True  # SGLang's destroy() unregisters only where it thinks CUDA is
     reset_context()  # what a server publishes at start: the HiCache settings its assembler reads
     publish(
@@ -87,30 +88,31 @@ def main(role: str, rpc_port: int, metadata_port: int, seed: int, pages: int) ->
         store.register_mem_pool_host(host)
         rows = (tokens, HEADS, DIM)
         expected = _device_contents(seed, rows)
-        if role == "store":
-            device_indices = torch.arange(PAGE, PAGE + tokens)  # row 0 is the device pool's padding
-            for layer in range(LAYERS):
-                device.k_buffer[layer][device_indices] = expected[layer]
-                device.v_buffer[layer][device_indices] = expected[LAYERS + layer]
-            host_indices = host.alloc(tokens)
-            host.backup_from_device_all_layer(device, host_indices, device_indices, "direct")
-            report["stored"] = store.batch_set_v1(keys, host_indices)
-            print("stored", flush=True)
-            sys.stdin.read()  # keep this instance's Mooncake segment until the fetch is done
-        else:
-            sys.stdin.readline()  # started beside the store (their imports overlap): go once it stored
-            host.alloc(3 * PAGE)  # other requests' pages: this instance's slots differ from the store's
-            host_indices = host.alloc(tokens)
-            report["exists"] = store.batch_exists(keys)
-            report["fetched"] = store.batch_get_v1(keys, host_indices)
-            device_indices = torch.arange(5 * PAGE, 5 * PAGE + tokens)
-            for layer in range(LAYERS):
-                host.load_to_device_per_layer(device, host_indices, device_indices, layer, "direct")
-            got = [device.k_buffer[layer][device_indices] for layer in range(LAYERS)]
-            got += [device.v_buffer[layer][device_indices] for layer in range(LAYERS)]
-            report["byte_exact"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                                       for a, b in zip(got, expected))
-            report["missing_is_a_miss"] = store.batch_exists([f"never-stored-{seed}"]) == 0
+        device_indices = torch.arange(PAGE, PAGE + tokens)  # row 0 is the device pool's padding
+        for layer in range(LAYERS):
+            device.k_buffer[layer][device_indices] = expected[layer]
+            device.v_buffer[layer][device_indices] = expected[LAYERS + layer]
+        host_indices = host.alloc(tokens)
+        host.backup_from_device_all_layer(device, host_indices, device_indices, "direct")
+        report["stored"] = store.batch_set_v1(keys, host_indices)
+        print("stored", flush=True)
+        command, other = sys.stdin.readline().split()  # "fetch OTHER_SEED": the other stored too
+        assert command == "fetch", command
+        theirs = [f"page-{other}-{i}" for i in range(pages)]
+        wanted = _device_contents(int(other), rows)
+        host.alloc(3 * PAGE)  # other requests' pages: this instance's slots differ from the store's
+        host_indices = host.alloc(tokens)
+        report["exists"] = store.batch_exists(theirs)
+        report["fetched"] = store.batch_get_v1(theirs, host_indices)
+        device_indices = torch.arange(5 * PAGE, 5 * PAGE + tokens)
+        for layer in range(LAYERS):
+            host.load_to_device_per_layer(device, host_indices, device_indices, layer, "direct")
+        got = [device.k_buffer[layer][device_indices] for layer in range(LAYERS)]
+        got += [device.v_buffer[layer][device_indices] for layer in range(LAYERS)]
+        report["byte_exact"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, wanted))
+        report["missing_is_a_miss"] = store.batch_exists([f"never-stored-{seed}"]) == 0
+        print("fetched", flush=True)
+        sys.stdin.read()  # keep this instance's Mooncake segment until the other fetched too
         host.destroy()
         report["held_after_destroy"] = sorted(fake.held())
         fake.check_valid()
@@ -119,5 +121,4 @@ def main(role: str, rpc_port: int, metadata_port: int, seed: int, pages: int) ->
 
 
 if __name__ == "__main__":
-    role, rpc, metadata, seed, pages = sys.argv[1], *map(int, sys.argv[2:6])
-    print(json.dumps(main(role, rpc, metadata, seed, pages)), flush=True)
+    print(json.dumps(main(*map(int, sys.argv[1:5]))), flush=True)

@@ -12,7 +12,6 @@ import pytest
 
 from hicache.cli import main
 
-pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 
 
 def _config(tmp_path, **fields):
@@ -267,6 +266,7 @@ def test_doctor_reports_the_pool_settings_of_the_environment(tmp_path):
     assert check({"HICACHE_HUGEPAGES": "required"}, hugepages=plenty).status == "pass"
 
 
+@pytest.mark.concurrency  # threads: `make test-loaded` runs it again under load
 def test_a_config_swapped_for_a_fifo_while_being_read_never_hangs(tmp_path, capsys):
     """A symlink flipped between a real config.json and a FIFO as fast as possible while `plan
     --config LINK` runs 150 times: each run ends (the file is opened once, without blocking, and

@@ -13,8 +13,6 @@ from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, PageAllocator
 from hicache.testing import MHADevicePool
 
-pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
-
 torch = pytest.importorskip("torch")
 
 PAGES, PAGE = 40, 4
@@ -102,6 +100,7 @@ if True in NATIVE:
     TestNativeAllocatorMachine = NativeAllocatorMachine.TestCase
 
 
+@pytest.mark.concurrency  # threads: `make test-loaded` runs it again under load
 @pytest.mark.parametrize("native", NATIVE)
 def test_eight_threads_at_high_occupancy_never_share_a_page(native):
     """8 threads alloc and free through one lock (as the pool holds it) around 95 % full."""
@@ -143,6 +142,7 @@ def test_eight_threads_at_high_occupancy_never_share_a_page(native):
     assert allocator.available_size() == 400 * PAGE
 
 
+@pytest.mark.concurrency  # threads: `make test-loaded` runs it again under load
 def test_threads_never_share_a_slot():
     """Several threads allocating and freeing at once never hold the same slot."""
     device = MHADevicePool(size=512, layer_num=1, head_num=1, head_dim=4, page_size=PAGE)

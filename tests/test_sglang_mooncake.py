@@ -98,64 +98,69 @@ def master(tmp_path):
                 process.wait()
 
 
-def _instance(role: str, rpc: int, metadata: int, seed: int, pages: int, logs: Path, pools: str = "sglang"):
+def _instance(name: str, rpc: int, metadata: int, seed: int, pages: int, logs: Path, pools: str):
     env = dict(os.environ, PYTHONWARNINGS="ignore", GLOG_minloglevel="2")
     env.pop("HICACHE_SGLANG_POOLS", None)
     if pools == "hicache":  # the plug-in's class REPLACE: SGLang's assembler builds hicache's pool
         env["HICACHE_SGLANG_POOLS"] = "1"
-    log = logs / f"{role}.log"  # Mooncake's client logs to stderr: a file, never a full pipe
+    log = logs / f"{name}.log"  # Mooncake's client logs to stderr: a file, never a full pipe
     with log.open("w") as sink:
         process = subprocess.Popen(
-            [sys.executable, str(INSTANCE), role, str(rpc), str(metadata), str(seed), str(pages)],
+            [sys.executable, str(INSTANCE), str(rpc), str(metadata), str(seed), str(pages)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink, text=True, env=env,
         )
     process.log = log
     return process
 
 
+def _said(process, word: str) -> None:
+    said = process.stdout.readline()
+    if said.strip() != word:
+        _report(process)  # names why it failed
+        raise AssertionError(f"the instance said {said!r}, not {word!r}")
+
+
 def _report(process, timeout: float = 240.0) -> dict:
-    out, _ = process.communicate(input="", timeout=timeout)  # closing stdin lets "store" finish
+    out, _ = process.communicate(input="", timeout=timeout)  # closing stdin lets it finish
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert process.returncode == 0 and lines, (
         f"instance failed ({process.returncode}):\n{out}\n{process.log.read_text()[-4000:]}")
     return json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("store_pools, fetch_pools", [("sglang", "hicache"), ("hicache", "sglang")])
-def test_two_instances_share_pages_through_sglangs_mooncake_store_byte_exact(master, tmp_path, store_pools,
-                                                                             fetch_pools):
+def test_two_instances_share_pages_each_way_through_sglangs_mooncake_store_byte_exact(master, tmp_path):
     """One instance with SGLang's own pool (hicache's registration under it), the other with
-    hicache's pool (HICACHE_SGLANG_POOLS=1), each way round: the L3 pages one stores the other
-    fetches byte for byte - servers on SGLang's pools and on hicache's share a store."""
+    hicache's pool (HICACHE_SGLANG_POOLS=1): each stores its pages in Mooncake, then fetches the
+    other's byte for byte - SGLang's pool reads what hicache's stored and hicache's what
+    SGLang's stored: servers on SGLang's pools and on hicache's share a store."""
     rpc, metadata, master_process = master
-    seed = 7 if store_pools == "sglang" else 8
     pages = 8
-    store = _instance("store", rpc, metadata, seed=seed, pages=pages, logs=tmp_path, pools=store_pools)
-    fetch = _instance("fetch", rpc, metadata, seed=seed, pages=pages, logs=tmp_path, pools=fetch_pools)
+    instances = {"sglang": (7, _instance("sglang", rpc, metadata, 7, pages, tmp_path, "sglang")),
+                 "hicache": (8, _instance("hicache", rpc, metadata, 8, pages, tmp_path, "hicache"))}
     try:
-        said = store.stdout.readline()  # "stored" once A's pages are in Mooncake
-        if said.strip() != "stored":
-            _report(store)  # names why A failed
-            raise AssertionError(f"instance A said {said!r}")
-        fetch.stdin.write("go\n")  # B imported beside A; it looks up only now
-        fetch.stdin.flush()
-        b = _report(fetch)
+        for _, process in instances.values():
+            _said(process, "stored")  # both stored: each may now fetch the other's
+        for (_, process), (other, _) in zip(instances.values(), reversed(list(instances.values()))):
+            process.stdin.write(f"fetch {other}\n")
+            process.stdin.flush()
+        for _, process in instances.values():
+            _said(process, "fetched")
+        reports = {pools: _report(process) for pools, (_, process) in instances.items()}  # segments go only now
     except BaseException:
-        for process in (store, fetch):
+        for _, process in instances.values():
             process.kill()
             process.communicate()
         raise
-    a = _report(store)  # A lets its segment go once B is done
-    for report, pools in ((a, store_pools), (b, fetch_pools)):
+    for pools, report in reports.items():
         assert report["plugged"], "SGLang's load_plugins() did not put hicache in"
         assert report["pool"][:2] == ["MHATokenToKVPoolHost", "page_first_direct"]
         assert report["pool"][3] == pools, report["pool"]
         assert report["pool"][2] == "MooncakeHostTensorAllocator"  # the back end's memory, hicache's registration
         assert report["ranges_exact"], "the ranges SGLang records are not what was registered"
         assert report["held_after_destroy"] == []
-    assert a["stored"] == [True] * pages
-    assert b["exists"] == pages and b["missing_is_a_miss"]
-    assert b["fetched"] == [True] * pages
-    assert b["byte_exact"]
-    master_process.terminate()
+        assert report["stored"] == [True] * pages
+        assert report["exists"] == pages and report["missing_is_a_miss"]
+        assert report["fetched"] == [True] * pages
+        assert report["byte_exact"], pools
+    master_process.terminate()  # the master outlived both clients and stops when told
     assert master_process.wait(10) is not None
