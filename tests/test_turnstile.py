@@ -5,7 +5,9 @@ stop leave the queue.
 
 Several processes against a fake driver whose lock is host-wide (a ``flock``, as the real
 driver's hold is) and a shared call log; threads in this process for the finer laws. No test
-reads a clock to judge speed except the probe bound, which allows a whole second of slack."""
+judges seconds (issue #31): overlap and waiting come from the log's order of events - a call's
+queueing, its end, a probe's arrival - and from tickets and barriers; a deadline is only a hang
+guard. They hold beside six busy processes (`make test-loaded`)."""
 
 from __future__ import annotations
 
