@@ -1,0 +1,62 @@
+"""Rules of the suite itself (issue #31): a test file that starts threads or processes side by
+side, forks or sends signals has tests marked `concurrency` - `make test-loaded` runs those
+again beside six busy processes - unless it is named below with why load cannot change what it
+sees. Read from the test files' syntax, so a new file cannot leave the loaded run unnoticed."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+
+#: Calls that put work side by side with the test (or interrupt it).
+CONCURRENT_CALLS = {("threading", "Thread"), ("subprocess", "Popen"), ("os", "fork"), ("os", "kill")}
+
+#: Files with such calls whose tests stay out of the loaded run, and why.
+NOT_LOADED = {
+    "test_interrupts.py": "the trace interrupts one thread at every line; its line count is the same under load",
+    "test_sglang_mooncake.py": "its instances take strict turns (stdin lines); load only slows them",
+}
+
+
+def _concurrent_calls(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else None
+            if (name, node.func.attr) in CONCURRENT_CALLS:
+                found.append(f"{name}.{node.func.attr} (line {node.lineno})")
+    return found
+
+
+def _marks_concurrency(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "concurrency":
+            value = node.value
+            if isinstance(value, ast.Attribute) and value.attr == "mark":
+                return True
+    return False
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.glob("test_*.py")), ids=lambda p: p.name)
+def test_a_file_that_runs_things_side_by_side_runs_loaded_too(path):
+    """Threads, Popen, fork or a signal in a test file: some of its tests carry the marker."""
+    tree = ast.parse(path.read_text())
+    calls = _concurrent_calls(tree)
+    if not calls or path.name in NOT_LOADED:
+        return
+    assert _marks_concurrency(tree), (f"{path.name} uses {', '.join(calls)} but marks no test "
+                                      "`pytest.mark.concurrency`; mark them or name the file in NOT_LOADED with why")
+
+
+def test_the_rule_sees_a_file_that_breaks_it():
+    """The rule's own check: an unmarked Popen is found, a marked one passes."""
+    bare = ast.parse("import subprocess\ndef test_x():\n    subprocess.Popen(['true'])\n")
+    marked = ast.parse("import pytest, subprocess\n@pytest.mark.concurrency\ndef test_x():\n    subprocess.Popen(['true'])\n")
+    assert _concurrent_calls(bare) and not _marks_concurrency(bare)
+    assert _marks_concurrency(marked)
+    assert NOT_LOADED.keys() <= {p.name for p in TESTS.glob("test_*.py")}  # no stale exemption
