@@ -31,26 +31,37 @@ def _build(kind: str, out: Path) -> Path:
     return built
 
 
-def test_the_wheel_without_torch_plans_and_checks(tmp_path):
-    wheel = _build("wheel", tmp_path / "dist")
-    env_dir = tmp_path / "fresh"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
+def _borrowing_venv(tmp_path: Path, modules, *, paths=(), with_pip: bool = False) -> Path:
+    """A fresh virtualenv (offline) that sees ``modules`` of this environment (top-level import
+    names, symlinked; names not installed here are left out) and ``paths``; its python."""
     borrowed = tmp_path / "borrowed"
     borrowed.mkdir()
-    for name in LIGHT:
+    for name in modules:
         spec = importlib.util.find_spec(name)
-        if spec is None:
+        if spec is None or (spec.origin is None and not spec.submodule_search_locations):
             continue
         source = Path(spec.submodule_search_locations[0]) if spec.submodule_search_locations else Path(spec.origin)
-        (borrowed / source.name).symlink_to(source)
+        if not (borrowed / source.name).exists():
+            (borrowed / source.name).symlink_to(source)
+    for path in paths:  # a directory as it is (metadata, a checkout)
+        if not (borrowed / path.name).exists():
+            (borrowed / path.name).symlink_to(path.resolve())
+    env_dir = tmp_path / "fresh"
+    venv.create(env_dir, with_pip=with_pip)
+    python = env_dir / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "borrowed.pth").write_text(str(borrowed) + "\n")
+    return python
+
+
+def test_the_wheel_without_torch_plans_and_checks(tmp_path):
+    wheel = _build("wheel", tmp_path / "dist")
+    python = _borrowing_venv(tmp_path, LIGHT, with_pip=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                    check=True, capture_output=True, text=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    hicache = env_dir / "bin" / "hicache"
+    hicache = python.parent / "hicache"
     check = [str(python), "-c", "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'cuda')))"]
     assert subprocess.run(check, env=env, cwd=tmp_path).returncode == 0, "torch leaked into the fresh environment"
     plan = subprocess.run([str(hicache), "plan", "--format", "json"], capture_output=True, text=True, env=env, cwd=tmp_path)
@@ -76,13 +87,17 @@ def test_the_sdist_carries_docs_license_and_test_helpers(tmp_path):
         assert needed in names, needed
 
 
+def _project() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
 def _readme_requirements() -> list[str]:
     """What the README's `make test` installs: pyproject's dependencies and the extras the
     Makefile's install line names (read from both files, so neither can drift from this test)."""
     import re
 
-    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _project()
     extras = re.search(r"-e '\.\[([a-z,]+)\]'", (ROOT / "Makefile").read_text())[1].split(",")
     return list(project["dependencies"]) + [r for extra in extras for r in project["optional-dependencies"][extra]]
 
@@ -108,32 +123,20 @@ def _closure(requirements: list[str]):
 
 
 def _fresh_env(tmp_path: Path, requirements: list[str]) -> tuple[Path, dict]:
-    """A fresh virtualenv holding hicache (as make test's editable install has it) and exactly
-    the installed distributions ``requirements`` pull in, borrowed by symlink (offline); its
-    python and an environment without this one's PYTHONPATH or CI's SGLang requirement."""
+    """A fresh virtualenv holding hicache (as make test's editable install has it: the checkout
+    on the path) and exactly the installed distributions ``requirements`` pull in, metadata
+    included (pytest finds its plugins - hypothesis, xdist - by entry points); its python and
+    an environment without this one's PYTHONPATH or CI's SGLang requirement."""
     import importlib.metadata as metadata
 
     dists = _closure(requirements)
-    borrowed = tmp_path / "borrowed"
-    borrowed.mkdir()
-    for top, owners in metadata.packages_distributions().items():
-        if {o.lower().replace("_", "-") for o in owners} & set(dists):
-            spec = importlib.util.find_spec(top)
-            if spec is None or (spec.origin is None and not spec.submodule_search_locations):
-                continue
-            source = Path(spec.submodule_search_locations[0]) if spec.submodule_search_locations else Path(spec.origin)
-            if not (borrowed / source.name).exists():
-                (borrowed / source.name).symlink_to(source)
-    for dist in dists.values():  # metadata too: pytest finds its plugins (hypothesis, xdist) by entry points
-        path = Path(str(dist._path))
-        if path.is_dir() and not (borrowed / path.name).exists():
-            (borrowed / path.name).symlink_to(path.resolve())
-    env_dir = tmp_path / "fresh"
-    venv.create(env_dir, with_pip=False)
-    python = env_dir / "bin" / "python"
+    modules = [top for top, owners in metadata.packages_distributions().items()
+               if {o.lower().replace("_", "-") for o in owners} & set(dists)]
+    metadata_dirs = [Path(str(d._path)) for d in dists.values() if Path(str(d._path)).is_dir()]
+    python = _borrowing_venv(tmp_path, modules, paths=metadata_dirs)
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    Path(site, "borrowed.pth").write_text(f"{borrowed}\n{ROOT}\n")
+    Path(site, "checkout.pth").write_text(f"{ROOT}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HICACHE_REQUIRE_SGLANG")}
     return python, env
 
@@ -171,8 +174,7 @@ def test_the_readme_environment_alone_collects_every_test_module(tmp_path):
 def test_apply_says_nothing_of_numpy_where_numpy_is_absent(tmp_path):
     """`pip install "hicache[cuda]"` brings no NumPy; torch's CPU build warns at import then -
     `hicache apply` keeps that warning out of its progress display (hicache never uses NumPy)."""
-    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _project()
     python, env = _fresh_env(tmp_path, list(project["dependencies"]) + project["optional-dependencies"]["cuda"])
     check = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('numpy'))"],
                            capture_output=True, text=True, env=env, cwd=tmp_path)

@@ -374,10 +374,7 @@ def test_a_bring_up_is_a_member_from_its_first_call_to_its_last_and_no_longer(di
                       runtime=FakeRuntime(Watching()), machine=ROOMY, turnstile=Turnstile(directory, auto=True))
     try:
         assert handle.wait(120)
-        deadline = time.monotonic() + 60  # a hang guard: the background thread leaves as it ends
-        while announced():
-            assert time.monotonic() < deadline, "still a member after its registration ended"
-            time.sleep(0.005)
+        _wait_for(lambda: not announced(), [], "leaving once the registration ended", 60)  # its thread leaves as it ends
         assert seen == [True, True]
     finally:
         handle.release()
