@@ -14,7 +14,7 @@ help:  ## list the targets
 	grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/:.*## /\t/' | expand -t 14
 
 # editable_mode=compat: a plain .pth entry, so start-up is what a regular install would see.
-$(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_copy/_hostcopy.c hicache/pools/_pagestack.c
+$(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_copy/_hostcopy.c hicache/effects/_arena/_slotops.c hicache/pools/_pagestack.c
 	echo "setting up $(VENV) (first run only)" >&2
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints-dev.txt -e '.[cuda,test,metrics]' --config-settings editable_mode=compat >&2

@@ -26,6 +26,8 @@ __all__ = [
     "ConfigError",
     "NoAllocatorError",
     "HostPagesExhaustedError",
+    "ArenaError",
+    "ArenaGeometryError",
     "caused_by_interrupt",
 ]
 
@@ -168,6 +170,17 @@ class NoAllocatorError(RegistrationStateError, NotImplementedError):
 
 class HostPagesExhaustedError(CapacityError, RuntimeError):
     """No host pages left for a HiSparse request: a RuntimeError, as SGLang's callers expect."""
+
+
+class ArenaError(HicacheError, ValueError):
+    """A node store's arena cannot be created or attached as asked: a disk filesystem, too little
+    room, a file of another user or open to others, a corrupt header (the message names the path,
+    the field and the value). Raised before anything is allocated or left behind."""
+
+
+class ArenaGeometryError(ArenaError):
+    """An arena exists but its geometry (slot bytes, size, schema) does not fit what this engine
+    stores: the attach fails cleanly and the arena is untouched."""
 
 
 def caused_by_interrupt(error: BaseException | None) -> bool:

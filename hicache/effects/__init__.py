@@ -15,6 +15,7 @@ ARCHITECTURE's stable API plus what pools, the CLI, compat and hicache.testing u
 from hicache.effects._bringup._bring_up import BufferRequest, Progressive, bring_up
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup import _admission as admission
+from hicache.effects import _arena as arena
 from hicache.effects._copy._engine import CopyEngine
 from hicache.effects._copy._host_copy import host_copy_info
 from hicache.effects._cuda import _codes as cuda_codes
@@ -56,6 +57,8 @@ __all__ = [
     "Progressive",
     "bring_up",
     "admission",
+    # the node store's arena room (hicache.store)
+    "arena",
     # host memory and allocators
     "FrameworkPinnedAllocator",
     "HostAllocator",

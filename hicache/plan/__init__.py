@@ -47,6 +47,7 @@ from hicache.plan._models import (
 from hicache.plan._intervals import IntervalSet
 from hicache.plan._pool import BufferPlan, PoolPlan, plan_pool
 from hicache.plan._range import Range
+from hicache.plan._store import StorePlan, plan_store
 from hicache.plan._settings import (
     DEFAULT_HUGEPAGE_BYTES,
     HUGEPAGE_MODES,
@@ -104,6 +105,8 @@ __all__ = [
     "PoolPlan",
     "PoolSize",
     "Range",
+    "StorePlan",
+    "plan_store",
     "RegistrationPlan",
     "SCHEMA_VERSION",
     "assess_budget",

@@ -1,0 +1,318 @@
+"""The node store's arena file: created once, attached by every engine on the node after.
+
+Create: under an exclusive flock of the arena's directory (so one process creates, the rest
+wait and then attach), the file is made with O_EXCL and mode 0600, ``posix_fallocate``d (a sparse
+tmpfs file would SIGBUS when tmpfs fills), mapped MAP_SHARED, pre-faulted by hicache's parallel
+MADV_POPULATE_WRITE workers, and its header written last: a file without a header is no arena,
+and one a creator died making is removed by the next create. Anything that fails on the way
+unmaps, closes and unlinks what it made. Attach: open (no symlink), refuse another user's file
+or one open to group/others, check the header against what the engine asks, map it - no
+pre-fault, no CUDA registration: its cost does not grow with the arena.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import time
+
+import attrs
+
+from hicache.errors import ArenaError, HostOutOfMemoryError
+from hicache.effects._arena._mounts import Backing, backing_of
+from hicache.effects._arena._slots import slot_ops, try_lock, unlock
+from hicache.plan._store import (
+    COUNTERS,
+    COUNTERS_OFFSET,
+    HEADER_LENGTH,
+    NAMESPACE_BYTES,
+    StorePlan,
+    check_geometry,
+    counter_offset,
+    decode_header,
+    encode_header,
+)
+
+PREFAULT_PIECE_BYTES = 64 * 2**20
+CREATE_WAIT_S = 600.0  # hang guard for the directory lock while another process creates
+
+
+@attrs.define(eq=False)
+class Arena:
+    """One mapped arena. ``base`` is the mapping's address; ``created``: this process made it;
+    ``attach_s``: seconds the open/check/map took (or the creation's). `close` is idempotent."""
+
+    path: str
+    plan: StorePlan
+    label: str
+    backing: Backing
+    ops: object
+    created: bool
+    attach_s: float
+    _fd: int
+    _map: mmap.mmap | None
+    base: int = 0
+    _pending: dict = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
+    def record_addr(self, slot: int) -> int:
+        return self.base + self.plan.record_offset(slot)
+
+    def slot_addr(self, slot: int) -> int:
+        return self.base + self.plan.slot_offset(slot)
+
+    def namespace_addr(self, entry: int) -> int:
+        return self.base + self.plan.namespace_offset + entry * NAMESPACE_BYTES
+
+    def add_counters(self, **deltas: int) -> None:
+        """Add to the arena-wide counters. Never waits and never fails the work it counts: with
+        the fallback ops a busy counters lock keeps the deltas for the next call."""
+        for name, delta in deltas.items():
+            if delta:
+                self._pending[name] = self._pending.get(name, 0) + delta
+        if not self._pending or self.closed:
+            return
+        locked = self.ops.atomic_add or try_lock(self._fd, COUNTERS_OFFSET, 8 * len(COUNTERS))
+        if not locked:
+            return
+        try:
+            for name, delta in self._pending.items():
+                self.ops.fetch_add(self.base + counter_offset(name), delta)
+            self._pending.clear()
+        finally:
+            if not self.ops.atomic_add:
+                unlock(self._fd, COUNTERS_OFFSET, 8 * len(COUNTERS))
+
+    def counters(self) -> dict[str, int]:
+        return {name: self.ops.load(self.base + counter_offset(name)) for name in COUNTERS}
+
+    def close(self) -> None:
+        """Unmap and close; safe to call twice. Nothing in the file changes (its pages stay)."""
+        if self._map is None:
+            return
+        self.add_counters()
+        self._pending.clear()
+        mapping, self._map = self._map, None
+        try:
+            mapping.close()
+        except BufferError:  # a view of it is still alive somewhere: the GC unmaps it later
+            pass
+        os.close(self._fd)
+
+
+def _check_owner(path: str, info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise ArenaError(f"store arena {path}: not a regular file")
+    if info.st_uid != os.getuid():
+        raise ArenaError(f"store arena {path}: owned by uid {info.st_uid}, not this user (uid {os.getuid()}); "
+                         "KV holds users' prompts: each user needs an arena of their own")
+    if info.st_mode & 0o077:
+        raise ArenaError(f"store arena {path}: mode {stat.S_IMODE(info.st_mode):04o} is open to group/others "
+                         "(KV holds users' prompts): chmod 600 it, or drop and recreate it")
+
+
+def _read_header(fd: int, path: str):
+    raw = os.pread(fd, HEADER_LENGTH, 0)
+    return decode_header(raw, where=f"store arena {path}")
+
+
+def _map(fd: int, plan: StorePlan, path: str) -> mmap.mmap:
+    try:
+        return mmap.mmap(fd, plan.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as error:
+        raise ArenaError(f"store arena {path}: cannot map {plan.total_bytes} bytes ({error.strerror})") from None
+
+
+def attach_arena(path: str, *, page_bytes: int | None = None, total_bytes: int | None = None,
+                 ops=None, root: str = "/") -> Arena:
+    """Attach the arena at ``path``: `ArenaError` for a missing, foreign, exposed, corrupt or
+    incomplete one, `ArenaGeometryError` when its slots cannot hold ``page_bytes`` or its size is
+    not ``total_bytes`` (when given). Faults nothing in."""
+    began = time.perf_counter()
+    backing = backing_of(path, root=root)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ArenaError(f"store arena {path}: does not exist (create it: hicache store create {path} ...)") from None
+    except OSError as error:
+        raise ArenaError(f"store arena {path}: cannot open ({error.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        _check_owner(path, info)
+        plan, label = _read_header(fd, path)
+        if info.st_size != plan.total_bytes:
+            raise ArenaError(f"store arena {path}: {info.st_size} bytes on disk, its header says {plan.total_bytes}")
+        if page_bytes is not None or total_bytes is not None:
+            check_geometry(plan, page_bytes=page_bytes or 0, total_bytes=total_bytes, where=f"store arena {path}")
+        mapping = _map(fd, plan, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Arena(path, plan, label, backing, ops or slot_ops(), False, time.perf_counter() - began, fd, mapping)
+
+
+def _prefault(base: int, length: int, unit: int, *, threads: int, progress) -> None:
+    from hicache.effects._host._memory import MADV_POPULATE_WRITE, _madvise, _run_workers, started_executor
+
+    madvise = _madvise()
+    offsets = list(range(0, length, PREFAULT_PIECE_BYTES))
+    done = [0]
+
+    def fault(offset: int) -> None:
+        size = min(PREFAULT_PIECE_BYTES, length - offset)
+        if madvise(base + offset, size, MADV_POPULATE_WRITE) != 0:
+            code = ctypes.get_errno()
+            if code not in (errno.EINVAL, errno.ENOSYS):
+                if code in (errno.ENOMEM, errno.EFAULT, errno.ENOSPC):
+                    raise HostOutOfMemoryError(f"pre-faulting the store arena at offset {offset}: out of memory")
+                raise OSError(code, os.strerror(code))
+            for at in range(offset, offset + size, unit):  # older kernels: a write fault per page
+                ctypes.c_char.from_address(base + at).value = ctypes.c_char.from_address(base + at).value
+        done[0] += size
+        if progress is not None:
+            progress(done[0], length)
+
+    workers = max(1, min(threads, len(offsets)))
+    if workers == 1:
+        for offset in offsets:
+            fault(offset)
+        return
+    pool = started_executor(workers, prefix="hicache-arena")
+    try:
+        _run_workers(pool, workers, fault, offsets)
+    finally:
+        pool.shutdown(wait=True)
+
+
+class _DirectoryLock:
+    """An exclusive flock of the arena's directory while one process creates (the others wait
+    on it, then attach). Released by close - and by the holder's death."""
+
+    def __init__(self, directory: str, *, timeout_s: float, clock=time.monotonic, sleep=time.sleep) -> None:
+        self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        deadline = clock() + timeout_s
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if clock() > deadline:  # a hang guard: creating even a TB arena takes minutes
+                    os.close(self.fd)
+                    raise ArenaError(f"store arena: {directory} stayed locked by another creator for {timeout_s:.0f} s")
+                sleep(0.01)
+
+    def close(self) -> None:
+        os.close(self.fd)  # drops the flock
+
+
+def _incomplete(path: str) -> bool:
+    """A file at ``path`` without a header (its creator died before writing it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        info = os.fstat(fd)
+        _check_owner(path, info)
+        return os.pread(fd, 8, 0) != b"HICSTORE"
+    finally:
+        os.close(fd)
+
+
+def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None = None, progress=None,
+                 exist_ok: bool = True, page_bytes: int | None = None, total_bytes: int | None = None,
+                 ops=None, root: str = "/", wait_s: float = CREATE_WAIT_S) -> Arena:
+    """Create the arena at ``path`` with ``plan`` and pre-fault it - or, when it exists already
+    (``exist_ok``), attach it as `attach_arena` does with ``page_bytes``/``total_bytes``.
+    Checks the mount and its room first: `ArenaError` before anything is allocated."""
+    backing = backing_of(path, root=root)
+    if backing.kind != plan.backing or plan.unit_bytes != backing.unit_bytes:
+        raise ArenaError(
+            f"store arena {path}: {backing.mount.point} is {backing.kind} with {backing.unit_bytes}-byte pages, the plan "
+            f"is for {plan.backing} with {plan.unit_bytes}-byte pages"
+            + (" (wrong hugepage size: plan with the mount's pagesize=)" if backing.kind == "hugetlbfs" else "")
+        )
+    lock = _DirectoryLock(backing.directory, timeout_s=wait_s)
+    try:
+        if os.path.lexists(path):
+            if _incomplete(path):
+                os.unlink(path)  # a creator died before the header: nothing in it was ever served
+            elif not exist_ok:
+                raise ArenaError(f"store arena {path}: exists already (hicache store drop {path} removes it)")
+            else:
+                return attach_arena(path, page_bytes=page_bytes, total_bytes=total_bytes, ops=ops, root=root)
+        if backing.free_bytes < plan.total_bytes:
+            raise ArenaError(
+                f"store arena {path}: {backing.mount.point} ({backing.kind}) has {backing.free_bytes} bytes free, "
+                f"the arena needs {plan.total_bytes}"
+                + (" (free hugepages: /proc/sys/vm/nr_hugepages)" if backing.kind == "hugetlbfs"
+                   else " (a container's /dev/shm: docker run --shm-size)")
+            )
+        return _create(path, plan, label, backing, threads=threads, progress=progress, ops=ops)
+    finally:
+        lock.close()
+
+
+def _create(path, plan, label, backing, *, threads, progress, ops) -> Arena:
+    began = time.perf_counter()
+    header = encode_header(plan, label=label)  # a bad label fails before the file exists
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    mapping = None
+    try:
+        os.fchmod(fd, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, plan.total_bytes)
+        except OSError as error:
+            raise ArenaError(f"store arena {path}: cannot reserve {plan.total_bytes} bytes on {backing.mount.point} "
+                             f"({error.strerror})") from None
+        mapping = _map(fd, plan, path)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        try:
+            _prefault(base, plan.total_bytes, plan.unit_bytes, threads=threads or min(os.cpu_count() or 1, 16),
+                      progress=progress)
+        finally:
+            del base
+        mapping[0:len(header)] = header  # last: only now is it an arena
+    except BaseException:
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return Arena(path, plan, label, backing, ops or slot_ops(), True, time.perf_counter() - began, fd, mapping)
+
+
+def drop_arena(path: str) -> bool:
+    """Unlink the arena at ``path`` (its pages go when the last engine unmaps it). False when
+    there was none; `ArenaError` for what is not an arena of this user (never removed)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    _check_owner(path, info)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.pread(fd, 8, 0) not in (b"HICSTORE", b"\0" * 8, b""):
+            raise ArenaError(f"store arena {path}: not a hicache store arena (its first bytes differ): not removed")
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    return True
+

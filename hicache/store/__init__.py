@@ -1,0 +1,145 @@
+"""hicache.store: the node-shared KV store - pages in one tmpfs/hugetlbfs arena that every
+engine on the node attaches, kept through engine restarts (docs/store.md).
+
+`NodeStore` is the engine-neutral face: keys in a `Namespace`, pages as segment lists
+``[(ptr, bytes), ...]``; `hicache.compat.sglang_store.HiCacheNodeStore` puts SGLang's L3 API on
+it. The arena's geometry is planned by hicache.plan (`plan_store`), its file and memory are
+hicache.effects' arena room, the slot protocol is `_index`.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hicache.effects import arena as _arena
+from hicache.errors import ArenaGeometryError, TransferError
+from hicache.plan._store import StorePlan, plan_store
+from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
+from hicache.store._keys import Namespace, shard_of, slot_keys
+
+__all__ = ["Census", "Namespace", "NodeStore", "StoreCounts", "StorePlan", "drop_arena", "open_store", "plan_store",
+           "shard_of"]
+
+drop_arena = _arena.drop_arena
+
+
+@attrs.define
+class StoreCounts:
+    """This store's own counts since it opened (the arena keeps node-wide ones too)."""
+
+    hits: int = 0
+    misses: int = 0
+    torn: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+    writes: int = 0
+
+
+class NodeStore:
+    """Pages by key in one attached arena. Never waits for another process on a read."""
+
+    def __init__(self, arena, *, fault_hook=None) -> None:
+        self.arena = arena
+        self.index = SlotIndex(arena, fault_hook=fault_hook)
+        self.counts = StoreCounts()
+        self._digests: dict[Namespace, bytes] = {}
+        self._entries: dict[Namespace, int] = {}
+        self.reclaimed = self.index.reclaim_torn() if not arena.created else 0
+
+    @property
+    def closed(self) -> bool:
+        return self.arena.closed
+
+    def _digest(self, namespace: Namespace) -> bytes:
+        """The namespace's digest (a read needs no table entry: a query registers nothing)."""
+        if namespace not in self._digests:
+            if namespace.page_bytes > self.arena.plan.slot_bytes:
+                raise ArenaGeometryError(f"a page of {namespace.page_bytes} bytes does not fit the arena's "
+                                         f"{self.arena.plan.slot_bytes}-byte slots ({namespace.description})")
+            self._digests[namespace] = namespace.digest
+        return self._digests[namespace]
+
+    def _entry(self, namespace: Namespace) -> int:
+        """The namespace's entry in the arena's table (claimed by the first write)."""
+        if namespace not in self._entries:
+            self._entries[namespace] = self.index.register_namespace(self._digest(namespace), namespace.description)
+        return self._entries[namespace]
+
+    def _check_pages(self, namespace: Namespace, keys, pages) -> None:
+        if len(pages) != len(keys):
+            raise TransferError(f"{len(keys)} keys but {len(pages)} pages")
+        for i, segments in enumerate(pages):
+            if len(segments) != len(pages[0]):
+                raise TransferError(f"page {i} has {len(segments)} segments, page 0 has {len(pages[0])}")
+            total = sum(size for _, size in segments)
+            if total != namespace.page_bytes or any(size % 8 or size <= 0 or ptr <= 0 for ptr, size in segments):
+                raise TransferError(f"page {i}: segments of {[s for _, s in segments]} bytes are not one page of "
+                                    f"{namespace.page_bytes} bytes in 8-byte words")
+
+    def exists(self, namespace: Namespace, keys) -> int:
+        """How many leading ``keys`` are held (SGLang's `batch_exists`)."""
+        if not keys:
+            return 0
+        return self.index.leading(slot_keys(self._digest(namespace), keys))
+
+    def present(self, namespace: Namespace, keys) -> list[bool]:
+        if not keys:
+            return []
+        found, _ = self.index.find(slot_keys(self._digest(namespace), keys))
+        return [slot != _arena.NOT_FOUND for slot in found]
+
+    def get(self, namespace: Namespace, keys, pages) -> list[bool]:
+        """Copy each held key's page into its segments; a miss, torn or corrupt page is False."""
+        if not keys:
+            return []
+        digest = self._digest(namespace)
+        self._check_pages(namespace, keys, pages)
+        ok, torn, corrupt = self.index.read(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes)
+        hits = sum(ok)
+        self.counts.hits += hits
+        self.counts.misses += len(ok) - hits
+        self.counts.torn += torn
+        self.counts.corrupt += corrupt
+        self.arena.add_counters(hits=hits, misses=len(ok) - hits, torn=torn, corrupt=corrupt)
+        return ok
+
+    def put(self, namespace: Namespace, keys, pages, *, first_depth: int = 0) -> list[bool]:
+        """Store each key's page from its segments (``first_depth``: the chain position of the
+        first key, from SGLang's ``prefix_keys``). True for pages stored or already held."""
+        if not keys:
+            return []
+        digest, entry = self._digest(namespace), self._entry(namespace)
+        self._check_pages(namespace, keys, pages)
+        depths = [first_depth + i for i in range(len(keys))]
+        result = self.index.write(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes, depths=depths,
+                                  namespace=entry)
+        self.counts.evictions += result.evictions
+        self.counts.writes += result.written
+        self.arena.add_counters(evictions=result.evictions, writes=result.written)
+        return result.stored
+
+    def clear(self, namespaces=None) -> int:
+        """Empty the pages of ``namespaces`` (default: every namespace this store used)."""
+        chosen = self._entries if namespaces is None else namespaces
+        entries = {self._entry(ns) for ns in chosen} - {NO_NAMESPACE}
+        return self.index.clear(entries)
+
+    def census(self) -> Census:
+        return self.index.census()
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str = "", progress=None,
+               threads: int | None = None, ops=None, fault_hook=None, root: str = "/") -> NodeStore:
+    """Attach the arena at ``path`` - creating it with ``size_bytes`` when it does not exist yet
+    and ``size_bytes`` is given - and return a store over it. Errors name the path and field."""
+    if size_bytes is None:
+        arena = _arena.attach_arena(path, page_bytes=slot_bytes, ops=ops, root=root)
+    else:
+        backing = _arena.backing_of(path, root=root)
+        plan = plan_store(size_bytes, slot_bytes=slot_bytes, unit_bytes=backing.unit_bytes, backing=backing.kind)
+        arena = _arena.create_arena(path, plan, label=label, threads=threads, progress=progress, page_bytes=slot_bytes,
+                             total_bytes=size_bytes, ops=ops, root=root)
+    return NodeStore(arena, fault_hook=fault_hook)

@@ -1,0 +1,328 @@
+"""The crash-safe slot index of a node store: where a key's page lives, how a writer publishes
+it, how a reader copies it without ever waiting, and which page a full window gives up.
+
+Protocol (per slot; the record format is hicache.plan's): a writer takes the slot's OFD lock
+without waiting (busy: the next candidate), makes its generation odd, writes the record, copies
+the page in while checksumming it (seeded by the key), stores the checksum, then publishes the
+next even generation and unlocks. A reader finds the key with an even generation, copies the
+page out while checksumming what it delivered, then re-reads the generation: changed, odd or a
+checksum that differs is a miss (torn or corrupt), never wrong bytes and never a wait. A writer
+killed mid-write leaves an odd generation and a free lock: invisible, and reclaimed by the next
+attach (or the next writer whose window it is in). Eviction is CLOCK within the key's window
+(16 slots): unreferenced pages first, and among them the deepest in their chain (tail pages go
+first, so leading-prefix hits survive).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import attrs
+
+from hicache.effects import arena as _arena
+from hicache.plan._store import GEN, KEY, LENGTH, NAMESPACE_BYTES, NAMESPACE_ENTRIES, RECORD, RECORD_BYTES, REF_OFFSET
+from hicache.store._keys import DIGEST_BYTES
+
+ZERO_KEY = bytes(DIGEST_BYTES)
+NO_NAMESPACE = 0xFFFF
+_LE = "little"
+
+
+@attrs.frozen
+class Census:
+    """What an arena holds now: ``pages`` distinct published pages, their ``bytes``, slots
+    ``torn`` (odd: being written, or left by a dead writer), ``by_namespace`` pages per entry."""
+
+    slots: int
+    pages: int
+    bytes: int
+    torn: int
+    by_namespace: dict
+
+
+@attrs.define(eq=False)
+class WriteResult:
+    stored: list
+    evictions: int = 0
+    written: int = 0
+
+
+class SlotIndex:
+    """The slot protocol over one attached arena. ``fault_hook(stage, page)``, when given, is
+    called at each step of a write (tests kill the process there)."""
+
+    def __init__(self, arena, *, fault_hook=None) -> None:
+        self.arena = arena
+        self.plan = arena.plan
+        self.ops = arena.ops
+        self.fault_hook = fault_hook
+        self._pid = os.getpid() & 0xFFFFFFFF
+
+    # -- records ---------------------------------------------------------------------------------
+    def _record(self, slot: int) -> tuple:
+        return RECORD.unpack(ctypes.string_at(self.arena.record_addr(slot), RECORD.size))
+
+    def _put_fields(self, slot: int, fields: tuple) -> None:
+        raw = RECORD.pack(*fields)
+        ctypes.memmove(self.arena.record_addr(slot) + 8, raw[8:], len(raw) - 8)
+
+    def _lock(self, slot: int) -> bool:
+        return _arena.try_lock(self.arena.fd, self.plan.record_offset(slot), RECORD_BYTES)
+
+    def _unlock(self, slot: int) -> None:
+        _arena.unlock(self.arena.fd, self.plan.record_offset(slot), RECORD_BYTES)
+
+    def home(self, digest: bytes) -> int:
+        return int.from_bytes(digest[:8], _LE) % self.plan.slots
+
+    # -- lookups (never wait) --------------------------------------------------------------------
+    def find(self, digests: bytes) -> tuple[list[int], list[int]]:
+        """Each key's slot (`_arena.NOT_FOUND` for none) and the even generation it was seen with."""
+        index_addr = self.arena.base + self.plan.index_offset
+        return self.ops.lookup(index_addr, self.plan.slots, self.plan.window, digests)
+
+    def leading(self, digests: bytes) -> int:
+        found, _ = self.find(digests)
+        return next((i for i, slot in enumerate(found) if slot == _arena.NOT_FOUND), len(found))
+
+    # -- reads -----------------------------------------------------------------------------------
+    def read(self, digests: bytes, pages: list, *, page_bytes: int) -> tuple[list[bool], int, int]:
+        """Copy each key's page into its segments (``pages[i]``: ``[(ptr, bytes), ...]``, all
+        pages alike). Returns (per-key success, torn, corrupt). A miss leaves its segments'
+        bytes unspecified - SGLang uses only pages reported True."""
+        found, gens = self.find(digests)
+        hits = [i for i, slot in enumerate(found) if slot != _arena.NOT_FOUND]
+        ok = [False] * len(found)
+        if not hits:
+            return ok, 0, 0
+        per_page = len(pages[0])
+        records = {i: self._record(found[i]) for i in hits}
+        hits = [i for i in hits if records[i][LENGTH] == page_bytes]  # another geometry: a miss
+        if not hits:
+            return ok, 0, len(records)
+        seeds, slots, ptrs, lens = [], [], [], []
+        for i in hits:
+            key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
+            seeds += [int.from_bytes(key[:8], _LE), int.from_bytes(key[8:], _LE)]
+            slots.append(self.arena.slot_addr(found[i]))
+            for ptr, size in pages[i]:
+                ptrs.append(ptr)
+                lens.append(size)
+        sums = self.ops.copy_pages(1, slots, ptrs, lens, per_page, seeds)
+        torn = corrupt = 0
+        for i, (s1, s2) in zip(hits, sums):
+            slot, record = found[i], records[i]
+            if self.ops.load(self.arena.record_addr(slot)) != gens[i] or record[GEN] != gens[i]:
+                torn += 1  # rewritten while we copied: those bytes are not this key's
+                continue
+            if (s1, s2) != (record[2], record[3]):
+                corrupt += 1
+                self._reclaim(slot, gens[i])
+                continue
+            ok[i] = True
+            ctypes.c_uint8.from_address(self.arena.record_addr(slot) + REF_OFFSET).value = 1  # CLOCK: referenced
+        return ok, torn, corrupt
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _victims(self, home: int) -> list[int]:
+        """The window's slots in the order a writer tries them: empty, then torn (a dead
+        writer's - its lock will be free), then unreferenced by descending depth, then the
+        rest by descending depth (CLOCK's second chance: their referenced bits are cleared)."""
+        empty, torn, cold, warm = [], [], [], []
+        for j in range(self.plan.window):
+            slot = (home + j) % self.plan.slots
+            gen, key, _, _, _, depth, _, ref, _, _ = self._record(slot)
+            if gen == 0 or key == ZERO_KEY:
+                empty.append(slot)
+            elif gen & 1:
+                torn.append(slot)
+            elif ref:
+                warm.append((depth, slot))
+            else:
+                cold.append((depth, slot))
+        if warm and not (empty or torn or cold):  # CLOCK's hand passes: every page loses its second chance
+            for _, slot in warm:
+                ctypes.c_uint8.from_address(self.arena.record_addr(slot) + REF_OFFSET).value = 0
+        order = lambda pairs: [slot for _, slot in sorted(pairs, key=lambda p: (-p[0], p[1]))]  # noqa: E731
+        return empty + torn + order(cold) + order(warm)
+
+    def _hook(self, stage: str, page: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(stage, page)
+
+    def write(self, digests: bytes, pages: list, *, page_bytes: int, depths: list[int], namespace: int) -> WriteResult:
+        """Store each key's page from its segments. A key already held counts as stored (as
+        SGLang's HiCacheFile skips it); a window whose every slot is locked by other writers
+        leaves that page unstored (False), without waiting."""
+        n = len(digests) // DIGEST_BYTES
+        result = WriteResult([False] * n)
+        found, _ = self.find(digests)
+        claimed = []  # (i, slot, odd generation)
+        stamp = time.time_ns()
+        try:
+            for i in range(n):
+                if found[i] != _arena.NOT_FOUND:
+                    result.stored[i] = True
+                    continue
+                key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
+                taken = {slot for _, slot, _ in claimed}
+                for slot in self._victims(self.home(key)):
+                    if slot in taken or not self._lock(slot):
+                        continue
+                    gen, old_key = self._record(slot)[GEN:KEY + 1]
+                    if gen and not gen & 1 and old_key != ZERO_KEY:
+                        result.evictions += 1
+                    odd = gen + 1 if gen % 2 == 0 else gen + 2
+                    self.ops.store(self.arena.record_addr(slot), odd)
+                    self._put_fields(slot, (odd, key, 0, 0, page_bytes, depths[i] & 0xFFFFFFFF, namespace, 0,
+                                            self._pid, stamp))
+                    claimed.append((i, slot, odd))
+                    self._hook("claimed", i)
+                    break
+            if not claimed:
+                return result
+            per_page = len(pages[0])
+            seeds, slots, ptrs, lens = [], [], [], []
+            for i, slot, _ in claimed:
+                key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
+                seeds += [int.from_bytes(key[:8], _LE), int.from_bytes(key[8:], _LE)]
+                slots.append(self.arena.slot_addr(slot))
+                for ptr, size in pages[i]:
+                    ptrs.append(ptr)
+                    lens.append(size)
+            if self.fault_hook is not None:  # page by page, with a tear half-way through each
+                half = max(1, per_page // 2)
+                sums = []
+                for k, (i, _, _) in enumerate(claimed):
+                    segs = slice(k * per_page, (k + 1) * per_page)
+                    part = slice(k * per_page, k * per_page + half)
+                    self.ops.copy_pages(0, [slots[k]], ptrs[part], lens[part], half, seeds[2 * k:2 * k + 2])
+                    self._hook("half", i)
+                    sums += self.ops.copy_pages(0, [slots[k]], ptrs[segs], lens[segs], per_page, seeds[2 * k:2 * k + 2])
+                    self._hook("copied", i)
+            else:
+                sums = self.ops.copy_pages(0, slots, ptrs, lens, per_page, seeds)
+            for (i, slot, odd), (s1, s2) in zip(claimed, sums):
+                record = list(self._record(slot))
+                record[2], record[3] = s1, s2
+                self._put_fields(slot, tuple(record))
+                self._hook("summed", i)
+                self.ops.store(self.arena.record_addr(slot), odd + 1)  # publish
+                result.stored[i] = True
+                result.written += 1
+                self._hook("published", i)
+        finally:
+            for _, slot, _ in claimed:
+                self._unlock(slot)
+        return result
+
+    # -- repair ----------------------------------------------------------------------------------
+    def _reclaim(self, slot: int, seen_gen: int | None = None) -> bool:
+        """Empty a slot no live writer holds (its lock is free): torn, or corrupt as seen with
+        ``seen_gen``. Its generation moves on (never back: a reader's re-check stays sound)."""
+        if not self._lock(slot):
+            return False
+        try:
+            gen = self.ops.load(self.arena.record_addr(slot))
+            if seen_gen is not None and gen != seen_gen:
+                return False
+            if seen_gen is None and not gen & 1:
+                return False
+            odd = gen + 1 if gen % 2 == 0 else gen
+            self.ops.store(self.arena.record_addr(slot), odd)
+            self._put_fields(slot, (odd, ZERO_KEY, 0, 0, 0, 0, NO_NAMESPACE, 0, 0, 0))
+            self.ops.store(self.arena.record_addr(slot), odd + 1)
+            return True
+        finally:
+            self._unlock(slot)
+
+    def _columns(self):
+        import torch
+
+        view = (ctypes.c_char * self.plan.index_bytes).from_address(self.arena.base + self.plan.index_offset)
+        return torch.frombuffer(view, dtype=torch.int64).view(self.plan.slots, RECORD_BYTES // 8)
+
+    def reclaim_torn(self) -> int:
+        """Reclaim every torn slot whose writer is gone; returns how many."""
+        columns = self._columns()
+        odd = (columns[:, 0] & 1).nonzero().flatten().tolist()
+        return sum(self._reclaim(slot) for slot in odd)
+
+    def census(self) -> Census:
+        import torch
+
+        columns = self._columns().clone()  # a snapshot: writers may move on while we count
+        gen, k0, k1 = columns[:, 0], columns[:, 1], columns[:, 2]
+        live = (gen != 0) & ((gen & 1) == 0) & ((k0 != 0) | (k1 != 0))
+        torn = int(((gen & 1) == 1).sum())
+        keys = torch.stack([k0[live], k1[live]], dim=1)
+        lengths = columns[live][:, 5] & 0xFFFFFFFF
+        namespaces = columns[live][:, 6] & 0xFFFF
+        if keys.numel():
+            _, first = _first_of_each(keys)
+            lengths, namespaces = lengths[first], namespaces[first]
+        by_namespace: dict[int, int] = {}
+        for entry, count in zip(*torch.unique(namespaces, return_counts=True)):
+            by_namespace[int(entry)] = int(count)
+        return Census(self.plan.slots, int(lengths.numel()), int(lengths.sum()), torn, by_namespace)
+
+    def clear(self, entries) -> int:
+        """Empty every published slot of the namespace ``entries`` this process can lock now;
+        returns how many."""
+        import torch
+
+        columns = self._columns()
+        mine = torch.isin(columns[:, 6] & 0xFFFF, torch.tensor(sorted(entries), dtype=torch.int64))
+        live = (mine & (columns[:, 0] != 0) & ((columns[:, 1] != 0) | (columns[:, 2] != 0))).nonzero().flatten().tolist()
+        cleared = 0
+        for slot in live:
+            gen = self.ops.load(self.arena.record_addr(slot))
+            cleared += self._reclaim(slot, gen if not gen & 1 else None)
+        return cleared
+
+    # -- namespaces ------------------------------------------------------------------------------
+    def register_namespace(self, digest: bytes, description: str) -> int:
+        """The namespace table entry for ``digest`` (claimed when new; `NO_NAMESPACE` when the
+        table is full or every free entry is being claimed by another process right now)."""
+        raw = description.encode()[:NAMESPACE_BYTES - DIGEST_BYTES]
+        for entry in range(NAMESPACE_ENTRIES):
+            addr = self.arena.namespace_addr(entry)
+            held = ctypes.string_at(addr, DIGEST_BYTES)
+            if held == digest:
+                return entry
+            if held != ZERO_KEY:
+                continue
+            offset = self.plan.namespace_offset + entry * NAMESPACE_BYTES
+            if not _arena.try_lock(self.arena.fd, offset, NAMESPACE_BYTES):
+                continue
+            try:
+                if ctypes.string_at(addr, DIGEST_BYTES) != ZERO_KEY:
+                    continue
+                ctypes.memmove(addr + DIGEST_BYTES, raw.ljust(NAMESPACE_BYTES - DIGEST_BYTES, b"\0"),
+                               NAMESPACE_BYTES - DIGEST_BYTES)
+                ctypes.memmove(addr, digest, DIGEST_BYTES)  # the digest last: a reader sees it whole
+                return entry
+            finally:
+                _arena.unlock(self.arena.fd, offset, NAMESPACE_BYTES)
+        return NO_NAMESPACE
+
+    def namespaces(self) -> dict[int, str]:
+        out = {}
+        for entry in range(NAMESPACE_ENTRIES):
+            addr = self.arena.namespace_addr(entry)
+            if ctypes.string_at(addr, DIGEST_BYTES) != ZERO_KEY:
+                raw = ctypes.string_at(addr + DIGEST_BYTES, NAMESPACE_BYTES - DIGEST_BYTES)
+                out[entry] = raw.rstrip(b"\0").decode(errors="replace")
+        return out
+
+
+def _first_of_each(keys):
+    """(unique rows, index of each unique row's first occurrence) of a 2-column int64 tensor."""
+    import torch
+
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((unique.shape[0],), keys.shape[0], dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(keys.shape[0]), reduce="amin")
+    return unique, first
