@@ -1,0 +1,421 @@
+"""`HiCacheNodeStore`: hicache's node store as SGLang 0.5.23's L3 back end, through its public
+dynamic seam (`--hicache-storage-backend dynamic`, docs/store.md) - no patching.
+
+SGLang's factory constructs it as ``cls(storage_config, {})`` (`storage/backend_factory.py`);
+the arena comes from ``storage_config.extra_config`` (`CONFIG_KEYS`, checked here, before any
+memory is taken). Pools arrive through `register_mem_pool_host` / `register_mem_host_pool_v2`;
+`on_host_pools_registered` sizes each pool's page, opens (or creates) the arena and checks its
+geometry - raising there fails SGLang's attach cleanly. Pages move zero-copy between the pool's
+`get_page_buffer_meta` segments and the arena (every segment bounds-checked against the pool's
+own buffers first); pools without those segments, and SGLang's legacy calls, go through its flat
+data pages. Only this module knows SGLang; the store itself is `hicache.store`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransferResult,
+)
+
+from hicache.errors import ArenaError, TransferError
+from hicache.store import Namespace, open_store, shard_of
+
+logger = logging.getLogger(__name__)
+
+#: extra_config keys this back end reads (beside SGLang's own backend_name/module_path/
+#: class_name/interface_v1), and what each means - docs/store.md renders this table.
+CONFIG_KEYS = {
+    "arena": "path of the arena file on tmpfs (/dev/shm/...) or hugetlbfs (required)",
+    "size_gb": "arena size in GB (10**9 bytes, as --hicache-size): create it when missing; "
+               "absent: attach an existing arena only",
+    "slot_bytes": "bytes per slot when this engine creates the arena (default: its largest page)",
+    "label": "a name for operators, shown by `hicache store status` (default: the model)",
+    "prefault_threads": "threads pre-faulting a new arena (default: the CPUs, at most 16)",
+}
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+GB = 10**9
+
+
+def _check_config(extra: dict) -> dict:
+    """The validated extra_config: every unknown key and bad value named, at once."""
+    problems = []
+    unknown = sorted(set(extra) - set(CONFIG_KEYS) - set(SGLANG_KEYS) - {"file_storage_path"})
+    if unknown:
+        problems.append(f"unknown key(s) {unknown} (known: {sorted(CONFIG_KEYS)})")
+    arena = extra.get("arena")
+    if not isinstance(arena, str) or not arena.startswith("/"):
+        problems.append(f"'arena' must be an absolute path of the arena file, got {arena!r}")
+    size = extra.get("size_gb")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+        problems.append(f"'size_gb' must be a positive number of GB, got {size!r}")
+    for key in ("slot_bytes", "prefault_threads"):
+        value = extra.get(key)
+        if value is not None and (type(value) is not int or value <= 0):
+            problems.append(f"{key!r} must be a positive integer, got {value!r}")
+    if extra.get("label") is not None and not isinstance(extra["label"], str):
+        problems.append(f"'label' must be a string, got {extra['label']!r}")
+    if problems:
+        raise ArenaError("HiCacheNodeStore extra_config: " + "; ".join(problems))
+    return extra
+
+
+def _buffers(pool) -> list[tuple[int, int]]:
+    """``(start, end)`` of every tensor the pool holds (its page segments must lie in one)."""
+    import torch
+
+    found = []
+    for value in vars(pool).values():
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                start = tensor.data_ptr()
+                found.append((start, start + tensor.untyped_storage().nbytes() - tensor.storage_offset()
+                              * tensor.element_size()))
+    return sorted(found)
+
+
+class _PoolView:
+    """One registered host pool: how its pages become segments, and its namespace."""
+
+    def __init__(self, name: str, pool, *, zero_copy: bool, namespace_of) -> None:
+        self.name, self.pool = name, pool
+        self.page_size = getattr(pool, "page_size", 1) or 1
+        self.zero_copy = zero_copy and hasattr(pool, "get_page_buffer_meta")
+        self.bounds = _buffers(pool)
+        if self.zero_copy:
+            ptrs, sizes = pool.get_page_buffer_meta(self._indices([0]))
+            self.per_page, self.page_bytes = len(ptrs), sum(sizes)
+        else:
+            self.per_page, self.page_bytes = 1, pool.get_dummy_flat_data_page().nbytes
+        if self.page_bytes % 8 or not self.page_bytes:
+            raise ArenaError(f"HiCacheNodeStore: pool {name!r} has pages of {self.page_bytes} bytes, "
+                             "not a multiple of 8 (the store's checksum word)")
+        self.namespace = namespace_of(self)
+
+    def _indices(self, starts):
+        import torch
+
+        return torch.cat([torch.arange(s, s + self.page_size) for s in starts]) if starts else torch.empty(0, dtype=torch.int64)
+
+    def starts(self, host_indices, count: int) -> list[int]:
+        """Each page's first host index, checked: ``count`` whole pages inside the pool."""
+        if host_indices is None or host_indices.numel() != count * self.page_size:
+            raise TransferError(f"pool {self.name!r}: {count} keys need {count * self.page_size} host indices, got "
+                                f"{None if host_indices is None else host_indices.numel()}")
+        starts = host_indices.reshape(count, self.page_size)[:, 0].tolist() if count else []
+        size = getattr(self.pool, "size", None)
+        for start in starts:
+            if start < 0 or start % self.page_size or (size is not None and start + self.page_size > size):
+                raise TransferError(f"pool {self.name!r}: host index {start} is not the start of a page inside "
+                                    f"its {size} slots")
+        return starts
+
+    def segments(self, starts) -> list:
+        """``[(ptr, bytes), ...]`` per page, every segment inside one of the pool's buffers."""
+        ptrs, sizes = self.pool.get_page_buffer_meta(self._indices(starts))
+        if len(ptrs) != len(starts) * self.per_page:
+            raise TransferError(f"pool {self.name!r}: {len(ptrs)} segments for {len(starts)} pages")
+        for ptr, size in zip(ptrs, sizes):
+            at = bisect.bisect_right(self.bounds, (ptr, float("inf"))) - 1
+            if at < 0 or ptr + size > self.bounds[at][1]:
+                raise TransferError(f"pool {self.name!r}: segment [{ptr:#x}, +{size}) lies outside its buffers")
+        k = self.per_page
+        return [list(zip(ptrs[i * k:(i + 1) * k], sizes[i * k:(i + 1) * k])) for i in range(len(starts))]
+
+
+def _flat_segments(tensor) -> list:
+    flat = tensor.contiguous()
+    return [(flat.data_ptr(), flat.nbytes)], flat
+
+
+def _make_stats():
+    """The stats object: a dict (pages, bytes, hits, ...) that is also SGLang's StorageMetrics
+    (its metrics collector asserts that type), so `--enable-storage-metrics` works too."""
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+    except ImportError:  # pragma: no cover - every 0.5.23 wheel has it
+        return dict()
+
+    class NodeStoreStats(StorageMetrics, dict):
+        __hash__ = None
+
+    return NodeStoreStats()
+
+
+class HiCacheNodeStore(HiCacheStorage):
+    """SGLang's `HiCacheStorage` over hicache's node-shared arena (docs/store.md)."""
+
+    def __init__(self, storage_config, kwargs=None) -> None:
+        self.storage_config = storage_config
+        self.extra = _check_config(dict(getattr(storage_config, "extra_config", None) or {}))
+        self.path = self.extra["arena"]
+        from hicache.effects import arena as _arena
+
+        _arena.backing_of(self.path)  # a disk path or a missing directory fails here, before any pool exists
+        self.zero_copy = bool(self.extra.get("interface_v1", 0))
+        self.store = None
+        self.pools: dict[str, _PoolView] = {}
+        self.registered_pools = {}
+        self.mem_pool_host = None
+        self._pending = {"prefetch_pgs": [], "prefetch_bandwidth": [], "backup_pgs": [], "backup_bandwidth": []}
+        self._closed = False
+
+    # -- registration ----------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if self.store is not None:  # a sidecar registered after the attach (SGLang allows it)
+            self._add_pool(str(getattr(host_pool_name, "value", host_pool_name)), host_pool)
+
+    def _namespace(self, view: _PoolView) -> Namespace:
+        config = self.storage_config
+        pool = view.pool
+        model = config.model_name or ""
+        tag = getattr(pool, "storage_format_tag", None)
+        shard = shard_of(is_mla=bool(config.is_mla_model), pool=view.name, tp_rank=config.tp_rank,
+                         tp_size=config.tp_size, pp_rank=config.pp_rank, pp_size=config.pp_size,
+                         cp_rank=config.attn_cp_rank, cp_size=config.attn_cp_size,
+                         dcp_rank=getattr(config, "dcp_rank", 0), dcp_size=getattr(config, "dcp_size", 1))
+        layout = f"{getattr(pool, 'layout', '-')}/{'segments' if view.zero_copy else 'flat'}" + (f"/{tag}" if tag else "")
+        return Namespace(model=model, dtype=str(getattr(pool, "dtype", "-")), page_tokens=view.page_size,
+                         layout=layout, pool=view.name, page_bytes=view.page_bytes, shard=shard)
+
+    def _add_pool(self, name: str, pool) -> _PoolView:
+        zero_copy = self.zero_copy if name == PoolName.KV.value else True
+        view = _PoolView(name, pool, zero_copy=zero_copy, namespace_of=self._namespace)
+        if self.store is not None and view.page_bytes > self.store.arena.plan.slot_bytes:
+            raise ArenaError(f"HiCacheNodeStore: pool {name!r} pages of {view.page_bytes} bytes do not fit the arena's "
+                             f"{self.store.arena.plan.slot_bytes}-byte slots ({self.path})")
+        self.pools[name] = view
+        return view
+
+    def on_host_pools_registered(self) -> None:
+        """Open the arena for the pools registered so far (creating it when asked and missing);
+        raises - failing SGLang's attach, nothing left open - on a geometry that does not fit."""
+        if self.store is not None:
+            return
+        views = []
+        if self.mem_pool_host is not None:
+            views.append(self._add_pool(PoolName.KV.value, self.mem_pool_host))
+        for name, pool in getattr(self, "registered_pools", {}).items():
+            name = str(getattr(name, "value", name))
+            if name not in self.pools:
+                views.append(self._add_pool(name, pool))
+        if not views:
+            raise ArenaError("HiCacheNodeStore: no host pool was registered before on_host_pools_registered()")
+        largest = max(view.page_bytes for view in views)
+        size_gb = self.extra.get("size_gb")
+        slot_bytes = self.extra.get("slot_bytes") or largest
+        if slot_bytes < largest:
+            raise ArenaError(f"HiCacheNodeStore extra_config: 'slot_bytes' {slot_bytes} is below this engine's largest "
+                             f"page of {largest} bytes")
+        began = time.perf_counter()
+        self.store = open_store(self.path, size_bytes=None if size_gb is None else int(size_gb * GB),
+                                slot_bytes=slot_bytes, label=self.extra.get("label") or self.storage_config.model_name
+                                or "", threads=self.extra.get("prefault_threads"))
+        try:
+            if self.store.arena.plan.slot_bytes < largest:
+                raise ArenaError(f"HiCacheNodeStore: arena {self.path} has {self.store.arena.plan.slot_bytes}-byte "
+                                 f"slots, this engine's largest page is {largest} bytes")
+        except BaseException:
+            self.store.close()
+            self.store = None
+            raise
+        self.attach_s = time.perf_counter() - began
+        logger.info("HiCacheNodeStore: %s arena %s (%d slots of %d bytes) in %.3f s", "created" if
+                    self.store.arena.created else "attached", self.path, self.store.arena.plan.slots,
+                    self.store.arena.plan.slot_bytes, self.attach_s)
+
+    def _ready(self) -> None:
+        if self._closed:
+            raise RuntimeError("HiCacheNodeStore is closed")
+        if self.store is None:  # a caller that never fired on_host_pools_registered
+            self.on_host_pools_registered()
+
+    def _view(self, name) -> _PoolView:
+        self._ready()
+        name = str(getattr(name, "value", name))
+        if name not in self.pools:
+            pool = self.registered_pools.get(name) if hasattr(self, "registered_pools") else None
+            if pool is None:
+                raise TransferError(f"HiCacheNodeStore: no host pool named {name!r} was registered")
+            self._add_pool(name, pool)
+        return self.pools[name]
+
+    # -- existence -------------------------------------------------------------------------------
+    def batch_exists(self, keys, extra_info=None) -> int:
+        view = self._view(PoolName.KV.value)
+        return self.store.exists(view.namespace, list(keys))
+
+    def exists(self, key) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
+        """As SGLang's HiCacheFile answers it: the longest KV prefix held, then each pool's
+        policy (ALL_PAGES, TRAILING_PAGES) narrowing the restorable prefix lengths; any other
+        policy is a ValueError, as there."""
+        keys = list(keys)
+        kv_present = self.store_present(PoolName.KV.value, keys)
+        kv_pages = next((i for i, held in enumerate(kv_present) if not held), len(keys))
+        hit_count = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            name = transfer.name
+            present = self.store_present(name, keys[:kv_pages])
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = next((i for i in range(kv_pages) if not present[i]), kv_pages)
+                pool_restorable = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+                pool_restorable = {n for n in range(1, kv_pages + 1)
+                                   if all(present[i] for i in range(max(0, n - trailing), n))}
+                boundary = max(pool_restorable, default=0)
+            else:
+                raise ValueError(f"Unsupported pool hit policy: {transfer.hit_policy}")
+            if boundary:
+                hit_count[name] = boundary
+            restorable = [p for p in restorable if p in pool_restorable]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+    def store_present(self, name, keys) -> list[bool]:
+        view = self._view(name)
+        return self.store.present(view.namespace, keys) if keys else []
+
+    # -- zero-copy -------------------------------------------------------------------------------
+    def _depth(self, extra_info) -> int:
+        prefix = getattr(extra_info, "prefix_keys", None)
+        return len(prefix) if prefix else 0
+
+    def _transfer(self, view: _PoolView, keys, host_indices, *, write: bool, depth: int) -> list[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+        starts = view.starts(host_indices, len(keys))
+        began = time.perf_counter()
+        if view.zero_copy:
+            pages = view.segments(starts)
+            ok = (self.store.put(view.namespace, keys, pages, first_depth=depth) if write
+                  else self.store.get(view.namespace, keys, pages))
+        else:  # SGLang's flat data pages: one staging copy each way
+            if write:
+                flats = [_flat_segments(view.pool.get_data_page(s, flat=True)) for s in starts]
+                ok = self.store.put(view.namespace, keys, [seg for seg, _ in flats], first_depth=depth)
+            else:
+                flats = [_flat_segments(view.pool.get_dummy_flat_data_page()) for _ in starts]
+                ok = self.store.get(view.namespace, keys, [seg for seg, _ in flats])
+                for start, hit, (_, tensor) in zip(starts, ok, flats):
+                    if hit:
+                        view.pool.set_from_flat_data_page(start, tensor)
+        seconds = max(time.perf_counter() - began, 1e-9)
+        moved = sum(ok)
+        kind = "backup" if write else "prefetch"
+        self._pending[f"{kind}_pgs"].append(moved)
+        self._pending[f"{kind}_bandwidth"].append(moved * view.page_bytes / seconds / 2**30)
+        return ok
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        return self._transfer(self._view(PoolName.KV.value), keys, host_indices, write=False, depth=0)
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        return self._transfer(self._view(PoolName.KV.value), keys, host_indices, write=True,
+                              depth=self._depth(extra_info))
+
+    def _batch_v2(self, transfers, extra_info, *, write: bool) -> dict:
+        results = {}
+        for transfer in transfers:
+            view = self._view(transfer.name)
+            keys = list(transfer.keys or [])
+            try:
+                results[transfer.name] = self._transfer(view, keys, transfer.host_indices, write=write,
+                                                        depth=self._depth(extra_info))
+            except TransferError as error:  # as HiCacheFile: a bad transfer fails its pages, not the call
+                logger.error("HiCacheNodeStore %s: %s", "batch_set_v2" if write else "batch_get_v2", error)
+                results[transfer.name] = [False] * len(keys)
+        return results
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        return self._batch_v2(transfers, extra_info, write=False)
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        return self._batch_v2(transfers, extra_info, write=True)
+
+    # -- legacy (flat pages) ---------------------------------------------------------------------
+    def _flat_view(self) -> _PoolView:
+        view = self._view(PoolName.KV.value)
+        if view.zero_copy:  # legacy calls move flat pages: their own namespace
+            key = PoolName.KV.value + "/flat"
+            if key not in self.pools:
+                self.pools[key] = _PoolView(PoolName.KV.value, view.pool, zero_copy=False, namespace_of=self._namespace)
+            return self.pools[key]
+        return view
+
+    def get(self, key, target_location=None, target_sizes=None):
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        view = self._flat_view()
+        keys = list(keys)
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        targets = [t if t is not None else view.pool.get_dummy_flat_data_page() for t in targets]
+        for t in targets:
+            if t.nbytes != view.page_bytes or not t.is_contiguous():
+                raise TransferError(f"HiCacheNodeStore.batch_get: a target of {t.nbytes} bytes (contiguous: "
+                                    f"{t.is_contiguous()}) is not one flat page of {view.page_bytes} bytes")
+        ok = self.store.get(view.namespace, keys, [[(t.data_ptr(), t.nbytes)] for t in targets]) if keys else []
+        return [t if hit else None for t, hit in zip(targets, ok)]
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        view = self._flat_view()
+        keys, values = list(keys), list(values or [])
+        if len(values) != len(keys):
+            raise TransferError(f"HiCacheNodeStore.batch_set: {len(keys)} keys but {len(values)} values")
+        flats = [_flat_segments(v) for v in values]
+        for (segments, _), key in zip(flats, keys):
+            if segments[0][1] != view.page_bytes:
+                raise TransferError(f"HiCacheNodeStore.batch_set: value for {key!r} has {segments[0][1]} bytes, a "
+                                    f"flat page is {view.page_bytes}")
+        return all(self.store.put(view.namespace, keys, [seg for seg, _ in flats])) if keys else True
+
+    # -- the rest --------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Empty this engine's pages (its namespaces); other engines' pages in the arena stay."""
+        if self.store is not None and not self._closed:
+            self.store.clear([view.namespace for view in self.pools.values()])
+
+    def get_stats(self):
+        stats = _make_stats()
+        for name, values in self._pending.items():
+            setattr(stats, name, list(values))
+            values.clear()
+        if self.store is None or self._closed:
+            stats.update(pages=0, bytes=0, hits=0, misses=0, torn=0, corrupt=0, evictions=0, writes=0)
+            return stats
+        census = self.store.census()
+        counts = self.store.counts
+        stats.update(pages=census.pages, bytes=census.bytes, hits=counts.hits, misses=counts.misses,
+                     torn=counts.torn, corrupt=counts.corrupt, evictions=counts.evictions, writes=counts.writes,
+                     slots=census.slots, torn_slots=census.torn, arena=self.path,
+                     backing=self.store.arena.backing.kind, attach_s=self.store.arena.attach_s,
+                     reclaimed=self.store.reclaimed)
+        return stats
+
+    def close(self) -> None:
+        """Unmap the arena; idempotent. Its pages stay for the next engine."""
+        self._closed = True
+        if self.store is not None:
+            store, self.store = self.store, None
+            store.close()
