@@ -109,3 +109,17 @@ registration_plans = st.builds(
 
 #: CUDA error codes a fault script injects: non-sticky ones, and 700 (sticky).
 fault_codes = st.sampled_from([2, 1, 999, 700])
+
+
+@st.composite
+def store_geometries(draw):
+    """``(total_bytes, slot_bytes, unit_bytes)`` of a node store arena: slots in 8-byte words,
+    sizes in units of the backing's page, enough room for at least one window of slots."""
+    unit = draw(st.sampled_from([4096, 2 * 2**20]))
+    slot_bytes = 8 * draw(st.integers(min_value=1, max_value=4096))
+    stride = -(-slot_bytes // 64) * 64
+    index = 4096 + 256 * 256  # after the header and the namespace table
+    data = -(-(index + 16 * 64) // unit) * unit  # one window's records, then data on the backing's page
+    least = -(-(data + 16 * stride) // unit) * unit
+    total = least + draw(st.integers(min_value=0, max_value=64)) * unit + draw(st.integers(min_value=0, max_value=unit - 1))
+    return total, slot_bytes, unit

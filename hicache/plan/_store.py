@@ -113,9 +113,10 @@ def plan_store(total_bytes: int, *, slot_bytes: int, unit_bytes: int = 4096, bac
     while slots and _round_up(index_offset + slots * RECORD_BYTES, unit_bytes) + slots * stride > total:
         slots -= 1
     if slots < window:
+        least = _round_up(_round_up(index_offset + window * RECORD_BYTES, unit_bytes) + window * stride, unit_bytes)
         raise PlanError(
             f"store plan: {total_bytes} bytes hold {slots} slots of {slot_bytes} bytes; at least {window} must fit "
-            f"(the arena needs {index_offset + window * (stride + RECORD_BYTES) + unit_bytes} bytes or more)"
+            f"(the arena needs {least} bytes or more)"
         )
     data_offset = _round_up(index_offset + slots * RECORD_BYTES, unit_bytes)
     return StorePlan(total_bytes=total, slot_bytes=slot_bytes, slot_stride=stride, slots=slots, unit_bytes=unit_bytes,

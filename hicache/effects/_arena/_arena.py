@@ -114,11 +114,12 @@ class Arena:
         os.close(self._fd)
 
 
-def _check_owner(path: str, info: os.stat_result) -> None:
+def _check_owner(path: str, info: os.stat_result, uid: int | None = None) -> None:
+    uid = os.getuid() if uid is None else uid
     if not stat.S_ISREG(info.st_mode):
         raise ArenaError(f"store arena {path}: not a regular file")
-    if info.st_uid != os.getuid():
-        raise ArenaError(f"store arena {path}: owned by uid {info.st_uid}, not this user (uid {os.getuid()}); "
+    if info.st_uid != uid:
+        raise ArenaError(f"store arena {path}: owned by uid {info.st_uid}, not this user (uid {uid}); "
                          "KV holds users' prompts: each user needs an arena of their own")
     if info.st_mode & 0o077:
         raise ArenaError(f"store arena {path}: mode {stat.S_IMODE(info.st_mode):04o} is open to group/others "
@@ -138,10 +139,10 @@ def _map(fd: int, plan: StorePlan, path: str) -> mmap.mmap:
 
 
 def attach_arena(path: str, *, page_bytes: int | None = None, total_bytes: int | None = None,
-                 ops=None, root: str = "/") -> Arena:
+                 ops=None, root: str = "/", uid: int | None = None) -> Arena:
     """Attach the arena at ``path``: `ArenaError` for a missing, foreign, exposed, corrupt or
     incomplete one, `ArenaGeometryError` when its slots cannot hold ``page_bytes`` or its size is
-    not ``total_bytes`` (when given). Faults nothing in."""
+    not ``total_bytes`` (when given). Faults nothing in. ``uid``: whose it must be (this user's)."""
     began = time.perf_counter()
     backing = backing_of(path, root=root)
     try:
@@ -149,10 +150,12 @@ def attach_arena(path: str, *, page_bytes: int | None = None, total_bytes: int |
     except FileNotFoundError:
         raise ArenaError(f"store arena {path}: does not exist (create it: hicache store create {path} ...)") from None
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ArenaError(f"store arena {path}: is a symbolic link (give the arena's own path)") from None
         raise ArenaError(f"store arena {path}: cannot open ({error.strerror})") from None
     try:
         info = os.fstat(fd)
-        _check_owner(path, info)
+        _check_owner(path, info, uid)
         plan, label = _read_header(fd, path)
         if info.st_size != plan.total_bytes:
             raise ArenaError(f"store arena {path}: {info.st_size} bytes on disk, its header says {plan.total_bytes}")

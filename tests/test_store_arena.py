@@ -1,0 +1,288 @@
+"""The node store's arena file on the machine's real tmpfs: made once (mode 0600, header last),
+attached without faulting its pages in, and refused - one clear error, nothing created or left
+behind - on a disk filesystem, a wrong hugepage size, too few free hugepages, a full /dev/shm, a
+corrupt header, another geometry, another user's file, a file open to others or a symlink. A
+creator killed mid-way leaves a header-less file the next create replaces; Ctrl-C removes it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from store_support import ARENA_BYTES, fake_root, shm_dir  # noqa: F401 - shm_dir: a fixture
+
+from hicache.effects import arena
+from hicache.errors import ArenaError, ArenaGeometryError
+from hicache.plan import plan_store
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _plan(**kwargs):
+    return plan_store(kwargs.pop("total", ARENA_BYTES), slot_bytes=kwargs.pop("slot_bytes", 8192), **kwargs)
+
+
+def _listing(directory) -> list:
+    return sorted(os.listdir(directory))
+
+
+# -- mounts (pure parsing) -----------------------------------------------------------------------
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+30 22 0:26 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw,size=65536k
+31 22 0:27 / /mnt/huge rw,relatime shared:5 - hugetlbfs hugetlbfs rw,pagesize=1024M
+32 22 0:28 / /mnt/huge2 rw,relatime shared:6 - hugetlbfs none rw,pagesize=2M
+33 22 0:29 / /mnt/with\\040space rw - tmpfs tmpfs rw
+34 30 0:30 / /dev/shm rw - tmpfs tmpfs rw,size=1g
+"""
+
+
+@pytest.mark.parametrize("directory, fstype, pagesize, point", [
+    ("/dev/shm", "tmpfs", None, "/dev/shm"),
+    ("/dev/shm/a/b", "tmpfs", None, "/dev/shm"),
+    ("/mnt/huge", "hugetlbfs", 2**30, "/mnt/huge"),
+    ("/mnt/huge2/x", "hugetlbfs", 2 * 2**20, "/mnt/huge2"),
+    ("/mnt/hugetlb", "ext4", None, "/"),
+    ("/mnt/with space/f", "tmpfs", None, "/mnt/with space"),
+])
+def test_the_mount_of_a_directory_is_the_longest_point_holding_it(directory, fstype, pagesize, point):
+    """Longest mount point wins (``/mnt/hugetlb`` is not under ``/mnt/huge``), escapes are
+    read, hugetlbfs' pagesize= in bytes."""
+    mount = arena.mount_of(directory, arena.parse_mountinfo(MOUNTINFO))
+    assert (mount.fstype, mount.pagesize_bytes, mount.point) == (fstype, pagesize, point)
+
+
+def test_a_mount_stacked_on_another_wins():
+    """Two mounts at /dev/shm: the later one (size=1g) is the one a file there lands on."""
+    mount = arena.mount_of("/dev/shm", arena.parse_mountinfo(MOUNTINFO))
+    assert "size=1g" in mount.options
+
+
+# -- refusals before anything is allocated ---------------------------------------------------------
+
+def test_a_disk_filesystem_is_refused_naming_it(shm_dir, tmp_path):
+    """A directory the mountinfo says is ext4: refused, nothing created."""
+    root = fake_root(tmp_path, shm_dir, "ext4")
+    with pytest.raises(ArenaError, match=r"is ext4, not tmpfs or hugetlbfs"):
+        arena.create_arena(str(shm_dir / "a"), _plan(), label="t", root=root)
+    assert _listing(shm_dir) == []
+
+
+def test_a_plan_for_another_hugepage_size_is_refused(shm_dir, tmp_path):
+    """A hugetlbfs mount of 2 MiB pages and a plan for 1 GiB pages: the error says so."""
+    root = fake_root(tmp_path, shm_dir, "hugetlbfs", "rw,pagesize=2M", free_hugepages=64)
+    plan = _plan(total=4 << 30, unit_bytes=2**30, backing="hugetlbfs")
+    with pytest.raises(ArenaError, match="wrong hugepage size"):
+        arena.create_arena(str(shm_dir / "a"), plan, label="t", root=root)
+    assert _listing(shm_dir) == []
+
+
+def test_too_few_free_hugepages_is_refused_naming_the_room(shm_dir, tmp_path):
+    """One free 2 MiB hugepage for a 16 MiB arena: refused with the free bytes and the sysctl."""
+    root = fake_root(tmp_path, shm_dir, "hugetlbfs", "rw,pagesize=2M", free_hugepages=1)
+    plan = _plan(total=16 << 20, unit_bytes=2 << 20, backing="hugetlbfs")
+    with pytest.raises(ArenaError, match=r"has 2097152 bytes free, the arena needs 16777216.*nr_hugepages"):
+        arena.create_arena(str(shm_dir / "a"), plan, label="t", root=root)
+    assert _listing(shm_dir) == []
+
+
+def test_an_arena_larger_than_the_free_tmpfs_is_refused(shm_dir):
+    """More than /dev/shm has free (statvfs): refused before a byte is reserved, naming
+    docker's --shm-size."""
+    free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize
+    with pytest.raises(ArenaError, match=r"bytes free, the arena needs .*--shm-size"):
+        arena.create_arena(str(shm_dir / "a"), _plan(total=free + (1 << 30)), label="t")
+    assert _listing(shm_dir) == []
+
+
+def test_a_missing_directory_is_refused(shm_dir):
+    with pytest.raises(ArenaError, match="does not exist"):
+        arena.create_arena(str(shm_dir / "no" / "a"), _plan(), label="t")
+
+
+# -- create and attach ---------------------------------------------------------------------------
+
+def test_create_makes_a_private_file_and_attach_checks_its_header(shm_dir):
+    """Mode 0600, exactly the plan's size, the header read back on attach (plan and label), and
+    a second create of the same path attaches instead."""
+    path = str(shm_dir / "a")
+    made = arena.create_arena(path, _plan(), label="node")
+    try:
+        info = os.stat(path)
+        assert (info.st_mode & 0o777, info.st_size, made.created) == (0o600, made.plan.total_bytes, True)
+    finally:
+        made.close()
+    again = arena.create_arena(path, _plan(), label="other")
+    try:
+        assert (again.created, again.plan, again.label) == (False, made.plan, "node")
+    finally:
+        again.close()
+        again.close()  # idempotent
+
+
+def _rss_of_mapping(base: int) -> int:
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inside = start <= base < end
+            elif inside and fields[0] == "Rss:":
+                return int(fields[1]) * 1024
+    raise AssertionError("mapping not found")
+
+
+def test_attach_faults_no_page_of_the_arena_in(shm_dir):
+    """Right after an attach this process's mapping of a 32 MiB arena has no resident page:
+    nothing was pre-faulted (its cost does not grow with the arena)."""
+    path = str(shm_dir / "a")
+    arena.create_arena(path, _plan(total=32 << 20), label="t").close()
+    attached = arena.attach_arena(path)
+    try:
+        assert _rss_of_mapping(attached.base) == 0
+    finally:
+        attached.close()
+
+
+def _created(path, **kwargs):
+    arena.create_arena(path, _plan(), label="t", **kwargs).close()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_a_corrupt_header_is_refused_and_the_file_kept(shm_dir):
+    """A flipped header byte: attach refuses (CRC), the file is left as it was for inspection."""
+    path = str(shm_dir / "a")
+    raw = bytearray(_created(path)[:4096])
+    raw[40] ^= 1
+    with open(path, "r+b") as f:
+        f.write(raw)
+    with pytest.raises(ArenaError, match="corrupt header"):
+        arena.attach_arena(path)
+    with open(path, "rb") as f:
+        assert f.read(4096) == bytes(raw)
+
+
+def test_another_geometry_is_refused(shm_dir):
+    """Pages larger than the arena's slots, or another size than asked: ArenaGeometryError."""
+    path = str(shm_dir / "a")
+    _created(path)
+    with pytest.raises(ArenaGeometryError, match="8192 bytes, a page of this engine is 16384"):
+        arena.attach_arena(path, page_bytes=16384)
+    with pytest.raises(ArenaGeometryError, match="size_gb asks for"):
+        arena.create_arena(path, _plan(), label="t", page_bytes=8192, total_bytes=ARENA_BYTES * 2)
+
+
+def test_another_users_arena_is_refused(shm_dir):
+    """A file owned by another uid (the uid this process must match, injected): refused."""
+    path = str(shm_dir / "a")
+    _created(path)
+    with pytest.raises(ArenaError, match=r"owned by uid \d+, not this user"):
+        arena.attach_arena(path, uid=os.getuid() + 1)
+
+
+def test_an_arena_open_to_others_is_refused(shm_dir):
+    """Mode 0644: KV holds users' prompts, so the attach refuses and names the mode."""
+    path = str(shm_dir / "a")
+    _created(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(ArenaError, match="mode 0644 is open to group/others"):
+        arena.attach_arena(path)
+
+
+def test_a_symlink_is_refused(shm_dir):
+    path = str(shm_dir / "a")
+    _created(path)
+    os.symlink(path, shm_dir / "link")
+    with pytest.raises(ArenaError, match="symbolic link"):
+        arena.attach_arena(str(shm_dir / "link"))
+
+
+def test_a_file_that_is_no_arena_is_neither_attached_nor_dropped(shm_dir):
+    """Someone else's data at the path: attach says it is no arena, drop leaves it."""
+    path = shm_dir / "a"
+    path.write_bytes(b"precious" * 1000)
+    os.chmod(path, 0o600)
+    with pytest.raises(ArenaError, match="not a hicache store arena"):
+        arena.attach_arena(str(path))
+    with pytest.raises(ArenaError, match="not removed"):
+        arena.drop_arena(str(path))
+    assert path.read_bytes() == b"precious" * 1000
+
+
+def test_drop_unlinks_an_arena_and_says_when_there_was_none(shm_dir):
+    path = str(shm_dir / "a")
+    _created(path)
+    assert arena.drop_arena(path) is True
+    assert arena.drop_arena(path) is False
+    assert _listing(shm_dir) == []
+
+
+def test_ctrl_c_while_pre_faulting_removes_the_file(shm_dir):
+    """A KeyboardInterrupt from inside the pre-fault (the progress callback) propagates and
+    leaves nothing at the path."""
+    def interrupt(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        arena.create_arena(str(shm_dir / "a"), _plan(), label="t", progress=interrupt, threads=1)
+    assert _listing(shm_dir) == []
+
+
+@pytest.mark.concurrency
+def test_a_creator_killed_mid_way_leaves_no_arena_and_the_next_create_replaces_it(shm_dir):
+    """kill -9 while pre-faulting (the child says so, then waits): the file has no header, so an
+    attach refuses it; the next create, under the directory lock, makes a fresh arena there."""
+    path = str(shm_dir / "a")
+    code = textwrap.dedent(f"""
+        import sys, time
+        from hicache.effects import arena
+        from hicache.plan import plan_store
+        def progress(done, total):
+            print("faulting", flush=True)
+            time.sleep(3600)
+        arena.create_arena({path!r}, plan_store({ARENA_BYTES}, slot_bytes=8192), label="t", progress=progress, threads=1)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert child.stdout.readline().strip() == "faulting"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        child.stdout.close()
+    with pytest.raises(ArenaError, match="no header"):
+        arena.attach_arena(path)
+    fresh = arena.create_arena(path, _plan(), label="t")
+    try:
+        assert fresh.created and fresh.label == "t"
+    finally:
+        fresh.close()
+
+
+@pytest.mark.concurrency
+def test_two_processes_creating_at_once_make_one_arena(shm_dir):
+    """Two children create the same arena after a common start line: exactly one made it, the
+    other attached the same geometry (the directory lock orders them, whatever the scheduler)."""
+    path = str(shm_dir / "a")
+    code = textwrap.dedent(f"""
+        import sys
+        from hicache.effects import arena
+        from hicache.plan import plan_store
+        sys.stdin.readline()
+        made = arena.create_arena({path!r}, plan_store({ARENA_BYTES}, slot_bytes=8192), label="t")
+        print(made.created, made.plan.slots, flush=True)
+    """)
+    children = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, cwd=ROOT) for _ in range(2)]
+    for child in children:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    outputs = [child.communicate(timeout=120)[0].split() for child in children]
+    assert sorted(o[0] for o in outputs) == ["False", "True"]
+    assert outputs[0][1] == outputs[1][1] == str(_plan().slots)

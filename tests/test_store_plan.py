@@ -1,0 +1,113 @@
+"""The node store's arena geometry and header (hicache.plan, pure): for every geometry the
+regions tile the file without overlap, each slot's record is one cache line and its data lies
+inside the file, the slot count is the most that fit, and the header round-trips exactly while a
+flipped byte, another schema or a geometry the planner would not make is refused by name."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import example, given
+from strategies import store_geometries
+
+from hicache.errors import ArenaError, ArenaGeometryError, PlanError
+from hicache.plan import plan_store
+from hicache.plan._store import (
+    HEADER_BYTES,
+    NAMESPACE_BYTES,
+    NAMESPACE_ENTRIES,
+    RECORD,
+    RECORD_BYTES,
+    check_geometry,
+    decode_header,
+    encode_header,
+)
+
+
+@given(store_geometries())
+@example((77824, 64, 4096))
+def test_regions_tile_the_arena_in_order_and_the_slot_count_is_maximal(geometry):
+    """Header < namespace table < index < data, all inside the file, data aligned to the
+    backing's page and every slot a cache-line stride apart; one slot more would not fit."""
+    total, slot_bytes, unit = geometry
+    plan = plan_store(total, slot_bytes=slot_bytes, unit_bytes=unit)
+    assert plan.total_bytes % unit == 0 and plan.total_bytes <= total
+    assert HEADER_BYTES <= plan.namespace_offset
+    assert plan.namespace_offset + NAMESPACE_ENTRIES * NAMESPACE_BYTES <= plan.index_offset
+    assert plan.index_offset + plan.slots * RECORD_BYTES <= plan.data_offset
+    assert plan.data_offset % unit == 0 and plan.slot_stride % 64 == 0 and plan.slot_stride >= slot_bytes
+    assert plan.slot_offset(plan.slots - 1) + plan.slot_bytes <= plan.total_bytes
+    more = plan.slots + 1
+    data_offset = -(-(plan.index_offset + more * RECORD_BYTES) // unit) * unit
+    assert data_offset + more * plan.slot_stride > plan.total_bytes
+
+
+@given(store_geometries())
+def test_the_header_round_trips_and_any_flipped_byte_is_refused(geometry):
+    """decode(encode(plan)) is the plan and its label; each single flipped byte of the header
+    is an ArenaError (magic or CRC), never another geometry."""
+    total, slot_bytes, unit = geometry
+    plan = plan_store(total, slot_bytes=slot_bytes, unit_bytes=unit)
+    raw = encode_header(plan, label="node-a")
+    assert decode_header(raw) == (plan, "node-a")
+    for at in range(0, len(raw), 7):
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x40
+        with pytest.raises(ArenaError):
+            decode_header(bytes(flipped))
+
+
+def test_a_record_is_one_cache_line():
+    """The record format fits the 64 bytes a slot's index entry has."""
+    assert RECORD.size <= RECORD_BYTES == 64
+
+
+def test_another_schema_is_a_geometry_error_naming_it():
+    """A header of a future schema (its CRC valid) says which schema it is."""
+    plan = plan_store(64 << 20, slot_bytes=4096)
+    raw = bytearray(encode_header(plan, label=""))
+    struct.pack_into("<I", raw, 8, 2)
+    body = bytes(raw[:-4])
+    import zlib
+
+    raw[-4:] = struct.pack("<I", zlib.crc32(body))
+    with pytest.raises(ArenaGeometryError, match="schema 2"):
+        decode_header(bytes(raw))
+
+
+def test_a_header_with_regions_its_geometry_would_not_make_is_corrupt():
+    """Geometry fields the planner would not produce from the header's own numbers (CRC
+    recomputed, as a forger would) are refused naming the regions."""
+    import zlib
+
+    plan = plan_store(64 << 20, slot_bytes=4096)
+    raw = bytearray(encode_header(plan, label=""))
+    struct.pack_into("<Q", raw, 8 + 4 + 4 + 8 + 8 + 8, plan.slots + 1)  # slots
+    raw[-4:] = struct.pack("<I", zlib.crc32(bytes(raw[:-4])))
+    with pytest.raises(ArenaError, match="regions"):
+        decode_header(bytes(raw))
+
+
+def test_a_page_larger_than_a_slot_or_another_size_does_not_fit():
+    """check_geometry names both numbers; a page that fits and the same size pass."""
+    plan = plan_store(64 << 20, slot_bytes=4096)
+    check_geometry(plan, page_bytes=4096, total_bytes=64 << 20, where="a")
+    with pytest.raises(ArenaGeometryError, match="4096 bytes, a page of this engine is 8192"):
+        check_geometry(plan, page_bytes=8192, total_bytes=None, where="a")
+    with pytest.raises(ArenaGeometryError, match="size_gb asks for"):
+        check_geometry(plan, page_bytes=4096, total_bytes=32 << 20, where="a")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(total_bytes=0, slot_bytes=64), "total_bytes must be a positive integer, got 0"),
+    (dict(total_bytes=1 << 20, slot_bytes=12), "multiple of 8"),
+    (dict(total_bytes=1 << 20, slot_bytes=64, unit_bytes=3000), "power of two"),
+    (dict(total_bytes=1 << 20, slot_bytes=64, backing="ext4"), "backing must be one of"),
+    (dict(total_bytes=64 << 10, slot_bytes=1 << 20), "at least 16 must fit"),
+])
+def test_bad_store_geometry_names_the_field(kwargs, match):
+    """Every bad input is a PlanError naming the field and the value."""
+    total = kwargs.pop("total_bytes")
+    with pytest.raises(PlanError, match=match):
+        plan_store(total, **kwargs)
