@@ -1,0 +1,310 @@
+"""The node store's slot protocol, on a real tmpfs arena, with the C helper and with the fallback
+(either reads what the other wrote): pages come back byte-exact; a key of another namespace, a
+slot being written, one rewritten while it is copied, one with a flipped byte or another key's
+bytes all read as a miss - never as those bytes, never as a wait; a dead writer's torn slot is
+invisible and reclaimed by the next attach; a full window gives up its unreferenced tail pages
+first. A hypothesis state machine checks no read ever returns bytes a key was not given."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from store_support import shm_dir  # noqa: F401 - a fixture
+
+from hicache.effects import arena
+from hicache.effects._arena import _slots
+from hicache.errors import ArenaGeometryError, TransferError
+from hicache.plan import plan_store
+from hicache.store import Namespace, NodeStore, open_store
+from hicache.store._keys import slot_keys
+
+torch = pytest.importorskip("torch")
+
+OPS = ["python"] + (["native"] if _slots._native is not None else [])
+SEGMENT, SEGMENTS = 1024, 4
+PAGE = SEGMENT * SEGMENTS
+NS = Namespace(model="m", dtype="torch.bfloat16", page_tokens=16, layout="page_first/segments", pool="kv",
+               page_bytes=PAGE, shard=(("tp", 0, 2),))
+#: an arena of exactly one window of slots: every key competes for the same 16 slots
+ONE_WINDOW = 73728 + 16 * PAGE
+
+
+class Pages:
+    """``count`` pages of random bytes as a pool would hold them, and their segment lists."""
+
+    def __init__(self, count: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, 256, (count, PAGE), dtype=torch.uint8, generator=generator)
+
+    def segments(self, rows=None) -> list:
+        rows = range(self.data.shape[0]) if rows is None else rows
+        return [[(self.data[r].data_ptr() + s * SEGMENT, SEGMENT) for s in range(SEGMENTS)] for r in rows]
+
+
+def _open(directory, ops: str, *, total: int = 8 << 20, **kwargs) -> NodeStore:
+    return open_store(str(directory / "arena"), size_bytes=total, slot_bytes=PAGE, ops=arena.slot_ops(ops), **kwargs)
+
+
+@pytest.fixture(params=OPS)
+def ops(request):
+    return request.param
+
+
+def test_pages_round_trip_byte_exact_and_the_other_implementation_reads_them(shm_dir, ops):
+    """Written with one implementation, read by the other after a re-attach: the same bytes."""
+    store, src = _open(shm_dir, ops), Pages(10, seed=1)
+    keys = [f"k{i}" for i in range(10)]
+    assert store.put(NS, keys, src.segments()) == [True] * 10
+    store.close()
+    other = "native" if ops == "python" and "native" in OPS else "python"
+    again = open_store(
+        str(shm_dir / "arena"), size_bytes=None, slot_bytes=PAGE, ops=arena.slot_ops(other))
+    dst = Pages(10, seed=2)
+    try:
+        assert again.get(NS, keys, dst.segments()) == [True] * 10
+        assert torch.equal(src.data, dst.data)
+        assert again.counts.hits == 10 and again.arena.counters()["writes"] == 10
+    finally:
+        again.close()
+
+
+def test_exists_counts_the_leading_run_and_a_miss_stops_it(shm_dir, ops):
+    store, src = _open(shm_dir, ops), Pages(4)
+    try:
+        store.put(NS, ["a", "b", "d"], src.segments([0, 1, 3]))
+        assert store.exists(NS, ["a", "b", "c", "d"]) == 2
+        assert store.exists(NS, ["c", "a"]) == 0
+        assert store.present(NS, ["a", "c", "d"]) == [True, False, True]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("other", [
+    Namespace(model="m2", dtype="torch.bfloat16", page_tokens=16, layout="page_first/segments", pool="kv",
+              page_bytes=PAGE, shard=(("tp", 0, 2),)),
+    Namespace(model="m", dtype="torch.bfloat16", page_tokens=16, layout="page_first/segments", pool="kv",
+              page_bytes=PAGE, shard=(("tp", 1, 2),)),
+    Namespace(model="m", dtype="torch.float8_e4m3fn", page_tokens=16, layout="page_first/segments", pool="kv",
+              page_bytes=PAGE, shard=(("tp", 0, 2),)),
+    Namespace(model="m", dtype="torch.bfloat16", page_tokens=16, layout="layer_first/segments", pool="kv",
+              page_bytes=PAGE, shard=(("tp", 0, 2),)),
+], ids=["model", "tp-rank", "dtype", "layout"])
+def test_another_namespace_misses_the_same_key(shm_dir, ops, other):
+    """Another model, TP rank, dtype or layout under SGLang's same page key: a miss."""
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=9)
+    try:
+        store.put(NS, ["k"], src.segments())
+        assert store.exists(other, ["k"]) == 0
+        assert store.get(other, ["k"], dst.segments()) == [False]
+        assert not torch.equal(src.data, dst.data)
+    finally:
+        store.close()
+
+
+def test_a_slot_being_written_reads_as_a_miss_without_waiting(shm_dir, ops):
+    """A writer stopped after claiming its slot (an Event it waits on) - the reader's get of
+    that key returns False while the writer is still stopped, and other keys still hit."""
+    claimed, release = threading.Event(), threading.Event()
+
+    def hook(stage, page):
+        if stage == "claimed":
+            claimed.set()
+            assert release.wait(60), "hang guard"
+
+    writer_store, reader_store = _open(shm_dir, ops, fault_hook=hook), _open(shm_dir, ops)
+    src, dst = Pages(2), Pages(2, seed=5)
+    try:
+        reader_store.put(NS, ["held"], src.segments([0]))
+        writer = threading.Thread(target=writer_store.put, args=(NS, ["new"], src.segments([1])))
+        writer.start()
+        assert claimed.wait(60), "hang guard"
+        assert reader_store.get(NS, ["new", "held"], dst.segments()) == [False, True]
+        assert writer.is_alive() and not release.is_set()  # the read did not wait for the writer
+        release.set()
+        writer.join(60)
+        assert reader_store.get(NS, ["new"], dst.segments([0])) == [True]
+        assert torch.equal(dst.data[0], src.data[1])
+    finally:
+        release.set()
+        writer_store.close()
+        reader_store.close()
+
+
+def test_a_page_rewritten_while_it_is_copied_is_torn_not_returned(shm_dir, ops, monkeypatch):
+    """A writer that republishes the slot during the reader's copy (the copy moves the slot's
+    generation on): the read is a miss and counted torn."""
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=3)
+    store.put(NS, ["k"], src.segments())
+    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    real = store.index.ops.copy_pages
+
+    class Racing:
+        def __getattr__(self, name):
+            return getattr(store.arena.ops, name)
+
+        @staticmethod
+        def copy_pages(direction, *args):
+            out = real(direction, *args)
+            if direction == 1:  # another writer published generation +2 meanwhile
+                addr = store.arena.record_addr(slot)
+                store.arena.ops.store(addr, store.arena.ops.load(addr) + 2)
+            return out
+
+    store.index.ops = Racing()
+    try:
+        assert store.get(NS, ["k"], dst.segments()) == [False]
+        assert store.counts.torn == 1
+    finally:
+        store.close()
+
+
+def test_a_flipped_byte_in_a_stored_page_is_a_miss_and_the_slot_is_reclaimed(shm_dir, ops):
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=4)
+    try:
+        store.put(NS, ["k"], src.segments())
+        slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+        ctypes.c_uint8.from_address(store.arena.slot_addr(slot) + 777).value ^= 0x10
+        assert store.get(NS, ["k"], dst.segments()) == [False]
+        assert store.counts.corrupt == 1 and store.exists(NS, ["k"]) == 0
+    finally:
+        store.close()
+
+
+def test_another_keys_bytes_and_checksum_in_a_slot_read_as_a_miss(shm_dir, ops):
+    """A forged slot - key B's record given key A's bytes and A's checksum - misses: the
+    checksum is seeded by the key."""
+    store, src, dst = _open(shm_dir, ops), Pages(2), Pages(1, seed=6)
+    try:
+        store.put(NS, ["a", "b"], src.segments())
+        slot_a, slot_b = store.index.find(slot_keys(NS.digest, ["a", "b"]))[0]
+        ctypes.memmove(store.arena.slot_addr(slot_b), store.arena.slot_addr(slot_a), PAGE)
+        ctypes.memmove(store.arena.record_addr(slot_b) + 24, store.arena.record_addr(slot_a) + 24, 16)  # sums
+        assert store.get(NS, ["b"], dst.segments()) == [False]  # a miss: SGLang uses no byte of it
+        assert store.counts.corrupt == 1
+    finally:
+        store.close()
+
+
+def test_a_dead_writers_torn_slot_is_invisible_and_reclaimed_by_the_next_attach(shm_dir, ops):
+    """An odd generation with its lock free (its writer is gone): exists and get miss; the next
+    attach reclaims it and the key can be stored again."""
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=7)
+    store.put(NS, ["k"], src.segments())
+    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    addr = store.arena.record_addr(slot)
+    store.arena.ops.store(addr, store.arena.ops.load(addr) + 1)  # as a writer killed after claiming
+    assert store.exists(NS, ["k"]) == 0 and store.get(NS, ["k"], dst.segments()) == [False]
+    assert store.census().torn == 1
+    store.close()
+    again = open_store(str(shm_dir / "arena"), size_bytes=None, slot_bytes=PAGE, ops=arena.slot_ops(ops))
+    try:
+        assert again.reclaimed == 1 and again.census().torn == 0
+        assert again.put(NS, ["k"], src.segments()) == [True] and again.get(NS, ["k"], dst.segments()) == [True]
+    finally:
+        again.close()
+
+
+def test_a_full_window_evicts_unreferenced_tail_pages_first(shm_dir, ops):
+    """Sixteen slots hold one 16-page chain; its first 8 pages are read (referenced). Eight new
+    pages evict pages 15..8 - the chain's leading 8 still answer, all new pages are held."""
+    store = _open(shm_dir, ops, total=ONE_WINDOW)
+    assert store.arena.plan.slots == 16
+    chain, fresh = Pages(16), Pages(8, seed=8)
+    keys = [f"c{i}" for i in range(16)]
+    try:
+        assert store.put(NS, keys, chain.segments(), first_depth=0) == [True] * 16
+        assert store.get(NS, keys[:8], Pages(8, seed=0).segments()) == [True] * 8
+        for i in range(8):
+            assert store.put(NS, [f"n{i}"], fresh.segments([i]), first_depth=0) == [True]
+            assert store.present(NS, keys) == [True] * (15 - i) + [False] * (i + 1)
+        assert store.exists(NS, keys) == 8 and store.counts.evictions == 8
+        assert store.exists(NS, [f"n{i}" for i in range(8)]) == 8
+    finally:
+        store.close()
+
+
+def test_bad_pages_are_refused_before_any_copy(shm_dir, ops):
+    """Segments that are not one page, or a page larger than a slot: errors naming them."""
+    store = _open(shm_dir, ops)
+    try:
+        with pytest.raises(TransferError, match="not one page"):
+            store.put(NS, ["k"], [[(Pages(1).data.data_ptr(), PAGE - 8)]])
+        with pytest.raises(TransferError, match="1 keys but 2 pages"):
+            store.put(NS, ["k"], Pages(2).segments())
+        with pytest.raises(ArenaGeometryError, match="does not fit"):
+            store.exists(Namespace(model="m", dtype="x", page_tokens=1, layout="l", pool="kv", page_bytes=2 * PAGE),
+                         ["k"])
+    finally:
+        store.close()
+
+
+class NoWrongBytes(RuleBasedStateMachine):
+    """Puts, gets, dead writers and reattaches on a one-window arena: a get that says True
+    always delivers the bytes that key was given; a key never given never hits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = None
+
+    @initialize(ops=st.sampled_from(OPS))
+    def start(self, ops):
+        import tempfile
+
+        self.directory = tempfile.mkdtemp(prefix="hicache-test-", dir="/dev/shm")
+        self.ops = ops
+        self.store = open_store(self.directory + "/arena", size_bytes=ONE_WINDOW, slot_bytes=PAGE,
+                                ops=arena.slot_ops(ops))
+        self.pages = Pages(24, seed=11)
+        self.given: set[int] = set()
+
+    @rule(key=st.integers(0, 23), depth=st.integers(0, 40))
+    def put(self, key, depth):
+        assert self.store.put(NS, [f"k{key}"], self.pages.segments([key]), first_depth=depth) == [True]
+        self.given.add(key)
+
+    @rule(keys=st.lists(st.integers(0, 23), min_size=1, max_size=6, unique=True))
+    def get(self, keys):
+        out = Pages(len(keys), seed=99)
+        ok = self.store.get(NS, [f"k{k}" for k in keys], out.segments())
+        for row, (key, hit) in enumerate(zip(keys, ok)):
+            if hit:
+                assert key in self.given and torch.equal(out.data[row], self.pages.data[key])
+
+    @rule(slot=st.integers(0, 15))
+    def writer_dies(self, slot):
+        addr = self.store.arena.record_addr(slot)
+        gen = self.store.arena.ops.load(addr)
+        if gen and not gen & 1:
+            self.store.arena.ops.store(addr, gen + 1)
+
+    @rule()
+    def reattach(self):
+        self.store.close()
+        self.store = open_store(self.directory + "/arena", size_bytes=None, slot_bytes=PAGE,
+                                ops=arena.slot_ops(self.ops))
+
+    @invariant()
+    def at_most_the_slots(self):
+        if self.store is not None:
+            assert self.store.census().pages <= 16
+
+    def teardown(self):
+        import shutil
+
+        if self.store is not None:
+            self.store.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+TestNoWrongBytes = NoWrongBytes.TestCase
+TestNoWrongBytes.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+
+
+def test_the_one_window_arena_has_sixteen_slots():
+    """The constant the eviction tests rely on."""
+    assert plan_store(ONE_WINDOW, slot_bytes=PAGE).slots == 16
