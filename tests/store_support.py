@@ -39,3 +39,109 @@ def fake_root(tmp_path: Path, directory: Path, fstype: str, options: str = "rw",
         (pages / "nr_hugepages").write_text(f"{free_hugepages}\n")
         (pages / "free_hugepages").write_text(f"{free_hugepages}\n")
     return str(root)
+
+
+class Zygote:
+    """tests/store_child.py as a context manager: `start` forks a task, `wait_for` reads its
+    events (a deadline only as a hang guard), `result` its report, `kill` sends SIGKILL."""
+
+    def __init__(self, *, sglang: bool = False, env=None) -> None:
+        import os
+        import queue
+        import subprocess
+        import sys
+        import threading
+
+        here = Path(__file__).resolve().parent
+        self.process = subprocess.Popen(
+            [sys.executable, str(here / "store_child.py"), *(["--sglang"] if sglang else [])], cwd=here.parent,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+        )
+        self.lines: dict = {}
+        self.pids: dict = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._take("zygote", "ready", timeout=600)
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def _take(self, task: str, event: str, *, timeout: float) -> list:
+        import queue
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, words in enumerate(self.lines.get(task, [])):
+                if words[0] == event or (event == "done" and words[0] == "error"):
+                    return self.lines[task].pop(i)
+            try:
+                line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"hang guard: task {task} never said {event!r}; it said {self.lines.get(task)}")
+            if line is None:
+                raise AssertionError(f"the zygote ended; task {task} said {self.lines.get(task)}")
+            if line == "ready":
+                self.lines.setdefault("zygote", []).append(["ready"])
+                continue
+            name, _, rest = line.partition(" ")
+            words = rest.split(" ", 1) if rest.startswith(("done ", "error ")) else rest.split()
+            if words[:1] == ["pid"]:
+                self.pids[name] = int(words[1])
+            self.lines.setdefault(name, []).append(words)
+
+    def start(self, task: str, role: str, **args) -> int:
+        import json
+
+        self.process.stdin.write(json.dumps({"id": task, "role": role, "args": args}) + "\n")
+        self.process.stdin.flush()
+        self._take(task, "pid", timeout=120)
+        return self.pids[task]
+
+    def wait_for(self, task: str, event: str, *, timeout: float = 300) -> list:
+        return self._take(task, event, timeout=timeout)
+
+    def result(self, task: str, *, timeout: float = 300):
+        import json
+
+        words = self._take(task, "done", timeout=timeout)
+        if words[0] == "error":
+            raise AssertionError(f"task {task} failed:\n{json.loads(words[1])}")
+        return json.loads(words[1])
+
+    def kill(self, task: str) -> None:
+        """SIGKILL the task and return once it is gone (its pidfd is readable: the kernel has
+        released its locks and mappings) - the next attach must not race its death."""
+        import os
+        import select
+        import signal
+
+        pidfd = os.pidfd_open(self.pids[task])
+        try:
+            os.kill(self.pids[task], signal.SIGKILL)
+            ready, _, _ = select.select([pidfd], [], [], 120)  # a hang guard
+            assert ready, f"hang guard: task {task} outlived SIGKILL for 120 s"
+        finally:
+            os.close(pidfd)
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self.process.stdout.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

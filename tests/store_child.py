@@ -1,0 +1,78 @@
+"""A zygote for the node store's multi-process tests: imports hicache's store and torch (with
+``--sglang``, SGLang 0.5.23's real modules on CPU too) once, then forks one fresh process per
+task it reads on stdin, so a test can run many processes - and kill -9 them - without paying an
+interpreter and SGLang's imports for each (seconds each on a busy box).
+
+    python store_child.py [--sglang]
+    stdin:  {"id": "a", "role": "writer", "args": {...}}   one JSON task per line
+    stdout: "<id> pid <pid>" once forked, "<id> <event words>" as the role says them, and
+            "<id> done <json>" (or "<id> error <traceback as JSON>") when it returns
+
+Roles are the functions in ROLES (tests/store_roles.py); a role gets ``say(words)`` to report
+events, which tests wait for (barriers by message, never by time). The zygote forks before any
+torch operation ran (no thread pools to inherit) and exits when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    if "--sglang" in sys.argv:
+        from hicache.testing import sglang_on_cpu
+
+        sglang_on_cpu()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import importlib
+
+            for name in ("sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.pool_host.mha",
+                         "sglang.srt.mem_cache.pool_host.mla", "sglang.srt.mem_cache.hicache_storage",
+                         "sglang.srt.mem_cache.storage.backend_factory", "sglang.srt.managers.cache_controller",
+                         "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+                         "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler", "sglang.srt.server_args",
+                         "sglang.srt.runtime_context", "sglang.srt.plugins", "hicache.compat.sglang_store"):
+                importlib.import_module(name)
+    import torch  # noqa: F401 - imported once here, for every task
+
+    import store_roles
+    import hicache.store  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forked tasks are reaped by the kernel
+    out = sys.stdout
+    print("ready", flush=True)
+    for line in sys.stdin:
+        task = json.loads(line)
+        pid = os.fork()
+        if pid:
+            print(f"{task['id']} pid {pid}", flush=True)
+            continue
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setpgid(0, 0) if task.get("own_group") else None
+
+        def say(*words, _id=task["id"]) -> None:
+            out.write(" ".join([_id, *map(str, words)]) + "\n")  # one write: lines do not interleave
+            out.flush()
+
+        code = 0
+        try:
+            result = store_roles.ROLES[task["role"]](say=say, **task.get("args", {}))
+            say("done", json.dumps(result))
+        except BaseException:  # the test reads what went wrong
+            say("error", json.dumps(traceback.format_exc()))
+            code = 1
+        finally:
+            out.flush()
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

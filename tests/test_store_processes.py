@@ -1,0 +1,100 @@
+"""The node store across processes (one zygote forks them: tests/store_child.py): a writer
+kill -9ed at 50 points of its writes leaves every page `exists` reports byte-exact, its torn slots
+invisible and reclaimed - exactly as many as it had claimed and not published - on the next
+attach; and a writer evicting all along while another process reads never makes that reader see
+a wrong byte or wait. Order comes from the processes' own messages, never from time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from store_roles import PAGE_BYTES, _segments, core_namespace, page_bytes_of
+from store_support import Zygote, shm_dir  # noqa: F401 - shm_dir: a fixture
+
+from hicache.store import open_store
+
+pytestmark = pytest.mark.concurrency  # processes: `make test-loaded` runs these again under load
+
+BATCHES, PER_BATCH = 2, 5
+STAGES = ("claimed", "half", "copied", "summed", "published")
+POINTS = [(b, p, s) for b in range(BATCHES) for p in range(PER_BATCH) for s in STAGES]  # 50 points
+
+
+def _torn_at(page: int, stage: str) -> int:
+    """Slots of the killed batch claimed but not published at that point of `SlotIndex.write`:
+    a batch claims every page first, copies each, then publishes each in turn."""
+    return {"claimed": page + 1, "half": PER_BATCH, "copied": PER_BATCH, "summed": PER_BATCH - page,
+            "published": PER_BATCH - page - 1}[stage]
+
+
+def _published_before(batch: int, page: int, stage: str) -> int:
+    done = page + (stage == "published") if stage in ("summed", "published") else 0
+    return batch * PER_BATCH + done
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    with Zygote() as z:
+        yield z
+
+
+def test_a_writer_killed_at_any_of_50_points_leaves_only_whole_pages(zygote, shm_dir):
+    """For each point (batch, page, stage of the write) a fresh writer is killed there; the
+    next attach reclaims exactly the slots it had claimed and not published, and every page
+    `exists`/`present` reports reads back byte for byte."""
+    assert len(POINTS) == 50
+    ns = core_namespace()
+    keys = [f"p{i}" for i in range(BATCHES * PER_BATCH)]
+    for n, (batch, page, stage) in enumerate(POINTS):
+        path = str(shm_dir / f"arena{n}")
+        task = f"w{n}"
+        zygote.start(task, "write_until", path=path, size=4 << 20, batches=BATCHES, per_batch=PER_BATCH, seed=n,
+                     kill_at=[batch, page, stage])
+        assert zygote.wait_for(task, "at")[1:] == [stage, str(page)]
+        zygote.kill(task)
+        store = open_store(path, size_bytes=None, slot_bytes=PAGE_BYTES)
+        try:
+            assert store.reclaimed == _torn_at(page, stage), (batch, page, stage)
+            present = store.present(ns, keys)
+            assert sum(present) == _published_before(batch, page, stage), (batch, page, stage)
+            held = [k for k, p in zip(keys, present) if p]
+            out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in held]
+            assert store.get(ns, held, [_segments(t) for t in out]) == [True] * len(held)
+            for key, got in zip(held, out):
+                assert torch.equal(got, page_bytes_of(n, int(key[1:]))), (batch, page, stage, key)
+            assert store.census().torn == 0
+        finally:
+            store.close()
+
+
+def test_eviction_under_pressure_while_another_process_reads_never_gives_a_wrong_byte(zygote, shm_dir):
+    """A writer puts 40 chains of 12 pages into 64 slots (evicting all along) while a reader,
+    started first and stopped after the writer is done, looks every chain up and reads its
+    leading run: every page read True is byte-exact, and the reader really read during the
+    writes (its first "reading" came before the writer's go)."""
+    path = str(shm_dir / "arena")
+    from hicache.plan import plan_store
+
+    open_store(path, size_bytes=73728 + 64 * PAGE_BYTES, slot_bytes=PAGE_BYTES).close()
+    assert plan_store(73728 + 64 * PAGE_BYTES, slot_bytes=PAGE_BYTES).slots < 40 * 12
+    go, stop = str(shm_dir / "go"), str(shm_dir / "stop")
+    zygote.start("reader", "pressure_reader", path=path, chains=40, length=12, seed=5, stop=stop)
+    zygote.start("writer", "pressure_writer", path=path, chains=40, length=12, seed=5, go=go)
+    zygote.wait_for("reader", "reading")
+    open(go, "w").close()
+    written = zygote.result("writer")
+    open(stop, "w").close()
+    read = zygote.result("reader")
+    assert written["evictions"] > 0 and written["writes"] == 40 * 12
+    assert read["wrong"] == 0 and read["rounds"] >= 1
+    assert read["hits"] > 0
+
+
+def test_the_kill_points_cover_every_stage_of_a_write():
+    """Not vacuous: the points name every stage the write's fault hook reports."""
+    import inspect
+
+    from hicache.store import _index
+
+    source = inspect.getsource(_index.SlotIndex.write)
+    assert all(f'self._hook("{stage}"' in source for stage in STAGES)
