@@ -166,6 +166,8 @@ class HiCacheNodeStore(HiCacheStorage):
         self.mem_pool_host = None
         self._pending = {"prefetch_pgs": [], "prefetch_bandwidth": [], "backup_pgs": [], "backup_bandwidth": []}
         self._closed = False
+        self.attach_s = None
+        self.attach_resident = None
 
     # -- registration ----------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -231,6 +233,7 @@ class HiCacheNodeStore(HiCacheStorage):
             self.store = None
             raise
         self.attach_s = time.perf_counter() - began
+        self.attach_resident = self.store.arena.resident_bytes()  # what the attach faulted in: header and index only
         logger.info("HiCacheNodeStore: %s arena %s (%d slots of %d bytes) in %.3f s", "created" if
                     self.store.arena.created else "attached", self.path, self.store.arena.plan.slots,
                     self.store.arena.plan.slot_bytes, self.attach_s)

@@ -100,6 +100,25 @@ class Arena:
     def counters(self) -> dict[str, int]:
         return {name: self.ops.load(self.base + counter_offset(name)) for name in COUNTERS}
 
+    def resident_bytes(self) -> int:
+        """Bytes of this process's mapping of the arena that are faulted in (Rss in
+        /proc/self/smaps): what an attach touched. 0 when closed or unreadable."""
+        if self.closed:
+            return 0
+        try:
+            with open("/proc/self/smaps") as smaps:
+                inside = False
+                for line in smaps:
+                    head = line.split(None, 1)[0]
+                    if "-" in head and not head.endswith(":"):
+                        start, _, end = head.partition("-")
+                        inside = int(start, 16) <= self.base < int(end, 16)
+                    elif inside and head == "Rss:":
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        return 0
+
     def close(self) -> None:
         """Unmap and close; safe to call twice. Nothing in the file changes (its pages stay)."""
         if self._map is None:
