@@ -1,0 +1,311 @@
+"""HiCacheNodeStore inside one SGLang 0.5.23 process (its real pools, factory, HiCacheFile and
+controller, on CPU under the fake driver): SGLang's factory builds it as ``cls(storage_config,
+{})``; bad extra_config is one error naming every bad key, before anything exists; a geometry
+that does not fit fails SGLang's attach cleanly; `batch_exists_v2` answers as SGLang's own
+HiCacheFile for random patterns; sidecar (v2) and legacy flat pages round-trip; bad host indices
+are an error before any copy; `get_stats` is a dict that is also SGLang's StorageMetrics; `clear`
+empties this engine's pages only; `close` is idempotent. Needs `make sglang`."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
+from store_support import shm_dir  # noqa: F401 - a fixture
+from test_sglang_conformance import PAGE, _build, _classes, _device
+
+from hicache.errors import ArenaError, ArenaGeometryError, TransferError
+from hicache.testing import fake_cuda
+
+torch = pytest.importorskip("torch")
+
+GB = 0.02
+
+
+def _extra(path, **more):
+    extra = {"backend_name": "hicache_node", "module_path": "hicache.compat.sglang_store",
+             "class_name": "HiCacheNodeStore", "interface_v1": 1, "arena": str(path), "size_gb": GB}
+    extra.update(more)
+    return {k: v for k, v in extra.items() if v is not None}
+
+
+def _config(extra, *, model="m", mla=False, tp_rank=0, tp_size=1):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=False, model_name=model, extra_config=extra)
+
+
+@pytest.fixture
+def pools(sglang):
+    """Three SGLang MHA host pools (page_first_direct) with random bytes, under the fake driver."""
+    with fake_cuda():
+        device = _device("mha")
+        info = device.get_device_pool_infos()[0].buffer_info
+        made = [_build(_classes("mha")[0], "mha", info, "page_first_direct", hicache=False) for _ in range(3)]
+        generator = torch.Generator().manual_seed(1)
+        for pool in made:
+            pool.kv_buffer.view(torch.int16).copy_(torch.randint(-30000, 30000, pool.kv_buffer.shape,
+                                                                 generator=generator, dtype=torch.int16))
+        yield made
+
+
+def _store(path, pool, *, sidecars=(), **kwargs):
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    store = StorageBackendFactory.create_backend("dynamic", _config(_extra(path, **kwargs.pop("extra", {})), **kwargs),
+                                                 pool)
+    store.register_mem_pool_host(pool)
+    for name, side in sidecars:
+        store.register_mem_host_pool_v2(side, name)
+    store.on_host_pools_registered()
+    return store
+
+
+def _page(pool, page: int):
+    return pool.get_data_page(page * PAGE, flat=True).contiguous().view(torch.uint8)
+
+
+def test_sglangs_factory_builds_it_with_an_empty_kwargs_dict(sglang, shm_dir, pools):
+    """`StorageBackendFactory.create_backend("dynamic", ...)` imports the class from
+    extra_config and calls ``cls(storage_config, {})``: a HiCacheStorage that stores and finds."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    from hicache.compat.sglang_store import HiCacheNodeStore
+
+    store = _store(shm_dir / "arena", pools[0])
+    try:
+        assert type(store) is HiCacheNodeStore and isinstance(store, HiCacheStorage)
+        assert store.batch_set_v1(["a", "b"], torch.arange(0, 2 * PAGE)) == [True, True]
+        assert store.batch_exists(["a", "b", "c"]) == 2 and store.exists("a") and not store.exists("c")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(arena=None), r"'arena' must be an absolute path"),
+    (dict(arena="relative/arena"), r"'arena' must be an absolute path"),
+    (dict(size_gb="big"), r"'size_gb' must be a positive number of GB, got 'big'"),
+    (dict(size_gb=-1), r"'size_gb' must be a positive number"),
+    (dict(slot_bytes=1.5), r"'slot_bytes' must be a positive integer, got 1.5"),
+    (dict(colour="blue"), r"unknown key\(s\) \['colour'\]"),
+])
+def test_bad_extra_config_is_one_error_naming_the_key_before_anything_exists(sglang, shm_dir, extra, match):
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    """Each bad value (a missing or relative arena path, a size that is no positive number, a
+    fractional slot size, an unknown key) is an ArenaError from SGLang's factory naming it."""
+    config = _config(_extra(shm_dir / "arena", **extra))  # a None value drops the key
+    with pytest.raises(ArenaError, match=match):
+        StorageBackendFactory.create_backend("dynamic", config, None)
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_geometry_that_does_not_fit_fails_sglangs_attach_cleanly(sglang, shm_dir, pools):
+    """An arena made with slots smaller than this engine's pages: SGLang's controller attach
+    raises the geometry error, keeps no back end and no storage thread; the arena is untouched."""
+    import threading
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    from hicache.store import open_store
+
+    path = shm_dir / "arena"
+    open_store(str(path), size_bytes=int(GB * 1e9), slot_bytes=1024).close()
+    before = path.read_bytes()[:4096]
+    device = _device("mha")
+    allocator = PagedTokenToKVPoolAllocator(256, PAGE, torch.bfloat16, "cpu", device, False)
+    with published(page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2.0,
+                   hicache_mem_layout="page_first_direct", hicache_io_backend="direct"):
+        controller = HiCacheController(allocator, pools[0], PAGE, None, threading.Event(), io_backend="direct")
+        with pytest.raises(ArenaGeometryError, match="slots hold 1024 bytes, a page of this engine is"):
+            controller.attach_storage_backend("dynamic", storage_backend_extra_config=_extra(path, size_gb=None))
+    assert controller.storage_backend is None and not controller.enable_storage
+    assert not any(t.name.startswith("Thread") and t.is_alive() and "storage" in t.name for t in threading.enumerate())
+    assert path.read_bytes()[:4096] == before
+
+
+def _file_backend(path):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    return HiCacheFile(_config({}), file_path=str(path))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batch_exists_v2_answers_as_sglangs_hicache_file(sglang, shm_dir, pools, seed):
+    """Random pages present per pool (KV, a trailing-pages pool, an all-pages pool) stored in
+    both back ends; random queries: the same kv hit, per-pool hits and restorable prefixes."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    rng = random.Random(seed)
+    kv, swa, mamba = pools
+    ours = _store(shm_dir / "arena", kv, sidecars=[(PoolName.SWA, swa), (PoolName.MAMBA, mamba)])
+    theirs = _file_backend(shm_dir / "file")
+    theirs.register_mem_pool_host(kv)
+    theirs.register_mem_host_pool_v2(swa, PoolName.SWA)
+    theirs.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    keys = [f"s{seed}-{i}" for i in range(8)]
+    try:
+        for name in (PoolName.KV, PoolName.SWA, PoolName.MAMBA):
+            held = [i for i in range(8) if rng.random() < 0.75]
+            if not held:
+                continue
+            indices = torch.cat([torch.arange(i * PAGE, (i + 1) * PAGE) for i in held])
+            chosen = [keys[i] for i in held]
+            if name == PoolName.KV:
+                assert all(ours.batch_set_v1(chosen, indices))
+                for i, key in zip(held, chosen):
+                    assert theirs.set(key, kv.get_data_page(i * PAGE, flat=True))
+            else:
+                transfer = [PoolTransfer(name=name, host_indices=indices, keys=chosen)]
+                assert ours.batch_set_v2(transfer) == theirs.batch_set_v2(transfer)
+        for _ in range(6):
+            transfers = [PoolTransfer(name=name, keys=keys[-rng.randint(1, 4):], hit_policy=policy)
+                         for name, policy in ((PoolName.SWA, PoolHitPolicy.TRAILING_PAGES),
+                                              (PoolName.MAMBA, rng.choice(list(PoolHitPolicy)[:2])))
+                         if rng.random() < 0.8]
+            rng.shuffle(transfers)
+            a, b = ours.batch_exists_v2(keys, transfers), theirs.batch_exists_v2(keys, transfers)
+            assert (a.kv_hit_pages, a.extra_pool_hit_pages, a.restorable_prefix_pages) == \
+                   (b.kv_hit_pages, b.extra_pool_hit_pages, b.restorable_prefix_pages)
+    finally:
+        ours.close()
+
+
+def test_block_groups_is_refused_as_hicache_file_refuses_it(sglang, shm_dir, pools):
+    """SGLang 0.5.23's HiCacheFile raises ValueError for BLOCK_GROUPS (no 0.5.23 caller sends it):
+    so do we, with the same words."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    ours = _store(shm_dir / "arena", pools[0], sidecars=[(PoolName.SWA, pools[1])])
+    theirs = _file_backend(shm_dir / "file")
+    transfer = [PoolTransfer(name=PoolName.SWA, keys=["k"], hit_policy=PoolHitPolicy.BLOCK_GROUPS)]
+    try:
+        assert ours.batch_set_v1(["k"], torch.arange(PAGE)) == [True]
+        theirs.set("k", pools[0].get_data_page(0, flat=True))
+        with pytest.raises(ValueError, match="Unsupported pool hit policy") as mine:
+            ours.batch_exists_v2(["k"], transfer)
+        with pytest.raises(ValueError, match="Unsupported pool hit policy") as file:
+            theirs.batch_exists_v2(["k"], transfer)
+        assert str(mine.value) == str(file.value)
+    finally:
+        ours.close()
+
+
+def test_sidecar_pages_round_trip_and_a_bad_transfer_fails_its_pages(sglang, shm_dir, pools):
+    """batch_set_v2/batch_get_v2 move a sidecar pool's pages byte-exact into other slots; a
+    transfer whose host indices do not cover its keys is all False (as HiCacheFile)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    kv, swa, _ = pools
+    store = _store(shm_dir / "arena", kv, sidecars=[(PoolName.SWA, swa)])
+    try:
+        put = [PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, 3 * PAGE), keys=["a", "b", "c"])]
+        assert store.batch_set_v2(put) == {PoolName.SWA: [True, True, True]}
+        want = [_page(swa, i).clone() for i in range(3)]
+        get = [PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(5 * PAGE, 8 * PAGE), keys=["a", "b", "c"])]
+        assert store.batch_get_v2(get) == {PoolName.SWA: [True, True, True]}
+        assert all(torch.equal(_page(swa, 5 + i), want[i]) for i in range(3))
+        short = [PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, PAGE), keys=["a", "b"])]
+        assert store.batch_get_v2(short) == {PoolName.SWA: [False, False]}
+        assert store.batch_exists(["a"]) == 0  # the KV namespace is another one
+    finally:
+        store.close()
+
+
+def test_legacy_flat_pages_round_trip(sglang, shm_dir, pools):
+    """SGLang's legacy calls (interface_v1 off): set/batch_set of flat pages, get/batch_get into
+    flat targets - byte-exact, None for a miss - in a namespace of their own."""
+    kv = pools[0]
+    store = _store(shm_dir / "arena", kv, extra={"interface_v1": 0})
+    try:
+        pages = [kv.get_data_page(i * PAGE, flat=True) for i in range(3)]
+        assert store.batch_set(["a", "b", "c"], pages) is True
+        assert store.set("d", kv.get_data_page(3 * PAGE, flat=True)) is True
+        targets = [torch.zeros_like(p) for p in pages] + [torch.zeros_like(pages[0])]
+        got = store.batch_get(["a", "b", "c", "zz"], targets)
+        assert got[3] is None and all(torch.equal(g.view(torch.int16), p.view(torch.int16)) for g, p in zip(got, pages))
+        assert store.batch_exists(["a", "b", "c", "d", "zz"]) == 4
+        with pytest.raises(TransferError, match="not one flat page"):
+            store.batch_get(["a"], [torch.zeros(3)])
+    finally:
+        store.close()
+
+
+def test_host_indices_outside_the_pool_are_an_error_before_any_copy(sglang, shm_dir, pools):
+    """A page start past the pool's end, a start off a page boundary, or fewer indices than
+    the keys need: TransferError naming it, and nothing was stored."""
+    kv = pools[0]
+    store = _store(shm_dir / "arena", kv)
+    try:
+        with pytest.raises(TransferError, match="not the start of a page inside"):
+            store.batch_set_v1(["a"], torch.arange(kv.size, kv.size + PAGE))
+        with pytest.raises(TransferError, match="not the start of a page"):
+            store.batch_set_v1(["a"], torch.arange(3, 3 + PAGE))
+        with pytest.raises(TransferError, match="need 32 host indices, got 16"):
+            store.batch_get_v1(["a", "b"], torch.arange(0, PAGE))
+        assert store.batch_exists(["a"]) == 0
+    finally:
+        store.close()
+
+
+def test_get_stats_is_a_dict_and_sglangs_storage_metrics(sglang, shm_dir, pools):
+    """At least pages, bytes, hits, misses, torn, evictions - and SGLang's StorageMetrics type
+    its metrics collector asserts, carrying the pages each prefetch and backup moved."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    store = _store(shm_dir / "arena", pools[0])
+    try:
+        store.batch_set_v1(["a", "b"], torch.arange(0, 2 * PAGE))
+        store.batch_get_v1(["a", "b", "c"], torch.arange(4 * PAGE, 7 * PAGE))
+        stats = store.get_stats()
+        assert isinstance(stats, StorageMetrics) and isinstance(stats, dict)
+        assert {k: stats[k] for k in ("pages", "hits", "misses", "torn", "evictions")} == \
+               dict(pages=2, hits=2, misses=1, torn=0, evictions=0)
+        assert stats["bytes"] == 2 * store.pools["kv"].page_bytes
+        assert (stats.backup_pgs, stats.prefetch_pgs) == ([2], [2])
+        assert store.get_stats().backup_pgs == []  # drained: each figure reported once
+    finally:
+        store.close()
+
+
+def test_clear_empties_this_engines_pages_only_and_close_is_idempotent(sglang, shm_dir, pools):
+    """Two engines of different models share an arena: one clears, the other's pages stay.
+    close() twice is fine; SGLang's detach calls it."""
+    mine = _store(shm_dir / "arena", pools[0], model="a")
+    other = _store(shm_dir / "arena", pools[1], model="b")
+    try:
+        mine.batch_set_v1(["k"], torch.arange(PAGE))
+        other.batch_set_v1(["k"], torch.arange(PAGE))
+        mine.clear()
+        assert (mine.batch_exists(["k"]), other.batch_exists(["k"])) == (0, 1)
+    finally:
+        mine.close()
+        mine.close()
+        other.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        mine.batch_exists(["k"])
+
+
+def test_a_segment_outside_the_pools_buffers_is_refused_before_any_copy(sglang, shm_dir, pools, monkeypatch):
+    """A pool whose get_page_buffer_meta points past its own buffer (a bug, or a layout we do
+    not know): the copy is refused naming the segment, nothing stored or read."""
+    kv = pools[0]
+    store = _store(shm_dir / "arena", kv)
+    real = kv.get_page_buffer_meta
+
+    def past_the_end(indices):
+        ptrs, sizes = real(indices)
+        return [kv.kv_buffer.data_ptr() + kv.kv_buffer.nbytes - sizes[0] // 2] * len(ptrs), sizes
+
+    monkeypatch.setattr(kv, "get_page_buffer_meta", past_the_end)
+    try:
+        with pytest.raises(TransferError, match="lies outside its buffers"):
+            store.batch_set_v1(["a"], torch.arange(PAGE))
+        assert store.batch_exists(["a"]) == 0
+    finally:
+        store.close()
