@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "hicache"
 FACE = "hicache.effects"
-FACE_LIMIT = 35
+FACE_LIMIT = 36  # 35 + `arena`, the node store's room (issue #32), exported as one module
 
 #: Which rooms a room of hicache.effects may import (itself always): downward only.
 LEAVES = {"_interrupts", "_trace", "_rundir"}  # every room may use them (Ctrl-C, the trace, the runtime dir)
@@ -24,6 +24,7 @@ ALLOWED = {
     "_host": LEAVES | {"_cuda"},
     "_copy": LEAVES | {"_cuda"},
     "_bringup": LEAVES | {"_cuda", "_host", "_copy"},
+    "_arena": LEAVES | {"_host"},  # the node store's file: pre-faulted by _host's workers
 }
 
 
@@ -89,7 +90,7 @@ def test_nothing_outside_effects_imports_a_room(module):
 
 
 def test_the_face_is_small_and_exports_what_it_imports():
-    """At most 35 names: ARCHITECTURE's stable API plus what pools, the CLI, compat and
+    """At most FACE_LIMIT names: ARCHITECTURE's stable API plus what pools, the CLI, compat and
     hicache.testing use; every one of them is used by something outside effects."""
     tree = ast.parse(MODULES[FACE].read_text())
     exported = next(node.value for node in tree.body if isinstance(node, ast.Assign)

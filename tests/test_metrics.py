@@ -96,17 +96,33 @@ def test_each_tier_is_reported_under_its_own_label(tmp_path, monkeypatch):
         pool.destroy()
 
 
+@pytest.mark.concurrency
 def test_a_progressive_pools_ready_pages_move_as_it_registers(tmp_path):
-    runtime = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.01)  # 10 ms a 16 KiB call: 32 calls, 0.3 s
+    """The gauge shows the head pages registered before the pool serves, while the background
+    registration is held at a gate (an event: no timing), then every page once it is let go."""
+    import threading
+
+    runtime = FakeRuntime()
+    gate = threading.Event()
+    register = runtime.cudart.cudaHostRegister
+
+    def gated(ptr, size, flags):
+        if threading.current_thread() is not threading.main_thread():  # the background registration
+            assert gate.wait(60), "hang guard"
+        return register(ptr, size, flags)
+
+    runtime.cudart.cudaHostRegister = gated
     pool = _pool("metrics-p", runtime, tmp_path, tokens=256, chunk=16 * 1024, progressive=True, max_stall_s=None)
     name = pool.metrics_name
     try:
         first = _value("hicache_ready_pages", pool=name)
         assert 0 < first < pool.page_num
+        gate.set()
         assert pool.wait_ready(timeout=30)
         assert _value("hicache_ready_pages", pool=name) == pool.page_num
         assert _value("hicache_registered_bytes", pool=name) == sum(s for _, s in runtime.held())
     finally:
+        gate.set()
         pool.destroy()
 
 

@@ -106,6 +106,7 @@ def test_another_namespace_misses_the_same_key(shm_dir, ops, other):
         store.close()
 
 
+@pytest.mark.concurrency
 def test_a_slot_being_written_reads_as_a_miss_without_waiting(shm_dir, ops):
     """A writer stopped after claiming its slot (an Event it waits on) - the reader's get of
     that key returns False while the writer is still stopped, and other keys still hit."""
