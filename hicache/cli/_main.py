@@ -13,6 +13,8 @@ from hicache._extras import MissingExtraError
 from hicache.cli._common import CUDA_FAILURE, INFEASIBLE, INTERRUPTED, USAGE, CliError, Parser, fail
 from hicache.errors import (
     ApplyError,
+    ArenaError,
+    ArenaGeometryError,
     CapacityError,
     CudaCallError,
     EnvError,
@@ -29,7 +31,7 @@ from hicache.errors import (
     caused_by_interrupt,
 )
 
-_COMMANDS = ("plan", "doctor", "apply")
+_COMMANDS = ("plan", "doctor", "apply", "store")
 
 
 def _module(name: str):
@@ -37,6 +39,8 @@ def _module(name: str):
         from hicache.cli import _plan as module
     elif name == "doctor":
         from hicache.cli import _doctor as module
+    elif name == "store":
+        from hicache.cli import _store as module
     else:
         from hicache.cli import _apply as module
     return module
@@ -47,7 +51,7 @@ def make_parser(only: str | None = None) -> Parser:
     from hicache import __version__
 
     parser = Parser(prog="hicache", description="Plan, check and apply cudaHostRegister of host KV-cache pools.",
-                    epilog="hicache plan --help | doctor --help | apply --help: each command with an example")
+                    epilog="hicache plan --help | doctor --help | apply --help | store --help: each command with an example")
     parser.add_argument("--version", action="version", version=f"hicache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name in _COMMANDS:
@@ -144,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     except CudaCallError as error:
         ref = "cuda-unavailable" if error.__class__.__name__ == "CudaUnavailableError" else "cuda-error"
         return fail(ref, str(error), "run `hicache doctor` on this machine", CUDA_FAILURE)
+    except ArenaGeometryError as error:
+        return fail("arena-geometry", str(error), "drop the arena (hicache store drop PATH) or match its geometry",
+                    INFEASIBLE)
+    except ArenaError as error:
+        return fail("arena", str(error), "hicache store status PATH shows an arena; docs/store.md: where arenas go",
+                    USAGE)
     except EnvError as error:  # a PlanError too, but the fix is the variable, not the plan
         return fail("bad-environment", str(error), "fix or unset the environment variable it names", USAGE)
     except PlanError as error:

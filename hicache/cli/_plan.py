@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from hicache.cli._common import INFEASIBLE, CliError, emit
+from hicache.cli._common import INFEASIBLE, CliError, emit, positive_decimal, positive_int
 from hicache.cli._plan_args import add_plan_arguments, build_plan
 from hicache.plan import CAPACITY_DEFAULTS, PRESETS
 
@@ -27,6 +27,10 @@ def add_command(commands) -> None:
     plan.add_argument("--format", choices=("table", "json", "markdown"), default="table")
     plan.add_argument("--out", help="write the output to FILE instead of stdout")
     plan.add_argument("--wide", action="store_true", help="table: every column (family, shape), no folding at 100")
+    store = plan.add_argument_group("node store (docs/store.md)")
+    store.add_argument("--store-gb", help="also size a node store arena of this many GB (10**9 bytes): slots, index, "
+                                          "overhead - what `hicache store create` makes")
+    store.add_argument("--store-slot-bytes", help="bytes per slot (default: this plan's KV page on one rank)")
 
 
 def _list_models() -> str:
@@ -55,10 +59,39 @@ def run(args) -> int:
     plan, defaults, sources = build_plan(args, resolved)
     if defaults and not any(getattr(args, k) for k in ("model", "config", "model_path")):
         print("hicache plan: no model given; planning the default preset on default settings", file=sys.stderr)
-    emit(render(plan, args.format, defaults=defaults, sources=sources, wide=args.wide), args.out)
+    text = render(plan, args.format, defaults=defaults, sources=sources, wide=args.wide)
+    if args.store_slot_bytes is not None and args.store_gb is None:
+        raise CliError("missing-flag", "--store-slot-bytes is read only with --store-gb", "e.g. --store-gb 64")
+    if args.store_gb is not None:
+        text = _with_store(text, plan, args)
+    emit(text, args.out)
     if plan.budget is not None and not plan.budget.ok:
         raise CliError(
             "budget-refused", plan.budget.explain(),
             "lower --host-gb, run fewer --ranks-per-host, or add host memory", INFEASIBLE,
         )
     return 0
+
+
+def _with_store(text: str, plan, args) -> str:
+    """The plan's output with the node store's geometry: a section of the table or markdown, a
+    ``store`` key of the JSON (`hicache.plan.plan_store`, pure)."""
+    import json
+
+    from hicache.plan import format_bytes, format_gb, plan_store
+
+    size_bytes = int(positive_decimal(args.store_gb, "--store-gb") * 10**9)
+    page = plan.size.size_per_token_bytes * plan.page_size
+    slot = positive_int(args.store_slot_bytes, "--store-slot-bytes") if args.store_slot_bytes else -(-page // 8) * 8
+    store = plan_store(size_bytes, slot_bytes=slot)
+    if args.format == "json":
+        data = json.loads(text)
+        data["store"] = store.to_jsonable()
+        return json.dumps(data, sort_keys=True, indent=2) + "\n"
+    lines = [f"node store: {format_gb(store.total_bytes)} holds {store.slots:,} slots of {slot:,} bytes "
+             f"({'a KV page of this plan' if not args.store_slot_bytes else 'as given'}),",
+             f"  index {format_bytes(store.index_bytes)}, overhead {100 * store.overhead_bytes / store.total_bytes:.2f} %:"
+             f" hicache store create PATH --size-gb {args.store_gb} --slot-bytes {slot}"]
+    if args.format == "markdown":
+        return text + "\n- " + " ".join(line.strip() for line in lines) + "\n"
+    return text + "\n" + "\n".join(lines) + "\n"

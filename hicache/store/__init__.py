@@ -17,8 +17,8 @@ from hicache.plan._store import StorePlan, plan_store
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
 from hicache.store._keys import Namespace, shard_of, slot_keys
 
-__all__ = ["Census", "Namespace", "NodeStore", "StoreCounts", "StorePlan", "drop_arena", "open_store", "plan_store",
-           "shard_of"]
+__all__ = ["Census", "Namespace", "NodeStore", "SlotIndex", "StoreCounts", "StorePlan", "drop_arena", "open_store",
+           "plan_store", "shard_of"]
 
 drop_arena = _arena.drop_arena
 
