@@ -19,7 +19,8 @@ DESCRIPTION = (
     "Check this machine against a saved plan (or in general): kernel pin cap, the caps this "
     "machine plans with and where each comes from, hugepages, what host pools will do "
     "(HICACHE_PROGRESSIVE, HICACHE_HUGEPAGES), memlock, mappings, memory budget, "
-    "NUMA, the host copy path, CUDA and the SGLang plug-in. Exit 1 when a check fails. "
+    "NUMA, the host copy path, CUDA, the SGLang plug-in and room for a node store (--store: an arena). "
+    "Exit 1 when a check fails. "
     "Example: hicache doctor --plan plan.json"
 )
 
@@ -49,6 +50,7 @@ class Context:
     ranks: int
     limits: object  # the plan's Limits, or None
     root: str = "/"
+    store: str | None = None  # a node store arena to check (--store)
 
 
 def _kernel(c: Context) -> Check:
@@ -340,12 +342,70 @@ def _sglang(c: Context) -> Check:
                  f"replaces {replaces}")
 
 
+SHM = "/dev/shm"
+SHM_SMALL_BYTES = 10**9  # Docker's default /dev/shm is 64 MB: a node store needs GBs
+
+
+def _store_room(c: Context) -> Check:
+    """Room for a node store: /dev/shm's tmpfs and every hugetlbfs mount with its free pages."""
+    from hicache.effects import arena
+    from hicache.errors import ArenaError
+
+    parts, status, hint = [], "pass", ""
+    try:
+        shm = arena.backing_of(f"{SHM}/arena", root=c.root)  # a file there: its directory is /dev/shm
+        parts.append(f"{SHM} ({shm.kind}) {format_bytes(shm.free_bytes)} free")
+        if shm.free_bytes < SHM_SMALL_BYTES:
+            status, hint = "warn", "a container's /dev/shm is 64 MB by default: docker run --shm-size=64g (docs/store.md)"
+    except ArenaError as error:
+        status, hint = "warn", "node store arenas go on tmpfs or hugetlbfs (docs/store.md)"
+        parts.append(str(error).split(": ", 1)[-1])
+    try:
+        with open(f"{c.root.rstrip('/')}/proc/self/mountinfo") as handle:
+            mounts = [m for m in arena.parse_mountinfo(handle.read()) if m.fstype == "hugetlbfs"]
+    except OSError:
+        mounts = []
+    for mount in mounts:
+        try:
+            room = arena.backing_of(f"{mount.point}/arena", root=c.root).free_bytes
+            parts.append(f"hugetlbfs {mount.point} ({format_bytes(mount.pagesize_bytes or 2**21)} pages) "
+                         f"{format_bytes(room)} free")
+        except (ArenaError, OSError):
+            parts.append(f"hugetlbfs {mount.point} (not readable)")
+    return Check("store_room", status, "; ".join(parts) or "no tmpfs or hugetlbfs found", hint)
+
+
+def _store(c: Context) -> Check:
+    """The arena `--store PATH` names: its geometry, pages held and torn slots (nothing changed)."""
+    if c.store is None:
+        return Check("store", "pass", "no arena given (--store PATH checks one)")
+    from hicache.effects import arena
+    from hicache.errors import ArenaError
+    from hicache.store import SlotIndex
+
+    try:
+        attached = arena.attach_arena(c.store, root=c.root)
+    except ArenaError as error:
+        return Check("store", "fail", str(error), "hicache store create PATH makes one (docs/store.md)")
+    try:
+        census = SlotIndex(attached).census()
+        plan = attached.plan
+        finding = (f"{c.store}: {attached.backing.kind}, {plan.slots:,} slots of {plan.slot_bytes:,} bytes, "
+                   f"{census.pages:,} pages held, {census.torn} torn")
+        if census.torn:
+            return Check("store", "warn", finding, "torn slots are a dead writer's: the next engine's attach reclaims them")
+        return Check("store", "pass", finding)
+    finally:
+        attached.close()
+
+
 #: The rules, in the order they print.
 RULES = (_versions, _kernel, _limits, _thp, _hugepages, _pools, _buddyinfo, _memlock, _max_map_count, _memory, _numa, _host_copy,
-         _cuda, _binding, _gpus, _sglang)
+         _cuda, _binding, _gpus, _sglang, _store_room, _store)
 
 
-def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, facts=None) -> list[Check]:
+def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, facts=None,
+                  store: str | None = None) -> list[Check]:
     """Every rule of `hicache doctor`, against ``plan`` when one is given. ``facts``: injected
     `MachineFacts` (default: probed under ``root``)."""
     import os
@@ -367,7 +427,7 @@ def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, fa
         plan=plan, facts=facts, resolved=resolved, env=env, cuda_binding=cuda_binding,
         total=sum(p.total_bytes for _, p in pools), calls=sum(p.call_count for _, p in pools),
         largest=max((p.largest_call_bytes for _, p in pools), default=0), ranks=ranks,
-        limits=pools[0][1].limits if pools else None, root=root,
+        limits=pools[0][1].limits if pools else None, root=root, store=store,
     )
     return [rule(context) for rule in RULES]
 
@@ -394,10 +454,11 @@ def add_command(commands) -> None:
     doctor = commands.add_parser("doctor", help="what this machine will do to a plan", description=DESCRIPTION)
     doctor.add_argument("--plan", dest="plan_file", help="a saved JSON plan to check against this machine")
     doctor.add_argument("--format", choices=("table", "json"), default="table")
+    doctor.add_argument("--store", help="a node store arena to check (its geometry, pages, torn slots)")
 
 
 def run(args) -> int:
     plan = load_plan(args.plan_file) if args.plan_file else None
-    checks = doctor_checks(plan)
+    checks = doctor_checks(plan, store=args.store)
     sys.stdout.write(render_checks(checks, args.format))
     return 1 if any(c.status == "fail" for c in checks) else 0
