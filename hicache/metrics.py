@@ -43,6 +43,7 @@ class _State:
         self.last_rates = (0.0, 0.0)  # (pre-fault, register) bytes/s of the last bring-up
         self.registered: set = set()  # ids of the registries the collector is in
         self.turnstile_waits = None  # the handles' reader of this process's turnstile waits
+        self.stores: dict[str, weakref.ref] = {}  # arena path -> this process's NodeStore over it
 
 
 _STATE = _State()
@@ -139,6 +140,62 @@ def released(pool: str) -> None:
             _STATE.entries[pool] = entry
 
 
+def track_store(arena: str, store) -> None:
+    """Report ``store`` (a `hicache.store.NodeStore`, held weakly) as the node store over the
+    arena at ``arena`` from now on; its families read the arena and the store when scraped."""
+    try:
+        if not install():
+            return
+        with _STATE.lock:
+            _STATE.stores[arena] = weakref.ref(store)
+    except Exception:  # metrics never fail the work they observe
+        logger.exception("hicache metrics: could not track the store at %s", arena)
+
+
+def untrack_store(arena: str) -> None:
+    with _STATE.lock:
+        _STATE.stores.pop(arena, None)
+
+
+def _store_families():
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    size = GaugeMetricFamily("hicache_store_bytes", "Bytes of a node store's arena, by its backing",
+                             labels=("arena", "backing"))
+    slots = GaugeMetricFamily("hicache_store_slots", "Slots of a node store's arena: used (a page held), torn "
+                              "(being written, or a dead writer's), free", labels=("arena", "state"))
+    pages = GaugeMetricFamily("hicache_store_pages", "Distinct pages the arena holds", labels=("arena",))
+    counts = {name: CounterMetricFamily(f"hicache_store_{name}", help_text, labels=("arena",)) for name, help_text in (
+        ("hits", "Pages this process read from the store"), ("misses", "Pages this process looked for and missed"),
+        ("torn_reads", "Reads that found their page rewritten while copying (a miss)"),
+        ("corrupt_reads", "Reads whose checksum failed (a miss; the slot is reclaimed)"),
+        ("evictions", "Pages this process's writes evicted"), ("writes", "Pages this process wrote"))}
+    attach = GaugeMetricFamily("hicache_store_attach_seconds", "Seconds this process's attach (or creation) of the "
+                               "arena took", labels=("arena",))
+    with _STATE.lock:
+        stores = list(_STATE.stores.items())
+    for arena, ref in stores:
+        store = ref()
+        if store is None or store.closed:
+            continue
+        try:
+            census = store.census()
+        except Exception:  # a store closing under the scrape: skip it this time
+            continue
+        plan = store.arena.plan
+        size.add_metric([arena, store.arena.backing.kind], plan.total_bytes)
+        used = sum(census.by_namespace.values())
+        for state, value in (("used", used), ("torn", census.torn), ("free", plan.slots - used - census.torn)):
+            slots.add_metric([arena, state], value)
+        pages.add_metric([arena], census.pages)
+        c = store.counts
+        for name, value in (("hits", c.hits), ("misses", c.misses), ("torn_reads", c.torn),
+                            ("corrupt_reads", c.corrupt), ("evictions", c.evictions), ("writes", c.writes)):
+            counts[name].add_metric([arena], value)
+        attach.add_metric([arena], store.arena.attach_s)
+    return [size, slots, pages, *counts.values(), attach]
+
+
 def _prefault_s(timings: dict, allocator):
     return timings.get("prefault_s") or getattr(allocator, "prefault_s", None) or timings.get("allocate_prefault_s")
 
@@ -208,6 +265,7 @@ class _Collector:
                                           sum_value=waits["sum"])
         yield from (pool_bytes, registered, calls, seconds, prefault_rate, register_rate, ready, pages, budget,
                     turnstile)
+        yield from _store_families()
 
 
 def serve(port: int, *, addr: str = "127.0.0.1", registry=None):

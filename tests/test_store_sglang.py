@@ -309,3 +309,32 @@ def test_a_segment_outside_the_pools_buffers_is_refused_before_any_copy(sglang, 
         assert store.batch_exists(["a"]) == 0
     finally:
         store.close()
+
+
+def test_metrics_report_the_arena_and_this_engines_counts(sglang, shm_dir, pools):
+    """hicache_store_* in a Prometheus registry (as a server's /metrics scrapes it): the arena's
+    bytes by backing, used slots, pages, this process's hits, misses and writes, attach seconds;
+    once closed the arena is no longer reported."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from hicache import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    assert metrics.install(registry)
+    store = _store(shm_dir / "arena", pools[0])
+    arena = str(shm_dir / "arena")
+    try:
+        store.batch_set_v1(["a", "b", "c"], torch.arange(0, 3 * PAGE))
+        store.batch_get_v1(["a", "zz"], torch.arange(4 * PAGE, 6 * PAGE))
+        text = prometheus_client.generate_latest(registry).decode()
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("hicache_store_")}
+        at = f'arena="{arena}"'
+        assert values[f'hicache_store_bytes{{{at},backing="tmpfs"}}'] == store.store.arena.plan.total_bytes
+        assert values[f'hicache_store_slots{{{at},state="used"}}'] == 3
+        assert values[f'hicache_store_pages{{{at}}}'] == 3
+        assert (values[f'hicache_store_hits_total{{{at}}}'], values[f'hicache_store_misses_total{{{at}}}'],
+                values[f'hicache_store_writes_total{{{at}}}']) == (1, 1, 3)
+        assert values[f'hicache_store_attach_seconds{{{at}}}'] > 0
+    finally:
+        store.close()
+    assert f'arena="{arena}"' not in prometheus_client.generate_latest(registry).decode()

@@ -234,6 +234,9 @@ class HiCacheNodeStore(HiCacheStorage):
             raise
         self.attach_s = time.perf_counter() - began
         self.attach_resident = self.store.arena.resident_bytes()  # what the attach faulted in: header and index only
+        from hicache import metrics
+
+        metrics.track_store(self.path, self.store)
         logger.info("HiCacheNodeStore: %s arena %s (%d slots of %d bytes) in %.3f s", "created" if
                     self.store.arena.created else "attached", self.path, self.store.arena.plan.slots,
                     self.store.arena.plan.slot_bytes, self.attach_s)
@@ -420,5 +423,8 @@ class HiCacheNodeStore(HiCacheStorage):
         """Unmap the arena; idempotent. Its pages stay for the next engine."""
         self._closed = True
         if self.store is not None:
+            from hicache import metrics
+
+            metrics.untrack_store(self.path)
             store, self.store = self.store, None
             store.close()
