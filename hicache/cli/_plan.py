@@ -47,6 +47,8 @@ def run(args) -> int:
     if args.list_models:
         emit(_list_models(), args.out)
         return 0
+    if args.store_slot_bytes is not None and args.store_gb is None:
+        raise CliError("missing-flag", "--store-slot-bytes is read only with --store-gb", "e.g. --store-gb 64")
     resolved = None
     if args.this_machine:
         from hicache.cli._plan_args import limits_from_args
@@ -60,8 +62,6 @@ def run(args) -> int:
     if defaults and not any(getattr(args, k) for k in ("model", "config", "model_path")):
         print("hicache plan: no model given; planning the default preset on default settings", file=sys.stderr)
     text = render(plan, args.format, defaults=defaults, sources=sources, wide=args.wide)
-    if args.store_slot_bytes is not None and args.store_gb is None:
-        raise CliError("missing-flag", "--store-slot-bytes is read only with --store-gb", "e.g. --store-gb 64")
     if args.store_gb is not None:
         text = _with_store(text, plan, args)
     emit(text, args.out)
