@@ -283,12 +283,13 @@ ROLES["sglang_pool"] = sglang_pool
 
 
 def controller(say, *, path: str, size_gb, kind: str, layout: str, pools: str, seed: int, pages: int, mode: str,
-               host_memory_mode: str = "cache") -> dict:
+               host_memory_mode: str = "cache", backend: str = "dynamic") -> dict:
     """SGLang's real `HybridCacheController` with the dynamic back end (`--hicache-storage-backend
     dynamic`). ``mode="write"``: fill the device pool from ``seed``, write the pages to host and
     back them up to L3 through SGLang's backup thread, say "stored" and wait to be killed.
     ``mode="prefetch"``: a fresh controller prefetches the same tokens through SGLang's prefetch
-    threads (hit query, then `batch_get_v1`) and loads them into its device pool: byte-exact."""
+    threads (hit query, then `batch_get_v1`) and loads them into its device pool: byte-exact.
+    ``backend="file"``: SGLang's own HiCacheFile in the directory ``path`` instead (a baseline)."""
     import threading
 
     import torch
@@ -318,15 +319,16 @@ def controller(say, *, path: str, size_gb, kind: str, layout: str, pools: str, s
         group = HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=host, device_pool=device,
                                          layer_mapper=lambda layer: layer, is_primary_index_anchor=True)])
         started = time.perf_counter()
+        extra = store_extra(path, size_gb) if backend == "dynamic" else {"file_storage_path": path}
         cc = HybridCacheController(allocator, group, SG_PAGE, None, threading.Event(), io_backend="direct",
-                                   storage_backend="dynamic", prefetch_threshold=SG_PAGE, model_name="hicache/restart",
-                                   storage_backend_extra_config=store_extra(path, size_gb),
-                                   host_memory_mode=host_memory_mode)
+                                   storage_backend=backend, prefetch_threshold=SG_PAGE, model_name="hicache/restart",
+                                   storage_backend_extra_config=extra, host_memory_mode=host_memory_mode)
         store = cc.storage_backend
         report["backend"] = type(store).__name__
         report["zero_copy"] = cc.page_get_func.__name__
-        report["attach_resident"] = store.attach_resident
-        report["data_offset"] = store.store.arena.plan.data_offset  # where the first slot's page starts
+        if backend == "dynamic":
+            report["attach_resident"] = store.attach_resident
+            report["data_offset"] = store.store.arena.plan.data_offset  # where the first slot's page starts
         want = _expected(seed, kind, len(tokens))
         if mode == "write":
             written = allocator.alloc(len(tokens))
@@ -360,10 +362,11 @@ def controller(say, *, path: str, size_gb, kind: str, layout: str, pools: str, s
         got = [layer[loaded] for layer in _device_layers(device, kind)]
         report["byte_exact"] = all(torch.equal(g.reshape(w.shape).view(torch.int16), w.view(torch.int16))
                                    for g, w in zip(got, want))
-        stats = store.get_stats()
-        report["stats"] = {k: stats[k] for k in ("pages", "hits", "misses", "torn", "reclaimed")}
+        if backend == "dynamic":
+            stats = store.get_stats()
+            report["stats"] = {k: stats[k] for k in ("pages", "hits", "misses", "torn", "reclaimed")}
         cc.detach_storage_backend()
-        report["closed"] = store._closed
+        report["closed"] = getattr(store, "_closed", True)
         host.destroy()
         report["held_after_destroy"] = sorted(fake.held())
     return report

@@ -5,8 +5,11 @@
  * reader that sees a slot's even generation also sees the bytes published before it - on weakly
  * ordered CPUs (aarch64: Grace Hopper) too.
  * copy_pages: a batch of page copies between a pool's page segments and arena slots, without the
- * GIL, summing every 8-byte word as it is copied (sum1 = seed1 + sum w_i, sum2 = seed2 +
- * sum (i+1) w_i, mod 2**64): the checksum of exactly the bytes written or delivered, in one pass.
+ * GIL, checksumming every 8-byte word as it is copied - the checksum of exactly the bytes
+ * written or delivered, in one pass at memory speed: four Fletcher lanes over the page's words
+ * (word i goes to lane i % 4: a += w, b += a, mod 2**64; lane 0 starts at seed1, lane 1 at
+ * seed2), folded as sum1 = a0 + 2 a1 + 3 a2 + 4 a3, sum2 = b0 + b1 + b2 + b3. Adds only, so the
+ * compiler vectorizes it (a multiply per word ran at half of memcpy's speed).
  * lookup: for each 16-byte key, the slot of its window holding it with an even generation.
  * Bounds are the caller's (hicache.effects._arena._slots checks every segment against the
  * arena and the pool before calling).
@@ -15,6 +18,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define RECORD_BYTES 64
 
@@ -49,6 +55,43 @@ static int get_u64(PyObject *obj, Py_buffer *view, Py_ssize_t need, const char *
     return 0;
 }
 
+/* blocks of 4 words: copied from f to t (unless t is NULL) and summed into the lanes. On x86-64
+ * SSE2 (its baseline), with streaming stores past the caches when t is 16-byte aligned - made
+ * visible before the slot's generation is published by the sfence at the end of copy_pages. */
+static void blocks_sum(const unsigned char *f, unsigned char *t, uint64_t blocks, uint64_t *a, uint64_t *b) {
+#if defined(__SSE2__)
+    __m128i a01 = _mm_set_epi64x((long long)a[1], (long long)a[0]), a23 = _mm_set_epi64x((long long)a[3], (long long)a[2]);
+    __m128i b01 = _mm_set_epi64x((long long)b[1], (long long)b[0]), b23 = _mm_set_epi64x((long long)b[3], (long long)b[2]);
+    int stream = t != NULL && ((uintptr_t)t & 15) == 0;
+    for (uint64_t q = 0; q < blocks; q++) {
+        __m128i v01 = _mm_loadu_si128((const __m128i *)(f + 32 * q));
+        __m128i v23 = _mm_loadu_si128((const __m128i *)(f + 32 * q + 16));
+        if (stream) {
+            _mm_stream_si128((__m128i *)(t + 32 * q), v01);
+            _mm_stream_si128((__m128i *)(t + 32 * q + 16), v23);
+        } else if (t != NULL) {
+            _mm_storeu_si128((__m128i *)(t + 32 * q), v01);
+            _mm_storeu_si128((__m128i *)(t + 32 * q + 16), v23);
+        }
+        a01 = _mm_add_epi64(a01, v01);
+        a23 = _mm_add_epi64(a23, v23);
+        b01 = _mm_add_epi64(b01, a01);
+        b23 = _mm_add_epi64(b23, a23);
+    }
+    _mm_storeu_si128((__m128i *)a, a01);
+    _mm_storeu_si128((__m128i *)(a + 2), a23);
+    _mm_storeu_si128((__m128i *)b, b01);
+    _mm_storeu_si128((__m128i *)(b + 2), b23);
+#else
+    for (uint64_t q = 0; q < blocks; q++) {
+        uint64_t v[4];
+        memcpy(v, f + 32 * q, 32);
+        if (t != NULL) memcpy(t + 32 * q, v, 32);
+        for (int l = 0; l < 4; l++) { a[l] += v[l]; b[l] += a[l]; }
+    }
+#endif
+}
+
 /* copy_pages(direction, pages, per_page, slots, seg_ptrs, seg_lens, sums)
  * direction 0: segments -> slot (a write), 1: slot -> segments (a read), 2: sum the slot only.
  * sums: 2 u64 per page, the seeds in, the checksums out. */
@@ -75,24 +118,39 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     uint64_t *sum = sums.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t p = 0; p < pages; p++) {
-        uint64_t s1 = sum[2 * p], s2 = sum[2 * p + 1], i = 0;
+        uint64_t a[4] = {sum[2 * p], sum[2 * p + 1], 0, 0}, b[4] = {0, 0, 0, 0}, i = 0;
         unsigned char *at = (unsigned char *)(uintptr_t)slot[p];
         for (Py_ssize_t s = 0; s < per_page; s++) {
-            uint64_t n = len[p * per_page + s] / 8, w;
+            uint64_t n = len[p * per_page + s] / 8, k = 0, w;
             unsigned char *seg = (unsigned char *)(uintptr_t)ptr[p * per_page + s];
             const unsigned char *from = direction == 0 ? seg : at;
             unsigned char *to = direction == 0 ? at : seg;
-            for (uint64_t k = 0; k < n; k++) {
+            for (; k < n && (i & 3); k++, i++) { /* to a lane-0 word */
                 memcpy(&w, from + 8 * k, 8);
                 if (direction != 2) memcpy(to + 8 * k, &w, 8);
-                s1 += w;
-                s2 += (++i) * w;
+                a[i & 3] += w;
+                b[i & 3] += a[i & 3];
+            }
+            uint64_t blocks = (n - k) / 4;
+            const unsigned char *f = from + 8 * k;
+            unsigned char *t = to + 8 * k;
+            blocks_sum(f, direction == 2 ? NULL : t, blocks, a, b);
+            k += 4 * blocks;
+            i += 4 * blocks;
+            for (; k < n; k++, i++) {
+                memcpy(&w, from + 8 * k, 8);
+                if (direction != 2) memcpy(to + 8 * k, &w, 8);
+                a[i & 3] += w;
+                b[i & 3] += a[i & 3];
             }
             at += 8 * n;
         }
-        sum[2 * p] = s1;
-        sum[2 * p + 1] = s2;
+        sum[2 * p] = a[0] + 2 * a[1] + 3 * a[2] + 4 * a[3];
+        sum[2 * p + 1] = b[0] + b[1] + b[2] + b[3];
     }
+#if defined(__SSE2__)
+    _mm_sfence(); /* streaming stores are weakly ordered: all visible before any publish */
+#endif
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&slots); PyBuffer_Release(&ptrs); PyBuffer_Release(&lens); PyBuffer_Release(&sums);
     Py_RETURN_NONE;

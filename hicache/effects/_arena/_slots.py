@@ -1,8 +1,8 @@
 """The word-level operations the node store's slot protocol runs on shared memory, in two
 interchangeable implementations: the optional C helper `_slotops` (acquire/release atomics,
-copies that checksum as they go, without the GIL) and a fallback without a compiler (ctypes
-aligned 8-byte loads and stores, memmove, torch sums) that computes the same checksums - an
-arena written by one is read by the other. Also the per-slot OFD locks writers take.
+copies that checksum as they go, without the GIL, at memory speed) and a fallback without a
+compiler (ctypes aligned 8-byte loads and stores, memmove, torch sums) that computes the same
+checksums in closed form - an arena written by one is read by the other. Also the per-slot OFD locks writers take.
 
 The fallback's loads and stores are single aligned moves, ordered on x86-64 (TSO); on weakly
 ordered CPUs a reader that sees a half-published slot still fails its checksum: a miss, never
@@ -70,15 +70,29 @@ class NativeSlotOps:
         return list(found), list(gens)
 
 
-def _word_sums(addr: int, nbytes: int, first: int) -> tuple[int, int]:
-    """(sum w_i, sum (first + i + 1) w_i) mod 2**64 over the 8-byte words at ``addr``."""
+def _page_sum(spans, seed1: int, seed2: int) -> tuple[int, int]:
+    """The C helper's checksum of the words at ``spans`` (``(addr, bytes)``, in page order): four
+    Fletcher lanes (word i in lane i % 4: a += w, b += a, mod 2**64; lane 0 seeded with
+    ``seed1``, lane 1 with ``seed2``), folded as (a0 + 2a1 + 3a2 + 4a3, b0 + b1 + b2 + b3). In
+    closed form: the m-th word of lane l adds (N_l - m) w to b_l, N_l being that lane's words."""
     import torch
 
-    if nbytes == 0:
-        return 0, 0
-    words = torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.int64)
-    weights = torch.arange(first + 1, first + 1 + words.numel(), dtype=torch.int64)
-    return int(words.sum()) & MASK, int((words * weights).sum()) & MASK
+    parts = [torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.int64) for addr, size in spans
+             if size]
+    words = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    total = words.numel()
+    index = torch.arange(total, dtype=torch.int64)
+    lane, m = index % 4, index // 4
+    counts = torch.tensor([(total - l + 3) // 4 for l in range(4)], dtype=torch.int64)
+    a = torch.zeros(4, dtype=torch.int64).index_add_(0, lane, words)
+    b = torch.zeros(4, dtype=torch.int64).index_add_(0, lane, words * (counts[lane] - m))
+    a_lanes = [int(v) & MASK for v in a]
+    b_lanes = [int(v) & MASK for v in b]
+    a_lanes[0] = (a_lanes[0] + seed1) & MASK
+    a_lanes[1] = (a_lanes[1] + seed2) & MASK
+    b_lanes[0] = (b_lanes[0] + int(counts[0]) * seed1) & MASK
+    b_lanes[1] = (b_lanes[1] + int(counts[1]) * seed2) & MASK
+    return (sum((l + 1) * v for l, v in enumerate(a_lanes)) & MASK, sum(b_lanes) & MASK)
 
 
 class PythonSlotOps:
@@ -106,18 +120,16 @@ class PythonSlotOps:
     def copy_pages(direction: int, slots, seg_ptrs, seg_lens, per_page: int, seeds) -> list[tuple[int, int]]:
         out = []
         for p, slot in enumerate(slots):
-            s1, s2, words, at = seeds[2 * p], seeds[2 * p + 1], 0, slot
+            spans, at = [], slot
             for s in range(per_page):
                 seg, length = seg_ptrs[p * per_page + s], seg_lens[p * per_page + s]
                 if direction == 0:
                     ctypes.memmove(at, seg, length)
                 elif direction == 1:
                     ctypes.memmove(seg, at, length)
-                a, b = _word_sums(seg if direction == 1 else at, length, words)
-                s1, s2 = (s1 + a) & MASK, (s2 + b) & MASK
-                words += length // 8
+                spans.append((seg if direction == 1 else at, length))  # the bytes delivered / stored
                 at += length
-            out.append((s1, s2))
+            out.append(_page_sum(spans, seeds[2 * p], seeds[2 * p + 1]))
         return out
 
     @staticmethod

@@ -1,0 +1,209 @@
+"""The node store against the free alternative: SGLang 0.5.23's own `HiCacheFile` on /dev/shm
+(node-shared and restart-surviving too) - the same pages, interleaved rounds, medians with the
+per-round min-max (issue #32).
+
+- 128-page batches of a DeepSeek-V3-like MLA page (61 layers x 576 x bf16 x 64 tokens, 4.5 MB)
+  and of an MHA page (Llama-3.1-70B at TP 8: 80 layers x 1 KV head x 128 x bf16 x 64 tokens,
+  2.6 MB), in hicache's 0.5.23 host pools (the plug-in's, on CPU under the fake driver):
+  HiCacheNodeStore's zero-copy `batch_set_v1` / `batch_get_v1` vs HiCacheFile's `batch_set_v2` /
+  `batch_get_v2` (a syscall and a staging copy per page). Target: >= 3x.
+- `batch_exists` of 128 keys (target <= 200 us), vs HiCacheFile's.
+- attach of an arena of HICACHE_BENCH_STORE_ARENA_GIB (default 16) vs creating it.
+- the restart figure: seconds from a fresh `HybridCacheController` (a new process, SGLang's
+  real code) to its first L3 hit, over an arena vs over HiCacheFile's directory.
+
+HICACHE_BENCH_ROUNDS (default 5) interleaved rounds. Needs `make sglang`; says so and exits 0
+without. Uses /dev/shm: about 2.5 GB for the batches, then the arena alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+
+from _timing import interleaved, median_line  # noqa: E402
+
+from hicache.effects import package_version  # noqa: E402
+
+GiB = 2**30
+PAGES = 128
+ROUNDS = int(os.environ.get("HICACHE_BENCH_ROUNDS", "5"))
+
+
+def _pool(kind: str):
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    import hicache.pools as pools
+
+    tokens = 2 * PAGES * 64
+    common = dict(size=tokens, page_size=64, dtype=torch.bfloat16, device="cpu", enable_memory_saver=False)
+    if kind == "mla":
+        device = MLATokenToKVPool(kv_lora_rank=512, qk_rope_head_dim=64, layer_num=61, **common)
+        cls, layers = pools.MLATokenToKVPoolHost, 61
+    else:
+        device = MHATokenToKVPool(head_num=1, head_dim=128, layer_num=80, **common)
+        cls, layers = pools.MHATokenToKVPoolHost, 80
+    info = device.get_device_pool_infos()[0].buffer_info
+    extra = dict(target_layer_num=layers) if kind == "mla" else {}
+    host = cls(info, 1.0, 0, 64, "page_first_direct", device_capacity_tokens=tokens, start_layer=0,
+               end_layer=layers - 1, host_memory_bytes=10**12, **extra)
+    del device
+    for buffer in (host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]):
+        buffer.view(torch.int16).random_(-30000, 30000)
+    return host
+
+
+def _config(kind: str, extra: dict):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=kind == "mla", enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name="bench", extra_config=extra)
+
+
+def _batches(kind: str, shm: str) -> list[str]:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer
+
+    from hicache.compat.sglang_store import HiCacheNodeStore
+
+    host = _pool(kind)
+    page_bytes = host.get_data_page(0, flat=True).nbytes
+    arena = f"{shm}/arena-{kind}"
+    ours = HiCacheNodeStore(_config(kind, {"interface_v1": 1, "arena": arena,
+                                           "size_gb": (PAGES + 64) * page_bytes * 1.1 / 1e9}), {})
+    ours.register_mem_pool_host(host)
+    ours.on_host_pools_registered()
+    file_dir = f"{shm}/file-{kind}"
+    theirs = HiCacheFile(_config(kind, {}), file_path=file_dir)
+    theirs.register_mem_pool_host(host)
+    theirs.register_mem_host_pool_v2(host, PoolName.KV)
+    source, target = torch.arange(0, PAGES * 64), torch.arange(PAGES * 64, 2 * PAGES * 64)
+    keys = [f"{kind}-{i:04d}" for i in range(PAGES)]
+    put = [PoolTransfer(name=PoolName.KV, host_indices=source, keys=keys)]
+    get = [PoolTransfer(name=PoolName.KV, host_indices=target, keys=keys)]
+
+    def set_ours():
+        assert all(ours.batch_set_v1(keys, source))
+        return lambda: ours.clear()
+
+    def set_theirs():
+        assert all(theirs.batch_set_v2(put)[PoolName.KV])
+        return lambda: theirs.clear()
+
+    label = f"{kind} page {page_bytes / 1e6:.1f} MB, {PAGES}-page batch"
+    writes = interleaved({"ours": set_ours, "theirs": set_theirs}, rounds=ROUNDS)
+    lines = [median_line(f"store batch_set_v1 ({label})", writes["ours"], "HiCacheFile batch_set_v2 on /dev/shm",
+                         writes["theirs"])]
+    ours.batch_set_v1(keys, source)
+    theirs.batch_set_v2(put)
+    reads = interleaved({"ours": lambda: ours.batch_get_v1(keys, target),
+                         "theirs": lambda: theirs.batch_get_v2(get)}, rounds=ROUNDS)
+    assert all(ours.batch_get_v1(keys, target))
+    lines.append(median_line(f"store batch_get_v1 ({label})", reads["ours"], "HiCacheFile batch_get_v2 on /dev/shm",
+                             reads["theirs"]))
+    lookups = interleaved({"ours": lambda: ours.batch_exists(keys), "theirs": lambda: theirs.batch_exists(keys)},
+                          rounds=max(ROUNDS, 25))
+    assert ours.batch_exists(keys) == theirs.batch_exists(keys) == PAGES
+    ours_us = [t * 1e6 for t in lookups["ours"]]
+    theirs_us = [t * 1e6 for t in lookups["theirs"]]
+    lines.append(median_line(f"store batch_exists of {PAGES} keys ({kind})", ours_us, "HiCacheFile batch_exists",
+                             theirs_us, unit="us") + f" | target <= 200 us: {statistics.median(ours_us):.0f} us")
+    ours.close()
+    host.destroy()
+    shutil.rmtree(file_dir, ignore_errors=True)
+    os.unlink(arena)
+    return lines
+
+
+def _attach(shm: str) -> str:
+    from hicache.effects import arena as effects_arena
+    from hicache.plan import plan_store
+
+    size = int(os.environ.get("HICACHE_BENCH_STORE_ARENA_GIB", "16")) * GiB
+    path = f"{shm}/arena-attach"
+    free = shutil.disk_usage(shm).free
+    if free < size + GiB:
+        return f"store attach: skipped, /dev/shm has {free / GiB:.1f} GiB free for a {size / GiB:.0f} GiB arena"
+    plan = plan_store(size, slot_bytes=4_718_592)
+    began = time.perf_counter()
+    effects_arena.create_arena(path, plan, label="bench").close()
+    created = time.perf_counter() - began
+    attaches = []
+    for _ in range(max(ROUNDS, 5)):
+        began = time.perf_counter()
+        effects_arena.attach_arena(path).close()
+        attaches.append(time.perf_counter() - began)
+    os.unlink(path)
+    attach = statistics.median(attaches)
+    return (f"store attach of a {size / GiB:.0f} GiB arena: median {attach * 1e3:.2f} ms (min-max "
+            f"{min(attaches) * 1e3:.2f}-{max(attaches) * 1e3:.2f} ms, {len(attaches)} attaches) | baseline creating it "
+            f"(fallocate + pre-fault): {created:.2f} s | {created / attach:.0f}x faster")
+
+
+def _restart(shm: str) -> str:
+    """Seconds from a fresh controller to its first L3 hit, over an arena and over HiCacheFile."""
+    from store_support import Zygote
+
+    figures = {}
+    with Zygote(sglang=True) as zygote:
+        for backend in ("dynamic", "file"):
+            path = f"{shm}/restart-{backend}"
+            args = dict(path=path, size_gb=0.2, kind="mha", layout="page_first_direct", pools="hicache", seed=3,
+                        pages=64, backend=backend)
+            zygote.start(f"{backend}-old", "controller", mode="write", **args)
+            zygote.wait_for(f"{backend}-old", "stored")
+            zygote.kill(f"{backend}-old")
+            runs = []
+            for r in range(3):
+                zygote.start(f"{backend}-{r}", "controller", mode="prefetch", **args)
+                report = zygote.result(f"{backend}-{r}")
+                assert report["byte_exact"], report
+                runs.append(report["first_hit_s"])
+            figures[backend] = runs
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.unlink(path)
+    return median_line("restart: a fresh HybridCacheController to its first L3 hit (64 pages, arena)",
+                       figures["dynamic"], "HiCacheFile on /dev/shm", figures["file"])
+
+
+def main() -> int:
+    if package_version("sglang") is None:
+        print("bench_store: SGLang is not installed (make sglang); skipped")
+        return 0
+    from hicache.testing import fake_cuda, sglang_on_cpu
+
+    sglang_on_cpu()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+        import sglang.srt.mem_cache.memory_pool  # noqa: F401
+    shm = tempfile.mkdtemp(prefix="hicache-bench-", dir="/dev/shm")
+    try:
+        with fake_cuda():
+            for kind in ("mla", "mha"):
+                for line in _batches(kind, shm):
+                    print(line, flush=True)
+        print(_attach(shm), flush=True)
+        print(_restart(shm), flush=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
