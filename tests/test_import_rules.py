@@ -24,7 +24,7 @@ ALLOWED = {
     "_host": LEAVES | {"_cuda"},
     "_copy": LEAVES | {"_cuda"},
     "_bringup": LEAVES | {"_cuda", "_host", "_copy"},
-    "_arena": LEAVES | {"_host"},  # the node store's file: pre-faulted by _host's workers
+    "_arena": LEAVES | {"_host", "_copy"},  # the node store's file: _host's pre-fault workers, _copy's thread rule
 }
 
 

@@ -1,7 +1,7 @@
 """The node store's arena room: the tmpfs/hugetlbfs file (mount and room checks, create under a
 directory lock with its header last, attach without faulting), and the word operations and
 per-slot locks the store's slot protocol runs on (a C helper with a fallback). Imports the
-leaves and `_host` (the pre-fault workers) only."""
+leaves, `_host` (the pre-fault workers) and `_copy` (how many threads a large copy uses) only."""
 
 from hicache.effects._arena._arena import Arena, attach_arena, create_arena, drop_arena
 from hicache.effects._arena._mounts import Backing, Mount, backing_of, mount_of, parse_mountinfo

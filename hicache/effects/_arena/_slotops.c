@@ -18,9 +18,12 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <pthread.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+
+#define MAX_THREADS 8
 
 #define RECORD_BYTES 64
 
@@ -92,32 +95,27 @@ static void blocks_sum(const unsigned char *f, unsigned char *t, uint64_t blocks
 #endif
 }
 
-/* copy_pages(direction, pages, per_page, slots, seg_ptrs, seg_lens, sums)
- * direction 0: segments -> slot (a write), 1: slot -> segments (a read), 2: sum the slot only.
- * sums: 2 u64 per page, the seeds in, the checksums out. */
-static PyObject *copy_pages(PyObject *self, PyObject *args) {
+typedef struct {
     int direction;
-    Py_ssize_t pages, per_page;
-    PyObject *o_slots, *o_ptrs, *o_lens, *o_sums;
-    if (!PyArg_ParseTuple(args, "innOOOO", &direction, &pages, &per_page, &o_slots, &o_ptrs, &o_lens, &o_sums))
-        return NULL;
-    if (direction < 0 || direction > 2 || pages < 0 || per_page < 1) {
-        PyErr_SetString(PyExc_ValueError, "copy_pages: bad direction, page or segment count");
-        return NULL;
-    }
-    Py_buffer slots, ptrs, lens, sums;
-    if (get_u64(o_slots, &slots, pages, "slots") < 0) return NULL;
-    if (get_u64(o_ptrs, &ptrs, pages * per_page, "seg_ptrs") < 0) { PyBuffer_Release(&slots); return NULL; }
-    if (get_u64(o_lens, &lens, pages * per_page, "seg_lens") < 0) {
-        PyBuffer_Release(&slots); PyBuffer_Release(&ptrs); return NULL;
-    }
-    if (get_u64(o_sums, &sums, 2 * pages, "sums") < 0) {
-        PyBuffer_Release(&slots); PyBuffer_Release(&ptrs); PyBuffer_Release(&lens); return NULL;
-    }
-    const uint64_t *slot = slots.buf, *ptr = ptrs.buf, *len = lens.buf;
-    uint64_t *sum = sums.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t p = 0; p < pages; p++) {
+    Py_ssize_t per_page;
+    const uint64_t *slot, *ptr, *len;
+    uint64_t *sum;
+} job_t;
+
+typedef struct {
+    const job_t *job;
+    Py_ssize_t first, last;
+} share_t;
+
+/* pages [first, last) of a job: each page's segments copied and checksummed */
+static void *run_share(void *arg) {
+    const share_t *share = arg;
+    const job_t *job = share->job;
+    const int direction = job->direction;
+    const Py_ssize_t per_page = job->per_page;
+    const uint64_t *slot = job->slot, *ptr = job->ptr, *len = job->len;
+    uint64_t *sum = job->sum;
+    for (Py_ssize_t p = share->first; p < share->last; p++) {
         uint64_t a[4] = {sum[2 * p], sum[2 * p + 1], 0, 0}, b[4] = {0, 0, 0, 0}, i = 0;
         unsigned char *at = (unsigned char *)(uintptr_t)slot[p];
         for (Py_ssize_t s = 0; s < per_page; s++) {
@@ -147,6 +145,54 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         }
         sum[2 * p] = a[0] + 2 * a[1] + 3 * a[2] + 4 * a[3];
         sum[2 * p + 1] = b[0] + b[1] + b[2] + b[3];
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    return NULL;
+}
+
+/* copy_pages(direction, pages, per_page, slots, seg_ptrs, seg_lens, sums[, threads])
+ * direction 0: segments -> slot (a write), 1: slot -> segments (a read), 2: sum the slot only.
+ * sums: 2 u64 per page, the seeds in, the checksums out. */
+static PyObject *copy_pages(PyObject *self, PyObject *args) {
+    int direction, threads = 1;
+    Py_ssize_t pages, per_page;
+    PyObject *o_slots, *o_ptrs, *o_lens, *o_sums;
+    if (!PyArg_ParseTuple(args, "innOOOO|i", &direction, &pages, &per_page, &o_slots, &o_ptrs, &o_lens, &o_sums,
+                          &threads))
+        return NULL;
+    if (direction < 0 || direction > 2 || pages < 0 || per_page < 1) {
+        PyErr_SetString(PyExc_ValueError, "copy_pages: bad direction, page or segment count");
+        return NULL;
+    }
+    Py_buffer slots, ptrs, lens, sums;
+    if (get_u64(o_slots, &slots, pages, "slots") < 0) return NULL;
+    if (get_u64(o_ptrs, &ptrs, pages * per_page, "seg_ptrs") < 0) { PyBuffer_Release(&slots); return NULL; }
+    if (get_u64(o_lens, &lens, pages * per_page, "seg_lens") < 0) {
+        PyBuffer_Release(&slots); PyBuffer_Release(&ptrs); return NULL;
+    }
+    if (get_u64(o_sums, &sums, 2 * pages, "sums") < 0) {
+        PyBuffer_Release(&slots); PyBuffer_Release(&ptrs); PyBuffer_Release(&lens); return NULL;
+    }
+    job_t job = {direction, per_page, slots.buf, ptrs.buf, lens.buf, sums.buf};
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > pages) threads = pages > 0 ? (int)pages : 1;
+    Py_BEGIN_ALLOW_THREADS
+    share_t shares[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++) {
+        shares[t].job = &job;
+        shares[t].first = pages * t / threads;
+        shares[t].last = pages * (t + 1) / threads;
+    }
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_share, &shares[t]) == 0;
+    run_share(&shares[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else run_share(&shares[t]); /* a thread that could not start: its pages here */
     }
 #if defined(__SSE2__)
     _mm_sfence(); /* streaming stores are weakly ordered: all visible before any publish */
