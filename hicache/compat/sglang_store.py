@@ -167,7 +167,6 @@ class HiCacheNodeStore(HiCacheStorage):
         self._pending = {"prefetch_pgs": [], "prefetch_bandwidth": [], "backup_pgs": [], "backup_bandwidth": []}
         self._closed = False
         self.attach_s = None
-        self.attach_resident = None
 
     # -- registration ----------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -233,13 +232,18 @@ class HiCacheNodeStore(HiCacheStorage):
             self.store = None
             raise
         self.attach_s = time.perf_counter() - began
-        self.attach_resident = self.store.arena.resident_bytes()  # what the attach faulted in: header and index only
         from hicache import metrics
 
         metrics.track_store(self.path, self.store)
         logger.info("HiCacheNodeStore: %s arena %s (%d slots of %d bytes) in %.3f s", "created" if
                     self.store.arena.created else "attached", self.path, self.store.arena.plan.slots,
                     self.store.arena.plan.slot_bytes, self.attach_s)
+
+    @property
+    def attach_resident(self) -> int | None:
+        """Bytes of the arena this process has faulted in (its mapping's Rss): right after the
+        attach, the header and index pages only - read on demand (/proc/self/smaps is long)."""
+        return None if self.store is None else self.store.arena.resident_bytes()
 
     def _ready(self) -> None:
         if self._closed:
