@@ -286,3 +286,58 @@ def test_two_processes_creating_at_once_make_one_arena(shm_dir):
     outputs = [child.communicate(timeout=120)[0].split() for child in children]
     assert sorted(o[0] for o in outputs) == ["False", "True"]
     assert outputs[0][1] == outputs[1][1] == str(_plan().slots)
+
+
+# -- the host-wide budget: a creation is one node claim ---------------------------------------------
+
+class RecordingLock:
+    """A stand-in for the host-wide budget lock that records when it is held."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.events: list = []
+
+    def __enter__(self):
+        self.held = True
+        self.events.append("enter")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.held = False
+        self.events.append("exit")
+
+
+def test_creating_an_arena_is_a_node_claim_held_until_it_is_pre_faulted(shm_dir):
+    """open_store creates under the budget lock and pre-faults before letting it go (the
+    progress callback runs while the lock is held): a pool bring-up beside it samples memory
+    with the arena resident. Attaching later takes no lock: nothing new becomes resident."""
+    from machine import facts
+
+    from hicache.store import open_store
+
+    lock = RecordingLock()
+    seen = []
+    store = open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=lock,
+                       machine=facts(available_bytes=ARENA_BYTES + 1), progress=lambda d, t: seen.append(lock.held))
+    store.close()
+    assert lock.events == ["enter", "exit"] and seen and all(seen)
+
+    class Untouchable(RecordingLock):
+        def __enter__(self):
+            raise AssertionError("an attach took the budget lock")
+
+    open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=Untouchable()).close()
+
+
+def test_an_arena_larger_than_the_available_memory_is_refused_before_anything_exists(shm_dir):
+    """The node's available memory (injected) below the arena's size: CapacityError with the
+    numbers, no file - whatever tmpfs would allow."""
+    from machine import facts
+
+    from hicache.errors import CapacityError
+    from hicache.store import open_store
+
+    with pytest.raises(CapacityError, match="host memory budget refused"):
+        open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=RecordingLock(),
+                   machine=facts(available_bytes=ARENA_BYTES // 2))
+    assert _listing(shm_dir) == []

@@ -9,6 +9,8 @@ hicache.effects' arena room, the slot protocol is `_index`.
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from hicache.effects import arena as _arena
@@ -132,14 +134,38 @@ class NodeStore:
 
 
 def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str = "", progress=None,
-               threads: int | None = None, ops=None, fault_hook=None, root: str = "/") -> NodeStore:
+               threads: int | None = None, ops=None, fault_hook=None, root: str = "/", machine=None, lock=None,
+               budget: bool = True) -> NodeStore:
     """Attach the arena at ``path`` - creating it with ``size_bytes`` when it does not exist yet
-    and ``size_bytes`` is given - and return a store over it. Errors name the path and field."""
+    and ``size_bytes`` is given - and return a store over it. Errors name the path and field.
+
+    A creation is a node claim on the host-wide budget, counted once whichever rank makes it:
+    under the budget lock (``lock``, default hicache's host-wide one) the arena must fit this
+    machine's available memory (``machine``: injected `MachineFacts`, default probed; no
+    per-rank split, no reserve - it is the node's), and the lock is held until the arena is
+    pre-faulted, so a pool bring-up beside it samples memory with the arena already resident.
+    An attach claims nothing: the arena's pages are resident already, seen as used by every
+    process's probe. ``budget=False`` skips the claim (`hicache store create` on a node agent
+    that checked already)."""
     if size_bytes is None:
         arena = _arena.attach_arena(path, page_bytes=slot_bytes, ops=ops, root=root)
-    else:
-        backing = _arena.backing_of(path, root=root)
-        plan = plan_store(size_bytes, slot_bytes=slot_bytes, unit_bytes=backing.unit_bytes, backing=backing.kind)
-        arena = _arena.create_arena(path, plan, label=label, threads=threads, progress=progress, page_bytes=slot_bytes,
-                             total_bytes=size_bytes, ops=ops, root=root)
-    return NodeStore(arena, fault_hook=fault_hook)
+        return NodeStore(arena, fault_hook=fault_hook)
+    backing = _arena.backing_of(path, root=root)
+    plan = plan_store(size_bytes, slot_bytes=slot_bytes, unit_bytes=backing.unit_bytes, backing=backing.kind)
+
+    def create():
+        return _arena.create_arena(path, plan, label=label, threads=threads, progress=progress, page_bytes=slot_bytes,
+                                   total_bytes=size_bytes, ops=ops, root=root)
+
+    if not budget or os.path.lexists(path):  # attaching (or racing a creator: its lock orders us)
+        return NodeStore(create(), fault_hook=fault_hook)
+    from hicache.effects import admission, probe_machine
+    from hicache.plan import check_budget
+
+    lock = admission.budget_lock() if lock is None else lock
+    with lock:  # held until the arena is resident: peers then see it as used
+        if not os.path.lexists(path):
+            facts = probe_machine(root=root) if machine is None else machine
+            check_budget(plan.total_bytes, available_bytes=facts.available_bytes, ranks_per_host=1, reserve_bytes=0,
+                         cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0)
+        return NodeStore(create(), fault_hook=fault_hook)

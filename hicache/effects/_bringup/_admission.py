@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from hicache.effects._bringup._lock import budget_lock
+from hicache.effects._bringup._lock import budget_lock  # noqa: F401 - also re-exported: the node store's creation takes it
 from hicache.effects._cuda._turnstile import Turnstile, from_env as turnstile_from_env  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
