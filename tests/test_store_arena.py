@@ -341,3 +341,33 @@ def test_an_arena_larger_than_the_available_memory_is_refused_before_anything_ex
         open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=RecordingLock(),
                    machine=facts(available_bytes=ARENA_BYTES // 2))
     assert _listing(shm_dir) == []
+
+
+def test_a_real_hugetlbfs_arena_round_trips_and_refuses_more_than_its_free_pages():
+    """On a hugetlbfs mount named by HICACHE_TEST_HUGETLBFS (reserved 2 MiB pages: a machine
+    setting, so this runs only where one is given): the arena is planned in hugepages, pages
+    round-trip byte-exact after a re-attach, and an arena beyond the free pages is refused."""
+    mount = os.environ.get("HICACHE_TEST_HUGETLBFS")
+    if not mount:
+        pytest.skip("HICACHE_TEST_HUGETLBFS names no hugetlbfs mount with free pages (e.g. "
+                    "echo 32 > /proc/sys/vm/nr_hugepages; mount -t hugetlbfs -o pagesize=2M none /mnt/huge)")
+    torch = pytest.importorskip("torch")
+    from hicache.store import Namespace, open_store
+
+    ns = Namespace(model="m", dtype="uint8", page_tokens=1, layout="flat", pool="kv", page_bytes=65536)
+    path = os.path.join(mount, f"hicache-test-{os.getpid()}")
+    try:
+        store = open_store(path, size_bytes=8 << 20, slot_bytes=65536)
+        assert (store.arena.backing.kind, store.arena.plan.unit_bytes) == ("hugetlbfs", store.arena.backing.unit_bytes)
+        src = torch.randint(0, 256, (4, 65536), dtype=torch.uint8)
+        assert store.put(ns, list("abcd"), [[(src[i].data_ptr(), 65536)] for i in range(4)]) == [True] * 4
+        store.close()
+        again = open_store(path, size_bytes=None, slot_bytes=65536)
+        dst = torch.zeros_like(src)
+        assert again.get(ns, list("abcd"), [[(dst[i].data_ptr(), 65536)] for i in range(4)]) == [True] * 4
+        assert torch.equal(src, dst)
+        again.close()
+        with pytest.raises(ArenaError, match="free hugepages"):
+            open_store(path + "-big", size_bytes=1 << 30, slot_bytes=65536)  # within the (test) budget
+    finally:
+        arena.drop_arena(path)
