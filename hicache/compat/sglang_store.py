@@ -13,7 +13,6 @@ data pages. Only this module knows SGLang; the store itself is `hicache.store`.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 
@@ -24,6 +23,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from hicache.compat._store_views import PoolView as _PoolView
+from hicache.compat._store_views import flat_segments as _flat_segments
 from hicache.errors import ArenaError, TransferError
 from hicache.store import Namespace, open_store, shard_of
 
@@ -64,75 +65,6 @@ def _check_config(extra: dict) -> dict:
     if problems:
         raise ArenaError("HiCacheNodeStore extra_config: " + "; ".join(problems))
     return extra
-
-
-def _buffers(pool) -> list[tuple[int, int]]:
-    """``(start, end)`` of every tensor the pool holds (its page segments must lie in one)."""
-    import torch
-
-    found = []
-    for value in vars(pool).values():
-        tensors = value if isinstance(value, (list, tuple)) else [value]
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and tensor.numel():
-                start = tensor.data_ptr()
-                found.append((start, start + tensor.untyped_storage().nbytes() - tensor.storage_offset()
-                              * tensor.element_size()))
-    return sorted(found)
-
-
-class _PoolView:
-    """One registered host pool: how its pages become segments, and its namespace."""
-
-    def __init__(self, name: str, pool, *, zero_copy: bool, namespace_of) -> None:
-        self.name, self.pool = name, pool
-        self.page_size = getattr(pool, "page_size", 1) or 1
-        self.zero_copy = zero_copy and hasattr(pool, "get_page_buffer_meta")
-        self.bounds = _buffers(pool)
-        if self.zero_copy:
-            ptrs, sizes = pool.get_page_buffer_meta(self._indices([0]))
-            self.per_page, self.page_bytes = len(ptrs), sum(sizes)
-        else:
-            self.per_page, self.page_bytes = 1, pool.get_dummy_flat_data_page().nbytes
-        if self.page_bytes % 8 or not self.page_bytes:
-            raise ArenaError(f"HiCacheNodeStore: pool {name!r} has pages of {self.page_bytes} bytes, "
-                             "not a multiple of 8 (the store's checksum word)")
-        self.namespace = namespace_of(self)
-
-    def _indices(self, starts):
-        import torch
-
-        return torch.cat([torch.arange(s, s + self.page_size) for s in starts]) if starts else torch.empty(0, dtype=torch.int64)
-
-    def starts(self, host_indices, count: int) -> list[int]:
-        """Each page's first host index, checked: ``count`` whole pages inside the pool."""
-        if host_indices is None or host_indices.numel() != count * self.page_size:
-            raise TransferError(f"pool {self.name!r}: {count} keys need {count * self.page_size} host indices, got "
-                                f"{None if host_indices is None else host_indices.numel()}")
-        starts = host_indices.reshape(count, self.page_size)[:, 0].tolist() if count else []
-        size = getattr(self.pool, "size", None)
-        for start in starts:
-            if start < 0 or start % self.page_size or (size is not None and start + self.page_size > size):
-                raise TransferError(f"pool {self.name!r}: host index {start} is not the start of a page inside "
-                                    f"its {size} slots")
-        return starts
-
-    def segments(self, starts) -> list:
-        """``[(ptr, bytes), ...]`` per page, every segment inside one of the pool's buffers."""
-        ptrs, sizes = self.pool.get_page_buffer_meta(self._indices(starts))
-        if len(ptrs) != len(starts) * self.per_page:
-            raise TransferError(f"pool {self.name!r}: {len(ptrs)} segments for {len(starts)} pages")
-        for ptr, size in zip(ptrs, sizes):
-            at = bisect.bisect_right(self.bounds, (ptr, float("inf"))) - 1
-            if at < 0 or ptr + size > self.bounds[at][1]:
-                raise TransferError(f"pool {self.name!r}: segment [{ptr:#x}, +{size}) lies outside its buffers")
-        k = self.per_page
-        return [list(zip(ptrs[i * k:(i + 1) * k], sizes[i * k:(i + 1) * k])) for i in range(len(starts))]
-
-
-def _flat_segments(tensor) -> list:
-    flat = tensor.contiguous()
-    return [(flat.data_ptr(), flat.nbytes)], flat
 
 
 def _make_stats():

@@ -99,9 +99,10 @@ class SlotIndex:
             return ok, 0, 0
         per_page = len(pages[0])
         records = {i: self._record(found[i]) for i in hits}
-        hits = [i for i in hits if records[i][LENGTH] == page_bytes]  # another geometry: a miss
+        mismatched = sum(records[i][LENGTH] != page_bytes for i in hits)  # the key's digest fixes its length:
+        hits = [i for i in hits if records[i][LENGTH] == page_bytes]      # another one is a corrupt record
         if not hits:
-            return ok, 0, len(records)
+            return ok, 0, mismatched
         seeds, slots, ptrs, lens = [], [], [], []
         for i in hits:
             key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
@@ -111,7 +112,7 @@ class SlotIndex:
                 ptrs.append(ptr)
                 lens.append(size)
         sums = self.ops.copy_pages(1, slots, ptrs, lens, per_page, seeds)
-        torn = corrupt = 0
+        torn, corrupt = 0, mismatched
         for i, (s1, s2) in zip(hits, sums):
             slot, record = found[i], records[i]
             if self.ops.load(self.arena.record_addr(slot)) != gens[i] or record[GEN] != gens[i]:
