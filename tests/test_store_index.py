@@ -332,3 +332,66 @@ def test_the_checksum_is_the_same_for_any_split_of_a_page_and_in_both_implementa
         assert _slots.NativeSlotOps.copy_pages(2, [base], [0] * len(spans), [n for _, n in spans], len(spans),
                                                [seed1, seed2]) == whole
     del buffer
+
+
+@pytest.mark.concurrency
+def test_two_threads_of_one_process_never_write_one_slot_at_once(shm_dir, ops):
+    """OFD locks do not part threads sharing the arena's file (SGLang backs up on one thread
+    while another prefetches): with writer 1 stopped inside its write (after claiming), writer 2
+    of the same store queues for the process's writer mutex instead of claiming the same empty
+    slot - events, not timing - and afterwards both pages read back byte-exact."""
+    import time
+
+    claimed, release, queued, done = (threading.Event() for _ in range(4))
+    store = _open(shm_dir, ops, total=ONE_WINDOW)
+    src = Pages(2, seed=12)
+
+    def hook(stage, page):
+        if stage == "claimed" and threading.current_thread().name == "first":
+            claimed.set()
+            assert release.wait(60), "hang guard"
+
+    store.index.fault_hook = hook
+    inner = store.index._writing
+
+    class Watched:
+        def __enter__(self):
+            if threading.current_thread().name == "second":
+                queued.set()
+            inner.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            inner.release()
+
+        def acquire(self, blocking=True):
+            return inner.acquire(blocking)
+
+        def release(self):
+            inner.release()
+
+    store.index._writing = Watched()
+
+    def second():
+        store.put(NS, ["b"], src.segments([1]))
+        done.set()
+
+    first = threading.Thread(target=store.put, args=(NS, ["a"], src.segments([0])), name="first")
+    first.start()
+    assert claimed.wait(60), "hang guard"
+    other = threading.Thread(target=second, name="second")
+    other.start()
+    deadline = time.monotonic() + 60  # a hang guard
+    while not (queued.is_set() or done.is_set()):
+        assert time.monotonic() < deadline, "hang guard"
+        time.sleep(0.001)
+    assert queued.is_set() and not done.is_set()  # it waits for writer 1, it did not write beside it
+    release.set()
+    first.join(60)
+    other.join(60)
+    out = Pages(2, seed=13)
+    try:
+        assert store.get(NS, ["a", "b"], out.segments()) == [True, True]
+        assert torch.equal(out.data, src.data)
+    finally:
+        store.close()

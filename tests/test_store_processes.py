@@ -96,5 +96,5 @@ def test_the_kill_points_cover_every_stage_of_a_write():
 
     from hicache.store import _index
 
-    source = inspect.getsource(_index.SlotIndex.write)
+    source = inspect.getsource(_index.SlotIndex._write)
     assert all(f'self._hook("{stage}"' in source for stage in STAGES)

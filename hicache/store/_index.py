@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 
 import attrs
@@ -59,6 +60,9 @@ class SlotIndex:
         self.ops = arena.ops
         self.fault_hook = fault_hook
         self._pid = os.getpid() & 0xFFFFFFFF
+        # OFD locks exclude other open files, not this one's threads (SGLang backs up on one
+        # thread while another prefetches): writers and reclaimers here take this first
+        self._writing = threading.Lock()
 
     # -- records ---------------------------------------------------------------------------------
     def _record(self, slot: int) -> tuple:
@@ -154,6 +158,10 @@ class SlotIndex:
             self.fault_hook(stage, page)
 
     def write(self, digests: bytes, pages: list, *, page_bytes: int, depths: list[int], namespace: int) -> WriteResult:
+        with self._writing:
+            return self._write(digests, pages, page_bytes=page_bytes, depths=depths, namespace=namespace)
+
+    def _write(self, digests: bytes, pages: list, *, page_bytes: int, depths: list[int], namespace: int) -> WriteResult:
         """Store each key's page from its segments. A key already held counts as stored (as
         SGLang's HiCacheFile skips it); a window whose every slot is locked by other writers
         leaves that page unstored (False), without waiting."""
@@ -223,6 +231,14 @@ class SlotIndex:
     def _reclaim(self, slot: int, seen_gen: int | None = None) -> bool:
         """Empty a slot no live writer holds (its lock is free): torn, or corrupt as seen with
         ``seen_gen``. Its generation moves on (never back: a reader's re-check stays sound)."""
+        if not self._writing.acquire(blocking=False):  # this process is writing: leave it to a later pass
+            return False
+        try:
+            return self._reclaim_locked(slot, seen_gen)
+        finally:
+            self._writing.release()
+
+    def _reclaim_locked(self, slot: int, seen_gen: int | None) -> bool:
         if not self._lock(slot):
             return False
         try:
@@ -288,6 +304,10 @@ class SlotIndex:
         """The namespace table entry for ``digest`` (claimed when new; `NO_NAMESPACE` when the
         table is full or every free entry is being claimed by another process right now)."""
         raw = description.encode()[:NAMESPACE_BYTES - DIGEST_BYTES]
+        with self._writing:
+            return self._register(digest, raw)
+
+    def _register(self, digest: bytes, raw: bytes) -> int:
         for entry in range(NAMESPACE_ENTRIES):
             addr = self.arena.namespace_addr(entry)
             held = ctypes.string_at(addr, DIGEST_BYTES)

@@ -18,6 +18,7 @@ import fcntl
 import mmap
 import os
 import stat
+import threading
 import time
 
 import attrs
@@ -57,6 +58,7 @@ class Arena:
     _map: mmap.mmap | None
     base: int = 0
     _pending: dict = attrs.Factory(dict)
+    _counting: threading.Lock = attrs.Factory(threading.Lock)  # this process's threads: OFD locks do not part them
 
     def __attrs_post_init__(self) -> None:
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
@@ -81,21 +83,22 @@ class Arena:
     def add_counters(self, **deltas: int) -> None:
         """Add to the arena-wide counters. Never waits and never fails the work it counts: with
         the fallback ops a busy counters lock keeps the deltas for the next call."""
-        for name, delta in deltas.items():
-            if delta:
-                self._pending[name] = self._pending.get(name, 0) + delta
-        if not self._pending or self.closed:
-            return
-        locked = self.ops.atomic_add or try_lock(self._fd, COUNTERS_OFFSET, 8 * len(COUNTERS))
-        if not locked:
-            return
-        try:
-            for name, delta in self._pending.items():
-                self.ops.fetch_add(self.base + counter_offset(name), delta)
-            self._pending.clear()
-        finally:
-            if not self.ops.atomic_add:
-                unlock(self._fd, COUNTERS_OFFSET, 8 * len(COUNTERS))
+        with self._counting:
+            for name, delta in deltas.items():
+                if delta:
+                    self._pending[name] = self._pending.get(name, 0) + delta
+            if not self._pending or self.closed:
+                return
+            locked = self.ops.atomic_add or try_lock(self._fd, COUNTERS_OFFSET, 8 * len(COUNTERS))
+            if not locked:
+                return
+            try:
+                for name, delta in self._pending.items():
+                    self.ops.fetch_add(self.base + counter_offset(name), delta)
+                self._pending.clear()
+            finally:
+                if not self.ops.atomic_add:
+                    unlock(self._fd, COUNTERS_OFFSET, 8 * len(COUNTERS))
 
     def counters(self) -> dict[str, int]:
         return {name: self.ops.load(self.base + counter_offset(name)) for name in COUNTERS}
