@@ -127,3 +127,15 @@ def test_doctor_checks_an_arena_and_warns_on_torn_slots(capsys, shm_dir):
     code, out, _ = run(capsys, "doctor", "--store", str(shm_dir / "missing"), "--format", "json")
     checks = {c["name"]: c for c in json.loads(out)["checks"]}
     assert code == 1 and checks["store"]["status"] == "fail" and "does not exist" in checks["store"]["finding"]
+
+
+def test_an_arena_beyond_the_nodes_memory_is_refused_by_the_budget(capsys, shm_dir, monkeypatch):
+    """Room on tmpfs but not in memory (the machine's facts injected): the budget refuses it,
+    exit 1, nothing created."""
+    from machine import facts
+
+    import hicache.effects as effects
+
+    monkeypatch.setattr(effects, "probe_machine", lambda **_: facts(available_bytes=5_000_000))
+    code, _, err = run(capsys, "store", "create", str(shm_dir / "kv"), "--size-gb", "0.01", "--slot-bytes", "4096")
+    assert code == 1 and err.startswith("error[budget-refused]:") and os.listdir(shm_dir) == []

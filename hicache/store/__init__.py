@@ -163,6 +163,7 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     from hicache.plan import check_budget
 
     lock = admission.budget_lock() if lock is None else lock
+    _arena.check_room(path, plan, backing)  # the mount's own limit first: the more telling error
     with lock:  # held until the arena is resident: peers then see it as used
         if not os.path.lexists(path):
             facts = probe_machine(root=root) if machine is None else machine

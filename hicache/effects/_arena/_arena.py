@@ -258,6 +258,17 @@ def _incomplete(path: str) -> bool:
         os.close(fd)
 
 
+def check_room(path: str, plan: StorePlan, backing: Backing) -> None:
+    """`ArenaError` when the backing's free room (statvfs; free hugepages) is below the plan."""
+    if backing.free_bytes < plan.total_bytes:
+        raise ArenaError(
+            f"store arena {path}: {backing.mount.point} ({backing.kind}) has {backing.free_bytes} bytes free, "
+            f"the arena needs {plan.total_bytes}"
+            + (" (free hugepages: /proc/sys/vm/nr_hugepages)" if backing.kind == "hugetlbfs"
+               else " (a container's /dev/shm: docker run --shm-size)")
+        )
+
+
 def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None = None, progress=None,
                  exist_ok: bool = True, page_bytes: int | None = None, total_bytes: int | None = None,
                  ops=None, root: str = "/", wait_s: float = CREATE_WAIT_S) -> Arena:
@@ -280,13 +291,7 @@ def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None 
                 raise ArenaError(f"store arena {path}: exists already (hicache store drop {path} removes it)")
             else:
                 return attach_arena(path, page_bytes=page_bytes, total_bytes=total_bytes, ops=ops, root=root)
-        if backing.free_bytes < plan.total_bytes:
-            raise ArenaError(
-                f"store arena {path}: {backing.mount.point} ({backing.kind}) has {backing.free_bytes} bytes free, "
-                f"the arena needs {plan.total_bytes}"
-                + (" (free hugepages: /proc/sys/vm/nr_hugepages)" if backing.kind == "hugetlbfs"
-                   else " (a container's /dev/shm: docker run --shm-size)")
-            )
+        check_room(path, plan, backing)
         return _create(path, plan, label, backing, threads=threads, progress=progress, ops=ops)
     finally:
         lock.close()
