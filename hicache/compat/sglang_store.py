@@ -47,6 +47,7 @@ GB = 10**9
 def _check_config(extra: dict) -> dict:
     """The validated extra_config: every unknown key and bad value named, at once."""
     problems = []
+    # file_storage_path: SGLang adds it to every back end's extra_config when --file-storage-path is set
     unknown = sorted(set(extra) - set(CONFIG_KEYS) - set(SGLANG_KEYS) - {"file_storage_path"})
     if unknown:
         problems.append(f"unknown key(s) {unknown} (known: {sorted(CONFIG_KEYS)})")
