@@ -39,7 +39,10 @@ def main() -> None:
                          "sglang.srt.mem_cache.storage.backend_factory", "sglang.srt.managers.cache_controller",
                          "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
                          "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler", "sglang.srt.server_args",
-                         "sglang.srt.runtime_context", "sglang.srt.plugins", "hicache.compat.sglang_store"):
+                         "sglang.srt.runtime_context", "sglang.srt.plugins", "sglang.srt.mem_cache.allocator.paged",
+                         "sglang.srt.mem_cache.base_prefix_cache", "sglang.srt.mem_cache.pool_host",
+                         "sglang.srt.mem_cache.utils", "sglang.srt.observability.metrics_collector",
+                         "hicache.compat.sglang_store", "hicache.compat.sglang_plugin"):
                 importlib.import_module(name)
     import torch  # noqa: F401 - imported once here, for every task
 

@@ -338,3 +338,29 @@ def test_metrics_report_the_arena_and_this_engines_counts(sglang, shm_dir, pools
     finally:
         store.close()
     assert f'arena="{arena}"' not in prometheus_client.generate_latest(registry).decode()
+
+
+def test_the_launch_flags_in_docs_store_md_build_the_store_through_sglangs_own_parsing(sglang, shm_dir, pools):
+    """The --hicache-storage-backend-extra-config JSON docs/store.md shows, parsed by SGLang's
+    own `parse_storage_backend_extra_config` (which takes its keys out) and handed to its factory
+    with backend "dynamic": a HiCacheNodeStore that stores zero-copy, and SGLang passes prefix keys."""
+    import json
+    import re
+    from pathlib import Path
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "store.md").read_text()
+    shown = re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", doc, re.S).group(1)
+    assert json.loads(shown)["arena"] == "/dev/shm/hicache-kv"
+    ours = shown.replace("/dev/shm/hicache-kv", str(shm_dir / "arena")).replace('"size_gb": 200', f'"size_gb": {GB}')
+    extra, threshold, _, _, pass_prefix_keys = HybridCacheController.parse_storage_backend_extra_config(ours)
+    assert pass_prefix_keys is True and threshold == 256
+    store = StorageBackendFactory.create_backend("dynamic", _config(extra), pools[0])
+    store.register_mem_pool_host(pools[0])
+    store.on_host_pools_registered()
+    try:
+        assert store.zero_copy and store.batch_set_v1(["a"], torch.arange(PAGE)) == [True]
+    finally:
+        store.close()

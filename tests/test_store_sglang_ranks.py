@@ -11,7 +11,11 @@ import pytest
 from sglang_support import need_sglang
 from store_support import Zygote, shm_dir  # noqa: F401 - shm_dir: a fixture
 
-pytestmark = pytest.mark.concurrency  # processes: `make test-loaded` runs these again under load
+# Not in `make test-loaded`: its engines take strict turns (a result, or a file barrier after
+# every rank said "stored", before the next step), so load changes how long they take, never
+# what they see - and the store's concurrent laws (readers beside writers, kill -9 mid-write,
+# racing creators, threads of one process) are proved loaded by test_store_processes,
+# test_store_index and test_store_arena. Under load its SGLang imports cost over a minute.
 
 PAGES = 128
 SIZE_GB = 0.04  # 40 MB: room for every case's pages in a container's 64 MB /dev/shm
