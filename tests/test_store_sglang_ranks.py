@@ -117,3 +117,19 @@ def test_a_restarted_engine_prefetches_what_a_killed_one_stored(zygote, shm_dir,
     # pages already in tmpfs mapped with the last index page): never the arena's data
     assert 0 < new["attach_resident"] <= new["data_offset"] + 16 * 4096
     assert new["closed"] and new["held_after_destroy"] == []
+
+
+def test_two_instances_alive_on_one_node_share_pages(zygote, shm_dir):
+    """Instance A stores its pages and stays up (its arena mapped); instance B, started beside
+    it, hits all of them and loads them byte-exact; then A ends - nothing registered in either."""
+    path, done = str(shm_dir / "arena"), str(shm_dir / "done")
+    _engine(zygote, "a", path=path, size_gb=SIZE_GB, kind="mla", layout="page_first_direct", pools="plugged", seed=41,
+            write=True, wait=done)
+    zygote.wait_for("a", "stored")
+    _engine(zygote, "b", path=path, size_gb=SIZE_GB, kind="mla", layout="page_first_direct", pools="hicache", seed=0,
+            write=False, read_seed=41)
+    b = zygote.result("b")
+    open(done, "w").close()
+    a = zygote.result("a")
+    assert (b["exists"], b["fetched"], b["byte_exact"], b.get("loaded_to_device")) == (PAGES, PAGES, True, True)
+    assert a["held_after_destroy"] == b["held_after_destroy"] == []
