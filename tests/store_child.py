@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sys
 import traceback
@@ -50,31 +51,36 @@ def main() -> None:
     import hicache.store  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forked tasks are reaped by the kernel
-    out = sys.stdout
-    print("ready", flush=True)
+    _line("ready")
     for line in sys.stdin:
         task = json.loads(line)
         pid = os.fork()
         if pid:
-            print(f"{task['id']} pid {pid}", flush=True)
+            _line(f"{task['id']} pid {pid}")
             continue
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.setpgid(0, 0) if task.get("own_group") else None
 
         def say(*words, _id=task["id"]) -> None:
-            out.write(" ".join([_id, *map(str, words)]) + "\n")  # one write: lines do not interleave
-            out.flush()
+            _line(" ".join([_id, *map(str, words)]))
 
         code = 0
         try:
             result = store_roles.ROLES[task["role"]](say=say, **task.get("args", {}))
             say("done", json.dumps(result))
-        except BaseException:  # the test reads what went wrong
-            say("error", json.dumps(traceback.format_exc()))
+        except BaseException:  # the test reads what went wrong (the end of it: a line fits a pipe's atomic write)
+            say("error", json.dumps(traceback.format_exc()[-3000:]))
             code = 1
         finally:
-            out.flush()
             os._exit(code)
+
+
+def _line(text: str) -> None:
+    """One line to stdout in one write(2) of at most PIPE_BUF bytes, which POSIX keeps whole
+    beside the other processes' lines on the same pipe (print() writes the text and the newline
+    apart when Python runs unbuffered, and a task's line then landed inside the zygote's)."""
+    data = (text + "\n").encode()
+    assert len(data) <= select.PIPE_BUF, f"a line of {len(data)} bytes would not be written whole"
+    os.write(1, data)
 
 
 if __name__ == "__main__":

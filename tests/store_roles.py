@@ -33,7 +33,7 @@ def _wait_file(path: str) -> None:
     """Block until ``path`` exists (a barrier the test sets); a hang guard, not a timer."""
     deadline = time.monotonic() + 300
     while not os.path.exists(path):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or not os.path.isdir(os.path.dirname(path)):
             raise TimeoutError(f"hang guard: {path} never appeared")
         time.sleep(0.002)
 
@@ -93,7 +93,10 @@ def pressure_reader(say, *, path: str, chains: int, length: int, seed: int, stop
     ns = core_namespace()
     reads = wrong = hits = rounds = 0
     say("reading")
+    deadline = time.monotonic() + 300  # a hang guard: the test stops it with the file
     while not os.path.exists(stop) or rounds < 1:
+        if time.monotonic() > deadline or not os.path.isdir(os.path.dirname(stop)):
+            raise TimeoutError(f"hang guard: {stop} never appeared")
         for chain in range(chains):
             keys = [f"c{chain}-{i}" for i in range(length)]
             lead = store.exists(ns, keys)

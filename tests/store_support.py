@@ -128,6 +128,17 @@ class Zygote:
             os.close(pidfd)
 
     def close(self) -> None:
+        """Kill every task still running (a test that failed half-way leaves some waiting for
+        a barrier that will not come), end the zygote, and close its pipe once the reader thread
+        saw its end (closing it under a blocked read would wait forever)."""
+        import os
+        import signal
+
+        for pid in self.pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)  # gone already: ESRCH (its pid may be reused only by ours)
+            except OSError:
+                pass
         try:
             self.process.stdin.close()
         except OSError:
@@ -138,7 +149,9 @@ class Zygote:
             if self.process.poll() is None:
                 self.process.kill()
                 self.process.wait()
-            self.process.stdout.close()
+            self._reader.join(timeout=60)  # EOF once the zygote and its tasks are gone
+            if not self._reader.is_alive():
+                self.process.stdout.close()
 
     def __enter__(self):
         return self
