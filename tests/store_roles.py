@@ -83,8 +83,9 @@ def pressure_writer(say, *, path: str, chains: int, length: int, seed: int, go: 
 
 
 def pressure_reader(say, *, path: str, chains: int, length: int, seed: int, stop: str) -> dict:
-    """Until the ``stop`` file appears: look chains up (SGLang's leading-run exists), read what
-    is reported and check every page read True byte for byte."""
+    """Until the ``stop`` file appears - and one whole round after it did, so the last round sees
+    the writer's final state - look chains up (SGLang's leading-run exists), read what is
+    reported and check every page read True byte for byte."""
     import torch
 
     from hicache.store import open_store
@@ -94,7 +95,9 @@ def pressure_reader(say, *, path: str, chains: int, length: int, seed: int, stop
     reads = wrong = hits = rounds = 0
     say("reading")
     deadline = time.monotonic() + 300  # a hang guard: the test stops it with the file
-    while not os.path.exists(stop) or rounds < 1:
+    stopping = False
+    while not stopping:
+        stopping = os.path.exists(stop)
         if time.monotonic() > deadline or not os.path.isdir(os.path.dirname(stop)):
             raise TimeoutError(f"hang guard: {stop} never appeared")
         for chain in range(chains):

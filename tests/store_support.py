@@ -94,20 +94,25 @@ class Zygote:
             self.lines.setdefault(name, []).append(words)
 
     def start(self, task: str, role: str, **args) -> int:
+        """Fork a task named ``task`` (a name may be reused by later tests: each start gets an
+        id of its own, so an earlier task's unread events are never taken for this one's)."""
         import json
 
-        self.process.stdin.write(json.dumps({"id": task, "role": role, "args": args}) + "\n")
+        self._seq = getattr(self, "_seq", 0) + 1
+        self.current = getattr(self, "current", {})
+        self.current[task] = run = f"{task}.{self._seq}"
+        self.process.stdin.write(json.dumps({"id": run, "role": role, "args": args}) + "\n")
         self.process.stdin.flush()
-        self._take(task, "pid", timeout=120)
-        return self.pids[task]
+        self._take(run, "pid", timeout=120)
+        return self.pids[run]
 
     def wait_for(self, task: str, event: str, *, timeout: float = 300) -> list:
-        return self._take(task, event, timeout=timeout)
+        return self._take(self.current[task], event, timeout=timeout)
 
     def result(self, task: str, *, timeout: float = 300):
         import json
 
-        words = self._take(task, "done", timeout=timeout)
+        words = self._take(self.current[task], "done", timeout=timeout)
         if words[0] == "error":
             raise AssertionError(f"task {task} failed:\n{json.loads(words[1])}")
         return json.loads(words[1])
@@ -119,9 +124,10 @@ class Zygote:
         import select
         import signal
 
-        pidfd = os.pidfd_open(self.pids[task])
+        pid = self.pids[self.current[task]]
+        pidfd = os.pidfd_open(pid)
         try:
-            os.kill(self.pids[task], signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             ready, _, _ = select.select([pidfd], [], [], 120)  # a hang guard
             assert ready, f"hang guard: task {task} outlived SIGKILL for 120 s"
         finally:

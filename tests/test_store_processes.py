@@ -87,7 +87,7 @@ def test_eviction_under_pressure_while_another_process_reads_never_gives_a_wrong
     read = zygote.result("reader")
     assert written["evictions"] > 0 and written["writes"] == 40 * 12
     assert read["wrong"] == 0 and read["rounds"] >= 1
-    assert read["hits"] > 0
+    assert read["hits"] > 0  # its last round came after the writer's last chain: those pages are held
 
 
 def test_the_kill_points_cover_every_stage_of_a_write():
@@ -98,3 +98,17 @@ def test_the_kill_points_cover_every_stage_of_a_write():
 
     source = inspect.getsource(_index.SlotIndex._write)
     assert all(f'self._hook("{stage}"' in source for stage in STAGES)
+
+
+def test_a_reused_task_name_never_takes_an_earlier_tasks_events(zygote, shm_dir):
+    """The harness itself: a task name started again (each test names its engines "a", "b")
+    waits for the new task's event, never for one an earlier task of that name left unread -
+    the stale "stored" that once let an engine read before its writer had written."""
+    def writer(n: int, stage: str, page: int) -> None:
+        zygote.start("same", "write_until", path=str(shm_dir / f"arena{n}"), size=4 << 20, batches=1, per_batch=2,
+                     seed=n, kill_at=[0, page, stage])
+
+    writer(0, "copied", 0)  # its "at copied 0" is never read
+    writer(1, "published", 1)
+    assert zygote.wait_for("same", "at")[1:] == ["published", "1"]
+    zygote.kill("same")
