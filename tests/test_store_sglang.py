@@ -364,3 +364,18 @@ def test_the_launch_flags_in_docs_store_md_build_the_store_through_sglangs_own_p
         assert store.zero_copy and store.batch_set_v1(["a"], torch.arange(PAGE)) == [True]
     finally:
         store.close()
+
+
+def test_an_engine_creating_the_arena_logs_its_pre_fault_progress(sglang, shm_dir, pools, caplog):
+    """The first engine creates the arena: SGLang's log shows the pre-fault's progress to 100 %
+    and one line saying it created it (the others say attached)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="hicache.compat.sglang_store"):
+        first = _store(shm_dir / "arena", pools[0])
+        second = _store(shm_dir / "arena", pools[1])
+    first.close()
+    second.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "hicache.compat.sglang_store"]
+    assert any("pre-faulted" in line and "(100 %)" in line for line in lines)
+    assert sum("created arena" in line for line in lines) == 1 and sum("attached arena" in line for line in lines) == 1

@@ -82,6 +82,24 @@ def _make_stats():
     return NodeStoreStats()
 
 
+class _LoggedProgress:
+    """A creating engine's pre-fault progress in SGLang's log: a line every 5 s and at the end
+    (a TB arena pre-faults for minutes: still working, not hung)."""
+
+    def __init__(self, every_s: float = 5.0, clock=time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
+        self.start = self.last = clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        from hicache.plan import format_progress
+
+        now = self.clock()
+        if now - self.last >= self.every_s or done >= total:
+            self.last = now
+            logger.info("HiCacheNodeStore: creating the arena: %s", format_progress("pre-faulted", done, total,
+                                                                                     now - self.start))
+
+
 class HiCacheNodeStore(HiCacheStorage):
     """SGLang's `HiCacheStorage` over hicache's node-shared arena (docs/store.md)."""
 
@@ -155,7 +173,7 @@ class HiCacheNodeStore(HiCacheStorage):
         began = time.perf_counter()
         self.store = open_store(self.path, size_bytes=None if size_gb is None else int(size_gb * GB),
                                 slot_bytes=slot_bytes, label=self.extra.get("label") or self.storage_config.model_name
-                                or "", threads=self.extra.get("prefault_threads"))
+                                or "", threads=self.extra.get("prefault_threads"), progress=_LoggedProgress())
         try:
             if self.store.arena.plan.slot_bytes < largest:
                 raise ArenaError(f"HiCacheNodeStore: arena {self.path} has {self.store.arena.plan.slot_bytes}-byte "
