@@ -371,3 +371,14 @@ def test_a_real_hugetlbfs_arena_round_trips_and_refuses_more_than_its_free_pages
             open_store(path + "-big", size_bytes=1 << 30, slot_bytes=65536)  # within the (test) budget
     finally:
         arena.drop_arena(path)
+
+
+def test_create_over_someone_elses_file_removes_nothing(shm_dir):
+    """A file of this user's at the path that no creator made (no header, no creating mark):
+    create refuses it as no arena and leaves its bytes."""
+    path = shm_dir / "a"
+    path.write_bytes(b"precious" * 1000)
+    os.chmod(path, 0o600)
+    with pytest.raises(ArenaError, match="not a hicache store arena"):
+        arena.create_arena(str(path), _plan(), label="t")
+    assert path.read_bytes() == b"precious" * 1000

@@ -244,8 +244,13 @@ class _DirectoryLock:
         os.close(self.fd)  # drops the flock
 
 
+#: What a creator writes first (the header replaces it last): a file that starts with it, or an
+#: empty one, is an arena whose creator died - anything else at the path is never removed.
+CREATING = b"HICINIT\0"
+
+
 def _incomplete(path: str) -> bool:
-    """A file at ``path`` without a header (its creator died before writing it)."""
+    """A file at ``path`` a creator died making: empty, or still marked `CREATING`."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -253,7 +258,7 @@ def _incomplete(path: str) -> bool:
     try:
         info = os.fstat(fd)
         _check_owner(path, info)
-        return os.pread(fd, 8, 0) != b"HICSTORE"
+        return info.st_size == 0 or os.pread(fd, len(CREATING), 0) == CREATING
     finally:
         os.close(fd)
 
@@ -304,6 +309,7 @@ def _create(path, plan, label, backing, *, threads, progress, ops) -> Arena:
     mapping = None
     try:
         os.fchmod(fd, 0o600)
+        os.pwrite(fd, CREATING, 0)  # before a byte is reserved: a creator's death is told from others' files
         try:
             os.posix_fallocate(fd, 0, plan.total_bytes)
         except OSError as error:
@@ -339,7 +345,7 @@ def drop_arena(path: str) -> bool:
     _check_owner(path, info)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if os.pread(fd, 8, 0) not in (b"HICSTORE", b"\0" * 8, b""):
+        if os.pread(fd, 8, 0) not in (b"HICSTORE", CREATING, b""):
             raise ArenaError(f"store arena {path}: not a hicache store arena (its first bytes differ): not removed")
     finally:
         os.close(fd)
