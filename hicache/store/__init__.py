@@ -10,12 +10,13 @@ hicache.effects' arena room, the slot protocol is `_index`.
 from __future__ import annotations
 
 import os
+import threading
 
 import attrs
 
 from hicache.effects import arena as _arena
 from hicache.errors import ArenaGeometryError, TransferError
-from hicache.plan._store import StorePlan, plan_store
+from hicache.plan import StorePlan, plan_store
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
 from hicache.store._keys import Namespace, shard_of, slot_keys
 
@@ -44,6 +45,7 @@ class NodeStore:
         self.arena = arena
         self.index = SlotIndex(arena, fault_hook=fault_hook)
         self.counts = StoreCounts()
+        self._counting = threading.Lock()  # SGLang's prefetch and backup threads count at once
         self._digests: dict[Namespace, bytes] = {}
         self._entries: dict[Namespace, int] = {}
         self.reclaimed = self.index.reclaim_torn() if not arena.created else 0
@@ -98,10 +100,11 @@ class NodeStore:
         self._check_pages(namespace, keys, pages)
         ok, torn, corrupt = self.index.read(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes)
         hits = sum(ok)
-        self.counts.hits += hits
-        self.counts.misses += len(ok) - hits
-        self.counts.torn += torn
-        self.counts.corrupt += corrupt
+        with self._counting:
+            self.counts.hits += hits
+            self.counts.misses += len(ok) - hits
+            self.counts.torn += torn
+            self.counts.corrupt += corrupt
         self.arena.add_counters(hits=hits, misses=len(ok) - hits, torn=torn, corrupt=corrupt)
         return ok
 
@@ -115,8 +118,9 @@ class NodeStore:
         depths = [first_depth + i for i in range(len(keys))]
         result = self.index.write(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes, depths=depths,
                                   namespace=entry)
-        self.counts.evictions += result.evictions
-        self.counts.writes += result.written
+        with self._counting:
+            self.counts.evictions += result.evictions
+            self.counts.writes += result.written
         self.arena.add_counters(evictions=result.evictions, writes=result.written)
         return result.stored
 
