@@ -379,3 +379,36 @@ def test_an_engine_creating_the_arena_logs_its_pre_fault_progress(sglang, shm_di
     lines = [r.getMessage() for r in caplog.records if r.name == "hicache.compat.sglang_store"]
     assert any("pre-faulted" in line and "(100 %)" in line for line in lines)
     assert sum("created arena" in line for line in lines) == 1 and sum("attached arena" in line for line in lines) == 1
+
+
+def test_a_layout_sglang_gives_no_page_access_for_is_one_clear_error(sglang, shm_dir):
+    """SGLang's page_unified host pools refuse both get_page_buffer_meta and get_data_page (its
+    own L3 back ends cannot store them): registering one is an ArenaError naming the layout,
+    before any arena exists."""
+    with fake_cuda():
+        device = _device("mla")
+        info = device.get_device_pool_infos()[0].buffer_info
+        pool = _build(_classes("mla")[0], "mla", info, "page_unified", hicache=False)
+        with pytest.raises(ArenaError, match="layout 'page_unified'.* gives no page access for L3"):
+            _store(shm_dir / "arena", pool, mla=True)
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_pool_that_refuses_zero_copy_is_served_through_its_flat_pages(sglang, shm_dir, pools, monkeypatch):
+    """A pool whose get_page_buffer_meta raises for its layout (as SGLang's do for some): v1
+    calls still store and load its pages byte-exact, through SGLang's flat-page accessors."""
+    kv = pools[0]
+
+    def refuse(indices):
+        raise ValueError(f"Unsupported layout: {kv.layout}")
+
+    monkeypatch.setattr(kv, "get_page_buffer_meta", refuse)
+    store = _store(shm_dir / "arena", kv)
+    try:
+        assert not store.pools["kv"].zero_copy
+        want = [_page(kv, i).clone() for i in range(2)]
+        assert store.batch_set_v1(["a", "b"], torch.arange(0, 2 * PAGE)) == [True, True]
+        assert store.batch_get_v1(["a", "b"], torch.arange(6 * PAGE, 8 * PAGE)) == [True, True]
+        assert all(torch.equal(_page(kv, 6 + i), want[i]) for i in range(2))
+    finally:
+        store.close()

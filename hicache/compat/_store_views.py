@@ -1,6 +1,6 @@
 """How a host pool registered with the node store turns pages into copy segments: its page
 bytes and segments per page (SGLang's `get_page_buffer_meta`, or one flat data page where a pool
-has none), and the checks every copy passes first - host indices on page boundaries inside the
+has none or refuses its layout), and the checks every copy passes first - host indices on page boundaries inside the
 pool, every segment inside one of the pool's own tensors. Duck-typed over SGLang's pools and
 hicache's; imports hicache.errors (and torch, lazily) only.
 """
@@ -36,14 +36,30 @@ class PoolView:
         self.zero_copy = zero_copy and hasattr(pool, "get_page_buffer_meta")
         self.bounds = _buffers(pool)
         if self.zero_copy:
-            ptrs, sizes = pool.get_page_buffer_meta(self._indices([0]))
+            try:
+                ptrs, sizes = pool.get_page_buffer_meta(self._indices([0]))
+            except (ValueError, NotImplementedError):  # SGLang's pools refuse some layouts (page_unified)
+                self.zero_copy = False
+        if self.zero_copy:
             self.per_page, self.page_bytes = len(ptrs), sum(sizes)
-        else:
-            self.per_page, self.page_bytes = 1, pool.get_dummy_flat_data_page().nbytes
+        else:  # SGLang's flat data pages, one staging copy each way
+            try:
+                self.per_page, self.page_bytes = 1, self.staging_page().nbytes
+            except (ValueError, NotImplementedError) as error:  # SGLang's own back ends cannot store it either
+                raise ArenaError(f"HiCacheNodeStore: pool {name!r} (layout {getattr(pool, 'layout', '?')!r}) gives "
+                                 f"no page access for L3 - neither get_page_buffer_meta nor get_data_page ({error})"
+                                 ) from None
         if self.page_bytes % 8 or not self.page_bytes:
             raise ArenaError(f"HiCacheNodeStore: pool {name!r} has pages of {self.page_bytes} bytes, "
                              "not a multiple of 8 (the store's checksum word)")
         self.namespace = namespace_of(self)
+
+    def staging_page(self):
+        """An empty flat data page of this pool, in plain host memory (SGLang's own dummy page is
+        pinned: a CPU-only torch refuses it, and a host-to-host copy gains nothing from it)."""
+        import torch
+
+        return torch.empty_like(self.pool.get_data_page(0, flat=True).contiguous())
 
     def _indices(self, starts):
         import torch

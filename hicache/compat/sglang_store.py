@@ -273,7 +273,7 @@ class HiCacheNodeStore(HiCacheStorage):
                 flats = [_flat_segments(view.pool.get_data_page(s, flat=True)) for s in starts]
                 ok = self.store.put(view.namespace, keys, [seg for seg, _ in flats], first_depth=depth)
             else:
-                flats = [_flat_segments(view.pool.get_dummy_flat_data_page()) for _ in starts]
+                flats = [_flat_segments(view.staging_page()) for _ in starts]
                 ok = self.store.get(view.namespace, keys, [seg for seg, _ in flats])
                 for start, hit, (_, tensor) in zip(starts, ok, flats):
                     if hit:
@@ -328,7 +328,7 @@ class HiCacheNodeStore(HiCacheStorage):
         view = self._flat_view()
         keys = list(keys)
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        targets = [t if t is not None else view.pool.get_dummy_flat_data_page() for t in targets]
+        targets = [t if t is not None else view.staging_page() for t in targets]
         for t in targets:
             if t.nbytes != view.page_bytes or not t.is_contiguous():
                 raise TransferError(f"HiCacheNodeStore.batch_get: a target of {t.nbytes} bytes (contiguous: "
