@@ -28,6 +28,7 @@ __all__ = [
     "HostPagesExhaustedError",
     "ArenaError",
     "ArenaGeometryError",
+    "TraceOutputError",
     "caused_by_interrupt",
 ]
 
@@ -181,6 +182,11 @@ class ArenaError(HicacheError, ValueError):
 class ArenaGeometryError(ArenaError):
     """An arena exists but its geometry (slot bytes, size, schema) does not fit what this engine
     stores: the attach fails cleanly and the arena is untouched."""
+
+
+class TraceOutputError(HicacheError, ValueError):
+    """A trace cannot be written where asked: not a regular file (a device, FIFO, directory,
+    symlink), or a missing or read-only directory (the message says which)."""
 
 
 def caused_by_interrupt(error: BaseException | None) -> bool:

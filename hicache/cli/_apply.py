@@ -175,6 +175,15 @@ def _release(handle) -> None:
 def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
     """`hicache apply`. ``runtime``/``cuda_binding``/``ledger``/``machine``/``lock`` stand in for
     CUDA and the machine in tests (`hicache.testing.fake_cuda` does the first two for all)."""
+    if getattr(args, "trace", None) is not None:  # before any memory is taken (issue #33)
+        from hicache.effects import trace
+        from hicache.errors import TraceOutputError
+
+        try:
+            args.trace = trace.check_path(args.trace)
+        except TraceOutputError as error:
+            raise CliError("bad-output", str(error), "pass --trace a new file or a regular file in a writable "
+                           "directory") from None
     if getattr(args, "fake_cuda", False) and runtime is None and cuda_binding is None:
         from hicache.testing import fake_cuda
 

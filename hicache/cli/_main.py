@@ -31,7 +31,7 @@ from hicache.errors import (
     caused_by_interrupt,
 )
 
-_COMMANDS = ("plan", "doctor", "apply", "store")
+_COMMANDS = ("plan", "doctor", "apply", "store", "trace")
 
 
 def _module(name: str):
@@ -41,6 +41,8 @@ def _module(name: str):
         from hicache.cli import _doctor as module
     elif name == "store":
         from hicache.cli import _store as module
+    elif name == "trace":
+        from hicache.cli import _trace as module
     else:
         from hicache.cli import _apply as module
     return module
@@ -51,7 +53,7 @@ def make_parser(only: str | None = None) -> Parser:
     from hicache import __version__
 
     parser = Parser(prog="hicache", description="Plan, check and apply cudaHostRegister of host KV-cache pools.",
-                    epilog="hicache plan --help | doctor --help | apply --help | store --help: each command with an example")
+                    epilog="hicache plan --help | doctor --help | apply --help | store --help | trace --help: each command with an example")
     parser.add_argument("--version", action="version", version=f"hicache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name in _COMMANDS:

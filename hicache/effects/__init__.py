@@ -16,6 +16,7 @@ from hicache.effects._bringup._bring_up import BufferRequest, Progressive, bring
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup import _admission as admission
 from hicache.effects import _arena as arena
+from hicache.effects import _trace as trace
 from hicache.effects._copy._engine import CopyEngine
 from hicache.effects._copy._host_copy import host_copy_info
 from hicache.effects._cuda import _codes as cuda_codes
@@ -57,8 +58,9 @@ __all__ = [
     "Progressive",
     "bring_up",
     "admission",
-    # the node store's arena room (hicache.store)
+    # the node store's arena room (hicache.store); the bring-up trace (the CLI's checks, merge)
     "arena",
+    "trace",
     # host memory and allocators
     "FrameworkPinnedAllocator",
     "HostAllocator",

@@ -3,20 +3,100 @@
 Owns the process-wide recorder (issue #21): `span(name, cat, **args)` times a piece of work on
 the thread that ran it - a phase of the bring-up, a pre-fault piece, a register call, a wait
 for the host-wide lock - and `tracing(path)` (or HICACHE_TRACE=FILE for every bring-up) records
-them and writes the file. Off, `span` is one global read and a shared no-op context. Imports
-nothing of hicache.
+them and writes the file. Off, `span` is one global read and a shared no-op context.
+
+The output is as safe as the CLI's `--out` (issue #33): `check_path` refuses - before anything is
+recorded - what is not a regular file or a new file in a writable directory (a device, FIFO,
+directory, symlink); each write goes to a private temp file in the same directory, replaces only
+a regular file (checked again just before), and leaves no temp file on any failure; a trace that
+cannot be written is a logged warning, never a failed bring-up. Times are the host's
+CLOCK_MONOTONIC (one clock for every process of the host) with the wall-clock time of its
+origin recorded, so the traces of all ranks merge into one timeline (`merge`, `hicache trace
+merge`). Imports hicache.errors only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import socket
+import stat
+import tempfile
 import threading
 import time
 
+from hicache.errors import TraceOutputError
+
 TRACE_ENV = "HICACHE_TRACE"
+CLOCK = "CLOCK_MONOTONIC"  # time.monotonic: one clock for every process of a host
 _NULL = contextlib.nullcontext()
+logger = logging.getLogger("hicache.trace")
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_path(path) -> str:
+    """``path`` as an absolute path a trace may be written to: an existing regular file this
+    user may write (it is replaced), or a new file in an existing writable directory. Anything
+    else - a symlink, a device, a FIFO, a directory, a missing or read-only directory - is a
+    `TraceOutputError` saying which, before anything is recorded."""
+    text = os.fspath(path)
+    if not text.strip():
+        raise TraceOutputError("trace file: an empty path")
+    absolute = os.path.abspath(text)
+    try:
+        info = os.lstat(absolute)
+    except FileNotFoundError:
+        info = None
+    except OSError as error:
+        raise TraceOutputError(f"trace file {text}: {error.strerror}") from None
+    if info is not None:
+        if stat.S_ISLNK(info.st_mode):
+            raise TraceOutputError(f"trace file {text} is a symbolic link: give the file's own path")
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), None)
+        if kind is not None or not stat.S_ISREG(info.st_mode):
+            raise TraceOutputError(f"trace file {text} is {kind or 'not a regular file'}: a trace replaces only a "
+                                   "regular file")
+        if not os.access(absolute, os.W_OK):
+            raise TraceOutputError(f"trace file {text} is not writable")
+    directory = os.path.dirname(absolute)
+    if not os.path.isdir(directory):
+        raise TraceOutputError(f"trace file {text}: directory {directory} does not exist")
+    try:  # the one sure test (read-only mounts, /proc, root's permissions): make the temp file a write makes
+        fd, probe = tempfile.mkstemp(prefix=f".{os.path.basename(absolute)}.", suffix=".tmp", dir=directory)
+    except OSError as error:
+        raise TraceOutputError(f"trace file {text}: directory {directory} is not writable ({error.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return absolute
+
+
+def write_json(path: str, data) -> bool:
+    """Write ``data`` to ``path`` through a private temp file in its directory, replacing only a
+    regular file (checked again just before the rename); True when written. A failure is a
+    logged warning and leaves no temp file; an interrupt still propagates (after the cleanup)."""
+    temporary = None
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                         dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle)
+        check_path(path)  # a device or link put there since: not replaced
+        os.replace(temporary, path)  # a reader never sees half a file
+        temporary = None
+        return True
+    except (OSError, ValueError, TypeError) as error:
+        logger.warning("hicache: the trace %s was not written: %s", path, error)
+        return False
+    finally:
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
 
 
 class _Recorder:
@@ -25,11 +105,12 @@ class _Recorder:
         self.events: list[dict] = []
         self.threads: dict[int, str] = {}
         self.lock = threading.Lock()
-        self.origin = time.perf_counter()
+        self.origin = time.monotonic()  # the host's clock: every process's spans line up
+        self.wall = time.time()  # what that moment was on the wall clock
 
     def add(self, name: str, cat: str, start: float, end: float, args: dict) -> None:
         thread = threading.current_thread()
-        event = {"name": name, "cat": cat, "ph": "X", "ts": round((start - self.origin) * 1e6, 3),
+        event = {"name": name, "cat": cat, "ph": "X", "ts": round(start * 1e6, 3),
                  "dur": round((end - start) * 1e6, 3), "pid": os.getpid(), "tid": thread.ident, "args": args}
         with self.lock:
             self.events.append(event)
@@ -39,11 +120,10 @@ class _Recorder:
         with self.lock:
             names = [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid, "args": {"name": name}}
                      for tid, name in self.threads.items()]
-            data = {"traceEvents": names + list(self.events), "displayTimeUnit": "ms"}
-        temporary = f"{self.path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as handle:
-            json.dump(data, handle)
-        os.replace(temporary, self.path)  # a reader never sees half a file
+            data = {"traceEvents": names + list(self.events), "displayTimeUnit": "ms",
+                    "otherData": {"clock": CLOCK, "host": socket.gethostname(), "pid": os.getpid(),
+                                  "origin_monotonic_s": self.origin, "origin_wall_s": self.wall}}
+        write_json(self.path, data)
 
 
 _ACTIVE: _Recorder | None = None
@@ -56,11 +136,11 @@ class _Span:
         self.recorder, self.name, self.cat, self.args = recorder, name, cat, args
 
     def __enter__(self):
-        self.start = time.perf_counter()
+        self.start = time.monotonic()
         return self.args  # the caller may add arguments known only at the end (a rate)
 
     def __exit__(self, kind, error, tb) -> None:
-        end = time.perf_counter()
+        end = time.monotonic()
         if kind is not None:
             self.args["error"] = kind.__name__
         size = self.args.get("size")
@@ -89,12 +169,25 @@ def tracing(path: str | None):
     if not path or _ACTIVE is not None:
         yield
         return
-    _ACTIVE = recorder = _Recorder(str(path))
+    checked = _checked_or_warn(path)
+    if checked is None:
+        yield
+        return
+    _ACTIVE = recorder = _Recorder(checked)
     try:
         yield
     finally:
         _ACTIVE = None
         recorder.write()
+
+
+def _checked_or_warn(path) -> str | None:
+    """The checked path, or None after a warning: a trace never fails the work it observes."""
+    try:
+        return check_path(path)
+    except TraceOutputError as error:
+        logger.warning("hicache: not tracing: %s", error)
+        return None
 
 
 def start(path: str | None) -> None:
@@ -104,9 +197,12 @@ def start(path: str | None) -> None:
     global _ACTIVE
     if not path or _ACTIVE is not None:
         return
+    checked = _checked_or_warn(path)
+    if checked is None:
+        return
     import atexit
 
-    _ACTIVE = recorder = _Recorder(str(path))
+    _ACTIVE = recorder = _Recorder(checked)
     atexit.register(recorder.write)
 
 
@@ -127,3 +223,28 @@ def flush() -> None:
     """Rewrite the active trace with everything so far (background work keeps adding)."""
     if _ACTIVE is not None:
         _ACTIVE.write()
+
+
+def merge(paths) -> dict:
+    """One trace of the traces at ``paths`` (each rank's, one host): their events on the host's
+    clock they share, each process under its own pid. `TraceOutputError` for a file that is no
+    hicache trace, or traces of another clock or host (their times do not line up)."""
+    events, sources = [], []
+    for path in paths:
+        try:
+            with open(path) as handle:
+                data = json.load(handle)
+        except (OSError, ValueError) as error:
+            raise TraceOutputError(f"trace {path}: cannot read it ({error})") from None
+        other = data.get("otherData", {}) if isinstance(data, dict) else {}
+        if other.get("clock") != CLOCK or not isinstance(data.get("traceEvents"), list):
+            raise TraceOutputError(f"trace {path}: not a hicache trace on {CLOCK} (written by an older hicache?)")
+        sources.append({"path": str(path), **other})
+        events += data["traceEvents"]
+    hosts = {source["host"] for source in sources}
+    if len(hosts) > 1:
+        raise TraceOutputError(f"traces of {len(hosts)} hosts ({', '.join(sorted(hosts))}): their monotonic clocks "
+                               "do not line up - merge each host's traces apart")
+    events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0)))
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"clock": CLOCK, "host": next(iter(hosts), ""), "merged": sources}}
