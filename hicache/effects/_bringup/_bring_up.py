@@ -32,7 +32,7 @@ from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._probes import probe_machine
 import hicache.effects._trace as _trace
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.errors import PlanError
+from hicache.errors import CapacityError, PlanError
 from hicache.plan import DEFAULT_RESERVE_BYTES, PoolPlan, RegistrationPlan, check_budget, plan_registration
 
 BLOCKING, PIPELINED, MAP_ONLY = "blocking", "pipelined", "map-only"
@@ -145,6 +145,24 @@ def _mode(mode, requests, allocator, device) -> str | Progressive:
     return mode
 
 
+def fixed_room(host_memory_bytes: int, peers: dict, ranks: int) -> int:
+    """The room left of a stated host figure (``--host-memory``, ``host_memory_bytes=``): the
+    live peers' claims on this host subtracted, as a measured figure has them subtracted by the
+    kernel. `CapacityError` when the peers already fill the stated rank count: N claims never
+    exceed what the operator said the host holds."""
+    claimed = sum(peers.values())
+    if len(peers) >= ranks:
+        from hicache.plan import format_gb
+
+        raise CapacityError(
+            f"host memory budget refused: {len(peers)} other process(es) on this host (pids "
+            f"{', '.join(map(str, sorted(peers)))}) already claim {format_gb(claimed)} of the stated "
+            f"{format_gb(host_memory_bytes)} for {ranks} rank(s). Hint: wait for them, or state more ranks or memory "
+            "(--ranks-per-host / --host-memory)"
+        )
+    return max(host_memory_bytes - claimed, 0)
+
+
 def bring_up(
     pools,
     *,
@@ -226,11 +244,15 @@ def bring_up(
             total = handle.total_bytes
             with lock:  # held until the memory is resident: peers then see it as used
                 facts = probe_machine() if machine is None else machine
-                available = facts.available_bytes if host_memory_bytes is None else host_memory_bytes
                 ranks = facts.ranks_per_host if ranks_per_host is None else ranks_per_host
+                peers = lock.peers()
+                if host_memory_bytes is None:  # measured: peers' memory is gone from it already
+                    available = facts.available_bytes
+                else:  # a stated figure stands for the host's room: peers' live claims come off it
+                    available = fixed_room(host_memory_bytes, peers, ranks)
                 check_budget(
                     total, available_bytes=available, ranks_per_host=ranks, reserve_bytes=reserve_bytes,
-                    ranks_already_allocated=min(len(lock.peers()), ranks - 1),
+                    ranks_already_allocated=min(len(peers), ranks - 1),
                     cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0,
                 )
                 handle._hold_budget(lock, total)
