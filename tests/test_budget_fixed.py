@@ -22,8 +22,6 @@ from hicache.errors import CapacityError
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeRuntime
 
-pytestmark = pytest.mark.concurrency  # processes: `make test-loaded` runs these again under load
-
 MB = 10**6
 POOL = 4 * 2**20
 
@@ -78,6 +76,7 @@ def test_a_dead_peers_claim_is_no_claim(tmp_path):
     _bring_up(tmp_path, host_memory=2 * POOL, ranks=1).release()
 
 
+@pytest.mark.concurrency  # processes side by side: `make test-loaded` runs it again under load
 def test_four_applies_at_once_with_one_stated_rank_admit_exactly_one(tmp_path):
     """Four `hicache apply --fake-cuda --host-memory 64MB --ranks-per-host 1` processes, each
     asking 8 MB and holding what it got: exactly one is admitted (it says it holds), the three

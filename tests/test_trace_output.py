@@ -92,7 +92,6 @@ def test_a_librarys_bring_up_with_a_bad_trace_path_warns_and_goes_on(tmp_path, c
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
-@pytest.mark.concurrency
 def test_a_bad_hicache_trace_never_fails_a_pool_constructor(tmp_path):
     """HICACHE_TRACE naming a directory: hicache's pool still builds and round-trips in a fresh
     process (it failed every constructor before), with the warning on stderr."""
