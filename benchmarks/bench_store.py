@@ -18,11 +18,9 @@ without. Uses /dev/shm: about 2.5 GB for the batches, then the arena alone.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time

@@ -361,11 +361,10 @@ def _store_room(c: Context) -> Check:
         status, hint = "warn", "node store arenas go on tmpfs or hugetlbfs (docs/store.md)"
         parts.append(str(error).split(": ", 1)[-1])
     try:
-        with open(f"{c.root.rstrip('/')}/proc/self/mountinfo") as handle:
-            mounts = [m for m in arena.parse_mountinfo(handle.read()) if m.fstype == "hugetlbfs"]
+        huge = [m for m in arena.mounts(root=c.root) if m.fstype == "hugetlbfs"]
     except OSError:
-        mounts = []
-    for mount in mounts:
+        huge = []
+    for mount in huge:
         try:
             room = arena.backing_of(f"{mount.point}/arena", root=c.root).free_bytes
             parts.append(f"hugetlbfs {mount.point} ({format_bytes(mount.pagesize_bytes or 2**21)} pages) "

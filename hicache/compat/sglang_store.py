@@ -120,9 +120,6 @@ class HiCacheNodeStore(HiCacheStorage):
         self.attach_s = None
 
     # -- registration ----------------------------------------------------------------------------
-    def register_mem_pool_host(self, mem_pool_host) -> None:
-        super().register_mem_pool_host(mem_pool_host)
-
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if self.store is not None:  # a sidecar registered after the attach (SGLang allows it)

@@ -159,7 +159,7 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
 
     def create():
         return _arena.create_arena(path, plan, label=label, threads=threads, progress=progress, page_bytes=slot_bytes,
-                                   total_bytes=size_bytes, ops=ops, root=root)
+                                   total_bytes=size_bytes, ops=ops, root=root, backing=backing)
 
     if not budget or os.path.lexists(path):  # attaching (or racing a creator: its lock orders us)
         return NodeStore(create(), fault_hook=fault_hook)

@@ -104,23 +104,13 @@ class Arena:
         return {name: self.ops.load(self.base + counter_offset(name)) for name in COUNTERS}
 
     def resident_bytes(self) -> int:
-        """Bytes of this process's mapping of the arena that are faulted in (Rss in
+        """Bytes of this process's mapping of the arena that are faulted in (its Rss in
         /proc/self/smaps): what an attach touched. 0 when closed or unreadable."""
         if self.closed:
             return 0
-        try:
-            with open("/proc/self/smaps") as smaps:
-                inside = False
-                for line in smaps:
-                    head = line.split(None, 1)[0]
-                    if "-" in head and not head.endswith(":"):
-                        start, _, end = head.partition("-")
-                        inside = int(start, 16) <= self.base < int(end, 16)
-                    elif inside and head == "Rss:":
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError):
-            pass
-        return 0
+        from hicache.effects._host._tiers import mapping_field
+
+        return mapping_field(self.base, "Rss") or 0
 
     def close(self) -> None:
         """Unmap and close; safe to call twice. Nothing in the file changes (its pages stay)."""
@@ -161,12 +151,13 @@ def _map(fd: int, plan: StorePlan, path: str) -> mmap.mmap:
 
 
 def attach_arena(path: str, *, page_bytes: int | None = None, total_bytes: int | None = None,
-                 ops=None, root: str = "/", uid: int | None = None) -> Arena:
+                 ops=None, root: str = "/", uid: int | None = None, backing: Backing | None = None) -> Arena:
     """Attach the arena at ``path``: `ArenaError` for a missing, foreign, exposed, corrupt or
     incomplete one, `ArenaGeometryError` when its slots cannot hold ``page_bytes`` or its size is
-    not ``total_bytes`` (when given). Faults nothing in. ``uid``: whose it must be (this user's)."""
+    not ``total_bytes`` (when given). Faults nothing in. ``uid``: whose it must be (this user's);
+    ``backing``: the path's, when the caller read it already."""
     began = time.perf_counter()
-    backing = backing_of(path, root=root)
+    backing = backing_of(path, root=root) if backing is None else backing
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -276,11 +267,12 @@ def check_room(path: str, plan: StorePlan, backing: Backing) -> None:
 
 def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None = None, progress=None,
                  exist_ok: bool = True, page_bytes: int | None = None, total_bytes: int | None = None,
-                 ops=None, root: str = "/", wait_s: float = CREATE_WAIT_S) -> Arena:
+                 ops=None, root: str = "/", wait_s: float = CREATE_WAIT_S, backing: Backing | None = None) -> Arena:
     """Create the arena at ``path`` with ``plan`` and pre-fault it - or, when it exists already
     (``exist_ok``), attach it as `attach_arena` does with ``page_bytes``/``total_bytes``.
-    Checks the mount and its room first: `ArenaError` before anything is allocated."""
-    backing = backing_of(path, root=root)
+    Checks the mount and its room first: `ArenaError` before anything is allocated
+    (``backing``: the path's, when the caller read it already)."""
+    backing = backing_of(path, root=root) if backing is None else backing
     if backing.kind != plan.backing or plan.unit_bytes != backing.unit_bytes:
         raise ArenaError(
             f"store arena {path}: {backing.mount.point} is {backing.kind} with {backing.unit_bytes}-byte pages, the plan "
@@ -295,7 +287,8 @@ def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None 
             elif not exist_ok:
                 raise ArenaError(f"store arena {path}: exists already (hicache store drop {path} removes it)")
             else:
-                return attach_arena(path, page_bytes=page_bytes, total_bytes=total_bytes, ops=ops, root=root)
+                return attach_arena(path, page_bytes=page_bytes, total_bytes=total_bytes, ops=ops, root=root,
+                                    backing=backing)
         check_room(path, plan, backing)
         return _create(path, plan, label, backing, threads=threads, progress=progress, ops=ops)
     finally:

@@ -102,6 +102,11 @@ class Backing:
         return self.mount.pagesize_bytes or 4096
 
 
+def mounts(*, root: str = "/") -> list[Mount]:
+    """This process's mounts (/proc/self/mountinfo under ``root``); OSError when unreadable."""
+    return parse_mountinfo(Path(root, "proc/self/mountinfo").read_text())
+
+
 def backing_of(path: str, *, root: str = "/") -> Backing:
     """The backing of an arena at ``path`` (its directory must exist): `ArenaError` naming the
     filesystem when it is not tmpfs or hugetlbfs."""
@@ -109,10 +114,10 @@ def backing_of(path: str, *, root: str = "/") -> Backing:
     if not os.path.isdir(directory):
         raise ArenaError(f"store arena {path}: directory {directory} does not exist")
     try:
-        text = Path(root, "proc/self/mountinfo").read_text()
+        found = mounts(root=root)
     except OSError as error:
         raise ArenaError(f"store arena {path}: cannot read /proc/self/mountinfo ({error.strerror})") from None
-    mount = mount_of(directory, parse_mountinfo(text))
+    mount = mount_of(directory, found)
     if mount.fstype not in MEMORY_FILESYSTEMS:
         raise ArenaError(
             f"store arena {path}: {mount.point} is {mount.fstype}, not tmpfs or hugetlbfs (a disk file's pages are "

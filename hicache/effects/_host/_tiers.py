@@ -70,6 +70,18 @@ def read_smaps(path: str = SMAPS) -> str | None:
         return None
 
 
+def mapping_field(ptr: int, field: str, *, smaps_text: str | None = None) -> int | None:
+    """``field`` (e.g. ``"Rss"``, bytes) of this process's mapping holding ``ptr``; None when no
+    mapping holds it or smaps cannot be read."""
+    text = read_smaps() if smaps_text is None else smaps_text
+    if text is None:
+        return None
+    for start, end, fields in _mappings(text):
+        if start <= ptr < end:
+            return fields.get(field, 0)
+    return None
+
+
 _LOW_BIT = bytes(value & 1 for value in range(256))  # mincore: bit 0 of each entry says resident
 
 
