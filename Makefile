@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 .SILENT:
 
-.PHONY: help plan test test-loaded bench clean sglang
+.PHONY: help plan test test-loaded bench clean sglang docs
 
 help:  ## list the targets
 	grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -44,6 +44,9 @@ $(SGLANG_STAMP): $(STAMP) requirements-sglang.txt
 	touch $(SGLANG_STAMP)
 
 sglang: $(SGLANG_STAMP)  ## SGLang 0.5.23's real code in .venv, for its tests (requirements-sglang.txt)
+
+docs: $(STAMP)  ## regenerate docs/environment.md from the one table of HICACHE_* variables
+	$(BIN)/python -c "from hicache.plan._env import environment_markdown as m; open('docs/environment.md', 'w').write(m())"
 
 plan: $(STAMP)  ## capacity plan (ARGS="--model deepseek-v3.2 --host-gb 300", ARGS="--format json")
 	$(BIN)/hicache plan $(ARGS)

@@ -138,6 +138,11 @@ class HostOutOfMemoryError(HicacheError, MemoryError):
     """The host could not provide the memory (mmap or pre-fault returned ENOMEM)."""
 
 
+class HugepageSizeError(PlanError):
+    """hugetlbfs pages of a size this kernel does not offer (``/sys/kernel/mm/hugepages``) were
+    required: refused before any memory, naming the sizes it offers."""
+
+
 class HugepagesExhaustedError(HostOutOfMemoryError):
     """``hugepages="required"`` and the hugetlbfs pool has too few free pages (the message says
     how many are needed, free and reserved)."""
@@ -187,6 +192,31 @@ class ArenaGeometryError(ArenaError):
 class TraceOutputError(HicacheError, ValueError):
     """A trace cannot be written where asked: not a regular file (a device, FIFO, directory,
     symlink), or a missing or read-only directory (the message says which)."""
+
+
+class TerminationSignal(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where a KeyboardInterrupt would be (see
+    `hicache.effects.terminate_as_interrupt`): ``signum`` says which; a command exits 128 +
+    signum, as a process killed by it would."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_number(error: BaseException | None) -> int | None:
+    """The signal behind ``error`` (its cause/context chain, 16 links at most): SIGTERM's or
+    SIGHUP's number, SIGINT's (2) for a plain KeyboardInterrupt, None when no interrupt caused it."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, TerminationSignal):
+            return error.signum
+        if isinstance(error, KeyboardInterrupt):
+            return 2
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
 
 
 def caused_by_interrupt(error: BaseException | None) -> bool:

@@ -84,11 +84,12 @@ def pytest_collection_modifyitems(config, items):
 import pytest  # noqa: E402
 
 
-#: Settings of the machine running the tests that would change what the tests see.
+#: Settings of the machine running the tests that would change what the tests see: every row of
+#: hicache's environment table (the runtime directory is set below) and the variables beside it.
 _MACHINE_SETTINGS = (
-    "HICACHE_REGISTER_CHUNK", "HICACHE_KERNEL_PIN_CAP", "HICACHE_DRIVER_CEILING",
-    "HICACHE_HUGEPAGE_SIZE", "HICACHE_RANKS_PER_HOST", "HICACHE_HOST_COPY", "LOCAL_WORLD_SIZE",
-    "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", "HICACHE_PROGRESSIVE", "HICACHE_HUGEPAGES",
+    *(s.name for s in __import__("hicache.plan._env", fromlist=["SETTINGS"]).SETTINGS
+      if s.name != "HICACHE_RUNTIME_DIR"),
+    "LOCAL_WORLD_SIZE", "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB",
 )
 
 

@@ -191,7 +191,7 @@ def test_doctor_json(capsys, tmp_path):
     run(capsys, "plan", "--host-gb", "1", "--format", "json", "--out", str(plan))
     code, out, _ = run(capsys, "doctor", "--plan", str(plan), "--format", "json")
     checks = {c["name"]: c["status"] for c in json.loads(out)["checks"]}
-    assert set(checks) == {"versions", "kernel", "limits", "thp", "hugepages", "pools", "buddyinfo", "memlock", "max_map_count", "memory", "numa", "host_copy", "cuda", "binding", "gpus", "sglang", "store_room", "store"}
+    assert set(checks) == {"versions", "environment", "kernel", "limits", "thp", "hugepages", "pools", "buddyinfo", "memlock", "max_map_count", "memory", "numa", "host_copy", "cuda", "binding", "gpus", "sglang", "store_room", "store"}
     assert code == (1 if "fail" in checks.values() else 0)
 
 
@@ -199,7 +199,7 @@ def test_doctor_reports_how_host_pages_are_copied(monkeypatch):
     from hicache.cli._doctor import host_copy_check as _host_copy_check
     from hicache.effects._copy import _host_copy
     bad = _host_copy_check({"HICACHE_HOST_COPY": "turbo"})
-    assert (bad.status, bad.name) == ("fail", "host_copy") and "'turbo' is not one of" in bad.finding
+    assert (bad.status, bad.name) == ("fail", "host_copy") and "'turbo' must be one of" in bad.finding
     assert "as HICACHE_HOST_COPY asks" in _host_copy_check({"HICACHE_HOST_COPY": "python"}).finding
     monkeypatch.setattr(_host_copy, "_native", None)
     missing = _host_copy_check({})

@@ -310,10 +310,13 @@ def test_a_config_swapped_for_a_fifo_while_being_read_never_hangs(tmp_path, caps
 
 
 @pytest.mark.parametrize("env, argv, ref, says", [
-    ({"HICACHE_RANKS_PER_HOST": "junk"}, ["doctor"], "bad-environment", "fix or unset the environment variable"),
-    ({"HICACHE_RANKS_PER_HOST": "0"}, ["doctor"], "bad-environment", "fix or unset the environment variable"),
+    ({"HICACHE_RANKS_PER_HOST": "junk"}, ["apply", "--fake-cuda", "--host-gb", "0.01"], "bad-environment",
+     "fix or unset the environment variable"),
+    ({"HICACHE_RANKS_PER_HOST": "0"}, ["apply", "--fake-cuda", "--host-gb", "0.01"], "bad-environment",
+     "fix or unset the environment variable"),
     ({}, ["plan", "--host-gb", "1e-9"], "pool-too-small", "raise --host-gb"),
-    ({"HICACHE_KERNEL_PIN_CAP": "1"}, ["plan"], "too-many-calls", "HICACHE_KERNEL_PIN_CAP"),
+    ({"HICACHE_KERNEL_PIN_CAP": "4KiB"}, ["plan"], "too-many-calls", "HICACHE_KERNEL_PIN_CAP"),
+    ({"HICACHE_KERNEL_PIN_CAP": "1"}, ["plan"], "bad-limits", "the HICACHE_* variables"),
 ])
 def test_each_error_names_the_real_cause_and_its_fix(env, argv, ref, says, monkeypatch, capsys):
     """The hint fixes what is wrong: a bad variable is the variable (not "raise --chunk-limit"),
@@ -346,6 +349,7 @@ def test_too_few_free_hugepages_is_its_own_error_with_its_fix(monkeypatch, capsy
     from hicache.effects._host import _memory
 
     monkeypatch.setattr(_memory, "free_hugepages", lambda size, root="/": (4, 0))
+    monkeypatch.setattr(_memory, "offered_hugepage_sizes", lambda root="/": (2 * 2**20,))  # whatever this box offers
     code = main(["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.05", "--chunk-limit", "16MiB",
                  "--hugepages", "required", "--hugepage-size", "2MiB", "--fake-cuda",
                  "--host-memory", "1TB", "--ranks-per-host", "1"])  # the budget: not this machine's free memory

@@ -112,7 +112,7 @@ def test_the_mode_follows_the_environment(monkeypatch):
     monkeypatch.setenv(_host_copy.ENV_VAR, "python")
     assert _host_copy.host_copy_mode() == "python"
     monkeypatch.setenv(_host_copy.ENV_VAR, "turbo")
-    with pytest.raises(EnvError, match="HICACHE_HOST_COPY='turbo' is not one of auto, native, python"):
+    with pytest.raises(EnvError, match="HICACHE_HOST_COPY='turbo' must be one of auto, native, python"):
         _host_copy.host_copy_mode()
     monkeypatch.setattr(_host_copy, "_native", None)
     monkeypatch.setenv(_host_copy.ENV_VAR, "native")

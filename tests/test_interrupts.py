@@ -45,7 +45,7 @@ PLAN = plan_pool(
 def _return_line(owner, function: str, statement: str) -> tuple[str, int]:
     import inspect
 
-    code = getattr(owner, function)
+    code = inspect.unwrap(getattr(owner, function))  # bring_up and terminate_as_interrupt are wrapped
     lines, first = inspect.getsourcelines(code)
     return inspect.getsourcefile(code), first + next(i for i, line in enumerate(lines) if line.strip() == statement)
 
@@ -58,6 +58,11 @@ _LAST_CHECK = _return_line(_executor, "_apply", 'where = "after the last call"')
 _RETURN = _return_line(_executor, "_apply", "return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))")
 _CONSUME = _return_line(_interrupts.deferred_interrupts, "consume", "return pending")
 _WITH_EXIT = _return_line(_executor, "_apply", "with deferred_interrupts() as held:")  # after the return
+#: bring_up's wrapper that handles SIGTERM/SIGHUP as Ctrl-C hands the handle on the same way: its
+#: return, its with-exit, and the handlers' restore in terminate_as_interrupt's finally.
+_OWNING = (_return_line(_bringup, "_owning_signals", "return function(*args, **kwargs)"),
+           _return_line(_bringup, "_owning_signals", "with terminate_as_interrupt():"))
+_RESTORE = _return_line(_interrupts, "terminate_as_interrupt", "signal.signal(signum, signal.SIG_DFL)")
 
 
 def _body(function) -> tuple[str, range]:
@@ -77,7 +82,8 @@ def _at_hand_over(where) -> bool:
         return False
     (file, line), = where
     return (
-        (file, line) in (_HANDLE, _WITH_EXIT)
+        (file, line) in (_HANDLE, _WITH_EXIT, *_OWNING)
+        or (file == _RESTORE[0] and _RESTORE[1] - 2 <= line <= _RESTORE[1])  # finally / for / restore
         or any(file == f and line in lines for f, lines in _BUILD)
         or (file == _RETURN[0] and _LAST_CHECK[1] < line <= _RETURN[1])
         or (file == _CONSUME[0] and _CONSUME[1] - 2 <= line <= _CONSUME[1])

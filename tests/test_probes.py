@@ -65,7 +65,7 @@ def test_probe_limits_from_environment(tmp_path):
         ({"HICACHE_REGISTER_CHUNK": "12XB"}, r"HICACHE_REGISTER_CHUNK='12XB' is invalid: .*unknown unit 'XB'"),
         ({"HICACHE_REGISTER_CHUNK": "-1GiB"}, r"HICACHE_REGISTER_CHUNK='-1GiB' is invalid"),
         ({"HICACHE_REGISTER_CHUNK": "0"}, r"HICACHE_REGISTER_CHUNK='0' is invalid"),
-        ({"HICACHE_HUGEPAGE_SIZE": "3MiB"}, r"hugepage_bytes must be a power of two"),
+        ({"HICACHE_HUGEPAGE_SIZE": "3MiB"}, r"HICACHE_HUGEPAGE_SIZE=.3MiB. is invalid: must be a power of two"),
         ({"HICACHE_RANKS_PER_HOST": "eight"}, r"HICACHE_RANKS_PER_HOST='eight' must be a positive integer"),
     ],
 )

@@ -8,11 +8,12 @@ settings and the flags (a flag wins). Loaded only by `apply`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 
-from hicache.cli._common import INFEASIBLE, USAGE, CliError, positive_int, size
+from hicache.cli._common import INFEASIBLE, USAGE, CliError, ascii_number, positive_int, size
 from hicache.cli._plan_args import add_plan_arguments, build_plan, limits_from_args
 from hicache.cli._progress import BringupProgress, wait_progressive
 from hicache.cli._saved import load_plan, pool_plans
@@ -22,7 +23,10 @@ from hicache.plan import CAPACITY_DEFAULTS, DEFAULT_RESERVE_BYTES, format_bytes
 DESCRIPTION = (
     "Allocate, pre-fault and register a plan on this machine, all or nothing, as the pools "
     "would (budget under the host-wide lock, one transaction), hold it, then release it. "
-    "Plans with this machine's kernel cap and the HICACHE_* settings unless --plan is given. "
+    "Plans with this machine's kernel cap and the HICACHE_* settings unless --plan is given, and reads "
+    "the environment as the pools do (HICACHE_HUGEPAGES, HICACHE_PROGRESSIVE, HICACHE_HOST_COPY, "
+    "HICACHE_RANKS_PER_HOST, ...: docs/environment.md; a bad value is an error before any memory); "
+    "a flag beats its variable. "
     "Example: hicache apply --model llama-3.1-8b --host-gb 4 --hold 30"
 )
 
@@ -32,14 +36,16 @@ def add_command(commands) -> None:
     add_plan_arguments(apply, budget_title="budget (instead of this machine's free memory and rank count)")
     apply.add_argument("--plan", dest="plan_file", help="a saved JSON plan (instead of plan arguments)")
     apply.add_argument("--hold", default="0", help="seconds to hold the registration, or inf: until Ctrl-C (default 0)")
-    apply.add_argument("--hugepages", choices=("off", "thp", "prefer", "required"), default="off",
-                       help="off: 4 KiB pages (default, see README); thp: transparent huge pages; "
-                            "prefer/required: hugetlbfs pages of --hugepage-size")
+    apply.add_argument("--hugepages", choices=("off", "thp", "prefer", "required"),
+                       help="off: 4 KiB pages (see README); thp: transparent huge pages; prefer/required: "
+                            "hugetlbfs pages of --hugepage-size (one the kernel offers: /sys/kernel/mm/hugepages; "
+                            "prefer falls back to 4 KiB pages). Default: HICACHE_HUGEPAGES, else off")
     apply.add_argument("--threads", help="pre-fault threads (default: cores, at most 16)")
     apply.add_argument("--numa", default="auto",
                        help="bind the pool to a NUMA node: auto (the GPU's, where there are several), off, or N")
-    apply.add_argument("--progressive", action="store_true",
-                       help="register call by call in the background (paced), report the time to the first call")
+    apply.add_argument("--progressive", action=argparse.BooleanOptionalAction,
+                       help="register call by call in the background (paced), report the time to the first call "
+                            "(default: HICACHE_PROGRESSIVE, else off; --no-progressive overrides it)")
     apply.add_argument("--format", choices=("table", "json"), default="table")
     apply.add_argument("--trace", metavar="FILE",
                        help="write a Chrome trace-event JSON of the bring-up (Perfetto, chrome://tracing): phases, "
@@ -87,6 +93,8 @@ def _serve_metrics(port: int | None):
 
 def _hold_seconds(text: str) -> float:
     try:
+        if not ascii_number(text):
+            raise ValueError(text)
         hold = float(text)
     except ValueError:
         hold = -1.0
@@ -172,9 +180,27 @@ def _release(handle) -> None:
         ) from error
 
 
+def _settings_from_environment(args) -> None:
+    """The environment as the pools read it, checked in full before any memory (a bad value:
+    `EnvError`, error[bad-environment]); --hugepages and --progressive default to it."""
+    from hicache.effects import environment_problems, host_copy_info, pool_settings
+    from hicache.errors import EnvError
+
+    problems = environment_problems(paths=False)  # every row, as the bring-up's readers parse it; a bad
+    if problems:                                   # HICACHE_TRACE path is the bring-up's warning, not an error
+        raise EnvError(problems[0].reason)
+    host_copy_info()  # HICACHE_HOST_COPY=native where the helper was not built fails the pools too
+    settings = pool_settings()
+    if args.hugepages is None:
+        args.hugepages = settings.hugepages
+    if args.progressive is None:
+        args.progressive = settings.progressive
+
+
 def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, lock=None) -> int:
     """`hicache apply`. ``runtime``/``cuda_binding``/``ledger``/``machine``/``lock`` stand in for
     CUDA and the machine in tests (`hicache.testing.fake_cuda` does the first two for all)."""
+    _settings_from_environment(args)
     if getattr(args, "trace", None) is not None:  # before any memory is taken (issue #33)
         from hicache.effects import trace
         from hicache.errors import TraceOutputError
@@ -189,8 +215,6 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
 
         print("note: --fake-cuda: a dry run - CUDA is hicache.testing's fake driver, nothing is pinned "
               "(memory is really mapped, pre-faulted and budgeted)", file=sys.stderr)
-        import argparse
-
         real_args = argparse.Namespace(**{**vars(args), "fake_cuda": False})
         with fake_cuda() as fake:
             code = run(real_args, ledger=ledger, machine=machine, lock=lock)
@@ -205,7 +229,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     hold = _hold_seconds(args.hold)
     metrics_port = _metrics_port(args)
     threads = positive_int(args.threads, "--threads") if args.threads else None
-    reserve = size(args.reserve, "--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
+    reserve = size(args.reserve, "--reserve", minimum=0) if args.reserve else DEFAULT_RESERVE_BYTES
     host_memory, ranks = _budget_overrides(args)
     plan, sources = _machine_plan(args)
     cuda = probe_cuda(cuda_binding)
@@ -220,7 +244,9 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     if note:
         print(f"note: {note}", file=sys.stderr)
     allocator = HostTensorAllocator(prefault_threads=threads, hugepages=args.hugepages, hugepage_bytes=hugepage,
-                                    numa_node=node)
+                                    numa_node=node)  # a hugetlbfs size the kernel does not offer: refused here
+    if allocator.hugepage_note:
+        print(f"note: {allocator.hugepage_note}", file=sys.stderr)
     progress = None if args.progressive else BringupProgress(sum(p.call_count for p in pools))
     if args.progressive:
         import torch  # noqa: F401 - loaded before the clock starts, as in a server
@@ -259,7 +285,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
                 metrics.released(_METRICS_POOL)
         if server is not None:
             server.shutdown()
-    report = {"bytes": handle.total_bytes, "calls": calls, "tiers": tiers}
+    report = {"bytes": handle.total_bytes, "calls": calls, "hugepages": args.hugepages, "tiers": tiers}
     if args.progressive:
         report |= {"first_chunk_s": round(handle.first_call_s, 4), "total_s": round(total_s, 4), "numa_node": node}
         return _write_report(args, report, sources, progressive=True)

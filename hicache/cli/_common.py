@@ -36,9 +36,25 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", _formatter)
         super().__init__(*args, **kwargs)
+        for name in (None, "store"):  # every plain option (None: add_argument's default; groups share this)
+            self.register("action", name, _StoreOnce)
 
     def error(self, message: str):  # argparse's own usage errors, in our format
         raise CliError("usage", message, f"run `{self.prog} --help`")
+
+
+class _StoreOnce(argparse._StoreAction):
+    """An option given twice with different values - under one spelling or two (``--tp 1
+    --tp-size 8``) - is `conflicting-flags`, never "the last one wins" silently."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given_options", {})
+        earlier = given.get(self.dest)
+        if earlier is not None and earlier[1] != values:
+            raise CliError("conflicting-flags", f"{earlier[0]} {earlier[1]} and {option_string} {values} both given",
+                           f"{earlier[0]} and {option_string} set the same thing: give it once")
+        given[self.dest] = (option_string, values)
+        super().__call__(parser, namespace, values, option_string)
 
 
 #: The largest value each count flag takes: past these the input is a typo, not a deployment
@@ -47,8 +63,16 @@ MAXIMA = {"--tp": 65_536, "--page-size": 2**20, "--mamba-slots": 10**8, "--threa
           "--ranks-per-host": 4_096, "--device-tokens": 10**12, "--metrics-port": 65_535}
 
 
+def ascii_number(text) -> bool:
+    """Whether ``text`` is written in ASCII: int(), float() and Decimal() read "١٢" (Arabic-Indic
+    digits) or "１２" (full-width) as 12, which no operator meant (issue #33)."""
+    return isinstance(text, str) and text.isascii()
+
+
 def positive_int(text: str, flag: str) -> int:
     try:
+        if not ascii_number(text):
+            raise ValueError(text)
         value = int(text)
     except (TypeError, ValueError):
         raise CliError("bad-number", f"{flag} must be a whole number, got {text!r}", f"e.g. {flag} 8") from None
@@ -63,6 +87,8 @@ def positive_int(text: str, flag: str) -> int:
 
 def positive_decimal(text: str, flag: str) -> Decimal:
     try:
+        if not ascii_number(str(text)):
+            raise InvalidOperation(text)
         value = Decimal(str(text))
     except (InvalidOperation, TypeError):
         raise CliError("bad-size", f"{flag} must be a number, got {text!r}", f"e.g. {flag} 100") from None
@@ -71,9 +97,9 @@ def positive_decimal(text: str, flag: str) -> Decimal:
     return value
 
 
-def size(text: str, flag: str) -> int:
+def size(text: str, flag: str, *, minimum: int = 1) -> int:
     try:
-        return parse_size(text, what=flag)
+        return parse_size(text, what=flag, minimum=minimum)
     except PlanError as error:
         raise CliError("bad-size", str(error), f"sizes look like 64GiB, 512MiB, 2TB or 4096 ({flag})") from None
 

@@ -53,6 +53,32 @@ class Context:
     store: str | None = None  # a node store arena to check (--store)
 
 
+def _environment(c: Context) -> list[Check]:
+    """Every HICACHE_* variable of the one table (hicache/plan/_env.py), as the bring-ups will
+    read it: one FAIL line per bad value, named by the variable; a set HICACHE_* variable the
+    table does not know is a warning (a typo reads as unset)."""
+    from hicache.effects import environment_problems
+    from hicache.plan._env import SETTINGS, unknown_variables
+
+    problems = environment_problems(c.env)
+    unknown = unknown_variables(c.env)
+    given = [s.name for s in SETTINGS if (c.env.get(s.name) or "").strip()]
+    bad = {p.name for p in problems}
+    checks = [Check(p.name, "fail", p.reason, f"fix or unset {p.name} (docs/environment.md: what it takes)")
+              for p in problems]
+    finding = (f"{len(SETTINGS)} HICACHE_* settings known; set: "
+               + (", ".join(f"{n}={c.env[n]!r}" for n in given) if given else "none"))
+    if unknown:
+        finding += f"; unknown: {', '.join(unknown)} (read as unset)"
+    if problems:
+        return [Check("environment", "fail", finding + f"; {len(bad)} cannot be used (below)",
+                      "fix or unset each variable named below")] + checks
+    if unknown:
+        return [Check("environment", "warn", finding,
+                      "check the spelling against docs/environment.md")]
+    return [Check("environment", "pass", finding + "; all valid")]
+
+
 def _kernel(c: Context) -> Check:
     cap = c.facts.kernel_pin_cap_bytes
     if cap is None:
@@ -399,7 +425,7 @@ def _store(c: Context) -> Check:
 
 
 #: The rules, in the order they print.
-RULES = (_versions, _kernel, _limits, _thp, _hugepages, _pools, _buddyinfo, _memlock, _max_map_count, _memory, _numa, _host_copy,
+RULES = (_versions, _environment, _kernel, _limits, _thp, _hugepages, _pools, _buddyinfo, _memlock, _max_map_count, _memory, _numa, _host_copy,
          _cuda, _binding, _gpus, _sglang, _store_room, _store)
 
 
@@ -413,7 +439,11 @@ def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, fa
     from hicache.plan import EnvError
 
     env = os.environ if env is None else env
-    facts = probe_machine(root=root, env=env) if facts is None else facts
+    if facts is None:
+        try:
+            facts = probe_machine(root=root, env=env)
+        except EnvError:  # a bad HICACHE_RANKS_PER_HOST: the environment rule's FAIL line names it
+            facts = probe_machine(root=root, env={k: v for k, v in env.items() if k != "HICACHE_RANKS_PER_HOST"})
     try:
         resolved = probe_resolved_limits(env=env, root=root)
     except EnvError as error:
@@ -428,7 +458,11 @@ def doctor_checks(plan=None, *, root: str = "/", env=None, cuda_binding=None, fa
         largest=max((p.largest_call_bytes for _, p in pools), default=0), ranks=ranks,
         limits=pools[0][1].limits if pools else None, root=root, store=store,
     )
-    return [rule(context) for rule in RULES]
+    checks = []
+    for rule in RULES:
+        found = rule(context)
+        checks.extend(found if isinstance(found, list) else [found])
+    return checks
 
 
 def render_checks(checks: list[Check], fmt: str) -> str:

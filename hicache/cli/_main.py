@@ -1,7 +1,9 @@
 """`hicache` entry point: the parser of every command, and errors turned into exit codes.
 
 Exit codes: 0 ok, 1 infeasible plan / refused budget / failed check, 2 usage, 3 CUDA failure,
-130 interrupted. Only the command being run is imported (the `plan` path stays light).
+130 interrupted (Ctrl-C), 143 / 129 stopped by SIGTERM / SIGHUP - `apply` and `store` undo
+what they did on those as on Ctrl-C, as a process killed by them would exit. Only the command
+being run is imported (the `plan` path stays light).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hicache.errors import (
     EnvError,
     HicacheError,
     HostOutOfMemoryError,
+    HugepageSizeError,
     HugepagesExhaustedError,
     LockDirectoryError,
     LockTimeoutError,
@@ -32,6 +35,19 @@ from hicache.errors import (
 )
 
 _COMMANDS = ("plan", "doctor", "apply", "store", "trace")
+_HOLDING = ("apply", "store")  # the commands that take memory, claims and registrations
+
+
+def _interrupted(error: BaseException) -> tuple[str, int]:
+    """How an interrupt is said and the exit code: Ctrl-C 130, SIGTERM 143, SIGHUP 129."""
+    import signal
+
+    from hicache.errors import signal_number
+
+    signum = signal_number(error) or signal.SIGINT
+    if signum == signal.SIGINT:
+        return "interrupted", INTERRUPTED
+    return f"stopped by {signal.Signals(signum).name}", 128 + signum
 
 
 def _module(name: str):
@@ -115,11 +131,19 @@ def main(argv: list[str] | None = None) -> int:
         parser = make_parser(only)
         args = parser.parse_args(argv)
         _refuse_empty_values(parser, args)
+        if args.command in _HOLDING:
+            from hicache.effects import terminate_as_interrupt
+
+            with terminate_as_interrupt():  # SIGTERM / SIGHUP: undone as Ctrl-C is (issue #33)
+                return _module(args.command).run(args)
         return _module(args.command).run(args)
     except CliError as error:
         return fail(error.ref, str(error), error.hint, error.code)
     except MissingExtraError as error:
         return fail("missing-extra", str(error).split(": pip install")[0], 'pip install "hicache[cuda]"', USAGE)
+    except HugepageSizeError as error:
+        return fail("bad-size", str(error), "pick an offered --hugepage-size (or HICACHE_HUGEPAGE_SIZE), or "
+                    "--hugepages prefer to fall back to 4 KiB pages", USAGE)
     except HugepagesExhaustedError as error:
         return fail("hugepages-exhausted", str(error),
                     "reserve more (sysctl vm.nr_hugepages=N) or use --hugepages prefer (falls back), thp or off", INFEASIBLE)
@@ -139,14 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     except ApplyError as error:
         cause = error.__cause__
         if isinstance(cause, KeyboardInterrupt):
-            return fail("interrupted", str(error), _what_is_left(error), INTERRUPTED)
+            said, code = _interrupted(error)
+            return fail("interrupted", f"{said}: {error}" if code != INTERRUPTED else str(error),
+                        _what_is_left(error), code)
         if isinstance(cause, CudaCallError):
             return fail("cuda-error", str(error), "run `hicache doctor`", CUDA_FAILURE)
         return fail("apply-failed", str(error), "run `hicache doctor`", INFEASIBLE)
     except ReleaseError as error:
-        interrupted = caused_by_interrupt(error)
-        return fail("interrupted" if interrupted else "release-leaked", str(error), _what_is_left(error),
-                    INTERRUPTED if interrupted else CUDA_FAILURE)
+        if caused_by_interrupt(error):
+            return fail("interrupted", str(error), _what_is_left(error), _interrupted(error)[1])
+        return fail("release-leaked", str(error), _what_is_left(error), CUDA_FAILURE)
     except CudaCallError as error:
         ref = "cuda-unavailable" if error.__class__.__name__ == "CudaUnavailableError" else "cuda-error"
         return fail(ref, str(error), "run `hicache doctor` on this machine", CUDA_FAILURE)
@@ -168,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         return fail("out-of-memory", "ran out of memory", "plan a smaller pool or fewer calls (raise --chunk-limit)", INFEASIBLE)
     except KeyboardInterrupt as interrupt:
+        said, code = _interrupted(interrupt)
         detail = interrupt.__cause__ or interrupt.__context__
-        message = f"interrupted ({detail})" if detail is not None else "interrupted"
-        return fail("interrupted", message, _what_is_left(interrupt), INTERRUPTED)
+        message = f"{said} ({detail})" if detail is not None else said
+        return fail("interrupted", message, _what_is_left(interrupt), code)

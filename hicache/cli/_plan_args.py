@@ -12,6 +12,7 @@ import os
 
 from hicache.cli._common import CONFIG_LIMIT_BYTES, CliError, positive_decimal, positive_int, read_json_file, size
 from hicache.errors import LayoutError
+from hicache.plan._env import BY_NAME, size_in_range
 from hicache.plan import (
     CAPACITY_DEFAULTS,
     DEFAULT_CHUNK_LIMIT_BYTES,
@@ -34,6 +35,7 @@ LAYOUTS = ("page_first_direct", "page_first", "layer_first", "page_head")
 #: Work is bounded before it starts: past these a plan is refused (or needs --force).
 MAX_HOST_GB = 10**6  # 1 PB per rank
 MAX_DEVICE_TOKENS = 10**12
+MAX_RATIO = 10**4  # host-to-device ratio: SGLang's default is 2; 10,000 is a typo's scale already
 MAX_CALLS = 100_000  # cudaHostRegister calls per rank a plan may have without --force
 MAX_FORCED_CALLS = 1_000_000  # ... and with it (its JSON is ~60 MB; past this, time and memory run away)
 
@@ -70,7 +72,7 @@ def _model(args):
 
 def _is_zero(text: str) -> bool:
     try:
-        return float(text) == 0.0
+        return text.isascii() and float(text) == 0.0
     except ValueError:
         return False
 
@@ -96,6 +98,10 @@ def limits_from_args(args, *, env=None, machine_kernel_release: str | None = Non
                        "e.g. --kernel-release 6.12, or what `uname -r` prints on the target machine")
     chunk = size(args.chunk_limit, "--chunk-limit") if args.chunk_limit else None
     hugepage = size(args.hugepage_size, "--hugepage-size") if args.hugepage_size else None
+    if hugepage is not None and not size_in_range("HICACHE_HUGEPAGE_SIZE", hugepage):
+        raise CliError("bad-size", f"--hugepage-size {args.hugepage_size} must be "
+                       f"{BY_NAME['HICACHE_HUGEPAGE_SIZE'].range}", "hugetlbfs page sizes: 2MiB or 1GiB on x86-64 "
+                       "(ls /sys/kernel/mm/hugepages)")
     try:
         return resolve_limits(
             env=os.environ if env is None else env, chunk_limit_bytes=chunk,
@@ -143,6 +149,9 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
                 f"{_cap_fix(resolved.limits, resolved.sources)}; or pass --force to plan it anyway",
             )
     ratio = positive_decimal(args.ratio, "--ratio") if args.ratio is not None else None
+    if ratio is not None and ratio > MAX_RATIO:
+        raise CliError("bad-size", f"--ratio {args.ratio} is over {MAX_RATIO:,}",
+                       "the host pool is --ratio times the device pool (SGLang's --hicache-ratio, e.g. 2)")
     device_tokens = positive_int(args.device_tokens, "--device-tokens") if args.device_tokens else None
     if device_tokens is not None and device_tokens > MAX_DEVICE_TOKENS:
         raise CliError("bad-number", f"--device-tokens {device_tokens:,} is over {MAX_DEVICE_TOKENS:,}", "e.g. --device-tokens 500000")
@@ -150,7 +159,7 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
     memory = size(args.host_memory, "--host-memory") if args.host_memory else None
     if ranks and memory is None:
         raise CliError("missing-flag", "--ranks-per-host needs --host-memory for the budget", "e.g. --host-memory 2TB --ranks-per-host 8")
-    reserve = size(args.reserve, "--reserve") if args.reserve else DEFAULT_RESERVE_BYTES
+    reserve = size(args.reserve, "--reserve", minimum=0) if args.reserve else DEFAULT_RESERVE_BYTES
     try:
         plan = plan_capacity(
             model, limits=resolved.limits, tp=tp, page_size=page_size,

@@ -23,6 +23,7 @@ from hicache.effects._cuda import _codes as cuda_codes
 from hicache.effects._cuda._executor import apply_plan, apply_pool_plan
 from hicache.effects._cuda._registration import Registration, unregister_ranges
 from hicache.effects._cuda._runtime import CudaPythonRuntime, TorchCudartRuntime, stand_in_runtime, torch_runtime
+from hicache.effects._interrupts import terminate_as_interrupt
 from hicache.effects._host._allocators import (
     FrameworkPinnedAllocator,
     HostAllocator,
@@ -33,6 +34,7 @@ from hicache.effects._host._memory import os_page_bytes, quarantine
 from hicache.effects._host._numa import node_free_bytes
 from hicache.effects._host._probes import (
     MachineFacts,
+    environment_problems,
     package_version,
     pool_settings,
     probe_cuda,
@@ -70,6 +72,9 @@ __all__ = [
     "quarantine",
     # machine probes
     "MachineFacts",
+    "environment_problems",
+    # SIGTERM / SIGHUP undone as Ctrl-C is (the commands that hold memory)
+    "terminate_as_interrupt",
     "node_free_bytes",
     "package_version",
     "pool_settings",

@@ -1,61 +1,101 @@
-"""Holding Ctrl-C while books are kept: a SIGINT that lands mid-bookkeeping waits for it.
+"""Holding Ctrl-C while books are kept - and SIGTERM and SIGHUP handled as Ctrl-C.
 
 Owns `deferred_interrupts`, used by the executor, release and the bring-up around the few
 statements that must run together (a register call and its journal entry; storing a handle).
 A held interrupt is visible as ``.pending`` so long loops can stop between calls, and is
-delivered to the previous handler on exit. Only the main thread receives signals; elsewhere
-this does nothing. Imports signal, threading and hicache.errors only.
+delivered to the previous handler on exit. Owns `terminate_as_interrupt` too: SIGTERM (what
+`timeout`, systemd and Kubernetes send) and SIGHUP raise `TerminationSignal`, a
+KeyboardInterrupt, so every rollback that honours Ctrl-C honours them - installed only where
+the signal still has its default action (a server's own handler, or nohup's SIG_IGN, stays).
+Only the main thread receives signals; elsewhere this does nothing. Imports signal, threading
+and hicache.errors only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
-from hicache.errors import caused_by_interrupt
+from hicache.errors import TerminationSignal, caused_by_interrupt
+
+#: The signals that stop a bring-up and undo it: Ctrl-C, and the two a supervisor sends.
+TERMINATING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def interrupt_for(signum: int | bool) -> KeyboardInterrupt:
+    """The exception a held signal is honoured with: `TerminationSignal` for SIGTERM/SIGHUP."""
+    if signum in (signal.SIGTERM, signal.SIGHUP):
+        return TerminationSignal(signum)
+    return KeyboardInterrupt()
+
+
+def _raise_termination(signum, frame) -> None:
+    raise TerminationSignal(signum)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """``with terminate_as_interrupt():`` - SIGTERM and SIGHUP raise `TerminationSignal` inside,
+    where their action is still the default (the process would die without undoing anything);
+    a handler someone else installed, or SIG_IGN, is left alone. Restored on exit. Off the
+    main thread it does nothing (only the main thread may set handlers)."""
+    installed = []
+    try:  # recorded before it is set: an interrupt between the two still restores it
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGHUP):
+                if signal.getsignal(signum) is signal.SIG_DFL:
+                    installed.append(signum)
+                    signal.signal(signum, _raise_termination)
+        yield
+    finally:
+        for signum in installed:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 class deferred_interrupts:
-    """``with deferred_interrupts() as held:`` - SIGINT is recorded, not raised, until exit.
+    """``with deferred_interrupts() as held:`` - SIGINT (and SIGTERM/SIGHUP where a Python
+    handler takes them, as `terminate_as_interrupt` installs) is recorded, not raised, until exit.
 
-    On exit the recorded signal goes to the handler that was installed before (Python's
+    On exit the recorded signal goes to the handler that was installed before it (Python's
     default raises KeyboardInterrupt there). ``consume()`` takes it instead, for a caller that
-    honours it itself (e.g. by rolling back and raising). Nesting works: the inner block
-    delivers to the outer one's recorder.
+    honours it itself (e.g. by rolling back and raising `interrupt_for` of it). Nesting works:
+    the inner block delivers to the outer one's recorder.
     """
 
     def __init__(self) -> None:
-        self.pending = False
-        self._previous = None
-        self._installed = False
+        self.pending = 0  # the first held signal's number (0: none)
+        self._previous: dict = {}
 
     def _hold(self, signum, frame) -> None:
-        self.pending = True  # the frame is not kept: it would keep its locals alive
+        self.pending = self.pending or signum  # the frame is not kept: it would keep its locals alive
 
     def __enter__(self) -> "deferred_interrupts":
         if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
-            if callable(previous):  # SIG_IGN / SIG_DFL / None: nothing Python-level to defer
-                self._previous = previous
-                signal.signal(signal.SIGINT, self._hold)
-                self._installed = True
+            for signum in TERMINATING:
+                previous = signal.getsignal(signum)
+                if callable(previous):  # SIG_IGN / SIG_DFL / None: nothing Python-level to defer
+                    self._previous[signum] = previous
+                    signal.signal(signum, self._hold)
         return self
 
-    def consume(self) -> bool:
-        """True (and forgotten) when an interrupt was held."""
-        pending, self.pending = self.pending, False
+    def consume(self) -> int:
+        """The held signal's number (and forgotten), 0 when none was held."""
+        pending, self.pending = self.pending, 0
         return pending
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._installed:
+        if not self._previous:
             return
-        signal.signal(signal.SIGINT, self._previous)
-        self._installed = False
-        if self.consume() and not caused_by_interrupt(exc):
-            self._previous(signal.SIGINT, None)  # Python's default handler: KeyboardInterrupt
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        signum = self.consume()
+        if signum and not caused_by_interrupt(exc):
+            previous[signum](signum, None)  # Python's default: KeyboardInterrupt; ours: TerminationSignal
 
 
 def interrupt_requested(held: deferred_interrupts | None) -> None:
-    """Raise KeyboardInterrupt now when ``held`` recorded one (a loop's safe stopping point)."""
-    if held is not None and held.consume():
-        raise KeyboardInterrupt
+    """Raise the held interrupt now when ``held`` recorded one (a loop's safe stopping point)."""
+    if held is not None and (signum := held.consume()):
+        raise interrupt_for(signum)

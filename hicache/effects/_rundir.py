@@ -4,24 +4,24 @@ the one reading of their seconds settings (HICACHE_LOCK_TIMEOUT, HICACHE_PIN_MAX
 
 A leaf every room may use: its scope is what "the host" means to hicache - processes that share
 it coordinate. Mode 0700, owned by us, not a symlink: another user must not be able to hold a
-lock of ours or forge a ticket. Imports hicache.errors only.
+lock of ours or forge a ticket. Imports hicache.errors and the environment table only.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 from pathlib import Path
 
-from hicache.errors import EnvError, LockDirectoryError
+from hicache.errors import LockDirectoryError
+from hicache.plan._env import env_value
 
 
 def runtime_dir(env=None) -> Path:
     """HICACHE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/hicache, else /tmp/hicache-<uid>."""
     env = os.environ if env is None else env
-    if env.get("HICACHE_RUNTIME_DIR"):
-        return Path(env["HICACHE_RUNTIME_DIR"])
+    if (given := env_value(env, "HICACHE_RUNTIME_DIR")) is not None:
+        return Path(given)
     if env.get("XDG_RUNTIME_DIR"):
         return Path(env["XDG_RUNTIME_DIR"], "hicache")
     return Path(f"/tmp/hicache-{os.getuid()}")
@@ -51,16 +51,29 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def env_seconds(env, name: str) -> float | None:
-    """Environment variable ``name`` as a positive, finite number of seconds (None: unset or
-    blank); anything else is an `EnvError` naming the variable and the value."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
+def runtime_dir_problem(path: Path) -> str | None:
+    """What `private_dir` would refuse about ``path``, without creating it (`hicache doctor`):
+    None when it is ours, a plain directory of mode 0700 - or absent with a writable parent."""
     try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise EnvError(f"environment variable {name}={raw!r} must be a positive number of seconds")
-    return seconds
+        info = os.lstat(path)
+    except FileNotFoundError:
+        parent = path.parent
+        if not parent.is_dir():
+            return f"{path} does not exist and neither does its parent {parent}"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"{path} does not exist and {parent} is not writable: it cannot be created"
+        return None
+    except OSError as error:
+        return f"{path} cannot be read: {error.strerror}"
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a plain directory"
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return (f"{path} must be owned by uid {os.getuid()} with mode 0700 (found uid {info.st_uid}, "
+                f"mode {oct(info.st_mode & 0o777)})")
+    return None
+
+
+def env_seconds(env, name: str) -> float | None:
+    """Environment variable ``name`` (a seconds row of the one table) as seconds (None: unset or
+    blank); anything else is an `EnvError` naming the variable and the value."""
+    return env_value(env, name)

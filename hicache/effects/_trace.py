@@ -28,6 +28,7 @@ import threading
 import time
 
 from hicache.errors import TraceOutputError
+from hicache.plan._env import env_value
 
 TRACE_ENV = "HICACHE_TRACE"
 CLOCK = "CLOCK_MONOTONIC"  # time.monotonic: one clock for every process of a host
@@ -208,7 +209,7 @@ def start(path: str | None) -> None:
 
 def from_env(env=None) -> None:
     """`start` with HICACHE_TRACE=FILE, when it is set."""
-    start((os.environ if env is None else env).get(TRACE_ENV, "").strip() or None)
+    start(env_value(os.environ if env is None else env, TRACE_ENV))
 
 
 def stop() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from hicache.errors import EnvError, PlanError
+from hicache.plan._env import BY_NAME, env_value
 from hicache.plan._limits import (
     DEFAULT_CHUNK_LIMIT_BYTES,
     DRIVER_CEILING_BYTES,
@@ -22,18 +23,19 @@ from hicache.plan._limits import (
 )
 from hicache.plan._units import parse_size
 
-#: The user settings read from the environment, and what each sets.
-SETTINGS_ENV = {
-    "HICACHE_REGISTER_CHUNK": "chunk limit per cudaHostRegister call, e.g. 64GiB",
-    "HICACHE_KERNEL_PIN_CAP": "per-pin cap of the kernel (a size, or 'none'); default: by release",
-    "HICACHE_DRIVER_CEILING": "largest single registration the driver accepts; default 511GiB",
-    "HICACHE_HUGEPAGE_SIZE": "hugetlbfs page size of hugepage-backed pools, e.g. 2MiB or 1GiB",
-}
-
+#: The caps read from the environment, and what each sets (rows of the one table, `_env`).
+SETTINGS_ENV = {name: BY_NAME[name].meaning for name in (
+    "HICACHE_REGISTER_CHUNK", "HICACHE_KERNEL_PIN_CAP", "HICACHE_DRIVER_CEILING", "HICACHE_HUGEPAGE_SIZE")}
 
 
 def env_size(env: Mapping, name: str, *, allow_none: bool = False):
-    """The size in ``env[name]`` (None when unset or empty; ``"none"`` when allowed and given)."""
+    """The size in ``env[name]`` (None when unset or empty; ``"none"`` when allowed and given):
+    the table's row when it has one (its range holds), else any size."""
+    if name in BY_NAME:
+        value = env_value(env, name)
+        if value == "none" and not allow_none:
+            raise EnvError(f"environment variable {name}={env.get(name)!r} must be a size here")
+        return value
     raw = env.get(name)
     if raw is None or raw == "":
         return None

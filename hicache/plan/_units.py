@@ -25,7 +25,9 @@ _UNITS = {
     "tb": 10**12,
     "pb": 10**15,
 }
-_SIZE = r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$"  # compiled on first use (start-up time)
+#: ASCII digits only: ``\d`` also matches "١٢" (Arabic-Indic), which int() and Decimal() then read
+#: as 12 - no operator meant that (issue #33). Compiled on first use (start-up time).
+_SIZE = r"(?a)^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$"
 
 
 def parse_size(text: str, *, what: str = "size", minimum: int = 1) -> int:

@@ -15,6 +15,7 @@ ranks that start together each see the others' pools as used memory and never ov
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
@@ -31,7 +32,7 @@ from hicache.effects._cuda import _turnstile
 from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._probes import probe_machine
 import hicache.effects._trace as _trace
-from hicache.effects._interrupts import deferred_interrupts
+from hicache.effects._interrupts import deferred_interrupts, terminate_as_interrupt
 from hicache.errors import CapacityError, PlanError
 from hicache.plan import DEFAULT_RESERVE_BYTES, PoolPlan, RegistrationPlan, check_budget, plan_registration
 
@@ -163,6 +164,19 @@ def fixed_room(host_memory_bytes: int, peers: dict, ranks: int) -> int:
     return max(host_memory_bytes - claimed, 0)
 
 
+def _owning_signals(function):
+    """A bring-up on the main thread of a process that left SIGTERM/SIGHUP at their default
+    (a CLI, a script) undoes itself on them as on Ctrl-C; a server's own handlers stay."""
+
+    @functools.wraps(function)
+    def owning(*args, **kwargs):
+        with terminate_as_interrupt():
+            return function(*args, **kwargs)
+
+    return owning
+
+
+@_owning_signals
 def bring_up(
     pools,
     *,

@@ -39,11 +39,9 @@ def copy_threads() -> int:
 def host_copy_mode(env=None) -> str:
     """``"native"`` or ``"python"``: what `copy_host_blocks` will use, after ``HICACHE_HOST_COPY``."""
     from hicache.errors import EnvError
+    from hicache.plan._env import env_value
 
-    env = os.environ if env is None else env
-    wanted = env.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if wanted not in MODES:
-        raise EnvError(f"{ENV_VAR}={env[ENV_VAR]!r} is not one of {', '.join(MODES)}")
+    wanted = env_value(os.environ if env is None else env, ENV_VAR) or "auto"
     if wanted == "native" and _native is None:
         raise EnvError(f"{ENV_VAR}=native but hicache.effects._copy._hostcopy was not built (no C compiler at install?)")
     if wanted == "python" or _native is None:

@@ -14,7 +14,7 @@ import time
 import attrs
 
 from hicache.effects._trace import span
-from hicache.effects._interrupts import deferred_interrupts, interrupt_requested
+from hicache.effects._interrupts import deferred_interrupts, interrupt_for, interrupt_requested
 from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._cuda._registration import (
     RegisteredRange,
@@ -125,8 +125,7 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                     if turnstile is not None:
                         turn = turnstile.acquire(stop=lambda: held.pending)  # in arrival order, host-wide
                         if turn is None:  # it stopped waiting for a held Ctrl-C: no call was made
-                            held.consume()
-                            raise KeyboardInterrupt
+                            raise interrupt_for(held.consume())
                     in_flight = RegisteredRange(name, index, base + item.offset, item.size)
                     registered = False
                     try:
@@ -169,8 +168,8 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
             undone: list = []
             leaked, unknown, interrupt = _undo(runtime, journal, in_flight, undone)
             ledger.replace([ptr for ptr, _ in spans], leaked + unknown)  # both stay off-limits
-            if interrupt is None and held.consume():
-                interrupt = KeyboardInterrupt()
+            if interrupt is None and (signum := held.consume()):
+                interrupt = interrupt_for(signum)
             head = f"registering {where} failed: {type(failure).__name__}: {failure}"
             if leaked or unknown:
                 detail = _leak_message("rollback", leaked) if leaked else "rollback"

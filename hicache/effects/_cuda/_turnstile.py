@@ -41,7 +41,8 @@ from pathlib import Path
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._rundir import env_seconds, private_dir, runtime_dir
 from hicache.effects._trace import span
-from hicache.errors import EnvError, PlanError
+from hicache.errors import PlanError
+from hicache.plan._env import env_value
 
 logger = logging.getLogger(__name__)
 
@@ -449,17 +450,13 @@ def from_env(env=None, *, directory: Path | None = None) -> Turnstile | None:
     calls in flight, always paced) or ``off``/``0`` (None); HICACHE_PIN_MAX_STALL_S the stall
     budget in seconds (default 0.25). A value hicache cannot read is an `EnvError` naming it."""
     env = os.environ if env is None else env
-    raw = env.get(CONCURRENCY_ENV, "")
-    value = raw.strip().lower() or AUTO
+    value = env_value(env, CONCURRENCY_ENV) or AUTO  # auto, off or calls in flight across the host
     stall = env_seconds(env, STALL_ENV) or DEFAULT_MAX_STALL_S
-    if value in (OFF, "0", "false", "no"):
+    if value == OFF:
         return None
     if value == AUTO:
         return Turnstile(directory, concurrency=1, max_stall_s=stall, auto=True)
-    if not value.isdigit():
-        raise EnvError(f"environment variable {CONCURRENCY_ENV}={raw!r} must be auto, off or a whole number >= 1 "
-                       "(register calls in flight across the host)")
-    return Turnstile(directory, concurrency=int(value), max_stall_s=stall)
+    return Turnstile(directory, concurrency=value, max_stall_s=stall)
 
 
 def resolve(setting, env=None) -> Turnstile | None:

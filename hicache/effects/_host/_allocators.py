@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Protocol, runtime_checkable
 
+from hicache.effects._host import _memory
 from hicache.effects._host._memory import allocate_host, prefault
 from hicache.errors import RegistrationStateError
 
@@ -115,6 +116,8 @@ class HostTensorAllocator(_Allocator):
                  hugepage_bytes: int | None = None, numa_node: int | None = None) -> None:
         self.prefault_threads = prefault_threads
         self.numa_node = numa_node  # bind every buffer there (see effects/_host/_numa)
+        # a size the kernel does not offer: required is refused here, before any memory (issue #33)
+        self.hugepage_note = _memory.hugepage_size_note(hugepages, hugepage_bytes)
         self.hugepages = hugepages
         self.hugepage_bytes = hugepage_bytes
         self.buffers = []  # HostBuffers handed out, for free_all()

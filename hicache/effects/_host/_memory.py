@@ -72,6 +72,43 @@ def free_hugepages(size_bytes: int, *, root: str = "/") -> tuple[int, int]:
     return total, free
 
 
+def offered_hugepage_sizes(*, root: str = "/") -> tuple[int, ...]:
+    """The hugetlbfs page sizes this kernel offers, ascending (``/sys/kernel/mm/hugepages``'s
+    ``hugepages-<N>kB`` entries; empty when it offers none or sysfs is not there)."""
+    try:
+        names = os.listdir(Path(root, "sys/kernel/mm/hugepages"))
+    except OSError:
+        return ()
+    sizes = []
+    for name in names:
+        digits = name[len("hugepages-"):-len("kB")] if name.startswith("hugepages-") and name.endswith("kB") else ""
+        if digits.isascii() and digits.isdigit():
+            sizes.append(int(digits) * 1024)
+    return tuple(sorted(sizes))
+
+
+def hugepage_size_note(hugepages: str, hugepage_bytes: int | None, *, root: str = "/") -> str | None:
+    """Whether hugetlbfs pages of ``hugepage_bytes`` (default 2 MiB) can be had at all here:
+    ``required`` and a size the kernel does not offer is a `HugepageSizeError` naming the
+    offered ones (before any memory); ``prefer`` gets the note that it falls back to 4 KiB
+    pages; None when the size is offered or no hugetlbfs page is asked for."""
+    from hicache.errors import HugepageSizeError
+    from hicache.plan import format_bytes
+
+    if hugepages not in HUGETLBFS_MODES:
+        return None
+    size = hugepage_bytes or DEFAULT_HUGEPAGE_BYTES
+    offered = offered_hugepage_sizes(root=root)
+    if size in offered:
+        return None
+    said = ", ".join(format_bytes(s) for s in offered) or "none"
+    message = (f"hugetlbfs pages of {format_bytes(size)} are not offered by this kernel (it offers: {said}; "
+               "/sys/kernel/mm/hugepages)")
+    if hugepages == "required":
+        raise HugepageSizeError(message)
+    return message + ": hugepages='prefer' falls back to 4 KiB pages"
+
+
 @attrs.define(eq=False)
 class HostBuffer:
     """An anonymous mapping exposed as a flat ``uint8`` torch tensor of ``nbytes``.

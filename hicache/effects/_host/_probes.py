@@ -20,31 +20,23 @@ from hicache.effects._cuda._runtime import default_binding
 from hicache.effects._host._numa import allowed_nodes, memory_only_nodes, online_nodes
 from hicache.errors import EnvError, PlanError
 from hicache.plan import (
-    HUGEPAGE_MODES,
     SGLANG_CHUNK_ENV,
-    SETTINGS_ENV,
     Limits,
     ResolvedLimits,
     kernel_pin_cap,
     resolve_limits,
 )
+from hicache.plan._env import SETTINGS, env_value
 
-ENV_VARS = {
-    **SETTINGS_ENV,
-    "HICACHE_RANKS_PER_HOST": "ranks sharing this host's memory (default LOCAL_WORLD_SIZE or 1)",
-    "HICACHE_HOST_COPY": "host page copies: auto (native helper when built), native or python",
-    "HICACHE_PROGRESSIVE": "host pools register in the background, serving from the first page (1/0; default 0)",
-    "HICACHE_HUGEPAGES": "host pools' page size: off (4 KiB, default), thp, prefer or required (hugetlbfs)",
-    "HICACHE_SGLANG": "the sglang.srt.plugins entry point: on (default) or off (SGLang's own bring-up stays)",
-    "HICACHE_SGLANG_POOLS": "the plug-in also puts hicache's host-pool classes in place of SGLang's (1/0; default 0)",
-}
+#: Every HICACHE_* variable and what it sets: the one table's rows (`hicache.plan._env`).
+ENV_VARS = {setting.name: setting.meaning for setting in SETTINGS}
 
 
 def _env_int(env, name: str):
     raw = env.get(name)
     if raw is None or raw == "":
         return None
-    if not re.fullmatch(r"\s*[1-9]\d*\s*", raw):
+    if not re.fullmatch(r"\s*[1-9][0-9]*\s*", raw, re.ASCII):
         raise EnvError(f"environment variable {name}={raw!r} must be a positive integer")
     return int(raw)
 
@@ -137,7 +129,7 @@ def _hugepages(root: str) -> tuple[HugepagePool, ...]:
 def ranks_per_host(env=None) -> int:
     """HICACHE_RANKS_PER_HOST, else LOCAL_WORLD_SIZE, else 1 (strictly parsed)."""
     env = os.environ if env is None else env
-    return _env_int(env, "HICACHE_RANKS_PER_HOST") or _env_int(env, "LOCAL_WORLD_SIZE") or 1
+    return env_value(env, "HICACHE_RANKS_PER_HOST") or _env_int(env, "LOCAL_WORLD_SIZE") or 1
 
 
 def free_2mib_blocks(*, root: str = "/", page_bytes: int = 4096) -> int | None:
@@ -156,6 +148,49 @@ def free_2mib_blocks(*, root: str = "/", page_bytes: int = 4096) -> int | None:
         except ValueError:
             return None
     return total
+
+
+@attrs.frozen
+class EnvProblem:
+    """One ``HICACHE_*`` variable whose value hicache cannot use: its ``name``, the ``value`` as
+    set and the ``reason`` (which names both)."""
+
+    name: str
+    value: str
+    reason: str
+
+
+def environment_problems(env=None, *, paths: bool = True) -> list[EnvProblem]:
+    """Every row of the environment table checked against ``env`` - as its readers parse it,
+    and (``paths``) a path as it will be used (HICACHE_TRACE writable as a trace,
+    HICACHE_RUNTIME_DIR a private directory) - without changing anything. Empty: every
+    bring-up can read it."""
+    from hicache.effects._rundir import runtime_dir_problem
+    from hicache.effects._trace import check_path
+    from hicache.errors import TraceOutputError
+
+    env = os.environ if env is None else env
+    problems = []
+    for setting in SETTINGS:
+        try:
+            value = env_value(env, setting.name)
+        except EnvError as error:
+            problems.append(EnvProblem(setting.name, env[setting.name], str(error)))
+            continue
+        reason = None
+        if value is None or not paths:
+            continue
+        if setting.name == "HICACHE_TRACE":
+            try:
+                check_path(value)
+            except TraceOutputError as error:
+                reason = str(error)
+        elif setting.name == "HICACHE_RUNTIME_DIR":
+            reason = runtime_dir_problem(Path(value))
+        if reason is not None:
+            problems.append(EnvProblem(setting.name, env[setting.name],
+                                       f"environment variable {setting.name}={env[setting.name]!r}: {reason}"))
+    return problems
 
 
 def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
@@ -281,13 +316,8 @@ def sglang_register_chunk_bytes(env=None, *, default_gib: int = 256) -> int:
 def sglang_plugin_enabled(env=None) -> bool:
     """HICACHE_SGLANG: whether the `hicache` SGLang plug-in patches anything (default on; off,
     0, false, no turn it off). Another value is an `EnvError` naming it."""
-    env = os.environ if env is None else env
-    raw = env.get("HICACHE_SGLANG", "").strip().lower()
-    if raw in ("", "on", "1", "true", "yes"):
-        return True
-    if raw in ("off", "0", "false", "no"):
-        return False
-    raise EnvError(f"environment variable HICACHE_SGLANG={env.get('HICACHE_SGLANG')!r} must be on or off")
+    value = env_value(os.environ if env is None else env, "HICACHE_SGLANG")
+    return True if value is None else value
 
 
 @attrs.frozen
@@ -347,24 +377,12 @@ class PoolSettings:
     sglang_pools: bool = False
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-
-
 def pool_settings(env=None) -> PoolSettings:
     """`PoolSettings` from the environment; a value hicache cannot read is an `EnvError`
     naming the variable and the value (never a silent default)."""
     env = os.environ if env is None else env
-    raw, raw_pages = env.get("HICACHE_PROGRESSIVE", ""), env.get("HICACHE_HUGEPAGES", "")
-    progressive, hugepages = raw.strip().lower(), raw_pages.strip().lower() or "off"
-    if progressive not in _TRUE + _FALSE:
-        raise EnvError(f"environment variable HICACHE_PROGRESSIVE={raw!r} must be 1 or 0 (true/false, yes/no, on/off)")
-    if hugepages not in HUGEPAGE_MODES:
-        raise EnvError(f"environment variable HICACHE_HUGEPAGES={raw_pages!r} must be one of {', '.join(HUGEPAGE_MODES)}")
-    raw_pools = env.get("HICACHE_SGLANG_POOLS", "")
-    pools = raw_pools.strip().lower()
-    if pools not in _TRUE + _FALSE:
-        raise EnvError(f"environment variable HICACHE_SGLANG_POOLS={raw_pools!r} must be 1 or 0 (true/false, yes/no, on/off)")
-    return PoolSettings(progressive in _TRUE, hugepages, pools in _TRUE)
+    return PoolSettings(bool(env_value(env, "HICACHE_PROGRESSIVE")), env_value(env, "HICACHE_HUGEPAGES") or "off",
+                        bool(env_value(env, "HICACHE_SGLANG_POOLS")))
 
 
 def resolve_numa_node(numa, *, cuda_binding=None, root: str = "/") -> tuple[int | None, str | None]:
