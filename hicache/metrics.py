@@ -9,6 +9,12 @@ pools' bring-up handles when scraped - a pool's constructor only adds an entry, 
 costs a bring-up nothing, and a progressive pool's pages and registered bytes move as it
 registers. Each value is re-derivable from the pool's plan dump and its handle's report: this
 module copies them, it measures nothing.
+
+Under prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``: SGLang serves
+`/metrics` from its HTTP process, the pools live in its schedulers) the same families are also
+written to this process's value files (`hicache._metrics_publish`), one series per process.
+The plug-in's seam mode - SGLang's own pool classes allocating through hicache - is tracked
+too (`track_registration`): every bring-up in a server is visible.
 """
 
 from __future__ import annotations
@@ -99,7 +105,7 @@ def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None,
         entry = _Entry(handle, numa_node, page_num, ready_pages, phases)
         timings, allocator = dict(handle.timings), handle.allocator
         prefault = _prefault_s(timings, allocator)
-        register_s = timings.get("register_s")  # absent for progressive bring-ups (calls go on after)
+        register_s = _register_seconds(handle, timings)
         registered = sum(size for _, size in handle.registered_ranges()) if register_s else 0
         rates = (handle.total_bytes / prefault if prefault else 0.0, registered / register_s if register_s else 0.0)
     except Exception:  # metrics never fail a bring-up (an interrupt still propagates)
@@ -109,7 +115,58 @@ def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None,
         _retire(pool)
         _STATE.entries[pool] = entry
         _STATE.last_rates = rates
-        _STATE.turnstile_waits = getattr(type(handle), "turnstile_waits", None)
+        _STATE.turnstile_waits = getattr(type(handle), "turnstile_waits", None) or _STATE.turnstile_waits
+    _published()
+
+
+class _Detached:
+    """What the collector reads of a bring-up whose registration its handle handed on (the
+    plug-in's seam mode: SGLang's own pool owns the tensor and releases it): the registration
+    itself, the handle's timings and the page tiers as obtained at bring-up."""
+
+    mode = "blocking"
+
+    def __init__(self, registration, *, timings, allocator, total_bytes: int, tiers) -> None:
+        self.registration = registration
+        self.timings, self.allocator, self.total_bytes = dict(timings), allocator, total_bytes
+        self._tiers = list(tiers) if tiers is not None else None
+
+    @property
+    def state(self) -> str:
+        return "released" if self.registration is None else self.registration.status().state
+
+    @property
+    def calls(self) -> list:
+        return [] if self.registration is None else list(self.registration.status().ranges)
+
+    def registered_ranges(self):
+        if self.registration is None or self.registration.status().state != "active":
+            return ()
+        return tuple((r.ptr, r.size) for r in self.registration.status().ranges)
+
+    def tiers(self) -> list:
+        return self._tiers or []
+
+    def budget_claims(self) -> dict:
+        return {}  # SGLang's admission took the budget (hicache.effects.admission), not this buffer
+
+
+def track_registration(pool: str, registration, *, timings=None, allocator=None, total_bytes: int = 0,
+                       tiers=None, page_num=None) -> object | None:
+    """Report a registration made for a tensor someone else owns (`hicache.compat.sglang`: the
+    plug-in's seam mode) as pool ``pool``: registered bytes and calls from ``registration``,
+    phase seconds from ``timings``, ``tiers`` as obtained. Returns the tracked object (keep it
+    while the tensor lives: the entry holds it weakly); None when metrics are off."""
+    try:
+        if not available():
+            return None
+        detached = _Detached(registration, timings=timings or {}, allocator=allocator, total_bytes=total_bytes,
+                             tiers=tiers)
+    except Exception:  # metrics never fail a bring-up
+        logger.exception("hicache metrics: could not track %s", pool)
+        return None
+    track(pool, detached, page_num=page_num, ready_pages=(lambda: page_num or 0) if page_num else None)
+    return detached
 
 
 def _retire(pool: str) -> None:
@@ -128,6 +185,7 @@ def failed(pool: str) -> None:
     with _STATE.lock:
         key = (pool, "failed")
         _STATE.calls[key] = _STATE.calls.get(key, 0) + 1
+    _published()
 
 
 def released(pool: str) -> None:
@@ -138,6 +196,7 @@ def released(pool: str) -> None:
             _retire(pool)
             entry.released = True
             _STATE.entries[pool] = entry
+    _published()
 
 
 def track_store(arena: str, store) -> None:
@@ -150,11 +209,36 @@ def track_store(arena: str, store) -> None:
             _STATE.stores[arena] = weakref.ref(store)
     except Exception:  # metrics never fail the work they observe
         logger.exception("hicache metrics: could not track the store at %s", arena)
+    _published()
 
 
 def untrack_store(arena: str) -> None:
     with _STATE.lock:
         _STATE.stores.pop(arena, None)
+    _published()
+
+
+def _published() -> None:
+    """Under prometheus multiprocess mode: this process's values written now, and every few
+    seconds from then on (`hicache._metrics_publish`); otherwise nothing."""
+    try:
+        from hicache import _metrics_publish as mp
+
+        if mp.active():
+            mp.publish(mp.PUBLISHER, _Collector().collect)
+            mp.PUBLISHER.start(_Collector().collect)
+    except Exception:  # a diagnostic never fails the work it observes
+        logger.exception("hicache metrics: could not publish")
+
+
+def _register_seconds(handle, timings: dict):
+    """Seconds of registration calls: the handle's timing, or - progressive, whose calls go on
+    after the bring-up returns - the calls made so far."""
+    if timings.get("register_s") is not None:
+        return timings["register_s"]
+    if getattr(handle, "mode", None) == "progressive":
+        return sum(call[2] for call in handle.calls) or None
+    return None
 
 
 def _store_families():
@@ -243,7 +327,8 @@ class _Collector:
                 tally[key] = tally.get(key, 0) + len(handle.calls)
                 timings, allocator = dict(handle.timings), handle.allocator
                 phase = {"map": getattr(allocator, "allocate_s", None), "prefault": _prefault_s(timings, allocator),
-                         "register": timings.get("register_s"), "ready": timings.get("ready_s"), **entry.phases}
+                         "register": _register_seconds(handle, timings), "ready": timings.get("ready_s"),
+                         **entry.phases}
                 for name in PHASES:
                     if phase.get(name) is not None:
                         seconds.add_metric([pool, name], float(phase[name]))

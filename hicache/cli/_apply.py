@@ -271,7 +271,14 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         if server is not None:
             from hicache import metrics
 
-            metrics.track(_METRICS_POOL, handle, numa_node=node, page_num=None)
+            page_num = next((p.layout.page_num for p in pools if getattr(p.layout, "page_num", None)), None)
+            planned = sum(p.total_bytes for p in pools)
+
+            def ready_pages() -> int:  # every page, once every planned byte is registered (it is, here)
+                registered = sum(size for _, size in handle.registered_ranges())
+                return page_num if page_num and registered >= planned else 0
+
+            metrics.track(_METRICS_POOL, handle, numa_node=node, page_num=page_num, ready_pages=ready_pages)
         calls = len(handle.calls)
         tiers = {name: tier.as_dict() for name, tier in handle.tiers()}  # as obtained, read from the kernel
         status = handle.registration.status() if handle.registration is not None else None

@@ -57,6 +57,45 @@ logger = logging.getLogger(__name__)
 
 _CUDA_HOST_REGISTERED_RANGES_ATTR = RANGES_ATTR  # SGLang's name for it, as its module exports it
 _REGISTRATION_ATTR = "_hicache_registration"
+_METRICS_ATTR = "_hicache_metrics"  # (pool label, tracked entry) of a buffer's metrics series
+_BUFFERS_BY_CLASS: dict = {}  # SGLang pool class -> buffers tracked so far in this process
+
+
+def _metrics_name() -> str:
+    """The ``pool`` label of a buffer SGLang's pool allocates: the calling SGLang class (found
+    on the stack: 0.5.23's pools call from their ``__init__``) and the buffer's number among
+    that class's in this process - ``MHATokenToKVPoolHost:buffer0``."""
+    frame, owner = sys._getframe(2), "sglang"
+    for _ in range(8):
+        if frame is None:
+            break
+        caller = frame.f_locals.get("self")
+        if caller is not None and type(caller).__module__.startswith("sglang."):
+            owner = type(caller).__name__
+            break
+        frame = frame.f_back
+    number = _BUFFERS_BY_CLASS[owner] = _BUFFERS_BY_CLASS.get(owner, -1) + 1
+    return f"{owner}:buffer{number}"
+
+
+def _track(buffer, registration, *, timings=None, allocator=None, tiers=None) -> None:
+    """The buffer's registration in hicache's metrics (the plug-in's seam mode, issue #33)."""
+    from hicache import metrics
+
+    if not metrics.available():
+        return
+    name = _metrics_name()
+    tracked = metrics.track_registration(name, registration, timings=timings, allocator=allocator,
+                                         total_bytes=buffer.numel() * buffer.element_size(), tiers=tiers)
+    setattr(buffer, _METRICS_ATTR, (name, tracked))  # the entry is weak: the tensor keeps it
+
+
+def _untrack(buffer) -> None:
+    tracked = getattr(buffer, _METRICS_ATTR, None)
+    if tracked is not None:
+        from hicache import metrics
+
+        metrics.released(tracked[0])
 CHUNK_ENV = SGLANG_CHUNK_ENV
 DEFAULT_CHUNK_GB = 256
 
@@ -160,6 +199,7 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
             _raise_for_apply(error)
         raise
     _record(buffer, registration)
+    _track(buffer, registration, timings={"register_s": registration.status().register_seconds})
 
 
 def _cuda_host_unregister_ranges(cudart, ranges, *, operation: str) -> list[tuple[int, int]]:
@@ -194,6 +234,7 @@ def _cuda_host_unregister(buffer) -> None:
             logger.warning("teardown left %d host range(s) registered: %s", len(remaining), error)
         delattr(buffer, _REGISTRATION_ATTR)
         setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, remaining)
+        _untrack(buffer)
         return
     ranges = getattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, None)
     if ranges is None:
@@ -272,12 +313,26 @@ def alloc_with_host_register(
     if plan.ranges:
         log.info("%s", _sglang_log.timing_line(total, handle.timings, plan.call_count))
     buffer = handle.tensors[0]
+    tiers = _tiers_for_metrics(handle)
     registration = handle.detach()  # the tensor's owner releases it (_cuda_host_unregister)
     if registration is None:  # a zero-byte buffer has nothing to register
         setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [])
     else:
         _record(buffer, registration)
+        _track(buffer, registration, timings=handle.timings, allocator=handle.allocator, tiers=tiers)
     return buffer
+
+
+def _tiers_for_metrics(handle):
+    """The buffer's page tiers as obtained (one smaps read), only where metrics will show them."""
+    from hicache import metrics
+
+    if not metrics.available():
+        return None
+    try:
+        return handle.tiers()
+    except Exception:  # a diagnostic never fails the bring-up it observes
+        return None
 
 
 def alloc_with_pin_memory(

@@ -1,0 +1,130 @@
+"""hicache's metrics on SGLang's own `/metrics` (issue #33 item 6). SGLang serves `/metrics` from
+its HTTP process with prometheus_client's MultiProcessCollector over PROMETHEUS_MULTIPROC_DIR
+(`sglang.srt.utils.common.add_prometheus_middleware`), while pools live in scheduler processes.
+Three such processes (tests/metrics_child.py, SGLang's real code and the plug-in): two build
+SGLang's own host pool (seam mode), one hicache's (HICACHE_SGLANG_POOLS=1). What SGLang's
+endpoint would serve - SGLang's own middleware's registry, rendered - holds one series per
+process (its pid) whose registered bytes and calls are what that process's fake driver holds
+and made, and whose every sample equals what that process's own collector said."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_support import need_sglang
+
+CHILD = Path(__file__).with_name("metrics_child.py")
+
+
+def _served(directory: Path) -> dict:
+    """The text SGLang's /metrics serves over ``directory``, parsed: (name, labels) -> value.
+    Through SGLang's own middleware where it can be had, else its two lines (the same registry)."""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(directory))  # add_prometheus_middleware's registry
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_every_process_of_a_server_reaches_its_metrics_endpoint(tmp_path):
+    """Seam mode x2 and pools mode: each child's registered bytes == its fake driver's held
+    bytes, its calls == the driver's register calls, every sample (phase seconds, pages,
+    ready pages included) equal to its own collector's, labelled with its pid; nothing else."""
+    need_sglang()
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    base = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory), "HICACHE_RUNTIME_DIR": str(runtime)}
+    base.pop("HICACHE_SGLANG_POOLS", None)
+    envs = [base, base, {**base, "HICACHE_SGLANG_POOLS": "1"}]
+    children = [subprocess.Popen([sys.executable, str(CHILD), str(256 * (i + 1))], env=env, cwd=CHILD.parent,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i, env in enumerate(envs)]
+    reports = []
+    for child in children:
+        out, err = child.communicate(timeout=300)  # a hang guard
+        assert child.returncode == 0, err
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["pool_module"] for r in reports] == ["sglang", "sglang", "hicache"]
+    assert all(r["multiprocess"] for r in reports)
+    served = _served(directory)
+    for report in reports:
+        pid = str(report["pid"])
+        registered = {k: v for k, v in served.items() if k[0] == "hicache_registered_bytes" and ("pid", pid) in k[1]}
+        assert list(registered.values()) == [report["held_bytes"]] and report["held_bytes"] > 0, (report, registered)
+        calls = sum(v for k, v in served.items()
+                    if k[0] == "hicache_registration_calls_total" and ("pid", pid) in k[1] and ("result", "ok") in k[1])
+        assert calls == report["register_calls"] >= 1
+        for name, labels, value in report["samples"]:  # what its own registry would have served
+            key = (name, tuple(sorted({**labels, "pid": pid}.items())))
+            assert served.get(key) == value, (key, value, served.get(key))
+        phases = {dict(k[1])["phase"] for k in served if k[0] == "hicache_bringup_seconds" and ("pid", pid) in k[1]}
+        assert {"prefault", "register", "ready"} <= phases, phases
+    pids = {dict(k[1]).get("pid") for k in served if k[0].startswith("hicache_")}
+    assert pids == {str(r["pid"]) for r in reports}  # one series per process, none from elsewhere
+
+
+@pytest.fixture
+def multiprocess_values(tmp_path, monkeypatch):
+    """prometheus_client's mmap-backed values in this process, over a fresh directory - as if it
+    had been imported with PROMETHEUS_MULTIPROC_DIR set (what SGLang's processes see)."""
+    from prometheus_client import values
+
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    return directory
+
+
+def test_each_family_kind_is_served_as_the_process_collected_it(multiprocess_values):
+    """A gauge, a counter and a histogram written by the publisher come out of SGLang's
+    endpoint's collector as they went in (the histogram's cumulative buckets, count and sum),
+    each with this process's pid; written again, the new values replace the old ones."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    from hicache import _metrics_publish as mp
+
+    assert mp.active()
+    pid = str(os.getpid())
+
+    def families(scale):
+        gauge = GaugeMetricFamily("t_bytes", "bytes", labels=("pool",))
+        gauge.add_metric(["a"], 10.0 * scale)
+        counter = CounterMetricFamily("t_calls", "calls", labels=("pool",))
+        counter.add_metric(["a"], 3 * scale)
+        histogram = HistogramMetricFamily("t_wait_seconds", "waits", buckets=[
+            ("0.001", 1 * scale), ("0.01", 3 * scale), ("+Inf", 4 * scale)], sum_value=0.02 * scale)
+        return [gauge, counter, histogram]
+
+    publisher = mp.Publisher()
+    for scale in (1, 2):
+        publisher.write(families(scale))
+        served = _served(multiprocess_values)
+        assert served[("t_bytes", (("pid", pid), ("pool", "a")))] == 10.0 * scale
+        assert served[("t_calls_total", (("pid", pid), ("pool", "a")))] == 3 * scale
+        buckets = {dict(k[1])["le"]: v for k, v in served.items() if k[0] == "t_wait_seconds_bucket"}
+        assert buckets == {"0.001": 1 * scale, "0.01": 3 * scale, "+Inf": 4 * scale}
+        assert served[("t_wait_seconds_count", (("pid", pid),))] == 4 * scale
+        assert served[("t_wait_seconds_sum", (("pid", pid),))] == pytest.approx(0.02 * scale)
+
+
+def test_a_failing_collect_is_a_log_line_never_the_callers(multiprocess_values, caplog):
+    """A diagnostic never fails the work it observes: publish() swallows and logs."""
+    from hicache import _metrics_publish as mp
+
+    def broken():
+        raise RuntimeError("scrape broke")
+
+    mp.publish(mp.Publisher(), broken)
+    assert "could not write the multiprocess values" in caplog.text
