@@ -82,11 +82,15 @@ def test_requests_of_one_constructor_add_up_under_the_one_hold():
 
 
 def test_a_refused_request_lets_the_lock_go_at_once():
+    """A request SGLang's check cuts down is answered and the host-wide budget lock is free at once
+    (no one waits on memory that will not come)."""
     assert _admission.host_memory_budget_bytes(_sglang(4095), 4096) == 4095
     assert not _held_by_someone()
 
 
 def test_an_error_from_sglangs_check_lets_the_lock_go_and_is_raised():
+    """SGLang's own check raising: its error reaches the caller unchanged and the budget lock is let
+    go."""
     def failing(requested_bytes, *, auto_size=False):
         raise ValueError("Not enough host memory available")
 

@@ -43,6 +43,8 @@ def _entries(lock):
 
 
 def test_bring_up_registers_everything_and_release_undoes_it_in_order(lock):
+    """bring_up registers every call of the plan, claims its bytes in the budget file and the
+    ledger; release undoes all three."""
     runtime, ledger = FakeRuntime(), HostLedger()
     plan = _pool_plan()
     handle = bring_up(plan, runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger)
@@ -89,6 +91,8 @@ def test_the_budget_lock_is_held_until_the_memory_is_resident(lock, pipelined, m
 
 
 def test_the_budget_divides_by_ranks_and_counts_peers_that_allocated(lock):
+    """The budget splits the available memory by the ranks per host and counts a live peer's claim:
+    a fourth rank's share that does not fit is refused naming 4 ranks."""
     plan = _pool_plan()
     size = plan.total_bytes
     reserve = 1 << 20
@@ -107,6 +111,7 @@ def test_the_budget_divides_by_ranks_and_counts_peers_that_allocated(lock):
 
 
 def test_a_refused_budget_allocates_and_registers_nothing(lock):
+    """A refused budget makes no CUDA call, maps nothing and leaves no claim."""
     runtime = FakeRuntime()
     allocator = HostTensorAllocator()
     with pytest.raises(CapacityError):
@@ -115,6 +120,8 @@ def test_a_refused_budget_allocates_and_registers_nothing(lock):
 
 
 def test_a_rollback_that_leaks_quarantines_the_buffers_and_drops_the_budget(lock):
+    """A rollback whose undo fails: the still-registered ranges are reported and held in the ledger,
+    their buffers quarantined (never freed), the budget claim dropped."""
     from hicache.effects._host._memory import QUARANTINE
 
     runtime, ledger = FakeRuntime(fail_register={2: 2}, fail_unregister={0: 1}), HostLedger()
@@ -211,6 +218,8 @@ def test_a_base_less_aligned_than_planned_is_replanned_not_refused():
 
 # -- hicache.testing.fake_cuda: one fake for every default runtime -----------------------------
 def test_fake_cuda_is_what_pools_compat_apply_and_probes_use_by_default(lock, capsys):
+    """Inside fake_cuda() the pools, compat's helpers, hicache apply and probe_cuda all use the fake
+    driver, and what it holds is exactly what they registered."""
     from hicache.cli import main
     from hicache.compat.sglang import HostTensorAllocator as CompatAllocator
     from hicache.compat.sglang import _cuda_host_unregister, alloc_with_host_register
@@ -236,6 +245,8 @@ def test_fake_cuda_is_what_pools_compat_apply_and_probes_use_by_default(lock, ca
 
 
 def test_fake_cuda_passes_faults_and_ends_with_the_block():
+    """fake_cuda() passes its faults to the fake, nested blocks shadow and restore each other, and
+    none is left after the last."""
     from hicache.effects._cuda import _runtime
     with fake_cuda(fail_register={0: 2}) as fake:
         assert fake.cudart.fail_register == {0: 2}
@@ -261,6 +272,8 @@ PLAN_ARGS = ["--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.02"]
     ids=["kernel-env", "chunk-env", "flag-beats-env", "kernel-cap-holds", "driver-ceiling-env"],
 )
 def test_apply_never_calls_above_the_cap_that_wins_and_plan_agrees(monkeypatch, capsys, env, flags, cap):
+    """For each cap source (flag or variable) apply's largest register call is within the winning
+    cap and plan reports the same calls."""
     from hicache.cli import main
     from hicache.plan import from_jsonable
 
@@ -294,6 +307,7 @@ def test_apply_on_a_kernel_that_caps_pins_plans_under_it_without_a_flag(monkeypa
 
 
 def test_plan_reads_the_settings_but_never_the_machine(monkeypatch, capsys):
+    """hicache plan takes HICACHE_REGISTER_CHUNK and names it as the chunk limit's source."""
     from hicache.cli import main
 
     monkeypatch.setenv("HICACHE_REGISTER_CHUNK", "16GiB")
@@ -308,6 +322,7 @@ def test_plan_reads_the_settings_but_never_the_machine(monkeypatch, capsys):
 
 
 def test_plan_reads_the_kernel_release_only_when_asked(monkeypatch, capsys):
+    """plan leaves the kernel cap unchecked unless --this-machine asks for this kernel's release."""
     import hicache.effects
     from hicache.cli import main
 
@@ -352,6 +367,8 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
 
 
 def test_a_failing_pre_fault_rolls_the_pipelined_bring_up_back(monkeypatch, lock):
+    """An out-of-memory pre-fault piece in a pipelined bring-up is an ApplyError caused by it, with
+    nothing registered, claimed or mapped after."""
     from hicache.effects._bringup import _faulting as _pipeline
     from hicache.errors import ApplyError, HostOutOfMemoryError
 
@@ -380,6 +397,8 @@ APPLY_PROGRESSIVE = ["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb
 
 
 def test_apply_progressive_registers_every_call_reports_the_first_chunk_and_releases(lock, capsys):
+    """apply --progressive makes every planned call, reports the first chunk's time before the
+    total, and releases everything."""
     from hicache.cli import main
 
     with fake_cuda() as fake:
@@ -393,6 +412,8 @@ def test_apply_progressive_registers_every_call_reports_the_first_chunk_and_rele
 
 
 def test_apply_progressive_that_fails_midway_leaves_nothing_registered(lock, capsys):
+    """A progressive apply whose fourth call fails exits non-zero with no report and nothing
+    registered."""
     from hicache.cli import main
 
     with fake_cuda(fail_register={3: 2}) as fake:  # the 4th call: cudaErrorMemoryAllocation

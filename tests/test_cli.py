@@ -196,6 +196,8 @@ def test_doctor_json(capsys, tmp_path):
 
 
 def test_doctor_reports_how_host_pages_are_copied(monkeypatch):
+    """The doctor's host_copy rule fails a bad HICACHE_HOST_COPY, says when python is asked for, and
+    warns when the native helper is not built."""
     from hicache.cli._doctor import host_copy_check as _host_copy_check
     from hicache.effects._copy import _host_copy
     bad = _host_copy_check({"HICACHE_HOST_COPY": "turbo"})
@@ -309,6 +311,8 @@ def test_apply_honours_host_memory_and_ranks_per_host_in_its_budget(capsys):
 
 
 def test_apply_refuses_plan_arguments_next_to_a_saved_plan(capsys, tmp_path):
+    """apply --plan FILE with any plan argument beside it is conflicting-flags naming that
+    argument."""
     saved = tmp_path / "plan.json"
     assert run(capsys, "plan", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.02", "--chunk-limit", "4MiB",
                "--format", "json", "--out", str(saved))[0] == 0

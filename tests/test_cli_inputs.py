@@ -88,6 +88,8 @@ def _fifo(tmp):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_is_one_error_line_with_its_exit_code(case, tmp_path, capsys):
+    """Each bad input case gives its exit code, one error[ref] line, a hint line last, and no
+    traceback."""
     argv, ref, code = CASES[case]
     got = main(argv(tmp_path))
     err = capsys.readouterr().err
@@ -99,6 +101,8 @@ def test_bad_input_is_one_error_line_with_its_exit_code(case, tmp_path, capsys):
 
 @pytest.mark.parametrize("release", ["6.12", "v6.12", "6,12", "Linux 6.12", " 6.12", "6.12.0-31-generic", "6.11", "6.13.2"])
 def test_kernel_releases_as_people_write_them_apply_the_pin_cap(release, capsys):
+    """Kernel releases in 6.11-6.13 as uname prints them (distro suffixes included) apply the per-
+    pin cap."""
     code = main(["plan", "--kernel-release", release, "--format", "json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["limits"]["kernel_cap_bytes"] is not None, release
@@ -106,6 +110,7 @@ def test_kernel_releases_as_people_write_them_apply_the_pin_cap(release, capsys)
 
 @pytest.mark.parametrize("release", ["6.10", "6.14", "5.15.0-91-generic"])
 def test_kernel_releases_outside_6_11_to_6_13_have_no_pin_cap(release, capsys):
+    """Releases outside 6.11-6.13 plan without a per-pin cap."""
     code = main(["plan", "--kernel-release", release, "--format", "json"])
     assert code == 0 and json.loads(capsys.readouterr().out)["limits"]["kernel_cap_bytes"] is None
 
@@ -134,6 +139,8 @@ def test_absurd_sizes_by_ratio_end_quickly_in_little_memory(argv):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 @pytest.mark.parametrize("fmt", ["table", "json"])
 def test_a_full_standard_output_is_an_error_line_not_a_traceback(fmt):
+    """plan writing to /dev/full exits 2 with error[bad-output], no traceback and no 'Exception
+    ignored'."""
     with open("/dev/full", "w") as full:
         result = _bounded_child(["plan", "--format", fmt], stdout=full)
     assert result.returncode == 2 and "error[bad-output]: cannot write to standard output" in result.stderr
@@ -177,6 +184,8 @@ def test_threads_columns_and_an_unusable_runtime_dir_are_error_lines(tmp_path):
 
 
 def test_version_and_sglang_flag_names(capsys):
+    """--version prints hicache's version, and SGLang's flag names (--tp-size, --hicache-size,
+    --hicache-mem-layout, --kv-cache-dtype auto) plan as hicache's own."""
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.startswith("hicache ")
@@ -188,6 +197,8 @@ def test_version_and_sglang_flag_names(capsys):
 
 
 def test_every_preset_table_fits_100_columns_unless_wide(capsys):
+    """Every preset's plan table fits 100 columns (with and without a kernel cap) unless --wide asks
+    otherwise."""
     from hicache.plan import PRESETS
 
     for name in PRESETS:
@@ -231,6 +242,7 @@ def test_doctor_maps_gpus_to_numa_nodes_and_matches_the_binding_to_the_driver(tm
 
 
 def test_an_unknown_preset_suggests_the_close_ones(capsys):
+    """A misspelt --model is error[unknown-model] suggesting the close preset names."""
     assert main(["plan", "--model", "deepseek-v32"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error[unknown-model]") and "did you mean deepseek-v3.2" in err

@@ -71,6 +71,7 @@ def test_other_batch_errors_are_raised_with_their_name():
 
 
 def test_the_legacy_null_stream_is_refused_before_any_call():
+    """A batched copy on the legacy NULL stream is refused before any call reaches the binding."""
     binding = FakeCopyBinding()
     with pytest.raises(ValueError, match="legacy NULL stream"):
         memcpy_batch([100], [1000], [64], stream=0, binding=binding)
@@ -133,6 +134,8 @@ class FakeTorchCuda:
 
 
 def test_copies_go_on_the_callers_current_stream(monkeypatch):
+    """Device copies are issued on the caller's current CUDA stream (no stream created, the device
+    set first)."""
     cuda, binding = FakeTorchCuda(current_handle=42), FakeCopyBinding()
     assert CopyEngine(host_copy_mode="python", cuda=cuda, binding=binding).issue_cuda_copies("dev", [1], [2], [64]) == "batched"
     assert binding.streams == [42] and cuda.created == 0 and cuda.log == [("device", "dev")]

@@ -38,6 +38,8 @@ MiB = 2**20
      ((50, 50), False), ((150, 10), False)],  # touching either end is not overlapping
 )
 def test_the_ledger_refuses_an_overlap_from_either_side(request_, refused):
+    """The ledger refuses a claim overlapping a held range from below, above, inside or around, and
+    admits one that only touches it."""
     ledger = HostLedger()
     assert ledger.claim([(100, 50)]) is None
     assert (ledger.overlapping(*request_) is not None) is refused
@@ -46,12 +48,15 @@ def test_the_ledger_refuses_an_overlap_from_either_side(request_, refused):
 
 
 def test_the_ledger_refuses_overlaps_within_one_claim():
+    """Two ranges of one claim that overlap each other are refused and nothing is held."""
     ledger = HostLedger()
     assert ledger.claim([(100, 50), (120, 50)]) is not None and ledger.held() == ()
 
 
 # -- memory CUDA may still pin -----------------------------------------------------------------
 def test_memory_with_a_leaked_interior_chunk_is_never_unmapped():
+    """A buffer with a still-registered page inside refuses to be freed and stays mapped and
+    writable until the page is let go."""
     buffer = allocate_host(4 * 4096)
     ledger = HostLedger()
     ledger.claim([(buffer.ptr + 2 * 4096, 4096)])  # the third page stayed registered
@@ -73,6 +78,8 @@ def _pool(lock, machine, **kw):
 
 
 def test_pool_bring_up_divides_the_budget_by_ranks_and_counts_peers(tmp_path):
+    """A pool's bring-up divides the budget by ranks per host and counts a peer's claim; its own
+    claim appears and goes with it."""
     directory = tmp_path / "run"
     directory.mkdir(mode=0o700)
     lock = BudgetLock(directory)
@@ -95,6 +102,8 @@ def test_pool_bring_up_divides_the_budget_by_ranks_and_counts_peers(tmp_path):
 
 
 def test_a_rollback_that_leaks_during_pool_construction_raises_and_quarantines(tmp_path):
+    """A pool constructor whose rollback leaks raises RollbackError naming what stays registered and
+    quarantines that memory."""
     directory = tmp_path / "run"
     directory.mkdir(mode=0o700)
     device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=64)
@@ -126,6 +135,8 @@ def _leak_recorded_then_retried(cudart, buffer, before: int) -> None:
 
 
 def test_a_failed_compat_registration_quarantines_and_records_what_stays(cudart):
+    """compat's _cuda_host_register with a failing undo records the leaked ranges on the tensor,
+    quarantines it, and a later teardown retries them."""
     buffer = FakeBuffer(3 * 2**30)  # three 1 GiB chunks
     cudart.fail_register = {2: 2}
     cudart.fail_unregister = {0: 1}
@@ -136,6 +147,8 @@ def test_a_failed_compat_registration_quarantines_and_records_what_stays(cudart)
 
 
 def test_a_failed_compat_teardown_quarantines_and_records_what_stays(cudart, monkeypatch):
+    """A compat teardown that cannot unregister keeps the ranges recorded on the tensor and
+    quarantines it."""
     monkeypatch.setenv(sg.CHUNK_ENV, "1")
     buffer = sg.alloc_with_host_register((3 * 2**20,), torch.uint8, "cpu", True, sg.HostTensorAllocator(),
                                          registration_granularity_bytes=2**20)
@@ -165,6 +178,8 @@ def test_compat_registers_a_64_byte_aligned_torch_empty_buffer_on_copy_unit_boun
 
 # -- the planner's hugepage claim --------------------------------------------------------------
 def test_hugepage_alignment_is_claimed_only_when_the_base_is_hugepage_aligned():
+    """A plan assumes hugepage-aligned boundaries only when the base address is hugepage aligned,
+    and says so otherwise."""
     huge = 2 * MiB
     aligned = plan_registration(64 * huge, granularity_bytes=4096,
                                 limits=Limits(chunk_limit_bytes=5 * huge, hugepage_bytes=huge))
@@ -180,6 +195,8 @@ APPLY = ["apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.01", "
 
 
 def test_apply_exits_130_on_ctrl_c_and_leaves_nothing(capsys):
+    """Ctrl-C after apply's third register call: exit 130, error[interrupted], and the fake driver
+    holds nothing."""
     from hicache.cli import main
 
     with fake_cuda(interrupt_register={2: "after"}) as fake:
@@ -190,6 +207,8 @@ def test_apply_exits_130_on_ctrl_c_and_leaves_nothing(capsys):
 
 
 def test_apply_after_a_leaking_rollback_never_says_nothing_is_left(capsys):
+    """When the rollback after Ctrl-C leaks, apply says what may stay registered, never 'nothing is
+    left registered'."""
     from hicache.cli import main
 
     with fake_cuda(interrupt_register={2: "after"}, fail_unregister={0: 1}) as fake:
@@ -200,6 +219,7 @@ def test_apply_after_a_leaking_rollback_never_says_nothing_is_left(capsys):
 
 
 def test_apply_exits_1_on_a_refused_budget(capsys):
+    """A budget the machine cannot meet: exit 1, error[budget-refused], no CUDA call."""
     from hicache.cli import main
 
     with fake_cuda() as fake:  # psutil reports 3 GB available (conftest); the reserve is 10 GiB

@@ -68,6 +68,8 @@ def test_native_copy_matches_the_oracle(size_gaps, threads, streaming, seed):
 @pytest.mark.parametrize("mode", ["native", "python"])
 @given(blocks_strategy, st.integers(0, 2**16))
 def test_copy_host_blocks_matches_the_oracle_in_both_modes(mode, size_gaps, seed):
+    """copy_host_blocks in native and python modes writes exactly what the byte-wise oracle writes,
+    for any block sizes and gaps."""
     if mode == "native" and _host_copy._native is None:
         pytest.skip("hicache.effects._copy._hostcopy was not built")
     sizes, gaps = size_gaps
@@ -84,6 +86,7 @@ def test_copy_host_blocks_matches_the_oracle_in_both_modes(mode, size_gaps, seed
 @native
 @pytest.mark.parametrize("shift", [-5, 5, 0])
 def test_a_block_overlapping_its_source_is_a_memmove(shift):
+    """A block overlapping its own source is copied as memmove would (either shift)."""
     buffer = torch.arange(200, dtype=torch.uint8)
     expected = bytearray(bytes(buffer.tolist()))
     expected[50 + shift : 150 + shift] = bytes(buffer.tolist())[50:150]
@@ -109,6 +112,8 @@ def test_a_large_copy_uses_threads_and_matches(monkeypatch):
 
 
 def test_the_mode_follows_the_environment(monkeypatch):
+    """HICACHE_HOST_COPY chooses the copy path; a bad value or native without the built helper is an
+    EnvError naming it."""
     monkeypatch.setenv(_host_copy.ENV_VAR, "python")
     assert _host_copy.host_copy_mode() == "python"
     monkeypatch.setenv(_host_copy.ENV_VAR, "turbo")
@@ -131,6 +136,8 @@ def test_the_mode_follows_the_environment(monkeypatch):
     ],
 )
 def test_bad_descriptors_are_refused(args, error, pattern):
+    """Descriptors of the wrong dtype, shape, device or length are refused with an error naming
+    them, before any copy."""
     dsts, srcs, sizes = (torch.tensor(a) for a in args)
     with pytest.raises(error, match=pattern):
         _host_copy.copy_host_blocks(dsts, srcs, sizes)

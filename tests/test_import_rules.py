@@ -73,6 +73,8 @@ def test_the_rooms_are_what_the_table_names():
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m)), ids=str)
 def test_a_room_imports_only_the_rooms_below_it_and_never_the_face(module):
+    """Each module of an effects room imports only the rooms below it (ALLOWED) and never the
+    face."""
     room = _room(module)
     bad = []
     for line, target, how in _imports(MODULES[module]):
@@ -87,6 +89,7 @@ def test_a_room_imports_only_the_rooms_below_it_and_never_the_face(module):
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith(FACE + ".") and m != FACE), ids=str)
 def test_nothing_outside_effects_imports_a_room(module):
+    """Code outside hicache.effects reaches effects only through its face."""
     bad = [(line, target) for line, target, _ in _imports(MODULES[module]) if target.startswith(FACE + "._")]
     assert not bad, f"{module} reaches into hicache.effects' rooms: {bad} - use the face"
 

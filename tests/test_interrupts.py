@@ -273,6 +273,8 @@ _CALLER_PARAMS = sorted(CALLERS)
 
 @pytest.mark.parametrize("caller", _CALLER_PARAMS)
 def test_every_line_interrupted_leaves_nothing_behind(tmp_path, caller):
+    """A Ctrl-C at every traced line of a bring-up and its release leaves nothing registered, mapped
+    or budgeted (or hands the handle over, named)."""
     total = _lines(tmp_path, caller)
     assert total > 100
     for target in range(1, total + 1):

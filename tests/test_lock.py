@@ -101,6 +101,8 @@ def test_a_waiter_says_who_holds_the_lock_and_a_timeout_names_the_holder(tmp_pat
 
 
 def test_hicache_lock_timeout_sets_the_default_wait_and_is_validated(tmp_path):
+    """HICACHE_LOCK_TIMEOUT is the budget lock's default wait, an explicit timeout beats it, and a
+    bad value names the variable."""
     from hicache.effects._bringup._lock import budget_lock, lock_timeout_s
     from hicache.errors import EnvError
 

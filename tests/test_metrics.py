@@ -49,6 +49,8 @@ def _pool(label: str, runtime, tmp_path, *, tokens: int = 64, chunk: int = 64 * 
 
 
 def test_a_bring_up_shows_every_documented_name_with_the_handles_values(tmp_path):
+    """After a pool's bring-up every documented family is served, with the handle's own tiers,
+    bytes, calls and timings."""
     runtime = FakeRuntime()
     pool = _pool("metrics-a", runtime, tmp_path)
     name = pool.metrics_name
@@ -127,6 +129,8 @@ def test_a_progressive_pools_ready_pages_move_as_it_registers(tmp_path):
 
 
 def test_a_failed_bring_up_counts_as_failed(tmp_path):
+    """A pool bring-up that fails and rolls back counts one result=failed bring-up, with nothing
+    registered."""
     runtime = FakeRuntime(fail_register={1: 2})
     label = "metrics-f"
     before = _value("hicache_registration_calls_total", pool=f"MHATokenToKVPoolHost:{label}", result="failed") or 0
@@ -137,6 +141,7 @@ def test_a_failed_bring_up_counts_as_failed(tmp_path):
 
 
 def test_without_prometheus_client_tracking_does_nothing(monkeypatch, tmp_path):
+    """Without prometheus_client the pools build and nothing is collected."""
     monkeypatch.setattr(metrics, "install", lambda registry=None: False)
     runtime = FakeRuntime()
     pool = _pool("metrics-off", runtime, tmp_path)
@@ -153,6 +158,8 @@ def _free_port() -> int:
 
 
 def test_apply_serves_the_metrics_over_http_on_localhost(tmp_path):
+    """apply --metrics-port serves every documented family on 127.0.0.1 while it holds, with
+    registered bytes above 0."""
     port = _free_port()
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), PYTHONWARNINGS="ignore")
     command = [sys.executable, "-m", "hicache", "apply", "--fake-cuda", "--model", "llama-3.1-8b", "--host-gb", "0.25",
@@ -184,6 +191,8 @@ def _line(body: str, name: str) -> str:
 
 
 def test_a_port_that_is_taken_is_a_clear_error(tmp_path, capsys):
+    """A --metrics-port in use or out of range is error[bad-port] / bad-number naming the port,
+    before any memory."""
     from hicache.cli import main
 
     with socket.socket() as taken:

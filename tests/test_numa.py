@@ -23,6 +23,8 @@ def _bound_or_skip(nbytes, node):
 
 
 def test_a_buffer_is_bound_to_node_0_before_it_is_faulted():
+    """A buffer asked for node 0 is bound there (first and last page) before its pre-fault, and the
+    note says so."""
     buffer = _bound_or_skip(8 * 2**20, 0)
     try:
         assert bound_node(buffer.ptr) == 0 and any("NUMA node 0" in n for n in buffer.notes)
@@ -51,6 +53,8 @@ def _sysfs(tmp_path, online: str, gpu_node: int | None):
 
 
 def test_auto_picks_the_gpus_node_and_says_when_it_cannot(tmp_path):
+    """numa auto picks the current GPU's node, binds nothing with one node, and says why when it
+    cannot bind."""
     two = _sysfs(tmp_path / "a", "0-1", 1)
     assert resolve_numa_node("auto", cuda_binding=FakeCudaBinding(), root=two) == (1, None)
     unknown = _sysfs(tmp_path / "b", "0-1", None)
@@ -62,6 +66,7 @@ def test_auto_picks_the_gpus_node_and_says_when_it_cannot(tmp_path):
 
 
 def test_a_node_that_is_not_online_is_refused_naming_the_online_ones(tmp_path):
+    """An offline NUMA node is refused naming the online ones; an online one is accepted."""
     root = _sysfs(tmp_path, "0,2-3", None)
     assert online_nodes(root=root) == (0, 2, 3)
     assert resolve_numa_node(2, root=root) == (2, None)
@@ -72,6 +77,7 @@ def test_a_node_that_is_not_online_is_refused_naming_the_online_ones(tmp_path):
 
 
 def test_a_pool_binds_its_buffers_to_the_node_asked():
+    """A pool built with numa_node=0 has its buffers bound to node 0."""
     from hicache.plan import Limits
     from hicache.pools import MHATokenToKVPoolHost
     from hicache.testing import MHADevicePool

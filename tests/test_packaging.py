@@ -56,6 +56,8 @@ def _borrowing_venv(tmp_path: Path, modules, *, paths=(), with_pip: bool = False
 
 
 def test_the_wheel_without_torch_plans_and_checks(tmp_path):
+    """The built wheel in a fresh environment without torch plans and runs the doctor, and torch
+    stays out."""
     wheel = _build("wheel", tmp_path / "dist")
     python = _borrowing_venv(tmp_path, LIGHT, with_pip=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
@@ -76,6 +78,7 @@ def test_the_wheel_without_torch_plans_and_checks(tmp_path):
 
 
 def test_the_sdist_carries_docs_license_and_test_helpers(tmp_path):
+    """The sdist holds the docs, the license and the tests' helper modules."""
     sdist = _build("sdist", tmp_path / "dist")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}

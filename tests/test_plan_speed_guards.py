@@ -65,6 +65,7 @@ def _plan(ranges, total, unit=4096, cap=2**20):
 
 
 def test_a_good_tiling_passes():
+    """A lazily tiled plan that keeps every law validates with the expected call count."""
     assert _plan(tiling(10 * 2**20 + 4096, 2**20), 10 * 2**20 + 4096).call_count == 11
 
 
@@ -77,11 +78,13 @@ def test_a_good_tiling_passes():
     ],
 )
 def test_a_tiling_that_breaks_a_law_is_refused(ranges, total, why):
+    """A tiling that breaks a plan law (gap, overlap, cap, straddle) is refused with a PlanError."""
     with pytest.raises(PlanError):
         _plan(ranges, total)
 
 
 def test_a_tampered_tiling_is_refused():
+    """A tiling altered after it was made is refused when the plan checks it."""
     ranges = tiling(8 * 2**20, 2**20)
     ranges._count = 8  # claims 8 ranges but its last one would end past what it holds
     ranges.total = 9 * 2**20
@@ -96,6 +99,7 @@ def _listed(ranges, total, unit=4096, cap=2**20):
 
 
 def test_a_listed_plan_that_tiles_within_the_cap_passes():
+    """An explicit range list that tiles the buffer within the cap passes."""
     assert _listed([(0, 2**20), (2**20, 2**20), (2 * 2**20, 4096)], 2 * 2**20 + 4096).call_count == 3
 
 
@@ -113,5 +117,6 @@ def test_a_listed_plan_that_tiles_within_the_cap_passes():
     ],
 )
 def test_a_listed_plan_past_the_buffer_or_over_the_cap_is_refused(ranges, total, says):
+    """An explicit range list past the buffer's end or over the cap is refused saying which."""
     with pytest.raises(PlanError, match=says):
         _listed(ranges, total)

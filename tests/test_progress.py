@@ -27,6 +27,8 @@ def _request(total: int, chunk: int) -> BufferRequest:
 
 
 def test_a_pipelined_bring_up_reports_every_pre_fault_piece_and_every_call():
+    """A pipelined bring-up reports every pre-fault piece in order up to the total, and every
+    register call's running bytes."""
     prefault, calls = [], []
     handle = bring_up([_request(64 * MiB, 16 * MiB)], mode="pipelined", runtime=FakeRuntime(),
                       allocator=HostTensorAllocator(prefault_threads=2), machine=ROOMY,
@@ -39,6 +41,8 @@ def test_a_pipelined_bring_up_reports_every_pre_fault_piece_and_every_call():
 
 
 def test_the_library_logs_both_phases_with_rate_and_eta(caplog):
+    """The library's log shows the pre-fault and registration phases to 100 % with their rate and
+    ETA."""
     with caplog.at_level(logging.INFO, logger="hicache.effects._bringup._progress"):
         bring_up([_request(32 * MiB, 8 * MiB)], mode="pipelined", runtime=FakeRuntime(),
                  allocator=HostTensorAllocator(), machine=ROOMY).release()
@@ -48,6 +52,7 @@ def test_the_library_logs_both_phases_with_rate_and_eta(caplog):
 
 
 def test_a_progressive_bring_up_logs_its_background_calls(caplog):
+    """A progressive bring-up logs its background registration to 100 %."""
     with caplog.at_level(logging.INFO, logger="hicache.effects._bringup._progress"):
         handle = bring_up([_request(32 * MiB, 32 * MiB)], mode=Progressive(max_stall_s=0.001),
                           runtime=FakeRuntime(FakeCudart(register_bytes_per_s=4e9)), allocator=HostTensorAllocator(),
@@ -75,6 +80,8 @@ class _Event:
 
 
 def test_the_display_says_bytes_rate_eta_and_how_long_the_call_in_flight_has_taken():
+    """apply's progress line says the phase, bytes, rate and ETA, and which call waits and for how
+    long (an injected clock)."""
     clock = _Clock()
     progress = BringupProgress(4, stream=io.StringIO(), clock=clock)
     assert progress.line().startswith("preparing: budget lock")
@@ -88,6 +95,7 @@ def test_the_display_says_bytes_rate_eta_and_how_long_the_call_in_flight_has_tak
 
 
 def test_the_display_redraws_at_least_every_tick_while_nothing_happens():
+    """Off a terminal the progress display writes a line every tick while nothing moves."""
     stream = io.StringIO()
     progress = BringupProgress(2, stream=stream, every_s=0.02).start()
     progress(_Event(0, 10, 0.0))
@@ -101,6 +109,8 @@ def test_the_display_redraws_at_least_every_tick_while_nothing_happens():
 
 
 def test_a_progressive_apply_reports_while_it_waits_for_the_background():
+    """A progressive apply prints registered bytes with an ETA while it waits for the background
+    calls."""
     stream = io.StringIO()
     handle = bring_up([_request(64 * MiB, 64 * MiB)], mode=Progressive(max_stall_s=0.005),
                       runtime=FakeRuntime(FakeCudart(register_bytes_per_s=0.5e9)), allocator=HostTensorAllocator(),

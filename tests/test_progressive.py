@@ -49,6 +49,8 @@ def _page_bytes_registered(pool, runtime, page):
 def test_pages_become_usable_front_to_back_and_only_registered_ones_are_handed_out(family):
     # 50 ms a chunk: the constructor's own first-time work (a process's first pool imports
     # prometheus_client for its metrics, ~40 ms) must not outlast the background's calls
+    """A progressive page-first pool serves before it is fully registered, front to back, and every
+    page it hands out is registered."""
     runtime, ledger = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.05), HostLedger()
     pool = _pool(runtime, ledger, family=family)
     calls = len(runtime.cudart.timeline)
@@ -75,6 +77,8 @@ def test_pages_become_usable_front_to_back_and_only_registered_ones_are_handed_o
 
 
 def test_a_background_failure_keeps_the_registered_prefix_and_wait_ready_raises():
+    """A failing background call keeps the registered prefix usable and makes wait_ready raise the
+    ApplyError."""
     runtime, ledger = FakeRuntime(fail_register={5: 2}), HostLedger()
     pool = _pool(runtime, ledger, chunk=4096)  # 16 chunks: the sixth call fails
     with pytest.raises(ApplyError):
@@ -90,6 +94,8 @@ def test_a_background_failure_keeps_the_registered_prefix_and_wait_ready_raises(
 
 
 def test_destroy_during_the_background_registration_stops_it_and_leaves_nothing():
+    """destroy() during the background registration stops it, leaves nothing registered or claimed,
+    and no thread behind."""
     runtime, ledger = FakeRuntime(register_bytes_per_s=16 * 1024 / 0.02), HostLedger()  # 20 ms a chunk
     pool = _pool(runtime, ledger)
     assert pool.ready_pages() < pool.page_num
@@ -100,6 +106,8 @@ def test_destroy_during_the_background_registration_stops_it_and_leaves_nothing(
 
 
 def test_layer_first_registers_everything_before_returning():
+    """A layer_first pool asked to be progressive registers every call before its constructor
+    returns."""
     runtime, ledger = FakeRuntime(), HostLedger()
     pool = _pool(runtime, ledger, layout="layer_first")
     assert pool.ready_pages() == pool.page_num and pool.wait_ready() is True
@@ -277,6 +285,8 @@ def _deepseek_v4_pool(runtime, ledger, layout):
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 @pytest.mark.parametrize("make", [_mamba_pool, _deepseek_v4_pool], ids=["mamba", "deepseek-v4"])
 def test_other_families_come_up_progressively_and_hand_out_only_registered_pages(make, layout):
+    """Every page-first family comes up progressively and hands out only pages inside registered
+    ranges."""
     runtime, ledger = FakeRuntime(register_bytes_per_s=1e6), HostLedger()
     pool = make(runtime, ledger, layout)
     assert 0 < pool.ready_pages() < pool.page_num  # served before everything was registered
@@ -300,6 +310,8 @@ def _sglang_style_pool(**kw):
 
 
 def test_hicache_progressive_turns_it_on_for_a_pool_built_as_sglang_builds_it(monkeypatch):
+    """HICACHE_PROGRESSIVE=1 makes a pool built with SGLang's arguments progressive, and it ends
+    fully registered."""
     from hicache.testing import fake_cuda
 
     monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
@@ -320,6 +332,7 @@ def test_hicache_progressive_turns_it_on_for_a_pool_built_as_sglang_builds_it(mo
 
 
 def test_hicache_hugepages_sets_the_page_size_of_a_pool_built_as_sglang_builds_it(monkeypatch):
+    """HICACHE_HUGEPAGES sets the page mode of a pool built with SGLang's arguments (thp, off)."""
     from hicache.testing import fake_cuda
 
     monkeypatch.setenv("HICACHE_HUGEPAGES", "thp")
@@ -334,6 +347,8 @@ def test_hicache_hugepages_sets_the_page_size_of_a_pool_built_as_sglang_builds_i
 
 @pytest.mark.parametrize("name, value", [("HICACHE_PROGRESSIVE", "maybe"), ("HICACHE_HUGEPAGES", "huge")])
 def test_a_bad_pool_setting_in_the_environment_names_the_variable_and_the_value(monkeypatch, name, value):
+    """A bad HICACHE_PROGRESSIVE / HICACHE_HUGEPAGES fails the constructor naming variable and
+    value, with nothing registered."""
     from hicache.errors import HicacheError
     from hicache.testing import fake_cuda
 
@@ -430,6 +445,7 @@ def test_a_bad_max_stall_is_refused_where_it_enters_before_any_memory(bad):
 
 
 def test_max_stall_takes_any_real_number_of_seconds():
+    """Progressive(max_stall_s=) takes any positive real number of seconds."""
     import numpy as np
 
     from hicache.effects import Progressive

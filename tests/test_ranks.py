@@ -20,6 +20,8 @@ POOL_GB = "1"
 
 @pytest.mark.parametrize("mode", ["apply", "pool"])
 def test_ranks_starting_together_admit_exactly_one(tmp_path, mode):
+    """Ranks starting together against room for one: exactly one comes up, the others are refused
+    with error[budget-refused]."""
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     barrier = tmp_path / "barrier"

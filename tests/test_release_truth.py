@@ -218,6 +218,8 @@ def test_apply_says_what_stays_registered_after_an_interrupted_release(capsys, p
 
 
 def test_apply_says_what_stays_registered_after_a_failed_release(capsys):
+    """A release that cannot unregister makes apply exit 3 with error[release-leaked] naming the
+    range."""
     from hicache.cli import main
 
     with fake_cuda(fail_unregister={0: 1}) as fake:

@@ -49,6 +49,8 @@ def test_the_assembler_passes_the_storage_backend_and_a_pool_label(roomy_psutil)
 
 
 def test_get_mha_host_pool_cls_picks_asymmetric_when_head_dims_differ():
+    """SGLang's get_mha_host_pool_cls picks the asymmetric pool when K and V head dims differ, the
+    plain one otherwise."""
     assert get_mha_host_pool_cls(_mha()) is MHATokenToKVPoolHost
     asym = AsymmetricMHADevicePool(size=64, layer_num=3, head_num=2, k_head_dim=12, v_head_dim=4, page_size=P)
     assert get_mha_host_pool_cls(asym) is AsymmetricMHATokenToKVPoolHost
@@ -150,6 +152,8 @@ def test_zero_copy_meta_sizes_and_alignment_as_the_backends_read_them():
 
 
 def test_a_destroyed_pool_refuses_every_use():
+    """After destroy() every pool operation raises RegistrationStateError saying it was
+    destroyed."""
     host = _pool(_mha(), "page_first")
     slots = host.alloc(P)
     host.destroy()
@@ -163,6 +167,8 @@ def test_a_destroyed_pool_refuses_every_use():
 
 @pytest.mark.parametrize("page_size", [1, P])
 def test_an_index_equal_to_the_slot_count_is_refused(page_size):
+    """A host or device index equal to the slot count is a TransferError naming which, never a wild
+    copy."""
     device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=8, page_size=page_size)
     host = MHATokenToKVPoolHost(device, 2.0, 0, page_size, "page_first", False, "cpu",
                                 limits=Limits(chunk_limit_bytes=8192), machine=ROOMY)

@@ -111,6 +111,8 @@ def _same_bytes(a, b) -> bool:
 
 @pytest.mark.parametrize("pair", CASES, indirect=True, ids=[f"{k}-{l}" for k, l in CASES])
 def test_attributes_match_sglangs_pool(pair):
+    """hicache's pool and SGLang's, built from the same arguments, have the same class name and
+    equal attributes (and lack the same ones)."""
     kind, layout, _, theirs, ours = pair
     assert type(theirs).__name__ == type(ours).__name__
     for field in COMMON_FIELDS + FAMILY_FIELDS[kind]:
@@ -131,6 +133,7 @@ def test_attributes_match_sglangs_pool(pair):
 
 @pytest.mark.parametrize("pair", CASES, indirect=True, ids=[f"{k}-{l}" for k, l in CASES])
 def test_zero_copy_meta_points_at_the_same_offsets(pair):
+    """Zero-copy page meta points at the same offsets and sizes (plain ints) in both pools."""
     kind, layout, _, theirs, ours = pair
     if kind == "asym" and layout not in ("page_first", "page_first_direct"):
         pytest.skip("SGLang's asymmetric pool has no zero-copy meta for this layout")
@@ -147,6 +150,8 @@ def test_zero_copy_meta_points_at_the_same_offsets(pair):
 
 @pytest.mark.parametrize("pair", CASES, indirect=True, ids=[f"{k}-{l}" for k, l in CASES])
 def test_flat_pages_are_byte_identical_both_ways(pair):
+    """Flat data pages read and written are byte-identical between the two pools, and non-flat pages
+    have SGLang's shapes."""
     kind, layout, _, theirs, ours = pair
     if kind == "asym":  # SGLang's asymmetric pool refuses flat pages (NotImplementedError)
         with pytest.raises(NotImplementedError):
@@ -196,6 +201,8 @@ def test_direct_transfers_write_and_load_the_same_bytes(pair):
 
 @pytest.mark.parametrize("pair", [("mha", "page_first")], indirect=True)
 def test_l2_hooks_and_allocation_return_what_sglangs_do(pair):
+    """The L2 hooks and alloc/free return what SGLang's pool returns (types, shapes, available
+    size)."""
     _, _, device, theirs, ours = pair
     host, dev = torch.arange(PAGE), torch.arange(PAGE, 2 * PAGE)
     for pool in (theirs, ours):
@@ -211,6 +218,7 @@ def test_l2_hooks_and_allocation_return_what_sglangs_do(pair):
 
 @pytest.mark.parametrize("pair", [("mha", "page_head")], indirect=True)
 def test_split_heads_meta_matches_for_page_head(pair):
+    """page_head's split-heads page meta and element sizes match SGLang's."""
     _, _, _, theirs, ours = pair
     indices = torch.arange(3 * PAGE, 5 * PAGE)
     t_ptrs, t_sizes = theirs.get_split_heads_page_buffer_meta(indices, 2)
@@ -222,6 +230,7 @@ def test_split_heads_meta_matches_for_page_head(pair):
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_mla_contiguous_buffer_infos_match(sglang, layout):
+    """MLA contiguous buffer infos (offsets, lengths, item sizes) match SGLang's."""
     device = _device("mla")
     info = device.get_device_pool_infos()[0].buffer_info
     theirs_cls, ours_cls = _classes("mla")
@@ -310,6 +319,8 @@ def test_a_host_token_capacity_that_is_not_whole_positive_pages_is_refused_as_sg
 
 
 def test_mla_allocator_only_pool_as_sglangs_dummy(sglang):
+    """The MLA allocator-only pool matches SGLang's dummy: no buffer, nothing registered, the same
+    attributes and empty infos."""
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation
 
@@ -663,6 +674,8 @@ def test_deepseek_v4_paged_pool_matches(sglang, layout):
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_deepseek_v4_state_pool_matches(sglang, layout):
+    """The DeepSeek-V4 state pool's attributes and buffer shapes match SGLang's, and nothing stays
+    registered."""
     from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
     from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4StateHostPool as Theirs
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope

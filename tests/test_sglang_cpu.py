@@ -33,6 +33,8 @@ def _case(draw):
 @settings(max_examples=30, deadline=None)
 @given(_case())
 def test_all_layer_backup_then_per_layer_load_matches_the_reference_loops(case):
+    """All-layer backup then per-layer load on CPU moves exactly the named rows, as SGLang's
+    reference loops do."""
     layers, device, device_indices, host_indices, host_pages = case
     host = torch.zeros(host_pages, layers, PAGE, 2, 3)
     cpu.transfer_kv_all_layer_direct_lf_pf(src_ptrs=device, dst_ptrs=[host], src_indices=device_indices,
@@ -56,6 +58,7 @@ def test_all_layer_backup_then_per_layer_load_matches_the_reference_loops(case):
 
 
 def test_bad_indices_and_short_tensors_are_errors_not_wild_copies():
+    """Fractional, unaligned or out-of-range indices and short tensors raise before any copy."""
     device = [torch.randn(8 * PAGE, 2)]
     host = torch.zeros(2, 1, PAGE, 2)
     whole = torch.arange(PAGE)

@@ -79,6 +79,7 @@ def test_hicache_sglang_pools_replaces_sglangs_pool_classes_everywhere_and_only_
 
 
 def test_a_bad_hicache_sglang_pools_value_registers_nothing_and_names_the_variable(sglang, monkeypatch):
+    """A bad HICACHE_SGLANG_POOLS fails the plug-in's load naming it, with no hook registered."""
     from hicache.compat import sglang_plugin
     from hicache.errors import EnvError
 
@@ -92,6 +93,8 @@ def test_a_bad_hicache_sglang_pools_value_registers_nothing_and_names_the_variab
 
 @pytest.mark.parametrize("setting", ["HICACHE_SGLANG=off", "SGLANG_PLUGINS=other", "version 0.5.22"])
 def test_when_told_not_to_sglangs_own_functions_stay(sglang, monkeypatch, caplog, setting):
+    """HICACHE_SGLANG=off, an unlisted plug-in or an untested SGLang version leave SGLang's own
+    functions in place (and say why)."""
     import sglang.srt.plugins as plugins
 
     from hicache.compat import sglang_plugin

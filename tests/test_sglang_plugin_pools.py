@@ -91,6 +91,8 @@ def _budget():
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 def test_sglangs_mamba_pool(plugged, layout, monkeypatch):
+    """SGLang's Mamba host pool comes up and tears down through the plug-in with nothing left
+    registered."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
@@ -106,6 +108,8 @@ def test_sglangs_mamba_pool(plugged, layout, monkeypatch):
 
 
 def test_sglangs_dsa_indexer_pool_beside_its_mla_anchor(plugged, monkeypatch):
+    """SGLang's DSA indexer pool beside its MLA anchor comes up and tears down through the plug-in,
+    nothing left registered."""
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -130,6 +134,8 @@ def test_sglangs_dsa_indexer_pool_beside_its_mla_anchor(plugged, monkeypatch):
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_sglangs_deepseek_v4_paged_pool(plugged, layout, monkeypatch):
+    """SGLang's DeepSeek-V4 paged pool comes up and tears down through the plug-in, nothing left
+    registered."""
     from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
 
     cap = _small_cap(monkeypatch, layout)
@@ -145,6 +151,8 @@ def test_sglangs_deepseek_v4_paged_pool(plugged, layout, monkeypatch):
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_sglangs_deepseek_v4_state_pool(plugged, layout, monkeypatch):
+    """SGLang's DeepSeek-V4 state pool comes up and tears down through the plug-in, nothing left
+    registered."""
     from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
     from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4StateHostPool
 

@@ -34,6 +34,8 @@ def _covered(held, ptr: int, size: int) -> bool:
 
 
 def test_sglangs_controller_writes_while_the_pool_registers_and_after_it_is_ready(sglang, monkeypatch, roomy_psutil):
+    """SGLang's controller writes to a progressive hicache pool while it registers, and only into
+    registered ranges."""
     import sglang.srt.plugins as plugins
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hicache_storage import PoolName

@@ -39,6 +39,8 @@ def _page_bytes(pool, start: int):
 
 @pytest.mark.parametrize("kind, layout", CASES, ids=[f"{k}-{l}" for k, l in CASES])
 def test_hicache_file_shares_pages_between_sglangs_pool_and_hicaches(sglang, tmp_path, kind, layout):
+    """SGLang's HiCacheFile carries pages byte-exactly between SGLang's pool and hicache's, and a
+    missing page is a miss."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     info = _device(kind).get_device_pool_infos()[0].buffer_info

@@ -101,6 +101,7 @@ def test_an_arena_larger_than_the_free_tmpfs_is_refused(shm_dir):
 
 
 def test_a_missing_directory_is_refused(shm_dir):
+    """An arena path in a directory that does not exist is an ArenaError saying so."""
     with pytest.raises(ArenaError, match="does not exist"):
         arena.create_arena(str(shm_dir / "no" / "a"), _plan(), label="t")
 
@@ -197,6 +198,7 @@ def test_an_arena_open_to_others_is_refused(shm_dir):
 
 
 def test_a_symlink_is_refused(shm_dir):
+    """An arena path that is a symbolic link is refused."""
     path = str(shm_dir / "a")
     _created(path)
     os.symlink(path, shm_dir / "link")
@@ -217,6 +219,8 @@ def test_a_file_that_is_no_arena_is_neither_attached_nor_dropped(shm_dir):
 
 
 def test_drop_unlinks_an_arena_and_says_when_there_was_none(shm_dir):
+    """drop_arena unlinks an arena (True), says False when there is none, and leaves the directory
+    empty."""
     path = str(shm_dir / "a")
     _created(path)
     assert arena.drop_arena(path) is True

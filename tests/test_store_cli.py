@@ -31,6 +31,8 @@ def _digest(path) -> str:
 
 
 def test_create_prefaults_with_progress_and_prints_the_geometry(capsys, shm_dir):
+    """store create pre-faults with a progress line to 100 % and prints the arena's geometry, label
+    and backing."""
     path = str(shm_dir / "kv")
     code, out, err = run(capsys, "store", "create", path, "--size-gb", "0.02", "--slot-bytes", "8192",
                          "--label", "node-a")
@@ -65,6 +67,7 @@ def test_status_shows_what_engines_stored_and_changes_no_byte(capsys, shm_dir):
 
 
 def test_drop_unlinks_and_a_second_drop_says_there_is_none(capsys, shm_dir):
+    """store drop unlinks the arena; a second drop is error[no-arena], exit 1."""
     path = str(shm_dir / "kv")
     run(capsys, "store", "create", path, "--size-gb", "0.01", "--slot-bytes", "4096")
     assert run(capsys, "store", "drop", path)[0] == 0 and not os.path.exists(path)
@@ -87,6 +90,8 @@ def test_bad_create_input_is_one_error_and_nothing_is_left(capsys, shm_dir, argv
 
 
 def test_create_over_an_arena_of_another_geometry_is_refused(capsys, shm_dir):
+    """store create over an arena of another slot size is error[arena-geometry] naming the slot
+    bytes."""
     path = str(shm_dir / "kv")
     run(capsys, "store", "create", path, "--size-gb", "0.01", "--slot-bytes", "4096")
     code, _, err = run(capsys, "store", "create", path, "--size-gb", "0.01", "--slot-bytes", "8192")
@@ -94,6 +99,7 @@ def test_create_over_an_arena_of_another_geometry_is_refused(capsys, shm_dir):
 
 
 def test_status_of_a_file_open_to_others_is_refused(capsys, shm_dir):
+    """store status of an arena file open to group/others is refused naming its mode."""
     path = str(shm_dir / "kv")
     run(capsys, "store", "create", path, "--size-gb", "0.01", "--slot-bytes", "4096")
     os.chmod(path, 0o644)
@@ -115,6 +121,8 @@ def test_plan_sizes_a_store_for_the_plans_kv_page(capsys):
 
 
 def test_doctor_checks_an_arena_and_warns_on_torn_slots(capsys, shm_dir):
+    """doctor --store warns on torn slots, reports the room on /dev/shm, and fails a missing
+    arena."""
     path = str(shm_dir / "kv")
     store = open_store(path, size_bytes=10_000_000, slot_bytes=4096)
     addr = store.arena.record_addr(0)

@@ -74,6 +74,7 @@ def test_pages_round_trip_byte_exact_and_the_other_implementation_reads_them(shm
 
 
 def test_exists_counts_the_leading_run_and_a_miss_stops_it(shm_dir, ops):
+    """exists counts the leading run of stored keys (a miss stops it), present answers per key."""
     store, src = _open(shm_dir, ops), Pages(4)
     try:
         store.put(NS, ["a", "b", "d"], src.segments([0, 1, 3]))
@@ -165,6 +166,8 @@ def test_a_page_rewritten_while_it_is_copied_is_torn_not_returned(shm_dir, ops, 
 
 
 def test_a_flipped_byte_in_a_stored_page_is_a_miss_and_the_slot_is_reclaimed(shm_dir, ops):
+    """A flipped byte in a stored page reads as a miss, counts as corrupt, and the slot is
+    reclaimed."""
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=4)
     try:
         store.put(NS, ["k"], src.segments())

@@ -94,6 +94,7 @@ def test_sglangs_factory_builds_it_with_an_empty_kwargs_dict(sglang, shm_dir, po
     (dict(colour="blue"), r"unknown key\(s\) \['colour'\]"),
 ])
 def test_bad_extra_config_is_one_error_naming_the_key_before_anything_exists(sglang, shm_dir, extra, match):
+    """A bad extra_config key or value is one ArenaError naming it, and no arena file is made."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     """Each bad value (a missing or relative arena path, a size that is no positive number, a

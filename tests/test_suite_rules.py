@@ -62,3 +62,12 @@ def test_the_rule_sees_a_file_that_breaks_it():
     assert _concurrent_calls(bare) and not _marks_concurrency(bare)
     assert _marks_concurrency(marked)
     assert NOT_LOADED.keys() <= {p.name for p in TESTS.glob("test_*.py")}  # no stale exemption
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.glob("test_*.py")), ids=lambda p: p.name)
+def test_every_test_says_what_it_proves(path):
+    """Every test function has a docstring (the suite's rule: one sentence saying what it proves)."""
+    bare = [node.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
+            and not (ast.get_docstring(node) or "").strip()]
+    assert not bare, f"{path.name}: tests without a docstring: {', '.join(bare)}"

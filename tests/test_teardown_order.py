@@ -94,6 +94,8 @@ def test_a_progressive_release_stops_its_background_calls_before_it_unregisters(
 
 
 def test_releasing_a_progressive_bring_up_waits_for_its_pre_fault_before_freeing(slow_prefault):
+    """Releasing a progressive bring-up waits for its pre-fault thread before freeing: no piece runs
+    on freed memory."""
     runtime = FakeRuntime(register_bytes_per_s=MiB / 0.005)
     handle = bring_up(_requests(64), mode=Progressive(), runtime=runtime, ledger=HostLedger(), budget=False,
                       allocator=HostTensorAllocator(prefault_threads=1))
@@ -106,6 +108,8 @@ def test_releasing_a_progressive_bring_up_waits_for_its_pre_fault_before_freeing
 
 
 def test_a_failed_pipelined_bring_up_waits_for_its_pre_fault_before_freeing(slow_prefault):
+    """A failed pipelined bring-up stops and joins its pre-fault thread before freeing the
+    memory."""
     allocator = HostTensorAllocator(prefault_threads=1)
     runtime = FakeRuntime(fail_register={1: 2})  # refused while pieces 1-4 of 5 (32 MiB each) are to come
     with pytest.raises(ApplyError):
@@ -118,6 +122,8 @@ def test_a_failed_pipelined_bring_up_waits_for_its_pre_fault_before_freeing(slow
 
 
 def test_a_progressive_release_that_leaks_keeps_the_memory_mapped_and_quarantined():
+    """A progressive release that cannot unregister leaves the handle leaked with its memory mapped
+    and quarantined."""
     runtime = FakeRuntime(fail_unregister={0: 1})  # the first unregister is refused (not sticky)
     handle = bring_up(_requests(4), mode=Progressive(), runtime=runtime, ledger=HostLedger(), budget=False)
     assert handle.wait(10)
@@ -133,6 +139,7 @@ def test_a_progressive_release_that_leaks_keeps_the_memory_mapped_and_quarantine
 
 @pytest.mark.parametrize("mode", ["blocking", "pipelined", "progressive"])
 def test_release_unregisters_every_range_before_it_frees_the_memory(frees_logged, mode):
+    """In every mode release unregisters each range before its memory is freed."""
     runtime = FakeRuntime(register_bytes_per_s=MiB / 0.002)
     frees_logged.append(runtime.cudart.log)
     handle = bring_up(_requests(8, buffers=2), mode=Progressive() if mode == "progressive" else mode,

@@ -44,6 +44,8 @@ def _check_spans(events) -> None:
 
 @pytest.mark.parametrize("mode", ["blocking-pipelined", "progressive"])
 def test_apply_trace_is_valid_and_its_register_spans_are_the_drivers_calls(tmp_path, capsys, mode):
+    """apply --trace writes valid trace events whose register spans are the fake driver's calls, in
+    order, with their rates."""
     from hicache.cli import _apply, make_parser
     from hicache.effects._cuda._ledger import HostLedger
     from hicache.testing import FakeCudaBinding, FakeRuntime

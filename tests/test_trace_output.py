@@ -193,6 +193,7 @@ def test_two_processes_traces_merge_in_the_drivers_order(tmp_path, capsys):
 
 
 def test_merge_refuses_what_is_no_hicache_trace(tmp_path, capsys):
+    """trace merge refuses a file that is no hicache trace (exit 2) and writes no output."""
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"traceEvents": []}))
     code = main(["trace", "merge", "--out", str(tmp_path / "m.json"), str(other)])

@@ -11,6 +11,8 @@ from pathlib import Path
 
 
 def test_transfers_copy_exactly_the_oracle_or_refuse_in_a_child_process():
+    """Fuzzed transfers in a child process copy exactly what the oracle copies or refuse, and never
+    crash it."""
     child = Path(__file__).parent / "transfer_fuzz_child.py"
     examples = "300" if os.environ.get("HYPOTHESIS_PROFILE") == "ci" else "60"
     result = subprocess.run([sys.executable, str(child)], capture_output=True, text=True,

@@ -61,6 +61,8 @@ def _max_overlap(intervals) -> int:
 # --- the environment -----------------------------------------------------------------------
 
 def test_the_environment_chooses_the_turnstile(directory):
+    """HICACHE_PIN_CONCURRENCY and HICACHE_PIN_MAX_STALL_S choose the turnstile: auto by default, N
+    calls, or off."""
     auto = from_env({}, directory=directory)
     assert (auto.concurrency, auto.auto, auto.max_stall_s) == (1, True, 0.25)
     assert from_env({"HICACHE_PIN_CONCURRENCY": "auto"}, directory=directory).auto
@@ -75,6 +77,7 @@ def test_the_environment_chooses_the_turnstile(directory):
     ("HICACHE_PIN_MAX_STALL_S", "x"), ("HICACHE_PIN_MAX_STALL_S", "0"), ("HICACHE_PIN_MAX_STALL_S", "inf"),
 ])
 def test_a_bad_setting_is_an_error_naming_it_before_anything_is_held(monkeypatch, name, value):
+    """A bad turnstile setting is an EnvError naming it before any memory is taken."""
     monkeypatch.setenv(name, value)
     allocations = []
 
@@ -93,6 +96,7 @@ def test_a_bad_setting_is_an_error_naming_it_before_anything_is_held(monkeypatch
 
 
 def test_bad_constructor_values_name_the_field(directory):
+    """Bad Turnstile constructor values and a bad turnstile= are PlanErrors naming the field."""
     with pytest.raises(PlanError, match="concurrency"):
         Turnstile(directory, concurrency=0)
     with pytest.raises(PlanError, match="max_stall_s"):
@@ -105,6 +109,8 @@ def test_bad_constructor_values_name_the_field(directory):
 
 @pytest.mark.parametrize("concurrency", [1, 2])
 def test_threads_never_hold_more_turns_than_allowed(directory, concurrency):
+    """Threads taking turns never hold more than the concurrency at once, use all of it, and leave
+    no ticket."""
     turnstile = Turnstile(directory, concurrency=concurrency, poll_s=0.0005)
     intervals, lock = [], threading.Lock()
 
@@ -129,6 +135,7 @@ def test_threads_never_hold_more_turns_than_allowed(directory, concurrency):
 
 
 def test_turns_go_in_arrival_order(directory):
+    """Turns are given in the order the waiters arrived."""
     turnstile = Turnstile(directory, poll_s=0.0005)
     first = turnstile.acquire()
     order = []
@@ -153,6 +160,7 @@ def test_turns_go_in_arrival_order(directory):
 
 
 def test_a_thread_that_holds_a_turn_re_enters_it_and_others_wait(directory):
+    """A thread holding a turn re-enters it without a second ticket while other threads wait."""
     turnstile = Turnstile(directory, poll_s=0.0005)
     outer = turnstile.acquire()
     deadline = time.monotonic() + 2
@@ -169,6 +177,7 @@ def test_a_thread_that_holds_a_turn_re_enters_it_and_others_wait(directory):
 
 
 def test_a_stopped_wait_gives_its_place_up(directory):
+    """A wait told to stop returns None and gives its place in the queue up."""
     turnstile = Turnstile(directory, poll_s=0.0005)
     held = turnstile.acquire()
     stop = threading.Event()
@@ -201,6 +210,7 @@ def test_a_ticket_whose_holder_died_does_not_count(directory):
 
 
 def test_a_dropped_turn_lets_go_when_collected(directory):
+    """A turn dropped without release lets go of its ticket when collected."""
     turnstile = Turnstile(directory)
     turn = turnstile.acquire()
     turnstile._core.local.turn = None  # as if its thread ended holding it
@@ -221,6 +231,8 @@ def _forced(directory, **kw) -> Turnstile:
 
 
 def test_every_call_is_paced_to_the_stall_budget_at_the_measured_rate(directory):
+    """Every call after the first is cut to what the measured rate registers within the stall
+    budget, and the calls still cover the plan."""
     rate, stall = 4e9, 0.02
     plan = plan_registration(512 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=256 * MiB))
     cudart = FakeCudart(register_bytes_per_s=rate)
@@ -237,6 +249,8 @@ def test_every_call_is_paced_to_the_stall_budget_at_the_measured_rate(directory)
 
 
 def test_auto_paces_only_while_another_process_brings_up_pools(directory):
+    """auto leaves calls whole when the process is alone and paces them while another process brings
+    up pools."""
     plan = plan_registration(64 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=32 * MiB))
     turnstile = Turnstile(directory, auto=True, max_stall_s=0.002)  # 4 MB a call at the fake's 2 GB/s
     alone = FakeCudart(register_bytes_per_s=2e9)
@@ -259,6 +273,7 @@ def test_auto_paces_only_while_another_process_brings_up_pools(directory):
 
 
 def test_a_ctrl_c_while_waiting_for_a_turn_registers_nothing_and_leaves_the_queue(directory):
+    """Ctrl-C while waiting for a turn registers nothing and leaves the queue."""
     turnstile = _forced(directory, poll_s=0.0005)
     holder = turnstile.acquire()
     plan = plan_registration(8 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=8 * MiB))
@@ -307,6 +322,7 @@ def test_a_ctrl_c_landing_in_a_plain_wait_for_a_turn_gives_the_ticket_back(direc
 
 
 def test_a_progressive_bring_up_takes_turns_and_is_paced_by_the_host_budget(directory):
+    """A progressive bring-up takes turns and paces its calls to the host's stall budget."""
     from hicache.effects import HostTensorAllocator
 
     plan = plan_registration(64 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=64 * MiB))
@@ -433,6 +449,7 @@ def test_a_forked_child_does_not_keep_its_parents_ticket_or_member_file_alive(di
 
 
 def test_waits_are_counted_for_the_metrics(directory):
+    """Each turnstile wait is counted in the histogram the metrics serve."""
     before = HostPools.turnstile_waits()["count"]
     plan = plan_registration(8 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=4 * MiB))
     apply_plan(plan, base_ptr=BASE, runtime=FakeRuntime(), turnstile=Turnstile(directory)).release()
@@ -585,6 +602,7 @@ def test_a_holder_killed_mid_call_does_not_block_the_others(tmp_path):
 
 
 def test_each_wait_is_a_span_of_the_trace(directory, tmp_path):
+    """Each turnstile wait is a trace span on the calling thread, ending before its call."""
     from hicache.effects import _trace
 
     plan = plan_registration(8 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=4 * MiB))
