@@ -156,3 +156,27 @@ def test_the_cycle_search_finds_a_cycle():
     """Not vacuous: a planted loop (the one effects had) is found."""
     graph = {"a._memory": {"a._numa"}, "a._numa": {"a._probes"}, "a._probes": {"a._memory"}, "b": set()}
     assert _cycle(graph) == ["a._memory", "a._numa", "a._probes", "a._memory"]
+
+
+def _bool_checks(path: Path) -> list[int]:
+    """Lines of ``isinstance(x, bool)`` (alone or in a tuple): a hand-written integer or number check."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(isinstance(k, ast.Name) and k.id == "bool" for k in kinds):
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("hicache.plan")), ids=str)
+def test_value_checks_live_in_plan_checks_only(module):
+    """Outside hicache/plan/ no module writes its own integer or number check (a bool that is not
+    a number): they call hicache.plan.checks (check_int, check_real, is_integer, is_real)."""
+    assert not _bool_checks(MODULES[module]), f"{module}: isinstance(..., bool) at lines {_bool_checks(MODULES[module])}"
+
+
+def test_the_value_check_rule_sees_a_check():
+    """Not vacuous: the checker module itself is found to hold such checks."""
+    assert _bool_checks(MODULES["hicache.plan.checks"])

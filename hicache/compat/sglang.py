@@ -39,6 +39,7 @@ from hicache.plan import plan_registration
 from hicache.compat import _sglang_log
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._base import RANGES_ATTR
+from hicache.plan.checks import is_integer
 
 __all__ = [
     "ALLOC_MEMORY_FUNCS",
@@ -132,7 +133,7 @@ def _chunk_plan(total: int, granularity, base_alignment: int):
     and HICACHE_KERNEL_PIN_CAP override them), and where each cap came from."""
     limit = host_register_chunk_bytes()
     if granularity is not None:
-        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0:
+        if not is_integer(granularity) or granularity <= 0:
             raise PlanError(f"registration_granularity_bytes must be positive, got {granularity!r}")
         if granularity > limit:
             raise PlanError(
@@ -280,7 +281,7 @@ def alloc_with_host_register(
 
     from hicache.effects import admission
 
-    if any(isinstance(d, bool) or not hasattr(type(d), "__index__") for d in dims):  # 2.5 is not 2
+    if not all(is_integer(d) for d in dims):  # 2.5 is not 2
         raise TypeError(f"alloc_with_host_register: dims must be integers, got {tuple(dims)!r}")
     dims = tuple(d.__index__() for d in dims)
     total = torch.empty((), dtype=dtype).element_size()

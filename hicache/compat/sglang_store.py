@@ -27,6 +27,7 @@ from hicache.compat._store_views import PoolView as _PoolView
 from hicache.compat._store_views import flat_segments as _flat_segments
 from hicache.errors import ArenaError, TransferError
 from hicache.store import Namespace, open_store, shard_of
+from hicache.plan.checks import is_integer, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,11 @@ def _check_config(extra: dict) -> dict:
     if not isinstance(arena, str) or not arena.startswith("/"):
         problems.append(f"'arena' must be an absolute path of the arena file, got {arena!r}")
     size = extra.get("size_gb")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+    if size is not None and not (is_real(size) and size > 0):
         problems.append(f"'size_gb' must be a positive number of GB, got {size!r}")
     for key in ("slot_bytes", "prefault_threads"):
         value = extra.get(key)
-        if value is not None and (type(value) is not int or value <= 0):
+        if value is not None and not (is_integer(value) and value > 0):
             problems.append(f"{key!r} must be a positive integer, got {value!r}")
     if extra.get("label") is not None and not isinstance(extra["label"], str):
         problems.append(f"'label' must be a string, got {extra['label']!r}")

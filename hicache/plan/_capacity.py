@@ -13,7 +13,7 @@ from decimal import Decimal, InvalidOperation
 import attrs
 
 from hicache.errors import CapacityError, PlanError, PoolTooSmallError
-from hicache.plan._checks import check_int
+from hicache.plan.checks import check_int
 from hicache.plan._units import format_bytes, format_gb
 
 #: SGLang keeps 10 GiB of host memory back for everything else (memory_pool_host.py).

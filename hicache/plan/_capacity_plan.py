@@ -13,7 +13,7 @@ import attrs
 
 from hicache.errors import CapacityError, PlanError
 from hicache.plan._capacity import DEFAULT_RESERVE_BYTES, BudgetVerdict, PoolSize, assess_budget, size_pool
-from hicache.plan._checks import check_int
+from hicache.plan.checks import check_int
 from hicache.plan._limits import Limits
 from hicache.plan._models import DEFAULT_MODEL, ModelSpec, kv_itemsize, model_pools
 from hicache.plan._pool import PoolPlan, plan_pool

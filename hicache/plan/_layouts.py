@@ -12,7 +12,7 @@ import math
 import attrs
 
 from hicache.errors import LayoutError
-from hicache.plan._checks import MAX_BYTES, as_int, as_tuple, check_int, check_name
+from hicache.plan.checks import MAX_BYTES, as_int, as_tuple, check_int, check_name
 
 # The copy unit of a layout is the largest contiguous byte run one page copy touches; every such
 # run starts a whole number of units from the base. Tables: layout -> (shape, unit), both as

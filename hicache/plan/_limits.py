@@ -12,7 +12,7 @@ import re
 import attrs
 
 from hicache.errors import PlanError
-from hicache.plan._checks import as_int, check_int, check_power_of_two
+from hicache.plan.checks import as_int, check_int, check_power_of_two
 
 GiB = 2**30
 MiB = 2**20

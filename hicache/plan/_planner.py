@@ -15,7 +15,7 @@ from operator import itemgetter
 import attrs
 
 from hicache.errors import PlanError
-from hicache.plan._checks import as_tuple, check_int
+from hicache.plan.checks import as_tuple, check_int
 from hicache.plan._limits import Limits
 from hicache.plan._range import Range, Tiling, tiling
 from hicache.plan._units import format_bytes

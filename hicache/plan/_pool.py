@@ -9,7 +9,7 @@ from __future__ import annotations
 import attrs
 
 from hicache.errors import LayoutError, PlanError
-from hicache.plan._checks import as_tuple
+from hicache.plan.checks import as_tuple
 from hicache.plan._layouts import LAYOUT_CLASSES, BufferSpec
 from hicache.plan._limits import Limits
 from hicache.plan._planner import RegistrationPlan, plan_registration

@@ -14,7 +14,7 @@ from itertools import chain, repeat
 from typing import NamedTuple
 
 from hicache.errors import PlanError
-from hicache.plan._checks import MAX_BYTES, check_int
+from hicache.plan.checks import MAX_BYTES, check_int
 
 
 class _RangeFields(NamedTuple):

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import math
-import numbers
 import operator
 import sys
 import threading
@@ -42,6 +40,7 @@ from hicache.pools._sglang_sizing import size_as_sglang
 from hicache.pools._transfer import Transfers, check_backend
 from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._views import layer_token_view
+from hicache.plan.checks import check_real, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +66,7 @@ def _gb_or_zero(value, owner: str) -> float:
     "size by the ratio", as SGLang reads it. A string or NaN is an error naming it."""
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise PlanError(f"{owner}.host_size must be a finite number of GB (0: size by the ratio), got {value!r}")
-    return float(value)
+    return check_real(PlanError, owner, "host_size", value, what="a finite number of GB (0: size by the ratio)")
 
 def _under_sglang_chunk_setting(limits):
     """Inside SGLang (its `envs` loaded), a pool built by SGLang 0.5.23's constructor also keeps
@@ -95,7 +92,7 @@ class Stream(NamedTuple):
 
 def _layer_id(layer_id) -> int:
     """A controller's layer id as an int (numpy/torch integers count; a bool does not)."""
-    if isinstance(layer_id, bool) or not hasattr(type(layer_id), "__index__"):
+    if not is_integer(layer_id):
         raise TransferError(f"layer_id must be an integer, got {layer_id!r} ({type(layer_id).__name__})")
     return operator.index(layer_id)
 
@@ -238,7 +235,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         ``page_size // dcp_size``."""
         name = type(self).__name__
         for field, value in (("dcp_size", dcp_size), ("dcp_rank", dcp_rank), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_integer(value):
                 raise LayoutError(f"{name}.{field} must be an integer, got {value!r}")
         if dcp_size < 1 or not 0 <= dcp_rank < dcp_size:
             raise LayoutError(f"{name}: dcp_rank must lie in [0, dcp_size), got dcp_size={dcp_size}, dcp_rank={dcp_rank}")

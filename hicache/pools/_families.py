@@ -22,6 +22,7 @@ from hicache.plan import (
     MLALayout,
 )
 from hicache.errors import LayoutError, TransferError
+from hicache.plan.checks import check_int, is_integer
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._page_allocator import PageAllocator
@@ -75,8 +76,7 @@ def _mha_input(pool, first, drafts, write_back_staging, head_group_num, kwargs):
     """SGLang 0.5.23's MHA form (an `MHABufferInfo` first) -> its `BufferDevice`; the older
     form (a device pool first) as it is. Keywords only 0.5.23 has are refused with a pool."""
     name = type(pool).__name__
-    if isinstance(head_group_num, bool) or not isinstance(head_group_num, int) or head_group_num < 1:
-        raise LayoutError(f"{name}.head_group_num must be a positive integer, got {head_group_num!r}")
+    head_group_num = check_int(LayoutError, name, "head_group_num", head_group_num)
     pool.head_group_num = head_group_num  # only SGLang's page_unified layout groups heads
     pool.write_back_staging = write_back_staging  # SGLang's CUDA write-back kernel's staging; unused here
     if is_mha_info(first):
@@ -563,7 +563,7 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
 
     def alloc(self, need_size: int):
         """SGLang's V4 pools round ``need_size`` up to whole slot pages."""
-        if self.pool_name is not None and isinstance(need_size, int) and not isinstance(need_size, bool) and need_size > 0:
+        if self.pool_name is not None and is_integer(need_size) and need_size > 0:
             need_size = -(-need_size // self.page_size) * self.page_size
         return super().alloc(need_size)
 
@@ -614,8 +614,7 @@ def _split_heads_meta(pool, indices, split_factor: int):
     head_dim / split_factor`` elements each), pointers inside the host buffer."""
     if pool.layout != "page_head":
         raise TransferError(f"{type(pool).__name__}: split-heads page meta needs layout page_head, not {pool.layout!r}")
-    if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor < 1 \
-            or pool.head_num % split_factor:
+    if not is_integer(split_factor) or split_factor < 1 or pool.head_num % split_factor:
         raise TransferError(f"split_factor must divide head_num={pool.head_num}, got {split_factor!r}")
     pages = pool._meta_pages(indices)
     itemsize = _itemsize(pool.dtype)

@@ -12,6 +12,7 @@ import threading
 
 from hicache.errors import PlanError
 from hicache.pools._page_allocator import PageAllocator
+from hicache.plan.checks import check_int
 
 
 class LogicalHostPool:
@@ -25,11 +26,8 @@ class LogicalHostPool:
     dcp_rank = 0
 
     def __init__(self, size: int, page_size: int, layout: str = "layer_first") -> None:
-        for field, value in (("size", size), ("page_size", page_size)):
-            if isinstance(value, bool) or not hasattr(type(value), "__index__") or int(value) < (0 if field == "size" else 1):
-                raise PlanError(f"LogicalHostPool.{field} must be a {'non-negative' if field == 'size' else 'positive'} "
-                                f"integer, got {value!r}")
-        size, page_size = int(size), int(page_size)
+        size = check_int(PlanError, "LogicalHostPool", "size", size, minimum=0)
+        page_size = check_int(PlanError, "LogicalHostPool", "page_size", page_size)
         if size % page_size:
             raise PlanError(f"LogicalHostPool size must be page-aligned, got size={size}, page_size={page_size}")
         import torch

@@ -10,7 +10,10 @@ under its lock.
 
 from __future__ import annotations
 
+import operator
+
 from hicache.errors import PlanError
+from hicache.plan.checks import is_integer
 
 try:
     from hicache.pools import _pagestack as _native
@@ -25,15 +28,12 @@ _FREE_ERRORS = {
 
 
 def _check_need(need_size, page_size: int) -> int:
-    if isinstance(need_size, bool):
+    if not is_integer(need_size):
         raise PlanError(f"alloc: need_size must be a non-negative int, got {need_size!r}")
-    if not isinstance(need_size, int):
-        try:
-            import operator
-
-            need_size = operator.index(need_size)  # numpy / 0-d tensor integers, as Python ints
-        except TypeError:
-            raise PlanError(f"alloc: need_size must be a non-negative int, got {need_size!r}") from None
+    try:
+        need_size = operator.index(need_size)  # numpy / 0-d tensor integers, as Python ints
+    except TypeError:  # a tensor of several elements
+        raise PlanError(f"alloc: need_size must be a non-negative int, got {need_size!r}") from None
     if need_size < 0:
         raise PlanError(f"alloc: need_size must be a non-negative int, got {need_size!r}")
     if need_size % page_size:

@@ -13,11 +13,10 @@ plus packed drafts), ``start_layer``/``end_layer`` are kept as the caller passed
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import sys
 
 from hicache.errors import LayoutError, PlanError
+from hicache.plan.checks import check_int, check_real
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +24,11 @@ _SGLANG_BASE = "sglang.srt.mem_cache.pool_host.base"
 
 
 def _integer(owner: str, field: str, value, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise LayoutError(f"{owner}.{field} must be an integer, got {value!r}")
-    value = int(value)
-    if value < minimum:
-        raise LayoutError(f"{owner}.{field} must be at least {minimum}, got {value}")
-    return value
+    return check_int(LayoutError, owner, field, value, minimum=minimum)
 
 
 def _real(owner: str, field: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise PlanError(f"{owner}.{field} must be a finite number, got {value!r}")
-    return float(value)
+    return check_real(PlanError, owner, field, value)
 
 
 def _synced(size: int, host_size: float) -> int:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from hicache.errors import TransferError
 from hicache.pools._views import buffer_symbols, page_axis, page_slice
+from hicache.plan.checks import is_integer
 
 #: Imported by name from SGLang's pool modules: host memory kept back from the pool budget.
 HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
@@ -21,8 +22,8 @@ HICACHE_HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
 
 def as_index(value, what: str) -> int:
     """An int, or a 0-d integer tensor / numpy integer (SGLang passes ``host_indices[i]``)."""
-    if isinstance(value, bool):
-        raise TransferError(f"{what} must be an integer, got {value!r}")
+    if not is_integer(value):
+        raise TransferError(f"{what} must be an integer or a 0-d integer tensor, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:

@@ -36,7 +36,7 @@ from hicache.errors import (
     StickyCudaError,
 )
 from hicache.plan import PoolPlan, RegistrationPlan, pace_head, replan
-from hicache.plan._checks import check_int
+from hicache.plan.checks import check_int
 from hicache.effects._cuda._codes import ALREADY_REGISTERED, NAMES
 
 

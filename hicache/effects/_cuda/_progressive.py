@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import numbers
 import logging
 import threading
 
@@ -27,6 +26,7 @@ from hicache.effects._interrupts import deferred_interrupts, interrupt_requested
 from hicache.effects._cuda._runtime import default_runtime
 from hicache.errors import ApplyError, PlanError, ReleaseError
 from hicache.plan import Limits, pace, plan_registration
+from hicache.plan.checks import is_real
 
 #: The first call of a progressive bring-up registers at most this much: its rate is unknown
 #: yet (the issue's cap is 256 MiB), and the first page waits for it and for faulting its bytes
@@ -47,7 +47,7 @@ def check_max_stall(value, owner: str = "Progressive") -> float | None:
     a real number (numpy's included), finite, at least `MIN_STALL_S`."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise PlanError(f"{owner}.max_stall_s must be seconds (a number) or None, got {value!r}")
     seconds = float(value)
     if not math.isfinite(seconds) or seconds < MIN_STALL_S:

@@ -43,6 +43,7 @@ from hicache.effects._rundir import env_seconds, private_dir, runtime_dir
 from hicache.effects._trace import span
 from hicache.errors import PlanError
 from hicache.plan._env import env_value
+from hicache.plan.checks import check_int, check_real
 
 logger = logging.getLogger(__name__)
 
@@ -305,11 +306,8 @@ class Turnstile:
     def __init__(self, directory: Path | None = None, *, concurrency: int = 1,
                  max_stall_s: float = DEFAULT_MAX_STALL_S, auto: bool = False, poll_s: float = POLL_S,
                  report_every_s: float = REPORT_EVERY_S) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise PlanError(f"Turnstile.concurrency must be a whole number >= 1, got {concurrency!r}")
-        if isinstance(max_stall_s, bool) or not isinstance(max_stall_s, (int, float)) or \
-                not math.isfinite(max_stall_s) or max_stall_s <= 0:
-            raise PlanError(f"Turnstile.max_stall_s must be a positive number of seconds, got {max_stall_s!r}")
+        concurrency = check_int(PlanError, "Turnstile", "concurrency", concurrency)
+        max_stall_s = check_real(PlanError, "Turnstile", "max_stall_s", max_stall_s, above=0, what="a number of seconds")
         base = private_dir(directory or runtime_dir())
         self.path = private_dir(base / "turnstile")
         self.concurrency = concurrency

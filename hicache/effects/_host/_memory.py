@@ -24,7 +24,7 @@ from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._host._numa import bind
 from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
-from hicache.plan._checks import check_int
+from hicache.plan.checks import check_int
 from hicache.plan._settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES  # noqa: F401 - used here and re-exported
 
 MAP_HUGETLB = 0x40000  # linux/mman.h
