@@ -226,7 +226,7 @@ def progressive_pools(draw):
     return family, layout, page, device, ratio, chunk, stall
 
 
-@settings(max_examples=100)  # each example maps, registers and releases a pool: ~40 ms
+@settings(max_examples=50)  # each maps, registers and releases a pool: ~40 ms, ~0.2 s on a loaded box
 @given(progressive_pools())
 def test_any_page_first_pool_registers_its_plan_exactly_and_hands_out_only_registered_pages(shape):
     """Any page-first pool, any chunk limit, any stall budget: what ends up registered tiles
