@@ -180,3 +180,23 @@ def test_value_checks_live_in_plan_checks_only(module):
 def test_the_value_check_rule_sees_a_check():
     """Not vacuous: the checker module itself is found to hold such checks."""
     assert _bool_checks(MODULES["hicache.plan.checks"])
+
+
+def _reads_sys_modules(path: Path) -> list[int]:
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr == "modules"
+            and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("hicache.pools")), ids=str)
+def test_the_pools_see_the_server_only_through_what_compat_hands_them(module):
+    """pools/ reads no ``sys.modules`` (the live SGLang process is compat's: `hicache.pools.server()`
+    answers what the pools ask) and imports nothing of hicache.compat."""
+    assert not _reads_sys_modules(MODULES[module]), f"{module} reads sys.modules at {_reads_sys_modules(MODULES[module])}"
+    compat = [(line, target) for line, target, _ in _imports(MODULES[module]) if target.startswith("hicache.compat")]
+    assert not compat, f"{module} imports {compat}"
+
+
+def test_the_sys_modules_rule_sees_a_read():
+    """Not vacuous: compat's SGLang process is found to read sys.modules."""
+    assert _reads_sys_modules(MODULES["hicache.compat.sglang_process"])

@@ -244,6 +244,28 @@ def test_the_chunk_setting_is_read_through_sglangs_envs(sglang, monkeypatch):
         compat.host_register_chunk_bytes(env={"SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB": "junk"})
 
 
+def test_the_plug_in_hands_sglangs_process_to_the_pools(sglang, monkeypatch):
+    """Loading the plug-in makes `hicache.pools.server()` SGLang's process - the chunk setting
+    through SGLang's envs, its PP sync, its back ends' allocators - and HICACHE_SGLANG=off hands
+    nothing in (the pools then ask no server)."""
+    from sglang.srt.environ import envs
+
+    import hicache.pools as pools
+    from hicache.compat import sglang_plugin
+    from hicache.compat.sglang_process import SGLangProcess
+
+    pools.serve_in(None)
+    monkeypatch.setenv("HICACHE_SGLANG", "off")
+    assert sglang_plugin.load() == [] and pools.server() is pools.NO_SERVER
+    monkeypatch.delenv("HICACHE_SGLANG")
+    assert sglang_plugin.load()
+    assert isinstance(pools.server(), SGLangProcess)
+    with envs.SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB.override(3):
+        assert pools.server().chunk_limit_bytes() == 3 * 2**30
+    assert pools.server().synced_size(4096, 2.0) == 4096  # no PP group here: SGLang keeps the size
+    assert pools.server().storage_allocator("file") is None  # SGLang's plain default: hicache's serves
+
+
 def test_the_bring_up_is_told_through_sglangs_own_logger(sglang, monkeypatch, caplog):
     """The plan (calls, largest, every cap and its source), progress per call and the timings
     reach SGLang's logger for the seam (`pool_host.common`), so its log level and logging

@@ -128,6 +128,10 @@ def load() -> list[str]:
 
     HookRegistry.register(BUDGET_TARGET, admission.host_memory_budget_bytes, HookType.AROUND)
     classes = _register_pool_classes(HookRegistry, HookType, settings)
+    from hicache.compat.sglang_process import SGLangProcess
+    from hicache.pools import serve_in
+
+    serve_in(SGLangProcess())  # hicache's pools in this process ask SGLang's settings through it
     logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s; its admission check "
                 "runs under the host-wide budget lock", version, ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
     return [*TARGETS, BUDGET_TARGET, *classes]

@@ -28,10 +28,16 @@ from hicache.pools._families import (
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._logical import LogicalHostPool
 from hicache.pools._page_allocator import PageAllocator
+from hicache.pools._server import NO_SERVER, NoServer, serve_in, server
 from hicache.pools._storage import HICACHE_HOST_MEMORY_RESERVE_BYTES
 
 __all__ = [
     "HICACHE_HOST_MEMORY_RESERVE_BYTES",
+    # the serving process the pools ask (hicache.compat hands SGLang's in)
+    "NO_SERVER",
+    "NoServer",
+    "serve_in",
+    "server",
     "get_mha_host_pool_cls",
     "AsymmetricMHATokenToKVPoolHost",
     "DSAIndexerPoolHost",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import abc
 import logging
 import operator
-import sys
 import threading
 from functools import wraps
 from typing import NamedTuple
@@ -41,6 +40,7 @@ from hicache.pools._transfer import Transfers, check_backend
 from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._views import layer_token_view
 from hicache.plan.checks import check_real, is_integer
+from hicache.pools._server import server
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +69,12 @@ def _gb_or_zero(value, owner: str) -> float:
     return check_real(PlanError, owner, "host_size", value, what="a finite number of GB (0: size by the ratio)")
 
 def _under_sglang_chunk_setting(limits):
-    """Inside SGLang (its `envs` loaded), a pool built by SGLang 0.5.23's constructor also keeps
-    each call within SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB read through SGLang's own accessor
-    (what SGLang's tests patch, its handling of a bad value): the smaller cap wins."""
-    envs = getattr(sys.modules.get("sglang.srt.environ"), "envs", None)
-    setting = getattr(envs, "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", None)
-    if setting is None:
+    """In a server (`hicache.pools.server()`: SGLang's process, handed in by the plug-in), a pool
+    built by SGLang 0.5.23's constructor also keeps each call within the server's own chunk
+    setting (SGLang: SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through its `envs`): the smaller wins."""
+    chunk = server().chunk_limit_bytes()
+    if chunk is None:
         return limits
-    chunk = max(int(setting.get()), 1) * 2**30
     return attrs.evolve(limits, chunk_limit_bytes=chunk) if chunk < limits.chunk_limit_bytes else limits
 
 

@@ -13,14 +13,13 @@ plus packed drafts), ``start_layer``/``end_layer`` are kept as the caller passed
 from __future__ import annotations
 
 import logging
-import sys
 
 from hicache.errors import LayoutError, PlanError
 from hicache.plan.checks import check_int, check_real
+from hicache.pools._server import server
 
 logger = logging.getLogger(__name__)
 
-_SGLANG_BASE = "sglang.srt.mem_cache.pool_host.base"
 
 
 def _integer(owner: str, field: str, value, *, minimum: int = 0) -> int:
@@ -32,11 +31,9 @@ def _real(owner: str, field: str, value) -> float:
 
 
 def _synced(size: int, host_size: float) -> int:
-    """SGLang's PP-group minimum for a fixed --hicache-size, where SGLang is loaded (it acts only
-    under an initialized torch.distributed with a pipeline group; otherwise returns ``size``)."""
-    base = sys.modules.get(_SGLANG_BASE)
-    sync = getattr(base, "sync_fixed_hicache_size", None)
-    return int(sync(size, host_size)) if sync is not None else size
+    """The server's PP-group agreement on a fixed --hicache-size (`hicache.pools.server()`; SGLang's
+    acts only under an initialized torch.distributed with a pipeline group)."""
+    return server().synced_size(size, host_size)
 
 
 def size_as_sglang(pool, host_to_device_ratio, host_size, *, device_capacity_tokens, start_layer, end_layer,

@@ -1,0 +1,53 @@
+"""The live SGLang process as hicache's pools need it (issue #34 item 3): the one place outside
+the plug-in's hooks that reads SGLang's loaded modules. `SGLangProcess` answers the pools'
+three questions (`hicache.pools.server()`): SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through
+SGLang's own `envs` accessor (what its tests patch, its handling of a bad value), its PP-group
+sync of a fixed --hicache-size, and the allocator SGLang's `get_allocator_from_storage` gives a
+storage back end that brings its own memory. Modules are looked up, never imported: a process
+where SGLang did not load one simply has no answer there.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+_ENVIRON = "sglang.srt.environ"
+_BASE = "sglang.srt.mem_cache.pool_host.base"
+_COMMON = "sglang.srt.mem_cache.pool_host.common"
+
+
+class SGLangProcess:
+    """SGLang 0.5.23 as the pools see it; handed to them by the plug-in (`hicache.pools.serve_in`)."""
+
+    name = "sglang"
+
+    def chunk_limit_bytes(self) -> int | None:
+        """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it (GiB, at least 1), or None
+        where SGLang's `envs` is not loaded."""
+        envs = getattr(sys.modules.get(_ENVIRON), "envs", None)
+        setting = getattr(envs, "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", None)
+        return None if setting is None else max(int(setting.get()), 1) * 2**30
+
+    def synced_size(self, size: int, host_size: float) -> int:
+        """SGLang's PP-group minimum for a fixed --hicache-size (it acts only under an initialized
+        torch.distributed with a pipeline group; otherwise it returns ``size``)."""
+        sync = getattr(sys.modules.get(_BASE), "sync_fixed_hicache_size", None)
+        return int(sync(size, host_size)) if sync is not None else size
+
+    def storage_allocator(self, name: str):
+        """The allocator SGLang's own `get_allocator_from_storage` gives back end ``name`` when
+        it brings its memory (Mooncake's, UMBP's, TensorCast's, "shm"'s `ShmHostTensorAllocator`);
+        None where SGLang would use its plain default (hicache's default serves instead)."""
+        common = sys.modules.get(_COMMON)
+        get = getattr(common, "get_allocator_from_storage", None)
+        plain = getattr(common, "HostTensorAllocator", None)
+        if get is None or plain is None:
+            return None
+        allocator = get(name)
+        if type(allocator) is plain:  # SGLang's default (or its fallback when a back end is missing)
+            return None
+        logger.info("host allocator for storage back end %r: SGLang's %s", name, type(allocator).__name__)
+        return allocator

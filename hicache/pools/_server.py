@@ -1,0 +1,50 @@
+"""The server process as the host pools see it (issue #34 item 3): the serving engine's own
+chunk setting, its pipeline-parallel size sync and a storage back end's own allocator, asked of
+one object handed in from outside (`serve_in`) - a null one where no server handed one.
+
+The pools never look the live server up themselves (no ``sys.modules`` read in pools/, which
+once gave an import-order bug): ``hicache.compat`` knows the SGLang process and its plug-in
+hands a `hicache.compat.sglang_process.SGLangProcess` in when SGLang loads it (in every SGLang
+process). Imports nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class NoServer:
+    """Outside a server: no chunk setting of its own, sizes as computed, hicache's allocators."""
+
+    name = "none"
+
+    def chunk_limit_bytes(self) -> int | None:
+        """The server's own per-call cap (None: it has none)."""
+        return None
+
+    def synced_size(self, size: int, host_size: float) -> int:
+        """``size`` after the server's pipeline-parallel group agreed on it (unchanged here)."""
+        return size
+
+    def storage_allocator(self, name: str):
+        """The allocator the server gives storage back end ``name`` (None: hicache's default)."""
+        return None
+
+
+NO_SERVER = NoServer()
+_LOCK = threading.Lock()
+_current = NO_SERVER
+
+
+def serve_in(server) -> object:
+    """Make ``server`` (None: `NO_SERVER`) what every pool built from now on asks; returns the
+    one before (for a caller that puts it back)."""
+    global _current
+    with _LOCK:
+        previous, _current = _current, NO_SERVER if server is None else server
+    return previous
+
+
+def server():
+    """What the pools ask now."""
+    return _current
