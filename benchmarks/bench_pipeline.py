@@ -24,7 +24,7 @@ from _timing import interleaved, median_line  # noqa: E402
 
 import torch  # noqa: E402,F401  (the state users run in)
 
-from hicache.effects._bringup._lock import BudgetLock  # noqa: E402
+from hicache.effects._hostwide._lock import BudgetLock  # noqa: E402
 from hicache.effects._cuda._ledger import HostLedger  # noqa: E402
 from hicache.effects import MachineFacts, bring_up  # noqa: E402
 from hicache.plan import Limits, MHALayout, plan_pool  # noqa: E402

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _timing import interleaved, median_line  # noqa: E402
 
-from hicache.effects._bringup._lock import BudgetLock  # noqa: E402
+from hicache.effects._hostwide._lock import BudgetLock  # noqa: E402
 from hicache.effects._cuda._ledger import HostLedger  # noqa: E402
 from hicache.effects import MachineFacts, bring_up  # noqa: E402
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost  # noqa: E402

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from hicache.effects._bringup import _admission
-from hicache.effects._rundir import runtime_dir
+from hicache.effects._hostwide._rundir import runtime_dir
 
 pytestmark = pytest.mark.concurrency  # a timer thread lets an abandoned hold go
 

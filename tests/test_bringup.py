@@ -11,7 +11,7 @@ import os
 import pytest
 from machine import GB, ROOMY, facts
 
-from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up, probe_cuda
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import CapacityError, ReleaseError, RollbackError

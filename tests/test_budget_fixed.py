@@ -17,7 +17,7 @@ import pytest
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, bring_up
-from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects._hostwide._lock import BudgetLock
 from hicache.errors import CapacityError
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeRuntime

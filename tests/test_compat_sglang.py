@@ -253,7 +253,7 @@ def test_sglangs_own_registrations_take_their_turn_at_the_hosts_driver(cudart, m
     import threading
     import time
 
-    from hicache.effects._cuda._turnstile import from_env
+    from hicache.effects._hostwide._turnstile import from_env
 
     monkeypatch.setenv("HICACHE_PIN_CONCURRENCY", "1")
     turnstile = from_env()

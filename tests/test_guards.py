@@ -17,7 +17,7 @@ from machine import facts
 
 import hicache.compat.sglang as sg
 from hicache.effects._host._memory import QUARANTINE, allocate_host
-from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import CapacityError, RegistrationStateError, RollbackError
 from hicache.plan import Limits, plan_registration

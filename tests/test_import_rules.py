@@ -17,16 +17,16 @@ FACE_LIMIT = 39  # 35 + `arena` (the node store's room, #32) and `trace` (its ch
 # `terminate_as_interrupt` (apply and store undo on SIGTERM/SIGHUP as on Ctrl-C, #33)
 
 #: Which rooms a room of hicache.effects may import (itself always): downward only.
-LEAVES = {"_interrupts", "_trace", "_rundir"}  # every room may use them (Ctrl-C, the trace, the runtime dir)
+LEAVES = {"_interrupts", "_trace"}  # every room may use them (Ctrl-C, the trace)
 ALLOWED = {
     "_interrupts": set(),
     "_trace": set(),
-    "_rundir": set(),
-    "_cuda": LEAVES,
-    "_host": LEAVES | {"_cuda"},
+    "_hostwide": LEAVES,  # runtime dir, budget lock, turnstile: what processes of a host agree through (#34)
+    "_cuda": LEAVES | {"_hostwide"},
+    "_host": LEAVES | {"_hostwide", "_cuda"},
     "_copy": LEAVES | {"_cuda"},
-    "_bringup": LEAVES | {"_cuda", "_host", "_copy"},
-    "_arena": LEAVES | {"_host", "_copy"},  # the node store's file: _host's pre-fault workers, _copy's thread rule
+    "_bringup": LEAVES | {"_hostwide", "_cuda", "_host", "_copy"},
+    "_arena": LEAVES | {"_hostwide", "_host", "_copy"},  # the node store's file: _host's pre-fault workers, _copy's thread rule
 }
 
 

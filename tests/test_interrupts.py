@@ -17,7 +17,7 @@ import warnings
 import pytest
 from machine import ROOMY
 
-from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects import HostTensorAllocator, Registration, apply_plan, bring_up
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import HostLedger

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hicache.effects._bringup._lock import budget_lock
+from hicache.effects._hostwide._lock import budget_lock
 from hicache.errors import RegistrationStateError
 
 pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `m
 def test_lock_excludes_other_processes(tmp_path):
     """While held here, another process cannot take it (it times out)."""
     code = (
-        "import sys; from pathlib import Path; from hicache.effects._bringup._lock import budget_lock\n"
+        "import sys; from pathlib import Path; from hicache.effects._hostwide._lock import budget_lock\n"
         "try:\n"
         f"    with budget_lock(directory=Path({str(tmp_path)!r}), timeout_s=0.3): print('got')\n"
         "except Exception as e: print(type(e).__name__, isinstance(e, RuntimeError))\n"
@@ -58,7 +58,7 @@ def test_symlinked_or_shared_directories_are_refused(tmp_path):
 
 
 _HOLD = (
-    "import sys, time; from pathlib import Path; from hicache.effects._bringup._lock import budget_lock\n"
+    "import sys, time; from pathlib import Path; from hicache.effects._hostwide._lock import budget_lock\n"
     "with budget_lock(directory=Path(sys.argv[1])):\n"
     "    print('held', flush=True); time.sleep(float(sys.argv[2]))\n"
 )
@@ -71,7 +71,7 @@ def test_a_waiter_says_who_holds_the_lock_and_a_timeout_names_the_holder(tmp_pat
     LockTimeoutError naming that pid - at the first poll past the timeout, not later."""
     import logging
 
-    from hicache.effects._bringup._lock import POLL_S, BudgetLock
+    from hicache.effects._hostwide._lock import POLL_S, BudgetLock
     from hicache.errors import LockTimeoutError
 
     tmp_path.chmod(0o700)
@@ -86,7 +86,7 @@ def test_a_waiter_says_who_holds_the_lock_and_a_timeout_names_the_holder(tmp_pat
     try:
         assert holder.stdout.readline().strip() == "held"
         lock = BudgetLock(tmp_path, timeout_s=1.0, report_every_s=0.2, clock=lambda: now[0], sleep=sleep)
-        with caplog.at_level(logging.WARNING, logger="hicache.effects._bringup._lock"):
+        with caplog.at_level(logging.WARNING, logger="hicache.effects._hostwide._lock"):
             with pytest.raises(LockTimeoutError, match=rf"timed out after 1 s .* held by pid {holder.pid} since "):
                 lock.__enter__()
         assert 1.0 < now[0] - 1000.0 <= 1.0 + POLL_S + 1e-9 and set(sleeps) == {POLL_S}
@@ -103,7 +103,7 @@ def test_a_waiter_says_who_holds_the_lock_and_a_timeout_names_the_holder(tmp_pat
 def test_hicache_lock_timeout_sets_the_default_wait_and_is_validated(tmp_path):
     """HICACHE_LOCK_TIMEOUT is the budget lock's default wait, an explicit timeout beats it, and a
     bad value names the variable."""
-    from hicache.effects._bringup._lock import budget_lock, lock_timeout_s
+    from hicache.effects._hostwide._lock import budget_lock, lock_timeout_s
     from hicache.errors import EnvError
 
     assert lock_timeout_s({}) is None and lock_timeout_s({"HICACHE_LOCK_TIMEOUT": "2.5"}) == 2.5

@@ -39,7 +39,7 @@ def _value(name: str, **labels):
 
 
 def _pool(label: str, runtime, tmp_path, *, tokens: int = 64, chunk: int = 64 * 1024, **kw):
-    from hicache.effects._bringup._lock import BudgetLock
+    from hicache.effects._hostwide._lock import BudgetLock
     from hicache.pools import MHATokenToKVPoolHost
 
     device = MHADevicePool(size=tokens, layer_num=2, head_num=2, head_dim=64, page_size=P)

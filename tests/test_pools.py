@@ -421,7 +421,7 @@ def test_a_failure_after_registration_releases_and_frees(monkeypatch):
 
 def test_a_failed_budget_record_allocates_and_registers_nothing(monkeypatch):
     """The budget entry is written before any memory exists: a failure there leaves nothing."""
-    from hicache.effects._bringup import _lock
+    from hicache.effects._hostwide import _lock
     def broken(self, nbytes):
         raise OSError("disk full")
 

@@ -15,7 +15,7 @@ import pytest
 from machine import ROOMY
 
 from hicache.effects import HostTensorAllocator, Progressive, bring_up
-from hicache.effects._bringup._lock import BudgetLock
+from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import RegistrationStateError, ReleaseError
 from hicache.plan import Limits, MHALayout, plan_pool
@@ -34,7 +34,7 @@ import gc, os, sys, warnings, weakref
 sys.path.insert(0, {tests!r})
 from machine import ROOMY
 from hicache.effects import HostTensorAllocator
-from hicache.effects._bringup._lock import budget_lock
+from hicache.effects._hostwide._lock import budget_lock
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import MHADevicePool, fake_cuda
 

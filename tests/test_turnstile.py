@@ -25,8 +25,8 @@ import pytest
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, HostPools, Progressive, apply_plan, bring_up
-from hicache.effects._cuda import _turnstile
-from hicache.effects._cuda._turnstile import FIRST_CALL_BYTES, Turnstile, from_env
+from hicache.effects._hostwide import _turnstile
+from hicache.effects._hostwide._turnstile import FIRST_CALL_BYTES, Turnstile, from_env
 from hicache.errors import ApplyError, EnvError, PlanError, caused_by_interrupt
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeCudart, FakeRuntime

@@ -23,7 +23,7 @@ import torch  # noqa: F401  (imported before the barrier)
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, bring_up
-from hicache.effects._cuda._turnstile import from_env
+from hicache.effects._hostwide._turnstile import from_env
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeCudart, FakeRuntime
 

@@ -2,13 +2,14 @@
 environment variables, psutil, locks and clocks. Heavy imports (torch, cuda-python, psutil)
 are lazy: importing this package costs little.
 
-Four rooms, imported downward only (a test checks it), over three leaves every room may use -
-``_interrupts`` (Ctrl-C held while books change), ``_trace`` (the bring-up trace,
-HICACHE_TRACE / ``bring_up(trace=)``) and ``_rundir`` (the private runtime directory the
-host-wide files live in): the leaves <- ``_cuda`` (codes, runtimes, ledger, executor,
-registrations, the host's registration turnstile) <- ``_host`` (mapping, pre-fault, NUMA, probes,
-allocators) and ``_copy`` (the copy engine) <- ``_bringup`` (budget lock, faulting, the one
-handle, `bring_up`) <- this face. Nothing outside ``effects`` imports a room; this face is
+Rooms imported downward only (a test checks it), over two leaves every room may use -
+``_interrupts`` (Ctrl-C, SIGTERM and SIGHUP held while books change) and ``_trace`` (the
+bring-up trace, HICACHE_TRACE / ``bring_up(trace=)``): the leaves <- ``_hostwide`` (what the
+processes of a host agree through: the private runtime directory, the budget lock and its
+claims, the registration turnstile) <- ``_cuda`` (codes, runtimes, ledger, executor,
+registrations) <- ``_host`` (mapping, pre-fault, NUMA, probes, allocators) and ``_copy`` (the
+copy engine) <- ``_bringup`` (faulting, admission, the one handle, `bring_up`) and ``_arena``
+(the node store's file) <- this face. Nothing outside ``effects`` imports a room; this face is
 ARCHITECTURE's stable API plus what pools, the CLI, compat and hicache.testing use.
 """
 

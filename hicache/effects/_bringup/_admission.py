@@ -14,7 +14,7 @@ nobody finishes (a pool that fails between its check and its allocation) ends af
 `HOLD_LIMIT_S`. Imports this room's budget lock only.
 
 Admission to the host's driver lives beside it: `Turnstile` (and `turnstile_from_env`) is the
-host's registration turnstile (`hicache.effects._cuda._turnstile`), re-exported here so that
+host's registration turnstile (`hicache.effects._hostwide._turnstile`), re-exported here so that
 callers can pass their own to ``bring_up(turnstile=)`` through the face's ``admission``.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from hicache.effects._bringup._lock import budget_lock  # noqa: F401 - also re-exported: the node store's creation takes it
-from hicache.effects._cuda._turnstile import Turnstile, from_env as turnstile_from_env  # noqa: F401 - re-exported
+from hicache.effects._hostwide._lock import budget_lock  # noqa: F401 - also re-exported: the node store's creation takes it
+from hicache.effects._hostwide._turnstile import Turnstile, from_env as turnstile_from_env  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 

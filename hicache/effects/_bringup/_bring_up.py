@@ -24,11 +24,11 @@ import attrs
 from hicache.effects._bringup._faulting import Prefaulter, ProgressiveFaulting
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup._progress import PrefaultCounter, ProgressLog, tee
-from hicache.effects._bringup._lock import budget_lock
+from hicache.effects._hostwide._lock import budget_lock
 from hicache.effects._cuda._executor import ProgressEvent, _apply
 from hicache.effects._cuda._progressive import MAX_STALL_S, Chunk, ProgressiveRegistration, check_max_stall
 from hicache.effects._cuda._runtime import default_runtime
-from hicache.effects._cuda import _turnstile
+from hicache.effects._hostwide import _turnstile
 from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._probes import probe_machine
 import hicache.effects._trace as _trace

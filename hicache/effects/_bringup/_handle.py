@@ -18,7 +18,7 @@ import warnings
 import weakref
 
 from hicache.effects._cuda._registration import _leak_message
-from hicache.effects._cuda._turnstile import wait_histogram
+from hicache.effects._hostwide._turnstile import wait_histogram
 from hicache.effects._host._memory import quarantine, unquarantine
 from hicache.effects._host._tiers import page_tiers, read_smaps
 import hicache.effects._trace as _trace

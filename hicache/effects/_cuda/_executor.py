@@ -24,7 +24,7 @@ from hicache.effects._cuda._registration import (
     _undo,
 )
 from hicache.effects._cuda._runtime import HostRuntime
-from hicache.effects._cuda import _turnstile
+from hicache.effects._hostwide import _turnstile
 from hicache.errors import (
     ApplyError,
     CudaCallError,

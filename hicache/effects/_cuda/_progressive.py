@@ -21,7 +21,7 @@ import threading
 import attrs
 
 from hicache.effects._cuda._executor import _apply
-from hicache.effects._cuda import _turnstile
+from hicache.effects._hostwide import _turnstile
 from hicache.effects._interrupts import deferred_interrupts, interrupt_requested
 from hicache.effects._cuda._runtime import default_runtime
 from hicache.errors import ApplyError, PlanError, ReleaseError

@@ -165,7 +165,7 @@ def environment_problems(env=None, *, paths: bool = True) -> list[EnvProblem]:
     and (``paths``) a path as it will be used (HICACHE_TRACE writable as a trace,
     HICACHE_RUNTIME_DIR a private directory) - without changing anything. Empty: every
     bring-up can read it."""
-    from hicache.effects._rundir import runtime_dir_problem
+    from hicache.effects._hostwide._rundir import runtime_dir_problem
     from hicache.effects._trace import check_path
     from hicache.errors import TraceOutputError
 

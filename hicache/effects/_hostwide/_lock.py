@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from hicache.effects._rundir import env_seconds, private_dir as _private_dir, runtime_dir
+from hicache.effects._hostwide._rundir import env_seconds, private_dir as _private_dir, runtime_dir
 from hicache.effects._trace import span
 from hicache.errors import LockTimeoutError, RegistrationStateError
 

@@ -1,9 +1,9 @@
 """The private runtime directory where hicache's host-wide coordination files live: the budget
-lock and its ledger (`_bringup._lock`), the registration turnstile (`_cuda._turnstile`) - and
-the one reading of their seconds settings (HICACHE_LOCK_TIMEOUT, HICACHE_PIN_MAX_STALL_S).
+lock and its ledger (`_lock`), the registration turnstile (`_turnstile`), both beside it in
+``_hostwide`` - and the one reading of their seconds settings (HICACHE_LOCK_TIMEOUT,
+HICACHE_PIN_MAX_STALL_S).
 
-A leaf every room may use: its scope is what "the host" means to hicache - processes that share
-it coordinate. Mode 0700, owned by us, not a symlink: another user must not be able to hold a
+Its scope is what "the host" means to hicache - processes that share it coordinate. Mode 0700, owned by us, not a symlink: another user must not be able to hold a
 lock of ours or forge a ticket. Imports hicache.errors and the environment table only.
 """
 

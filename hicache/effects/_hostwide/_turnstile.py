@@ -4,7 +4,7 @@ A ``cudaHostRegister`` call holds a driver-wide lock for its whole length: a ~70
 ~12 min and meanwhile co-located ranks hung in ``cudaMemGetInfo`` and DCGM went blind
 (TensorRT-LLM #17429). Pacing calls inside one process (``max_stall_s``) is not enough when
 eight ranks each pace themselves and keep the driver busy back to back. Here every register
-call of every hicache process sharing the runtime directory (`hicache.effects._rundir`: that
+call of every hicache process sharing the runtime directory (`hicache.effects._hostwide._rundir`: that
 is the host) first takes a ticket, in arrival order, and calls once fewer than
 ``concurrency`` live tickets are ahead of it: a driver call of anyone else then waits behind
 at most the calls in flight - one paced call at the default concurrency of 1.
@@ -39,7 +39,7 @@ import weakref
 from pathlib import Path
 
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._rundir import env_seconds, private_dir, runtime_dir
+from hicache.effects._hostwide._rundir import env_seconds, private_dir, runtime_dir
 from hicache.effects._trace import span
 from hicache.errors import PlanError
 from hicache.plan._env import env_value
