@@ -6,6 +6,9 @@ tests/test_purity.py enforces it.
 
 from hicache.plan._capacity import (
     DEFAULT_RESERVE_BYTES,
+    SIZING_RULES,
+    host_tokens,
+    pages_for,
     BudgetVerdict,
     PoolSize,
     assess_budget,
@@ -64,6 +67,9 @@ from hicache.plan._units import format_bytes, format_gb, format_progress, parse_
 __all__ = [
     "pace",
     "pace_head",
+    "SIZING_RULES",
+    "host_tokens",
+    "pages_for",
     "CAPACITY_DEFAULTS",
     "SETTINGS_ENV",
     "IntervalSet",

@@ -1,7 +1,10 @@
 """Capacity math: how many tokens a host pool holds, and whether the host can afford it.
 
-Owns SGLang's sizing rules (``--hicache-size`` in decimal GB per rank, or device tokens x ratio),
-with the page count by ceil division, and the budget check against available memory. Machine
+Owns the one pool-sizing rule (``--hicache-size`` in decimal GB per rank, or device tokens x
+ratio; issue #34: it was written twice) in its two forms - SGLang 0.5.23's (its float
+arithmetic, then whole pages plus its padding page) and the older ceiling (exact decimals,
+pages by ceil division, no extra page) - used by `hicache plan` and by the pools alike, and the
+budget check against available memory. Machine
 figures come in as arguments. Pure: attrs, the standard library and hicache.errors only.
 """
 
@@ -32,6 +35,43 @@ def _positive_number(owner: str, field: str, value) -> Decimal:
     return number
 
 
+#: The sizing rules: SGLang 0.5.23's (``tokens // page_size + 1``: its padding page for an
+#: independent pool, what its constructor allocates) and the older ceiling (``ceil(tokens /
+#: page_size)``, page-aligned counts get no extra page).
+SGLANG_0_5_23, CEIL = "sglang-0.5.23", "ceil"
+SIZING_RULES = (SGLANG_0_5_23, CEIL)
+
+
+def host_tokens(*, size_per_token_bytes: int, host_gb=None, device_tokens=None, host_to_device_ratio=None,
+                rule: str = CEIL) -> int:
+    """Tokens a host pool is sized for before pages: ``host_gb`` decimal GB over the bytes per
+    token, else ``device_tokens x host_to_device_ratio``. SGLang 0.5.23's rule does SGLang's own
+    float arithmetic (``int(host_size * 1e9 // size_per_token)``, ``int(tokens * ratio)``) so the
+    count is exactly the one its constructor reaches; the ceiling's is exact (decimals)."""
+    owner = "size_pool"
+    if rule not in SIZING_RULES:
+        raise PlanError(f"{owner}.rule must be one of {', '.join(SIZING_RULES)}, got {rule!r}")
+    per_token = check_int(PlanError, owner, "size_per_token_bytes", size_per_token_bytes)
+    if host_gb is not None:
+        gb = _positive_number(owner, "host_gb", host_gb)
+        if rule == SGLANG_0_5_23:
+            return int(float(gb) * 1e9 // per_token)
+        return int(gb * 10**9) // per_token
+    if device_tokens is not None and host_to_device_ratio is not None:
+        ratio = _positive_number(owner, "host_to_device_ratio", host_to_device_ratio)
+        tokens = check_int(PlanError, owner, "device_tokens", device_tokens)
+        return int(tokens * float(ratio)) if rule == SGLANG_0_5_23 else int(tokens * ratio)
+    raise PlanError("size_pool needs host_gb, or device_tokens together with host_to_device_ratio")
+
+
+def pages_for(tokens: int, page_size: int, rule: str = CEIL) -> int:
+    """Pages for ``tokens`` under ``rule``: 0.5.23's whole pages plus its padding page, or the
+    ceiling (no extra page for a page-aligned count)."""
+    if rule == SGLANG_0_5_23:
+        return tokens // page_size + 1
+    return -(-tokens // page_size)
+
+
 @attrs.frozen
 class PoolSize:
     """Tokens and pages a pool holds; ``notes`` carry warnings (host smaller than device)."""
@@ -55,12 +95,13 @@ def size_pool(
     host_gb: float | int | None = None,
     device_tokens: int | None = None,
     host_to_device_ratio: float | int | None = None,
+    rule: str = CEIL,
 ) -> PoolSize:
-    """Size a host pool as SGLang does, minus its extra page.
+    """Size a host pool by ``rule`` (`SIZING_RULES`; default the ceiling: SGLang's sizing minus
+    its extra page; ``"sglang-0.5.23"``: what 0.5.23's constructor allocates, padding page included).
 
     ``host_gb`` (decimal GB per rank, SGLang's ``--hicache-size``) takes precedence; otherwise
-    ``device_tokens * host_to_device_ratio``. Pages by ceil division: already page-aligned
-    tokens get no extra page (SGLang adds one). A host pool smaller than the device pool is a
+    ``device_tokens * host_to_device_ratio``. A host pool smaller than the device pool is a
     note, not an error. Raises ``PlanError``/``CapacityError`` for bad or empty sizes.
     """
     owner = "size_pool"
@@ -70,30 +111,26 @@ def size_pool(
         device_tokens = check_int(PlanError, owner, "device_tokens", device_tokens)
     notes: list[str] = []
     if host_gb is not None:
-        host_bytes = int(_positive_number(owner, "host_gb", host_gb) * 10**9)
-        tokens = host_bytes // per_token
+        tokens = host_tokens(size_per_token_bytes=per_token, host_gb=host_gb, rule=rule)
         if tokens == 0:
+            host_bytes = int(_positive_number(owner, "host_gb", host_gb) * 10**9)
             raise PoolTooSmallError(
                 f"host_gb={host_gb} ({format_gb(host_bytes)}) holds no token of "
                 f"{per_token} bytes"
             )
-    elif device_tokens is not None and host_to_device_ratio is not None:
-        ratio = _positive_number(owner, "host_to_device_ratio", host_to_device_ratio)
-        tokens = int(device_tokens * ratio)
+    else:
+        tokens = host_tokens(size_per_token_bytes=per_token, device_tokens=device_tokens,
+                             host_to_device_ratio=host_to_device_ratio, rule=rule)
         if tokens == 0:
             raise PoolTooSmallError(
                 f"{device_tokens} device tokens x ratio {host_to_device_ratio} is no token"
             )
-    else:
-        raise PlanError(
-            "size_pool needs host_gb, or device_tokens together with host_to_device_ratio"
-        )
     if device_tokens is not None and tokens < device_tokens:
         notes.append(
             f"host pool ({tokens} tokens) is smaller than the device pool ({device_tokens} "
             "tokens): pages evicted from the device may not fit on the host"
         )
-    page_num = -(-tokens // page)  # ceil, exact for any size; no extra page
+    page_num = pages_for(tokens, page, rule)
     return PoolSize(page_num * page, page, page_num, per_token, tuple(notes))
 
 

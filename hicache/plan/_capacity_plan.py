@@ -12,7 +12,9 @@ from decimal import Decimal
 import attrs
 
 from hicache.errors import CapacityError, PlanError
-from hicache.plan._capacity import DEFAULT_RESERVE_BYTES, BudgetVerdict, PoolSize, assess_budget, size_pool
+from hicache.plan._capacity import (
+    DEFAULT_RESERVE_BYTES, SGLANG_0_5_23, BudgetVerdict, PoolSize, assess_budget, size_pool,
+)
 from hicache.plan.checks import check_int
 from hicache.plan._limits import Limits
 from hicache.plan._models import DEFAULT_MODEL, ModelSpec, kv_itemsize, model_pools
@@ -92,8 +94,13 @@ def plan_capacity(
     ranks_per_host: int | None = None,
     host_memory_bytes: int | None = None,
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    sizing: str = SGLANG_0_5_23,
 ) -> CapacityPlan:
     """Plan every host pool ``model`` needs on one rank.
+
+    ``sizing``: the pool-sizing rule (`SIZING_RULES`): SGLang 0.5.23's by default, so the plan
+    of a pool is what 0.5.23's constructor allocates (its padding page included); ``"ceil"``
+    the older ceiling.
 
     Pool size: ``host_gb`` decimal GB per rank (SGLang's ``--hicache-size``), or
     ``device_tokens * host_to_device_ratio``. Per-request state (linear attention) comes out
@@ -119,11 +126,12 @@ def plan_capacity(
                 f"host size {format_gb(host_bytes)} does not even hold the per-request state "
                 f"({format_gb(state_bytes)})"
             )
-        size = size_pool(size_per_token_bytes=per_token, page_size=page_size, host_gb=Decimal(left) / 10**9, device_tokens=device_tokens)
+        size = size_pool(size_per_token_bytes=per_token, page_size=page_size, host_gb=Decimal(left) / 10**9,
+                         device_tokens=device_tokens, rule=sizing)
     else:
         size = size_pool(
             size_per_token_bytes=per_token, page_size=page_size, device_tokens=device_tokens,
-            host_to_device_ratio=host_to_device_ratio,
+            host_to_device_ratio=host_to_device_ratio, rule=sizing,
         )
     pools = [NamedPool(name, plan_pool(build(size.page_num), limits)) for name, build in recipe.token_pools]
     pools += [NamedPool(name, plan_pool(state, limits)) for name, state in recipe.state_pools]

@@ -265,7 +265,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
                 size_per_token_bytes=self.size_per_token, page_size=self.page_size,
                 host_gb=host_size if host_size and host_size > 0 else None,
                 device_tokens=getattr(device_pool, "size", None) or None,
-                host_to_device_ratio=host_to_device_ratio,
+                host_to_device_ratio=host_to_device_ratio, rule="ceil",  # the older form: the older ceiling
             )
             for note in sized.notes:
                 logger.warning("%s: %s", type(self).__name__, note)

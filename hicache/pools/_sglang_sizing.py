@@ -6,7 +6,9 @@ SGLang's controllers, radix cache and L3 keys see the pool they would see with S
 ``int(host_size * 1e9 // size_per_token)`` when ``host_size > 0`` (synced to the pipeline
 group's minimum by SGLang's own helper when SGLang runs distributed), else
 ``int(device_capacity_tokens * host_to_device_ratio)``; then a padding page: ``page_num = size
-// page_size + 1``, ``size = page_num * page_size``. Layers come from the description (targets
+// page_size + 1``, ``size = page_num * page_size`` - the token count and the pages are
+`hicache.plan.host_tokens` / `pages_for` under rule ``sglang-0.5.23``, the rule `hicache plan`
+sizes with too (issue #34). Layers come from the description (targets
 plus packed drafts), ``start_layer``/``end_layer`` are kept as the caller passed them.
 """
 
@@ -17,6 +19,8 @@ import logging
 from hicache.errors import LayoutError, PlanError
 from hicache.plan.checks import check_int, check_real
 from hicache.pools._server import server
+from hicache.plan._capacity import SGLANG_0_5_23
+from hicache.plan import host_tokens, pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +73,18 @@ def size_as_sglang(pool, host_to_device_ratio, host_size, *, device_capacity_tok
         page_num = size // page_size
     else:
         gb = _real(owner, "host_size", host_size if host_size is not None else 0)
-        if gb > 0:
-            size = _synced(int(gb * 1e9 // pool.size_per_token), gb)
+        if gb > 0:  # plan.host_tokens: SGLang's float arithmetic, then the server's PP-group agreement
+            size = _synced(host_tokens(size_per_token_bytes=pool.size_per_token, host_gb=gb, rule=SGLANG_0_5_23), gb)
         else:
-            size = int(pool.device_capacity_tokens * _real(owner, "host_to_device_ratio", host_to_device_ratio))
+            ratio = _real(owner, "host_to_device_ratio", host_to_device_ratio)
+            tokens = pool.device_capacity_tokens
+            size = (host_tokens(size_per_token_bytes=pool.size_per_token, device_tokens=tokens, host_to_device_ratio=ratio,
+                                rule=SGLANG_0_5_23)
+                    if ratio > 0 and tokens > 0 else int(tokens * ratio))  # 0 or less: what SGLang lets through
         if size < 0:
             raise PlanError(f"{owner}: the pool would hold {size} tokens (host_to_device_ratio="
                             f"{host_to_device_ratio!r}, host_size={host_size!r})")
-        page_num = size // page_size + 1  # SGLang's padding page for an independent pool
+        page_num = pages_for(size, page_size, SGLANG_0_5_23)  # SGLang's padding page for an independent pool
     if page_num < 1:
         raise PlanError(f"{owner}: page_num must be at least 1, got {page_num}")
     pool.page_num = page_num
