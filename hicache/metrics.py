@@ -188,10 +188,14 @@ def failed(pool: str) -> None:
     _published()
 
 
-def released(pool: str) -> None:
-    """``pool`` gave its memory back: it reports nothing held from now on (its calls stay)."""
+def released(pool: str, handle=None) -> None:
+    """``pool`` gave its memory back: it reports nothing held from now on (its calls stay).
+    ``handle``: only if it is the one tracked under that name (a later bring-up of the same
+    name replaced it otherwise, and stays reported)."""
     with _STATE.lock:
         entry = _STATE.entries.get(pool)
+        if entry is not None and handle is not None and entry.handle() is not handle:
+            return
         if entry is not None and not entry.released:
             _retire(pool)
             entry.released = True

@@ -204,3 +204,29 @@ def test_a_port_that_is_taken_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code != 0 and f"--metrics-port {port}" in err and "bad-port" in err
     assert main(["apply", "--fake-cuda", "--model", "llama-3.1-8b", "--host-gb", "0.01", "--metrics-port", "70000"]) != 0
+
+
+def test_every_bring_up_is_shown_by_the_bring_up_itself_and_a_replaced_one_never_hides_its_successor(tmp_path):
+    """A plain bring_up (no pool, no CLI) is shown under its Report's name; two bring-ups of one
+    name: releasing the earlier leaves the later one's registered bytes shown, releasing the later
+    shows 0 - and a bring-up with report=None is not shown at all."""
+    from hicache.effects import Report, bring_up
+    from hicache.effects._hostwide._lock import BudgetLock
+    from hicache.plan import MHALayout, plan_pool
+
+    plan = plan_pool(MHALayout("page_first_direct", layer_num=2, head_num=2, head_dim=64, page_size=4, page_num=8,
+                               itemsize=2), Limits(chunk_limit_bytes=64 * 1024))
+    lock, name = BudgetLock(tmp_path), "plain-bring-up"
+    first = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, report=Report(name, page_num=8))
+    second = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, report=Report(name, page_num=8))
+    hidden = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, report=None)
+    try:
+        assert _value("hicache_pages", pool=name) == 8
+        first.release()
+        assert _value("hicache_registered_bytes", pool=name) == plan.total_bytes  # the later one's
+        second.release()
+        assert _value("hicache_registered_bytes", pool=name) == 0
+        assert all(entry.handle() is not hidden for entry in metrics._STATE.entries.values())
+    finally:
+        for handle in (first, second, hidden):
+            handle.release()

@@ -91,6 +91,23 @@ def _serve_metrics(port: int | None):
     return server
 
 
+def _metrics_report(pools, node):
+    """How the bring-up shows in the metrics (`hicache.effects.Report`, label ``apply``): the first
+    KV pool's pages, all ready once every planned byte is registered; and the cell the handle goes
+    in once it is up (what ready pages are read from)."""
+    from hicache.effects import Report
+
+    page_num = next((p.layout.page_num for p in pools if getattr(p.layout, "page_num", None)), None)
+    planned = sum(p.total_bytes for p in pools)
+    up: list = []
+
+    def ready_pages() -> int:
+        registered = sum(size for _, size in up[0].registered_ranges()) if up else 0
+        return page_num if page_num and registered >= planned else 0
+
+    return Report(_METRICS_POOL, page_num=page_num, ready_pages=ready_pages, numa_node=node), up
+
+
 def _hold_seconds(text: str) -> float:
     try:
         if not ascii_number(text):
@@ -251,6 +268,7 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     if args.progressive:
         import torch  # noqa: F401 - loaded before the clock starts, as in a server
     server = _serve_metrics(metrics_port)
+    report, up = _metrics_report(pools, node)
     start = time.perf_counter()
     handle = None
     try:
@@ -260,7 +278,8 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
             handle = bring_up(pools, mode=Progressive() if args.progressive else None, runtime=runtime,
                               allocator=allocator, machine=machine, lock=lock, ledger=ledger, progress=progress,
                               prefault_progress=progress, reserve_bytes=reserve, host_memory_bytes=host_memory,
-                              ranks_per_host=ranks, trace=getattr(args, "trace", None))
+                              ranks_per_host=ranks, trace=getattr(args, "trace", None), report=report)
+            up.append(handle)
         finally:
             if progress is not None:
                 progress.close()
@@ -268,17 +287,6 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
             print(f"first call registered after {handle.first_call_s:.3f} s; registering the rest", file=sys.stderr)
             wait_progressive(handle, handle.total_bytes)
         total_s = time.perf_counter() - start
-        if server is not None:
-            from hicache import metrics
-
-            page_num = next((p.layout.page_num for p in pools if getattr(p.layout, "page_num", None)), None)
-            planned = sum(p.total_bytes for p in pools)
-
-            def ready_pages() -> int:  # every page, once every planned byte is registered (it is, here)
-                registered = sum(size for _, size in handle.registered_ranges())
-                return page_num if page_num and registered >= planned else 0
-
-            metrics.track(_METRICS_POOL, handle, numa_node=node, page_num=page_num, ready_pages=ready_pages)
         calls = len(handle.calls)
         tiers = {name: tier.as_dict() for name, tier in handle.tiers()}  # as obtained, read from the kernel
         status = handle.registration.status() if handle.registration is not None else None
@@ -286,10 +294,6 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     finally:
         if handle is not None:
             _release(handle)
-            if server is not None:
-                from hicache import metrics
-
-                metrics.released(_METRICS_POOL)
         if server is not None:
             server.shutdown()
     report = {"bytes": handle.total_bytes, "calls": calls, "hugepages": args.hugepages, "tiers": tiers}

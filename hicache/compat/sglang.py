@@ -24,6 +24,7 @@ import attrs
 from hicache.effects import (
     BufferRequest,
     HostTensorAllocator,
+    Report,
     apply_plan,
     bring_up,
     probe_resolved_limits,
@@ -80,7 +81,8 @@ def _metrics_name() -> str:
 
 
 def _track(buffer, registration, *, timings=None, allocator=None, tiers=None) -> None:
-    """The buffer's registration in hicache's metrics (the plug-in's seam mode, issue #33)."""
+    """The buffer's registration in hicache's metrics, for `_cuda_host_register` (SGLang's
+    register-only helper: no bring-up of ours that could report it)."""
     from hicache import metrics
 
     if not metrics.available():
@@ -96,7 +98,7 @@ def _untrack(buffer) -> None:
     if tracked is not None:
         from hicache import metrics
 
-        metrics.released(tracked[0])
+        metrics.released(tracked[0], tracked[1])
 CHUNK_ENV = SGLANG_CHUNK_ENV
 DEFAULT_CHUNK_GB = 256
 
@@ -298,12 +300,13 @@ def alloc_with_host_register(
         if plan.ranges:
             log.info("%s", _sglang_log.plan_line(plan, sources))
         chosen = _bring_up_allocator(allocator, device)
+        name = _metrics_name()  # SGLang's pool class and the buffer's number: the metrics' pool label
         # hicache's own allocator (SGLang's default swapped out) is this call's: a failed bring-up
         # unmaps what it mapped. A back end's allocator keeps its memory whatever happens.
         handle = bring_up(
             [BufferRequest("host buffer", dims, dtype, plan)], runtime=torch_runtime(_cudart),
             allocator=chosen, budget=False, owns_memory=chosen is not allocator, device=device,
-            progress=_sglang_log.CallProgress(log),
+            progress=_sglang_log.CallProgress(log), report=Report(name),  # detach() hands the metrics on too
         )
     except BaseException as error:
         admission.abandon()  # an admitted request that failed lets the budget lock go now
@@ -314,26 +317,13 @@ def alloc_with_host_register(
     if plan.ranges:
         log.info("%s", _sglang_log.timing_line(total, handle.timings, plan.call_count))
     buffer = handle.tensors[0]
-    tiers = _tiers_for_metrics(handle)
-    registration = handle.detach()  # the tensor's owner releases it (_cuda_host_unregister)
+    registration = handle.detach()  # the tensor's owner releases it (_cuda_host_unregister); the metrics follow
     if registration is None:  # a zero-byte buffer has nothing to register
         setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, [])
     else:
         _record(buffer, registration)
-        _track(buffer, registration, timings=handle.timings, allocator=handle.allocator, tiers=tiers)
+        setattr(buffer, _METRICS_ATTR, (name, getattr(registration, "reported", None)))
     return buffer
-
-
-def _tiers_for_metrics(handle):
-    """The buffer's page tiers as obtained (one smaps read), only where metrics will show them."""
-    from hicache import metrics
-
-    if not metrics.available():
-        return None
-    try:
-        return handle.tiers()
-    except Exception:  # a diagnostic never fails the bring-up it observes
-        return None
 
 
 def alloc_with_pin_memory(

@@ -14,6 +14,7 @@ ARCHITECTURE's stable API plus what pools, the CLI, compat and hicache.testing u
 """
 
 from hicache.effects._bringup._bring_up import BufferRequest, Progressive, bring_up
+from hicache.effects._bringup._report import Report
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup import _admission as admission
 from hicache.effects import _arena as arena
@@ -60,6 +61,7 @@ __all__ = [
     "HostPools",
     "Progressive",
     "bring_up",
+    "Report",  # how a bring-up shows in the metrics (bring_up(report=))
     "admission",
     # the node store's arena room (hicache.store); the bring-up trace (the CLI's checks, merge)
     "arena",

@@ -23,12 +23,12 @@ from hicache.effects import (
     FrameworkPinnedAllocator,
     HostAllocator,
     Progressive,
+    Report,
     bring_up,
     pool_settings,
     probe_limits,
     resolve_numa_node,
 )
-from hicache import metrics
 from hicache.errors import LayoutError, NoAllocatorError, PlanError, RegistrationStateError, TransferError
 from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, format_gb, plan_pool, size_pool
 from hicache.pools._allocator import get_allocator_from_storage
@@ -215,8 +215,6 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
                                         copy_engine=self.copy_engine, name=type(self).__name__)
             if self._pages is None and self.has_allocator:
                 self._pages = PageAllocator(self.page_num, self.logical_page_size)
-            metrics.track(self.metrics_name, self._host, numa_node=self.numa_node, page_num=self.page_num,
-                          ready_pages=self.ready_pages)
         except BaseException:  # never leave a half-built pool holding pinned memory
             self.destroy()
             raise
@@ -341,7 +339,6 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         try:
             self.kv_buffer = self.init_kv_buffer()
         except BaseException:
-            metrics.failed(self.metrics_name)
             self.destroy()  # whatever came up goes down; leaked memory stays quarantined
             raise
 
@@ -357,8 +354,10 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
             logger.info("%s: progressive registration needs a pinned pool with page-first layout; "
                         "registering all of it first", type(self).__name__)
         mode = self._progressive_mode() if progressive else None
+        report = Report(self.metrics_name, page_num=self.page_num, ready_pages=self.ready_pages,
+                        numa_node=self.numa_node)  # the metrics see it from the bring-up itself
         self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.buffer_dtypes(), register=register,
-                              allocator=allocator, **self._bring_up_options)
+                              allocator=allocator, report=report, **self._bring_up_options)
         # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration
         tensors = self._host.tensors
@@ -555,8 +554,6 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
                     if self._transfers is not None:
                         self._transfers.forget()
                     self._destroyed = True
-                    if host is not None:
-                        metrics.released(self.metrics_name)
 
     def _wait_for_device_copies(self) -> None:
         """Transfers run asynchronously on CUDA streams: none may still use memory we unpin or free."""

@@ -33,6 +33,8 @@ from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._probes import probe_machine
 import hicache.effects._trace as _trace
 from hicache.effects._interrupts import deferred_interrupts, terminate_as_interrupt
+from hicache.effects._bringup import _report
+from hicache.effects._bringup._report import Report
 from hicache.errors import CapacityError, PlanError
 from hicache.plan import DEFAULT_RESERVE_BYTES, PoolPlan, RegistrationPlan, check_budget, plan_registration
 
@@ -200,6 +202,7 @@ def bring_up(
     trace: str | None = None,
     turnstile="auto",
     prefault_progress=None,
+    report: Report | None = Report(),
 ) -> HostPools:
     """Bring ``pools`` up - one `PoolPlan`, several (a model's pools on one rank; buffers named
     ``index/buffer``) or `BufferRequest`s - and return the `HostPools` handle that owns them.
@@ -219,6 +222,9 @@ def bring_up(
     HICACHE_PIN_CONCURRENCY's - turns and paced calls while another process brings up
     pools; None: off; or a `Turnstile`). ``prefault_progress(PrefaultEvent)``: after each
     background pre-fault piece (pipelined and progressive modes; from the faulting threads).
+    ``report``: how the metrics show this bring-up (`Report`: its ``pool`` label, pages, ready
+    pages; default the label ``bring_up``; None: not shown) - shown once it is up, counted when
+    it fails, released with its handle.
     Both phases also go to the library's log (INFO, at most a line a second). Raises `CapacityError`
     before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
@@ -232,7 +238,7 @@ def bring_up(
     allocator = host_allocator(allocator)
     mode = _mode(mode, requests, allocator, device)
     handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory, nbytes=[_nbytes(r) for r in requests],
-                       mode=mode if isinstance(mode, str) else "progressive")
+                       mode=mode if isinstance(mode, str) else "progressive", report=report)
 
     def fill() -> None:  # what happens under the budget lock: until the memory is resident
         if mode == PIPELINED:
@@ -286,7 +292,8 @@ def bring_up(
             member = False
             turnstile.leave()
         handle._activate()
-        _trace.flush()  # inside the try: a Ctrl-C here still undoes everything
+        _report.shown(report, handle)  # inside the try, as the flush: a Ctrl-C here still undoes everything
+        _trace.flush()
     except BaseException as error:
         log.stop_heartbeat()
         if member:
@@ -295,6 +302,7 @@ def bring_up(
             lock.release_all()  # an interrupt at the with-exit skipped BudgetLock.__exit__
         handle._abort(error)
         _trace.flush()
+        _report.failed(report)
         raise
     return handle
 

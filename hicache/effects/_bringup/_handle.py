@@ -23,6 +23,7 @@ from hicache.effects._host._memory import quarantine, unquarantine
 from hicache.effects._host._tiers import page_tiers, read_smaps
 import hicache.effects._trace as _trace
 from hicache.effects._interrupts import deferred_interrupts
+from hicache.effects._bringup import _report
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 
 class _Books:
@@ -161,9 +162,11 @@ class HostPools:
     while active is released the same way, with a ResourceWarning.
     """
 
-    def __init__(self, requests, allocator, ledger, *, owns_memory: bool, nbytes, mode: str = "blocking") -> None:
+    def __init__(self, requests, allocator, ledger, *, owns_memory: bool, nbytes, mode: str = "blocking",
+                 report=None) -> None:
         self.requests = tuple(requests)
         self.mode = mode
+        self.report = report  # how the metrics show it (`_report.Report`; None: not shown)
         self.plans: list = []
         self.host_buffers: list = []  # the HostBuffers, when mapped without faulting
         self.timings: dict[str, float] = {}
@@ -299,6 +302,8 @@ class HostPools:
             if self._books.release_s is not None:
                 self.timings["release_s"] = self._books.release_s
             _trace.flush()
+            if self._books.state == "released":
+                _report.released(self.report, self)
 
     def detach(self):
         """Hand the registration over to the caller (who now releases it) and let the rest go
@@ -306,6 +311,7 @@ class HostPools:
         For helpers whose caller owns the tensors (compat.sglang). Returns the `Registration`
         (None when nothing was registered)."""
         books = self._books
+        snapshot = _report.before_detach(self.report, self) if books.state == "active" else None
         with deferred_interrupts(), books.lock:
             if books.state != "active" or books.progressive is not None:
                 raise RegistrationStateError(f"cannot detach a {self.mode} HostPools handle that is {books.state}")
@@ -313,6 +319,7 @@ class HostPools:
             books.tensors = []
             books.forget_budget()
             books.state = "released"
+        _report.detached(self.report, registration, snapshot)
         return registration
 
     def __enter__(self) -> "HostPools":
