@@ -240,17 +240,16 @@ def bring_up(
     handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory, nbytes=[_nbytes(r) for r in requests],
                        mode=mode if isinstance(mode, str) else "progressive", report=report)
 
-    def fill() -> None:  # what happens under the budget lock: until the memory is resident
+    def fill(run: _Run) -> None:  # what happens under the budget lock: until the memory is resident
         if mode == PIPELINED:
             with _trace.span("map + pre-fault + register (pipelined)", "phase", bytes=handle.total_bytes):
-                _pipelined(handle, requests, runtime, flags, progress, retry_halvings, ledger, turnstile,
-                           prefault_progress)
+                _pipelined(run)
         elif mode == BLOCKING:
             with _trace.span("allocate + pre-fault", "phase", bytes=handle.total_bytes):
-                _allocate(handle, requests, device)
+                _allocate(run)
         else:
             with _trace.span("map", "phase", bytes=handle.total_bytes):
-                _map(handle, requests)
+                _map(run)
 
     log.start_heartbeat()  # a line a second while nothing else is logged (INFO only)
     member = False
@@ -259,6 +258,8 @@ def bring_up(
             turnstile.join()       # before their first call (auto paces from it), not after
             member = True
         start = time.perf_counter()
+        run = _Run(handle, requests, runtime, ledger, turnstile, flags, retry_halvings, progress, prefault_progress,
+                   listening, device, start)
         if budget:
             lock = budget_lock() if lock is None else lock
             total = handle.total_bytes
@@ -276,16 +277,16 @@ def bring_up(
                     cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0,
                 )
                 handle._hold_budget(lock, total)
-                fill()
+                fill(run)
         else:
-            fill()
+            fill(run)
         handle.timings["allocate_prefault_s"] = time.perf_counter() - start
         if mode == BLOCKING:
             with _trace.span("register", "phase", bytes=handle.total_bytes):
-                _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, turnstile=turnstile)
+                _register(run)
         elif isinstance(mode, Progressive):
             with _trace.span("first calls (progressive; the rest in the background)", "phase"):
-                _progressive(handle, requests, mode, runtime, ledger, start, turnstile, prefault_progress, listening)
+                _progressive(run, mode)
         handle.timings["ready_s"] = time.perf_counter() - start  # budget wait included: what a caller waited
         log.stop_heartbeat()
         if member:  # a progressive registration stays a member until its thread ends
@@ -307,22 +308,43 @@ def bring_up(
     return handle
 
 
+@attrs.frozen
+class _Run:
+    """One bring-up as its steps need it (issue #34 item 5: the mode functions take this one
+    record, not nine positional arguments): the handle that owns what they make, the requests,
+    CUDA's runtime and ledger, the turnstile, the call options, who hears of progress, the device
+    and when it started."""
+
+    handle: HostPools
+    requests: tuple
+    runtime: object
+    ledger: object
+    turnstile: object
+    flags: int
+    retry_halvings: int
+    progress: object
+    prefault_progress: object
+    log: object  # the library's progress log (None: nobody reads it)
+    device: str
+    start: float
+
+
 def _items(handle: HostPools, requests) -> list:
     return [(r.name, t.data_ptr(), _aligned_plan(r.plan, t.data_ptr()))
             for r, t in zip(requests, handle.tensors) if r.plan is not None and r.plan.total_bytes]
 
 
-def _register(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, before_call=None,
-              turnstile=None) -> None:
-    items = _items(handle, requests)
+def _register(run: _Run, before_call=None) -> None:
+    handle = run.handle
+    items = _items(handle, run.requests)
     handle.plans = [plan for _, _, plan in items]
     if not items:
         return
-    runtime = default_runtime() if runtime is None else runtime
+    runtime = default_runtime() if run.runtime is None else run.runtime
     with deferred_interrupts():  # a Ctrl-C after the last call lands once it is stored
         registration = _apply(
-            items, runtime=runtime, flags=flags, progress=progress,
-            retry_halvings=retry_halvings, ledger=ledger, before_call=before_call, turnstile=turnstile,
+            items, runtime=runtime, flags=run.flags, progress=run.progress,
+            retry_halvings=run.retry_halvings, ledger=run.ledger, before_call=before_call, turnstile=run.turnstile,
         )
         handle._hold_registration(registration)
     handle.timings["register_s"] = registration.status().register_seconds
@@ -338,16 +360,15 @@ def _unfaulted(handle: HostPools, requests) -> list:
     return buffers
 
 
-def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halvings, ledger, turnstile,
-               prefault_progress=None) -> None:
+def _pipelined(run: _Run) -> None:
     """Map every buffer unfaulted, fault them in the background, register as they become
     resident; the faulting thread is stopped and joined before anything can be freed."""
-    buffers = _unfaulted(handle, requests)
-    on_piece = PrefaultCounter(handle.total_bytes, prefault_progress) if prefault_progress is not None else None
+    handle = run.handle
+    buffers = _unfaulted(handle, run.requests)
+    on_piece = PrefaultCounter(handle.total_bytes, run.prefault_progress) if run.prefault_progress is not None else None
     faulter = Prefaulter(buffers, threads=handle.allocator.prefault_threads, on_piece=on_piece).start()
     try:
-        _register(handle, requests, runtime, flags, progress, retry_halvings, ledger, before_call=faulter.wait,
-                  turnstile=turnstile)
+        _register(run, before_call=faulter.wait)
     except BaseException:
         faulter.stop()  # after the piece in flight; the memory is freed only once it has ended
         faulter.join(quiet=True)  # the executor's error (it carries any faulting error) wins
@@ -357,8 +378,8 @@ def _pipelined(handle: HostPools, requests, runtime, flags, progress, retry_halv
     _faulting_time(handle, faulter.seconds)
 
 
-def _map(handle: HostPools, requests) -> None:
-    handle.host_buffers = _unfaulted(handle, requests)
+def _map(run: _Run) -> None:
+    run.handle.host_buffers = _unfaulted(run.handle, run.requests)
 
 
 def _faulting_time(handle: HostPools, seconds: float) -> None:
@@ -366,18 +387,19 @@ def _faulting_time(handle: HostPools, seconds: float) -> None:
     handle.timings["prefault_s"] = seconds
 
 
-def _allocate(handle: HostPools, requests, device: str) -> None:
-    for request in requests:
+def _allocate(run: _Run) -> None:
+    handle = run.handle
+    for request in run.requests:
         dtype = request.dtype if request.dtype is not None else _uint8()
-        handle.tensors.append(handle.allocator.allocate(request.shape, dtype=dtype, device=device))
+        handle.tensors.append(handle.allocator.allocate(request.shape, dtype=dtype, device=run.device))
 
 
-def _progressive(handle: HostPools, requests, settings: Progressive, runtime, ledger, start: float,
-                 turnstile=None, prefault_progress=None, log=None) -> None:
+def _progressive(run: _Run, settings: Progressive) -> None:
     """Fault and register call by call: the first calls here, until ``settings.ready()``, the
     rest in the background. Both threads are in the handle's books before either starts, so a
     failing start is undone by the handle's release. ``log`` hears of every call (the
     library's progress lines); a caller's ``progress`` does not (it would run in the thread)."""
+    handle, requests, start, log = run.handle, run.requests, run.start, run.log
     order = settings.order
     if order is None:
         order = [(index, item.offset, item.size) for index, request in enumerate(requests) for item in request.plan.ranges]
@@ -406,12 +428,13 @@ def _progressive(handle: HostPools, requests, settings: Progressive, runtime, le
         if user_on_chunk is not None:
             user_on_chunk(position, done, size)
 
-    on_piece = PrefaultCounter(total, prefault_progress) if prefault_progress is not None else None
+    on_piece = PrefaultCounter(total, run.prefault_progress) if run.prefault_progress is not None else None
     faulting = ProgressiveFaulting(handle.host_buffers, order, key=settings.key,
                                    threads=handle.allocator.prefault_threads, on_piece=on_piece)
     registration = ProgressiveRegistration(
-        chunks, runtime=default_runtime() if runtime is None else runtime, ledger=ledger, on_chunk=on_chunk, max_stall_s=settings.max_stall_s,
-        key=settings.key, before_call=faulting.before_call, resident=faulting.resident, turnstile=turnstile,
+        chunks, runtime=default_runtime() if run.runtime is None else run.runtime, ledger=run.ledger, on_chunk=on_chunk,
+        max_stall_s=settings.max_stall_s, key=settings.key, before_call=faulting.before_call,
+        resident=faulting.resident, turnstile=run.turnstile,
     )
     handle._hold_progressive(registration, faulting)
     # the registration thread first, then the pre-fault (no thread starts while a pre-fault
