@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sglang_support import sglang  # noqa: F401 - a fixture
+from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.cli._main import main
 from hicache.testing import fake_cuda
@@ -77,3 +77,52 @@ def test_the_older_ceiling_stays_an_option():
     assert (ceil.page_num, padded.page_num) == (32, 33)
     with pytest.raises(Exception, match="rule must be one of"):
         size_pool(size_per_token_bytes=PER_TOKEN, page_size=PAGE, host_gb=1, rule="newest")
+
+
+def test_a_dsa_indexer_has_the_pages_sglang_gives_it_in_the_plan_and_in_both_pools(sglang, capsys):
+    """The DSA page rule, once (hicache.plan.dsa_indexer_pages): SGLang's own indexer beside its
+    MLA anchor, hicache's beside hicache's and the capacity plan's indexer all hold the same pages."""
+    from hicache.plan import dsa_indexer_pages
+
+    page = 64
+    with published():
+        theirs, ours, anchor_size = _dsa_indexers(page)
+    assert theirs == ours and theirs[0] == dsa_indexer_pages(anchor_size, page), (theirs, ours)
+    assert main(["plan", "--model", "deepseek-v3.2", "--page-size", str(page), "--host-gb", "1", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    indexer = next(p["plan"]["params"] for p in plan["pools"] if p["name"] == "indexer")
+    assert indexer["page_num"] == dsa_indexer_pages(plan["size"]["tokens"], page), indexer
+
+
+def _dsa_indexers(page: int):
+    """``((pages, bytes) of SGLang's indexer, (pages, bytes) of hicache's, the anchor's slots)``,
+    each beside its own MLA anchor built from one DSA device pool."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost as TheirIndexer
+    from sglang.srt.mem_cache.pool_host.dsa import make_dsa_indexer_pool_decl
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost as TheirAnchor
+
+    from hicache.pools import DSAIndexerPoolHost as OurIndexer
+    from hicache.pools import MLATokenToKVPoolHost as OurAnchor
+
+    def measured(indexer):
+        buffer = indexer.index_k_with_scale_buffer
+        return indexer.indexer_page_num, buffer.numel() * buffer.element_size()
+
+    device = DSATokenToKVPool(size=256, page_size=page, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
+                              layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=80)
+    info = device.get_device_pool_infos()[0].buffer_info
+    kw = dict(device_capacity_tokens=256, start_layer=0, end_layer=2, target_layer_num=2)
+    with host_memory_budget_scope(10**12):
+        their_anchor = TheirAnchor(info, 2.0, 0, page, "page_first", False, "cpu", **kw)
+        theirs = measured(TheirIndexer(make_dsa_indexer_pool_decl(device), their_anchor, pin_memory=False))
+    with fake_cuda():
+        our_anchor = OurAnchor(info, 2.0, 0, page, "page_first", True, "cpu", host_memory_bytes=10**12, **kw)
+        indexer = OurIndexer(make_dsa_indexer_pool_decl(device), our_anchor, host_memory_bytes=10**12)
+        try:
+            ours = measured(indexer)
+        finally:
+            indexer.destroy()
+            our_anchor.destroy()
+    return theirs, ours, their_anchor.size

@@ -29,6 +29,7 @@ from hicache.plan._layouts import (
     MHAKOnlyLayout,
     MHALayout,
     MLALayout,
+    dsa_indexer_pages,
 )
 from hicache.plan._limits import (
     DEFAULT_CHUNK_LIMIT_BYTES,
@@ -70,6 +71,7 @@ __all__ = [
     "SIZING_RULES",
     "host_tokens",
     "pages_for",
+    "dsa_indexer_pages",
     "CAPACITY_DEFAULTS",
     "SETTINGS_ENV",
     "IntervalSet",

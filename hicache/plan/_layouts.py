@@ -226,12 +226,18 @@ class MLALayout(_LayoutBase):
         return (self._spec("kv", dims, self.itemsize),)
 
 
+def dsa_indexer_pages(anchor_tokens: int, page_size: int) -> int:
+    """Index pages SGLang gives a DSA indexer beside an anchor pool of ``anchor_tokens`` token
+    slots: ``(anchor_tokens + page_size + 1) // page_size`` - the one home of that rule (the
+    capacity plan and both of the pool's constructor forms use it; issue #34)."""
+    return (anchor_tokens + page_size + 1) // page_size
+
+
 @attrs.frozen
 class DSAIndexerLayout(_LayoutBase):
     """DeepSeek sparse-attention index keys (uint8): FP8 keys plus an fp32 scale per block.
 
-    ``page_num`` is the number of index pages in the buffer (SGLang allocates
-    ``(tokens + page_size + 1) // page_size`` of them for an anchor pool; the pool does that).
+    ``page_num`` is the number of index pages in the buffer (`dsa_indexer_pages` of an anchor pool).
     """
 
     family = "dsa_indexer"

@@ -16,6 +16,7 @@ from hicache.plan._layouts import (
     MambaLayout,
     MHALayout,
     MLALayout,
+    dsa_indexer_pages,
 )
 
 KV_DTYPES = {
@@ -202,10 +203,9 @@ def model_pools(
         pools = [("kv", lambda n: MLALayout(layout, layer_num=L, kv_cache_dim=C, page_num=n, **common))]
         if model.kind == "mla_dsa":
             D = model.get("index_head_dim")
-            # SGLang gives the indexer (tokens + page_size + 1) // page_size pages.
-            pools.append(("indexer", lambda n: DSAIndexerLayout(
+            pools.append(("indexer", lambda n: DSAIndexerLayout(  # the pages SGLang gives it beside n KV pages
                 layout, layer_num=L, index_head_dim=D, page_size=page_size,
-                page_num=(n * page_size + page_size + 1) // page_size,
+                page_num=dsa_indexer_pages(n * page_size, page_size),
             )))
         return PoolRecipe(tuple(pools), (), tuple(notes))
     heads = heads_per_rank(model.get("num_key_value_heads"), tp)

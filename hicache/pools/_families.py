@@ -22,6 +22,7 @@ from hicache.plan import (
     MLALayout,
 )
 from hicache.errors import LayoutError, TransferError
+from hicache.plan import dsa_indexer_pages
 from hicache.plan.checks import check_int, is_integer
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
@@ -337,8 +338,8 @@ class DSAIndexerPoolHost(HostKVCache):
     SGLang 0.5.23's constructor: ``(decl: HostPoolDecl, anchor_host, *,
     packed_draft_device_pools=(), pin_memory=True, device="cpu", allocator_type="default",
     is_dummy=False)`` - the declaration's device pool and owned layers (then one host layer per
-    packed draft pool), the anchor's page size, layout and size, ``(size + page_size + 1) //
-    page_size`` index pages; copies to the declared device tensors. The older form
+    packed draft pool), the anchor's page size, layout and size, `hicache.plan.dsa_indexer_pages`
+    of its size; copies to the declared device tensors. The older form
     ``(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *,
     anchor_pool=None)`` still works, chosen by the first argument (a declaration or a pool).
     """
@@ -349,7 +350,7 @@ class DSAIndexerPoolHost(HostKVCache):
             return _init_dsa_from_decl(self, *args, **kwargs)
         if anchor_pool is not None:
             page_size = args[3] if len(args) > 3 else kwargs["page_size"]
-            kwargs.setdefault("page_num", (anchor_pool.size + page_size + 1) // page_size)
+            kwargs.setdefault("page_num", dsa_indexer_pages(anchor_pool.size, page_size))
         super().__init__(*args, **kwargs)
 
     def get_hybrid_pool_buffer(self) -> list:
@@ -645,7 +646,7 @@ def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=()
                           f"layer, the device pool's index geometry {geometry.bytes_per_token_per_layer()}")
     pool.decl = decl
     pool.mtp_draft_device_pools = tuple(packed_draft_device_pools)
-    indexer_page_num = (anchor_host.size + page_size + 1) // page_size
+    indexer_page_num = dsa_indexer_pages(anchor_host.size, page_size)
     HostKVCache.__init__(pool, view, 1.0, 0, page_size, anchor_host.layout, pin_memory, device, allocator_type,
                          page_num=indexer_page_num, is_dummy=is_dummy, device_capacity_tokens=anchor_host.size,
                          start_layer=view.start_layer, end_layer=getattr(decl.device_pool, "end_layer", view.layer_num),
