@@ -18,7 +18,7 @@ from hicache.cli._plan_args import add_plan_arguments, build_plan, limits_from_a
 from hicache.cli._progress import BringupProgress, wait_progressive
 from hicache.cli._saved import load_plan, pool_plans
 from hicache.errors import CudaUnavailableError, ReleaseError
-from hicache.plan import CAPACITY_DEFAULTS, DEFAULT_RESERVE_BYTES, format_bytes
+from hicache.plan import CAPACITY_DEFAULTS, DEFAULT_RESERVE_BYTES, HUGEPAGE_MODES, format_bytes
 
 DESCRIPTION = (
     "Allocate, pre-fault and register a plan on this machine, all or nothing, as the pools "
@@ -36,7 +36,7 @@ def add_command(commands) -> None:
     add_plan_arguments(apply, budget_title="budget (instead of this machine's free memory and rank count)")
     apply.add_argument("--plan", dest="plan_file", help="a saved JSON plan (instead of plan arguments)")
     apply.add_argument("--hold", default="0", help="seconds to hold the registration, or inf: until Ctrl-C (default 0)")
-    apply.add_argument("--hugepages", choices=("off", "thp", "prefer", "required"),
+    apply.add_argument("--hugepages", choices=HUGEPAGE_MODES,
                        help="off: 4 KiB pages (see README); thp: transparent huge pages; prefer/required: "
                             "hugetlbfs pages of --hugepage-size (one the kernel offers: /sys/kernel/mm/hugepages; "
                             "prefer falls back to 4 KiB pages). Default: HICACHE_HUGEPAGES, else off")

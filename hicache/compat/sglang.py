@@ -109,10 +109,12 @@ def host_register_chunk_bytes(env=None) -> int:
     accessor - what its tests patch, and its reading of a bad value (a warning, the default);
     elsewhere by `hicache.effects.sglang_register_chunk_bytes` (a non-integer is a ValueError).
     ``env``: a mapping to read instead (never SGLang's)."""
-    environ = sys.modules.get("sglang.srt.environ") if env is None else None
-    setting = getattr(getattr(environ, "envs", None), "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", None)
-    if setting is not None:
-        return max(int(setting.get()), 1) * 2**30
+    if env is None:
+        from hicache.compat.sglang_process import SGLangProcess
+
+        theirs = SGLangProcess().chunk_limit_bytes()  # the one reading of SGLang's setting (issue #34)
+        if theirs is not None:
+            return theirs
     return sglang_register_chunk_bytes(env, default_gib=DEFAULT_CHUNK_GB)
 
 

@@ -22,6 +22,9 @@ from hicache.errors import EnvError, PlanError
 from hicache.plan._units import format_bytes, parse_size
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+#: Host page sizes a pool may ask for (`hicache.effects` maps them; these are the words): the one
+#: tuple the variable, apply's --hugepages, the pools and the allocator check against.
+HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
 _ASCII_INT = re.compile(r"[0-9]+", re.ASCII)
 _ASCII_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?", re.ASCII)
 
@@ -94,7 +97,7 @@ SETTINGS = (
             minimum=64 * 2**10, maximum=2 * 2**30, power_of_two=True),  # see HUGEPAGE_MAX_NOTE
     Setting("HICACHE_HUGEPAGES", "choice", "off", ("apply", "pools", "SGLang plug-in", "doctor"),
             "host pools' page size: 4 KiB, transparent huge pages, hugetlbfs when free (prefer) or only hugetlbfs "
-            "(required); apply's --hugepages wins", choices=("off", "thp", "prefer", "required")),
+            "(required); apply's --hugepages wins", choices=HUGEPAGE_MODES),
     Setting("HICACHE_PROGRESSIVE", "bool", "0", ("apply", "pools", "SGLang plug-in", "doctor"),
             "host pools register in the background, serving from the first registered page "
             "(apply's --progressive/--no-progressive wins)"),

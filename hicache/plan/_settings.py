@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from hicache.errors import EnvError, PlanError
-from hicache.plan._env import BY_NAME, env_value
+from hicache.plan._env import BY_NAME, HUGEPAGE_MODES, env_value
 from hicache.plan._limits import (
     DEFAULT_CHUNK_LIMIT_BYTES,
     DRIVER_CEILING_BYTES,
@@ -47,8 +47,12 @@ def env_size(env: Mapping, name: str, *, allow_none: bool = False):
         raise EnvError(f"environment variable {name}={raw!r} is invalid: {error}") from None
 
 
-#: Host page sizes a pool may ask for (`hicache.effects` maps them; these are the words).
-HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
+def check_hugepages(error: type[Exception], owner: str, value) -> str:
+    """``value`` if it is one of `HUGEPAGE_MODES`, else ``error`` naming ``owner.hugepages``
+    (the pools' and the allocator's one check)."""
+    if value not in HUGEPAGE_MODES:
+        raise error(f"{owner}.hugepages must be one of {HUGEPAGE_MODES}, got {value!r}")
+    return value
 HUGETLBFS_MODES = ("prefer", "required")  # the modes that map hugetlbfs pages
 #: hugetlbfs page size when none is named: 2 MiB, the x86-64 default (Hugepagesize).
 DEFAULT_HUGEPAGE_BYTES = 2 * 2**20

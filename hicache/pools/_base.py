@@ -30,7 +30,8 @@ from hicache.effects import (
     resolve_numa_node,
 )
 from hicache.errors import LayoutError, NoAllocatorError, PlanError, RegistrationStateError, TransferError
-from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, format_gb, plan_pool, size_pool
+from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, format_gb, plan_pool, size_pool
+from hicache.plan._settings import check_hugepages
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
@@ -279,8 +280,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         settings = pool_settings() if progressive is None or hugepages is None else None  # HICACHE_*
         self.progressive = settings.progressive if progressive is None else bool(progressive)
         self.hugepages = settings.hugepages if hugepages is None else hugepages
-        if self.hugepages not in HUGEPAGE_MODES:
-            raise LayoutError(f"{type(self).__name__}.hugepages must be one of {HUGEPAGE_MODES}, got {self.hugepages!r}")
+        check_hugepages(LayoutError, type(self).__name__, self.hugepages)
         self._limits = limits if limits is not None else probe_limits()
         if limits is None and self.sglang_form == "0.5.23":
             self._limits = _under_sglang_chunk_setting(self._limits)

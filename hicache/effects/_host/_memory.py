@@ -25,7 +25,7 @@ from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._host._numa import bind
 from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
 from hicache.plan.checks import check_int
-from hicache.plan._settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES  # noqa: F401 - used here and re-exported
+from hicache.plan._settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, check_hugepages  # noqa: F401 - used here and re-exported
 
 MAP_HUGETLB = 0x40000  # linux/mman.h
 MAP_HUGE_SHIFT = 26
@@ -215,8 +215,7 @@ def allocate_host(
     import torch  # lazy: the plan path must not pay for it
 
     nbytes = check_int(PlanError, "allocate_host", "nbytes", nbytes, minimum=0)
-    if hugepages not in HUGEPAGE_MODES:
-        raise PlanError(f"allocate_host.hugepages must be one of {HUGEPAGE_MODES}, got {hugepages!r}")
+    check_hugepages(PlanError, "allocate_host", hugepages)
     page = os_page_bytes()
     if nbytes == 0:
         return HostBuffer(0, 0, page, None, (), None, torch.empty(0, dtype=torch.uint8))
