@@ -1,0 +1,146 @@
+"""The Mamba (linear-attention) host pool: one slot per request, temporal and conv states
+(``mamba_cache.temporal`` / ``.conv`` of SGLang's device pool).
+"""
+
+from __future__ import annotations
+
+import math
+
+from hicache.plan import (
+    MambaLayout,
+)
+from hicache.errors import LayoutError, TransferError
+from hicache.pools._base import HostKVCache, Stream
+from hicache.pools._sglang_inputs import (
+    is_mamba_info,
+    mamba_device,
+)
+
+from hicache.pools._family_base import _first, _itemsize
+
+
+class MambaPoolHost(HostKVCache):
+    """Linear-attention state: one slot per request (page size 1), temporal + conv states.
+
+    SGLang 0.5.23's constructor: ``MambaPoolHost(buffer_info: MambaStateBufferInfo,
+    host_to_device_ratio, host_size, *, device_capacity, pin_memory=True, device="cpu",
+    allocator_type="default", layout="layer_first", mtp_draft_buffer_infos=())`` - sized as
+    SGLang's (a padding slot), copies to the described device tensors (targets, then the packed
+    draft layers); flat pages are raw bytes. The older SGLang's ``MambaPoolHost(mamba_pool, ratio,
+    size, pin_memory=True, device="cpu", allocator_type="default", layout="layer_first")`` (a
+    `MambaPool`: ``num_mamba_layers``, ``mamba_cache.temporal`` / ``.conv``) still works. Like
+    SGLang's, only the page-first layouts are supported, so callers pass ``layout``.
+    """
+
+    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, pin_memory=True, device="cpu",
+                 allocator_type="default", layout="layer_first", *, device_capacity=None, mtp_draft_buffer_infos=(),
+                 device_pool=None, **kwargs):
+        first = _first(self, buffer_info, device_pool)
+        if is_mamba_info(first):
+            first = mamba_device(type(self).__name__, first, tuple(mtp_draft_buffer_infos),
+                                 device_capacity=device_capacity or 0)
+            self.mtp_draft_buffer_infos = tuple(mtp_draft_buffer_infos)
+            kwargs.update(device_capacity_tokens=device_capacity, start_layer=0, end_layer=first.layer_num)
+        elif mtp_draft_buffer_infos or device_capacity is not None:
+            raise LayoutError(f"{type(self).__name__}: device_capacity and mtp_draft_buffer_infos come with SGLang "
+                              "0.5.23's constructor (a MambaStateBufferInfo first)")
+        self._states_facts = _mamba_states(first)
+        super().__init__(first, host_to_device_ratio, host_size, 1, layout, pin_memory, device, allocator_type,
+                         **kwargs)
+        if self.sglang_form == "0.5.23":
+            self.num_mamba_layers = self.layer_num
+            # SGLang's Mamba pool says True so HostPoolGroup's AND keeps its MLA sibling's
+            # staged write-back; its own backup routes by layout and backend, as this one does
+            self.can_use_write_back_jit = True
+
+    @classmethod
+    def descriptor_class(cls):
+        return MambaLayout
+
+    def _layer_count(self, device_pool) -> int:
+        layers = getattr(device_pool, "num_mamba_layers", None)
+        return layers if layers is not None else device_pool.mamba_cache.temporal.shape[0]
+
+    def _store_dtype(self, device_pool):
+        facts = self._states_facts
+        return facts[1][1] if len(facts) > 1 else facts[0][1]
+
+    def buffer_dtypes(self):
+        return [dtype for shape, dtype in self._states_facts if math.prod(shape)]
+
+    def layout_descriptor(self, page_num: int):
+        (temporal_shape, temporal_dtype), *convs = self._states_facts
+        return MambaLayout(
+            self.layout, layer_num=self.layer_num, slots=page_num,
+            temporal_shape=tuple(temporal_shape), temporal_itemsize=_itemsize(temporal_dtype),
+            conv_shapes=tuple(tuple(shape) for shape, _ in convs),
+            conv_itemsize=_itemsize(convs[0][1]) if convs else 1,
+        )
+
+    def streams(self):
+        states = [i for i, (shape, _) in enumerate(self._states_facts) if math.prod(shape)]
+        return [
+            Stream(buffer, None, lambda pool, layer, i=i: ([pool.mamba_cache.temporal, *pool.mamba_cache.conv][i])[layer])
+            for buffer, i in enumerate(states)
+        ]
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend="kernel", *,
+                                 is_draft: bool = False) -> None:
+        """As every pool's; ``io_backend`` defaults to "kernel" as SGLang's Mamba pool's does
+        (hicache copies with "direct"; "kernel" is an error naming what it supports)."""
+        super().load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
+                                         is_draft=is_draft)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend="kernel") -> None:
+        super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+
+    @property
+    def temporal_buffer(self):
+        """The temporal state's host tensor (SGLang's name; None for a conv-only model)."""
+        return self.buffers[0] if math.prod(self._states_facts[0][0]) else None
+
+    @property
+    def conv_buffer(self) -> list:
+        """The conv states' host tensors (SGLang's name)."""
+        return self.buffers[1:] if math.prod(self._states_facts[0][0]) else list(self.buffers)
+
+    def get_data_page(self, index, flat: bool = True):
+        """0.5.23: the slot's bytes, state by state (SGLang's L3 format for Mamba)."""
+        if self.sglang_form != "0.5.23":
+            return super().get_data_page(index, flat)
+        import torch
+
+        return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in self._page_parts(index)])
+
+    def get_dummy_flat_data_page(self):
+        if self.sglang_form != "0.5.23":
+            return super().get_dummy_flat_data_page()
+        import torch
+
+        return torch.zeros(self.page_size * self.size_per_token, dtype=torch.uint8)
+
+    def set_from_flat_data_page(self, index, data_page) -> None:
+        if self.sglang_form != "0.5.23":
+            return super().set_from_flat_data_page(index, data_page)
+        import torch
+
+        parts = self._page_parts(index)
+        flat = data_page.contiguous().view(torch.uint8).reshape(-1)
+        expected = sum(part.numel() * part.element_size() for part in parts)
+        if flat.numel() != expected:
+            raise TransferError(f"a Mamba state page holds {expected} bytes, data_page has {flat.numel()}")
+        offset = 0
+        for part in parts:
+            size = part.numel() * part.element_size()
+            part.copy_(flat[offset : offset + size].clone().view(part.dtype).reshape(part.shape))
+            offset += size
+
+
+def _mamba_states(first) -> list:
+    """``[(state shape, dtype)]``: temporal, then each conv state - from a `MambaPool`'s
+    ``mamba_cache`` or a 0.5.23 description's adapter."""
+    if hasattr(first, "mamba_facts"):
+        return list(first.mamba_facts)
+    cache = first.mamba_cache
+    return [(tuple(cache.temporal.shape[2:]), cache.temporal.dtype),
+            *[(tuple(conv.shape[2:]), conv.dtype) for conv in cache.conv]]

@@ -1,0 +1,245 @@
+"""The MHA host pools: K/V per layer (`MHATokenToKVPoolHost`), K only
+(`MHATokenToKOnlyPoolHost`), K and V of different head dims (`AsymmetricMHATokenToKVPoolHost`),
+SGLang's `get_mha_host_pool_cls`, and page_head's split-heads page meta. Device pools are
+duck-typed on SGLang's ``k_buffer``/``v_buffer`` per layer; sizing, allocation, registration and
+transfers are the base's.
+"""
+
+from __future__ import annotations
+
+
+from hicache.plan import (
+    AsymmetricMHALayout,
+    MHAKOnlyLayout,
+    MHALayout,
+)
+from hicache.errors import LayoutError, TransferError
+from hicache.plan.checks import check_int, is_integer
+from hicache.pools._base import HostKVCache, Stream
+from hicache.pools._sglang_inputs import (
+    is_mha_info,
+    mha_device,
+)
+
+from hicache.pools._family_base import _first, _itemsize
+
+
+def _k_only_args(owner: str, args, kwargs) -> tuple:
+    """``layout, pin_memory=True, device="cpu", allocator_type="default"`` after the anchor (by
+    position or keyword); hicache's own keywords stay in ``kwargs``."""
+    kwargs.pop("anchor_host", None)
+    names = ("layout", "pin_memory", "device", "allocator_type")
+    values = dict(zip(names, args))
+    if len(args) > len(names):
+        raise TypeError(f"{owner}() takes at most {2 + len(names)} positional arguments")
+    for name in names:
+        if name in kwargs:
+            if name in values:
+                raise TypeError(f"{owner}() got multiple values for argument {name!r}")
+            values[name] = kwargs.pop(name)
+    if "layout" not in values:
+        raise TypeError(f"{owner}() missing the argument 'layout'")
+    return values["layout"], values.get("pin_memory", True), values.get("device", "cpu"), \
+        values.get("allocator_type", "default")
+
+
+def _mha_input(pool, first, drafts, write_back_staging, head_group_num, kwargs):
+    """SGLang 0.5.23's MHA form (an `MHABufferInfo` first) -> its `BufferDevice`; the older
+    form (a device pool first) as it is. Keywords only 0.5.23 has are refused with a pool."""
+    name = type(pool).__name__
+    head_group_num = check_int(LayoutError, name, "head_group_num", head_group_num)
+    pool.head_group_num = head_group_num  # only SGLang's page_unified layout groups heads
+    pool.write_back_staging = write_back_staging  # SGLang's CUDA write-back kernel's staging; unused here
+    if is_mha_info(first):
+        return mha_device(name, first, tuple(drafts), device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
+                          start_layer=kwargs.get("start_layer") or 0)
+    if drafts:
+        raise LayoutError(f"{name}: draft_buffer_infos come with SGLang 0.5.23's constructor (an MHABufferInfo first)")
+    return first
+
+
+class _MHAForms:
+    """The MHA families' constructors: SGLang 0.5.23's (an `MHABufferInfo` first, its packed
+    drafts, staging and head groups) or the older one (a device pool first), then the family's
+    geometry fields (`_mha_geometry`)."""
+
+    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
+                 pin_memory=True, device="cpu", allocator_type="default", *, draft_buffer_infos=(),
+                 write_back_staging=None, head_group_num=1, device_pool=None, **kwargs):
+        first = _mha_input(self, _first(self, buffer_info, device_pool), draft_buffer_infos, write_back_staging,
+                           head_group_num, kwargs)
+        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                         allocator_type, **kwargs)
+        self._mha_geometry()
+
+
+class MHATokenToKVPoolHost(_MHAForms, HostKVCache):
+    """Multi-head attention: K and V in one buffer with a leading axis of 2.
+
+    SGLang 0.5.23's constructor: ``(buffer_info: MHABufferInfo, host_to_device_ratio,
+    host_size, page_size, layout, pin_memory=True, device="cpu", allocator_type="default", *,
+    device_capacity_tokens, start_layer, end_layer, draft_buffer_infos=(),
+    write_back_staging=None, pool_label="kv", head_group_num=1, host_token_capacity=None)``;
+    the older SGLang's (a device pool first) still works, chosen by the first argument's type.
+    """
+
+    def _mha_geometry(self) -> None:
+        """SGLang's MHA fields: heads, widths, bytes of one token row and of one token's layers."""
+        pool = self.device_pool
+        self.head_num = pool.head_num
+        self.head_dim = getattr(pool, "head_dim", None) or pool.k_head_dim
+        self.v_head_dim = getattr(pool, "v_head_dim", None) or self.head_dim
+        self.element_dim = self.head_num * self.head_dim
+        self.token_stride_size = self.element_dim * _itemsize(self.dtype)
+        self.layout_dim = self.token_stride_size * self.layer_num
+
+    def get_hybrid_pool_buffer(self) -> list:
+        """The K and V host tensors a zero-copy back end registers."""
+        return [self.k_buffer, self.v_buffer]
+
+    def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
+        """Zero-copy pointers for heterogeneous TP (mooncake, umbp): per page, per group of
+        ``head_num // split_factor`` heads, a K and a V block - layout page_head only, as SGLang's."""
+        return _split_heads_meta(self, indices, split_factor)
+
+    @classmethod
+    def descriptor_class(cls):
+        return MHALayout
+
+    def _dims(self):
+        pool = self.device_pool
+        return dict(layer_num=self.layer_num, head_num=pool.head_num, head_dim=pool.head_dim,
+                    page_size=self.page_size, itemsize=_itemsize(self.dtype))
+
+    def layout_descriptor(self, page_num: int):
+        return self.descriptor_class()(self.layout, page_num=page_num, **self._dims())
+
+    def streams(self):
+        return [
+            Stream(0, 0, lambda pool, layer: pool.k_buffer[layer]),
+            Stream(0, 1, lambda pool, layer: pool.v_buffer[layer]),
+        ]
+
+    @property
+    def k_buffer(self):
+        """The K half of ``kv_buffer`` (a view), as SGLang's MHA host pool exposes it."""
+        return self.buffers[0][0]
+
+    @property
+    def v_buffer(self):
+        """The V half of ``kv_buffer`` (a view); storage back ends branch on its presence."""
+        return self.buffers[0][1]
+
+
+def get_mha_host_pool_cls(device_pool):
+    """SGLang's chooser: the asymmetric MHA host pool when K and V head dims differ."""
+    head_dim = getattr(device_pool, "head_dim", None)
+    v_head_dim = getattr(device_pool, "v_head_dim", head_dim)
+    if head_dim is None and hasattr(device_pool, "k_head_dim"):
+        head_dim = device_pool.k_head_dim
+    return AsymmetricMHATokenToKVPoolHost if v_head_dim != head_dim else MHATokenToKVPoolHost
+
+
+class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
+    """MHA keys only (the index-K of sparse-attention models); sized like its anchor pool.
+
+    SGLang 0.5.23's constructor: ``(device_pool, anchor_host, layout, pin_memory=True,
+    device="cpu", allocator_type="default")`` - the anchor's page size and page count, the
+    device pool's layers; ``k_buffer`` is the one host tensor (no ``v_buffer``). The older
+    form ``(device_pool, ratio, host_size, page_size, layout, ..., page_num=)`` still works,
+    chosen by the second argument (a host pool, not a number)."""
+
+    def __init__(self, device_pool=None, *args, **kwargs):
+        anchor = args[0] if args else kwargs.get("anchor_host")
+        if anchor is not None and hasattr(anchor, "page_num") and hasattr(anchor, "page_size"):
+            layout, pin_memory, device, allocator_type = _k_only_args(type(self).__name__, args[1:], kwargs)
+            super().__init__(device_pool, 1.0, 0, anchor.page_size, layout, pin_memory, device, allocator_type,
+                             page_num=anchor.page_num, **kwargs)
+            self.end_layer = getattr(device_pool, "end_layer", self.end_layer)  # SGLang's: the device pool's
+            return
+        super().__init__(device_pool, *args, **kwargs)
+
+    @property
+    def k_buffer(self):
+        """The one host tensor (keys of every layer)."""
+        return self.buffers[0]
+
+    @property
+    def v_buffer(self):
+        raise AttributeError(f"{type(self).__name__} holds no V")  # back ends branch on hasattr(v_buffer)
+
+    def get_hybrid_pool_buffer(self) -> list:
+        return [self.k_buffer]
+
+    @classmethod
+    def descriptor_class(cls):
+        return MHAKOnlyLayout
+
+    def streams(self):
+        return [Stream(0, None, lambda pool, layer: pool.k_buffer[layer])]
+
+
+class AsymmetricMHATokenToKVPoolHost(_MHAForms, HostKVCache):
+    """MHA with different K and V head dims: buffers ``k`` and ``v``. Constructors as
+    `MHATokenToKVPoolHost` (0.5.23's with an `MHABufferInfo` whose ``v_head_dim`` differs)."""
+
+    def _mha_geometry(self) -> None:
+        pool = self.device_pool
+        self.head_num = pool.head_num
+        self.head_dim = getattr(pool, "head_dim", None) or pool.k_head_dim
+        self.v_head_dim = pool.v_head_dim
+        # no token_stride_size / layout_dim: K and V rows differ, and SGLang's pool leaves them
+        # unset on purpose so a caller reaching for one shared stride fails loudly
+
+    def get_ksize_per_token(self) -> int:
+        """Bytes of one token's K over all layers (its V is narrower or wider)."""
+        return self.head_dim * self.head_num * self.layer_num * _itemsize(self.dtype)
+
+    @property
+    def k_buffer(self):
+        return self.buffers[0]
+
+    @property
+    def v_buffer(self):
+        return self.buffers[1]
+
+    @classmethod
+    def descriptor_class(cls):
+        return AsymmetricMHALayout
+
+    def layout_descriptor(self, page_num: int):
+        pool = self.device_pool
+        return AsymmetricMHALayout(
+            self.layout, layer_num=self.layer_num, head_num=pool.head_num, k_head_dim=pool.k_head_dim,
+            v_head_dim=pool.v_head_dim, page_size=self.page_size, page_num=page_num,
+            itemsize=_itemsize(self.dtype),
+        )
+
+    def streams(self):
+        return [
+            Stream(0, None, lambda pool, layer: pool.k_buffer[layer]),
+            Stream(1, None, lambda pool, layer: pool.v_buffer[layer]),
+        ]
+
+
+def _split_heads_meta(pool, indices, split_factor: int):
+    """SGLang's ``get_split_heads_page_buffer_meta`` for an MHA page_head pool: for each page,
+    for each head group, the K block and the V block (``layer_num * page_size * head_num *
+    head_dim / split_factor`` elements each), pointers inside the host buffer."""
+    if pool.layout != "page_head":
+        raise TransferError(f"{type(pool).__name__}: split-heads page meta needs layout page_head, not {pool.layout!r}")
+    if not is_integer(split_factor) or split_factor < 1 or pool.head_num % split_factor:
+        raise TransferError(f"split_factor must divide head_num={pool.head_num}, got {split_factor!r}")
+    pages = pool._meta_pages(indices)
+    itemsize = _itemsize(pool.dtype)
+    base = pool.buffers[0].data_ptr()
+    page_bytes = pool.layer_num * pool.head_num * pool.head_dim * itemsize * pool.page_size
+    head_bytes = pool.page_size * pool.layer_num * pool.head_dim * itemsize
+    v_offset = pool.layer_num * pool.size * pool.head_num * pool.head_dim * itemsize
+    step = pool.head_num // split_factor
+    ptrs = []
+    for page in pages:
+        for head in range(0, pool.head_num, step):
+            k_ptr = base + page * page_bytes + head * head_bytes
+            ptrs += (k_ptr, k_ptr + v_offset)
+    return ptrs, [page_bytes // split_factor] * len(ptrs)

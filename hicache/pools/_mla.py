@@ -1,0 +1,184 @@
+"""The MLA host pool (one latent ``kv_buffer`` per layer) and the DSA indexer beside its MLA
+anchor (``index_k_with_scale_buffer``: page rows of FP8 keys and scales), both of SGLang 0.5.23's
+constructor forms. Sizing, allocation, registration and transfers are the base's.
+"""
+
+from __future__ import annotations
+
+
+from hicache.plan import (
+    DSAIndexerLayout,
+    MLALayout,
+)
+from hicache.errors import LayoutError
+from hicache.plan import dsa_indexer_pages
+from hicache.pools._base import HostKVCache, Stream
+from hicache.pools._hisparse import HiSparseHostPoolMixin
+from hicache.pools._page_allocator import PageAllocator
+from hicache.pools._sglang_inputs import (
+    dsa_device,
+    is_mla_allocation,
+    is_mla_info,
+    mla_device,
+)
+
+from hicache.pools._family_base import _first, _itemsize
+
+
+class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
+    """Multi-head latent attention: one ``kv_lora_rank + qk_rope_head_dim`` vector per token
+    (``override_kv_cache_dim``: another width, as SGLang's HiSparse coordinator passes the
+    device pool's ``kv_cache_dim``; ``token_stride_size`` is its bytes).
+
+    SGLang 0.5.23's constructor: ``(buffer_info: MLABufferInfo | MLAHostAllocation,
+    host_to_device_ratio, host_size, page_size, layout, pin_memory=True, device="cpu",
+    allocator_type="default", override_kv_cache_dim=None, draft_buffer_infos=(), dcp_size=1,
+    dcp_rank=0, *, device_capacity_tokens, start_layer, end_layer, target_layer_num,
+    layer_shard_enabled=False, pool_label="kv", host_token_capacity=None)`` - an
+    `MLAHostAllocation` makes SGLang's allocator-only pool (``is_dummy``: indices, no memory).
+    The older SGLang's (a device pool first) still works, chosen by the first argument's type.
+    """
+
+    def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
+                 pin_memory=True, device="cpu", allocator_type="default", override_kv_cache_dim=None,
+                 draft_buffer_infos=(), dcp_size=1, dcp_rank=0, *, target_layer_num=None, layer_shard_enabled=False,
+                 device_pool=None, **kwargs):
+        name = type(self).__name__
+        first = _first(self, buffer_info, device_pool)
+        self.override_kv_cache_dim = override_kv_cache_dim
+        self._allocation_size_per_token = None
+        if is_mla_info(first):
+            if target_layer_num is None:
+                raise LayoutError(f"{name}: SGLang 0.5.23's constructor needs the keyword target_layer_num")
+            dummy = is_mla_allocation(first)
+            self.dsa_kv_cache_store_fp8 = bool(getattr(first, "packed_fp8", False))
+            default_dim = first.kv_cache_dim if dummy else first.kv_lora_rank + first.qk_rope_head_dim
+            self.kv_cache_dim = override_kv_cache_dim or default_dim
+            if dummy:
+                self._allocation_size_per_token = int(first.size_per_token)
+                kwargs["is_dummy"] = True
+            first = mla_device(name, first, tuple(draft_buffer_infos),
+                               device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
+                               start_layer=kwargs.get("start_layer") or 0, target_layer_num=target_layer_num,
+                               layer_shard_enabled=layer_shard_enabled)
+            kwargs.update(dcp_size=dcp_size, dcp_rank=dcp_rank)
+        else:
+            if draft_buffer_infos or dcp_size != 1 or target_layer_num is not None or layer_shard_enabled:
+                raise LayoutError(f"{name}: draft_buffer_infos, dcp_size, target_layer_num and layer_shard_enabled "
+                                  "come with SGLang 0.5.23's constructor (an MLABufferInfo first)")
+            self.dsa_kv_cache_store_fp8 = False
+            self.kv_cache_dim = override_kv_cache_dim or first.kv_lora_rank + first.qk_rope_head_dim
+        self.kv_lora_rank = first.kv_lora_rank
+        self.qk_rope_head_dim = first.qk_rope_head_dim
+        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                         allocator_type, **kwargs)
+        self.token_stride_size = self.kv_cache_dim * _itemsize(self.dtype)
+        self.layout_dim = self.token_stride_size * self.layer_num
+
+    def get_size_per_token(self) -> int:
+        if self._allocation_size_per_token is not None:  # MLAHostAllocation says it
+            return self._allocation_size_per_token
+        return super().get_size_per_token()
+
+    def get_contiguous_buf_infos(self):
+        """``(data_ptrs, data_lens, item_lens)`` per layer, as SGLang's MLA host pool reports them
+        to the disaggregation transfer engine (its per-layer references and lengths)."""
+        if self.is_dummy:
+            return [], [], []
+        buffer = self.buffers[0]
+        refs = buffer.transpose(0, 1) if self.layout == "page_first" else buffer
+        data_ptrs = [refs[i].data_ptr() for i in range(self.layer_num)]
+        data_lens = [buffer[i].nbytes for i in range(self.layer_num)]
+        return data_ptrs, data_lens, [self.token_stride_size * self.page_size] * self.layer_num
+
+    @classmethod
+    def descriptor_class(cls):
+        return MLALayout
+
+    def layout_descriptor(self, page_num: int):
+        return MLALayout(
+            self.layout, layer_num=self.layer_num, kv_cache_dim=self.kv_cache_dim,
+            page_size=self.page_size, page_num=page_num, itemsize=_itemsize(self.dtype),
+        )
+
+    def streams(self):
+        return [Stream(0, None, lambda pool, layer: pool.kv_buffer[layer])]
+
+
+class DSAIndexerPoolHost(HostKVCache):
+    """DeepSeek sparse-attention index keys (FP8 + fp32 scales, uint8), in whole page rows.
+
+    SGLang 0.5.23's constructor: ``(decl: HostPoolDecl, anchor_host, *,
+    packed_draft_device_pools=(), pin_memory=True, device="cpu", allocator_type="default",
+    is_dummy=False)`` - the declaration's device pool and owned layers (then one host layer per
+    packed draft pool), the anchor's page size, layout and size, `hicache.plan.dsa_indexer_pages`
+    of its size; copies to the declared device tensors. The older form
+    ``(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *,
+    anchor_pool=None)`` still works, chosen by the first argument (a declaration or a pool).
+    """
+
+    def __init__(self, *args, anchor_pool=None, **kwargs):
+        first = args[0] if args else kwargs.get("decl")
+        if first is not None and hasattr(first, "storage_info") and hasattr(first, "device_pool"):
+            return _init_dsa_from_decl(self, *args, **kwargs)
+        if anchor_pool is not None:
+            page_size = args[3] if len(args) > 3 else kwargs["page_size"]
+            kwargs.setdefault("page_num", dsa_indexer_pages(anchor_pool.size, page_size))
+        super().__init__(*args, **kwargs)
+
+    def get_hybrid_pool_buffer(self) -> list:
+        return [self.index_k_with_scale_buffer]
+
+    @property
+    def index_k_with_scale_buffer(self):
+        """The host index buffer (SGLang's name)."""
+        return self.buffers[0]
+
+    @classmethod
+    def descriptor_class(cls):
+        return DSAIndexerLayout
+
+    def buffer_dtypes(self):
+        import torch
+
+        return [torch.uint8]
+
+    def layout_descriptor(self, page_num: int):
+        pool = self.device_pool
+        return DSAIndexerLayout(
+            self.layout, layer_num=self.layer_num, index_head_dim=pool.index_head_dim,
+            page_size=self.page_size, page_num=page_num,
+            quant_block_size=getattr(pool, "quant_block_size", 128),
+        )
+
+    def streams(self):
+        return [Stream(0, None, lambda pool, layer: pool.index_k_with_scale_buffer[layer], rows=True)]
+
+
+def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=(), pin_memory=True, device="cpu",
+                        allocator_type="default", is_dummy=False, **kwargs):
+    """SGLang 0.5.23's DSA indexer host pool from its `HostPoolDecl`, beside ``anchor_host``."""
+    name = type(pool).__name__
+    view = dsa_device(name, decl, tuple(packed_draft_device_pools), anchor_host)
+    page_size = anchor_host.page_size
+    storage = decl.storage_info
+    geometry = DSAIndexerLayout(anchor_host.layout, layer_num=view.layer_num, index_head_dim=view.index_head_dim,
+                                page_size=page_size, page_num=1, quant_block_size=view.quant_block_size)
+    if geometry.bytes_per_token_per_layer() != storage.bytes_per_token_per_layer:  # before any memory
+        raise LayoutError(f"{name}: the declaration stores {storage.bytes_per_token_per_layer} bytes per token and "
+                          f"layer, the device pool's index geometry {geometry.bytes_per_token_per_layer()}")
+    pool.decl = decl
+    pool.mtp_draft_device_pools = tuple(packed_draft_device_pools)
+    indexer_page_num = dsa_indexer_pages(anchor_host.size, page_size)
+    HostKVCache.__init__(pool, view, 1.0, 0, page_size, anchor_host.layout, pin_memory, device, allocator_type,
+                         page_num=indexer_page_num, is_dummy=is_dummy, device_capacity_tokens=anchor_host.size,
+                         start_layer=view.start_layer, end_layer=getattr(decl.device_pool, "end_layer", view.layer_num),
+                         **kwargs)
+    # SGLang's fields: the anchor's slots and pages; the buffer holds indexer_page_num pages
+    pool.indexer_page_num = indexer_page_num
+    pool.indexer_dtype = storage.dtype
+    pool.indexer_page_stride_size = storage.page_bytes(page_size)
+    pool.indexer_layout_dim = pool.indexer_page_stride_size * pool.layer_num
+    pool.size, pool.page_num = anchor_host.size, anchor_host.page_num
+    if pool._readiness is None and pool._pages is not None:  # slots as SGLang's: the anchor's
+        pool._pages = PageAllocator(anchor_host.page_num, pool.logical_page_size)
