@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.effects._copy import _host_copy
-from hicache.effects._host._probes import EnvError
+from hicache.errors import EnvError
 
 pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 

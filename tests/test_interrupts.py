@@ -22,6 +22,7 @@ from hicache.effects import HostTensorAllocator, Registration, apply_plan, bring
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.effects._bringup import _bring_up as _bringup
+from hicache.effects._bringup import _steps
 from hicache.effects._cuda import _executor
 from hicache.effects._bringup import _handle as _host_pools
 from hicache.effects import _interrupts
@@ -33,7 +34,7 @@ from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime
 
 pytest.importorskip("torch")
-FILES = {m.__file__ for m in (_bringup, _executor, _host_pools, _registration, _interrupts, _progressive)}
+FILES = {m.__file__ for m in (_bringup, _steps, _executor, _host_pools, _registration, _interrupts, _progressive)}
 # not _pipeline: its wait loop runs as often as the pre-fault thread's timing makes it, so the
 # line count would vary run to run; an interrupt there is a held Ctrl-C checked by the executor
 PLAN = plan_pool(

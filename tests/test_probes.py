@@ -7,7 +7,7 @@ import pytest
 from hicache.errors import EnvError
 from hicache.plan import kernel_pin_cap
 from hicache.effects import probe_limits, probe_machine
-from hicache.effects._host._probes import ranks_per_host
+from hicache.effects._host._environment import ranks_per_host
 from hicache.plan import DRIVER_CEILING_BYTES, KERNEL_PIN_CAP_BYTES
 
 

@@ -34,11 +34,15 @@ from hicache.effects._host._allocators import (
 )
 from hicache.effects._host._memory import os_page_bytes, quarantine
 from hicache.effects._host._numa import node_free_bytes
+from hicache.effects._host._environment import (
+    environment_problems,
+    pool_settings,
+    sglang_plugin_enabled,
+    sglang_register_chunk_bytes,
+)
 from hicache.effects._host._probes import (
     MachineFacts,
-    environment_problems,
     package_version,
-    pool_settings,
     probe_cuda,
     probe_gpus,
     probe_kernel_release,
@@ -46,8 +50,6 @@ from hicache.effects._host._probes import (
     probe_machine,
     probe_resolved_limits,
     resolve_numa_node,
-    sglang_plugin_enabled,
-    sglang_register_chunk_bytes,
 )
 
 __all__ = [

@@ -1,8 +1,8 @@
-"""Machine probes: the only place hicache reads the environment, /proc and /sys.
+"""Machine probes: with `_environment` (the HICACHE_* variables), the only place hicache reads
+the machine - /proc and /sys.
 
 Owns turning the machine into data (`MachineFacts`, `CudaFacts`) and into `Limits`
-(`probe_limits`), and resolving a pool's ``numa_node`` (the current GPU's node). Environment variables are parsed strictly: a bad value is an error naming
-the variable and the value, never a silent default. ``root`` re-roots /proc and /sys reads
+(`probe_limits`), and resolving a pool's ``numa_node`` (the current GPU's node). ``root`` re-roots /proc and /sys reads
 so tests can feed a fake tree.
 """
 
@@ -18,28 +18,14 @@ import attrs
 from hicache.effects._host._memory import os_page_bytes
 from hicache.effects._cuda._runtime import default_binding
 from hicache.effects._host._numa import allowed_nodes, memory_only_nodes, online_nodes
-from hicache.errors import EnvError, PlanError
+from hicache.errors import PlanError
+from hicache.effects._host._environment import ranks_per_host
 from hicache.plan import (
-    SGLANG_CHUNK_ENV,
     Limits,
     ResolvedLimits,
     kernel_pin_cap,
     resolve_limits,
 )
-from hicache.plan._env import SETTINGS, env_value
-
-#: Every HICACHE_* variable and what it sets: the one table's rows (`hicache.plan._env`).
-ENV_VARS = {setting.name: setting.meaning for setting in SETTINGS}
-
-
-def _env_int(env, name: str):
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return None
-    if not re.fullmatch(r"\s*[1-9][0-9]*\s*", raw, re.ASCII):
-        raise EnvError(f"environment variable {name}={raw!r} must be a positive integer")
-    return int(raw)
-
 
 @attrs.frozen
 class HugepagePool:
@@ -126,12 +112,6 @@ def _hugepages(root: str) -> tuple[HugepagePool, ...]:
     return tuple(sorted(pools, key=lambda p: p.size_bytes))
 
 
-def ranks_per_host(env=None) -> int:
-    """HICACHE_RANKS_PER_HOST, else LOCAL_WORLD_SIZE, else 1 (strictly parsed)."""
-    env = os.environ if env is None else env
-    return env_value(env, "HICACHE_RANKS_PER_HOST") or _env_int(env, "LOCAL_WORLD_SIZE") or 1
-
-
 def free_2mib_blocks(*, root: str = "/", page_bytes: int = 4096) -> int | None:
     """Free 2 MiB blocks the buddy allocator holds, over every node and zone
     (``/proc/buddyinfo``: free blocks per order; a block of order k >= 9 (4 KiB pages) holds
@@ -148,49 +128,6 @@ def free_2mib_blocks(*, root: str = "/", page_bytes: int = 4096) -> int | None:
         except ValueError:
             return None
     return total
-
-
-@attrs.frozen
-class EnvProblem:
-    """One ``HICACHE_*`` variable whose value hicache cannot use: its ``name``, the ``value`` as
-    set and the ``reason`` (which names both)."""
-
-    name: str
-    value: str
-    reason: str
-
-
-def environment_problems(env=None, *, paths: bool = True) -> list[EnvProblem]:
-    """Every row of the environment table checked against ``env`` - as its readers parse it,
-    and (``paths``) a path as it will be used (HICACHE_TRACE writable as a trace,
-    HICACHE_RUNTIME_DIR a private directory) - without changing anything. Empty: every
-    bring-up can read it."""
-    from hicache.effects._hostwide._rundir import runtime_dir_problem
-    from hicache.effects._trace import check_path
-    from hicache.errors import TraceOutputError
-
-    env = os.environ if env is None else env
-    problems = []
-    for setting in SETTINGS:
-        try:
-            value = env_value(env, setting.name)
-        except EnvError as error:
-            problems.append(EnvProblem(setting.name, env[setting.name], str(error)))
-            continue
-        reason = None
-        if value is None or not paths:
-            continue
-        if setting.name == "HICACHE_TRACE":
-            try:
-                check_path(value)
-            except TraceOutputError as error:
-                reason = str(error)
-        elif setting.name == "HICACHE_RUNTIME_DIR":
-            reason = runtime_dir_problem(Path(value))
-        if reason is not None:
-            problems.append(EnvProblem(setting.name, env[setting.name],
-                                       f"environment variable {setting.name}={env[setting.name]!r}: {reason}"))
-    return problems
 
 
 def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
@@ -292,34 +229,6 @@ def probe_cuda(binding=None) -> CudaFacts:
     return CudaFacts(available, driver or None, runtime_version, count or 0, None if available else error)
 
 
-#: SGLang's own setting for its registration helpers (hicache.compat.sglang reads it here).
-
-
-def sglang_register_chunk_bytes(env=None, *, default_gib: int = 256) -> int:
-    """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it: GiB, at least 1, default 256.
-
-    A value that is not an integer is a ValueError naming the variable (SGLang's env reader
-    would fail too); zero or negative is raised to 1, as SGLang's ``max(value, 1)`` does.
-    """
-    env = os.environ if env is None else env
-    raw = env.get(SGLANG_CHUNK_ENV)
-    if raw is None or raw.strip() == "":
-        gib = default_gib
-    else:
-        try:
-            gib = int(raw)
-        except ValueError:
-            raise ValueError(f"environment variable {SGLANG_CHUNK_ENV}={raw!r} must be an integer number of GiB") from None
-    return max(gib, 1) * 2**30
-
-
-def sglang_plugin_enabled(env=None) -> bool:
-    """HICACHE_SGLANG: whether the `hicache` SGLang plug-in patches anything (default on; off,
-    0, false, no turn it off). Another value is an `EnvError` naming it."""
-    value = env_value(os.environ if env is None else env, "HICACHE_SGLANG")
-    return True if value is None else value
-
-
 @attrs.frozen
 class GpuFacts:
     """One CUDA device: its index, PCI bus id and the NUMA node its host memory is closest to
@@ -364,25 +273,6 @@ def package_version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
-
-
-@attrs.frozen
-class PoolSettings:
-    """What a host pool does when its constructor was not told (SGLang's call sites pass no
-    hicache keywords): from HICACHE_PROGRESSIVE and HICACHE_HUGEPAGES; and whether the SGLang
-    plug-in puts hicache's host-pool classes in place of SGLang's (HICACHE_SGLANG_POOLS)."""
-
-    progressive: bool = False
-    hugepages: str = "off"
-    sglang_pools: bool = False
-
-
-def pool_settings(env=None) -> PoolSettings:
-    """`PoolSettings` from the environment; a value hicache cannot read is an `EnvError`
-    naming the variable and the value (never a silent default)."""
-    env = os.environ if env is None else env
-    return PoolSettings(bool(env_value(env, "HICACHE_PROGRESSIVE")), env_value(env, "HICACHE_HUGEPAGES") or "off",
-                        bool(env_value(env, "HICACHE_SGLANG_POOLS")))
 
 
 def resolve_numa_node(numa, *, cuda_binding=None, root: str = "/") -> tuple[int | None, str | None]:
