@@ -61,7 +61,7 @@ test: $(STAMP)  ## the whole test suite (ARGS passes pytest options; TEST_WORKER
 # beside six busy processes - the load of a shared 2-core box - in a random file order.
 test-loaded: $(STAMP)  ## the concurrency tests under a load of about 8 (scripts/under_load.py)
 	HICACHE_TEST_ORDER=$${HICACHE_TEST_ORDER:-random} $(BIN)/python scripts/under_load.py --hogs 6 -- \
-	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m concurrency $(ARGS)
+	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "concurrency and not load_free" $(ARGS)
 
 bench: $(STAMP)  ## the benchmarks: figure, baseline, ratio (ARGS=plan runs bench_plan only)
 	$(BIN)/python benchmarks/run.py $(ARGS)

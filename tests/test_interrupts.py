@@ -63,7 +63,8 @@ _WITH_EXIT = _return_line(_executor, "_apply", "with deferred_interrupts() as he
 #: return, its with-exit, and the handlers' restore in terminate_as_interrupt's finally.
 _OWNING = (_return_line(_bringup, "_owning_signals", "return function(*args, **kwargs)"),
            _return_line(_bringup, "_owning_signals", "with terminate_as_interrupt():"))
-_RESTORE = _return_line(_interrupts, "terminate_as_interrupt", "signal.signal(signum, signal.SIG_DFL)")
+_RESTORE = _return_line(_interrupts, "terminate_as_interrupt",
+                        "deque(map(signal.signal, mine, repeat(signal.SIG_DFL)), maxlen=0)")  # the first of two
 
 
 def _body(function) -> tuple[str, range]:
@@ -84,7 +85,7 @@ def _at_hand_over(where) -> bool:
     (file, line), = where
     return (
         (file, line) in (_HANDLE, _WITH_EXIT, *_OWNING)
-        or (file == _RESTORE[0] and _RESTORE[1] - 2 <= line <= _RESTORE[1])  # finally / for / restore
+        or (file == _RESTORE[0] and _RESTORE[1] - 2 <= line <= _RESTORE[1] + 4)  # finally, try, restore, except
         or any(file == f and line in lines for f, lines in _BUILD)
         or (file == _RETURN[0] and _LAST_CHECK[1] < line <= _RETURN[1])
         or (file == _CONSUME[0] and _CONSUME[1] - 2 <= line <= _CONSUME[1])
@@ -193,6 +194,8 @@ CALLERS = {"deferring": _deferring_caller, "plain": _plain_caller, "register-onl
 
 
 def _run(target, tmp_path, caller="deferring", **faults):
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # as a fresh process has them: a run whose Ctrl-C
+        signal.signal(signum, signal.SIG_DFL)       # landed in a restore must not change the next's lines
     directory = tmp_path / f"run-{target}"
     directory.mkdir(mode=0o700)
     runtime, ledger, lock, allocator = FakeRuntime(**faults), HostLedger(), BudgetLock(directory), HostTensorAllocator()

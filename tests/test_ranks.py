@@ -18,7 +18,11 @@ RANKS = 4
 POOL_GB = "1"
 
 
-@pytest.mark.parametrize("mode", ["apply", "pool"])
+@pytest.mark.parametrize("mode", [
+    pytest.param("apply", marks=pytest.mark.load_free("the same budget lock as the pool case, reached through the "
+                                                       "CLI: the pool case runs under load")),
+    "pool",
+])
 def test_ranks_starting_together_admit_exactly_one(tmp_path, mode):
     """Ranks starting together against room for one: exactly one comes up, the others are refused
     with error[budget-refused]."""

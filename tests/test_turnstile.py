@@ -545,6 +545,7 @@ def test_four_processes_never_overlap_their_calls_and_a_probe_waits_at_most_one_
     assert probes and all(_at_the_driver(calls, p["start"]) <= 1 for p in probes)
 
 
+@pytest.mark.load_free("the control of the test above: with no turnstile the calls pile up on any box")
 def test_without_the_turnstile_the_processes_calls_pile_up_at_the_driver(tmp_path):
     """The negative control: the same four bring-ups with HICACHE_PIN_CONCURRENCY=off each make
     one unpaced call, and all four queue at the driver at once (the test holds the fake's

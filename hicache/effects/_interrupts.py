@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections import deque
+from itertools import compress, repeat
 
 from hicache.errors import TerminationSignal, caused_by_interrupt
 
@@ -40,17 +42,17 @@ def terminate_as_interrupt():
     where their action is still the default (the process would die without undoing anything);
     a handler someone else installed, or SIG_IGN, is left alone. Restored on exit. Off the
     main thread it does nothing (only the main thread may set handlers)."""
-    installed = []
-    try:  # recorded before it is set: an interrupt between the two still restores it
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGHUP):
-                if signal.getsignal(signum) is signal.SIG_DFL:
-                    installed.append(signum)
-                    signal.signal(signum, _raise_termination)
+    main = threading.current_thread() is threading.main_thread()
+    mine = [s for s in (signal.SIGTERM, signal.SIGHUP) if main and signal.getsignal(s) is signal.SIG_DFL]
+    try:  # installed and restored in one C loop each: no Python line between the two signals
+        deque(map(signal.signal, mine, repeat(_raise_termination)), maxlen=0)
         yield
     finally:
-        for signum in installed:
-            signal.signal(signum, signal.SIG_DFL)
+        try:
+            deque(map(signal.signal, mine, repeat(signal.SIG_DFL)), maxlen=0)
+        except KeyboardInterrupt:  # a Ctrl-C that landed just before the restore ran: restore, then honour it
+            deque(map(signal.signal, mine, repeat(signal.SIG_DFL)), maxlen=0)
+            raise
 
 
 class deferred_interrupts:
@@ -72,11 +74,13 @@ class deferred_interrupts:
 
     def __enter__(self) -> "deferred_interrupts":
         if threading.current_thread() is threading.main_thread():
-            for signum in TERMINATING:
-                previous = signal.getsignal(signum)
-                if callable(previous):  # SIG_IGN / SIG_DFL / None: nothing Python-level to defer
-                    self._previous[signum] = previous
-                    signal.signal(signum, self._hold)
+            # The three signals in C loops (map, compress): no Python line runs between one
+            # signal's handler and the next, so a signal lands before the block or after its
+            # handlers are all in place - and the block stays as cheap as it was for one signal.
+            handlers = dict(zip(TERMINATING, map(signal.getsignal, TERMINATING)))
+            # SIG_IGN / SIG_DFL / None: nothing Python-level to defer
+            self._previous = dict(compress(handlers.items(), map(callable, handlers.values())))
+            deque(map(signal.signal, self._previous, repeat(self._hold)), maxlen=0)
         return self
 
     def consume(self) -> int:
@@ -88,8 +92,7 @@ class deferred_interrupts:
         if not self._previous:
             return
         previous, self._previous = self._previous, {}
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        deque(map(signal.signal, previous.keys(), previous.values()), maxlen=0)  # as in __enter__: all at once
         signum = self.consume()
         if signum and not caused_by_interrupt(exc):
             previous[signum](signum, None)  # Python's default: KeyboardInterrupt; ours: TerminationSignal
