@@ -314,12 +314,15 @@ class _Collector:
             rates = _STATE.last_rates
             read_waits = _STATE.turnstile_waits
         claims: dict = {}
+        smaps = None
         for pool, entry in entries:
             handle = entry.handle()
             alive = handle is not None and not entry.released and handle.state != "released"
             tiers = dict.fromkeys(TIERS, 0)
             if alive:
-                for _, tier in handle.tiers():  # as obtained: the kernel's numbers
+                if smaps is None and hasattr(handle, "read_smaps"):
+                    smaps = handle.read_smaps()  # once per scrape, however many pools (it grows with the mappings)
+                for _, tier in handle.tiers(smaps_text=smaps) if smaps is not None else handle.tiers():
                     tiers["hugetlb"] += tier.hugetlb
                     tiers["thp"] += tier.thp
                     tiers["4k"] += tier.base

@@ -89,7 +89,7 @@ def test_each_tier_is_reported_under_its_own_label(tmp_path, monkeypatch):
 
     pool = _pool("metrics-tiers", FakeRuntime(), tmp_path)
     try:
-        monkeypatch.setattr(pool._host, "tiers", lambda: [("k", PageTiers(2 * 2**21, 5 * 2**21, 5 * 4096)),
+        monkeypatch.setattr(pool._host, "tiers", lambda **_: [("k", PageTiers(2 * 2**21, 5 * 2**21, 5 * 4096)),
                                                          ("v", PageTiers(2**21, 0, 7 * 4096))])
         got = {tier: _value("hicache_host_pool_bytes", pool=pool.metrics_name, numa_node="none", tier=tier)
                for tier in ("hugetlb", "thp", "4k")}

@@ -273,13 +273,19 @@ class HostPools:
         cumulative count)``, ``count``, ``sum`` seconds (`hicache_turnstile_wait_seconds`)."""
         return wait_histogram()
 
-    def tiers(self) -> list:
+    def tiers(self, smaps_text: str | None = None) -> list:
         """``(buffer name, PageTiers)`` per buffer: the bytes the kernel backs with hugetlbfs
         pages, transparent huge pages and base pages right now (``/proc/self/smaps``) - the tier
-        obtained, not the one asked for (a hugepage fallback is a 2-5x bring-up cliff)."""
-        smaps = read_smaps()  # one read for every buffer
+        obtained, not the one asked for (a hugepage fallback is a 2-5x bring-up cliff).
+        ``smaps_text``: one read of it shared by several handles (`read_smaps`; a scrape of many pools)."""
+        smaps = read_smaps() if smaps_text is None else smaps_text  # one read for every buffer
         return [(request.name, page_tiers(tensor.data_ptr(), tensor.numel() * tensor.element_size(), smaps_text=smaps))
                 for request, tensor in zip(self.requests, self.tensors)]
+
+    @staticmethod
+    def read_smaps() -> str:
+        """``/proc/self/smaps`` once, for `tiers` of several handles."""
+        return read_smaps()
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once everything is registered (at once unless progressive); False on timeout;
