@@ -103,11 +103,10 @@ def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None,
         if not install():
             return
         entry = _Entry(handle, numa_node, page_num, ready_pages, phases)
-        timings, allocator = dict(handle.timings), handle.allocator
-        prefault = _prefault_s(timings, allocator)
-        register_s = _register_seconds(handle, timings)
-        registered = sum(size for _, size in handle.registered_ranges()) if register_s else 0
-        rates = (handle.total_bytes / prefault if prefault else 0.0, registered / register_s if register_s else 0.0)
+        record = handle.record(tiers=False)
+        prefault, register_s = record.prefault_s, record.register_s
+        registered = record.registered_bytes if register_s else 0
+        rates = (record.total_bytes / prefault if prefault else 0.0, registered / register_s if register_s else 0.0)
     except Exception:  # metrics never fail a bring-up (an interrupt still propagates)
         logger.exception("hicache metrics: could not track %s", pool)
         return
@@ -149,6 +148,14 @@ class _Detached:
 
     def budget_claims(self) -> dict:
         return {}  # SGLang's admission took the budget (hicache.effects.admission), not this buffer
+
+    def record(self, *, tiers: bool = True, smaps_text=None):
+        """This registration as the `BringupRecord` every bring-up gives (`HostPools.record`)."""
+        from hicache._bringup_record import make_record
+
+        return make_record(state=self.state, total_bytes=self.total_bytes,
+                           registered_bytes=sum(size for _, size in self.registered_ranges()), calls=self.calls,
+                           timings=self.timings, allocator=self.allocator, tiers=self.tiers() if tiers else ())
 
 
 def track_registration(pool: str, registration, *, timings=None, allocator=None, total_bytes: int = 0,
@@ -235,15 +242,6 @@ def _published() -> None:
         logger.exception("hicache metrics: could not publish")
 
 
-def _register_seconds(handle, timings: dict):
-    """Seconds of registration calls: the handle's timing, or - progressive, whose calls go on
-    after the bring-up returns - the calls made so far."""
-    if timings.get("register_s") is not None:
-        return timings["register_s"]
-    if getattr(handle, "mode", None) == "progressive":
-        return sum(call[2] for call in handle.calls) or None
-    return None
-
 
 def _store_families():
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -284,9 +282,6 @@ def _store_families():
     return [size, slots, pages, *counts.values(), attach]
 
 
-def _prefault_s(timings: dict, allocator):
-    return timings.get("prefault_s") or getattr(allocator, "prefault_s", None) or timings.get("allocate_prefault_s")
-
 
 class _Collector:
     """Reads every tracked bring-up when the registry is scraped."""
@@ -318,28 +313,26 @@ class _Collector:
         for pool, entry in entries:
             handle = entry.handle()
             alive = handle is not None and not entry.released and handle.state != "released"
+            if alive and smaps is None and hasattr(handle, "read_smaps"):
+                smaps = handle.read_smaps()  # once per scrape, however many pools (it grows with the mappings)
+            record = handle.record(smaps_text=smaps) if alive else None  # the bring-up's own frozen record
             tiers = dict.fromkeys(TIERS, 0)
-            if alive:
-                if smaps is None and hasattr(handle, "read_smaps"):
-                    smaps = handle.read_smaps()  # once per scrape, however many pools (it grows with the mappings)
-                for _, tier in handle.tiers(smaps_text=smaps) if smaps is not None else handle.tiers():
-                    tiers["hugetlb"] += tier.hugetlb
-                    tiers["thp"] += tier.thp
-                    tiers["4k"] += tier.base
+            for _, tier in record.tiers if record else ():  # as obtained: the kernel's numbers
+                tiers["hugetlb"] += tier.hugetlb
+                tiers["thp"] += tier.thp
+                tiers["4k"] += tier.base
             for tier, nbytes in tiers.items():
                 pool_bytes.add_metric([pool, entry.numa_node, tier], nbytes)
-            registered.add_metric([pool], sum(size for _, size in handle.registered_ranges()) if alive else 0)
-            if alive:
+            registered.add_metric([pool], record.registered_bytes if record else 0)
+            if record:
                 key = (pool, "ok")
-                tally[key] = tally.get(key, 0) + len(handle.calls)
-                timings, allocator = dict(handle.timings), handle.allocator
-                phase = {"map": getattr(allocator, "allocate_s", None), "prefault": _prefault_s(timings, allocator),
-                         "register": _register_seconds(handle, timings), "ready": timings.get("ready_s"),
-                         **entry.phases}
+                tally[key] = tally.get(key, 0) + record.calls
+                phase = {"map": record.map_s, "prefault": record.prefault_s, "register": record.register_s,
+                         "ready": record.ready_s, **entry.phases}
                 for name in PHASES:
                     if phase.get(name) is not None:
                         seconds.add_metric([pool, name], float(phase[name]))
-                claims.update(handle.budget_claims())
+                claims.update(dict(record.claims))
             ready.add_metric([pool], float(entry.ready_pages()) if alive and entry.ready_pages else 0.0)
             pages.add_metric([pool], float(entry.page_num or 0) if alive else 0.0)
         for (pool, result), count in sorted(tally.items()):

@@ -282,6 +282,18 @@ class HostPools:
         return [(request.name, page_tiers(tensor.data_ptr(), tensor.numel() * tensor.element_size(), smaps_text=smaps))
                 for request, tensor in zip(self.requests, self.tensors)]
 
+    def record(self, *, tiers: bool = True, smaps_text: str | None = None):
+        """This bring-up as a frozen `hicache._bringup_record.BringupRecord` (what the metrics show): state, bytes,
+        calls, phase seconds, page tiers (``tiers=False``: not read) and the host's claims."""
+        from hicache._bringup_record import make_record
+
+        return make_record(
+            state=self.state, total_bytes=self.total_bytes,
+            registered_bytes=sum(size for _, size in self.registered_ranges()), calls=self.calls,
+            timings=dict(self.timings), allocator=self.allocator, progressive=self.mode == "progressive",
+            tiers=self.tiers(smaps_text=smaps_text) if tiers else (), claims=self.budget_claims(),
+        )
+
     @staticmethod
     def read_smaps() -> str:
         """``/proc/self/smaps`` once, for `tiers` of several handles."""

@@ -99,3 +99,4 @@ def detached(report: Report | None, registration, snapshot) -> None:
                                                                **snapshot)
     except Exception:
         logger.exception("hicache metrics: could not follow the registration of %s", report.name)
+
