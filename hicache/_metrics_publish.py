@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 logger = logging.getLogger("hicache.metrics")
 
@@ -45,7 +46,6 @@ class Publisher:
         self.slots: dict = {}
         self.pid = os.getpid()
         self._thread = None
-        self._stop = threading.Event()
 
     def _slot(self, typ: str, family: str, sample: str, labels: dict, documentation: str):
         key = (typ, family, sample, tuple(labels.items()))
@@ -100,7 +100,8 @@ class Publisher:
             self._thread.start()
 
     def _run(self, collect) -> None:
-        while not self._stop.wait(PUBLISH_EVERY_S):
+        while True:  # a daemon: it ends with the process
+            time.sleep(PUBLISH_EVERY_S)
             publish(self, collect)
 
 

@@ -18,8 +18,6 @@ from hicache.plan import SGLANG_CHUNK_ENV
 from hicache.plan._env import SETTINGS, env_value
 
 
-#: Every HICACHE_* variable and what it sets: the one table's rows (`hicache.plan._env`).
-ENV_VARS = {setting.name: setting.meaning for setting in SETTINGS}
 
 
 def _env_int(env, name: str):

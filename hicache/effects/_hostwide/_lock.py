@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from hicache.effects._hostwide._rundir import env_seconds, private_dir as _private_dir, runtime_dir
+from hicache.effects._hostwide._rundir import private_dir as _private_dir, runtime_dir
+from hicache.plan._env import env_value
 from hicache.effects._trace import span
 from hicache.errors import LockTimeoutError, RegistrationStateError
 
@@ -40,7 +41,7 @@ POLL_S = 0.05  # how often a waiting bring-up tries the lock again
 
 def lock_timeout_s(env=None) -> float | None:
     """HICACHE_LOCK_TIMEOUT as seconds (None: unset, wait as long as it takes)."""
-    return env_seconds(os.environ if env is None else env, LOCK_TIMEOUT_ENV)
+    return env_value(os.environ if env is None else env, LOCK_TIMEOUT_ENV)
 
 
 #: Per lock file of this process: how many BudgetLocks hold it, and budget to give back once

@@ -1,7 +1,6 @@
 """The private runtime directory where hicache's host-wide coordination files live: the budget
 lock and its ledger (`_lock`), the registration turnstile (`_turnstile`), both beside it in
-``_hostwide`` - and the one reading of their seconds settings (HICACHE_LOCK_TIMEOUT,
-HICACHE_PIN_MAX_STALL_S).
+``_hostwide`` (their seconds settings are the environment table's rows).
 
 Its scope is what "the host" means to hicache - processes that share it coordinate. Mode 0700, owned by us, not a symlink: another user must not be able to hold a
 lock of ours or forge a ticket. Imports hicache.errors and the environment table only.
@@ -71,9 +70,3 @@ def runtime_dir_problem(path: Path) -> str | None:
         return (f"{path} must be owned by uid {os.getuid()} with mode 0700 (found uid {info.st_uid}, "
                 f"mode {oct(info.st_mode & 0o777)})")
     return None
-
-
-def env_seconds(env, name: str) -> float | None:
-    """Environment variable ``name`` (a seconds row of the one table) as seconds (None: unset or
-    blank); anything else is an `EnvError` naming the variable and the value."""
-    return env_value(env, name)

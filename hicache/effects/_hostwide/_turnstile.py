@@ -39,7 +39,7 @@ import weakref
 from pathlib import Path
 
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._hostwide._rundir import env_seconds, private_dir, runtime_dir
+from hicache.effects._hostwide._rundir import private_dir, runtime_dir
 from hicache.effects._trace import span
 from hicache.errors import PlanError
 from hicache.plan._env import env_value
@@ -449,7 +449,7 @@ def from_env(env=None, *, directory: Path | None = None) -> Turnstile | None:
     budget in seconds (default 0.25). A value hicache cannot read is an `EnvError` naming it."""
     env = os.environ if env is None else env
     value = env_value(env, CONCURRENCY_ENV) or AUTO  # auto, off or calls in flight across the host
-    stall = env_seconds(env, STALL_ENV) or DEFAULT_MAX_STALL_S
+    stall = env_value(env, STALL_ENV) or DEFAULT_MAX_STALL_S
     if value == OFF:
         return None
     if value == AUTO:
