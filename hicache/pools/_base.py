@@ -29,18 +29,19 @@ from hicache.effects import (
     probe_limits,
     resolve_numa_node,
 )
-from hicache.errors import LayoutError, NoAllocatorError, PlanError, RegistrationStateError, TransferError
-from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, format_gb, plan_pool, size_pool
+from hicache.errors import LayoutError, NoAllocatorError, RegistrationStateError, TransferError
+from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, format_gb, plan_pool
 from hicache.plan._settings import check_hugepages
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
-from hicache.pools._sglang_inputs import BufferDevice
-from hicache.pools._sglang_sizing import size_as_sglang
+from hicache.pools._forms import DEVICE_POOL
+from hicache.pools._geometry import make_geometry
+from hicache.pools._options import split_keywords
 from hicache.pools._transfer import Transfers, check_backend
 from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._views import layer_token_view
-from hicache.plan.checks import check_real, is_integer
+from hicache.plan.checks import is_integer
 from hicache.pools._server import server
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,6 @@ def synchronized(func):
     return wrapper
 
 
-
-def _gb_or_zero(value, owner: str) -> float:
-    """SGLang's ``host_size``: decimal GB per rank as a real number (numpy's too); 0 or less means
-    "size by the ratio", as SGLang reads it. A string or NaN is an error naming it."""
-    if value is None:
-        return 0.0
-    return check_real(PlanError, owner, "host_size", value, what="a finite number of GB (0: size by the ratio)")
 
 def _under_sglang_chunk_setting(limits):
     """In a server (`hicache.pools.server()`: SGLang's process, handed in by the plug-in), a pool
@@ -136,60 +130,29 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     shared_allocation_domain = None
     stores_page_envelope = False
     storage_format_tag = None
-    #: which SGLang constructor built the pool: "0.5.23" (a device-buffer description) or
-    #: "older" (a device pool first, SGLang before 0.5.23)
-    sglang_form = "older"
 
-    def __init__(
-        self,
-        device_pool,
-        host_to_device_ratio: float,
-        host_size: float,
-        page_size: int,
-        layout: str,
-        pin_memory: bool = True,
-        device: str = "cpu",
-        allocator_type: str | None = "default",
-        *,
-        pool_label: str = "kv",
-        strict_allocator: bool = False,
-        runtime=None,
-        limits=None,
-        host_memory_bytes: int | None = None,
-        allocator_fallback: str | None = None,
-        page_num: int | None = None,
-        ledger=None,
-        machine=None,
-        budget_lock=None,
-        copy_engine=None,
-        numa_node="auto",
-        progressive: bool | None = None,
-        max_stall_s: float | None = 0.25,
-        hugepages: str | None = None,
-        device_capacity_tokens: int | None = None,
-        start_layer: int | None = None,
-        end_layer: int | None = None,
-        host_token_capacity: int | None = None,
-        dcp_size: int = 1,
-        dcp_rank: int = 0,
-        is_dummy: bool = False,
-    ) -> None:
-        self.device_pool = device_pool
-        if isinstance(device_pool, BufferDevice):  # built from 0.5.23's device-buffer description
-            self.sglang_form = "0.5.23"
-            page_size = self._dcp(page_size, dcp_size, dcp_rank)
-        elif dcp_size != 1 or is_dummy or host_token_capacity is not None:
-            raise LayoutError(f"{type(self).__name__}: dcp_size, is_dummy and host_token_capacity come with SGLang "
-                              "0.5.23's constructor (a device-buffer description first), not a device pool")
-        self.page_size = page_size
+    def __init__(self, device_pool, host_to_device_ratio: float, host_size: float, page_size: int, layout: str,
+                 pin_memory: bool = True, device: str = "cpu", allocator_type: str | None = "default",
+                 **keywords) -> None:
+        """SGLang's base signature: the older form (a device pool first); the families' other
+        forms build through `_build` with their own geometry inputs (`_forms.FORMS`)."""
+        sizing, options = split_keywords(type(self).__name__, dict(
+            keywords, pin_memory=pin_memory, device=device, allocator_type=allocator_type),
+            host_to_device_ratio=host_to_device_ratio, host_size=host_size, page_size=page_size)
+        self._build(DEVICE_POOL, device_pool, sizing, layout, options)
+
+    def _build(self, form, view, sizing, layout: str, options) -> None:
+        """The one constructor body: geometry (adopted whole, never changed after), settings,
+        plan, allocator, then the bring-up, copy lanes and pages."""
+        name = type(self).__name__
+        if options.is_dummy and not form.mapped_layers:
+            raise LayoutError(f"{name}: dcp_size, is_dummy and host_token_capacity come with SGLang 0.5.23's "
+                              "constructor (a device-buffer description first), not a device pool")
         self.can_use_write_back_jit = False  # SGLang's staged write-back JIT kernel is CUDA-only
-        self.is_dummy = bool(is_dummy)
-        self.layout = layout
-        self.pin_memory = pin_memory
-        self.device = device
-        self.runtime = runtime
-        self.ledger = ledger  # None: the process ledger (what CUDA holds for this process)
-        self.pool_label = pool_label
+        self.is_dummy = bool(options.is_dummy)
+        self.pin_memory, self.device, self.pool_label = options.pin_memory, options.device, options.pool_label
+        self.runtime = options.runtime
+        self.ledger = options.ledger  # None: the process ledger (what CUDA holds for this process)
         self.lock = threading.RLock()
         self.registration = None
         self.kv_buffer = None
@@ -198,22 +161,23 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self._pages = None
         self._readiness = None
         self._transfers = None
-        self._size(host_to_device_ratio, host_size, page_num,
-                   dict(device_capacity_tokens=device_capacity_tokens, start_layer=start_layer, end_layer=end_layer,
-                        host_token_capacity=host_token_capacity))
-        self._settings(limits, progressive, hugepages, max_stall_s, numa_node)
+        self.geometry = make_geometry(self, form, view, sizing, layout)
+        self._adopt(self.geometry)
+        self._settings(options.limits, options.progressive, options.hugepages, options.max_stall_s,
+                       options.numa_node)
         self.pool_plan = plan_pool(self.descriptor, self._limits)
-        self.allocator = self._allocator(allocator_type, allocator_fallback, strict_allocator)
-        self.copy_engine = copy_engine if copy_engine is not None else CopyEngine()
-        self._bring_up_options = {"runtime": runtime, "machine": machine, "host_memory_bytes": host_memory_bytes,
-                                  "lock": budget_lock, "ledger": ledger, "device": device}
+        self.allocator = self._allocator(options.allocator_type, options.allocator_fallback, options.strict_allocator)
+        self.copy_engine = options.copy_engine if options.copy_engine is not None else CopyEngine()
+        self._bring_up_options = {"runtime": options.runtime, "machine": options.machine,
+                                  "host_memory_bytes": options.host_memory_bytes, "lock": options.budget_lock,
+                                  "ledger": options.ledger, "device": options.device}
         if self.is_dummy:  # SGLang's allocator-only pool: indices, no memory
             self._pages = PageAllocator(self.page_num, self.logical_page_size)
             return
         self._reserve()
         try:
-            self._transfers = Transfers(self._host_view, self.streams(), page_size=page_size, host_slots=self.size,
-                                        copy_engine=self.copy_engine, name=type(self).__name__)
+            self._transfers = Transfers(self._host_view, self.geometry.streams, page_size=self.page_size,
+                                        host_slots=self.size, copy_engine=self.copy_engine, name=name)
             if self._pages is None and self.has_allocator:
                 self._pages = PageAllocator(self.page_num, self.logical_page_size)
         except BaseException:  # never leave a half-built pool holding pinned memory
@@ -225,55 +189,24 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         """The ``pool`` label of this pool's metrics (`hicache.metrics`): class and pool label."""
         return f"{type(self).__name__}:{self.pool_label}"
 
-    # -- construction, in order: sizing, settings, allocator ---------------------------------
-    def _dcp(self, page_size: int, dcp_size: int, dcp_rank: int) -> int:
-        """SGLang 0.5.23: ``page_size`` arrives widened by ``dcp_size`` (decode context
-        parallelism); this rank holds every ``dcp_size``-th slot, so its physical page is
-        ``page_size // dcp_size``."""
-        name = type(self).__name__
-        for field, value in (("dcp_size", dcp_size), ("dcp_rank", dcp_rank), ("page_size", page_size)):
-            if not is_integer(value):
-                raise LayoutError(f"{name}.{field} must be an integer, got {value!r}")
-        if dcp_size < 1 or not 0 <= dcp_rank < dcp_size:
-            raise LayoutError(f"{name}: dcp_rank must lie in [0, dcp_size), got dcp_size={dcp_size}, dcp_rank={dcp_rank}")
-        if page_size <= 0 or page_size % dcp_size:
-            raise LayoutError(f"{name}: page_size ({page_size}) must be a positive multiple of dcp_size ({dcp_size}): "
-                              "the widened page from the DCP paged allocator")
-        self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
-        return page_size // dcp_size
+    @property
+    def sglang_form(self) -> str:
+        """Whose constructor built the pool: "0.5.23" or "older" (SGLang before 0.5.23)."""
+        return self.geometry.form.sglang
 
-    def _size(self, host_to_device_ratio: float, host_size: float, page_num: int | None, sglang: dict) -> None:
-        """Layers, dtype and pages from the device pool and SGLang's sizing arguments."""
-        if self.sglang_form == "0.5.23":
-            return size_as_sglang(self, host_to_device_ratio, host_size, page_num=page_num, **sglang)
-        device_pool = self.device_pool
-        self.dtype = self._store_dtype(device_pool)
-        self.start_layer = getattr(device_pool, "start_layer", 0) or 0
-        self.layer_num = self._layer_count(device_pool)
-        # Never from device_pool.end_layer: SGLang sets it inclusive when the caller gave none
-        # and exclusive when ModelRunner passes one; layer ids here are pool-local anyway.
-        self.end_layer = self.start_layer + self.layer_num
-        supported = self.descriptor_class().supported()
-        if self.layout not in supported:
-            raise LayoutError(f"{type(self).__name__}: layout {self.layout!r} is not supported; "
-                              f"supported: {', '.join(supported)}")
-        self.size_per_token = self.get_size_per_token()
-        host_size = _gb_or_zero(host_size, type(self).__name__)
-        if page_num is None:
-            sized = size_pool(
-                size_per_token_bytes=self.size_per_token, page_size=self.page_size,
-                host_gb=host_size if host_size and host_size > 0 else None,
-                device_tokens=getattr(device_pool, "size", None) or None,
-                host_to_device_ratio=host_to_device_ratio, rule="ceil",  # the older form: the older ceiling
-            )
-            for note in sized.notes:
-                logger.warning("%s: %s", type(self).__name__, note)
-            page_num = sized.page_num
-        self.page_num = page_num
-        self.size = page_num * self.page_size
-        self.descriptor = self.layout_descriptor(page_num)
-        self.device_capacity_tokens = getattr(device_pool, "size", 0) or 0
-        self.target_layer_num = self.layer_num
+    # -- the geometry, adopted once (nothing below writes these fields again) ---------------
+    def _adopt_facts(self, view, layout: str, facts) -> None:
+        """The device view and the facts a family's hooks read while the geometry is made."""
+        self.device_pool, self.layout = view, layout
+        self.dtype, self.layer_num, self.target_layer_num = facts.dtype, facts.layer_num, facts.target_layer_num
+        self.start_layer, self.end_layer, self.page_size = facts.start_layer, facts.end_layer, facts.page_size
+        self.dcp_size, self.dcp_rank = facts.dcp_size, facts.dcp_rank
+        self.device_capacity_tokens = facts.device_capacity_tokens
+
+    def _adopt(self, geometry) -> None:
+        """The size as the pool reports it and the descriptor that is brought up."""
+        self.size_per_token, self.page_num, self.size = geometry.size_per_token, geometry.page_num, geometry.size
+        self.descriptor = geometry.descriptor
 
     def _settings(self, limits, progressive, hugepages, max_stall_s, numa_node) -> None:
         """Progressive, page size (keywords beat HICACHE_*), limits, stall budget, NUMA node."""
@@ -282,7 +215,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         self.hugepages = settings.hugepages if hugepages is None else hugepages
         check_hugepages(LayoutError, type(self).__name__, self.hugepages)
         self._limits = limits if limits is not None else probe_limits()
-        if limits is None and self.sglang_form == "0.5.23":
+        if limits is None and self.geometry.form.server_chunk:
             self._limits = _under_sglang_chunk_setting(self._limits)
         if self.hugepages in HUGETLBFS_MODES and self._limits.hugepage_bytes is None:
             # hugetlbfs: boundaries on the huge page, so no two calls share one (vLLM PR #51081);
@@ -297,7 +230,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     def _allocator(self, allocator_type, fallback, strict: bool):
         """The storage back end's allocator, configured with this pool's NUMA node and pages."""
         allocator = get_allocator_from_storage(allocator_type, fallback=fallback or "default", strict=strict,
-                                               sglangs=self.sglang_form == "0.5.23")
+                                               sglangs=self.geometry.form.sglang_allocators)
         if isinstance(allocator, HostAllocator):  # hicache's: settings at construction
             allocator = allocator.configure(
                 numa_node=self.numa_node, hugepages=self.hugepages,
@@ -349,7 +282,8 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         register = self.pin_memory and not framework_pin
         allocator = FrameworkPinnedAllocator() if framework_pin else self.allocator
         progressive = self.progressive and register and self.has_allocator and self.layout in PROGRESSIVE_LAYOUTS \
-            and isinstance(allocator, HostAllocator) and allocator.can_map_unfaulted
+            and isinstance(allocator, HostAllocator) and allocator.can_map_unfaulted \
+            and self.geometry.buffer_page_num == self.page_num  # pages hand out what the buffers hold
         if self.progressive and not progressive:
             logger.info("%s: progressive registration needs a pinned pool with page-first layout; "
                         "registering all of it first", type(self).__name__)
@@ -453,9 +387,9 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
             raise RegistrationStateError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no memory to copy")
         if io_backend != "direct":  # the layout was checked when the pool was built
             check_backend(io_backend, self.layout, self.descriptor_class().supported())
-        if isinstance(self.device_pool, BufferDevice):
-            # 0.5.23: the device buffers of the description, whatever pool the caller passes
-            # (SGLang's own pools copy to the captured tensors too); this rank's rows under DCP
+        if self.geometry.form.own_device:
+            # the device buffers given at construction, whatever pool the caller passes (SGLang's
+            # own pools copy to the captured tensors too); this rank's rows under DCP
             device_pool = self.device_pool
             host_indices, device_indices = (self._dcp_rows(host_indices), self._dcp_rows(device_indices))
         self._transfers.run(device_pool, host_indices, device_indices, layers, to_host=to_host)
@@ -471,7 +405,7 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         """The host layer a controller's ``layer_id`` loads: pool-local ids, checked (older
         form); 0.5.23's map (targets by id, packed drafts with ``is_draft``), and nothing for a
         layer the pool does not hold - SGLang's own pools skip it too."""
-        if self.sglang_form != "0.5.23":
+        if not self.geometry.form.mapped_layers:
             return [self._check_layer(layer_id)]
         host = self.device_pool.resolve(_layer_id(layer_id), is_draft=bool(is_draft))
         return [] if host is None else [host]

@@ -9,7 +9,7 @@ slots a request holds (`-1` entries dropped).
 
 from __future__ import annotations
 
-from hicache.errors import CapacityError, HostPagesExhaustedError, TransferError
+from hicache.errors import HostPagesExhaustedError, TransferError
 
 
 

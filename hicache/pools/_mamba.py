@@ -11,15 +11,14 @@ from hicache.plan import (
 )
 from hicache.errors import LayoutError, TransferError
 from hicache.pools._base import HostKVCache, Stream
-from hicache.pools._sglang_inputs import (
-    is_mamba_info,
-    mamba_device,
-)
+from hicache.pools._forms import STATE_DESCRIPTION, NamedConstructors, form_of
+from hicache.pools._options import split_keywords
+from hicache.pools._sglang_inputs import mamba_device
 
 from hicache.pools._family_base import _first, _itemsize
 
 
-class MambaPoolHost(HostKVCache):
+class MambaPoolHost(NamedConstructors, HostKVCache):
     """Linear-attention state: one slot per request (page size 1), temporal + conv states.
 
     SGLang 0.5.23's constructor: ``MambaPoolHost(buffer_info: MambaStateBufferInfo,
@@ -32,22 +31,27 @@ class MambaPoolHost(HostKVCache):
     SGLang's, only the page-first layouts are supported, so callers pass ``layout``.
     """
 
+    pool_family = "mamba"
+
     def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, pin_memory=True, device="cpu",
                  allocator_type="default", layout="layer_first", *, device_capacity=None, mtp_draft_buffer_infos=(),
                  device_pool=None, **kwargs):
+        name = type(self).__name__
         first = _first(self, buffer_info, device_pool)
-        if is_mamba_info(first):
-            first = mamba_device(type(self).__name__, first, tuple(mtp_draft_buffer_infos),
-                                 device_capacity=device_capacity or 0)
+        form = form_of(self.pool_family, (first,), {})
+        keywords = dict(kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type)
+        if form is STATE_DESCRIPTION:
+            first = mamba_device(name, first, tuple(mtp_draft_buffer_infos), device_capacity=device_capacity or 0)
             self.mtp_draft_buffer_infos = tuple(mtp_draft_buffer_infos)
-            kwargs.update(device_capacity_tokens=device_capacity, start_layer=0, end_layer=first.layer_num)
+            keywords.update(device_capacity_tokens=device_capacity, start_layer=0, end_layer=first.layer_num)
         elif mtp_draft_buffer_infos or device_capacity is not None:
-            raise LayoutError(f"{type(self).__name__}: device_capacity and mtp_draft_buffer_infos come with SGLang "
+            raise LayoutError(f"{name}: device_capacity and mtp_draft_buffer_infos come with SGLang "
                               "0.5.23's constructor (a MambaStateBufferInfo first)")
         self._states_facts = _mamba_states(first)
-        super().__init__(first, host_to_device_ratio, host_size, 1, layout, pin_memory, device, allocator_type,
-                         **kwargs)
-        if self.sglang_form == "0.5.23":
+        sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
+                                         host_size=host_size, page_size=1)
+        self._build(form, first, sizing, layout, options)
+        if form is STATE_DESCRIPTION:
             self.num_mamba_layers = self.layer_num
             # SGLang's Mamba pool says True so HostPoolGroup's AND keeps its MLA sibling's
             # staged write-back; its own backup routes by layout and backend, as this one does
@@ -106,21 +110,21 @@ class MambaPoolHost(HostKVCache):
 
     def get_data_page(self, index, flat: bool = True):
         """0.5.23: the slot's bytes, state by state (SGLang's L3 format for Mamba)."""
-        if self.sglang_form != "0.5.23":
+        if not self.geometry.form.byte_pages:
             return super().get_data_page(index, flat)
         import torch
 
         return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in self._page_parts(index)])
 
     def get_dummy_flat_data_page(self):
-        if self.sglang_form != "0.5.23":
+        if not self.geometry.form.byte_pages:
             return super().get_dummy_flat_data_page()
         import torch
 
         return torch.zeros(self.page_size * self.size_per_token, dtype=torch.uint8)
 
     def set_from_flat_data_page(self, index, data_page) -> None:
-        if self.sglang_form != "0.5.23":
+        if not self.geometry.form.byte_pages:
             return super().set_from_flat_data_page(index, data_page)
         import torch
 

@@ -16,10 +16,9 @@ from hicache.plan import (
 from hicache.errors import LayoutError, TransferError
 from hicache.plan.checks import check_int, is_integer
 from hicache.pools._base import HostKVCache, Stream
-from hicache.pools._sglang_inputs import (
-    is_mha_info,
-    mha_device,
-)
+from hicache.pools._forms import ANCHOR, DESCRIPTION, NamedConstructors, form_of
+from hicache.pools._options import split_keywords
+from hicache.pools._sglang_inputs import mha_device
 
 from hicache.pools._family_base import _first, _itemsize
 
@@ -43,33 +42,35 @@ def _k_only_args(owner: str, args, kwargs) -> tuple:
         values.get("allocator_type", "default")
 
 
-def _mha_input(pool, first, drafts, write_back_staging, head_group_num, kwargs):
-    """SGLang 0.5.23's MHA form (an `MHABufferInfo` first) -> its `BufferDevice`; the older
-    form (a device pool first) as it is. Keywords only 0.5.23 has are refused with a pool."""
-    name = type(pool).__name__
-    head_group_num = check_int(LayoutError, name, "head_group_num", head_group_num)
-    pool.head_group_num = head_group_num  # only SGLang's page_unified layout groups heads
-    pool.write_back_staging = write_back_staging  # SGLang's CUDA write-back kernel's staging; unused here
-    if is_mha_info(first):
-        return mha_device(name, first, tuple(drafts), device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
-                          start_layer=kwargs.get("start_layer") or 0)
-    if drafts:
-        raise LayoutError(f"{name}: draft_buffer_infos come with SGLang 0.5.23's constructor (an MHABufferInfo first)")
-    return first
-
-
-class _MHAForms:
+class _MHAForms(NamedConstructors):
     """The MHA families' constructors: SGLang 0.5.23's (an `MHABufferInfo` first, its packed
-    drafts, staging and head groups) or the older one (a device pool first), then the family's
-    geometry fields (`_mha_geometry`)."""
+    drafts, staging and head groups) or the older one (a device pool first), told apart by
+    `_forms.FORMS`; then the family's geometry fields (`_mha_geometry`)."""
+
+    pool_family = "mha"
 
     def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
                  pin_memory=True, device="cpu", allocator_type="default", *, draft_buffer_infos=(),
                  write_back_staging=None, head_group_num=1, device_pool=None, **kwargs):
-        first = _mha_input(self, _first(self, buffer_info, device_pool), draft_buffer_infos, write_back_staging,
-                           head_group_num, kwargs)
-        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
-                         allocator_type, **kwargs)
+        name = type(self).__name__
+        first = _first(self, buffer_info, device_pool)
+        form = form_of(self.pool_family, (first,), {})
+        self.head_group_num = check_int(LayoutError, name, "head_group_num", head_group_num)  # page_unified only
+        self.write_back_staging = write_back_staging  # SGLang's CUDA write-back kernel's staging; unused here
+        sizing, options = split_keywords(name, dict(kwargs, pin_memory=pin_memory, device=device,
+                                                    allocator_type=allocator_type),
+                                         host_to_device_ratio=host_to_device_ratio, host_size=host_size,
+                                         page_size=page_size)
+        if form is DESCRIPTION:
+            view = mha_device(name, first, tuple(draft_buffer_infos),
+                              device_capacity_tokens=sizing.device_capacity_tokens or 0,
+                              start_layer=sizing.start_layer or 0)
+        elif draft_buffer_infos:
+            raise LayoutError(f"{name}: draft_buffer_infos come with SGLang 0.5.23's constructor (an MHABufferInfo "
+                              "first)")
+        else:
+            view = first
+        self._build(form, view, sizing, layout, options)
         self._mha_geometry()
 
 
@@ -149,15 +150,20 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
     form ``(device_pool, ratio, host_size, page_size, layout, ..., page_num=)`` still works,
     chosen by the second argument (a host pool, not a number)."""
 
+    pool_family = "mha_k_only"
+
     def __init__(self, device_pool=None, *args, **kwargs):
-        anchor = args[0] if args else kwargs.get("anchor_host")
-        if anchor is not None and hasattr(anchor, "page_num") and hasattr(anchor, "page_size"):
-            layout, pin_memory, device, allocator_type = _k_only_args(type(self).__name__, args[1:], kwargs)
-            super().__init__(device_pool, 1.0, 0, anchor.page_size, layout, pin_memory, device, allocator_type,
-                             page_num=anchor.page_num, **kwargs)
-            self.end_layer = getattr(device_pool, "end_layer", self.end_layer)  # SGLang's: the device pool's
-            return
-        super().__init__(device_pool, *args, **kwargs)
+        if form_of(self.pool_family, (device_pool, *args), kwargs) is not ANCHOR:
+            return super().__init__(device_pool, *args, **kwargs)  # the older form: the MHA base's
+        anchor = args[0] if args else kwargs["anchor_host"]
+        layout, pin_memory, device, allocator_type = _k_only_args(type(self).__name__, args[1:], kwargs)
+        sizing, options = split_keywords(type(self).__name__, dict(
+            kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type),
+            host_to_device_ratio=1.0, host_size=0, page_size=anchor.page_size, page_num=anchor.page_num,
+            end_layer=getattr(device_pool, "end_layer", None))  # SGLang's: the device pool's end layer
+        self.head_group_num, self.write_back_staging = 1, None
+        self._build(ANCHOR, device_pool, sizing, layout, options)
+        self._mha_geometry()
 
     @property
     def k_buffer(self):

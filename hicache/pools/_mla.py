@@ -14,18 +14,14 @@ from hicache.errors import LayoutError
 from hicache.plan import dsa_indexer_pages
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
-from hicache.pools._page_allocator import PageAllocator
-from hicache.pools._sglang_inputs import (
-    dsa_device,
-    is_mla_allocation,
-    is_mla_info,
-    mla_device,
-)
+from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, form_of
+from hicache.pools._options import split_keywords
+from hicache.pools._sglang_inputs import dsa_device, mla_device
 
 from hicache.pools._family_base import _first, _itemsize
 
 
-class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
+class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache):
     """Multi-head latent attention: one ``kv_lora_rank + qk_rope_head_dim`` vector per token
     (``override_kv_cache_dim``: another width, as SGLang's HiSparse coordinator passes the
     device pool's ``kv_cache_dim``; ``token_stride_size`` is its bytes).
@@ -39,39 +35,45 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
     The older SGLang's (a device pool first) still works, chosen by the first argument's type.
     """
 
+    pool_family = "mla"
+
     def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
                  pin_memory=True, device="cpu", allocator_type="default", override_kv_cache_dim=None,
                  draft_buffer_infos=(), dcp_size=1, dcp_rank=0, *, target_layer_num=None, layer_shard_enabled=False,
                  device_pool=None, **kwargs):
         name = type(self).__name__
         first = _first(self, buffer_info, device_pool)
+        form = form_of(self.pool_family, (first,), {})
         self.override_kv_cache_dim = override_kv_cache_dim
         self._allocation_size_per_token = None
-        if is_mla_info(first):
-            if target_layer_num is None:
-                raise LayoutError(f"{name}: SGLang 0.5.23's constructor needs the keyword target_layer_num")
-            dummy = is_mla_allocation(first)
-            self.dsa_kv_cache_store_fp8 = bool(getattr(first, "packed_fp8", False))
-            default_dim = first.kv_cache_dim if dummy else first.kv_lora_rank + first.qk_rope_head_dim
-            self.kv_cache_dim = override_kv_cache_dim or default_dim
-            if dummy:
-                self._allocation_size_per_token = int(first.size_per_token)
-                kwargs["is_dummy"] = True
-            first = mla_device(name, first, tuple(draft_buffer_infos),
-                               device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
-                               start_layer=kwargs.get("start_layer") or 0, target_layer_num=target_layer_num,
-                               layer_shard_enabled=layer_shard_enabled)
-            kwargs.update(dcp_size=dcp_size, dcp_rank=dcp_rank)
-        else:
+        keywords = dict(kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type)
+        if form is DEVICE_POOL:
             if draft_buffer_infos or dcp_size != 1 or target_layer_num is not None or layer_shard_enabled:
                 raise LayoutError(f"{name}: draft_buffer_infos, dcp_size, target_layer_num and layer_shard_enabled "
                                   "come with SGLang 0.5.23's constructor (an MLABufferInfo first)")
             self.dsa_kv_cache_store_fp8 = False
             self.kv_cache_dim = override_kv_cache_dim or first.kv_lora_rank + first.qk_rope_head_dim
-        self.kv_lora_rank = first.kv_lora_rank
-        self.qk_rope_head_dim = first.qk_rope_head_dim
-        super().__init__(first, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
-                         allocator_type, **kwargs)
+            view = first
+        else:
+            if target_layer_num is None:
+                raise LayoutError(f"{name}: SGLang 0.5.23's constructor needs the keyword target_layer_num")
+            self.dsa_kv_cache_store_fp8 = bool(getattr(first, "packed_fp8", False))
+            dummy = form is ALLOCATION  # SGLang's allocator-only pool: its geometry says the token size
+            self.kv_cache_dim = override_kv_cache_dim or (
+                first.kv_cache_dim if dummy else first.kv_lora_rank + first.qk_rope_head_dim)
+            if dummy:
+                self._allocation_size_per_token = int(first.size_per_token)
+                keywords["is_dummy"] = True
+            view = mla_device(name, first, tuple(draft_buffer_infos),
+                              device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
+                              start_layer=kwargs.get("start_layer") or 0, target_layer_num=target_layer_num,
+                              layer_shard_enabled=layer_shard_enabled)
+            keywords.update(dcp_size=dcp_size, dcp_rank=dcp_rank)
+        self.kv_lora_rank = view.kv_lora_rank
+        self.qk_rope_head_dim = view.qk_rope_head_dim
+        sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
+                                         host_size=host_size, page_size=page_size)
+        self._build(form, view, sizing, layout, options)
         self.token_stride_size = self.kv_cache_dim * _itemsize(self.dtype)
         self.layout_dim = self.token_stride_size * self.layer_num
 
@@ -105,7 +107,7 @@ class MLATokenToKVPoolHost(HiSparseHostPoolMixin, HostKVCache):
         return [Stream(0, None, lambda pool, layer: pool.kv_buffer[layer])]
 
 
-class DSAIndexerPoolHost(HostKVCache):
+class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
     """DeepSeek sparse-attention index keys (FP8 + fp32 scales, uint8), in whole page rows.
 
     SGLang 0.5.23's constructor: ``(decl: HostPoolDecl, anchor_host, *,
@@ -117,9 +119,10 @@ class DSAIndexerPoolHost(HostKVCache):
     anchor_pool=None)`` still works, chosen by the first argument (a declaration or a pool).
     """
 
+    pool_family = "dsa"
+
     def __init__(self, *args, anchor_pool=None, **kwargs):
-        first = args[0] if args else kwargs.get("decl")
-        if first is not None and hasattr(first, "storage_info") and hasattr(first, "device_pool"):
+        if form_of(self.pool_family, args, kwargs) is DECLARATION:
             return _init_dsa_from_decl(self, *args, **kwargs)
         if anchor_pool is not None:
             page_size = args[3] if len(args) > 3 else kwargs["page_size"]
@@ -170,15 +173,15 @@ def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=()
     pool.decl = decl
     pool.mtp_draft_device_pools = tuple(packed_draft_device_pools)
     indexer_page_num = dsa_indexer_pages(anchor_host.size, page_size)
-    HostKVCache.__init__(pool, view, 1.0, 0, page_size, anchor_host.layout, pin_memory, device, allocator_type,
-                         page_num=indexer_page_num, is_dummy=is_dummy, device_capacity_tokens=anchor_host.size,
-                         start_layer=view.start_layer, end_layer=getattr(decl.device_pool, "end_layer", view.layer_num),
-                         **kwargs)
     # SGLang's fields: the anchor's slots and pages; the buffer holds indexer_page_num pages
     pool.indexer_page_num = indexer_page_num
     pool.indexer_dtype = storage.dtype
     pool.indexer_page_stride_size = storage.page_bytes(page_size)
+    sizing, options = split_keywords(name, dict(kwargs, pin_memory=pin_memory, device=device,
+                                                allocator_type=allocator_type, is_dummy=is_dummy),
+                                     host_to_device_ratio=1.0, host_size=0, page_size=page_size,
+                                     page_num=anchor_host.page_num, buffer_page_num=indexer_page_num,
+                                     device_capacity_tokens=anchor_host.size, start_layer=view.start_layer,
+                                     end_layer=getattr(decl.device_pool, "end_layer", view.layer_num))
+    pool._build(DECLARATION, view, sizing, anchor_host.layout, options)
     pool.indexer_layout_dim = pool.indexer_page_stride_size * pool.layer_num
-    pool.size, pool.page_num = anchor_host.size, anchor_host.page_num
-    if pool._readiness is None and pool._pages is not None:  # slots as SGLang's: the anchor's
-        pool._pages = PageAllocator(anchor_host.page_num, pool.logical_page_size)

@@ -11,10 +11,12 @@ from hicache.plan import (
 )
 from hicache.plan.checks import is_integer
 from hicache.pools._base import HostKVCache, Stream
+from hicache.pools._forms import POOL_NAME, NamedConstructors, form_of
 from hicache.pools._hisparse import HiSparseHostPoolMixin
+from hicache.pools._options import split_keywords
 
 
-class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
+class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCache):
     """DeepSeek-V4 paged pool: ``item_bytes`` per page row per layer (device ``kv_buffer``).
 
     SGLang's constructor: ``DeepSeekV4PagedHostPool(pool_name, device_buffers, item_bytes,
@@ -28,8 +30,10 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     row_attribute = "item_bytes"
     device_attribute = "kv_buffer"
 
+    pool_family = "deepseek_v4"
+
     def __init__(self, *args, **kwargs):
-        if (args and isinstance(args[0], str)) or "pool_name" in kwargs:
+        if form_of(self.pool_family, args, kwargs) is POOL_NAME:
             _init_v4_from_sglang(self, *args, **kwargs)
         else:
             self.pool_name = None
@@ -61,11 +65,6 @@ class DeepSeekV4PagedHostPool(HiSparseHostPoolMixin, HostKVCache):
     def streams(self):
         attribute = self.device_attribute
         return [Stream(0, None, lambda pool, layer: getattr(pool, attribute)[layer], rows=True)]
-
-    def _transfer(self, device_pool, *args, **kwargs):
-        if self.pool_name is not None:  # SGLang's: the device buffers given at construction
-            device_pool = self.device_pool
-        return super()._transfer(device_pool, *args, **kwargs)
 
     def alloc(self, need_size: int):
         """SGLang's V4 pools round ``need_size`` up to whole slot pages."""
@@ -105,10 +104,13 @@ def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
         device_pool, num_host_pages, page_size, rest, kwargs = paged_device(pool_name, *args, **kwargs)
     layout, device, pin_memory, allocator_type = rest
     pool.pool_name = pool_name
-    HostKVCache.__init__(pool, device_pool, 1.0, 0, page_size, layout, pin_memory, device, allocator_type,
-                         page_num=num_host_pages, **kwargs)
-    pool.size_per_token = getattr(device_pool, pool.row_attribute)  # SGLang's: one row's bytes
+    row_bytes = getattr(device_pool, pool.row_attribute)
+    sizing, options = split_keywords(type(pool).__name__, dict(kwargs, pin_memory=pin_memory, device=device,
+                                                                allocator_type=allocator_type),
+                                     host_to_device_ratio=1.0, host_size=0, page_size=page_size,
+                                     page_num=num_host_pages, size_per_token=row_bytes)  # SGLang's: one row's bytes
+    pool._build(POOL_NAME, device_pool, sizing, layout, options)
     pool.page_aligned_only = getattr(device_pool, "page_aligned_only", False)
-    setattr(pool, pool.row_attribute, getattr(device_pool, pool.row_attribute))  # item_bytes / state_page_bytes
+    setattr(pool, pool.row_attribute, row_bytes)  # item_bytes / state_page_bytes
     pool.device_buffers = getattr(device_pool, "kv_buffer", None) if pool.row_attribute == "item_bytes" else None
     pool.num_host_pages, pool.slot_page_size = num_host_pages, page_size

@@ -1,0 +1,140 @@
+"""The one place a host pool's SGLang constructor form is told apart (issue #34 item 2).
+
+SGLang has called its host pools several ways: 0.5.23's device-buffer description first (an
+`MHABufferInfo`, `MLABufferInfo`, `MLAHostAllocation`, `MambaStateBufferInfo`, a DSA
+`HostPoolDecl`, a K-only pool's anchor host pool second), DeepSeek-V4's ``pool_name`` first, and
+the older SGLang's device pool first. `FORMS` lists each family's forms in the order they are
+tried, each with its detector and its named constructor; a family's SGLang-facing ``__init__``
+asks `form_of` once and the pool records the `Form` in its geometry. What differs by form - which
+device tensors a transfer copies, how layer ids map, how the pool is sized, which allocator
+table and chunk setting apply - is a field of `Form`, read by the base; nothing else in
+`hicache.pools` tests what the first argument is (tests/test_import_rules.py). May import
+`_sglang_inputs` (the detectors' field tests) and errors only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+
+from hicache.errors import LayoutError
+from hicache.pools._sglang_inputs import is_mamba_info, is_mha_info, is_mla_allocation, is_mla_info
+
+
+@attrs.frozen
+class Form:
+    """One SGLang constructor form and how a pool built by it behaves.
+
+    ``sglang``: whose constructor it is ("0.5.23" or "older": SGLang's `pool_host` package
+    arrived in 0.5.23); ``constructor``: the family's named constructor for it; ``sizing``: how
+    its pages are counted ("sglang-0.5.23": SGLang 0.5.23's rule, its padding page included;
+    "ceil": the older ceiling; "anchor": the anchor pool's pages; "given": the caller's page
+    count); ``own_device``: transfers copy the device tensors given at construction whatever
+    pool the caller passes (SGLang's pools do); ``mapped_layers``: controller layer ids go through
+    the description's map (targets, packed drafts; a layer it lacks copies nothing) instead of
+    being pool-local ids checked against the range; ``server_chunk``: the server's own
+    host-register chunk setting caps each call; ``sglang_allocators``: allocator names read as
+    SGLang 0.5.23's table; ``byte_pages``: flat pages are raw bytes (0.5.23's Mamba format)."""
+
+    name: str
+    sglang: str
+    constructor: str
+    sizing: str
+    own_device: bool = False
+    mapped_layers: bool = False
+    server_chunk: bool = False
+    sglang_allocators: bool = False
+    byte_pages: bool = False
+
+
+_DESCRIBED = dict(sglang="0.5.23", own_device=True, mapped_layers=True, server_chunk=True, sglang_allocators=True)
+DESCRIPTION = Form("description", constructor="from_buffer_info", sizing="sglang-0.5.23", **_DESCRIBED)
+ALLOCATION = Form("allocation", constructor="from_allocation", sizing="sglang-0.5.23", **_DESCRIBED)
+STATE_DESCRIPTION = Form("state description", constructor="from_buffer_info", sizing="sglang-0.5.23",
+                         byte_pages=True, **_DESCRIBED)
+DECLARATION = Form("declaration", constructor="from_decl", sizing="anchor", **_DESCRIBED)
+ANCHOR = Form("anchor", sglang="0.5.23", constructor="from_anchor", sizing="anchor")
+POOL_NAME = Form("pool_name", sglang="0.5.23", constructor="from_pool_name", sizing="given", own_device=True)
+DEVICE_POOL = Form("device pool", sglang="older", constructor="from_device_pool", sizing="ceil")
+
+
+def _first(args, kwargs, *names):
+    """The first argument, by position or under one of ``names`` (SGLang's HiSparse coordinator
+    passes them by keyword)."""
+    if args:
+        return args[0]
+    return next((kwargs[name] for name in names if kwargs.get(name) is not None), None)
+
+
+def _second(args, kwargs, name):
+    return args[1] if len(args) > 1 else kwargs.get(name)
+
+
+def _is_anchor(pool) -> bool:
+    return hasattr(pool, "page_num") and hasattr(pool, "page_size")
+
+
+def _is_declaration(obj) -> bool:
+    return hasattr(obj, "storage_info") and hasattr(obj, "device_pool")
+
+
+Detector = Callable[[tuple, dict], bool]
+#: family -> ((form, detector(args, kwargs)), ...) tried in order; the last detector always matches
+FORMS: dict[str, tuple[tuple[Form, Detector], ...]] = {
+    "mha": ((DESCRIPTION, lambda a, k: is_mha_info(_first(a, k, "buffer_info"))),
+            (DEVICE_POOL, lambda a, k: True)),
+    "mha_k_only": ((ANCHOR, lambda a, k: _is_anchor(_second(a, k, "anchor_host"))),
+                   (DEVICE_POOL, lambda a, k: True)),
+    "mla": ((ALLOCATION, lambda a, k: is_mla_allocation(_first(a, k, "buffer_info"))),
+            (DESCRIPTION, lambda a, k: is_mla_info(_first(a, k, "buffer_info"))),
+            (DEVICE_POOL, lambda a, k: True)),
+    "mamba": ((STATE_DESCRIPTION, lambda a, k: is_mamba_info(_first(a, k, "buffer_info"))),
+              (DEVICE_POOL, lambda a, k: True)),
+    "dsa": ((DECLARATION, lambda a, k: _is_declaration(_first(a, k, "decl"))),
+            (DEVICE_POOL, lambda a, k: True)),
+    "deepseek_v4": ((POOL_NAME, lambda a, k: isinstance(_first(a, k, "pool_name"), str)),
+                    (DEVICE_POOL, lambda a, k: True)),
+}
+
+
+def form_of(family: str, args: tuple, kwargs: dict) -> Form:
+    """The form of a constructor call of ``family`` (``args``/``kwargs`` as the caller passed them)."""
+    return next(form for form, detects in FORMS[family] if detects(args, kwargs))
+
+
+def forms_of(family: str) -> tuple[Form, ...]:
+    """Every form ``family`` serves, in the order `form_of` tries them."""
+    return tuple(form for form, _ in FORMS[family])
+
+
+def check_named(cls, wanted: str, args: tuple, kwargs: dict) -> None:
+    """A named constructor (``cls.from_X(...)``) refuses a call of another form, naming both."""
+    form = form_of(cls.pool_family, args, kwargs)
+    if form.constructor != wanted:
+        served = ", ".join(f.constructor for f in forms_of(cls.pool_family))
+        raise LayoutError(f"{cls.__name__}.{wanted}() was called with the {form.name} form ({form.constructor}); "
+                          f"{cls.__name__} serves {served}")
+
+
+class NamedConstructors:
+    """Mixed into every family: ``cls.from_<form>(...)`` for each form in `FORMS`, each the
+    SGLang-facing constructor restricted to that one form (same arguments)."""
+
+    pool_family: str = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for form in forms_of(cls.pool_family) if cls.pool_family else ():
+            if form.constructor not in cls.__dict__:
+                setattr(cls, form.constructor, classmethod(_named(form.constructor)))
+
+
+def _named(wanted: str):
+    def construct(cls, *args, **kwargs):
+        check_named(cls, wanted, args, kwargs)
+        return cls(*args, **kwargs)
+
+    construct.__name__ = wanted
+    construct.__doc__ = f"The pool from SGLang's {wanted[5:].replace('_', ' ')} form only (else LayoutError)."
+    return construct
