@@ -202,10 +202,115 @@ def test_the_sys_modules_rule_sees_a_read():
     assert _reads_sys_modules(MODULES["hicache.compat.sglang_process"])
 
 
+#: the one place a host pool's constructor form is told apart (and the field tests it uses)
+FORM_TABLE = {"hicache.pools._forms", "hicache.pools._sglang_inputs"}
+_DETECTORS = {"is_mha_info", "is_mla_info", "is_mamba_info", "is_mla_allocation"}
+_FIRST_ARGUMENTS = {"first", "buffer_info", "device_pool", "decl", "anchor", "anchor_host", "pool_name", "args"}
+
+
+def _form_tests(path: Path) -> list[int]:
+    """Lines that test what a constructor's first argument is: a detector call, isinstance or
+    hasattr of a first argument (``args[0]`` included), isinstance of `BufferDevice`, or a
+    comparison of ``sglang_form``."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.func.id
+            target = node.args[0] if node.args else None
+            target = target.value if isinstance(target, ast.Subscript) else target
+            kinds = node.args[1:2]
+            if name in _DETECTORS or (name in ("isinstance", "hasattr") and isinstance(target, ast.Name)
+                                      and target.id in _FIRST_ARGUMENTS) \
+                    or (name == "isinstance" and any("BufferDevice" in ast.dump(k) for k in kinds)):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and "sglang_form" in ast.dump(node):
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("hicache.pools") and m not in FORM_TABLE),
+                         ids=str)
+def test_a_pools_form_is_told_apart_only_in_the_form_table(module):
+    """Outside `_forms` (and the description readers it uses) no pools module tests what a
+    constructor's first argument is: families ask `form_of`, the base reads the `Form`."""
+    assert not _form_tests(MODULES[module]), f"{module}: a form test at lines {_form_tests(MODULES[module])}"
+
+
+def test_the_form_rule_sees_a_form_test():
+    """Not vacuous: the form table itself is found to test first arguments."""
+    assert _form_tests(MODULES["hicache.pools._forms"])
+
+
+#: what a pool adopts from its geometry, once (`_adopt_facts`, `_adopt`; `_build` sets the geometry)
+ADOPTED = {"size", "page_num", "size_per_token", "descriptor", "dtype", "layer_num", "target_layer_num", "start_layer",
+           "end_layer", "page_size", "dcp_size", "dcp_rank", "device_capacity_tokens", "device_pool", "layout",
+           "geometry", "_pages"}
+ADOPTERS = {"_adopt", "_adopt_facts", "_build", "_progressive_mode"}  # _pages: the allocator, made at the bring-up
+
+
+def _pool_classes() -> set[str]:
+    """Names of the host-pool classes and their mixins in pools/ (from HostKVCache's bases on)."""
+    classes = {node.name: node for path in (p for m, p in MODULES.items() if m.startswith("hicache.pools"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+    bases = {name: {b.id for b in node.bases if isinstance(b, ast.Name)} for name, node in classes.items()}
+    pools = {"HostKVCache"} | bases["HostKVCache"]
+    while True:
+        more = {name for name, b in bases.items() if b & {"HostKVCache", *pools} - {"abc.ABC"} and name not in pools}
+        more |= {b for name in pools for b in bases.get(name, ()) if b in classes}
+        if more <= pools:
+            return pools
+        pools |= more
+
+
+def _overwrites(path: Path, pool_classes: set[str]) -> list[int]:
+    """Lines outside the adopters that assign an adopted field on a pool (``self.`` in a pool
+    class, ``pool.`` in a module function taking the pool)."""
+    lines = []
+
+    def scan(function, owner: str) -> None:
+        if function.name in ADOPTERS:
+            return
+        for node in ast.walk(function):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for each in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(each, ast.Attribute) and each.attr in ADOPTED and isinstance(each.value, ast.Name) \
+                            and each.value.id == owner:
+                        lines.append(node.lineno)
+
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name in pool_classes:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    scan(item, "self")
+        elif isinstance(node, ast.FunctionDef) and node.args.args and node.args.args[0].arg == "pool":
+            scan(node, "pool")
+    return lines
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("hicache.pools")), ids=str)
+def test_a_pools_geometry_is_adopted_once_and_never_written_over(module):
+    """What a pool reports (size, pages, bytes a token, layers, its descriptor) is set only where
+    it adopts its PoolGeometry - never written over after the bring-up (DSA and V4 once did)."""
+    assert not _overwrites(MODULES[module], _pool_classes()), f"{module}: lines {_overwrites(MODULES[module], _pool_classes())}"
+
+
+def test_the_overwrite_rule_sees_the_adopters_and_every_family():
+    """Not vacuous: every family is a pool class, and the base's adopters are found to assign."""
+    assert {"MHATokenToKVPoolHost", "DSAIndexerPoolHost", "DeepSeekV4StateHostPool", "MambaPoolHost",
+            "MHATokenToKOnlyPoolHost", "ProgressiveMixin"} <= _pool_classes()
+    saved = set(ADOPTERS)
+    ADOPTERS.clear()
+    try:
+        assert _overwrites(MODULES["hicache.pools._base"], _pool_classes())
+    finally:
+        ADOPTERS.update(saved)
+
+
 MAX_LINES = 400  # a module past this holds more than one charter (issue #34)
 #: The modules still past it, and why (each shrinks with the item of #34 named; none may grow).
 OVER_MAX = {
-    "hicache.pools._base": (568, "the base pool still sizes, sets up and serves: #34 item 1's PoolGeometry takes the sizing out"),
     "hicache.effects._hostwide._turnstile": (469, "tickets, pacing and the wait histogram in one file: #34 item 6's gate splits pacing off"),
     "hicache.effects._host._memory": (443, "mapping, hugepage choice and pre-fault: #34 item 5's host set-up takes the hugepage choice"),
 }

@@ -1,20 +1,18 @@
-"""`HostKVCache`: the base of every host KV pool - sizing, allocation, registration, pages.
+"""`HostKVCache`: the base of every host KV pool - its lifetime, allocation and pages.
 
-Owns a pool's lifetime, in the order the constructor reads: size it (ceil pages, decimal GB
-per rank), settle its settings and plan, bring it up through `hicache.effects.bring_up` (one
-handle: budget, memory, registration), then views for transfers (`Transfers`) and pages;
-`destroy()` is stop, wait for copies, release. Subclasses say only what their buffers and
-device views look like.
+Owns a pool's lifetime, in the order `_build` reads: adopt the `PoolGeometry` its family's
+form made (`_geometry`, `_forms`; never changed after), settle its settings and plan, bring it
+up through `hicache.effects.bring_up` (one handle: budget, memory, registration), then the copy
+lanes (`_device_copies`) and pages; `destroy()` is stop, wait for copies, release. Families
+say only what their buffers and device views look like; the base never asks which form it is.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-import operator
 import threading
 from functools import wraps
-from typing import NamedTuple
 
 import attrs
 
@@ -29,19 +27,18 @@ from hicache.effects import (
     probe_limits,
     resolve_numa_node,
 )
-from hicache.errors import LayoutError, NoAllocatorError, RegistrationStateError, TransferError
+from hicache.errors import LayoutError, NoAllocatorError, RegistrationStateError
 from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, format_gb, plan_pool
 from hicache.plan._settings import check_hugepages
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
+from hicache.pools._device_copies import DeviceCopiesMixin, Stream
 from hicache.pools._forms import DEVICE_POOL
 from hicache.pools._geometry import make_geometry
 from hicache.pools._options import split_keywords
-from hicache.pools._transfer import Transfers, check_backend
+from hicache.pools._transfer import Transfers
 from hicache.pools._storage import StoragePagesMixin
-from hicache.pools._views import layer_token_view
-from hicache.plan.checks import is_integer
 from hicache.pools._server import server
 
 logger = logging.getLogger(__name__)
@@ -62,7 +59,6 @@ def synchronized(func):
     return wrapper
 
 
-
 def _under_sglang_chunk_setting(limits):
     """In a server (`hicache.pools.server()`: SGLang's process, handed in by the plug-in), a pool
     built by SGLang 0.5.23's constructor also keeps each call within the server's own chunk
@@ -73,29 +69,12 @@ def _under_sglang_chunk_setting(limits):
     return attrs.evolve(limits, chunk_limit_bytes=chunk) if chunk < limits.chunk_limit_bytes else limits
 
 
-class Stream(NamedTuple):
-    """One host<->device copy stream: a host buffer (and K/V half) and its device tensor."""
-
-    buffer: int
-    kv: int | None
-    device: object  # callable(device_pool, layer) -> device tensor for that layer
-    rows: bool = False  # whole page rows (DSA, DeepSeek-V4) instead of token slots
-
-
-
-def _layer_id(layer_id) -> int:
-    """A controller's layer id as an int (numpy/torch integers count; a bool does not)."""
-    if not is_integer(layer_id):
-        raise TransferError(f"layer_id must be an integer, got {layer_id!r} ({type(layer_id).__name__})")
-    return operator.index(layer_id)
-
-
 def _device_type(device_pool) -> str:
     device = getattr(device_pool, "device", "cpu")
     return str(device).split(":")[0]
 
 
-class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
+class HostKVCache(DeviceCopiesMixin, ProgressiveMixin, StoragePagesMixin, abc.ABC):
     """Abstract host KV pool with SGLang's constructor and interface.
 
     ``host_size`` is decimal GB per rank (SGLang's ``--hicache-size``; 0 to size by
@@ -368,73 +347,6 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
         """Free token slots, exactly."""
         return self._allocator_or_raise().available_size()
 
-    # -- transfers --------------------------------------------------------------------------
-    def _host_view(self, stream: Stream, layer: int):
-        tensor = self.buffers[stream.buffer]
-        return layer_token_view(tensor, self.descriptor.family, self.layout, layer, stream.kv, self.page_size)
-
-    def _check_layer(self, layer_id: int) -> int:
-        """A pool-local layer id (``0..layer_num-1``: what SGLang's controller passes, also on a
-        pipeline stage whose ``start_layer > 0``)."""
-        layer = _layer_id(layer_id)
-        if not 0 <= layer < self.layer_num:
-            raise TransferError(f"layer_id {layer} out of range [0, {self.layer_num}) (pool-local ids)")
-        return layer
-
-    def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
-        self._alive()
-        if self._transfers is None:
-            raise RegistrationStateError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no memory to copy")
-        if io_backend != "direct":  # the layout was checked when the pool was built
-            check_backend(io_backend, self.layout, self.descriptor_class().supported())
-        if self.geometry.form.own_device:
-            # the device buffers given at construction, whatever pool the caller passes (SGLang's
-            # own pools copy to the captured tensors too); this rank's rows under DCP
-            device_pool = self.device_pool
-            host_indices, device_indices = (self._dcp_rows(host_indices), self._dcp_rows(device_indices))
-        self._transfers.run(device_pool, host_indices, device_indices, layers, to_host=to_host)
-
-    def _dcp_rows(self, indices):
-        """SGLang's `maybe_dcp_kernel_indices`: widened logical slots -> this rank's rows (slot %
-        dcp_size == dcp_rank owns row slot // dcp_size)."""
-        if self.dcp_size == 1:
-            return indices
-        return indices[self.dcp_rank :: self.dcp_size] // self.dcp_size
-
-    def _layers_for(self, layer_id, is_draft: bool) -> list[int]:
-        """The host layer a controller's ``layer_id`` loads: pool-local ids, checked (older
-        form); 0.5.23's map (targets by id, packed drafts with ``is_draft``), and nothing for a
-        layer the pool does not hold - SGLang's own pools skip it too."""
-        if not self.geometry.form.mapped_layers:
-            return [self._check_layer(layer_id)]
-        host = self.device_pool.resolve(_layer_id(layer_id), is_draft=bool(is_draft))
-        return [] if host is None else [host]
-
-    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
-                                 is_draft: bool = False) -> None:
-        """Copy the given slots of one layer host -> device (``is_draft``: a packed MTP draft
-        layer, SGLang 0.5.23)."""
-        layers = self._layers_for(layer_id, is_draft)
-        if layers:
-            self._transfer(device_pool, host_indices, device_indices, layers, io_backend, to_host=False)
-
-    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
-        """Copy the given slots of every layer device -> host."""
-        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), io_backend, to_host=True)
-
-    # -- SGLang 0.5.23's L2 hooks (pool_host/base.py; called by mem_cache/l2_transfer.py) ---
-    def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
-        """Indices as the transfer uses them: physical already (no compacting layout here)."""
-        return host_indices, device_indices
-
-    def backup_from_device_all_layer_physical(self, device_pool, host_indices, device_indices, io_backend) -> None:
-        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
-
-    def load_to_device_per_layer_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
-                                          is_draft: bool = False) -> None:
-        self.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
-                                      is_draft=is_draft)
-
     @property
     def logical_size(self) -> int:
         """Slots the radix cache and controllers see: ``dcp_size`` of them share a row."""
@@ -444,21 +356,6 @@ class HostKVCache(ProgressiveMixin, StoragePagesMixin, abc.ABC):
     def logical_page_size(self) -> int:
         """The page in that same logical space (the widened DCP page)."""
         return self.page_size * self.dcp_size
-
-    def get_page_buffer_element_size(self, split_factor: int = 1):
-        """Bytes of one storage element (SGLang's: the first size of the page meta of page 0),
-        or None when the pool has no zero-copy elements."""
-        import torch
-
-        indices = torch.zeros(self.logical_page_size, dtype=torch.int64)
-        meta = (self.get_split_heads_page_buffer_meta(indices, split_factor) if split_factor != 1
-                else self.get_page_buffer_meta(indices))
-        sizes = meta[1] if meta else None
-        return int(sizes[0]) if sizes else None
-
-    def get_hybrid_pool_buffer(self) -> list:
-        """The host tensors a zero-copy back end registers (mooncake, nixl, umbp linkers)."""
-        return list(self.buffers)
 
     # -- teardown ---------------------------------------------------------------------------
     def destroy(self) -> None:

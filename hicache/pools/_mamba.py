@@ -47,7 +47,7 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
         elif mtp_draft_buffer_infos or device_capacity is not None:
             raise LayoutError(f"{name}: device_capacity and mtp_draft_buffer_infos come with SGLang "
                               "0.5.23's constructor (a MambaStateBufferInfo first)")
-        self._states_facts = _mamba_states(first)
+        self._states_facts = _mamba_states(first, form)
         sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
                                          host_size=host_size, page_size=1)
         self._build(form, first, sizing, layout, options)
@@ -140,11 +140,11 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
             offset += size
 
 
-def _mamba_states(first) -> list:
-    """``[(state shape, dtype)]``: temporal, then each conv state - from a `MambaPool`'s
-    ``mamba_cache`` or a 0.5.23 description's adapter."""
-    if hasattr(first, "mamba_facts"):
-        return list(first.mamba_facts)
-    cache = first.mamba_cache
+def _mamba_states(view, form) -> list:
+    """``[(state shape, dtype)]``: temporal, then each conv state - from a 0.5.23 description's
+    adapter (`mamba_device`) or an older `MambaPool`'s ``mamba_cache``."""
+    if form is STATE_DESCRIPTION:
+        return list(view.mamba_facts)
+    cache = view.mamba_cache
     return [(tuple(cache.temporal.shape[2:]), cache.temporal.dtype),
             *[(tuple(conv.shape[2:]), conv.dtype) for conv in cache.conv]]

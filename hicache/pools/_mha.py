@@ -136,8 +136,8 @@ def get_mha_host_pool_cls(device_pool):
     """SGLang's chooser: the asymmetric MHA host pool when K and V head dims differ."""
     head_dim = getattr(device_pool, "head_dim", None)
     v_head_dim = getattr(device_pool, "v_head_dim", head_dim)
-    if head_dim is None and hasattr(device_pool, "k_head_dim"):
-        head_dim = device_pool.k_head_dim
+    if head_dim is None:  # the older device pools name it k_head_dim
+        head_dim = getattr(device_pool, "k_head_dim", None)
     return AsymmetricMHATokenToKVPoolHost if v_head_dim != head_dim else MHATokenToKVPoolHost
 
 

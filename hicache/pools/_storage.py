@@ -46,6 +46,21 @@ class StoragePagesMixin:
     """Mixed into `HostKVCache` (needs ``buffers``, ``descriptor``, ``layout``, ``page_size``,
     ``size``, ``dtype``, ``size_per_token`` and ``_alive()``)."""
 
+    def get_page_buffer_element_size(self, split_factor: int = 1):
+        """Bytes of one storage element (SGLang's: the first size of the page meta of page 0),
+        or None when the pool has no zero-copy elements."""
+        import torch
+
+        indices = torch.zeros(self.logical_page_size, dtype=torch.int64)
+        meta = (self.get_split_heads_page_buffer_meta(indices, split_factor) if split_factor != 1
+                else self.get_page_buffer_meta(indices))
+        sizes = meta[1] if meta else None
+        return int(sizes[0]) if sizes else None
+
+    def get_hybrid_pool_buffer(self) -> list:
+        """The host tensors a zero-copy back end registers (mooncake, nixl, umbp linkers)."""
+        return list(self.buffers)
+
     def _storage_index(self, index) -> int:
         """A token index of the pool's logical space -> this rank's physical token index
         (SGLang's DCP rule: a logical page start / ``dcp_size``), checked against the pool."""

@@ -1,0 +1,103 @@
+"""The host<->device copies of a host pool (issue #34 item 2: the transfer machinery apart from the
+SGLang edge and the pages): `Stream`, one copy lane, and `DeviceCopiesMixin`, SGLang's per-layer
+load and all-layer backup plus 0.5.23's L2 hooks, in the pool's own terms - which device tensors
+(the form's `own_device`), which host layers (the form's `mapped_layers`), this rank's DCP rows.
+The copying itself is `_transfer.Transfers`' (bounds-checked batches through the copy engine).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+from hicache.errors import RegistrationStateError, TransferError
+from hicache.plan.checks import is_integer
+from hicache.pools._transfer import check_backend
+from hicache.pools._views import layer_token_view
+
+
+class Stream(NamedTuple):
+    """One host<->device copy stream: a host buffer (and K/V half) and its device tensor."""
+
+    buffer: int
+    kv: int | None
+    device: object  # callable(device_pool, layer) -> device tensor for that layer
+    rows: bool = False  # whole page rows (DSA, DeepSeek-V4) instead of token slots
+
+
+def _layer_id(layer_id) -> int:
+    """A controller's layer id as an int (numpy/torch integers count; a bool does not)."""
+    if not is_integer(layer_id):
+        raise TransferError(f"layer_id must be an integer, got {layer_id!r} ({type(layer_id).__name__})")
+    return operator.index(layer_id)
+
+
+class DeviceCopiesMixin:
+    """Mixed into `HostKVCache`: SGLang's transfer calls over the pool's geometry."""
+
+    # -- transfers --------------------------------------------------------------------------
+    def _host_view(self, stream: Stream, layer: int):
+        tensor = self.buffers[stream.buffer]
+        return layer_token_view(tensor, self.descriptor.family, self.layout, layer, stream.kv, self.page_size)
+
+    def _check_layer(self, layer_id: int) -> int:
+        """A pool-local layer id (``0..layer_num-1``: what SGLang's controller passes, also on a
+        pipeline stage whose ``start_layer > 0``)."""
+        layer = _layer_id(layer_id)
+        if not 0 <= layer < self.layer_num:
+            raise TransferError(f"layer_id {layer} out of range [0, {self.layer_num}) (pool-local ids)")
+        return layer
+
+    def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
+        self._alive()
+        if self._transfers is None:
+            raise RegistrationStateError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no memory to copy")
+        if io_backend != "direct":  # the layout was checked when the pool was built
+            check_backend(io_backend, self.layout, self.descriptor_class().supported())
+        if self.geometry.form.own_device:
+            # the device buffers given at construction, whatever pool the caller passes (SGLang's
+            # own pools copy to the captured tensors too); this rank's rows under DCP
+            device_pool = self.device_pool
+            host_indices, device_indices = (self._dcp_rows(host_indices), self._dcp_rows(device_indices))
+        self._transfers.run(device_pool, host_indices, device_indices, layers, to_host=to_host)
+
+    def _dcp_rows(self, indices):
+        """SGLang's `maybe_dcp_kernel_indices`: widened logical slots -> this rank's rows (slot %
+        dcp_size == dcp_rank owns row slot // dcp_size)."""
+        if self.dcp_size == 1:
+            return indices
+        return indices[self.dcp_rank :: self.dcp_size] // self.dcp_size
+
+    def _layers_for(self, layer_id, is_draft: bool) -> list[int]:
+        """The host layer a controller's ``layer_id`` loads: pool-local ids, checked (older
+        form); 0.5.23's map (targets by id, packed drafts with ``is_draft``), and nothing for a
+        layer the pool does not hold - SGLang's own pools skip it too."""
+        if not self.geometry.form.mapped_layers:
+            return [self._check_layer(layer_id)]
+        host = self.device_pool.resolve(_layer_id(layer_id), is_draft=bool(is_draft))
+        return [] if host is None else [host]
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
+                                 is_draft: bool = False) -> None:
+        """Copy the given slots of one layer host -> device (``is_draft``: a packed MTP draft
+        layer, SGLang 0.5.23)."""
+        layers = self._layers_for(layer_id, is_draft)
+        if layers:
+            self._transfer(device_pool, host_indices, device_indices, layers, io_backend, to_host=False)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
+        """Copy the given slots of every layer device -> host."""
+        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), io_backend, to_host=True)
+
+    # -- SGLang 0.5.23's L2 hooks (pool_host/base.py; called by mem_cache/l2_transfer.py) ---
+    def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
+        """Indices as the transfer uses them: physical already (no compacting layout here)."""
+        return host_indices, device_indices
+
+    def backup_from_device_all_layer_physical(self, device_pool, host_indices, device_indices, io_backend) -> None:
+        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+
+    def load_to_device_per_layer_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
+                                          is_draft: bool = False) -> None:
+        self.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
+                                      is_draft=is_draft)

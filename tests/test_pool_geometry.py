@@ -1,0 +1,251 @@
+"""One geometry per pool (issue #34 items 1, 2): for every family and every constructor form it
+serves, what the pool reports (``size``, ``page_num``, ``size_per_token``, its buffers) is what
+its plan brought up - the bytes the fake driver registered, the buffers' bytes, the slots its
+allocator hands out - and the form recorded is the one the call used; each named constructor
+builds its own form and refuses another. The older forms run on hicache's fake device pools, the
+0.5.23 forms on SGLang's own descriptions (the wheel, on CPU)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
+
+from hicache.errors import LayoutError
+from hicache.plan import Limits, dsa_indexer_pages
+from hicache.pools import (
+    AsymmetricMHATokenToKVPoolHost,
+    DeepSeekV4PagedHostPool,
+    DeepSeekV4StateHostPool,
+    DSAIndexerPoolHost,
+    MambaPoolHost,
+    MHATokenToKOnlyPoolHost,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPoolHost,
+)
+from hicache.pools._forms import FORMS
+from hicache.testing import (
+    AsymmetricMHADevicePool,
+    DeepSeekV4DevicePool,
+    DSAIndexerDevicePool,
+    MambaDevicePool,
+    MHADevicePool,
+    MLADevicePool,
+    fake_cuda,
+)
+
+from machine import ROOMY
+
+torch = pytest.importorskip("torch")
+P = 4
+ROOM = dict(limits=Limits(chunk_limit_bytes=1 << 20, os_page_bytes=64), machine=ROOMY)
+
+
+def _mha(**kw):
+    return MHADevicePool(size=64, layer_num=3, head_num=2, head_dim=8, page_size=P, **kw)
+
+
+OLDER = {  # the older SGLang's form: a device pool first (hicache's fakes of SGLang's pools)
+    MHATokenToKVPoolHost: _mha,
+    MHATokenToKOnlyPoolHost: lambda: _mha(k_only=True),
+    AsymmetricMHATokenToKVPoolHost: lambda: AsymmetricMHADevicePool(size=64, layer_num=3, head_num=2, k_head_dim=12,
+                                                                    v_head_dim=4, page_size=P),
+    MLATokenToKVPoolHost: lambda: MLADevicePool(size=64, layer_num=3, kv_lora_rank=16, qk_rope_head_dim=4,
+                                                page_size=P),
+    DSAIndexerPoolHost: lambda: DSAIndexerDevicePool(size=64, layer_num=3, index_head_dim=16, quant_block_size=8,
+                                                     page_size=P),
+    MambaPoolHost: lambda: MambaDevicePool(size=16, layer_num=3, temporal_shape=(2, 4), conv_shapes=((3, 2),),
+                                           page_size=1),
+    DeepSeekV4PagedHostPool: lambda: DeepSeekV4DevicePool(size=64, layer_num=3, item_bytes=24, page_size=P),
+    DeepSeekV4StateHostPool: lambda: DeepSeekV4DevicePool(size=64, layer_num=3, state_page_bytes=40, page_size=P),
+}
+
+
+def _older(cls, layout):
+    device = OLDER[cls]()
+    if cls is MambaPoolHost:
+        return cls(device, 2.0, 0, layout=layout, **ROOM)
+    return cls(device, 2.0, 0, device.page_size, layout, **ROOM)
+
+
+def _reports_what_it_brought_up(pool, fake, others=()) -> None:
+    """The pool's reported size is its geometry's, and the geometry's descriptor is what is planned,
+    allocated, registered and handed out (``others``: pools beside it, an anchor, whose
+    registrations the driver holds too)."""
+    geometry = pool.geometry
+    assert (pool.size, pool.page_num, pool.size_per_token) == (geometry.size, geometry.page_num,
+                                                              geometry.size_per_token)
+    assert pool.size == pool.page_num * pool.page_size == geometry.page_num * geometry.facts.page_size
+    assert (pool.layer_num, pool.dtype, pool.page_size) == (geometry.facts.layer_num, geometry.facts.dtype,
+                                                            geometry.facts.page_size)
+    assert pool.descriptor is geometry.descriptor == pool.layout_descriptor(geometry.buffer_page_num)
+    specs = geometry.descriptor.buffers()
+    assert pool.pool_plan.total_bytes == sum(spec.nbytes for spec in specs)
+    if pool.is_dummy:  # SGLang's allocator-only pool: the slots, no memory
+        assert pool.kv_buffer is None and fake.held() == set()
+    else:
+        held = sum(size for _, size in fake.held()) - sum(other.pool_plan.total_bytes for other in others)
+        assert held == pool.pool_plan.total_bytes, "registered bytes == planned bytes"
+        buffers = pool.buffers
+        assert [b.numel() * b.element_size() for b in buffers] == [spec.nbytes for spec in specs]
+        assert [math.prod(b.shape) for b in buffers] == [math.prod(spec.shape) for spec in specs]
+    if pool.has_allocator:  # every slot it reports can be handed out, and no more
+        assert pool.available_size() == pool.size
+        assert pool.alloc(pool.size) is not None and pool.alloc(pool.logical_page_size) is None
+
+
+@pytest.mark.parametrize("cls, layout", [(cls, layout) for cls in OLDER for layout in cls.descriptor_class().supported()],
+                         ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_an_older_form_pool_reports_what_it_brought_up(cls, layout):
+    """Every family built the older way (a device pool first) reports its geometry's size, and
+    that geometry is what was planned, allocated, registered and handed out."""
+    with fake_cuda() as fake:
+        pool = _older(cls, layout)
+        try:
+            assert pool.geometry.form.constructor == "from_device_pool" and pool.sglang_form == "older"
+            _reports_what_it_brought_up(pool, fake)
+        finally:
+            pool.destroy()
+        assert fake.held() == set()
+
+
+def _sglang_device(kind: str):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKOnlyPool, MHATokenToKVPool, MLATokenToKVPool
+
+    common = dict(size=256, page_size=16, dtype=torch.bfloat16, layer_num=3, device="cpu", enable_memory_saver=False)
+    return {"mha": lambda: MHATokenToKVPool(head_num=2, head_dim=64, **common),
+            "asym": lambda: MHATokenToKVPool(head_num=2, head_dim=64, v_head_dim=32, **common),
+            "mla": lambda: MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common),
+            "k_only": lambda: MHATokenToKOnlyPool(head_num=1, head_dim=128, **common)}[kind]()
+
+
+KW = dict(device_capacity_tokens=256, start_layer=0, end_layer=2)
+
+
+def _built_by_sglangs_forms(form: str, layout: str):
+    """``(pools to destroy, the pool under test)`` built by one of SGLang 0.5.23's forms."""
+    if form == "mha description":
+        info = _sglang_device("mha").get_device_pool_infos()[0].buffer_info
+        pool = MHATokenToKVPoolHost.from_buffer_info(info, 2.0, 0, 16, layout, **KW, **ROOM)
+        return [pool], pool
+    if form == "asymmetric description":
+        info = _sglang_device("asym").get_device_pool_infos()[0].buffer_info
+        pool = AsymmetricMHATokenToKVPoolHost(info, 2.0, 0, 16, layout, **KW, **ROOM)
+        return [pool], pool
+    if form in ("mla description", "mla allocation"):
+        info = _sglang_device("mla").get_device_pool_infos()[0].buffer_info
+        if form == "mla allocation":
+            from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation
+
+            info = MLAHostAllocation(kv_lora_rank=64, qk_rope_head_dim=16, kv_cache_dim=80, dtype=torch.bfloat16,
+                                     size_per_token=480)
+        pool = MLATokenToKVPoolHost(info, 2.0, 0, 16, layout, **KW, target_layer_num=3, **ROOM)
+        return [pool], pool
+    if form == "k-only anchor":
+        info = _sglang_device("mha").get_device_pool_infos()[0].buffer_info
+        anchor = MHATokenToKVPoolHost(info, 2.0, 0, 16, layout, **KW, **ROOM)
+        pool = MHATokenToKOnlyPoolHost.from_anchor(_sglang_device("k_only"), anchor, layout, **ROOM)
+        return [pool, anchor], pool
+    if form == "mamba state description":
+        from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+
+        info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 16, 32), conv=(torch.zeros(2, 9, 8, 32),))
+        pool = MambaPoolHost.from_buffer_info(info, 2.0, 0, device_capacity=8, layout=layout, **ROOM)
+        return [pool], pool
+    if form == "dsa declaration":
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.dsa import make_dsa_indexer_pool_decl
+
+        device = DSATokenToKVPool(size=256, page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
+                                  layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
+                                  kv_cache_dim=80)
+        info = device.get_device_pool_infos()[0].buffer_info
+        anchor = MLATokenToKVPoolHost(info, 2.0, 0, 64, layout, device_capacity_tokens=256, start_layer=0,
+                                      end_layer=2, target_layer_num=2, **ROOM)
+        pool = DSAIndexerPoolHost.from_decl(make_dsa_indexer_pool_decl(device), anchor, **ROOM)
+        assert pool.geometry.buffer_page_num == dsa_indexer_pages(anchor.size, 64) != pool.page_num == anchor.page_num
+        return [pool, anchor], pool
+    if form == "v4 pool_name paged":
+        buffers = [torch.zeros(16, 512, dtype=torch.uint8) for _ in range(3)]
+        pool = DeepSeekV4PagedHostPool.from_pool_name("c4", buffers, 512, 24, 64, layout=layout, **ROOM)
+        assert pool.size_per_token == 512  # SGLang's: one row's bytes
+        return [pool], pool
+    assert form == "v4 pool_name state"
+    states = [SimpleNamespace(kv_score_buffer=SimpleNamespace(kv_score=torch.zeros(64, 2, 64)), ring_size=4)
+              for _ in range(2)]
+    pool = DeepSeekV4StateHostPool.from_pool_name("state", states, 48, 16, layout=layout, **ROOM)
+    return [pool], pool
+
+
+SGLANG_FORMS = [
+    ("mha description", "page_first", "from_buffer_info"), ("mha description", "layer_first", "from_buffer_info"),
+    ("asymmetric description", "page_first_direct", "from_buffer_info"),
+    ("mla description", "page_first", "from_buffer_info"), ("mla allocation", "page_first", "from_allocation"),
+    ("k-only anchor", "page_first", "from_anchor"),
+    ("mamba state description", "page_first", "from_buffer_info"),
+    ("dsa declaration", "page_first_direct", "from_decl"), ("dsa declaration", "layer_first", "from_decl"),
+    ("v4 pool_name paged", "layer_first", "from_pool_name"), ("v4 pool_name paged", "page_first", "from_pool_name"),
+    ("v4 pool_name state", "layer_first", "from_pool_name"),
+]
+
+
+@pytest.mark.parametrize("form, layout, constructor", SGLANG_FORMS, ids=lambda v: v.replace(" ", "-"))
+def test_a_pool_of_sglangs_forms_reports_what_it_brought_up(sglang, form, layout, constructor):
+    """Built by each SGLang 0.5.23 form (its real descriptions), the pool records that form and
+    reports what its geometry brought up."""
+    with published(), fake_cuda() as fake:
+        pools, pool = _built_by_sglangs_forms(form, layout)
+        try:
+            assert pool.geometry.form.constructor == constructor and pool.sglang_form == "0.5.23"
+            _reports_what_it_brought_up(pool, fake, others=pools[1:])
+        finally:
+            for each in pools:
+                each.destroy()
+        assert fake.held() == set()
+
+
+def test_the_form_table_covers_every_family():
+    """Every family's pool_family names a FORMS row, whose last form is the older device pool's
+    (the fallback), and every form's named constructor exists on the family."""
+    for cls in OLDER:
+        forms = FORMS[cls.pool_family]
+        assert forms[-1][0].constructor == "from_device_pool"
+        assert all(callable(getattr(cls, form.constructor)) for form, _ in forms)
+
+
+def test_a_named_constructor_refuses_another_form():
+    """``from_buffer_info`` with a device pool (and ``from_device_pool`` with a V4 pool name) is a
+    LayoutError naming both forms, before any memory."""
+    with fake_cuda() as fake:
+        with pytest.raises(LayoutError, match=r"from_buffer_info\(\) was called with the device pool form"):
+            MHATokenToKVPoolHost.from_buffer_info(_mha(), 2.0, 0, P, "page_first", **ROOM)
+        with pytest.raises(LayoutError, match=r"from_device_pool\(\) was called with the pool_name form"):
+            DeepSeekV4PagedHostPool.from_device_pool("c4", [torch.zeros(16, 24, dtype=torch.uint8)], 24, 8, P,
+                                                     **ROOM)
+        assert fake.held() == set()
+        pool = MHATokenToKVPoolHost.from_device_pool(_mha(), 2.0, 0, P, "page_first", **ROOM)
+        assert pool.geometry.form.constructor == "from_device_pool"
+        pool.destroy()
+
+
+def test_a_misspelt_keyword_is_a_type_error_naming_the_pool():
+    """An unknown keyword is Python's TypeError naming the pool and the word, before any memory."""
+    with fake_cuda() as fake:
+        with pytest.raises(TypeError, match=r"MHATokenToKVPoolHost\(\) got an unexpected keyword argument 'pagenum'"):
+            MHATokenToKVPoolHost(_mha(), 2.0, 0, P, "page_first", pagenum=3, **ROOM)
+        assert fake.held() == set()
+
+
+def test_the_geometry_is_frozen():
+    """A pool's geometry cannot be changed after it is made."""
+    import attrs
+
+    with fake_cuda():
+        pool = _older(MHATokenToKVPoolHost, "page_first")
+        try:
+            with pytest.raises(attrs.exceptions.FrozenInstanceError):
+                pool.geometry.page_num = 1
+        finally:
+            pool.destroy()
