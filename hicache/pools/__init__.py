@@ -25,6 +25,8 @@ from hicache.pools._families import (
     MLATokenToKVPoolHost,
     get_mha_host_pool_cls,
 )
+from hicache.pools._forms import Form
+from hicache.pools._geometry import PoolGeometry
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._logical import LogicalHostPool
 from hicache.pools._page_allocator import PageAllocator
@@ -43,6 +45,7 @@ __all__ = [
     "DSAIndexerPoolHost",
     "DeepSeekV4PagedHostPool",
     "DeepSeekV4StateHostPool",
+    "Form",
     "HiSparseHostPoolMixin",
     "HostKVCache",
     "HostTensorAllocator",
@@ -52,6 +55,7 @@ __all__ = [
     "MLATokenToKVPoolHost",
     "MambaPoolHost",
     "PageAllocator",
+    "PoolGeometry",
     "Stream",
     "TorchHostTensorAllocator",
     "get_allocator_from_storage",
