@@ -27,6 +27,8 @@ from hicache._stand_ins import (
     MHADevicePool,
     MLADevicePool,
 )
+from hicache import _fake_host
+from hicache._fake_host import fake_machine
 from hicache.effects import TorchCudartRuntime, cuda_codes, stand_in_runtime
 from hicache.errors import CudaCallError, HostAlreadyRegisteredError, HostNotRegisteredError
 
@@ -43,6 +45,8 @@ __all__ = [
     "FakeInvariantError",
     "check_runtime_conformance",
     "fake_cuda",
+    "fake_host_setup",
+    "fake_machine",
     "FakeHostBuffer",
     "sglang_on_cpu",
 ]
@@ -379,3 +383,11 @@ def sglang_on_cpu(*, transfers: bool = True) -> bool:
     if transfers:
         _sglang_cpu.bind_transfers()
     return stood_in
+
+
+def fake_host_setup(directory=None, *, runtime=None, machine=None, **changes):
+    return _fake_host.fake_host_setup(directory, runtime=FakeRuntime() if runtime is None else runtime,
+                                      machine=machine, **changes)
+
+
+fake_host_setup.__doc__ = _fake_host.fake_host_setup.__doc__

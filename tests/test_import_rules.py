@@ -12,9 +12,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "hicache"
 FACE = "hicache.effects"
-FACE_LIMIT = 40  # 35 + `arena` (the node store's room, #32) and `trace` (its checks and merge, #33), as modules,
+FACE_LIMIT = 43  # 35 + `arena` (the node store's room, #32) and `trace` (its checks and merge, #33), as modules,
 # + `environment_problems` (the doctor's check of every HICACHE_* variable, #33) and
-# `terminate_as_interrupt` (apply and store undo on SIGTERM/SIGHUP as on Ctrl-C, #33), `Report` (#34)
+# `terminate_as_interrupt` (apply and store undo on SIGTERM/SIGHUP as on Ctrl-C, #33), `Report` (#34),
+# `HostSetup` and the types of its fields `BudgetLock`, `HostLedger` (#34 items 5, 6; a Turnstile: `admission`)
 
 #: Which rooms a room of hicache.effects may import (itself always): downward only.
 LEAVES = {"_interrupts", "_trace"}  # every room may use them (Ctrl-C, the trace)

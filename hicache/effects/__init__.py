@@ -15,6 +15,9 @@ ARCHITECTURE's stable API plus what pools, the CLI, compat and hicache.testing u
 
 from hicache.effects._bringup._bring_up import BufferRequest, Progressive, bring_up
 from hicache.effects._bringup._report import Report
+from hicache.effects._bringup._setup import HostSetup
+from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup import _admission as admission
 from hicache.effects import _arena as arena
@@ -64,6 +67,11 @@ __all__ = [
     "Progressive",
     "bring_up",
     "Report",  # how a bring-up shows in the metrics (bring_up(report=))
+    # the host's pieces a bring-up takes (bring_up(host=), pools' host=), and the types of its
+    # fields (a Turnstile comes through `admission`, where the turnstile's callers find it)
+    "HostSetup",
+    "BudgetLock",
+    "HostLedger",
     "admission",
     # the node store's arena room (hicache.store); the bring-up trace (the CLI's checks, merge)
     "arena",

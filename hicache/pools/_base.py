@@ -130,8 +130,9 @@ class HostKVCache(DeviceCopiesMixin, ProgressiveMixin, StoragePagesMixin, abc.AB
         self.can_use_write_back_jit = False  # SGLang's staged write-back JIT kernel is CUDA-only
         self.is_dummy = bool(options.is_dummy)
         self.pin_memory, self.device, self.pool_label = options.pin_memory, options.device, options.pool_label
-        self.runtime = options.runtime
-        self.ledger = options.ledger  # None: the process ledger (what CUDA holds for this process)
+        self.host_setup = options.host_setup(name)  # the host's pieces: runtime, limits, budget lock, ...
+        self.runtime = self.host_setup.runtime
+        self.ledger = self.host_setup.ledger  # None: the process ledger (what CUDA holds for this process)
         self.lock = threading.RLock()
         self.registration = None
         self.kv_buffer = None
@@ -142,14 +143,13 @@ class HostKVCache(DeviceCopiesMixin, ProgressiveMixin, StoragePagesMixin, abc.AB
         self._transfers = None
         self.geometry = make_geometry(self, form, view, sizing, layout)
         self._adopt(self.geometry)
-        self._settings(options.limits, options.progressive, options.hugepages, options.max_stall_s,
+        self._settings(self.host_setup.limits, options.progressive, options.hugepages, options.max_stall_s,
                        options.numa_node)
         self.pool_plan = plan_pool(self.descriptor, self._limits)
         self.allocator = self._allocator(options.allocator_type, options.allocator_fallback, options.strict_allocator)
-        self.copy_engine = options.copy_engine if options.copy_engine is not None else CopyEngine()
-        self._bring_up_options = {"runtime": options.runtime, "machine": options.machine,
-                                  "host_memory_bytes": options.host_memory_bytes, "lock": options.budget_lock,
-                                  "ledger": options.ledger, "device": options.device}
+        if self.host_setup.copy_engine is None:
+            self.host_setup = attrs.evolve(self.host_setup, copy_engine=CopyEngine())
+        self.copy_engine = self.host_setup.copy_engine
         if self.is_dummy:  # SGLang's allocator-only pool: indices, no memory
             self._pages = PageAllocator(self.page_num, self.logical_page_size)
             return
@@ -270,7 +270,7 @@ class HostKVCache(DeviceCopiesMixin, ProgressiveMixin, StoragePagesMixin, abc.AB
         report = Report(self.metrics_name, page_num=self.page_num, ready_pages=self.ready_pages,
                         numa_node=self.numa_node)  # the metrics see it from the bring-up itself
         self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.buffer_dtypes(), register=register,
-                              allocator=allocator, report=report, **self._bring_up_options)
+                              allocator=allocator, report=report, host=self.host_setup, device=self.device)
         # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration
         tensors = self._host.tensors

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import attrs
 
+from hicache.effects import HostSetup
 from hicache.pools._geometry import Sizing
 
 #: the `Sizing` fields a constructor may take by keyword (the rest are its positional arguments)
@@ -30,7 +31,8 @@ class PoolOptions:
     is_dummy: bool = False
     strict_allocator: bool = False
     allocator_fallback: str | None = None
-    # the host's pieces (None: probed, or the process's own)
+    # the host's pieces (None: probed, or the process's own): one HostSetup, or a keyword each
+    host: HostSetup | None = None
     runtime: object = None
     limits: object = None
     machine: object = None
@@ -45,6 +47,21 @@ class PoolOptions:
     hugepages: str | None = None
 
 
+    def host_setup(self, owner: str) -> HostSetup:
+        """The pool's `HostSetup`: ``host`` with the pieces given by keyword applied (a piece
+        given both ways is a TypeError naming it); the device the bring-up pins for is the pool's."""
+        pieces = {name: getattr(self, name) for name in _PIECES if getattr(self, name) is not None}
+        pieces = {_PIECES[name]: value for name, value in pieces.items()}
+        host = self.host if self.host is not None else HostSetup()
+        clashes = [name for name in pieces if getattr(host, name) is not None]
+        if self.host is not None and clashes:
+            raise TypeError(f"{owner}() got {clashes[0]!r} both in host= and as a keyword")
+        return attrs.evolve(host, **pieces)
+
+
+#: the keywords that are pieces of the pool's HostSetup (the pool's name -> the setup's)
+_PIECES = {"runtime": "runtime", "limits": "limits", "machine": "machine", "host_memory_bytes": "host_memory_bytes",
+           "budget_lock": "lock", "ledger": "ledger", "copy_engine": "copy_engine"}
 _OPTION_NAMES = frozenset(field.name for field in attrs.fields(PoolOptions))
 
 

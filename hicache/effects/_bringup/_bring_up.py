@@ -33,8 +33,9 @@ import hicache.effects._trace as _trace
 from hicache.effects._interrupts import terminate_as_interrupt
 from hicache.effects._bringup import _report
 from hicache.effects._bringup._report import Report
+from hicache.effects._bringup._setup import HostSetup
 from hicache.errors import CapacityError, PlanError
-from hicache.plan import DEFAULT_RESERVE_BYTES, PoolPlan, RegistrationPlan, check_budget
+from hicache.plan import PoolPlan, RegistrationPlan, check_budget
 
 BLOCKING, PIPELINED, MAP_ONLY = "blocking", "pipelined", "map-only"
 MODES = (BLOCKING, PIPELINED, MAP_ONLY, "Progressive(...)")
@@ -162,27 +163,21 @@ def _owning_signals(function):
 def bring_up(
     pools,
     *,
+    host: HostSetup | None = None,
+    report: Report | None = Report(),
     mode=None,
     dtypes=None,
     register: bool = True,
-    runtime=None,
     allocator=None,
-    machine=None,
-    host_memory_bytes: int | None = None,
-    ranks_per_host: int | None = None,
-    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
-    lock=None,
     budget: bool = True,
-    ledger=None,
     progress=None,
+    prefault_progress=None,
+    trace: str | None = None,
     flags: int = 0,
     retry_halvings: int = 0,
     owns_memory: bool = True,
     device: str = "cpu",
-    trace: str | None = None,
-    turnstile="auto",
-    prefault_progress=None,
-    report: Report | None = Report(),
+    **keywords,
 ) -> HostPools:
     """Bring ``pools`` up - one `PoolPlan`, several (a model's pools on one rank; buffers named
     ``index/buffer``) or `BufferRequest`s - and return the `HostPools` handle that owns them.
@@ -190,7 +185,11 @@ def bring_up(
     ``mode``: ``"blocking"``, ``"pipelined"``, ``"map-only"`` or `Progressive(...)` (see the
     module charter; None: pipelined where the allocator can map unfaulted, else blocking).
     ``dtypes``: per pool, one torch dtype per buffer (default: flat uint8 buffers);
-    ``register=False`` allocates only. ``runtime``: a `HostRuntime` (default:
+    ``register=False`` allocates only. ``host``: the host's pieces (`HostSetup`: runtime,
+    machine facts, budget lock and figures, ledger, turnstile; each also taken as a keyword of
+    its own name - ``runtime``, ``machine``, ``host_memory_bytes``, ``ranks_per_host``,
+    ``reserve_bytes``, ``lock``, ``ledger``, ``turnstile`` - as before ``host`` existed; one piece
+    given both ways is a TypeError). ``runtime``: a `HostRuntime` (default:
     `default_runtime()`, cuda-python unless `hicache.testing.fake_cuda` is active);
     ``allocator``: a `HostAllocator` (default `HostTensorAllocator()`); ``machine``:
     `MachineFacts` (default `probe_machine()`); ``host_memory_bytes`` and ``ranks_per_host``
@@ -209,8 +208,13 @@ def bring_up(
     before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
     """
+    setup = (HostSetup() if host is None else host).with_keywords("bring_up", keywords)
+    if keywords:
+        raise TypeError(f"bring_up() got an unexpected keyword argument {next(iter(keywords))!r}")
+    runtime, machine, lock, ledger = setup.runtime, setup.machine, setup.lock, setup.ledger
+    host_memory_bytes, ranks_per_host, reserve_bytes = setup.host_memory_bytes, setup.ranks_per_host, setup.reserve_bytes
     _trace.start(trace) if trace else _trace.from_env()  # record this process's bring-ups (HICACHE_TRACE=FILE)
-    turnstile = _turnstile.resolve(turnstile)  # a bad HICACHE_PIN_CONCURRENCY: an error before anything is held
+    turnstile = _turnstile.resolve(setup.turnstile)  # a bad HICACHE_PIN_CONCURRENCY: an error before anything is held
     log = ProgressLog()
     listening = log if log.enabled() else None  # no events made for a log nobody reads
     progress, prefault_progress = tee(listening, progress), tee(listening, prefault_progress)

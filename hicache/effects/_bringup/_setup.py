@@ -1,0 +1,78 @@
+"""`HostSetup`: the host's pieces a bring-up uses, as one value (issue #34 item 5).
+
+A bring-up needs a runtime (the CUDA calls), the machine's facts and limits, the host-wide budget
+lock and the room it grants (a stated host figure, ranks, the reserve), the ledger of what this
+process holds, the registration turnstile and a copy engine. They travel together: pools,
+`hicache apply` and the SGLang seam hand one `HostSetup` to `bring_up(host=)` instead of one
+keyword each, so a new piece adds a field here, not a keyword to every signature. ``None``
+means "the process's own" (probed, or the default) when the bring-up runs; `HostSetup.probe()`
+fills them now, `hicache.testing.fake_host_setup()` builds one with nothing of the machine's.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hicache.plan import DEFAULT_RESERVE_BYTES
+
+#: the legacy keywords of `bring_up` that are fields of `HostSetup` (its name for each)
+SETUP_KEYWORDS = {"runtime": "runtime", "machine": "machine", "lock": "lock", "ledger": "ledger",
+                  "turnstile": "turnstile", "host_memory_bytes": "host_memory_bytes",
+                  "ranks_per_host": "ranks_per_host", "reserve_bytes": "reserve_bytes"}
+
+
+@attrs.frozen(kw_only=True)
+class HostSetup:
+    """The host's pieces: ``runtime`` (a `HostRuntime`; None: `default_runtime()`), ``machine``
+    (`MachineFacts`; None: `probe_machine()` at the budget check), ``limits`` (`Limits`; None:
+    `probe_limits()`), ``lock`` (a `BudgetLock`; None: `budget_lock()`), ``ledger`` (a
+    `HostLedger`; None: the process's), ``turnstile`` (``"auto"``: HICACHE_PIN_CONCURRENCY's;
+    None: off; a `Turnstile`), ``copy_engine`` (a `CopyEngine`; None: one with the probed host
+    copy mode), and the budget's figures: ``host_memory_bytes`` (a stated figure instead of the
+    machine's available memory), ``ranks_per_host`` (instead of the machine's), ``reserve_bytes``
+    (left to the OS)."""
+
+    runtime: object = None
+    machine: object = None
+    limits: object = None
+    lock: object = None
+    ledger: object = None
+    turnstile: object = "auto"
+    copy_engine: object = None
+    host_memory_bytes: int | None = None
+    ranks_per_host: int | None = None
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES
+
+    @classmethod
+    def probe(cls, **given) -> "HostSetup":
+        """A setup with every piece not ``given`` made now: the default runtime, the machine's
+        facts and limits, the host-wide budget lock, a copy engine (the ledger stays the
+        process's, the turnstile ``"auto"``)."""
+        from hicache.effects._copy._engine import CopyEngine
+        from hicache.effects._cuda._runtime import default_runtime
+        from hicache.effects._host._probes import probe_limits, probe_machine
+        from hicache.effects._hostwide._lock import budget_lock
+
+        setup = cls(**given)
+        made = {"runtime": default_runtime, "machine": probe_machine, "limits": probe_limits, "lock": budget_lock,
+                "copy_engine": CopyEngine}
+        return attrs.evolve(setup, **{name: make() for name, make in made.items() if getattr(setup, name) is None})
+
+    def with_keywords(self, owner: str, keywords: dict) -> "HostSetup":
+        """This setup with the legacy keywords among ``keywords`` (popped) applied; a piece given
+        both here and by keyword is a TypeError naming it."""
+        changes = {}
+        for name in [k for k in keywords if k in SETUP_KEYWORDS]:
+            field, value = SETUP_KEYWORDS[name], keywords.pop(name)
+            if not _is_default(field, getattr(self, field)) and not _is_default(field, value):
+                raise TypeError(f"{owner}() got {name!r} both in host= and as a keyword")
+            changes[field] = value
+        return attrs.evolve(self, **changes) if changes else self
+
+
+_DEFAULT = HostSetup()
+
+
+def _is_default(field: str, value) -> bool:
+    default = getattr(_DEFAULT, field)
+    return value is default or (isinstance(value, (int, str)) and type(value) is type(default) and value == default)
