@@ -25,8 +25,14 @@ import weakref
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("plan", "map", "prefault", "register", "ready")
-TIERS = ("hugetlb", "thp", "4k")
+from hicache._metrics_rows import (
+    POOL_METRICS,
+    STORE_METRICS,
+    PoolScrape,
+    PoolView,
+    StoreView,
+    families,
+)
 
 
 class _Entry:
@@ -243,114 +249,58 @@ def _published() -> None:
 
 
 
-def _store_families():
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    size = GaugeMetricFamily("hicache_store_bytes", "Bytes of a node store's arena, by its backing",
-                             labels=("arena", "backing"))
-    slots = GaugeMetricFamily("hicache_store_slots", "Slots of a node store's arena: used (a page held), torn "
-                              "(being written, or a dead writer's), free", labels=("arena", "state"))
-    pages = GaugeMetricFamily("hicache_store_pages", "Distinct pages the arena holds", labels=("arena",))
-    counts = {name: CounterMetricFamily(f"hicache_store_{name}", help_text, labels=("arena",)) for name, help_text in (
-        ("hits", "Pages this process read from the store"), ("misses", "Pages this process looked for and missed"),
-        ("torn_reads", "Reads that found their page rewritten while copying (a miss)"),
-        ("corrupt_reads", "Reads whose checksum failed (a miss; the slot is reclaimed)"),
-        ("evictions", "Pages this process's writes evicted"), ("writes", "Pages this process wrote"))}
-    attach = GaugeMetricFamily("hicache_store_attach_seconds", "Seconds this process's attach (or creation) of the "
-                               "arena took", labels=("arena",))
+def _store_views() -> list:
+    """Every live node store of this process with its census, read once for the scrape."""
     with _STATE.lock:
         stores = list(_STATE.stores.items())
+    views = []
     for arena, ref in stores:
         store = ref()
         if store is None or store.closed:
             continue
         try:
-            census = store.census()
+            views.append(StoreView(arena, store, store.census()))
         except Exception:  # a store closing under the scrape: skip it this time
             continue
-        plan = store.arena.plan
-        size.add_metric([arena, store.arena.backing.kind], plan.total_bytes)
-        used = sum(census.by_namespace.values())
-        for state, value in (("used", used), ("torn", census.torn), ("free", plan.slots - used - census.torn)):
-            slots.add_metric([arena, state], value)
-        pages.add_metric([arena], census.pages)
-        c = store.counts
-        for name, value in (("hits", c.hits), ("misses", c.misses), ("torn_reads", c.torn),
-                            ("corrupt_reads", c.corrupt), ("evictions", c.evictions), ("writes", c.writes)):
-            counts[name].add_metric([arena], value)
-        attach.add_metric([arena], store.arena.attach_s)
-    return [size, slots, pages, *counts.values(), attach]
+    return views
 
+
+def _pool_scrape() -> PoolScrape:
+    """Every tracked bring-up read once: its frozen record (one smaps read for all of them),
+    the calls tallied, the budget claims, the last rates, the turnstile's waits."""
+    with _STATE.lock:
+        entries = list(_STATE.entries.items())
+        tally = dict(_STATE.calls)
+        rates = _STATE.last_rates
+        read_waits = _STATE.turnstile_waits
+    claims: dict = {}
+    smaps = None
+    views = []
+    for pool, entry in entries:
+        handle = entry.handle()
+        alive = handle is not None and not entry.released and handle.state != "released"
+        if alive and smaps is None and hasattr(handle, "read_smaps"):
+            smaps = handle.read_smaps()  # once per scrape, however many pools (it grows with the mappings)
+        record = handle.record(smaps_text=smaps) if alive else None  # the bring-up's own frozen record
+        if record:
+            key = (pool, "ok")
+            tally[key] = tally.get(key, 0) + record.calls
+            claims.update(dict(record.claims))
+        views.append(PoolView(pool, entry, record))
+    waits = read_waits() if read_waits is not None else {"buckets": [(float("inf"), 0)], "sum": 0.0}
+    return PoolScrape(tuple(views), tally, claims, rates, waits)
 
 
 class _Collector:
-    """Reads every tracked bring-up when the registry is scraped."""
+    """Reads every tracked bring-up and store once when the registry is scraped, then makes each
+    family from its row of the table (`hicache._metrics_rows`)."""
 
     def describe(self):
         return []  # families are made at collect time (prometheus_client then skips the dry run)
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        pool_bytes = GaugeMetricFamily("hicache_host_pool_bytes", "Host pool bytes by the page tier the kernel "
-                                       "backs them with (/proc/self/smaps)", labels=("pool", "numa_node", "tier"))
-        registered = GaugeMetricFamily("hicache_registered_bytes", "Bytes registered with CUDA now", labels=("pool",))
-        calls = CounterMetricFamily("hicache_registration_calls", "cudaHostRegister calls of bring-ups, by result",
-                                    labels=("pool", "result"))
-        seconds = GaugeMetricFamily("hicache_bringup_seconds", "Seconds of each bring-up phase (ready: the "
-                                    "bring-up's start to a usable pool, budget wait included)", labels=("pool", "phase"))
-        ready = GaugeMetricFamily("hicache_ready_pages", "Pages registered in every buffer", labels=("pool",))
-        pages = GaugeMetricFamily("hicache_pages", "Pages of the pool", labels=("pool",))
-        budget = GaugeMetricFamily("hicache_budget_bytes", "This host's host-memory budget claims, by process",
-                                   labels=("holder",))
-        with _STATE.lock:
-            entries = list(_STATE.entries.items())
-            tally = dict(_STATE.calls)
-            rates = _STATE.last_rates
-            read_waits = _STATE.turnstile_waits
-        claims: dict = {}
-        smaps = None
-        for pool, entry in entries:
-            handle = entry.handle()
-            alive = handle is not None and not entry.released and handle.state != "released"
-            if alive and smaps is None and hasattr(handle, "read_smaps"):
-                smaps = handle.read_smaps()  # once per scrape, however many pools (it grows with the mappings)
-            record = handle.record(smaps_text=smaps) if alive else None  # the bring-up's own frozen record
-            tiers = dict.fromkeys(TIERS, 0)
-            for _, tier in record.tiers if record else ():  # as obtained: the kernel's numbers
-                tiers["hugetlb"] += tier.hugetlb
-                tiers["thp"] += tier.thp
-                tiers["4k"] += tier.base
-            for tier, nbytes in tiers.items():
-                pool_bytes.add_metric([pool, entry.numa_node, tier], nbytes)
-            registered.add_metric([pool], record.registered_bytes if record else 0)
-            if record:
-                key = (pool, "ok")
-                tally[key] = tally.get(key, 0) + record.calls
-                phase = {"map": record.map_s, "prefault": record.prefault_s, "register": record.register_s,
-                         "ready": record.ready_s, **entry.phases}
-                for name in PHASES:
-                    if phase.get(name) is not None:
-                        seconds.add_metric([pool, name], float(phase[name]))
-                claims.update(dict(record.claims))
-            ready.add_metric([pool], float(entry.ready_pages()) if alive and entry.ready_pages else 0.0)
-            pages.add_metric([pool], float(entry.page_num or 0) if alive else 0.0)
-        for (pool, result), count in sorted(tally.items()):
-            calls.add_metric([pool, result], count)
-        for pid, nbytes in sorted(claims.items()):
-            budget.add_metric([f"pid:{pid}"], nbytes)
-        prefault_rate = GaugeMetricFamily("hicache_prefault_bytes_per_second", "Pre-fault rate of the last bring-up",
-                                          value=rates[0])
-        register_rate = GaugeMetricFamily("hicache_register_bytes_per_second",
-                                          "Registration rate of the last bring-up", value=rates[1])
-        waits = read_waits() if read_waits is not None else {"buckets": [(float("inf"), 0)], "sum": 0.0}
-        buckets = [("+Inf" if bound == float("inf") else str(bound), count) for bound, count in waits["buckets"]]
-        turnstile = HistogramMetricFamily("hicache_turnstile_wait_seconds", "Seconds register calls waited for "
-                                          "their turn at the host's registration turnstile", buckets=buckets,
-                                          sum_value=waits["sum"])
-        yield from (pool_bytes, registered, calls, seconds, prefault_rate, register_rate, ready, pages, budget,
-                    turnstile)
-        yield from _store_families()
+        yield from families(POOL_METRICS, _pool_scrape())
+        yield from families(STORE_METRICS, _store_views())
 
 
 def serve(port: int, *, addr: str = "127.0.0.1", registry=None):
