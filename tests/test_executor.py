@@ -244,18 +244,26 @@ def test_pool_buffers_overlapping_each_other_are_refused():
 
 
 def test_several_pools_are_one_transaction():
-    """apply_pool_plans: the second pool failing rolls the first back; names say which pool."""
-    from hicache.effects._cuda._executor import apply_pool_plans
+    """bring_up of a model's pools (MLA ``kv`` beside Mamba state, say) is one transaction: the
+    second pool failing rolls the first back; the error names which pool's buffer."""
+    from hicache.effects import bring_up
+    from hicache.plan import Limits, MHALayout, MLALayout, plan_pool
 
-    pool, bases = three_buffer_pool()
-    second = [b + 2**33 for b in bases]
-    calls = sum(b.plan.call_count for b in pool.buffers)
-    runtime = FakeRuntime(fail_register={calls + 1: 2})
-    with pytest.raises(ApplyError, match="buffer '1/temporal' chunk 2"):
-        apply_pool_plans([(pool, bases), (pool, second)], runtime=runtime, ledger=HostLedger())
-    assert runtime.held() == set()
-    with apply_pool_plans([(pool, bases), (pool, second)], runtime=FakeRuntime(), ledger=HostLedger()) as registration:
-        assert registration.status().call_count == 2 * calls
+    limits = Limits(chunk_limit_bytes=16384, os_page_bytes=4096)  # several calls per buffer
+    first = plan_pool(MHALayout("page_first", layer_num=2, head_num=2, head_dim=64, page_size=16, page_num=8,
+                                itemsize=2), limits)
+    second = plan_pool(MLALayout("page_first", layer_num=2, kv_cache_dim=64, page_size=16, page_num=8, itemsize=2),
+                       limits)
+    calls = sum(b.plan.call_count for b in first.buffers)
+    runtime = FakeRuntime(fail_register={calls + 1: 2})  # 0-based: the second pool's second call
+    with pytest.raises(ApplyError, match="buffer '1/kv' chunk 2"):
+        bring_up([first, second], runtime=runtime, ledger=HostLedger(), budget=False, mode="blocking", turnstile=None)
+    assert runtime.held() == set() and sum(1 for entry in runtime.cudart.log if entry[0] == "register") == calls + 2
+    handle = bring_up([first, second], runtime=FakeRuntime(), ledger=HostLedger(), budget=False, turnstile=None)
+    try:
+        assert handle.registration.status().call_count == calls + sum(b.plan.call_count for b in second.buffers)
+    finally:
+        handle.release()
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

@@ -254,13 +254,10 @@ def _pool_classes() -> set[str]:
     classes = {node.name: node for path in (p for m, p in MODULES.items() if m.startswith("hicache.pools"))
                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
     bases = {name: {b.id for b in node.bases if isinstance(b, ast.Name)} for name, node in classes.items()}
-    pools = {"HostKVCache"} | bases["HostKVCache"]
-    while True:
-        more = {name for name, b in bases.items() if b & {"HostKVCache", *pools} - {"abc.ABC"} and name not in pools}
-        more |= {b for name in pools for b in bases.get(name, ()) if b in classes}
-        if more <= pools:
-            return pools
-        pools |= more
+    descendants = {"HostKVCache"}
+    while more := {name for name, b in bases.items() if b & descendants} - descendants:
+        descendants |= more
+    return descendants | {b for name in descendants for b in bases[name] if b in classes}  # and their mixins
 
 
 def _overwrites(path: Path, pool_classes: set[str]) -> list[int]:

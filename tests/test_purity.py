@@ -71,7 +71,7 @@ def test_plan_imports_with_torch_cuda_psutil_blocked():
 ROOT = PLAN.parent
 #: What only hicache/effects may touch (ARCHITECTURE.md: "CUDA only in effects", one bring-up).
 SHELL_ONLY_CALLS = {
-    "apply_plan", "apply_pool_plan", "apply_pool_plans", "allocate_host", "prefault", "memcpy_batch",
+    "apply_plan", "apply_pool_plan", "allocate_host", "prefault", "memcpy_batch",
     "memcpy", "cuda_copy", "copy_host_blocks", "budget_lock", "probe_machine", "cudaHostRegister",
     "cudaHostUnregister", "cudaMemcpyBatchAsync", "cudaMemcpyAsync",
 }

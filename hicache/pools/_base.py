@@ -40,6 +40,7 @@ from hicache.pools._options import split_keywords
 from hicache.pools._transfer import Transfers
 from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._server import server
+from hicache.pools._slots import SlotsMixin
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _device_type(device_pool) -> str:
     return str(device).split(":")[0]
 
 
-class HostKVCache(DeviceCopiesMixin, ProgressiveMixin, StoragePagesMixin, abc.ABC):
+class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesMixin, abc.ABC):
     """Abstract host KV pool with SGLang's constructor and interface.
 
     ``host_size`` is decimal GB per rank (SGLang's ``--hicache-size``; 0 to size by
@@ -327,25 +328,7 @@ class HostKVCache(DeviceCopiesMixin, ProgressiveMixin, StoragePagesMixin, abc.AB
             )
         return self._pages
 
-    @synchronized
-    def alloc(self, need_size: int):
-        """``need_size`` token slots (a multiple of page_size), or None when short."""
-        return self._allocator_or_raise().alloc(need_size)
-
-    @synchronized
-    def free(self, indices) -> int:
-        """Return slots; double frees and unaligned runs raise."""
-        return self._allocator_or_raise().free(indices)
-
-    @synchronized
-    def clear(self) -> None:
-        """Every page free again."""
-        self._allocator_or_raise().clear()
-
-    @synchronized
-    def available_size(self) -> int:
-        """Free token slots, exactly."""
-        return self._allocator_or_raise().available_size()
+    _slot_allocator = _allocator_or_raise  # SGLang's slot calls (`SlotsMixin`) check the pool first
 
     @property
     def logical_size(self) -> int:

@@ -3,7 +3,8 @@
 It hands out page-aligned token slots and holds no tensor: V4's compressed side pools use its
 indices as stable page anchors. Every transfer and page call is a no-op with SGLang's return
 values (an empty uint8 page, no meta), so a `HostPoolGroup` can make it its anchor. The slots
-come from hicache's `PageAllocator` (a page handed out twice or freed twice raises).
+come from hicache's `PageAllocator` through `SlotsMixin`, the slot calls every pool shares (a page
+handed out twice or freed twice raises).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import threading
 
 from hicache.errors import PlanError
 from hicache.pools._page_allocator import PageAllocator
+from hicache.pools._slots import SlotsMixin
 from hicache.plan.checks import check_int
 
 
-class LogicalHostPool:
+class LogicalHostPool(SlotsMixin):
     """``LogicalHostPool(size, page_size, layout="layer_first")`` - ``size`` token slots in
     pages of ``page_size`` (``size`` a multiple of it), no memory behind them."""
 
@@ -46,25 +48,8 @@ class LogicalHostPool:
         self.lock = threading.RLock()
         self._pages = PageAllocator(self.page_num, page_size)
 
-    def clear(self) -> None:
-        with self.lock:
-            self._pages.clear()
-
     def destroy(self) -> None:
         """Nothing to release: no buffer, no registration."""
-
-    def available_size(self) -> int:
-        with self.lock:
-            return self._pages.available_size()
-
-    def alloc(self, need_size: int):
-        """``need_size`` slots (a multiple of page_size) as an int64 tensor, or None when short."""
-        with self.lock:
-            return self._pages.alloc(need_size)
-
-    def free(self, indices) -> int:
-        with self.lock:
-            return self._pages.free(indices)
 
     # -- what a host pool does, with nothing behind it -------------------------------------
     def prepare_transfer_indices(self, host_indices, device_indices, io_backend):

@@ -248,26 +248,3 @@ def apply_pool_plan(
         items, runtime=runtime, flags=flags, progress=progress,
         retry_halvings=retry_halvings, ledger=ledger, turnstile=turnstile,
     )
-
-
-def apply_pool_plans(
-    pools,
-    *,
-    runtime: HostRuntime,
-    flags: int = 0,
-    progress=None,
-    retry_halvings: int = 0,
-    ledger: HostLedger | None = None,
-) -> Registration:
-    """Register several pools - ``(pool_plan, base_ptrs)`` pairs - as **one** transaction.
-
-    A model's pools on one rank (MLA ``kv`` + DSA ``indexer``, attention + Mamba state) come up
-    together or not at all. Buffers are named ``pool_index/buffer`` in errors and progress.
-    """
-    items = []
-    for index, (pool_plan, base_ptrs) in enumerate(pools):
-        items += _pool_items(pool_plan, base_ptrs, f"apply_pool_plans: pools[{index}]", f"{index}/")
-    return _apply(
-        items, runtime=runtime, flags=flags, progress=progress,
-        retry_halvings=retry_halvings, ledger=ledger,
-    )
