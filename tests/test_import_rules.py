@@ -242,6 +242,35 @@ def test_the_form_rule_sees_a_form_test():
     assert _form_tests(MODULES["hicache.pools._forms"])
 
 
+#: the register loops: they ask their `_gate.Gate` for pace, readiness and turns (#34 item 6)
+GATED = ("hicache.effects._cuda._executor", "hicache.effects._cuda._progressive")
+
+
+def _turnstile_calls(path: Path) -> list[int]:
+    """Lines that call a turnstile themselves: ``.acquire(``, ``.paces(``, ``.budget_bytes(``, a
+    turnstile ``.join()``/``.leave()`` or ``_turnstile.resolve(``."""
+    names = {"acquire", "paces", "budget_bytes", "resolve"}
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.dump(node.func.value)
+            if node.func.attr in names or ("turnstile" in owner and node.func.attr in ("join", "leave")):
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("module", GATED, ids=str)
+def test_the_register_loops_ask_their_gate_not_the_turnstile(module):
+    """The transaction and the progressive registrar never call the turnstile: their gate paces
+    each call, waits for its bytes and for its turn."""
+    assert not _turnstile_calls(MODULES[module]), f"{module}: lines {_turnstile_calls(MODULES[module])}"
+
+
+def test_the_gate_rule_sees_the_gate():
+    """Not vacuous: the gate itself is found calling the turnstile."""
+    assert _turnstile_calls(MODULES["hicache.effects._cuda._gate"])
+
+
 #: what a pool adopts from its geometry, once (`_adopt_facts`, `_adopt`; `_build` sets the geometry)
 ADOPTED = {"size", "page_num", "size_per_token", "descriptor", "dtype", "layer_num", "target_layer_num", "start_layer",
            "end_layer", "page_size", "dcp_size", "dcp_rank", "device_capacity_tokens", "device_pool", "layout",

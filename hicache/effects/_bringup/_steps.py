@@ -17,6 +17,7 @@ from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup._progress import PrefaultCounter
 from hicache.effects._cuda._executor import ProgressEvent, _apply
 from hicache.effects._cuda._progressive import Chunk, ProgressiveRegistration
+from hicache.effects._cuda._gate import Gate
 from hicache.effects._cuda._runtime import default_runtime
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.errors import PlanError
@@ -77,7 +78,7 @@ def _register(run: _Run, before_call=None) -> None:
     with deferred_interrupts():  # a Ctrl-C after the last call lands once it is stored
         registration = _apply(
             items, runtime=runtime, flags=run.flags, progress=run.progress,
-            retry_halvings=run.retry_halvings, ledger=run.ledger, before_call=before_call, turnstile=run.turnstile,
+            retry_halvings=run.retry_halvings, ledger=run.ledger, gate=Gate(run.turnstile, ready=before_call),
         )
         handle._hold_registration(registration)
     handle.timings["register_s"] = registration.status().register_seconds

@@ -24,7 +24,7 @@ from hicache.effects._cuda._registration import (
     _undo,
 )
 from hicache.effects._cuda._runtime import HostRuntime
-from hicache.effects._hostwide import _turnstile
+from hicache.effects._cuda._gate import OPEN, Gate
 from hicache.errors import (
     ApplyError,
     CudaCallError,
@@ -74,13 +74,11 @@ def _check_items(items, runtime, flags) -> None:
             )
 
 
-def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_call=None, turnstile=None) -> Registration:
-    """The transaction. ``before_call(item_index, end_offset, stop)``, when given, runs before
-    each register call and returns once the bytes up to ``end_offset`` of that item are ready
-    (the pipelined bring-up: they are pre-faulted meanwhile); ``stop()`` says a Ctrl-C is held.
-    ``turnstile``: each call waits for its turn at the host's driver, paced (`_turnstile`)."""
+def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, gate: Gate = OPEN) -> Registration:
+    """The transaction. Before each register call the ``gate`` paces its size, waits for its
+    bytes to be ready (the pipelined bring-up pre-faults them meanwhile) and for its turn at the
+    host's driver (`_gate.Gate`); a held Ctrl-C stops those waits."""
     _check_items(items, runtime, flags)
-    turnstile = _turnstile.resolve(turnstile)
     ledger = PROCESS_LEDGER if ledger is None else ledger
     spans = [(base, plan.total_bytes) for _, base, plan in items if plan.total_bytes]
     journal: list[RegisteredRange] = []
@@ -102,30 +100,26 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                 op="cudaHostRegister", code=ALREADY_REGISTERED, name=NAMES[ALREADY_REGISTERED],
                 ptr=ptr, size=size,
             )
-        member = turnstile is not None
-        if member:
-            turnstile.join()  # other processes' auto turnstiles pace while this one registers
+        member = gate.join()  # other processes' auto turnstiles pace while this one registers
         try:
             for buffer_index, (name, base, plan) in enumerate(items):
                 halvings, index = retry_halvings, 0
                 while index < len(plan.ranges):
                     interrupt_requested(held)
-                    if turnstile is not None and turnstile.paces():  # this call within the stall budget
-                        plan = pace_head(plan, index, turnstile.budget_bytes())
+                    if (paced := gate.paced_bytes()) is not None:  # this call within the stall budget
+                        plan = pace_head(plan, index, paced)
                     item = plan.ranges[index]
-                    if before_call is not None:
+                    if gate.waits_ready:
                         where = f"buffer {name!r} chunk {index + 1}: waiting for its pre-fault"
-                        before_call(buffer_index, item.offset + item.size, lambda: held.pending)
+                        gate.wait_ready(buffer_index, item.offset + item.size, lambda: held.pending)
                         interrupt_requested(held)
                     where = (
                         f"buffer {name!r} chunk {index + 1} of {len(plan.ranges)} "
                         f"(offset={item.offset}, size={item.size}, ptr=0x{base + item.offset:x})"
                     )
-                    turn = None
-                    if turnstile is not None:
-                        turn = turnstile.acquire(stop=lambda: held.pending)  # in arrival order, host-wide
-                        if turn is None:  # it stopped waiting for a held Ctrl-C: no call was made
-                            raise interrupt_for(held.consume())
+                    turn = gate.turn(lambda: held.pending)  # in arrival order, host-wide
+                    if turn is None:  # it stopped waiting for a held Ctrl-C: no call was made
+                        raise interrupt_for(held.consume())
                     in_flight = RegisteredRange(name, index, base + item.offset, item.size)
                     registered = False
                     try:
@@ -144,9 +138,8 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                         halvings -= 1
                         retries += 1
                         continue
-                    finally:
-                        if turn is not None:  # a registered call's time measures the rate calls are paced by
-                            turn.release(item.size if registered else None)
+                    finally:  # a registered call's time measures the rate calls are paced by
+                        turn.release(item.size if registered else None)
                     journal.append(in_flight)
                     in_flight = None
                     done += item.size
@@ -158,13 +151,13 @@ def _apply(items, *, runtime, flags, progress, retry_halvings, ledger, before_ca
                         ))
             if member:  # no call is left to make
                 member = False
-                turnstile.leave()
+                gate.leave()
             where = "after the last call"
             interrupt_requested(held)
             return Registration(_State(runtime, ledger, journal, spans, retries, time.perf_counter() - start))
         except BaseException as failure:
             if member:
-                turnstile.leave()
+                gate.leave()
             undone: list = []
             leaked, unknown, interrupt = _undo(runtime, journal, in_flight, undone)
             ledger.replace([ptr for ptr, _ in spans], leaked + unknown)  # both stay off-limits
@@ -213,7 +206,7 @@ def apply_plan(
     """
     return _apply(
         [(name, base_ptr, plan)], runtime=runtime, flags=flags, progress=progress,
-        retry_halvings=retry_halvings, ledger=ledger, turnstile=turnstile,
+        retry_halvings=retry_halvings, ledger=ledger, gate=Gate(turnstile),
     )
 
 
@@ -246,5 +239,5 @@ def apply_pool_plan(
     items = _pool_items(pool_plan, base_ptrs, "apply_pool_plan")
     return _apply(
         items, runtime=runtime, flags=flags, progress=progress,
-        retry_halvings=retry_halvings, ledger=ledger, turnstile=turnstile,
+        retry_halvings=retry_halvings, ledger=ledger, gate=Gate(turnstile),
     )

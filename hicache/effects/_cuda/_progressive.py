@@ -21,6 +21,7 @@ import threading
 import attrs
 
 from hicache.effects._cuda._executor import _apply
+from hicache.effects._cuda._gate import Gate
 from hicache.effects._hostwide import _turnstile
 from hicache.effects._interrupts import deferred_interrupts, interrupt_requested
 from hicache.effects._cuda._runtime import default_runtime
@@ -104,7 +105,7 @@ class ProgressiveRegistration:
         alignment); None: one call per chunk. ``turnstile``: each call waits for its turn at
         the host's driver and is paced to the turnstile's stall budget too (`_turnstile`)."""
         self.chunks = list(chunks)
-        self.turnstile = _turnstile.resolve(turnstile)
+        self.gate = Gate(turnstile)  # turns and the host's pacing: the gate asks the turnstile
         self.before_call = before_call
         self.resident = resident
         self.key = key if key is not None else chunk_order
@@ -133,8 +134,8 @@ class ProgressiveRegistration:
         own = None
         if self.max_stall_s is not None:
             own = FIRST_CALL_BYTES if not self._seconds else max(1, int(self._bytes / self._seconds * self.max_stall_s))
-        if self.turnstile is not None and self.turnstile.paces():  # the host's stall budget too
-            host = self.turnstile.budget_bytes()
+        host = self.gate.paced_bytes()  # the host's stall budget too
+        if host is not None:
             return host if own is None else min(own, host)
         return own
 
@@ -160,20 +161,18 @@ class ProgressiveRegistration:
         plan = _single_plan(chunk, chunk.ptr + done, piece.size)
         self.at = (index, done)  # what a failure names: the chunk of the whole bring-up, not "1 of 1"
         with deferred_interrupts() as held:  # a Ctrl-C between the call and its book entry would drop it
-            turn = None
-            if self.turnstile is not None:  # waited for here: a stop ends the wait, not as a failed call
-                turn = self.turnstile.acquire(stop=lambda: held.pending or self._stop.is_set())
-                if turn is None:
-                    interrupt_requested(held)
-                    return False  # stopped: nothing of this call registered
+            # waited for here: a stop ends the wait, not as a failed call
+            turn = self.gate.turn(lambda: held.pending or self._stop.is_set())
+            if turn is None:
+                interrupt_requested(held)
+                return False  # stopped: nothing of this call registered
             registration = None
             try:
                 registration = _apply([(chunk.buffer, chunk.ptr + done, plan)], runtime=self.runtime,
                                       flags=self.flags, progress=None, retry_halvings=0, ledger=self.ledger,
-                                      turnstile=self.turnstile)  # the same turn, re-entered
-            finally:
-                if turn is not None:  # a registered call's time measures the rate calls are paced by
-                    turn.release(piece.size if registration is not None else None)
+                                      gate=self.gate)  # the same turn, re-entered
+            finally:  # a registered call's time measures the rate calls are paced by
+                turn.release(piece.size if registration is not None else None)
             with self._lock:
                 self.registrations.append(registration)
         seconds = registration.status().register_seconds
@@ -198,13 +197,11 @@ class ProgressiveRegistration:
         if ready is None:
             ready = lambda: bool(self.calls)  # noqa: E731
         self._thread = threading.Thread(target=self._run, name="hicache-progressive", daemon=True)
-        if self.turnstile is not None:
-            self.turnstile.join()  # a member until the background thread ends (it leaves)
+        self.gate.join()  # a member until the background thread ends (it leaves)
         try:
             self._thread.start()  # it waits for the foreground part to end
         except BaseException:
-            if self.turnstile is not None:
-                self.turnstile.leave()
+            self.gate.leave()
             raise
         try:
             if begin is not None:
@@ -230,8 +227,7 @@ class ProgressiveRegistration:
                          "chunks wholly registered: %s", index + 1, len(self.chunks), self.chunks[index].buffer, done,
                          self.completed, len(self.chunks), error)
         finally:
-            if self.turnstile is not None:
-                self.turnstile.leave()
+            self.gate.leave()
 
     def registered(self) -> list:
         """The `Registration` of every call made and not yet released, in order."""
