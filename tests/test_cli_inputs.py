@@ -215,13 +215,13 @@ def test_doctor_maps_gpus_to_numa_nodes_and_matches_the_binding_to_the_driver(tm
     """With a (fake) GPU: its PCI bus id and NUMA node from sysfs; a 13.x binding on a CUDA 12
     driver is a failing check that says which line to install."""
     from hicache.cli._doctor import doctor_checks
-    from hicache.effects import probe_gpus
+    from hicache.effects import for_cli
     from hicache.testing import FakeCudaBinding
 
     node = tmp_path / "sys/bus/pci/devices/0000:3b:00.0"
     node.mkdir(parents=True)
     (node / "numa_node").write_text("1\n")
-    (gpu,) = probe_gpus(FakeCudaBinding(), root=str(tmp_path))
+    (gpu,) = for_cli.probe_gpus(FakeCudaBinding(), root=str(tmp_path))
     assert (gpu.index, gpu.pci_bus_id, gpu.numa_node) == (0, "0000:3b:00.0", 1)
 
     class OldDriver(FakeCudaBinding):

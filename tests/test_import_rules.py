@@ -12,10 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "hicache"
 FACE = "hicache.effects"
-FACE_LIMIT = 43  # 35 + `arena` (the node store's room, #32) and `trace` (its checks and merge, #33), as modules,
-# + `environment_problems` (the doctor's check of every HICACHE_* variable, #33) and
-# `terminate_as_interrupt` (apply and store undo on SIGTERM/SIGHUP as on Ctrl-C, #33), `Report` (#34),
-# `HostSetup` and the types of its fields `BudgetLock`, `HostLedger` (#34 items 5, 6; a Turnstile: `admission`)
+FACE_LIMIT = 35  # what callers outside effects reach (issue #34 item 6: 43 before the CLI-only and SGLang-only
+# helpers moved into the `for_cli` and `for_sglang` modules); a new name must be used outside effects
 
 #: Which rooms a room of hicache.effects may import (itself always): downward only.
 LEAVES = {"_interrupts", "_trace"}  # every room may use them (Ctrl-C, the trace)

@@ -122,7 +122,7 @@ def _hold_seconds(text: str) -> float:
 
 def _machine_plan(args):
     """The plan to bring up and the source of each cap: a saved plan must fit this machine."""
-    from hicache.effects import os_page_bytes, probe_kernel_release, probe_resolved_limits
+    from hicache.effects import for_cli, os_page_bytes, probe_resolved_limits
     from hicache.plan import EnvError
 
     if args.plan_file:
@@ -145,7 +145,7 @@ def _machine_plan(args):
                 "re-plan here: hicache apply with plan arguments instead of --plan", INFEASIBLE,
             )
         return plan, {"all": f"saved plan {args.plan_file}"}
-    resolved = limits_from_args(args, machine_kernel_release=probe_kernel_release(), os_page_bytes=os_page_bytes())
+    resolved = limits_from_args(args, machine_kernel_release=for_cli.probe_kernel_release(), os_page_bytes=os_page_bytes())
     plan, _, sources = build_plan(args, resolved)
     return plan, sources
 
@@ -200,13 +200,13 @@ def _release(handle) -> None:
 def _settings_from_environment(args) -> None:
     """The environment as the pools read it, checked in full before any memory (a bad value:
     `EnvError`, error[bad-environment]); --hugepages and --progressive default to it."""
-    from hicache.effects import environment_problems, host_copy_info, pool_settings
+    from hicache.effects import for_cli, pool_settings
     from hicache.errors import EnvError
 
-    problems = environment_problems(paths=False)  # every row, as the bring-up's readers parse it; a bad
+    problems = for_cli.environment_problems(paths=False)  # every row, as the bring-up's readers parse it; a bad
     if problems:                                   # HICACHE_TRACE path is the bring-up's warning, not an error
         raise EnvError(problems[0].reason)
-    host_copy_info()  # HICACHE_HOST_COPY=native where the helper was not built fails the pools too
+    for_cli.host_copy_info()  # HICACHE_HOST_COPY=native where the helper was not built fails the pools too
     settings = pool_settings()
     if args.hugepages is None:
         args.hugepages = settings.hugepages

@@ -165,12 +165,12 @@ def _memory(c: Context) -> Check:
 
 
 def _numa(c: Context) -> Check:
-    from hicache.effects import node_free_bytes
+    from hicache.effects import for_cli
 
     numa = c.facts.numa_nodes
     allowed = tuple(c.facts.numa_allowed_nodes)
     memory_only = set(c.facts.numa_memory_only_nodes)
-    free = node_free_bytes(root=c.root)  # the nodes this process may use
+    free = for_cli.node_free_bytes(root=c.root)  # the nodes this process may use
     detail = "; free: " + ", ".join(
         f"node {n} {format_bytes(b)}" + (" (memory-only: no CPUs)" if n in memory_only else "")
         for n, b in sorted(free.items())) if free else ""
@@ -187,11 +187,11 @@ def _host_copy(c: Context) -> Check:
 
 def host_copy_check(env) -> Check:
     """Whether host<->host page copies run through the native helper (see effects/_copy)."""
-    from hicache.effects import host_copy_info
+    from hicache.effects import for_cli
     from hicache.errors import EnvError
 
     try:
-        info = host_copy_info(env)
+        info = for_cli.host_copy_info(env)
     except EnvError as error:
         return Check("host_copy", "fail", str(error), "unset HICACHE_HOST_COPY or set it to auto")
     if info.mode == "native":
@@ -241,9 +241,9 @@ def _binding(c: Context) -> Check:
 
 
 def _gpus(c: Context) -> Check:
-    from hicache.effects import probe_gpus
+    from hicache.effects import for_cli
 
-    gpus = probe_gpus(c.cuda_binding, root=c.root)
+    gpus = for_cli.probe_gpus(c.cuda_binding, root=c.root)
     if not gpus:
         return Check("gpus", "pass", "no CUDA device visible")
     nodes = ", ".join(f"GPU {g.index} ({g.pci_bus_id or 'bus unknown'}) -> NUMA node "

@@ -15,10 +15,10 @@ def _environment(c: Context) -> list[Check]:
     """Every HICACHE_* variable of the one table (hicache/plan/_env.py), as the bring-ups will
     read it: one FAIL line per bad value, named by the variable; a set HICACHE_* variable the
     table does not know is a warning (a typo reads as unset)."""
-    from hicache.effects import environment_problems
+    from hicache.effects import for_cli
     from hicache.plan._env import SETTINGS, unknown_variables
 
-    problems = environment_problems(c.env)
+    problems = for_cli.environment_problems(c.env)
     unknown = unknown_variables(c.env)
     given = [s.name for s in SETTINGS if (c.env.get(s.name) or "").strip()]
     bad = {p.name for p in problems}
@@ -40,12 +40,12 @@ def _environment(c: Context) -> list[Check]:
 def _sglang(c: Context) -> Check:
     """Whether SGLang is installed, and whether hicache's plug-in will load in its processes."""
     from hicache.compat import sglang_plugin
-    from hicache.effects import sglang_plugin_enabled
+    from hicache.effects import for_sglang
     from hicache.errors import EnvError
 
     replaces = ", ".join(target.rsplit(".", 1)[1] for target in sglang_plugin.TARGETS)
     try:
-        enabled = sglang_plugin_enabled(c.env)
+        enabled = for_sglang.sglang_plugin_enabled(c.env)
     except EnvError as error:
         return Check("sglang", "fail", str(error), "HICACHE_SGLANG=on or off")
     version = sglang_plugin.sglang_version()

@@ -52,9 +52,9 @@ def run(args) -> int:
     resolved = None
     if args.this_machine:
         from hicache.cli._plan_args import limits_from_args
-        from hicache.effects import probe_kernel_release  # asked for: the one machine fact used
+        from hicache.effects import for_cli  # asked for: the one machine fact used (the kernel release)
 
-        resolved = limits_from_args(args, machine_kernel_release=probe_kernel_release())
+        resolved = limits_from_args(args, machine_kernel_release=for_cli.probe_kernel_release())
     if args.reserve is not None and args.host_memory is None:
         raise CliError("missing-flag", "--reserve is read only with --host-memory (plan never reads the machine)",
                        "e.g. --host-memory 2TB --ranks-per-host 8 --reserve 20GiB")

@@ -27,12 +27,9 @@ from hicache.effects import (
     Report,
     apply_plan,
     bring_up,
+    for_sglang,
     probe_resolved_limits,
-    quarantine,
     resolve_numa_node,
-    sglang_register_chunk_bytes,
-    torch_runtime,
-    unregister_ranges,
 )
 from hicache.plan import SGLANG_CHUNK_ENV
 from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, ReleaseError
@@ -107,7 +104,7 @@ def host_register_chunk_bytes(env=None) -> int:
     """SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB as SGLang reads it: GiB, at least 1, default 256.
     Inside an SGLang process (its `sglang.srt.environ` loaded) through SGLang's own `envs`
     accessor - what its tests patch, and its reading of a bad value (a warning, the default);
-    elsewhere by `hicache.effects.sglang_register_chunk_bytes` (a non-integer is a ValueError).
+    elsewhere by `hicache.effects.for_sglang.sglang_register_chunk_bytes` (a non-integer is a ValueError).
     ``env``: a mapping to read instead (never SGLang's)."""
     if env is None:
         from hicache.compat.sglang_process import SGLangProcess
@@ -115,7 +112,7 @@ def host_register_chunk_bytes(env=None) -> int:
         theirs = SGLangProcess().chunk_limit_bytes()  # the one reading of SGLang's setting (issue #34)
         if theirs is not None:
             return theirs
-    return sglang_register_chunk_bytes(env, default_gib=DEFAULT_CHUNK_GB)
+    return for_sglang.sglang_register_chunk_bytes(env, default_gib=DEFAULT_CHUNK_GB)
 
 
 def _cudart():
@@ -187,7 +184,7 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
         return
     _sglang_log.log().info("%s", _sglang_log.plan_line(plan, sources))
     try:
-        registration = apply_plan(plan, base_ptr=base, runtime=torch_runtime(_cudart), name="host buffer",
+        registration = apply_plan(plan, base_ptr=base, runtime=for_sglang.torch_runtime(_cudart), name="host buffer",
                                   progress=_sglang_log.CallProgress(_sglang_log.log()),
                                   turnstile="auto")  # SGLang's ranks take turns at the driver too (#21)
     except HostAlreadyRegisteredError as error:  # overlaps a registration this process holds
@@ -199,7 +196,7 @@ def _cuda_host_register(buffer, registration_granularity_bytes: int | None = Non
         leaked = list(getattr(books, "leaked", ())) + list(getattr(books, "uncertain", ()))
         if leaked:  # what stays registered stays recorded, so teardown can retry it, and the
             setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, leaked)
-            quarantine(buffer)  # tensor is kept alive: its memory must never be freed
+            for_sglang.quarantine(buffer)  # tensor is kept alive: its memory must never be freed
         if isinstance(error, ApplyError):
             _raise_for_apply(error)
         raise
@@ -213,7 +210,7 @@ def _cuda_host_unregister_ranges(cudart, ranges, *, operation: str) -> list[tupl
     Every range is attempted (a sticky error stops the rest, which are returned); failures are
     logged with the CUDA error name - never via cudaGetErrorString(int).
     """
-    remaining = unregister_ranges(torch_runtime(lambda: cudart), list(ranges))
+    remaining = for_sglang.unregister_ranges(for_sglang.torch_runtime(lambda: cudart), list(ranges))
     if remaining:
         logger.warning(
             "%s left %d host range(s) registered: %s; their memory must not be freed",
@@ -235,7 +232,7 @@ def _cuda_host_unregister(buffer) -> None:
             remaining = []
         except ReleaseError as error:  # keep what leaked recorded, and its memory alive
             remaining = list(error.leaked)
-            quarantine(buffer)
+            for_sglang.quarantine(buffer)
             logger.warning("teardown left %d host range(s) registered: %s", len(remaining), error)
         delattr(buffer, _REGISTRATION_ATTR)
         setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, remaining)
@@ -249,7 +246,7 @@ def _cuda_host_unregister(buffer) -> None:
     remaining = _cuda_host_unregister_ranges(_cudart(), ranges, operation="teardown")
     setattr(buffer, _CUDA_HOST_REGISTERED_RANGES_ATTR, remaining)
     if remaining:
-        quarantine(buffer)
+        for_sglang.quarantine(buffer)
 
 
 def _bring_up_allocator(allocator, device):
@@ -306,7 +303,7 @@ def alloc_with_host_register(
         # hicache's own allocator (SGLang's default swapped out) is this call's: a failed bring-up
         # unmaps what it mapped. A back end's allocator keeps its memory whatever happens.
         handle = bring_up(
-            [BufferRequest("host buffer", dims, dtype, plan)], runtime=torch_runtime(_cudart),
+            [BufferRequest("host buffer", dims, dtype, plan)], runtime=for_sglang.torch_runtime(_cudart),
             allocator=chosen, budget=False, owns_memory=chosen is not allocator, device=device,
             progress=_sglang_log.CallProgress(log), report=Report(name),  # detach() hands the metrics on too
         )

@@ -104,9 +104,9 @@ def load() -> list[str]:
     """The entry point SGLang calls: register the REPLACE hooks (applied by SGLang's
     `HookRegistry.apply_hooks()` right after). Returns the targets registered ([] when off or
     outside the tested range)."""
-    from hicache.effects import sglang_plugin_enabled
+    from hicache.effects import for_sglang
 
-    if not sglang_plugin_enabled():
+    if not for_sglang.sglang_plugin_enabled():
         logger.info("hicache: HICACHE_SGLANG=off; SGLang's own host-memory registration stays")
         return []
     version = sglang_version()

@@ -23,11 +23,10 @@ from hicache.effects._bringup import _admission as admission
 from hicache.effects import _arena as arena
 from hicache.effects import _trace as trace
 from hicache.effects._copy._engine import CopyEngine
-from hicache.effects._copy._host_copy import host_copy_info
 from hicache.effects._cuda import _codes as cuda_codes
 from hicache.effects._cuda._executor import apply_plan, apply_pool_plan
-from hicache.effects._cuda._registration import Registration, unregister_ranges
-from hicache.effects._cuda._runtime import CudaPythonRuntime, TorchCudartRuntime, stand_in_runtime, torch_runtime
+from hicache.effects._cuda._registration import Registration
+from hicache.effects._cuda._runtime import CudaPythonRuntime, TorchCudartRuntime, stand_in_runtime
 from hicache.effects._interrupts import terminate_as_interrupt
 from hicache.effects._host._allocators import (
     FrameworkPinnedAllocator,
@@ -35,20 +34,14 @@ from hicache.effects._host._allocators import (
     HostTensorAllocator,
     TorchHostTensorAllocator,
 )
-from hicache.effects._host._memory import os_page_bytes, quarantine
-from hicache.effects._host._numa import node_free_bytes
-from hicache.effects._host._environment import (
-    environment_problems,
-    pool_settings,
-    sglang_plugin_enabled,
-    sglang_register_chunk_bytes,
-)
+from hicache.effects._host._memory import os_page_bytes
+from hicache.effects._host import _for_sglang as for_sglang
+from hicache.effects._bringup import _for_cli as for_cli
+from hicache.effects._host._environment import pool_settings
 from hicache.effects._host._probes import (
     MachineFacts,
     package_version,
     probe_cuda,
-    probe_gpus,
-    probe_kernel_release,
     probe_limits,
     probe_machine,
     probe_resolved_limits,
@@ -82,31 +75,24 @@ __all__ = [
     "HostTensorAllocator",
     "TorchHostTensorAllocator",
     "os_page_bytes",
-    "quarantine",
     # machine probes
     "MachineFacts",
-    "environment_problems",
     # SIGTERM / SIGHUP undone as Ctrl-C is (the commands that hold memory)
     "terminate_as_interrupt",
-    "node_free_bytes",
     "package_version",
     "pool_settings",
     "probe_cuda",
-    "probe_gpus",
-    "probe_kernel_release",
     "probe_limits",
     "probe_machine",
     "probe_resolved_limits",
     "resolve_numa_node",
-    "sglang_plugin_enabled",
-    "sglang_register_chunk_bytes",
     # copies
     "CopyEngine",
-    "host_copy_info",
     # compat.sglang and hicache.testing
     "TorchCudartRuntime",
     "cuda_codes",
     "stand_in_runtime",
-    "torch_runtime",
-    "unregister_ranges",
+    # what only the CLI and only compat ask (issue #34 item 6), as one module each
+    "for_cli",
+    "for_sglang",
 ]
