@@ -14,17 +14,8 @@ from hicache.pools._allocator import (
     register_allocator,
 )
 from hicache.pools._base import HostKVCache, Stream, synchronized
-from hicache.pools._families import (
-    AsymmetricMHATokenToKVPoolHost,
-    DeepSeekV4PagedHostPool,
-    DeepSeekV4StateHostPool,
-    DSAIndexerPoolHost,
-    MambaPoolHost,
-    MHATokenToKOnlyPoolHost,
-    MHATokenToKVPoolHost,
-    MLATokenToKVPoolHost,
-    get_mha_host_pool_cls,
-)
+from hicache.pools._families import *  # noqa: F403 - every family (their one list: _families.__all__)
+from hicache.pools._families import __all__ as _FAMILIES
 from hicache.pools._forms import Form
 from hicache.pools._geometry import PoolGeometry
 from hicache.pools._hisparse import HiSparseHostPoolMixin
@@ -40,20 +31,11 @@ __all__ = [
     "NoServer",
     "serve_in",
     "server",
-    "get_mha_host_pool_cls",
-    "AsymmetricMHATokenToKVPoolHost",
-    "DSAIndexerPoolHost",
-    "DeepSeekV4PagedHostPool",
-    "DeepSeekV4StateHostPool",
     "Form",
     "HiSparseHostPoolMixin",
     "HostKVCache",
     "HostTensorAllocator",
     "LogicalHostPool",
-    "MHATokenToKOnlyPoolHost",
-    "MHATokenToKVPoolHost",
-    "MLATokenToKVPoolHost",
-    "MambaPoolHost",
     "PageAllocator",
     "PoolGeometry",
     "Stream",
@@ -62,4 +44,5 @@ __all__ = [
     "known_allocators",
     "register_allocator",
     "synchronized",
+    *_FAMILIES,  # a new family is a row of _families, not of this list too
 ]

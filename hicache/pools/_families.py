@@ -6,7 +6,7 @@ the geometry is made once from its form (`_forms`, `_geometry`); allocation, reg
 transfers are the base's (`_base.HostKVCache`, `_device_copies`).
 
 A new SGLang family touches (the table in docs/sglang.md): its module here (and its row
-below), its forms' row in `_forms.FORMS`, `hicache.pools.__init__`, its layout in
+below, which `hicache.pools` exports), its forms' row in `_forms.FORMS`, its layout in
 `hicache/plan/_layouts.py` (and the model recipe in `_models.py` for `hicache plan`), its device
 view in `_sglang_inputs.py`, the plug-in's `POOL_CLASSES` (compat/sglang_plugin.py) when SGLang
 builds it, and the conformance and geometry suites (tests/test_sglang_conformance.py,

@@ -1,8 +1,8 @@
 """The MHA host pools: K/V per layer (`MHATokenToKVPoolHost`), K only
 (`MHATokenToKOnlyPoolHost`), K and V of different head dims (`AsymmetricMHATokenToKVPoolHost`),
 SGLang's `get_mha_host_pool_cls`, and page_head's split-heads page meta. Device pools are
-duck-typed on SGLang's ``k_buffer``/``v_buffer`` per layer; sizing, allocation, registration and
-transfers are the base's.
+duck-typed on SGLang's ``k_buffer``/``v_buffer`` per layer; the forms (`_forms`) make the
+geometry (`_geometry`); allocation, registration and transfers are the base's.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class MHATokenToKVPoolHost(_MHAForms, HostKVCache):
     host_size, page_size, layout, pin_memory=True, device="cpu", allocator_type="default", *,
     device_capacity_tokens, start_layer, end_layer, draft_buffer_infos=(),
     write_back_staging=None, pool_label="kv", head_group_num=1, host_token_capacity=None)``;
-    the older SGLang's (a device pool first) still works, chosen by the first argument's type.
+    the older SGLang's (a device pool first) still works, told apart by `_forms.FORMS`
+    (``from_buffer_info`` / ``from_device_pool`` build one form only).
     """
 
     def _mha_geometry(self) -> None:
@@ -148,7 +149,7 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
     device="cpu", allocator_type="default")`` - the anchor's page size and page count, the
     device pool's layers; ``k_buffer`` is the one host tensor (no ``v_buffer``). The older
     form ``(device_pool, ratio, host_size, page_size, layout, ..., page_num=)`` still works,
-    chosen by the second argument (a host pool, not a number)."""
+    told apart by `_forms.FORMS` (the second argument: a host pool, not a number)."""
 
     pool_family = "mha_k_only"
 

@@ -1,6 +1,7 @@
 """The MLA host pool (one latent ``kv_buffer`` per layer) and the DSA indexer beside its MLA
 anchor (``index_k_with_scale_buffer``: page rows of FP8 keys and scales), both of SGLang 0.5.23's
-constructor forms. Sizing, allocation, registration and transfers are the base's.
+constructor forms (told apart by `_forms`; each makes the pool's `_geometry`). Allocation,
+registration and transfers are the base's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
     dcp_rank=0, *, device_capacity_tokens, start_layer, end_layer, target_layer_num,
     layer_shard_enabled=False, pool_label="kv", host_token_capacity=None)`` - an
     `MLAHostAllocation` makes SGLang's allocator-only pool (``is_dummy``: indices, no memory).
-    The older SGLang's (a device pool first) still works, chosen by the first argument's type.
+    The older SGLang's (a device pool first) still works, told apart by `_forms.FORMS`
+    (``from_allocation`` / ``from_buffer_info`` / ``from_device_pool`` build one form only).
     """
 
     pool_family = "mla"
@@ -116,7 +118,8 @@ class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
     packed draft pool), the anchor's page size, layout and size, `hicache.plan.dsa_indexer_pages`
     of its size; copies to the declared device tensors. The older form
     ``(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *,
-    anchor_pool=None)`` still works, chosen by the first argument (a declaration or a pool).
+    anchor_pool=None)`` still works, told apart by `_forms.FORMS` (``from_decl`` /
+    ``from_device_pool``).
     """
 
     pool_family = "dsa"
