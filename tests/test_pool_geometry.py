@@ -91,6 +91,7 @@ def _reports_what_it_brought_up(pool, fake, others=()) -> None:
         buffers = pool.buffers
         assert [b.numel() * b.element_size() for b in buffers] == [spec.nbytes for spec in specs]
         assert [math.prod(b.shape) for b in buffers] == [math.prod(spec.shape) for spec in specs]
+        assert tuple(b.dtype for b in buffers) == geometry.buffer_dtypes
     if pool.has_allocator:  # every slot it reports can be handed out, and no more
         assert pool.available_size() == pool.size
         assert pool.alloc(pool.size) is not None and pool.alloc(pool.logical_page_size) is None

@@ -240,7 +240,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
 
     def buffer_dtypes(self) -> list:
         """The torch dtype of each buffer (default: the device pool's store dtype)."""
-        return [self.dtype] * len(self.descriptor.buffers())
+        return [self.dtype] * len(self.layout_descriptor(1).buffers())
 
     def get_size_per_token(self) -> int:
         """Bytes one token (or slot) takes across all layers and buffers."""
@@ -270,7 +270,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         mode = self._progressive_mode() if progressive else None
         report = Report(self.metrics_name, page_num=self.page_num, ready_pages=self.ready_pages,
                         numa_node=self.numa_node)  # the metrics see it from the bring-up itself
-        self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.buffer_dtypes(), register=register,
+        self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.geometry.buffer_dtypes, register=register,
                               allocator=allocator, report=report, host=self.host_setup, device=self.device)
         # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration

@@ -40,14 +40,6 @@ class DeviceCopiesMixin:
         tensor = self.buffers[stream.buffer]
         return layer_token_view(tensor, self.descriptor.family, self.layout, layer, stream.kv, self.page_size)
 
-    def _check_layer(self, layer_id: int) -> int:
-        """A pool-local layer id (``0..layer_num-1``: what SGLang's controller passes, also on a
-        pipeline stage whose ``start_layer > 0``)."""
-        layer = _layer_id(layer_id)
-        if not 0 <= layer < self.layer_num:
-            raise TransferError(f"layer_id {layer} out of range [0, {self.layer_num}) (pool-local ids)")
-        return layer
-
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
         self._alive()
         if self._transfers is None:
@@ -69,12 +61,8 @@ class DeviceCopiesMixin:
         return indices[self.dcp_rank :: self.dcp_size] // self.dcp_size
 
     def _layers_for(self, layer_id, is_draft: bool) -> list[int]:
-        """The host layer a controller's ``layer_id`` loads: pool-local ids, checked (older
-        form); 0.5.23's map (targets by id, packed drafts with ``is_draft``), and nothing for a
-        layer the pool does not hold - SGLang's own pools skip it too."""
-        if not self.geometry.form.mapped_layers:
-            return [self._check_layer(layer_id)]
-        host = self.device_pool.resolve(_layer_id(layer_id), is_draft=bool(is_draft))
+        """The host layer a controller's ``layer_id`` loads (`PoolGeometry.host_layer`), or none."""
+        host = self.geometry.host_layer(_layer_id(layer_id), is_draft=is_draft)
         return [] if host is None else [host]
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,

@@ -15,7 +15,7 @@ import logging
 
 import attrs
 
-from hicache.errors import LayoutError
+from hicache.errors import LayoutError, TransferError
 from hicache.plan import size_pool
 from hicache.plan.checks import check_int, check_real
 from hicache.errors import PlanError
@@ -78,6 +78,7 @@ class PoolGeometry:
     size_per_token: int
     page_num: int
     buffer_page_num: int
+    buffer_dtypes: tuple
     descriptor: object = attrs.field(repr=False)
     streams: tuple = attrs.field(repr=False, eq=False)
     device: object = attrs.field(repr=False, eq=False)
@@ -86,6 +87,18 @@ class PoolGeometry:
     def size(self) -> int:
         """Token slots the pool hands out (``page_num * page_size``)."""
         return self.page_num * self.facts.page_size
+
+    def host_layer(self, layer_id: int, *, is_draft: bool = False) -> int | None:
+        """The host layer a controller's ``layer_id`` copies: through the description's map where
+        the form has one (targets by id, packed drafts with ``is_draft``; None for a layer the
+        pool does not hold - SGLang's own pools skip it too), else a pool-local id
+        (``0..layer_num-1``, what SGLang's controller passes, also on a pipeline stage whose
+        ``start_layer > 0``), checked."""
+        if self.form.mapped_layers:
+            return self.device.resolve(layer_id, is_draft=bool(is_draft))
+        if not 0 <= layer_id < self.facts.layer_num:
+            raise TransferError(f"layer_id {layer_id} out of range [0, {self.facts.layer_num}) (pool-local ids)")
+        return layer_id
 
 
 def _integer(owner: str, field: str, value, *, minimum: int = 0) -> int:
@@ -171,4 +184,5 @@ def make_geometry(pool, form, view, sizing: Sizing, layout: str) -> PoolGeometry
     descriptor = pool.layout_descriptor(buffer_page_num)
     return PoolGeometry(form=form, family=descriptor.family, layout=layout, facts=facts,
                         size_per_token=per_token if sizing.size_per_token is None else sizing.size_per_token,
-                        page_num=page_num, buffer_page_num=buffer_page_num, descriptor=descriptor, streams=tuple(pool.streams()), device=view)
+                        page_num=page_num, buffer_page_num=buffer_page_num,
+                        buffer_dtypes=tuple(pool.buffer_dtypes()), descriptor=descriptor, streams=tuple(pool.streams()), device=view)

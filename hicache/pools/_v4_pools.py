@@ -49,7 +49,7 @@ class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCa
     def buffer_dtypes(self):
         import torch
 
-        return [torch.uint8] * len(self.descriptor.buffers())
+        return [torch.uint8] * len(self.layout_descriptor(1).buffers())
 
     def layout_descriptor(self, page_num: int):
         return self.descriptor_class()(
