@@ -299,7 +299,7 @@ def test_apply_on_a_kernel_that_caps_pins_plans_under_it_without_a_flag(monkeypa
     from hicache.cli._apply import _machine_plan
     from hicache.plan import KERNEL_PIN_CAP_BYTES
 
-    monkeypatch.setattr(hicache.effects, "probe_kernel_release", lambda **_: "6.12.3-generic")
+    monkeypatch.setattr(hicache.effects.for_cli, "probe_kernel_release", lambda **_: "6.12.3-generic")
     args = make_parser().parse_args(["apply", "--model", "llama-3.1-70b", "--tp", "8", "--host-gb", "100"])
     plan, sources = _machine_plan(args)
     assert plan.largest_call_bytes <= KERNEL_PIN_CAP_BYTES < 2**31 and plan.call_count > 40
@@ -326,7 +326,7 @@ def test_plan_reads_the_kernel_release_only_when_asked(monkeypatch, capsys):
     import hicache.effects
     from hicache.cli import main
 
-    monkeypatch.setattr(hicache.effects, "probe_kernel_release", lambda **_: "6.13.0")
+    monkeypatch.setattr(hicache.effects.for_cli, "probe_kernel_release", lambda **_: "6.13.0")
     assert main(["plan", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["cap_sources"]["kernel_cap"] == "not checked"
     assert main(["plan", "--this-machine", "--format", "json"]) == 0

@@ -111,3 +111,24 @@ def test_probe_fills_every_piece_it_can_make():
     assert setup.runtime is runtime
     assert all(getattr(setup, name) is not None for name in ("machine", "limits", "lock", "copy_engine"))
     assert setup.ledger is None and setup.turnstile == "auto"
+
+
+def test_the_reporting_concern_is_one_report_and_its_old_keywords_still_work(tmp_path):
+    """``report=Report(progress=...)`` and the old ``progress=`` keyword both hear every call;
+    ``report=None`` with ``progress=`` still reports progress (not the metrics); both ways at once
+    is a TypeError naming it."""
+    from hicache.effects import Report
+
+    plan = plan_pool(_device_layout(), Limits(chunk_limit_bytes=1 << 12, os_page_bytes=4096))
+    heard = {"report": [], "keyword": [], "none": []}
+    for way, kwargs in (("report", dict(report=Report("grouped", progress=heard["report"].append))),
+                        ("keyword", dict(progress=heard["keyword"].append)),
+                        ("none", dict(report=None, progress=heard["none"].append))):
+        handle = bring_up(plan, host=fake_host_setup(tmp_path), mode="blocking", **kwargs)
+        try:
+            assert len(heard[way]) == plan.buffers[0].plan.call_count > 1
+            assert handle.report.metrics is (way != "none")
+        finally:
+            handle.release()
+    with pytest.raises(TypeError, match="'progress' both in report= and as a keyword"):
+        bring_up(plan, host=fake_host_setup(tmp_path), report=Report(progress=print), progress=print)

@@ -170,9 +170,6 @@ def bring_up(
     register: bool = True,
     allocator=None,
     budget: bool = True,
-    progress=None,
-    prefault_progress=None,
-    trace: str | None = None,
     flags: int = 0,
     retry_halvings: int = 0,
     owns_memory: bool = True,
@@ -185,30 +182,29 @@ def bring_up(
     ``mode``: ``"blocking"``, ``"pipelined"``, ``"map-only"`` or `Progressive(...)` (see the
     module charter; None: pipelined where the allocator can map unfaulted, else blocking).
     ``dtypes``: per pool, one torch dtype per buffer (default: flat uint8 buffers);
-    ``register=False`` allocates only. ``host``: the host's pieces (`HostSetup`: runtime,
-    machine facts, budget lock and figures, ledger, turnstile; each also taken as a keyword of
-    its own name - ``runtime``, ``machine``, ``host_memory_bytes``, ``ranks_per_host``,
-    ``reserve_bytes``, ``lock``, ``ledger``, ``turnstile`` - as before ``host`` existed; one piece
-    given both ways is a TypeError). ``runtime``: a `HostRuntime` (default:
-    `default_runtime()`, cuda-python unless `hicache.testing.fake_cuda` is active);
-    ``allocator``: a `HostAllocator` (default `HostTensorAllocator()`); ``machine``:
-    `MachineFacts` (default `probe_machine()`); ``host_memory_bytes`` and ``ranks_per_host``
-    override its available memory and rank count in the budget; ``lock``: a `BudgetLock` (default `budget_lock()`); ``budget=False`` skips the
-    budget (memory someone else already budgeted); ``owns_memory=False`` leaves freeing to
-    the tensors' owner. ``trace``: write a Chrome trace-event JSON of this and every later
-    bring-up of the process to that file (as HICACHE_TRACE=FILE does). ``turnstile``: the
-    host's registration turnstile every register call waits its turn at (``"auto"``:
-    HICACHE_PIN_CONCURRENCY's - turns and paced calls while another process brings up
-    pools; None: off; or a `Turnstile`). ``prefault_progress(PrefaultEvent)``: after each
-    background pre-fault piece (pipelined and progressive modes; from the faulting threads).
-    ``report``: how the metrics show this bring-up (`Report`: its ``pool`` label, pages, ready
-    pages; default the label ``bring_up``; None: not shown) - shown once it is up, counted when
-    it fails, released with its handle.
+    ``register=False`` allocates only. ``allocator``: a `HostAllocator` (default
+    `HostTensorAllocator()`); ``budget=False`` skips the budget (memory someone else already
+    budgeted); ``owns_memory=False`` leaves freeing to the tensors' owner.
+
+    Two concerns come as one value each, so a new feature adds a field, not a keyword here:
+    ``host`` - the host's pieces (`HostSetup`: ``runtime``, a `HostRuntime`, default
+    `default_runtime()`, cuda-python unless `hicache.testing.fake_cuda` is active; ``machine``,
+    `MachineFacts`, default `probe_machine()`; the budget's ``lock``, a `BudgetLock`, default
+    `budget_lock()`, ``host_memory_bytes`` and ``ranks_per_host`` instead of the machine's,
+    ``reserve_bytes``; the ``ledger``; the ``turnstile`` every register call waits its turn at,
+    ``"auto"``: HICACHE_PIN_CONCURRENCY's, None: off) - and ``report`` - how it is reported
+    (`Report`: the metrics' ``pool`` label, pages and ready pages, default the label
+    ``bring_up``, None: not shown - shown once it is up, counted when it fails, released with
+    its handle; ``progress(ProgressEvent)``, ``prefault_progress(PrefaultEvent)`` and the
+    ``trace`` file). Each of their fields is also taken as a keyword of its own name, as before
+    these values existed; one given both ways is a TypeError.
     Both phases also go to the library's log (INFO, at most a line a second). Raises `CapacityError`
     before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
     """
     setup = (HostSetup() if host is None else host).with_keywords("bring_up", keywords)
+    report = _report.of(report, keywords)  # the reporting concern: metrics, progress, trace
+    progress, prefault_progress, trace = report.progress, report.prefault_progress, report.trace
     if keywords:
         raise TypeError(f"bring_up() got an unexpected keyword argument {next(iter(keywords))!r}")
     runtime, machine, lock, ledger = setup.runtime, setup.machine, setup.lock, setup.ledger

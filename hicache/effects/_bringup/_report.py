@@ -22,15 +22,45 @@ logger = logging.getLogger("hicache.metrics")
 
 @attrs.frozen
 class Report:
-    """How a bring-up is reported: ``name`` (the ``pool`` label), ``page_num`` its pages (None:
-    not a paged pool), ``ready_pages`` a callable giving those ready now (held weakly),
-    ``numa_node`` where it is bound, ``phases`` seconds of phases the handle does not time."""
+    """How a bring-up is reported - one value for the whole concern, so a new report adds a
+    field here, not a keyword to `bring_up`. To the metrics: ``name`` (the ``pool`` label),
+    ``page_num`` its pages (None: not a paged pool), ``ready_pages`` a callable giving those ready
+    now (held weakly), ``numa_node`` where it is bound, ``phases`` seconds of phases the handle
+    does not time; ``metrics=False``: not shown (what ``bring_up(report=None)`` means). To the
+    caller: ``progress(ProgressEvent)`` after every registered call, ``prefault_progress(
+    PrefaultEvent)`` after each background pre-fault piece (from the faulting threads). To a
+    file: ``trace``, a Chrome trace-event JSON of this and every later bring-up of the process
+    (as HICACHE_TRACE=FILE does)."""
 
     name: str = "bring_up"
     page_num: int | None = None
     ready_pages: Callable | None = attrs.field(default=None, eq=False)
     numa_node: int | None = None
     phases: dict = attrs.field(factory=dict, eq=False)
+    metrics: bool = True
+    progress: Callable | None = attrs.field(default=None, eq=False)
+    prefault_progress: Callable | None = attrs.field(default=None, eq=False)
+    trace: str | None = None
+
+
+#: bring_up's keywords of before `Report` held them: the Report field each fills
+REPORT_KEYWORDS = ("progress", "prefault_progress", "trace")
+
+
+def of(report: "Report | None", keywords: dict, owner: str = "bring_up") -> Report:
+    """``report`` (None: not shown to the metrics) with the legacy keywords among ``keywords``
+    (popped) applied; one given both ways is a TypeError naming it."""
+    report = Report(metrics=False) if report is None else report
+    given = {name: keywords.pop(name) for name in REPORT_KEYWORDS if name in keywords}
+    given = {name: value for name, value in given.items() if value is not None}
+    for name in given:
+        if getattr(report, name) is not None:
+            raise TypeError(f"{owner}() got {name!r} both in report= and as a keyword")
+    return attrs.evolve(report, **given) if given else report
+
+
+def _shown(report) -> bool:
+    return report is not None and report.metrics
 
 
 def _metrics():
@@ -41,7 +71,7 @@ def _metrics():
 
 def shown(report: Report | None, handle) -> None:
     """``handle`` is up: the metrics report it as ``report.name`` from now on."""
-    if report is None:
+    if not _shown(report):
         return
     try:
         if (metrics := _metrics()) is not None:
@@ -53,7 +83,7 @@ def shown(report: Report | None, handle) -> None:
 
 def failed(report: Report | None) -> None:
     """The bring-up failed and was rolled back: one failed bring-up of ``report.name``."""
-    if report is None:
+    if not _shown(report):
         return
     try:
         if (metrics := _metrics()) is not None:
@@ -64,7 +94,7 @@ def failed(report: Report | None) -> None:
 
 def released(report: Report | None, handle=None) -> None:
     """``handle`` gave everything back: nothing held from now on (its calls stay counted)."""
-    if report is None:
+    if not _shown(report):
         return
     try:
         if (metrics := _metrics()) is not None:
@@ -76,7 +106,7 @@ def released(report: Report | None, handle=None) -> None:
 def before_detach(report: Report | None, handle):
     """What the metrics need of a handle about to hand its registration on (read while it still
     holds its tensors): timings, allocator, bytes, page tiers; None when nothing reports."""
-    if report is None:
+    if not _shown(report):
         return None
     try:
         if _metrics() is None:
@@ -91,7 +121,7 @@ def before_detach(report: Report | None, handle):
 def detached(report: Report | None, registration, snapshot) -> None:
     """The registration now belongs to the tensor's owner: the metrics follow it (held by the
     registration itself, so they live exactly as long as it does)."""
-    if report is None or snapshot is None or registration is None:
+    if not _shown(report) or snapshot is None or registration is None:
         return
     try:
         if (metrics := _metrics()) is not None:
