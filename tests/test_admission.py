@@ -1,8 +1,10 @@
-"""The plug-in's admission around SGLang's host-memory check (hicache.effects._bringup._admission):
-SGLang's own answer sampled under the host-wide budget lock, an admitted request holding the
-lock until all its bytes are resident, a refused or failed one letting go at once, re-entrant
-when wrapped twice, and a hold nobody finishes ending by itself. Each law is seen from outside,
-as another rank sees it: whether the lock can be taken by another open file now."""
+"""The plug-in's admission around SGLang's host-memory check (hicache.effects._bringup._admission,
+issue #35): SGLang's own answer sampled under the host-wide budget lock against the machine less
+the claims still filling; an admitted request claimed before the lock goes - and the lock free
+at once; its claim paid off as its bytes become resident, dropped when all are (or when it
+fails, or after HOLD_LIMIT_S); a refused or failed one claims nothing; re-entrant when wrapped
+twice. Each law is seen from outside, as another rank sees it: whether the lock can be taken by
+another open file now, and what the claims file says."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import time
 import pytest
 
 from hicache.effects._bringup import _admission
+from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects._hostwide._rundir import runtime_dir
 
-pytestmark = pytest.mark.concurrency  # a timer thread lets an abandoned hold go
+pytestmark = pytest.mark.concurrency  # a timer thread drops an abandoned claim
 
 
 def _held_by_someone() -> bool:
@@ -31,11 +34,17 @@ def _held_by_someone() -> bool:
     return False
 
 
+def _pending() -> int:
+    """What another rank would take off its sample now: the host's claims not yet resident."""
+    with BudgetLock(runtime_dir(), timeout_s=60) as peer:  # a hang guard, were it held
+        return peer.pending_bytes()
+
+
 @pytest.fixture(autouse=True)
 def _nothing_held_after():
     yield
-    _admission.abandon()  # a failing test leaves no hold to the next
-    assert not _held_by_someone()
+    _admission.abandon()  # a failing test leaves no claim to the next
+    assert not _held_by_someone() and _pending() == 0
 
 
 def _sglang(allowance: int, seen: list | None = None):
@@ -53,50 +62,81 @@ def test_sglangs_answer_is_sampled_under_the_lock_and_returned_as_is():
     """The lock is held while SGLang's check samples free memory, and its answer comes back."""
     seen = []
     assert _admission.host_memory_budget_bytes(_sglang(5000, seen), 0, auto_size=True) == 5000
-    assert seen == [True] and not _held_by_someone()  # only asked (0 bytes): nothing to wait for
+    assert seen == [True] and not _held_by_someone() and _pending() == 0  # only asked: nothing claimed
 
 
 @pytest.mark.parametrize("requested, allowance", [(4096, 4096), (4096, 10**9)])
-def test_an_admitted_request_holds_the_lock_until_every_byte_is_resident(requested, allowance):
-    """An exact fit is admitted too: the lock stays until all requested bytes are resident -
-    not one byte before (a second rank would sample before this one's memory is used)."""
+def test_an_admitted_request_is_claimed_and_the_lock_goes_at_once(requested, allowance):
+    """An exact fit is admitted too: the lock is free as soon as the check returns, the request
+    counts as pending for every other rank until all its bytes are resident - not one byte before."""
     assert _admission.host_memory_budget_bytes(_sglang(allowance), requested) == allowance
-    assert _held_by_someone()
+    assert not _held_by_someone() and _pending() == requested
     _admission.resident(requested - 1)
-    assert _held_by_someone()
+    assert _pending() == requested
     _admission.resident(1)
-    assert not _held_by_someone()
+    assert _pending() == 0
 
 
-def test_requests_of_one_constructor_add_up_under_the_one_hold():
-    """Pool after pool in one constructor: the second samples under the held lock and the hold
-    ends when both requests are resident."""
-    seen = []
-    _admission.host_memory_budget_bytes(_sglang(10**9, seen), 1000)
-    _admission.host_memory_budget_bytes(_sglang(10**9, seen), 500)
-    assert seen == [True, True]
+def test_requests_of_one_constructor_add_up_to_one_claim():
+    """Pool after pool in one constructor: both requests are claimed; the claim goes when both
+    are resident."""
+    _admission.host_memory_budget_bytes(_sglang(10**9), 1000)
+    _admission.host_memory_budget_bytes(_sglang(10**9), 500)
+    assert _pending() == 1500
     _admission.resident(1000)
-    assert _held_by_someone()
+    assert _pending() == 1500
     _admission.resident(500)
-    assert not _held_by_someone()
+    assert _pending() == 0
 
 
-def test_a_refused_request_lets_the_lock_go_at_once():
-    """A request SGLang's check cuts down is answered and the host-wide budget lock is free at once
-    (no one waits on memory that will not come)."""
+def test_the_sample_is_the_machine_less_the_claims_still_filling():
+    """While SGLang's check samples, its own `available_host_memory_bytes` (wrapped) comes back
+    less every pending claim on the host - a peer's too; outside a check it is SGLang's as is."""
+    def machine(*, allow_cgroup_fallback=False):
+        return 10_000
+
+    with BudgetLock(runtime_dir()) as lock:  # a peer's claim, nothing of it resident yet
+        lock._write({os.getppid(): {"claimed": 3000, "resident": 1000}})
+    try:
+        sampled = []
+
+        def check(requested_bytes, *, auto_size=False):
+            sampled.append(_admission.available_host_memory_bytes(machine, allow_cgroup_fallback=True))
+            return sampled[-1]
+
+        assert _admission.host_memory_budget_bytes(check, 4000) == 8000  # the peer's 2000 still to come
+        assert _pending() == 2000 + 4000
+        assert _admission.host_memory_budget_bytes(check, 0) == 8000 - 4000  # this thread's own claim too
+        assert _admission.available_host_memory_bytes(machine) == 10_000
+        _admission.resident(4000)
+    finally:
+        with BudgetLock(runtime_dir()) as lock:
+            lock._write({})
+
+
+def test_a_refused_request_claims_nothing():
+    """A request SGLang's check cuts down is answered and nothing is claimed (no one counts memory
+    that will not come)."""
     assert _admission.host_memory_budget_bytes(_sglang(4095), 4096) == 4095
-    assert not _held_by_someone()
+    assert not _held_by_someone() and _pending() == 0
 
 
-def test_an_error_from_sglangs_check_lets_the_lock_go_and_is_raised():
-    """SGLang's own check raising: its error reaches the caller unchanged and the budget lock is let
-    go."""
+def test_an_error_from_sglangs_check_claims_nothing_and_is_raised():
+    """SGLang's own check raising: its error reaches the caller unchanged, the lock is let go and
+    nothing is claimed."""
     def failing(requested_bytes, *, auto_size=False):
         raise ValueError("Not enough host memory available")
 
     with pytest.raises(ValueError, match="Not enough host memory"):
         _admission.host_memory_budget_bytes(failing, 4096)
-    assert not _held_by_someone()
+    assert not _held_by_someone() and _pending() == 0
+
+
+def test_an_abandoned_request_drops_its_claim():
+    """The allocation after an admission failed: `abandon()` drops the claim at once."""
+    _admission.host_memory_budget_bytes(_sglang(10**9), 4096)
+    _admission.abandon()
+    assert _pending() == 0
 
 
 def test_wrapped_twice_the_inner_call_samples_under_the_outer_lock():
@@ -114,17 +154,17 @@ def test_wrapped_twice_the_inner_call_samples_under_the_outer_lock():
     assert done == [10**9]
 
 
-def test_a_hold_nobody_finishes_ends_by_itself(monkeypatch):
-    """A pool that fails between SGLang's check and its allocation never reports resident:
-    the hold ends after HOLD_LIMIT_S (here 0.05 s; the test waits for the event, bounded)."""
+def test_a_claim_nobody_finishes_ends_by_itself(monkeypatch):
+    """A pool that fails between SGLang's check and its allocation never reports resident: its
+    claim is dropped after HOLD_LIMIT_S (here 0.05 s; the test waits for the event, bounded)."""
     monkeypatch.setattr(_admission, "HOLD_LIMIT_S", 0.05)
     _admission.host_memory_budget_bytes(_sglang(10**9), 4096)
     deadline = time.monotonic() + 60  # a hang guard
-    while _held_by_someone():
-        assert time.monotonic() < deadline, "the hold never ended"
+    while _pending():
+        assert time.monotonic() < deadline, "the claim never ended"
         time.sleep(0.01)
-    # the next request of this thread takes the lock afresh (the expired hold is forgotten)
+    # the next request of this thread is claimed afresh (the expired one is forgotten)
     _admission.host_memory_budget_bytes(_sglang(10**9), 10)
-    assert _held_by_someone()
+    assert _pending() == 10
     _admission.resident(10)
-    assert not _held_by_someone()
+    assert _pending() == 0

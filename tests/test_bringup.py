@@ -38,8 +38,9 @@ def lock(tmp_path):
 
 
 def _entries(lock):
+    """pid -> bytes claimed, as the budget file says."""
     with lock:
-        return lock._entries()
+        return {pid: claim.claimed for pid, claim in lock._entries().items()}
 
 
 def test_bring_up_registers_everything_and_release_undoes_it_in_order(lock):
@@ -58,9 +59,11 @@ def test_bring_up_registers_everything_and_release_undoes_it_in_order(lock):
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_the_budget_lock_is_held_until_the_memory_is_resident(lock, pipelined, monkeypatch):
-    """Allocation and every pre-fault run under the host-wide lock: a rank starting meanwhile
-    waits, then sees this pool as used memory (sglang #38156; `apply` used to pre-fault after)."""
+def test_the_budget_lock_decides_and_the_claim_fills_outside_it(lock, pipelined, monkeypatch):
+    """Every pre-fault runs with the host-wide lock free (issue #35: a rank starting meanwhile
+    samples at once, side by side) and after the claim is recorded: a peer sampling mid-fill
+    counts the pool's bytes that are not resident yet as pending - all of them before the first
+    byte is faulted - and none once the bring-up is up; released, the claim is gone."""
     from hicache.effects._host import _allocators
     from hicache.effects._bringup import _faulting as _pipeline
     seen = []
@@ -76,18 +79,27 @@ def test_the_budget_lock_is_held_until_the_memory_is_resident(lock, pipelined, m
         finally:
             os.close(fd)
 
+    def peer_pending():  # a peer takes the lock (it would wait behind a fill holding it: a hang guard)
+        with BudgetLock(lock.path.parent, timeout_s=60) as peer:
+            return peer.pending_bytes(), peer.claims()[os.getpid()].claimed
+
     real = _allocators.prefault if not pipelined else _pipeline.prefault
 
     def watched(buffer, **kw):
-        seen.append(lock_state())
+        seen.append(peer_pending())
         return real(buffer, **kw)
 
     monkeypatch.setattr(_pipeline if pipelined else _allocators, "prefault", watched)
-    handle = bring_up(_pool_plan(), runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger(),
+    plan = _pool_plan()
+    handle = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger(),
                       mode="pipelined" if pipelined else "blocking")
-    handle.release()
-    assert seen and set(seen) == {"held"}
-    assert lock_state() == "free"
+    try:
+        assert seen and all(claimed == plan.total_bytes and 0 < pending <= plan.total_bytes for pending, claimed in seen)
+        assert seen[0][0] == plan.total_bytes  # before the first byte: all of it pending
+        assert peer_pending() == (0, plan.total_bytes)  # up: resident, the kernel counts it
+    finally:
+        handle.release()
+    assert lock_state() == "free" and _entries(lock) == {}
 
 
 def test_the_budget_divides_by_ranks_and_counts_peers_that_allocated(lock):

@@ -95,10 +95,10 @@ def test_pool_bring_up_divides_the_budget_by_ranks_and_counts_peers(tmp_path):
         lock._write({os.getppid(): size})  # a live peer already allocated
     pool = _pool(lock, tight)  # now 3 ranks share what is left
     with lock:
-        assert lock._entries() == {os.getppid(): size, os.getpid(): size}
+        assert lock._claimed() == {os.getppid(): size, os.getpid(): size}
     pool.destroy()
     with lock:
-        assert lock._entries() == {os.getppid(): size}
+        assert lock._claimed() == {os.getppid(): size}
 
 
 def test_a_rollback_that_leaks_during_pool_construction_raises_and_quarantines(tmp_path):

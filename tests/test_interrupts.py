@@ -245,7 +245,7 @@ def _run(target, tmp_path, caller="deferring", **faults):
         except ReleaseError as failed:
             error = failed
     with lock:
-        entries = lock._entries()
+        entries = lock._claimed()
     return counter[0], error, runtime, ledger, entries, allocator
 
 

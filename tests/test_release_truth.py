@@ -68,7 +68,7 @@ with fake_cuda() as fake:
     gc.collect()
     assert fake.held() == set(), fake.held()
 with budget_lock() as lock:
-    assert lock._entries() == {{}}, lock._entries()
+    assert lock._claimed() == {{}}, lock._entries()
 print("ok", held_during)
 """
 
@@ -108,10 +108,10 @@ def test_a_finalizer_never_waits_on_a_budget_lock_held_in_this_process(tmp_path)
 
         threading.Thread(target=give_back, daemon=True).start()
         assert done.wait(10), "forget_soon waited on a lock this process holds"
-        assert holder._entries() == {os.getpid(): 100}  # not yet: the holder applies it
+        assert holder._claimed() == {os.getpid(): 100}  # not yet: the holder applies it
     assert holder.snapshot() == {os.getpid(): 50}  # applied as the holder let go, before anyone takes the lock again
     with other:
-        assert other._entries() == {os.getpid(): 50}
+        assert other._claimed() == {os.getpid(): 50}
         other.forget(None)
 
 
@@ -158,7 +158,7 @@ def test_a_failed_or_interrupted_unregister_leaves_a_truthful_handle(tmp_path, m
     assert handle.state == "released" and handle.leaked == () and runtime.held() == set() and ledger.held() == ()
     assert all(b.freed for b in handle.allocator.owned()) and handle.allocator.owned() == []
     with BudgetLock(tmp_path) as lock:
-        assert lock._entries() == {}
+        assert lock._claimed() == {}
     runtime.check_valid()
 
 

@@ -272,8 +272,8 @@ def alloc_with_host_register(
     """Allocate with ``allocator`` and, when ``pin_memory``, register in copy-unit chunks.
 
     Through hicache's one bring-up (`hicache.effects.bring_up`) without a budget check of its
-    own (SGLang's pool budgets before it calls this; with the plug-in that check holds the
-    host-wide budget lock until this returns, see `hicache.effects.admission`): the plan is made for the real base address
+    own (SGLang's pool budgets before it calls this; with the plug-in that check claims the
+    request on the host's budget until this returns, see `hicache.effects.admission`): the plan is made for the real base address
     (a ``torch.empty`` base is often only 64-byte aligned; boundaries then follow the copy
     unit). Errors as `_cuda_host_register`; on failure nothing stays registered, or what does
     is quarantined with its memory.
@@ -308,11 +308,11 @@ def alloc_with_host_register(
             progress=_sglang_log.CallProgress(log), report=Report(name),  # detach() hands the metrics on too
         )
     except BaseException as error:
-        admission.abandon()  # an admitted request that failed lets the budget lock go now
+        admission.abandon()  # an admitted request that failed drops its claim now
         if isinstance(error, (ApplyError, HostAlreadyRegisteredError)):
             _raise_for_apply(error)
         raise
-    admission.resident(total)  # resident and registered: the next rank may sample now
+    admission.resident(total)  # resident and registered: the kernel counts it, the claim goes
     if plan.ranges:
         log.info("%s", _sglang_log.timing_line(total, handle.timings, plan.call_count))
     buffer = handle.tensors[0]

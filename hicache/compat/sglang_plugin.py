@@ -6,8 +6,9 @@ import name`` too). Every one of its host-pool classes allocates through
 `pool_host.common.alloc_with_host_register` and releases through `_cuda_host_unregister`, so
 replacing those three functions with hicache's (`hicache.compat.sglang`, SGLang's exact
 signatures) puts hicache's planned, all-or-nothing registration under all of them, and its
-admission check (`host_memory_budget_bytes`) runs under hicache's host-wide budget lock, held
-until the admitted memory is resident (`hicache.effects.admission`). Outside
+admission check (`host_memory_budget_bytes`) samples under hicache's host-wide budget lock
+against available memory less the host's claims still filling, and an admitted request is
+claimed before the lock goes (`hicache.effects.admission`, issue #35). Outside
 the SGLang versions it was tested with nothing is patched (one warning); HICACHE_SGLANG=off
 turns it off. Reads the environment through hicache.effects only.
 """
@@ -44,9 +45,13 @@ POOL_CLASSES = {
 }
 
 
-#: SGLang's admission check, wrapped (AROUND) so ranks sample it one after another, each once
-#: the previous one's memory is resident (`hicache.effects.admission`).
+#: SGLang's admission check, wrapped (AROUND) so ranks sample it one after another under the
+#: host-wide budget lock, against available memory less the host's claims still filling, each
+#: admitted request claimed before the lock goes (`hicache.effects.admission`, issue #35).
 BUDGET_TARGET = "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes"
+#: SGLang's sample of available memory, wrapped (AROUND) to take those pending claims off while
+#: the admission check samples (transparent otherwise; the patch reaches every importer).
+AVAILABLE_TARGET = "sglang.srt.mem_cache.host_memory.available_host_memory_bytes"
 
 
 def _version_tuple(text: str) -> tuple[int, ...] | None:
@@ -127,6 +132,7 @@ def load() -> list[str]:
     from hicache.effects import admission
 
     HookRegistry.register(BUDGET_TARGET, admission.host_memory_budget_bytes, HookType.AROUND)
+    HookRegistry.register(AVAILABLE_TARGET, admission.available_host_memory_bytes, HookType.AROUND)
     classes = _register_pool_classes(HookRegistry, HookType, settings)
     from hicache.compat.sglang_process import SGLangProcess
     from hicache.pools import serve_in
@@ -134,7 +140,7 @@ def load() -> list[str]:
     serve_in(SGLangProcess())  # hicache's pools in this process ask SGLang's settings through it
     logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s; its admission check "
                 "runs under the host-wide budget lock", version, ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
-    return [*TARGETS, BUDGET_TARGET, *classes]
+    return [*TARGETS, BUDGET_TARGET, AVAILABLE_TARGET, *classes]
 
 
 def _register_pool_classes(registry, hook_type, settings) -> list[str]:

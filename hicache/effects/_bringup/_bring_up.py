@@ -8,19 +8,22 @@ four modes, always into one `HostPools` handle that owns what came up and releas
 - `Progressive(...)`: map unfaulted; fault and register call by call, paced, the first calls
   before returning and the rest in the background (each call its own transaction);
 - ``"map-only"``: map unfaulted, register nothing (the caller faults and registers).
-The budget lock is held until the memory is resident (progressive: until it is mapped), so
-ranks that start together each see the others' pools as used memory and never overcommit
-(sglang #38156). Machine facts, the lock, the allocator and the runtime are parameters.
+The budget lock is held to decide, not to fill (issue #35): a rank samples the machine, takes
+off what the host's claims still have to fault in, records its claim and lets go; its pre-fault
+then raises the claim's resident count (`_claim.ClaimedFill`), so ranks that start together
+pre-fault side by side, register in turns at the turnstile, and never overcommit (sglang #38156). Machine facts, the lock, the allocator and the runtime are parameters.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Callable
 
 import attrs
 
+from hicache.effects._bringup._claim import ClaimedFill
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup._steps import _allocate, _map, _pipelined, _progressive, _register, _Run
 from hicache.effects._bringup._progress import ProgressLog, tee
@@ -147,6 +150,28 @@ def fixed_room(host_memory_bytes: int, peers: dict, ranks: int) -> int:
     return max(host_memory_bytes - claimed, 0)
 
 
+def _admit(lock, total: int, machine, host_memory_bytes, ranks_per_host, reserve_bytes) -> ClaimedFill:
+    """Under ``lock``: the budget's answer for ``total`` bytes (`CapacityError` when it refuses)
+    and, admitted, the claim recorded - none of it resident yet."""
+    facts = probe_machine() if machine is None else machine
+    ranks = facts.ranks_per_host if ranks_per_host is None else ranks_per_host
+    claims = lock.claims()
+    me = os.getpid()
+    peers = {pid: claim.claimed for pid, claim in claims.items() if pid != me}
+    # what the kernel does not count yet: the claims still filling (this process's other pools too)
+    pending = sum(claim.pending for claim in claims.values())
+    if host_memory_bytes is None:  # measured: resident memory is gone from it already, pending is not
+        available = max(0, facts.available_bytes - pending)
+    else:  # a stated figure stands for the host's room: peers' live claims come off it, resident or not
+        available = fixed_room(host_memory_bytes, peers, ranks)
+    check_budget(
+        total, available_bytes=available, ranks_per_host=ranks, reserve_bytes=reserve_bytes,
+        ranks_already_allocated=min(len(peers), ranks - 1), cgroup_limit_bytes=facts.cgroup_limit_bytes,
+        cgroup_usage_bytes=(facts.cgroup_usage_bytes or 0) + pending if facts.cgroup_limit_bytes else 0,
+    )
+    return ClaimedFill(lock, total)
+
+
 def _owning_signals(function):
     """A bring-up on the main thread of a process that left SIGTERM/SIGHUP at their default
     (a CLI, a script) undoes itself on them as on Ctrl-C; a server's own handlers stay."""
@@ -220,7 +245,7 @@ def bring_up(
     handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory, nbytes=[_nbytes(r) for r in requests],
                        mode=mode if isinstance(mode, str) else "progressive", report=report)
 
-    def fill(run: _Run) -> None:  # what happens under the budget lock: until the memory is resident
+    def fill(run: _Run) -> None:  # until the memory is resident (progressive: mapped), outside the lock
         if mode == PIPELINED:
             with _trace.span("map + pre-fault + register (pipelined)", "phase", bytes=handle.total_bytes):
                 _pipelined(run)
@@ -238,28 +263,17 @@ def bring_up(
             turnstile.join()       # before their first call (auto paces from it), not after
             member = True
         start = time.perf_counter()
-        run = _Run(handle, requests, runtime, ledger, turnstile, flags, retry_halvings, progress, prefault_progress,
-                   listening, device, start)
-        if budget:
+        claim = None
+        if budget:  # held to decide, not to fill (issue #35): ranks that start together fill side by side
             lock = budget_lock() if lock is None else lock
-            total = handle.total_bytes
-            with lock:  # held until the memory is resident: peers then see it as used
-                facts = probe_machine() if machine is None else machine
-                ranks = facts.ranks_per_host if ranks_per_host is None else ranks_per_host
-                peers = lock.peers()
-                if host_memory_bytes is None:  # measured: peers' memory is gone from it already
-                    available = facts.available_bytes
-                else:  # a stated figure stands for the host's room: peers' live claims come off it
-                    available = fixed_room(host_memory_bytes, peers, ranks)
-                check_budget(
-                    total, available_bytes=available, ranks_per_host=ranks, reserve_bytes=reserve_bytes,
-                    ranks_already_allocated=min(len(peers), ranks - 1),
-                    cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0,
-                )
-                handle._hold_budget(lock, total)
-                fill(run)
-        else:
-            fill(run)
+            with lock:
+                claim = _admit(lock, handle.total_bytes, machine, host_memory_bytes, ranks_per_host, reserve_bytes)
+                handle._hold_budget(lock, handle.total_bytes, claim)
+        run = _Run(handle, requests, runtime, ledger, turnstile, flags, retry_halvings, progress,
+                   prefault_progress if claim is None else tee(prefault_progress, claim), listening, device, start)
+        fill(run)
+        if claim is not None and not isinstance(mode, Progressive):  # progressive: its faulting counts on
+            claim.settle()
         handle.timings["allocate_prefault_s"] = time.perf_counter() - start
         if mode == BLOCKING:
             with _trace.span("register", "phase", bytes=handle.total_bytes):

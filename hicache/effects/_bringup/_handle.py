@@ -39,6 +39,7 @@ class _Books:
         self.progressive = None  # the progressive mode's ProgressiveRegistration
         self.faulting = None  # its background pre-fault (ProgressiveFaulting)
         self.budget = None  # (lock, bytes) while this process's budget entry holds them
+        self.claim = None  # its `_claim.ClaimedFill`: how much of it the claims file counts resident
         self.state = "bringing-up"
         self.leaked: tuple = ()  # (ptr, size) still registered after a failed undo
         self.orphans: tuple = ()  # leaked by a rollback: no Registration left to retry them
@@ -67,7 +68,8 @@ class _Books:
         if self.budget is not None:
             lock, nbytes = self.budget
             self.budget = None  # first: forgetting twice would take a peer's bytes
-            lock.forget_soon(nbytes, wait=wait)  # never waits on a holder in this process
+            resident = None if self.claim is None else self.claim.written  # what the file counts of it
+            lock.forget_soon(nbytes, resident=resident, wait=wait)  # never waits on a holder in this process
 
     def keep_mapped(self) -> None:
         """Some of the memory stays registered: keep all of it mapped until the process exits."""
@@ -176,8 +178,11 @@ class HostPools:
         self._finalizer = weakref.finalize(self, _finalize, self._books)
 
     # -- what the bring-up records (hicache.effects._bringup._bring_up only) -----------------
-    def _hold_budget(self, lock, nbytes: int) -> None:
+    def _hold_budget(self, lock, nbytes: int, claim=None) -> None:
+        """The claim of ``nbytes`` recorded under ``lock`` (held); ``claim``: its `ClaimedFill`,
+        which says how much of it the claims file counts resident when it is forgotten."""
         self._books.budget = (lock, nbytes)  # set first: forgetting more than recorded is harmless
+        self._books.claim = claim
         lock.record(nbytes)
 
     def _hold_registration(self, registration) -> None:

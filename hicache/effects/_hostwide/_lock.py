@@ -1,8 +1,14 @@
-"""A cross-process lock around "check the budget + allocate", with a record of who allocated.
+"""A cross-process lock around "check the budget, claim", with the claims of who allocated.
 
 Ranks on one host that start together otherwise each see the others' pools as used memory and
-count them twice (sglang #38156). The lock file lives in a private runtime directory (mode 0700,
-owned by us, not a symlink) and is opened without following symlinks.
+count them twice (sglang #38156). Each live process's claim records how many bytes it claimed
+and how many of them are resident already (issue #35): a rank holds the lock only to decide -
+sample the machine, take off what peers claimed but the kernel does not count yet (claimed -
+resident), record its claim - and fills outside it, its pre-fault raising the claim's resident
+count as it goes; so ranks fill side by side and the promise stays: a claim's pending bytes are
+never counted by a peer as free. The lock file lives in a private runtime directory (mode 0700,
+owned by us, not a symlink) and is opened without following symlinks. Claims are JSON
+``{pid: {"claimed": n, "resident": r}}`` (a bare ``n``, the format before, reads as resident).
 
 Giving budget back never waits on a holder in this process: `forget_soon` queues the bytes
 while any `BudgetLock` of this process holds the file (each holds it through its own file
@@ -26,6 +32,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from hicache.effects._hostwide._rundir import private_dir as _private_dir, runtime_dir
 from hicache.plan._env import env_value
@@ -48,7 +55,26 @@ def lock_timeout_s(env=None) -> float | None:
 #: one of them is done (guarded by _PROCESS; re-entrant, as a finalizer may run inside).
 _PROCESS = threading.RLock()
 _HOLDERS: dict[str, int] = {}
-_PENDING: dict[str, list[int]] = {}
+_PENDING: dict[str, list[tuple[int, int | None]]] = {}  # (bytes, of them resident) to forget
+
+
+class Claim(NamedTuple):
+    """One process's claim on the host's memory: bytes claimed, and how many are resident."""
+
+    claimed: int
+    resident: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Claimed bytes the kernel does not count as used yet (still to be faulted in)."""
+        return max(0, self.claimed - self.resident)
+
+
+def _claim(value) -> Claim:
+    if isinstance(value, dict):
+        claimed = int(value["claimed"])
+        return Claim(claimed, min(claimed, max(0, int(value.get("resident", claimed)))))
+    return Claim(int(value), int(value))  # the format before claims counted resident bytes
 
 
 def _alive(pid: int) -> bool:
@@ -172,9 +198,10 @@ class BudgetLock:
     def _apply_pending(self) -> None:
         pending = _PENDING.get(str(self.path))
         while pending:
-            self.forget(pending.pop())
+            nbytes, resident = pending.pop()
+            self.forget(nbytes, resident=resident)
 
-    def forget_soon(self, nbytes: int, *, wait: bool = True) -> None:
+    def forget_soon(self, nbytes: int, *, resident: int | None = None, wait: bool = True) -> None:
         """Give ``nbytes`` of this process's entry back without ever waiting on a holder in this
         process: while one holds the file the bytes are queued and it applies them before it
         lets go. Otherwise take the lock (``wait=False``, a finalizer's: only if it is free now;
@@ -182,13 +209,13 @@ class BudgetLock:
         key = str(self.path)
         with _PROCESS:
             if self.held:
-                self.forget(nbytes)
+                self.forget(nbytes, resident=resident)
                 return
             if _HOLDERS.get(key, 0) > 0:
-                _PENDING.setdefault(key, []).append(nbytes)
+                _PENDING.setdefault(key, []).append((nbytes, resident))
                 return
             if not wait:
-                _PENDING.setdefault(key, []).append(nbytes)
+                _PENDING.setdefault(key, []).append((nbytes, resident))
                 if self._try_enter():
                     self.release_all()  # applied the queue
                     return
@@ -196,7 +223,23 @@ class BudgetLock:
             threading.Thread(target=_drain, args=(self.path.parent,), name="hicache-budget-forget", daemon=True).start()
             return
         with self:
-            self.forget(nbytes)
+            self.forget(nbytes, resident=resident)
+
+    def try_add_resident(self, nbytes: int) -> bool:
+        """Raise this process's resident count by ``nbytes`` if the lock is free now (never
+        waits: a faulting thread calls it, and a skipped update only keeps the claim's pending
+        bytes counted a little longer - never too short). True when written."""
+        with _PROCESS:
+            if self.held:
+                self.add_resident(nbytes)
+                return True
+            if _HOLDERS.get(str(self.path), 0) > 0 or not self._try_enter():
+                return False
+        try:
+            self.add_resident(nbytes)
+        finally:
+            self.release_all()
+        return True
 
     def _try_enter(self) -> bool:
         """Take the file now if no other process holds it (never waits)."""
@@ -211,7 +254,7 @@ class BudgetLock:
         _HOLDERS[key] = _HOLDERS.get(key, 0) + 1
         return True
 
-    def _entries(self) -> dict[int, int]:
+    def _entries(self) -> dict[int, Claim]:
         if self._fd is None:
             raise RegistrationStateError("BudgetLock used outside its with-block")
         os.lseek(self._fd, 0, os.SEEK_SET)
@@ -220,12 +263,22 @@ class BudgetLock:
             raw += chunk
         try:
             data = json.loads(raw or b"{}")
-            return {int(pid): int(nbytes) for pid, nbytes in data.items()}
-        except (ValueError, AttributeError):
+            return {int(pid): _claim(value) for pid, value in data.items()}
+        except (ValueError, AttributeError, KeyError, TypeError):
             return {}  # a torn or foreign file: start over rather than block every rank
 
-    def _write(self, entries: dict[int, int]) -> None:
-        payload = json.dumps({str(p): n for p, n in sorted(entries.items())}).encode()
+    def _claimed(self) -> dict[int, int]:
+        """pid -> bytes claimed, as the file says (dead processes too; what tests compare)."""
+        return {pid: claim.claimed for pid, claim in self._entries().items()}
+
+    def _live(self) -> dict[int, Claim]:
+        return {p: c for p, c in self._entries().items() if _alive(p)}
+
+    def _write(self, entries: dict) -> None:
+        """``entries``: pid -> `Claim` (a bare byte count: a claim all resident, as before)."""
+        claims = {p: c if isinstance(c, Claim) else _claim(c) for p, c in entries.items()}
+        payload = json.dumps({str(p): {"claimed": c.claimed, "resident": c.resident}
+                              for p, c in sorted(claims.items()) if c.claimed > 0}).encode()
         os.ftruncate(self._fd, 0)
         os.lseek(self._fd, 0, os.SEEK_SET)
         os.write(self._fd, payload)
@@ -235,29 +288,54 @@ class BudgetLock:
         the lock (for metrics: a torn read gives {} rather than a wait behind a bring-up)."""
         try:
             data = json.loads(self.path.read_bytes() or b"{}")
-            return {int(pid): int(nbytes) for pid, nbytes in data.items() if _alive(int(pid))}
-        except (OSError, ValueError, AttributeError, TypeError):
+            return {int(pid): _claim(value).claimed for pid, value in data.items() if _alive(int(pid))}
+        except (OSError, ValueError, AttributeError, TypeError, KeyError):
             return {}
 
     def peers(self) -> dict[int, int]:
-        """Live other processes that allocated host pools: pid -> bytes."""
+        """Live other processes that allocated host pools: pid -> bytes claimed."""
         me = os.getpid()
-        return {p: n for p, n in self._entries().items() if p != me and _alive(p)}
+        return {p: c.claimed for p, c in self._live().items() if p != me}
 
-    def record(self, nbytes: int) -> None:
-        """Add ``nbytes`` to this process's entry (dead processes' entries are pruned)."""
-        entries = {p: n for p, n in self._entries().items() if _alive(p)}
-        entries[os.getpid()] = entries.get(os.getpid(), 0) + nbytes
+    def claims(self) -> dict[int, Claim]:
+        """Every live process's claim, this one's included: pid -> `Claim`."""
+        return self._live()
+
+    def pending_bytes(self) -> int:
+        """Bytes claimed on this host that the kernel does not count as used yet: what a sample
+        of the machine's available memory still has to lose to the claims being filled."""
+        return sum(claim.pending for claim in self._live().values())
+
+    def record(self, nbytes: int, *, resident: int = 0) -> None:
+        """Add a claim of ``nbytes`` (``resident`` of them already) to this process's entry
+        (dead processes' entries are pruned: a rank killed mid-fill leaves no claim)."""
+        entries = self._live()
+        mine = entries.get(os.getpid(), Claim(0, 0))
+        entries[os.getpid()] = Claim(mine.claimed + nbytes, mine.resident + min(resident, nbytes))
         self._write(entries)
 
-    def forget(self, nbytes: int | None = None) -> None:
-        """Remove ``nbytes`` (or all) from this process's entry."""
-        entries = {p: n for p, n in self._entries().items() if _alive(p)}
-        left = 0 if nbytes is None else entries.get(os.getpid(), 0) - nbytes
-        if left > 0:
-            entries[os.getpid()] = left
-        else:
+    def add_resident(self, nbytes: int) -> None:
+        """``nbytes`` more of this process's claim are resident now (never above the claim)."""
+        entries = self._live()
+        mine = entries.get(os.getpid())
+        if mine is not None:
+            entries[os.getpid()] = Claim(mine.claimed, min(mine.claimed, mine.resident + nbytes))
+            self._write(entries)
+
+    def forget(self, nbytes: int | None = None, *, resident: int | None = None) -> None:
+        """Remove a claim of ``nbytes`` (None: all of this process's), ``resident`` of which
+        were counted resident (None: all of them)."""
+        entries = self._live()
+        mine = entries.get(os.getpid(), Claim(0, 0))
+        if nbytes is None:
             entries.pop(os.getpid(), None)
+        else:
+            gone = nbytes if resident is None else min(resident, nbytes)
+            left = Claim(mine.claimed - nbytes, min(max(0, mine.resident - gone), max(0, mine.claimed - nbytes)))
+            if left.claimed > 0:
+                entries[os.getpid()] = left
+            else:
+                entries.pop(os.getpid(), None)
         self._write(entries)
 
 

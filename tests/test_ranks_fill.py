@@ -1,0 +1,124 @@
+"""A node's ranks bring up together, not one after another (issue #35 item 1): the budget lock
+decides, it does not fill. Real processes, real memory (128 MiB a rank), the fake driver with the
+host-wide driver lock and a shared call log (tests/fill_child.py); order and overlap from events
+(files the ranks write at their first pre-fault piece), never from seconds.
+
+- Room for all four: every rank is mid-pre-fault at once (each waits at its first piece until
+  all are there - with the lock held through the fill that wait would never end), and the
+  register calls of the four never overlap (the driver lock and the turnstile).
+- Room for one: exactly one is admitted, and the three others decide while it is mid-pre-fault
+  (it waits for them there) - its pending bytes count against them though the kernel does not
+  count them yet.
+- A rank SIGKILLed mid-fill: its claim is gone, and the next rank, against room for one, is
+  admitted - its figure counts none of the dead rank's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
+
+POOL_MIB = 128
+POOL = POOL_MIB * 2**20
+CHILD = Path(__file__).parent / "fill_child.py"
+
+
+def _env(tmp_path: Path, base: int) -> dict:
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    return {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime), "HICACHE_RANKS_PER_HOST": "1",
+            "HICACHE_TEST_BASE": str(base), "HICACHE_PIN_CONCURRENCY": "1",
+            "PYTHONPATH": os.pathsep.join([str(CHILD.parent), os.environ.get("PYTHONPATH", "")])}
+
+
+def _start(barrier: Path, env: dict, ranks: int, mode: str = "fill") -> list:
+    return [subprocess.Popen([sys.executable, str(CHILD), mode, str(barrier), str(ranks), str(POOL_MIB)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(ranks)]
+
+
+def _go(barrier: Path, children: list, expected: int) -> None:
+    deadline = time.monotonic() + 120  # a hang guard: the ranks import torch first
+    while len([p for p in barrier.glob("ready-*") if not p.name.endswith(".tmp")]) < expected:
+        assert time.monotonic() < deadline and all(c.poll() is None for c in children), \
+            [c.communicate() for c in children if c.poll() is not None]
+        time.sleep(0.02)
+    (barrier / "go").write_text("go")
+
+
+def _results(children: list) -> list:
+    try:
+        return [(c.wait(timeout=180), *c.communicate()) for c in children]
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+
+
+def _barrier(tmp_path: Path, name: str) -> Path:
+    barrier = tmp_path / name
+    barrier.mkdir()
+    return barrier
+
+
+def test_ranks_with_room_for_all_pre_fault_side_by_side_and_register_in_turns(tmp_path):
+    """Four ranks with room for all: all four are mid-pre-fault at once (none timed out at the
+    first-piece barrier), all are admitted, and no two register calls overlap."""
+    barrier = _barrier(tmp_path, "all")
+    children = _start(barrier, _env(tmp_path, 16 * POOL), 4)
+    _go(barrier, children, 4)
+    results = _results(children)
+    assert [code for code, _, _ in results] == [0] * 4, results
+    assert len(list(barrier.glob("prefaulting-*"))) == 4 and not list(barrier.glob("timeout-*"))
+    calls = sorted((entry["start"], entry["end"], entry["pid"]) for entry in map(json.loads, (barrier / "calls.log")
+                   .read_text().splitlines()) if "op" not in entry)
+    assert len({pid for _, _, pid in calls}) == 4
+    assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(calls, calls[1:])), "calls overlapped"
+
+
+def test_ranks_with_room_for_one_admit_one_while_it_is_mid_pre_fault(tmp_path):
+    """Room for one (and a half): exactly one rank is admitted; the three others were refused
+    while it waited mid-pre-fault - its claim's pending bytes counted against them."""
+    barrier = _barrier(tmp_path, "one")
+    children = _start(barrier, _env(tmp_path, POOL * 3 // 2), 4)
+    _go(barrier, children, 4)
+    results = _results(children)
+    assert sorted(code for code, _, _ in results) == [0, 1, 1, 1], results
+    assert len(list(barrier.glob("prefaulting-*"))) == 1 and len(list(barrier.glob("decided-*"))) == 3
+    assert not list(barrier.glob("timeout-*")), "the admitted rank's pre-fault did not wait for the others' decisions"
+    assert all("error[budget-refused]" in err for code, _, err in results if code)
+
+
+def test_a_rank_killed_mid_fill_leaves_nothing_the_next_rank_counts(tmp_path):
+    """A rank SIGKILLed while mid-pre-fault: its claim is pruned, and the next rank, against room
+    for one, is admitted (it counted none of the dead rank's bytes)."""
+    from hicache.effects._hostwide._lock import BudgetLock
+
+    env = _env(tmp_path, POOL * 3 // 2)
+    first = _barrier(tmp_path, "first")
+    (stalled,) = _start(first, env, 1, mode="stall")
+    _go(first, [stalled], 1)
+    deadline = time.monotonic() + 120  # a hang guard
+    while not list(first.glob("prefaulting-*")):
+        assert time.monotonic() < deadline and stalled.poll() is None, stalled.communicate()
+        time.sleep(0.02)
+    with BudgetLock(tmp_path / "run", timeout_s=60) as lock:
+        assert lock.claims()[stalled.pid].pending > 0  # mid-fill: its claim counts
+    stalled.send_signal(signal.SIGKILL)
+    stalled.wait(timeout=60)
+    stalled.communicate()
+    with BudgetLock(tmp_path / "run", timeout_s=60) as lock:
+        assert stalled.pid not in lock.claims() and lock.pending_bytes() == 0
+    second = _barrier(tmp_path, "second")
+    children = _start(second, env, 1)
+    _go(second, children, 1)
+    results = _results(children)
+    assert [code for code, _, _ in results] == [0], results
