@@ -616,3 +616,27 @@ def test_each_wait_is_a_span_of_the_trace(directory, tmp_path):
     assert len(waits) == len(calls) == 2 and all(w["name"] == "turnstile wait" for w in waits)
     for wait, call in zip(waits, calls):  # each wait ends before its call starts, on the same thread
         assert wait["tid"] == call["tid"] and wait["ts"] + wait["dur"] <= call["ts"]
+
+
+def test_a_ctrl_c_held_while_the_ticket_is_taken_gives_the_ticket_back(directory):
+    """A SIGINT arriving while the ticket is taken (held, then raised as the hold ends) still
+    gives the ticket back: the hold ends inside the wait's cleanup, not before it (CI found the
+    window once)."""
+    turnstile = _forced(directory, poll_s=0.0005)
+    core = turnstile._core
+    real = core.enqueue
+
+    def enqueue_then_interrupted():
+        ticket = real()
+        os.kill(os.getpid(), signal.SIGINT)  # held by deferred_interrupts, raised at its exit
+        return ticket
+
+    core.enqueue = enqueue_then_interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            turnstile.acquire()
+    finally:
+        core.enqueue = real
+    # while the caller still holds the error (its frames keep the turn alive): given back by the
+    # wait itself, not by the garbage collector later
+    assert caught.value is not None and _tickets(directory) == []

@@ -349,10 +349,9 @@ class Turnstile:
 
     # turns -----------------------------------------------------------------------------
     def acquire(self, stop=None) -> "Turn | _Solo | None":
-        """Wait for this thread's turn (the one it holds, if it holds one); None when
-        ``stop()`` became true first (the place is given up). In auto mode, alone on the
-        host, no ticket is taken: a process that arrives meanwhile overlaps the call in
-        flight once - as it would wait behind it - and every later call takes turns."""
+        """Wait for this thread's turn (the one it holds, if it holds one); None when ``stop()``
+        became true first (the place is given up). In auto mode, alone on the host, no ticket is
+        taken: one arriving meanwhile overlaps the call in flight once, later calls take turns."""
         core = self._core
         held = getattr(core.local, "turn", None)
         if held is not None and held.held:
@@ -360,20 +359,21 @@ class Turnstile:
             return held
         if self.auto and not core.others_now():
             return _Solo(core)
-        with deferred_interrupts():  # the ticket and the object that gives it back, together
-            name, fd = core.enqueue()
-            turn = Turn(core, name, fd)
-        try:
+        turn = None
+        try:  # a Ctrl-C held while the ticket is taken lands at the with-exit: inside the try, given back
+            with deferred_interrupts():  # the ticket and the object that gives it back, together
+                turn = Turn(core, *core.enqueue())
             start = time.perf_counter()
-            with span("turnstile wait", "turnstile", ticket=name, concurrency=self.concurrency) as args:
-                ahead = self._wait(name, stop, start)
+            with span("turnstile wait", "turnstile", ticket=turn.name, concurrency=self.concurrency) as args:
+                ahead = self._wait(turn.name, stop, start)
                 if args is not None:
                     args["stopped"] = ahead is None
             if ahead is None:
                 turn.release()
                 return None
         except BaseException:
-            turn.release()
+            if turn is not None:
+                turn.release()
             raise
         turn.wait_s = time.perf_counter() - start
         with core.lock:
