@@ -24,7 +24,7 @@ from hicache.errors import CapacityError
 from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeCudart, FakeRuntime
 
-from rank_child import _machine_from
+from rank_child import _machine_from, wait_at_barrier
 
 WAIT_S = 60.0  # the hang guard of the pre-fault barrier
 
@@ -57,12 +57,7 @@ def _at_first_piece(barrier: str, ranks: int, stall: bool):
 def main(mode: str, barrier: str, ranks: int, pool_mib: int) -> int:
     import psutil
 
-    mine = os.path.join(barrier, f"ready-{os.getpid()}")
-    with open(mine + ".tmp", "w") as handle:
-        handle.write(str(psutil.Process().memory_info().rss))
-    os.rename(mine + ".tmp", mine)
-    while not os.path.exists(os.path.join(barrier, "go")):
-        time.sleep(0.005)
+    wait_at_barrier(barrier)
     psutil.virtual_memory = _machine_from(barrier, int(os.environ["HICACHE_TEST_BASE"]))  # sampled under the lock
     pages = pool_mib * 2**20 // (2 * 2 * 64 * 16 * 2 * 2)  # MHA: 2 layers, 2 heads x 64, 16-token pages, bf16
     plan = plan_pool(MHALayout("page_first", layer_num=2, head_num=2, head_dim=64, page_size=16, page_num=pages,

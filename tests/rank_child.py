@@ -47,7 +47,9 @@ def _machine_from(barrier: str, base: int):
     return virtual_memory
 
 
-def main_rank(mode: str, barrier: str, pool_gb: str, hold_s: float) -> int:
+def wait_at_barrier(barrier: str) -> None:
+    """Say this rank is ready (with its RSS now: what `_rank_growth` measures from), then wait
+    for the parent's ``go``."""
     mine = os.path.join(barrier, f"ready-{os.getpid()}")
     with open(mine + ".tmp", "w") as handle:
         handle.write(str(psutil.Process().memory_info().rss))
@@ -55,6 +57,10 @@ def main_rank(mode: str, barrier: str, pool_gb: str, hold_s: float) -> int:
     go = os.path.join(barrier, "go")
     while not os.path.exists(go):
         time.sleep(0.005)
+
+
+def main_rank(mode: str, barrier: str, pool_gb: str, hold_s: float) -> int:
+    wait_at_barrier(barrier)
     psutil.virtual_memory = _machine_from(barrier, int(os.environ["HICACHE_TEST_BASE"]))
     with fake_cuda():
         if mode == "apply":
