@@ -153,3 +153,14 @@ def cudart(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setenv(CHUNK_ENV, "1")
     return fake
+
+
+@pytest.fixture(scope="session")
+def fork_server():
+    """One fork server for this test process (tests/forked.py): child scripts forked from an
+    interpreter that imported torch and hicache once, as `subprocess.Popen` would start them."""
+    from forked import ForkServer
+
+    server = ForkServer()
+    yield server
+    server.close()

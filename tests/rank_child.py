@@ -1,5 +1,5 @@
 """One rank of tests/test_ranks.py: import everything, wait at a file barrier, then bring a
-1 GB pool up through `hicache apply` or a pool class, under `hicache.testing.fake_cuda`.
+pool (its size given) up through `hicache apply` or a pool class, under `hicache.testing.fake_cuda`.
 
 psutil reports a machine with ``HICACHE_TEST_BASE`` bytes available at the barrier, minus what
 the ranks' processes have really made resident since then (their RSS growth: the pools the

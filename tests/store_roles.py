@@ -379,3 +379,83 @@ def controller(say, *, path: str, size_gb, kind: str, layout: str, pools: str, s
 
 
 ROLES["controller"] = controller
+
+
+def admission_rank(say, *, shared: str, room: int, ranks: int, tokens: int) -> dict:
+    """One rank of the plug-in's admission test (tests/test_sglang_plugin.py): SGLang's own
+    sample of the machine (`available_host_memory_bytes`, replaced where it lives and where
+    pool_host.base imported it, before the plug-in loads, so hicache's hooks wrap it as they wrap
+    the real one) reads a host with ``room`` bytes beyond SGLang's reserve, less what every rank
+    has mapped (files under ``shared``); an admitted rank maps only once all ``ranks`` sampled.
+    Then SGLang's real MHA pool of ``tokens`` tokens is built under the fake driver: "admitted"
+    with the number of registrations held, or "refused" with SGLang's error."""
+    from pathlib import Path
+
+    import torch
+    import sglang.srt.mem_cache.host_memory as host_memory
+    import sglang.srt.mem_cache.pool_host.base as base
+    import sglang.srt.plugins as plugins
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from hicache.effects import HostTensorAllocator
+    from hicache.testing import fake_cuda
+
+    shared_dir = Path(shared)
+    mine = shared_dir / f"mapped-{os.getpid()}"
+    mine.write_text("0")
+    real = HostTensorAllocator.allocate_unfaulted
+
+    def allocate_unfaulted(self, dims, dtype):  # the machine's memory is used from the mapping on
+        _wait_count(shared_dir, "sampled-*", ranks)  # an admitted rank maps only once every rank has sampled
+        tensor, buffer = real(self, dims, dtype)
+        mine.write_text(str(int(mine.read_text()) + buffer.mapped_bytes))
+        return tensor, buffer
+
+    def available(allow_cgroup_fallback=True):  # a host with room for the pools beyond SGLang's reserve
+        used = sum(int(p.read_text() or 0) for p in shared_dir.glob("mapped-*"))
+        time.sleep(0.3)  # sampling takes a while: ranks starting together all sample before any maps
+        (shared_dir / f"sampled-{os.getpid()}").touch()
+        return base.HICACHE_HOST_MEMORY_RESERVE_BYTES + room - used
+
+    HostTensorAllocator.allocate_unfaulted = allocate_unfaulted
+    host_memory.available_host_memory_bytes = base.available_host_memory_bytes = available
+    plugins.load_plugins()
+    device = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=4,
+                              device="cpu", enable_memory_saver=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    (shared_dir / f"ready-{os.getpid()}").touch()
+    _wait_count(shared_dir, "ready-*", ranks)  # start together
+    with fake_cuda() as fake:
+        try:
+            MHATokenToKVPoolHost(info, 2.0, 0, 16, "page_first_direct", True, "cpu", device_capacity_tokens=256,
+                                 start_layer=0, end_layer=4, host_token_capacity=tokens)
+            return {"admitted": len(fake.held())}
+        except ValueError as error:
+            return {"refused": str(error)}
+
+
+def _wait_count(directory, pattern: str, count: int) -> None:
+    """Block until ``count`` files match ``pattern`` (a barrier the ranks set); a hang guard."""
+    deadline = time.monotonic() + 240
+    while len(list(directory.glob(pattern))) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+ROLES["admission_rank"] = admission_rank
+
+
+def metrics_rank(say, *, tokens: int, hicache_pools: bool) -> dict:
+    """One scheduler-like process of the metrics test (tests/metrics_child.py's `main`: SGLang's
+    assembler builds a host pool of ``tokens`` tokens under the plug-in - hicache's own pools with
+    ``hicache_pools``); the zygote ran with PROMETHEUS_MULTIPROC_DIR set, as SGLang's launcher
+    sets it. The pool stays up: the zygote's task ends with os._exit, no release writes 0s."""
+    import metrics_child
+
+    os.environ.pop("HICACHE_SGLANG_POOLS", None)
+    if hicache_pools:
+        os.environ["HICACHE_SGLANG_POOLS"] = "1"
+    return metrics_child.main(tokens)
+
+
+ROLES["metrics_rank"] = metrics_rank

@@ -77,7 +77,7 @@ def test_a_dead_peers_claim_is_no_claim(tmp_path):
 
 
 @pytest.mark.concurrency  # processes side by side: `make test-loaded` runs it again under load
-def test_four_applies_at_once_with_one_stated_rank_admit_exactly_one(tmp_path):
+def test_four_applies_at_once_with_one_stated_rank_admit_exactly_one(tmp_path, fork_server):
     """Four `hicache apply --fake-cuda --host-memory 64MB --ranks-per-host 1` processes, each
     asking 8 MB and holding what it got: exactly one is admitted (it says it holds), the three
     others exit 1 naming the peer's claim; the admitted one then ends on Ctrl-C."""
@@ -85,8 +85,7 @@ def test_four_applies_at_once_with_one_stated_rank_admit_exactly_one(tmp_path):
     argv = [sys.executable, "-m", "hicache", "apply", "--fake-cuda", "--model", "llama-3.1-8b", "--tp", "8",
             "--host-gb", "0.008", "--chunk-limit", "4MiB", "--threads", "1", "--host-memory", "64MB",
             "--ranks-per-host", "1", "--reserve", "1", "--hold", "inf"]
-    children = [subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-                for _ in range(4)]
+    children = [fork_server.spawn(argv, env=env) for _ in range(4)]  # forked: tests/forked.py
     try:
         deadline = time.monotonic() + 600  # a hang guard: the refused ones exit as soon as they sample
         while sum(c.poll() is not None for c in children) < 3:
@@ -95,13 +94,13 @@ def test_four_applies_at_once_with_one_stated_rank_admit_exactly_one(tmp_path):
         refused = [c for c in children if c.poll() is not None]
         (admitted,) = [c for c in children if c.poll() is None]
         assert [c.returncode for c in refused] == [1, 1, 1]
-        errors = [c.stderr.read() for c in refused]
+        errors = [c.communicate()[1] for c in refused]
         assert all(f"(pids {admitted.pid}) already claim" in e and "error[budget-refused]" in e for e in errors)
-        said = ""  # the lock decides, it does not fill: the refusals may come before it holds (issue #35)
-        while "holding" not in said:
-            line = admitted.stderr.readline()  # a hang guard: the child's own --hold never ends by itself
-            assert line, f"the admitted apply ended without holding: {said}"
-            said += line
+        # the lock decides, it does not fill: the refusals may come before it holds (issue #35)
+        while "holding" not in admitted.output()[1]:  # its own --hold never ends by itself
+            assert admitted.poll() is None, f"the admitted apply ended without holding: {admitted.communicate()}"
+            assert time.monotonic() < deadline, "hang guard"
+            time.sleep(0.02)
         admitted.send_signal(signal.SIGINT)
         assert admitted.wait(timeout=120) == 130
     finally:
@@ -109,4 +108,3 @@ def test_four_applies_at_once_with_one_stated_rank_admit_exactly_one(tmp_path):
             if child.poll() is None:
                 child.kill()
                 child.wait()
-            child.stderr.close()

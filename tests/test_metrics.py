@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -157,15 +156,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_apply_serves_the_metrics_over_http_on_localhost(tmp_path):
+def test_apply_serves_the_metrics_over_http_on_localhost(tmp_path, fork_server):
     """apply --metrics-port serves every documented family on 127.0.0.1 while it holds, with
     registered bytes above 0."""
     port = _free_port()
     env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path), PYTHONWARNINGS="ignore")
     command = [sys.executable, "-m", "hicache", "apply", "--fake-cuda", "--model", "llama-3.1-8b", "--host-gb", "0.25",
                "--host-memory", "1TB", "--ranks-per-host", "1", "--hold", "30", "--metrics-port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               cwd=Path(__file__).parent.parent)
+    process = fork_server.spawn(command, env=env, cwd=Path(__file__).parent.parent)  # tests/forked.py
     try:
         body, deadline = "", time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -1,7 +1,8 @@
 """hicache's metrics on SGLang's own `/metrics` (issue #33 item 6). SGLang serves `/metrics` from
 its HTTP process with prometheus_client's MultiProcessCollector over PROMETHEUS_MULTIPROC_DIR
 (`sglang.srt.utils.common.add_prometheus_middleware`), while pools live in scheduler processes.
-Three such processes (tests/metrics_child.py, SGLang's real code and the plug-in): two build
+Three such processes (tests/metrics_child.py, SGLang's real code and the plug-in, forked from
+one zygote that imported SGLang with PROMETHEUS_MULTIPROC_DIR set - tests/store_child.py): two build
 SGLang's own host pool (seam mode), one hicache's (HICACHE_SGLANG_POOLS=1). What SGLang's
 endpoint would serve - SGLang's own middleware's registry, rendered - holds one series per
 process (its pid) whose registered bytes and calls are what that process's fake driver holds
@@ -9,17 +10,13 @@ and made, and whose every sample equals what that process's own collector said."
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from sglang_support import need_sglang
-
-CHILD = Path(__file__).with_name("metrics_child.py")
+from store_support import Zygote
 
 
 def _served(directory: Path) -> dict:
@@ -44,17 +41,11 @@ def test_every_process_of_a_server_reaches_its_metrics_endpoint(tmp_path):
     directory.mkdir()
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
-    base = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory), "HICACHE_RUNTIME_DIR": str(runtime)}
-    base.pop("HICACHE_SGLANG_POOLS", None)
-    envs = [base, base, {**base, "HICACHE_SGLANG_POOLS": "1"}]
-    children = [subprocess.Popen([sys.executable, str(CHILD), str(256 * (i + 1))], env=env, cwd=CHILD.parent,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for i, env in enumerate(envs)]
-    reports = []
-    for child in children:
-        out, err = child.communicate(timeout=300)  # a hang guard
-        assert child.returncode == 0, err
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(directory), "HICACHE_RUNTIME_DIR": str(runtime)}
+    with Zygote(sglang=True, env=env) as zygote:  # SGLang imported once, each process forked from it
+        for i in range(3):
+            zygote.start(f"scheduler{i}", "metrics_rank", tokens=256 * (i + 1), hicache_pools=i == 2)
+        reports = [zygote.result(f"scheduler{i}") for i in range(3)]
     assert [r["pool_module"] for r in reports] == ["sglang", "sglang", "hicache"]
     assert all(r["multiprocess"] for r in reports)
     served = _served(directory)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,9 +39,10 @@ def _env(tmp_path: Path, base: int) -> dict:
             "PYTHONPATH": os.pathsep.join([str(CHILD.parent), os.environ.get("PYTHONPATH", "")])}
 
 
-def _start(barrier: Path, env: dict, ranks: int, mode: str = "fill") -> list:
-    return [subprocess.Popen([sys.executable, str(CHILD), mode, str(barrier), str(ranks), str(POOL_MIB)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(ranks)]
+def _start(server, barrier: Path, env: dict, ranks: int, mode: str = "fill") -> list:
+    """``ranks`` of tests/fill_child.py, forked from the fork server (tests/forked.py)."""
+    return [server.spawn([sys.executable, str(CHILD), mode, str(barrier), str(ranks), str(POOL_MIB)], env=env)
+            for _ in range(ranks)]
 
 
 def _go(barrier: Path, children: list, expected: int) -> None:
@@ -69,11 +69,11 @@ def _barrier(tmp_path: Path, name: str) -> Path:
     return barrier
 
 
-def test_ranks_with_room_for_all_pre_fault_side_by_side_and_register_in_turns(tmp_path):
+def test_ranks_with_room_for_all_pre_fault_side_by_side_and_register_in_turns(tmp_path, fork_server):
     """Four ranks with room for all: all four are mid-pre-fault at once (none timed out at the
     first-piece barrier), all are admitted, and no two register calls overlap."""
     barrier = _barrier(tmp_path, "all")
-    children = _start(barrier, _env(tmp_path, 16 * POOL), 4)
+    children = _start(fork_server, barrier, _env(tmp_path, 16 * POOL), 4)
     _go(barrier, children, 4)
     results = _results(children)
     assert [code for code, _, _ in results] == [0] * 4, results
@@ -84,11 +84,11 @@ def test_ranks_with_room_for_all_pre_fault_side_by_side_and_register_in_turns(tm
     assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(calls, calls[1:])), "calls overlapped"
 
 
-def test_ranks_with_room_for_one_admit_one_while_it_is_mid_pre_fault(tmp_path):
+def test_ranks_with_room_for_one_admit_one_while_it_is_mid_pre_fault(tmp_path, fork_server):
     """Room for one (and a half): exactly one rank is admitted; the three others were refused
     while it waited mid-pre-fault - its claim's pending bytes counted against them."""
     barrier = _barrier(tmp_path, "one")
-    children = _start(barrier, _env(tmp_path, POOL * 3 // 2), 4)
+    children = _start(fork_server, barrier, _env(tmp_path, POOL * 3 // 2), 4)
     _go(barrier, children, 4)
     results = _results(children)
     assert sorted(code for code, _, _ in results) == [0, 1, 1, 1], results
@@ -97,14 +97,14 @@ def test_ranks_with_room_for_one_admit_one_while_it_is_mid_pre_fault(tmp_path):
     assert all("error[budget-refused]" in err for code, _, err in results if code)
 
 
-def test_a_rank_killed_mid_fill_leaves_nothing_the_next_rank_counts(tmp_path):
+def test_a_rank_killed_mid_fill_leaves_nothing_the_next_rank_counts(tmp_path, fork_server):
     """A rank SIGKILLed while mid-pre-fault: its claim is pruned, and the next rank, against room
     for one, is admitted (it counted none of the dead rank's bytes)."""
     from hicache.effects._hostwide._lock import BudgetLock
 
     env = _env(tmp_path, POOL * 3 // 2)
     first = _barrier(tmp_path, "first")
-    (stalled,) = _start(first, env, 1, mode="stall")
+    (stalled,) = _start(fork_server, first, env, 1, mode="stall")
     _go(first, [stalled], 1)
     deadline = time.monotonic() + 120  # a hang guard
     while not list(first.glob("prefaulting-*")):
@@ -118,7 +118,7 @@ def test_a_rank_killed_mid_fill_leaves_nothing_the_next_rank_counts(tmp_path):
     with BudgetLock(tmp_path / "run", timeout_s=60) as lock:
         assert stalled.pid not in lock.claims() and lock.pending_bytes() == 0
     second = _barrier(tmp_path, "second")
-    children = _start(second, env, 1)
+    children = _start(fork_server, second, env, 1)
     _go(second, children, 1)
     results = _results(children)
     assert [code for code, _, _ in results] == [0], results

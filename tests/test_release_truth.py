@@ -74,7 +74,7 @@ print("ok", held_during)
 
 
 @pytest.mark.parametrize("collect", [True, False], ids=["collected-mid-bring-up", "plain"])
-def test_a_pool_collected_while_the_next_one_is_brought_up_does_not_deadlock(tmp_path, collect):
+def test_a_pool_collected_while_the_next_one_is_brought_up_does_not_deadlock(tmp_path, collect, fork_server):
     """The finalizer of a dropped pool runs inside the next pool's bring-up (which holds the
     host-wide budget lock through a file descriptor of its own): it completes, and nothing
     stays registered or budgeted."""
@@ -83,8 +83,7 @@ def test_a_pool_collected_while_the_next_one_is_brought_up_does_not_deadlock(tmp
     env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime_dir)}
     code = _CHILD.format(tests=str(ROOT / "tests"), collect=collect)
     try:
-        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=60)
+        result = fork_server.run([sys.executable, "-c", code], cwd=ROOT, env=env, timeout=60)  # tests/forked.py
     except subprocess.TimeoutExpired:
         pytest.fail("the bring-up hung: the finalizer waited on the budget lock the bring-up holds")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -10,13 +10,12 @@ fails instead where HICACHE_REQUIRE_SGLANG=1 (CI)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 from sglang_support import (  # noqa: F401 - sglang: a fixture
     NAMES, ORIGINALS, load_sglang, need_sglang, plugged, published, recording_allocators, sglang,
 )
+
+from store_support import Zygote
 
 from hicache.testing import fake_cuda
 
@@ -350,65 +349,6 @@ def test_doctor_says_whether_the_plug_in_will_load(monkeypatch, version, points,
     assert (check.status, check.name) == (status, "sglang") and says in check.finding + check.hint, check
 
 
-_RANK = r"""
-import json, os, sys, time, warnings
-from pathlib import Path
-warnings.simplefilter("ignore")
-from hicache.testing import fake_cuda, sglang_on_cpu
-sglang_on_cpu()
-import torch
-import sglang.srt.mem_cache.host_memory as host_memory
-import sglang.srt.mem_cache.pool_host.base as base
-import sglang.srt.plugins as plugins
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from hicache.effects import HostTensorAllocator
-
-shared, room, ranks = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-mine = shared / f"mapped-{os.getpid()}"
-mine.write_text("0")
-real = HostTensorAllocator.allocate_unfaulted
-
-def allocate_unfaulted(self, dims, dtype):  # the machine's memory is used from the mapping on
-    deadline = time.monotonic() + 60  # a hang guard: an admitted rank maps only once every rank has sampled
-    while len(list(shared.glob("sampled-*"))) < ranks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    tensor, buffer = real(self, dims, dtype)
-    mine.write_text(str(int(mine.read_text()) + buffer.mapped_bytes))
-    return tensor, buffer
-
-HostTensorAllocator.allocate_unfaulted = allocate_unfaulted
-
-def available(allow_cgroup_fallback=True):  # a host with room for the pools beyond SGLang's reserve
-    used = sum(int(p.read_text() or 0) for p in shared.glob("mapped-*"))
-    time.sleep(0.3)  # sampling takes a while: ranks starting together all sample before any maps
-    (shared / f"sampled-{os.getpid()}").touch()
-    return base.HICACHE_HOST_MEMORY_RESERVE_BYTES + room - used
-
-# SGLang's own sample of the machine, replaced where it lives (and where pool_host.base imported
-# it) before the plug-in loads: hicache's hooks wrap it there, as they wrap SGLang's real one
-host_memory.available_host_memory_bytes = base.available_host_memory_bytes = available
-if sys.argv[4] == "plugin":
-    plugins.load_plugins()
-device = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=4,
-                          device="cpu", enable_memory_saver=False)
-info = device.get_device_pool_infos()[0].buffer_info
-(shared / f"ready-{os.getpid()}").touch()
-deadline = time.monotonic() + 240
-while len(list(shared.glob("ready-*"))) < ranks and time.monotonic() < deadline:  # start together
-    time.sleep(0.01)
-result = {}
-with fake_cuda() as fake:
-    try:
-        host = MHATokenToKVPoolHost(info, 2.0, 0, 16, "page_first_direct", True, "cpu", device_capacity_tokens=256,
-                                    start_layer=0, end_layer=4, host_token_capacity=int(sys.argv[5]))
-        result["admitted"] = len(fake.held())
-    except ValueError as error:
-        result["refused"] = str(error)
-print(json.dumps(result))
-"""
-
-
 @pytest.mark.parametrize("version, tested", [
     ("0.5.23", True), ("0.5.23.post1", True), ("0.5.23rc2", True), ("0.5.22", False), ("0.5.22.post3", False),
     ("0.5.24", False), ("0.5.24rc0", False), ("0.5.3", False), ("0.6.0", False), ("1.0.0", False), (None, False),
@@ -422,7 +362,9 @@ def test_only_the_release_the_plug_in_was_tested_with_counts_as_tested(version, 
     assert sglang_plugin.supported(version) is tested
 
 
-@pytest.mark.concurrency  # three processes at once: `make test-loaded` runs it again under load
+@pytest.mark.concurrency  # four processes at once
+@pytest.mark.load_free("its ranks' order is fixed by file barriers (all sample before any maps), whatever the load; "
+                       "the same lock's law runs under load in test_ranks_fill and test_ranks")
 def test_four_ranks_starting_together_against_room_for_two_admit_exactly_two(tmp_path):
     """Four processes build SGLang's real pool with the plug-in at the same moment on a host
     with room for two (its free memory drops as soon as a pool is mapped): SGLang's own check,
@@ -430,26 +372,19 @@ def test_four_ranks_starting_together_against_room_for_two_admit_exactly_two(tmp
     lock goes at once, issue #35), admits exactly two - also when a rank samples before an
     admitted one has mapped anything; the others fail with SGLang's own "Not enough host memory"
     error."""
-    import json
-    import subprocess
-
-    need_sglang()  # the ranks import SGLang themselves
-    ranks = 4  # two refused beside the two admitted (each rank imports SGLang: ~5 s of CPU)
+    need_sglang()  # the ranks import SGLang (once, in the zygote that forks them)
+    ranks = 4  # two refused beside the two admitted
     tokens = 4096  # 4096 tokens x 4 layers x 2 x 2 heads x 64 x 2 bytes = 8 MiB
     pool_bytes = (tokens // 16 + 1) * 16 * 4 * 2 * 2 * 64 * 2
     shared = tmp_path / "host"
     shared.mkdir()
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
-    env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime)}
-    args = [str(shared), str(pool_bytes * 5 // 2), str(ranks), "plugin", str(tokens)]
-    children = [subprocess.Popen([sys.executable, "-c", _RANK, *args], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for _ in range(ranks)]
-    results = []
-    for child in children:
-        out, err = child.communicate(timeout=300)
-        assert child.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    with Zygote(sglang=True, env={"HICACHE_RUNTIME_DIR": str(runtime)}) as zygote:
+        for rank in range(ranks):
+            zygote.start(f"rank{rank}", "admission_rank", shared=str(shared), room=pool_bytes * 5 // 2, ranks=ranks,
+                         tokens=tokens)
+        results = [zygote.result(f"rank{rank}") for rank in range(ranks)]
     admitted = [r for r in results if "admitted" in r]
     assert len(admitted) == 2, results
     assert all("Not enough host memory available" in r["refused"] for r in results if "refused" in r), results

@@ -6,7 +6,6 @@ no two spans of one thread overlapping unless one holds the other."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -72,7 +71,7 @@ def test_apply_trace_is_valid_and_its_register_spans_are_the_drivers_calls(tmp_p
     _check_spans(events)
 
 
-def test_hicache_trace_records_a_librarys_bring_ups(tmp_path):
+def test_hicache_trace_records_a_librarys_bring_ups(tmp_path, fork_server):
     """HICACHE_TRACE=FILE, a process that only calls the library: the file is there after the
     release, with the register calls."""
     path = tmp_path / "lib.json"
@@ -84,8 +83,8 @@ def test_hicache_trace_records_a_librarys_bring_ups(tmp_path):
         "with fake_cuda():\n"
         "    bring_up([BufferRequest('kv', (8 << 20,), None, plan)], budget=False).release()\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "HICACHE_TRACE": str(path)},
-                            capture_output=True, text=True, timeout=120)
+    result = fork_server.run([sys.executable, "-c", code], env={**__import__("os").environ, "HICACHE_TRACE": str(path)},
+                             timeout=120)  # forked from a process that imported hicache without it: tests/forked.py
     assert result.returncode == 0, result.stderr
     events = json.loads(path.read_text())["traceEvents"]
     assert len([e for e in events if e["name"] == "cudaHostRegister"]) == 4

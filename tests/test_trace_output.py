@@ -92,9 +92,9 @@ def test_a_librarys_bring_up_with_a_bad_trace_path_warns_and_goes_on(tmp_path, c
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
-def test_a_bad_hicache_trace_never_fails_a_pool_constructor(tmp_path):
-    """HICACHE_TRACE naming a directory: hicache's pool still builds and round-trips in a fresh
-    process (it failed every constructor before), with the warning on stderr."""
+def test_a_bad_hicache_trace_never_fails_a_pool_constructor(tmp_path, fork_server):
+    """HICACHE_TRACE naming a directory: hicache's pool still builds and round-trips in a process
+    of its own (it failed every constructor before), with the warning on stderr."""
     code = (
         "from hicache.pools import MHATokenToKVPoolHost\n"
         "from hicache.testing import MHADevicePool, fake_cuda\n"
@@ -106,7 +106,7 @@ def test_a_bad_hicache_trace_never_fails_a_pool_constructor(tmp_path):
         "print('built')\n"
     )
     env = {**os.environ, "HICACHE_TRACE": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    result = fork_server.run([sys.executable, "-c", code], env=env, timeout=300)  # tests/forked.py
     assert result.returncode == 0 and result.stdout.strip() == "built", result.stderr[-2000:]
     assert "not tracing" in result.stderr and "a directory" in result.stderr
 
@@ -161,7 +161,7 @@ def test_check_path_accepts_a_regular_file_or_a_new_one():
 
 
 @pytest.mark.concurrency
-def test_two_processes_traces_merge_in_the_drivers_order(tmp_path, capsys):
+def test_two_processes_traces_merge_in_the_drivers_order(tmp_path, capsys, fork_server):
     """Two processes bring pools up through one fake driver lock (its shared log records every
     call's start on the host clock); `hicache trace merge` of their traces lists their register
     calls in the log's order, each under its process."""
@@ -178,8 +178,8 @@ def test_two_processes_traces_merge_in_the_drivers_order(tmp_path, capsys):
         "         trace=sys.argv[1]).release()\n"
     )
     paths = [tmp_path / f"rank{i}.json" for i in range(2)]
-    children = [subprocess.Popen([sys.executable, "-c", code, str(p)]) for p in paths]
-    assert [c.wait(timeout=300) for c in children] == [0, 0]
+    children = [fork_server.spawn([sys.executable, "-c", code, str(p)]) for p in paths]  # tests/forked.py
+    assert [c.wait(timeout=300) for c in children] == [0, 0], [c.communicate() for c in children]
     out = tmp_path / "node.json"
     assert main(["trace", "merge", "--out", str(out), *map(str, paths)]) == 0
     merged = json.loads(out.read_text())

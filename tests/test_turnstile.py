@@ -15,7 +15,6 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -459,9 +458,8 @@ def test_waits_are_counted_for_the_metrics(directory):
 
 # --- processes of one host -----------------------------------------------------------------
 
-def _spawn(args, env):
-    return subprocess.Popen([sys.executable, str(CHILD), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+def _spawn(server, args, env):
+    return server.spawn([sys.executable, str(CHILD), *args], env=env)  # forked: tests/forked.py
 
 
 def _wait_for(condition, children, what: str, limit_s: float = 300) -> None:
@@ -475,7 +473,7 @@ def _wait_for(condition, children, what: str, limit_s: float = 300) -> None:
         time.sleep(0.01)
 
 
-def _run_together(tmp_path, *, concurrency: str, processes: int = 4, probe: bool = True, hold_driver: bool = False):
+def _run_together(server, tmp_path, *, concurrency: str, processes: int = 4, probe: bool = True, hold_driver: bool = False):
     """``processes`` bring-ups (128 MiB, one 128 MiB call unpaced, at 512 MB/s), each announced
     to the host's turnstile before they start and until all are done (ranks that start
     together), and a probe; returns (register calls, probe calls - both from the shared log,
@@ -486,9 +484,9 @@ def _run_together(tmp_path, *, concurrency: str, processes: int = 4, probe: bool
     barrier.mkdir()
     env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime), "HICACHE_PIN_CONCURRENCY": concurrency,
            "HICACHE_PIN_MAX_STALL_S": "0.05", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    children = [_spawn(["register", str(barrier), "128", str(512e6), "128", "together"], env) for _ in range(processes)]
+    children = [_spawn(server, ["register", str(barrier), "128", str(512e6), "128", "together"], env) for _ in range(processes)]
     if probe:
-        children.append(_spawn(["probe", str(barrier)], env))
+        children.append(_spawn(server, ["probe", str(barrier)], env))
     results = lambda: [p for p in barrier.glob("result-*") if not p.name.endswith(".tmp")]  # noqa: E731
     driver = os.open(barrier / "driver.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -527,13 +525,13 @@ def _at_the_driver(calls, instant: float) -> int:
     return sum(1 for c in calls if c["start"] <= instant < c["end"])
 
 
-def test_four_processes_never_overlap_their_calls_and_a_probe_waits_at_most_one_paced_call(tmp_path):
+def test_four_processes_never_overlap_their_calls_and_a_probe_waits_at_most_one_paced_call(tmp_path, fork_server):
     """The default (auto): ranks bringing up pools together take turns and pace every call, so
     at no instant is more than one register call queued at or inside the driver (from the
     shared call log: ``start`` is before the call queues for the driver lock) - a probe arriving
     at any moment finds at most one paced call ahead of it, never a queue of them."""
     rate, stall = 512e6, 0.05
-    calls, probes, results = _run_together(tmp_path, concurrency="auto")
+    calls, probes, results = _run_together(fork_server, tmp_path, concurrency="auto")
     assert len({c["pid"] for c in calls}) == 4 and sum(c["size"] for c in calls) == 4 * 128 * MiB
     assert _max_overlap([(c["start"], c["end"]) for c in calls]) == 1
     assert all(r["calls"] > 4 for r in results)  # paced: 128 MiB at most 25.6 MB a call
@@ -546,26 +544,27 @@ def test_four_processes_never_overlap_their_calls_and_a_probe_waits_at_most_one_
 
 
 @pytest.mark.load_free("the control of the test above: with no turnstile the calls pile up on any box")
-def test_without_the_turnstile_the_processes_calls_pile_up_at_the_driver(tmp_path):
+def test_without_the_turnstile_the_processes_calls_pile_up_at_the_driver(tmp_path, fork_server):
     """The negative control: the same four bring-ups with HICACHE_PIN_CONCURRENCY=off each make
     one unpaced call, and all four queue at the driver at once (the test holds the fake's
     host-wide driver lock until each has queued - it would wait forever for a second one with
     the turnstile on): the overlap check above can fail."""
-    calls, _, results = _run_together(tmp_path, concurrency="off", probe=False, hold_driver=True)
+    calls, _, results = _run_together(fork_server, tmp_path, concurrency="off", probe=False, hold_driver=True)
     assert all(r["calls"] == 1 for r in results)
     assert _max_overlap([(c["start"], c["end"]) for c in calls]) == 4
 
 
-def test_a_holder_killed_mid_call_does_not_block_the_others(tmp_path):
+def test_a_holder_killed_mid_call_does_not_block_the_others(tmp_path, fork_server):
     """A holder SIGKILLed inside its call (its ticket and the fake's driver lock held - a call
     that would never end by itself) lets the process queued behind it take its turn."""
+    server = fork_server
     runtime, barrier = tmp_path / "run", tmp_path / "barrier"
     runtime.mkdir(mode=0o700)
     barrier.mkdir()
     env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime), "HICACHE_PIN_CONCURRENCY": "1",
            "PYTHONPATH": str(Path(__file__).parent.parent)}
     # 16 MiB at 1 byte/s: the holder's first call would last 194 days - it is killed inside it
-    holder = _spawn(["register", str(barrier), "16", "1", "16"], env)
+    holder = _spawn(server, ["register", str(barrier), "16", "1", "16"], env)
     other = None
     try:
         _wait_for(lambda: (barrier / f"ready-{holder.pid}").exists(), [holder], "holder ready")
@@ -585,7 +584,7 @@ def test_a_holder_killed_mid_call_does_not_block_the_others(tmp_path):
         finally:
             os.close(driver)
         assert any(f".{holder.pid}." in n for n in _tickets(runtime))
-        other = _spawn(["register", str(barrier), "32", str(512e6), "32"], env)
+        other = _spawn(server, ["register", str(barrier), "32", str(512e6), "32"], env)
         _wait_for(lambda: any(f".{other.pid}." in n for n in _tickets(runtime)), [holder, other], "other's ticket")
         assert not list(barrier.glob("result-*")) and holder.poll() is None  # it waits behind the holder's turn
         holder.send_signal(signal.SIGKILL)
