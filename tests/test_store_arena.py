@@ -297,9 +297,15 @@ def test_two_processes_creating_at_once_make_one_arena(shm_dir):
 class RecordingLock:
     """A stand-in for the host-wide budget lock that records when it is held."""
 
-    def __init__(self) -> None:
+    def __init__(self, pending: int = 0) -> None:
         self.held = False
         self.events: list = []
+        self.pending = pending
+
+    def pending_bytes(self) -> int:
+        """What the host's claims have yet to fault in (asked only while held)."""
+        assert self.held, "pending bytes read outside the lock"
+        return self.pending
 
     def __enter__(self):
         self.held = True
@@ -345,6 +351,31 @@ def test_an_arena_larger_than_the_available_memory_is_refused_before_anything_ex
         open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=RecordingLock(),
                    machine=facts(available_bytes=ARENA_BYTES // 2))
     assert _listing(shm_dir) == []
+
+
+def test_an_arena_counts_the_claims_still_filling_as_used(shm_dir, tmp_path):
+    """A pool admitted beside it that is still pre-faulting (its claim recorded, none of it
+    resident: the budget lock decides, it does not fill - issue #35) is not in the machine's
+    sample yet: the arena's check takes it off, refuses what would overcommit with it, and
+    admits the same arena once the claim is gone."""
+    from machine import facts
+
+    from hicache.effects import BudgetLock
+    from hicache.errors import CapacityError
+    from hicache.store import open_store
+
+    directory = tmp_path / "run"
+    directory.mkdir(mode=0o700)
+    lock = BudgetLock(directory)
+    with lock:
+        lock.record(ARENA_BYTES)  # a pool of this host admitted, nothing of it resident yet
+    machine = facts(available_bytes=ARENA_BYTES * 3 // 2)  # room for the arena alone, not beside the pool
+    with pytest.raises(CapacityError, match="host memory budget refused"):
+        open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=lock, machine=machine)
+    assert _listing(shm_dir) == []
+    with lock:
+        lock.forget(ARENA_BYTES)
+    open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=lock, machine=machine).close()
 
 
 def test_a_real_hugetlbfs_arena_round_trips_and_refuses_more_than_its_free_pages():

@@ -171,6 +171,10 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     with lock:  # held until the arena is resident: peers then see it as used
         if not os.path.lexists(path):
             facts = probe_machine(root=root) if machine is None else machine
-            check_budget(plan.total_bytes, available_bytes=facts.available_bytes, ranks_per_host=1, reserve_bytes=0,
-                         cgroup_limit_bytes=facts.cgroup_limit_bytes, cgroup_usage_bytes=facts.cgroup_usage_bytes or 0)
+            # ranks admitted before us may still be pre-faulting (their claims decide, not their fill:
+            # issue #35): what they have yet to fault in is not gone from the sample yet
+            pending = lock.pending_bytes()
+            check_budget(plan.total_bytes, available_bytes=max(0, facts.available_bytes - pending), ranks_per_host=1,
+                         reserve_bytes=0, cgroup_limit_bytes=facts.cgroup_limit_bytes,
+                         cgroup_usage_bytes=(facts.cgroup_usage_bytes or 0) + pending if facts.cgroup_limit_bytes else 0)
         return NodeStore(create(), fault_hook=fault_hook)
