@@ -352,3 +352,25 @@ def test_modules_stay_small(module):
 def test_the_exemptions_from_the_size_rule_are_still_needed():
     """Not stale: every module OVER_MAX names is still past MAX_LINES (else its entry goes)."""
     assert all(len(MODULES[m].read_text().splitlines()) > MAX_LINES for m in OVER_MAX)
+
+
+def test_the_plan_packages_names_all_resolve_and_load_only_their_own_module():
+    """hicache.plan's names load on first use (issue #35 item 4): every name of __all__ has a
+    home and resolves to that module's object, an unknown name is an AttributeError naming it,
+    and `hicache plan`'s start does not load the store's planner (a fresh process tells)."""
+    import importlib
+    import subprocess
+    import sys
+
+    import hicache.plan as plan
+
+    assert set(plan.__all__) == set(plan._HOMES)
+    for name, home in plan._HOMES.items():
+        assert getattr(plan, name) is getattr(importlib.import_module(home), name), name
+    with pytest.raises(AttributeError, match="'no_such_name'"):
+        plan.no_such_name  # noqa: B018
+    code = ("import sys, io, contextlib\nfrom hicache.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['plan', '--format', 'json'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('hicache.plan.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "hicache.plan._store" not in loaded.stdout and "hicache.plan._layouts" in loaded.stdout, loaded.stdout

@@ -4,66 +4,56 @@ No I/O, environment, clocks, randomness, torch or CUDA here (ARCHITECTURE.md, "T
 tests/test_purity.py enforces it.
 """
 
-from hicache.plan._capacity import (
-    DEFAULT_RESERVE_BYTES,
-    SIZING_RULES,
-    host_tokens,
-    pages_for,
-    BudgetVerdict,
-    PoolSize,
-    assess_budget,
-    check_budget,
-    size_pool,
-)
-from hicache.plan._capacity_plan import CAPACITY_DEFAULTS, CapacityPlan, NamedPool, plan_capacity
-from hicache.plan._codec import SCHEMA_VERSION, from_jsonable, to_jsonable
-from hicache.plan._layouts import (
-    LAYOUT_CLASSES,
-    LAYOUT_RULES,
-    AsymmetricMHALayout,
-    BufferSpec,
-    DeepSeekV4PagedLayout,
-    DeepSeekV4StateLayout,
-    DSAIndexerLayout,
-    MambaLayout,
-    MHAKOnlyLayout,
-    MHALayout,
-    MLALayout,
-    dsa_indexer_pages,
-)
-from hicache.plan._limits import (
-    DEFAULT_CHUNK_LIMIT_BYTES,
-    DRIVER_CEILING_BYTES,
-    KERNEL_PIN_CAP_BYTES,
-    Limits,
-    kernel_pin_cap,
-    parse_kernel_release,
-)
-from hicache.plan._planner import RegistrationPlan, pace, pace_head, plan_registration, replan
-from hicache.plan._models import (
-    DEFAULT_MODEL,
-    KV_DTYPES,
-    PRESETS,
-    ConfigError,
-    ModelSpec,
-    model_from_hf_config,
-)
-from hicache.plan._intervals import IntervalSet
-from hicache.plan._pool import BufferPlan, PoolPlan, plan_pool
-from hicache.plan._range import Range
-from hicache.plan._store import StorePlan, plan_store
-from hicache.plan._settings import (
-    DEFAULT_HUGEPAGE_BYTES,
-    HUGEPAGE_MODES,
-    HUGETLBFS_MODES,
-    SETTINGS_ENV,
-    SGLANG_CHUNK_ENV,
-    ResolvedLimits,
-    env_size,
-    resolve_limits,
-)
-from hicache.errors import EnvError
-from hicache.plan._units import format_bytes, format_gb, format_progress, parse_size
+#: Where each public name lives. Its module is imported on first use (PEP 562): `hicache plan`
+#: starts in the time of the modules it runs (issue #35 item 4: <= 1.5x `import attrs`), not of all.
+_HOMES = {
+    **dict.fromkeys((
+        "DEFAULT_RESERVE_BYTES", "SIZING_RULES", "host_tokens", "pages_for", "BudgetVerdict", "PoolSize",
+        "assess_budget", "check_budget", "size_pool"
+    ), "hicache.plan._capacity"),
+    **dict.fromkeys(("CAPACITY_DEFAULTS", "CapacityPlan", "NamedPool", "plan_capacity"), "hicache.plan._capacity_plan"),
+    **dict.fromkeys(("SCHEMA_VERSION", "from_jsonable", "to_jsonable"), "hicache.plan._codec"),
+    **dict.fromkeys((
+        "LAYOUT_CLASSES", "LAYOUT_RULES", "AsymmetricMHALayout", "BufferSpec", "DeepSeekV4PagedLayout",
+        "DeepSeekV4StateLayout", "DSAIndexerLayout", "MambaLayout", "MHAKOnlyLayout", "MHALayout", "MLALayout",
+        "dsa_indexer_pages"
+    ), "hicache.plan._layouts"),
+    **dict.fromkeys((
+        "DEFAULT_CHUNK_LIMIT_BYTES", "DRIVER_CEILING_BYTES", "KERNEL_PIN_CAP_BYTES", "Limits", "kernel_pin_cap",
+        "parse_kernel_release"
+    ), "hicache.plan._limits"),
+    **dict.fromkeys(("RegistrationPlan", "pace", "pace_head", "plan_registration", "replan"), "hicache.plan._planner"),
+    **dict.fromkeys((
+        "DEFAULT_MODEL", "KV_DTYPES", "PRESETS", "ConfigError", "ModelSpec", "model_from_hf_config"
+    ), "hicache.plan._models"),
+    **dict.fromkeys(("IntervalSet",), "hicache.plan._intervals"),
+    **dict.fromkeys(("BufferPlan", "PoolPlan", "plan_pool"), "hicache.plan._pool"),
+    **dict.fromkeys(("Range",), "hicache.plan._range"),
+    **dict.fromkeys(("StorePlan", "plan_store"), "hicache.plan._store"),
+    **dict.fromkeys((
+        "DEFAULT_HUGEPAGE_BYTES", "HUGEPAGE_MODES", "HUGETLBFS_MODES", "SETTINGS_ENV", "SGLANG_CHUNK_ENV",
+        "ResolvedLimits", "env_size", "resolve_limits"
+    ), "hicache.plan._settings"),
+    **dict.fromkeys(("EnvError",), "hicache.errors"),
+    **dict.fromkeys(("format_bytes", "format_gb", "format_progress", "parse_size"), "hicache.plan._units"),
+}
+
+
+def __getattr__(name: str):
+    """Import the module that holds ``name`` and keep its value here (the next lookup is plain)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'hicache.plan' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "pace",
