@@ -182,12 +182,14 @@ def test_a_pool_whose_destroy_raised_refuses_use_until_a_second_destroy(tmp_path
     assert pool.wait_ready(5)
     device = pool.device_pool
     slots = pool.alloc(8)
+    page = pool.get_data_page(0).clone()  # the page path's geometry is cached: its own check must refuse
     expected = KeyboardInterrupt if fault.startswith("interrupted") else ReleaseError
     with pytest.raises(expected):
         pool.destroy()
     refused = "destroy\\(\\) failed: 1 range\\(s\\) stay registered"
     for use in (lambda: pool.alloc(4), lambda: pool.free(slots), lambda: pool.available_size(),
-                lambda: pool.get_data_page(0), lambda: pool.backup_from_device_all_layer(device, slots, slots, "direct"),
+                lambda: pool.get_data_page(0), lambda: pool.set_from_flat_data_page(0, page),
+                lambda: pool.backup_from_device_all_layer(device, slots, slots, "direct"),
                 lambda: pool.load_to_device_per_layer(device, slots, slots, 0, "direct")):
         with pytest.raises(RegistrationStateError, match=refused):
             use()

@@ -98,10 +98,26 @@ class StoragePagesMixin:
         self._page_geometry = made
         return made
 
+    def _page_at(self, index):
+        """(geometry, key) of the page holding token ``index``: the L3 page path's one entry,
+        called per page - the pool's state, the cached geometry and the index are each checked
+        with one test in the common case (a refused pool or a bad index takes the long way,
+        which raises naming why)."""
+        host = self._host
+        if self._destroyed or (host is not None and host.state == "leaked"):
+            self._alive()
+        geometry = getattr(self, "_page_geometry", None)
+        if geometry is None or geometry.key != id(self.kv_buffer):
+            geometry = self._geometry()
+        return geometry, self._page_key(index, geometry)
+
     def _page_key(self, index, geometry):
         """The index into each buffer that selects the page holding token ``index``."""
         page_size = self.page_size
-        page = self._storage_index(index) // page_size
+        if type(index) is int and 0 <= index < self.size and self.dcp_size == 1:  # the common case
+            page = index // page_size
+        else:
+            page = self._storage_index(index) // page_size
         if geometry.by_page:
             cut = slice(page, page + 1)
         else:
@@ -121,9 +137,7 @@ class StoragePagesMixin:
         where the page is contiguous - MLA page-first - as SGLang's)."""
         import torch
 
-        self._alive()
-        geometry = self._geometry()
-        key = self._page_key(index, geometry)
+        geometry, key = self._page_at(index)
         if len(geometry.tensors) == 1:  # the common case, on every L3 page: no list
             part = geometry.tensors[0][key]
             return part.flatten() if flat else part
@@ -146,16 +160,14 @@ class StoragePagesMixin:
         """Write a page produced by `get_data_page` back at token ``index``."""
         import torch
 
-        self._alive()
-        geometry = self._geometry()
-        key = self._page_key(index, geometry)
+        geometry, key = self._page_at(index)
         if data_page.numel() != geometry.total:
             raise TransferError(f"data_page has {data_page.numel()} elements; a page has {geometry.total}")
         if len(geometry.tensors) == 1 and not geometry.mixed:
             # view(*ints): torch's fast path (a torch.Size argument costs about three times more)
+            # and assignment, not [key].copy_(): torch copies in place without a Python view object
             shape = geometry.shapes[0]
-            geometry.tensors[0][key].copy_(data_page.view(*shape) if data_page.is_contiguous()
-                                           else data_page.reshape(*shape))
+            geometry.tensors[0][key] = data_page.view(*shape) if data_page.is_contiguous() else data_page.reshape(*shape)
             return
         parts = [t[key] for t in geometry.tensors]
         offset = 0
