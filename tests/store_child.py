@@ -1,4 +1,5 @@
-"""A zygote for the node store's multi-process tests: imports hicache's store and torch (with
+"""A zygote for the multi-process tests of the node store and of SGLang's ranks: imports hicache's
+store and torch (with
 ``--sglang``, SGLang 0.5.23's real modules on CPU too) once, then forks one fresh process per
 task it reads on stdin, so a test can run many processes - and kill -9 them - without paying an
 interpreter and SGLang's imports for each (seconds each on a busy box).

@@ -1,5 +1,6 @@
-"""What each process of the node store's multi-process tests does (run by tests/store_child.py,
-one forked process per task). Each role reports events through ``say`` and returns a JSON-able
+"""What each process of the zygote's multi-process tests does (run by tests/store_child.py, one
+forked process per task): the node store's, and SGLang's ranks of the plug-in's admission and
+metrics tests. Each role reports events through ``say`` and returns a JSON-able
 report; page contents are a function of (seed, page) so any process can check any page."""
 
 from __future__ import annotations
