@@ -322,15 +322,15 @@ def test_apply_refuses_plan_arguments_next_to_a_saved_plan(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["table", "json"])
-def test_apply_fake_cuda_is_a_dry_run_end_to_end_on_a_machine_without_a_gpu(fmt):
+def test_apply_fake_cuda_is_a_dry_run_end_to_end_on_a_machine_without_a_gpu(fmt, fork_server):
     """`hicache apply --fake-cuda`, as a user runs it (a process, no Python): the whole bring-up
     against hicache.testing's fake driver - planned, mapped, pre-faulted, budgeted, registered in
     its calls, released - with the same output as a real run, and said to be a dry run."""
-    result = subprocess.run(
+    result = fork_server.run(  # `python -m hicache` in a process of its own, forked: tests/forked.py
         [sys.executable, "-m", "hicache", "apply", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.05",
          "--chunk-limit", "16MiB", "--fake-cuda", "--format", fmt,
          "--host-memory", "1TB", "--ranks-per-host", "1"],  # the budget injected: not this machine's free memory
-        capture_output=True, text=True, timeout=120,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "--fake-cuda: a dry run" in result.stderr and "Traceback" not in result.stderr

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,14 +24,14 @@ APPLY = ["apply", "--fake-cuda", "--model", "llama-3.1-8b", "--tp", "8", "--host
 PHASES = ["probe", "budget", "prefault", "register", "hold", "release"]
 
 
-def _stopped(tmp_path: Path, phase: str, signame: str, argv: list[str]):
+def _stopped(server, tmp_path: Path, phase: str, signame: str, argv: list[str]):
     """Run the child to its end (a hang guard, not a timing): exit code, stderr, report, claims."""
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700, exist_ok=True)
     report = tmp_path / f"{phase}.json"
     env = {**os.environ, "HICACHE_RUNTIME_DIR": str(runtime)}
-    result = subprocess.run([sys.executable, str(CHILD), phase, signame, str(report), "--", *argv],
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = server.run([sys.executable, str(CHILD), phase, signame, str(report), "--", *argv], env=env,
+                        timeout=300)  # forked: tests/forked.py
     ledger = runtime / "budget.lock"
     claims = json.loads(ledger.read_text() or "{}") if ledger.exists() else {}
     return result, json.loads(report.read_text()), claims
@@ -47,12 +46,12 @@ def _one_error_line(stderr: str, said: str) -> None:
 
 
 @pytest.mark.parametrize("phase", PHASES)
-def test_sigterm_at_each_phase_of_apply_undoes_everything_and_exits_143(tmp_path, phase):
+def test_sigterm_at_each_phase_of_apply_undoes_everything_and_exits_143(tmp_path, phase, fork_server):
     """probe, budget claim, pre-fault, mid-registration, hold, mid-release: exit 143, one error
     line saying SIGTERM, the fake driver holds nothing, the child's claim is gone - and the
     phase really was reached (the hook fired; a registration had begun where it should)."""
     argv = [*APPLY, "--hold", "inf"] if phase == "hold" else APPLY
-    result, report, claims = _stopped(tmp_path, phase, "SIGTERM", argv)
+    result, report, claims = _stopped(fork_server, tmp_path, phase, "SIGTERM", argv)
     assert result.returncode == 143, result.stderr
     assert report["reached"] == [phase]
     _one_error_line(result.stderr, "stopped by SIGTERM")
@@ -64,19 +63,19 @@ def test_sigterm_at_each_phase_of_apply_undoes_everything_and_exits_143(tmp_path
         assert report["registers"] == 0, report
 
 
-def test_sighup_is_handled_as_sigterm(tmp_path):
+def test_sighup_is_handled_as_sigterm(tmp_path, fork_server):
     """SIGHUP (a closed terminal, a reload) mid-registration: exit 129, everything undone."""
-    result, report, claims = _stopped(tmp_path, "register", "SIGHUP", APPLY)
+    result, report, claims = _stopped(fork_server, tmp_path, "register", "SIGHUP", APPLY)
     assert result.returncode == 129, result.stderr
     _one_error_line(result.stderr, "stopped by SIGHUP")
     assert all(held == [] for held in report["held"]) and claims == {}
 
 
-def test_sigterm_during_store_create_leaves_no_arena_and_no_claim(tmp_path, shm_dir):  # noqa: F811
+def test_sigterm_during_store_create_leaves_no_arena_and_no_claim(tmp_path, shm_dir, fork_server):  # noqa: F811
     """`hicache store create` stopped mid-pre-fault: exit 143, one error line, the arena file
     unlinked, the node claim gone."""
     path = shm_dir / "arena"
-    result, report, claims = _stopped(tmp_path, "store-prefault", "SIGTERM",
+    result, report, claims = _stopped(fork_server, tmp_path, "store-prefault", "SIGTERM",
                                       ["store", "create", str(path), "--size-gb", "0.15", "--slot-bytes", "65536",
                                        "--threads", "1"])
     assert result.returncode == 143 and report["reached"] == ["store-prefault"], result.stderr
