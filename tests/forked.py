@@ -90,19 +90,28 @@ class ForkServer:
         import shutil
 
         try:
-            self.process.stdin.close()  # the server kills what still runs and exits
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=60)
+            end_server(self.process, self._reader)  # the server kills what still runs and exits
         finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-            self._reader.join(timeout=60)  # EOF once the server and its children are gone
-            if not self._reader.is_alive():
-                self.process.stdout.close()
             shutil.rmtree(self.outputs, ignore_errors=True)
+
+
+def end_server(process: subprocess.Popen, reader: threading.Thread) -> None:
+    """End a server that exits when its stdin closes (this fork server, tests/store_child.py's
+    zygote): close its stdin, wait (killed after a minute), and close its stdout once the
+    thread reading it saw the end (closing it under a blocked read would wait forever)."""
+    try:
+        process.stdin.close()
+    except OSError:
+        pass
+    try:
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        reader.join(timeout=60)  # EOF once the server and its children are gone
+        if not reader.is_alive():
+            process.stdout.close()
 
 
 class Forked:

@@ -145,19 +145,9 @@ class Zygote:
                 os.kill(pid, signal.SIGKILL)  # gone already: ESRCH (its pid may be reused only by ours)
             except OSError:
                 pass
-        try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=60)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-            self._reader.join(timeout=60)  # EOF once the zygote and its tasks are gone
-            if not self._reader.is_alive():
-                self.process.stdout.close()
+        from forked import end_server
+
+        end_server(self.process, self._reader)
 
     def __enter__(self):
         return self
