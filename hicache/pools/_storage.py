@@ -127,9 +127,7 @@ class StoragePagesMixin:
         return geometry.lead + (cut,) if geometry.lead else cut
 
     def _page_parts(self, index):
-        self._alive()
-        geometry = self._geometry()
-        key = self._page_key(index, geometry)
+        geometry, key = self._page_at(index)
         return [t[key] for t in geometry.tensors]
 
     def get_data_page(self, index, flat: bool = True):
