@@ -357,7 +357,8 @@ def test_the_exemptions_from_the_size_rule_are_still_needed():
 def test_the_plan_packages_names_all_resolve_and_load_only_their_own_module():
     """hicache.plan's names load on first use (issue #35 item 4): every name of __all__ has a
     home and resolves to that module's object, an unknown name is an AttributeError naming it,
-    and `hicache plan`'s start does not load the store's planner (a fresh process tells)."""
+    and `hicache plan`'s start does not load the store's planner, nor the layout classes of the
+    families its model does not use (the default preset is MHA; a fresh process tells)."""
     import importlib
     import subprocess
     import sys
@@ -373,4 +374,29 @@ def test_the_plan_packages_names_all_resolve_and_load_only_their_own_module():
             "with contextlib.redirect_stdout(io.StringIO()):\n    main(['plan', '--format', 'json'])\n"
             "print(sorted(m for m in sys.modules if m.startswith('hicache.plan.')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert "hicache.plan._store" not in loaded.stdout and "hicache.plan._layouts" in loaded.stdout, loaded.stdout
+    assert "hicache.plan._store" not in loaded.stdout and "hicache.plan._layouts'" in loaded.stdout, loaded.stdout
+    assert "hicache.plan._layouts_mha'" in loaded.stdout, loaded.stdout
+    assert "_layouts_mla" not in loaded.stdout and "_layouts_state" not in loaded.stdout, loaded.stdout
+
+
+def test_the_layout_classes_table_names_each_family_by_its_own_class():
+    """LAYOUT_CLASSES (loaded family by family) maps every family of LAYOUT_RULES to the class
+    whose ``family`` it is, answers `in` and an unknown family as a dict does, and plan_pool
+    refuses what is not exactly one of those classes (a subclass of one included)."""
+    from hicache.errors import LayoutError
+    from hicache.plan import LAYOUT_CLASSES, LAYOUT_RULES, Limits, MHALayout, plan_pool
+
+    assert list(LAYOUT_CLASSES) == list(LAYOUT_RULES) and len(LAYOUT_CLASSES) == len(LAYOUT_RULES)
+    for family, cls in LAYOUT_CLASSES.items():
+        assert cls.family == family and cls.__name__.endswith("Layout"), family
+    assert "mla" in LAYOUT_CLASSES and "nope" not in LAYOUT_CLASSES
+    with pytest.raises(KeyError):
+        LAYOUT_CLASSES["nope"]
+
+    class Imitation(MHALayout):
+        pass
+
+    fields = dict(layer_num=2, head_num=2, head_dim=8, page_size=4, page_num=4, itemsize=2)
+    plan_pool(MHALayout("page_first", **fields), Limits(chunk_limit_bytes=2**30))
+    with pytest.raises(LayoutError, match="layout must be one of"):
+        plan_pool(Imitation("page_first", **fields), Limits(chunk_limit_bytes=2**30))

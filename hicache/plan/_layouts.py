@@ -1,13 +1,15 @@
 """Layout descriptors: one per SGLang host-pool family -> the buffers it allocates.
 
 Owns the shape and page-copy-unit rules of every family x layout (as data tables, from
-../shared/reference/host-pool-layouts.md) and validation of the descriptors' fields. It knows
-nothing of limits or chunking. Pure: attrs, the standard library and hicache.errors only.
+../shared/reference/host-pool-layouts.md), the descriptors' shared base and field checks, and
+which module holds each family's class (`_layouts_mha`, `_layouts_mla`, `_layouts_state`, loaded
+on first use). It knows nothing of limits or chunking. Pure: attrs, the standard library and hicache.errors only.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
@@ -135,97 +137,6 @@ class _LayoutBase:
         return attrs.asdict(self, recurse=False)
 
 
-@attrs.frozen
-class MHALayout(_LayoutBase):
-    """Multi-head attention, K and V in one buffer with a leading axis of 2."""
-
-    family = "mha"
-    layout: str = _layout_name()
-    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
-    head_num: int = _dim("head_num")
-    head_dim: int = _dim("head_dim")
-    page_size: int = _dim("page_size")
-    page_num: int = _dim("page_num")
-    itemsize: int = _dim("itemsize")
-
-    def _dims(self) -> dict[str, int]:
-        return {
-            "L": self.layer_num, "H": self.head_num, "D": self.head_dim, "P": self.page_size,
-            "N": self.page_num, "S": self.page_num * self.page_size,
-        }
-
-    def size_per_token_bytes(self) -> int:
-        """Bytes one token takes across all layers, K and V."""
-        return 2 * self.layer_num * self.head_num * self.head_dim * self.itemsize
-
-    def buffers(self) -> tuple[BufferSpec, ...]:
-        return (self._spec("kv", self._dims(), self.itemsize),)
-
-
-@attrs.frozen
-class MHAKOnlyLayout(MHALayout):
-    """MHA keys only (index-K of sparse-attention models): no V, no leading axis of 2."""
-
-    family = "mha_k_only"
-
-    def size_per_token_bytes(self) -> int:
-        return self.layer_num * self.head_num * self.head_dim * self.itemsize
-
-    def buffers(self) -> tuple[BufferSpec, ...]:
-        return (self._spec("k", self._dims(), self.itemsize),)
-
-
-@attrs.frozen
-class AsymmetricMHALayout(_LayoutBase):
-    """MHA whose K and V head dims differ: two buffers, ``k`` and ``v``."""
-
-    family = "asymmetric_mha"
-    layout: str = _layout_name()
-    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
-    head_num: int = _dim("head_num")
-    k_head_dim: int = _dim("k_head_dim")
-    v_head_dim: int = _dim("v_head_dim")
-    page_size: int = _dim("page_size")
-    page_num: int = _dim("page_num")
-    itemsize: int = _dim("itemsize")
-
-    def size_per_token_bytes(self) -> int:
-        return (self.k_head_dim + self.v_head_dim) * self.head_num * self.layer_num * self.itemsize
-
-    def buffers(self) -> tuple[BufferSpec, ...]:
-        dims = {
-            "L": self.layer_num, "H": self.head_num, "P": self.page_size, "N": self.page_num,
-            "S": self.page_num * self.page_size,
-        }
-        return (
-            self._spec("k", {**dims, "D": self.k_head_dim}, self.itemsize),
-            self._spec("v", {**dims, "D": self.v_head_dim}, self.itemsize),
-        )
-
-
-@attrs.frozen
-class MLALayout(_LayoutBase):
-    """Multi-head latent attention: one ``kv_cache_dim`` vector per token per layer."""
-
-    family = "mla"
-    layout: str = _layout_name()
-    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
-    kv_cache_dim: int = _dim("kv_cache_dim")
-    page_size: int = _dim("page_size")
-    page_num: int = _dim("page_num")
-    itemsize: int = _dim("itemsize")
-
-    def size_per_token_bytes(self) -> int:
-        return self.kv_cache_dim * self.itemsize * self.layer_num
-
-    def buffers(self) -> tuple[BufferSpec, ...]:
-        dims = {
-            "L": self.layer_num, "C": self.kv_cache_dim, "P": self.page_size,
-            "N": self.page_num, "S": self.page_num * self.page_size,
-        }
-        return (self._spec("kv", dims, self.itemsize),)
-
-
 def dsa_indexer_pages(anchor_tokens: int, page_size: int) -> int:
     """Index pages SGLang gives a DSA indexer beside an anchor pool of ``anchor_tokens`` token
     slots: ``(anchor_tokens + page_size + 1) // page_size`` - the one home of that rule (the
@@ -233,161 +144,63 @@ def dsa_indexer_pages(anchor_tokens: int, page_size: int) -> int:
     return (anchor_tokens + page_size + 1) // page_size
 
 
-@attrs.frozen
-class DSAIndexerLayout(_LayoutBase):
-    """DeepSeek sparse-attention index keys (uint8): FP8 keys plus an fp32 scale per block.
 
-    ``page_num`` is the number of index pages in the buffer (`dsa_indexer_pages` of an anchor pool).
-    """
-
-    family = "dsa_indexer"
-    layout: str = _layout_name()
-    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
-    index_head_dim: int = _dim("index_head_dim")
-    page_size: int = _dim("page_size")
-    page_num: int = _dim("page_num")
-    quant_block_size: int = attrs.field(
-        default=128,
-        kw_only=True,
-        validator=lambda i, a, v: check_int(LayoutError, "DSAIndexerLayout", "quant_block_size", v),
-    )
-
-    def bytes_per_token_per_layer(self) -> int:
-        """FP8 key bytes plus 4 bytes of fp32 scale per quantisation block (128 + 4 for V3.2)."""
-        return self.index_head_dim + self.index_head_dim // self.quant_block_size * 4
-
-    def size_per_token_bytes(self) -> int:
-        return self.bytes_per_token_per_layer() * self.layer_num
-
-    def buffers(self) -> tuple[BufferSpec, ...]:
-        dims = {
-            "L": self.layer_num, "N": self.page_num,
-            "T": self.page_size * self.bytes_per_token_per_layer(),
-        }
-        return (self._spec("index_k", dims, 1),)
+#: family -> (module, class name) of its descriptor; the module is imported on first lookup.
+_FAMILY_HOMES = {
+    "mha": ("hicache.plan._layouts_mha", "MHALayout"),
+    "mha_k_only": ("hicache.plan._layouts_mha", "MHAKOnlyLayout"),
+    "asymmetric_mha": ("hicache.plan._layouts_mha", "AsymmetricMHALayout"),
+    "mla": ("hicache.plan._layouts_mla", "MLALayout"),
+    "dsa_indexer": ("hicache.plan._layouts_mla", "DSAIndexerLayout"),
+    "mamba": ("hicache.plan._layouts_state", "MambaLayout"),
+    "deepseek_v4_paged": ("hicache.plan._layouts_state", "DeepSeekV4PagedLayout"),
+    "deepseek_v4_state": ("hicache.plan._layouts_state", "DeepSeekV4StateLayout"),
+}
+_CLASS_HOMES = {name: home for home, name in _FAMILY_HOMES.values()}
 
 
-def _shape_field(name: str):
-    def convert(value):
-        return tuple(value) if isinstance(value, (list, tuple)) else value
+def _load(home: str, name: str):
+    import importlib
 
-    def check(instance, attribute, value):
-        owner = type(instance).__name__
-        if not isinstance(value, tuple):
-            raise LayoutError(f"{owner}.{name} must be a tuple of integers, got {value!r}")
-        for index, dim in enumerate(value):
-            check_int(LayoutError, owner, f"{name}[{index}]", dim, minimum=0)
-
-    return attrs.field(kw_only=True, converter=convert, validator=check)
+    return getattr(importlib.import_module(home), name)
 
 
-def _conv_shapes_field():
-    def convert(value):
-        if isinstance(value, (list, tuple)):
-            return tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in value)
-        return value
+class _LayoutClasses(Mapping):
+    """family name -> descriptor class, read-only; a family's module loads on its first lookup
+    (issue #35 item 4: `hicache plan` of an MHA model builds no MLA or state classes)."""
 
-    def check(instance, attribute, value):
-        if not isinstance(value, tuple):
-            raise LayoutError(f"MambaLayout.conv_shapes must be a tuple of shapes, got {value!r}")
-        for i, shape in enumerate(value):
-            if not isinstance(shape, tuple):
-                raise LayoutError(f"MambaLayout.conv_shapes[{i}] must be a tuple, got {shape!r}")
-            for j, dim in enumerate(shape):
-                check_int(LayoutError, "MambaLayout", f"conv_shapes[{i}][{j}]", dim, minimum=0)
+    def __getitem__(self, family: str):
+        home = _FAMILY_HOMES[family]  # KeyError for an unknown family, as a dict's
+        return _load(*home)
 
-    return attrs.field(kw_only=True, converter=convert, validator=check)
+    def __contains__(self, family) -> bool:
+        return family in _FAMILY_HOMES  # without loading the family's module
 
+    def __iter__(self):
+        return iter(_FAMILY_HOMES)
 
-@attrs.frozen
-class MambaLayout(_LayoutBase):
-    """Linear-attention state: one slot per request (page size 1), a temporal and conv states.
+    def __len__(self) -> int:
+        return len(_FAMILY_HOMES)
 
-    Each state is its own buffer ``(slots, layer_num, 1, *state_shape)``; a state with no
-    elements (a model without it) has no buffer and is not registered.
-    """
-
-    family = "mamba"
-    layout: str = _layout_name()
-    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
-    slots: int = _dim("slots")
-    temporal_shape: tuple[int, ...] = _shape_field("temporal_shape")
-    temporal_itemsize: int = _dim("temporal_itemsize")
-    conv_shapes: tuple[tuple[int, ...], ...] = _conv_shapes_field()
-    conv_itemsize: int = _dim("conv_itemsize")
-
-    @property
-    def page_size(self) -> int:
-        return 1
-
-    @property
-    def page_num(self) -> int:
-        return self.slots
-
-    def _states(self):
-        yield "temporal", self.temporal_shape, self.temporal_itemsize
-        for index, shape in enumerate(self.conv_shapes):
-            yield f"conv{index}", shape, self.conv_itemsize
-
-    def size_per_token_bytes(self) -> int:
-        """Bytes of one slot (one request's state) across all layers and states."""
-        return sum(self.layer_num * math.prod(s) * it for _, s, it in self._states())
-
-    def buffers(self) -> tuple[BufferSpec, ...]:
-        dims = {"L": self.layer_num, "S": self.slots}
-        return tuple(
-            self._spec(name, dims, itemsize, shape)
-            for name, shape, itemsize in self._states()
-            if math.prod(shape) > 0
-        )
-
-
-@attrs.frozen
-class DeepSeekV4PagedLayout(_LayoutBase):
-    """DeepSeek-V4 paged pool: ``item_bytes`` uint8 per page row per layer."""
-
-    family = "deepseek_v4_paged"
-    layout: str = _layout_name()
-    layer_num: int = _dim("layer_num", maximum=MAX_LAYERS)
-    page_num: int = _dim("page_num")
-    item_bytes: int = _dim("item_bytes")
-
-    def _row_bytes(self) -> int:
-        return self.item_bytes
-
-    def size_per_token_bytes(self) -> int:
-        """Bytes of one page row across all layers (the pool's unit of allocation)."""
-        return self.layer_num * self._row_bytes()
-
-    def buffers(self) -> tuple[BufferSpec, ...]:
-        dims = {"L": self.layer_num, "N": self.page_num, "R": self._row_bytes()}
-        if self.layout == "layer_first":  # a list of per-layer buffers, each on its own
-            return tuple(self._spec(f"layer{i}", dims, 1) for i in range(self.layer_num))
-        return (self._spec("kv", dims, 1),)
-
-
-@attrs.frozen
-class DeepSeekV4StateLayout(DeepSeekV4PagedLayout):
-    """DeepSeek-V4 state pool: ``state_page_bytes`` (ring size x slot bytes) per page per layer."""
-
-    family = "deepseek_v4_state"
-    item_bytes: int = attrs.field(init=False, default=0, repr=False)
-    state_page_bytes: int = _dim("state_page_bytes")
-
-    def _row_bytes(self) -> int:
-        return self.state_page_bytes
-
-    def params(self) -> dict:
-        params = super().params()
-        del params["item_bytes"]
-        return params
+    def __repr__(self) -> str:
+        return f"LAYOUT_CLASSES({', '.join(_FAMILY_HOMES)})"
 
 
 #: family name -> descriptor class (for JSON and the CLI).
-LAYOUT_CLASSES = {
-    cls.family: cls
-    for cls in (
-        MHALayout, MHAKOnlyLayout, AsymmetricMHALayout, MLALayout, DSAIndexerLayout,
-        MambaLayout, DeepSeekV4PagedLayout, DeepSeekV4StateLayout,
-    )
-}
+LAYOUT_CLASSES = _LayoutClasses()
+
+
+def is_layout(value) -> bool:
+    """Whether ``value`` is an instance of exactly one of the families' descriptor classes."""
+    family = getattr(type(value), "family", None)
+    return family in _FAMILY_HOMES and LAYOUT_CLASSES[family] is type(value)
+
+
+def __getattr__(name: str):
+    """The descriptor classes by name (``from hicache.plan._layouts import MLALayout``), loaded lazily."""
+    home = _CLASS_HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _load(home, name)
+    globals()[name] = value
+    return value

@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import attrs
 
-from hicache.errors import ConfigError, LayoutError, PlanError
-from hicache.plan._layouts import (
-    AsymmetricMHALayout,
-    DSAIndexerLayout,
-    MambaLayout,
-    MHALayout,
-    MLALayout,
-    dsa_indexer_pages,
-)
+from hicache.errors import ConfigError, LayoutError
+from hicache.plan import _layouts as layouts  # its classes by attribute: a model loads only its families'
+from hicache.plan._layouts import dsa_indexer_pages
 
 KV_DTYPES = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
@@ -200,10 +194,10 @@ def model_pools(
     if model.kind in ("mla", "mla_dsa"):
         C = model.get("kv_lora_rank") + model.get("qk_rope_head_dim")
         notes.append("MLA: the latent cache is replicated on every TP rank (not split by --tp)")
-        pools = [("kv", lambda n: MLALayout(layout, layer_num=L, kv_cache_dim=C, page_num=n, **common))]
+        pools = [("kv", lambda n: layouts.MLALayout(layout, layer_num=L, kv_cache_dim=C, page_num=n, **common))]
         if model.kind == "mla_dsa":
             D = model.get("index_head_dim")
-            pools.append(("indexer", lambda n: DSAIndexerLayout(  # the pages SGLang gives it beside n KV pages
+            pools.append(("indexer", lambda n: layouts.DSAIndexerLayout(  # the pages SGLang gives it beside n KV pages
                 layout, layer_num=L, index_head_dim=D, page_size=page_size,
                 page_num=dsa_indexer_pages(n * page_size, page_size),
             )))
@@ -212,17 +206,18 @@ def model_pools(
     hd = model.get("head_dim")
     if model.kind == "mha":
         return PoolRecipe(
-            (("kv", lambda n: MHALayout(layout, layer_num=L, head_num=heads, head_dim=hd, page_num=n, **common)),),
+            (("kv", lambda n: layouts.MHALayout(
+                layout, layer_num=L, head_num=heads, head_dim=hd, page_num=n, **common)),),
             (), (),
         )
     if model.kind == "asymmetric":
         full = model.facts.get("full_attention_layers", L)
-        pools = [("full", lambda n: AsymmetricMHALayout(
+        pools = [("full", lambda n: layouts.AsymmetricMHALayout(
             layout, layer_num=full, head_num=heads, k_head_dim=hd, v_head_dim=model.get("v_head_dim"),
             page_num=n, **common))]
         if full < L:
             swa_heads = heads_per_rank(model.get("swa_num_key_value_heads"), tp, "SWA KV heads")
-            pools.append(("swa", lambda n: AsymmetricMHALayout(
+            pools.append(("swa", lambda n: layouts.AsymmetricMHALayout(
                 layout, layer_num=L - full, head_num=swa_heads, k_head_dim=model.get("swa_head_dim"),
                 v_head_dim=model.get("swa_v_head_dim"), page_num=n, **common)))
             notes.append(f"{L - full} sliding-window layers counted at full length: an upper bound")
@@ -234,18 +229,19 @@ def model_pools(
         k_heads = heads_per_rank(model.get("linear_num_key_heads"), tp, "linear key heads")
         dk, dv = model.get("linear_key_head_dim"), model.get("linear_value_head_dim")
         conv_dim = 2 * k_heads * dk + v_heads * dv
-        state_layout = layout if layout in MambaLayout.supported() else "page_first"
+        state_layout = layout if layout in layouts.MambaLayout.supported() else "page_first"
         if state_layout != layout:
             notes.append(f"linear-attention state has no {layout} layout; planned as page_first")
         notes.append(
             f"{linear} linear-attention layers keep per-request state: {mamba_slots} slots "
             "(--mamba-slots), fp32 SSM state, conv state in the model dtype"
         )
-        state = MambaLayout(
+        state = layouts.MambaLayout(
             state_layout, layer_num=linear, slots=mamba_slots, temporal_shape=(v_heads, dk, dv),
             temporal_itemsize=4, conv_shapes=((conv_dim, model.get("linear_conv_kernel_dim") - 1),),
             conv_itemsize=itemsize,
         )
-        token = ("kv", lambda n: MHALayout(layout, layer_num=full, head_num=heads, head_dim=hd, page_num=n, **common))
+        token = ("kv", lambda n: layouts.MHALayout(
+            layout, layer_num=full, head_num=heads, head_dim=hd, page_num=n, **common))
         return PoolRecipe((token,), (("mamba", state),), tuple(notes))
     raise LayoutError(f"unknown model kind {model.kind!r}; known: {', '.join(KINDS)}")

@@ -10,7 +10,7 @@ import attrs
 
 from hicache.errors import LayoutError, PlanError
 from hicache.plan.checks import as_tuple
-from hicache.plan._layouts import LAYOUT_CLASSES, BufferSpec
+from hicache.plan._layouts import LAYOUT_CLASSES, BufferSpec, is_layout
 from hicache.plan._limits import Limits
 from hicache.plan._planner import RegistrationPlan, plan_registration
 
@@ -65,7 +65,7 @@ def plan_pool(layout, limits: Limits) -> PoolPlan:
     Each buffer is split on its own page-copy unit. Raises ``LayoutError`` for something that
     is not a layout descriptor and ``PlanError`` when a buffer cannot be planned.
     """
-    if type(layout) not in LAYOUT_CLASSES.values():
+    if not is_layout(layout):
         raise LayoutError(
             f"plan_pool: layout must be one of {', '.join(c.__name__ for c in LAYOUT_CLASSES.values())}, "
             f"got {layout!r}"
