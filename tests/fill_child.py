@@ -8,7 +8,10 @@ its first pre-fault piece a rank writes ``prefaulting-<pid>`` and waits (bounded
 ``timeout-<pid>`` if it ran out) until every rank has either got that far or been refused
 (``decided-<pid>``) - so the ranks that are admitted are all mid-pre-fault at once, and the
 refused ones decided while an admitted one was mid-pre-fault. Mode ``stall`` waits there for
-ever instead (the parent kills it). Exit 0 admitted, 1 refused (``error[budget-refused]``).
+ever instead (the parent kills it). Mode ``numa ROOT NODE``: the pool is on NUMA node NODE of
+the topology under ROOT (a fake sysfs: this box has one node, so the mbind itself is skipped -
+tests/test_numa.py binds for real), the host has ``ranks`` ranks, and the rank traces to
+``trace-<pid>.json`` in the barrier directory. Exit 0 admitted, 1 refused (``error[budget-refused]``).
 """
 
 from __future__ import annotations
@@ -54,9 +57,25 @@ def _at_first_piece(barrier: str, ranks: int, stall: bool):
     return on_piece
 
 
-def main(mode: str, barrier: str, ranks: int, pool_mib: int) -> int:
+def _on_node(root: str, node: int):
+    """An allocator binding to ``node`` of the fake topology under ``root``."""
+    import functools
+
+    import hicache.effects._bringup._bring_up as bring_up_module
+    import hicache.effects._host._memory as memory
+    from hicache.effects._host._allocators import HostTensorAllocator
+    from hicache.effects._host._numa import node_cpus
+
+    bring_up_module.node_cpus = functools.partial(node_cpus, root=root)
+    memory.bind = lambda ptr, length, node: None
+    return HostTensorAllocator(numa_node=node)
+
+
+def main(mode: str, barrier: str, ranks: int, pool_mib: int, *numa: str) -> int:
     import psutil
 
+    allocator = _on_node(numa[0], int(numa[1])) if mode == "numa" else None
+    trace = os.path.join(barrier, f"trace-{os.getpid()}.json") if mode == "numa" else None
     wait_at_barrier(barrier)
     psutil.virtual_memory = _machine_from(barrier, int(os.environ["HICACHE_TEST_BASE"]))  # sampled under the lock
     pages = pool_mib * 2**20 // (2 * 2 * 64 * 16 * 2 * 2)  # MHA: 2 layers, 2 heads x 64, 16-token pages, bf16
@@ -64,8 +83,10 @@ def main(mode: str, barrier: str, ranks: int, pool_mib: int) -> int:
                                itemsize=2), Limits(chunk_limit_bytes=16 << 20))
     cudart = FakeCudart(driver_lock=os.path.join(barrier, "driver.lock"), shared_log=os.path.join(barrier, "calls.log"))
     try:
-        handle = bring_up(plan, runtime=FakeRuntime(cudart), ranks_per_host=1, reserve_bytes=0, turnstile="auto",
-                          report=Report("fill", prefault_progress=_at_first_piece(barrier, ranks, mode == "stall")))
+        handle = bring_up(plan, runtime=FakeRuntime(cudart), ranks_per_host=ranks if allocator else 1, reserve_bytes=0,
+                          turnstile="auto", allocator=allocator,
+                          report=Report("fill", prefault_progress=_at_first_piece(barrier, ranks, mode == "stall"),
+                                        trace=trace))
     except CapacityError as error:
         open(os.path.join(barrier, f"decided-{os.getpid()}"), "w").close()
         print(f"error[budget-refused]: {error}", file=sys.stderr)
@@ -75,4 +96,4 @@ def main(mode: str, barrier: str, ranks: int, pool_mib: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:]))

@@ -138,3 +138,70 @@ def test_auto_and_explicit_nodes_stay_inside_the_cpuset_and_off_memory_only_node
                           largest=0, ranks=1, limits=None, root=root))
     assert "node 2 3 MiB (memory-only: no CPUs)" in check.finding and "node 1 " not in check.finding
     assert "may use node(s) 0,2 only (its cpuset)" in check.finding
+
+
+@pytest.mark.parametrize("node, pairs, all_cpus, ranks, threads, expected", [
+    # (threads, pinned CPUs, ranks on the node): worked by hand from the rule in _numa.fault_share
+    (0, ((0, tuple(range(8))), (1, tuple(range(8, 16)))), range(16), 8, None, (2, tuple(range(8)), 4)),
+    (1, ((0, tuple(range(8))), (1, tuple(range(8, 16)))), range(16), 8, None, (2, tuple(range(8, 16)), 4)),
+    (1, ((0, tuple(range(64))), (1, tuple(range(64, 128)))), range(128), 2, None, (16, tuple(range(64, 128)), 1)),
+    (0, ((0, (0, 1, 2, 3)), (1, (4, 5, 6, 7))), range(8), 3, None, (2, (0, 1, 2, 3), 2)),  # ceil(3 / 2) share node 0
+    (0, ((0, (0, 1)), (1, (2, 3))), range(4), 8, None, (1, (0, 1), 4)),  # fewer CPUs than ranks: one thread each
+    (0, ((0, (0, 1, 2, 3)), (1, (4, 5, 6, 7))), range(8), 2, 6, (6, (0, 1, 2, 3), 1)),  # prefault_threads: the count
+    (2, ((0, (0, 1)), (1, (2, 3)), (2, ())), range(4), 4, None, (1, None, 4)),  # memory-only node: unpinned
+    (None, ((0, (0, 1)), (1, (2, 3))), range(4), 1, None, (4, None, 1)),  # bound nowhere: the process's CPUs
+    (None, (), range(32), 1, None, (16, None, 1)),  # at most MAX_FAULT_THREADS
+    (None, (), range(8), 4, None, (2, None, 4)),  # the host's ranks share its CPUs
+    (5, ((0, (0, 1)),), range(2), 1, None, (2, None, 1)),  # a node outside the allowed ones: unpinned
+])
+def test_a_ranks_pre_fault_runs_on_its_nodes_cpus_an_equal_share_per_rank(node, pairs, all_cpus, ranks, threads,
+                                                                          expected):
+    """fault_share (issue #35 item 2): a pool bound to a node with CPUs pre-faults on that node's
+    CPUs, each of the ceil(ranks / nodes with CPUs) ranks it hosts taking an equal share (1 to
+    16 threads); unbound or on a memory-only node, unpinned with a share of the process's CPUs;
+    prefault_threads sets the count, never the placement."""
+    from hicache.effects._host._numa import fault_share
+
+    share = fault_share(node, node_cpus=pairs, all_cpus=tuple(all_cpus), ranks_per_host=ranks, threads=threads)
+    assert (share.threads, share.cpus, share.ranks_on_node) == expected and share.node == node
+
+
+def test_each_nodes_cpus_are_its_cpulist_less_the_cpus_this_process_may_not_use(tmp_path):
+    """node_cpus: each allowed node's sysfs cpulist, less the CPUs outside the process's affinity;
+    a memory-only node and an unreadable cpulist have none."""
+    from hicache.effects._host._numa import node_cpus
+
+    root = _cpuset(_sysfs(tmp_path, "0-3", None), None, {0: "0-3", 1: "4-7", 2: ""})
+    (tmp_path / "sys/devices/system/node/node3").mkdir(parents=True)  # no cpulist: unreadable
+    assert node_cpus(root=root, allowed_cpus={0, 1, 4, 9}) == ((0, (0, 1)), (1, (4,)), (2, ()), (3, ()))
+
+
+def test_a_pipelined_bring_up_pre_faults_on_its_nodes_cpus(tmp_path, monkeypatch):
+    """bring_up of a pool on node 1 of a two-node machine (CPU 0 | CPU 1): every pre-fault piece
+    ran on CPU 1 only (the trace records each piece's CPUs), with the allocator's
+    prefault_threads as the count."""
+    import json
+    import os
+
+    import attrs
+
+    import hicache.effects._host._memory as memory
+    from hicache.effects import Report, bring_up
+    from hicache.effects._host._allocators import HostTensorAllocator
+    from hicache.plan import Limits, MHALayout, plan_pool
+    from hicache.testing import FakeCudart, FakeRuntime
+
+    if not hasattr(os, "sched_setaffinity") or 1 not in os.sched_getaffinity(0):
+        pytest.skip("needs CPU 1 in this process's affinity (Linux)")
+    monkeypatch.setattr(memory, "bind", lambda ptr, length, node: None)  # this box has one node
+    machine = attrs.evolve(ROOMY, numa_node_cpus=((0, (0,)), (1, (1,))), cpus=(0, 1))
+    plan = plan_pool(MHALayout("page_first", layer_num=2, head_num=2, head_dim=64, page_size=16, page_num=1024,
+                               itemsize=2), Limits(chunk_limit_bytes=1 << 20))
+    trace = tmp_path / "trace.json"
+    handle = bring_up(plan, runtime=FakeRuntime(FakeCudart()), machine=machine, ranks_per_host=2, budget=False,
+                      allocator=HostTensorAllocator(numa_node=1, prefault_threads=2),
+                      report=Report("numa", trace=str(trace)))
+    handle.release()
+    pieces = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "pre-fault"]
+    assert pieces and {piece["args"]["cpus"] for piece in pieces} == {"1"}
+    assert len({piece["tid"] for piece in pieces}) <= 2

@@ -39,10 +39,11 @@ def _env(tmp_path: Path, base: int) -> dict:
             "PYTHONPATH": os.pathsep.join([str(CHILD.parent), os.environ.get("PYTHONPATH", "")])}
 
 
-def _start(server, barrier: Path, env: dict, ranks: int, mode: str = "fill") -> list:
-    """``ranks`` of tests/fill_child.py, forked from the fork server (tests/forked.py)."""
-    return [server.spawn([sys.executable, str(CHILD), mode, str(barrier), str(ranks), str(POOL_MIB)], env=env)
-            for _ in range(ranks)]
+def _start(server, barrier: Path, env: dict, ranks: int, mode: str = "fill", extra=lambda rank: ()) -> list:
+    """``ranks`` of tests/fill_child.py, forked from the fork server (tests/forked.py);
+    ``extra(rank)``: that rank's further arguments."""
+    return [server.spawn([sys.executable, str(CHILD), mode, str(barrier), str(ranks), str(POOL_MIB), *extra(rank)],
+                         env=env) for rank in range(ranks)]
 
 
 def _go(barrier: Path, children: list, expected: int) -> None:
@@ -122,3 +123,61 @@ def test_a_rank_killed_mid_fill_leaves_nothing_the_next_rank_counts(tmp_path, fo
     _go(second, children, 1)
     results = _results(children)
     assert [code for code, _, _ in results] == [0], results
+
+
+def _two_nodes(root: Path) -> Path:
+    """A sysfs of two NUMA nodes, CPU 0 on node 0 and CPU 1 on node 1 (the CPUs of a 2-core box)."""
+    (root / "sys/devices/system/node").mkdir(parents=True)
+    (root / "sys/devices/system/node/online").write_text("0-1\n")
+    for node in (0, 1):
+        (root / f"sys/devices/system/node/node{node}").mkdir()
+        (root / f"sys/devices/system/node/node{node}/cpulist").write_text(f"{node}\n")
+    return root
+
+
+def _spans(events: list, name: str) -> dict:
+    by_pid: dict = {}
+    for event in events:
+        if event.get("ph") == "X" and event["name"] == name:
+            by_pid.setdefault(event["pid"], []).append(event)
+    return by_pid
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not {0, 1} <= os.sched_getaffinity(0),
+                    reason="needs CPUs 0 and 1 in this process's affinity (Linux)")
+def test_ranks_on_two_nodes_pre_fault_on_their_own_cpus_side_by_side(tmp_path, fork_server):
+    """Four ranks, two on each of two NUMA nodes, with room for all (issue #35 item 2): in their
+    traces merged by `hicache trace merge`, every pre-fault piece of a rank ran on its own node's
+    CPU only, each rank ran the same number of pre-fault threads (an equal share), the ranks of
+    the two nodes pre-faulted at the same time, and no two register calls overlapped."""
+    from hicache.cli import main as cli
+
+    root = _two_nodes(tmp_path / "topology")
+    barrier = _barrier(tmp_path, "numa")
+    nodes = {}
+    children = _start(fork_server, barrier, _env(tmp_path, 16 * POOL), 4, mode="numa",
+                      extra=lambda rank: (str(root), str(rank % 2)))
+    for rank, child in enumerate(children):
+        nodes[child.pid] = rank % 2
+    _go(barrier, children, 4)
+    results = _results(children)
+    assert [code for code, _, _ in results] == [0] * 4, results
+    assert not list(barrier.glob("timeout-*")), "a rank's pre-fault did not overlap the others'"
+    merged = tmp_path / "node.json"
+    traces = sorted(str(p) for p in barrier.glob("trace-*.json"))
+    assert len(traces) == 4 and cli(["trace", "merge", "--out", str(merged), *traces]) == 0
+    events = json.loads(merged.read_text())["traceEvents"]
+    faults = _spans(events, "pre-fault")
+    assert set(faults) == set(nodes), faults.keys()
+    for pid, pieces in faults.items():
+        assert {piece["args"]["cpus"] for piece in pieces} == {str(nodes[pid])}, (pid, nodes[pid])
+    assert len({len({piece["tid"] for piece in pieces}) for pieces in faults.values()}) == 1, "unequal shares"
+    window = {pid: (min(p["ts"] for p in pieces), max(p["ts"] + p["dur"] for p in pieces))
+              for pid, pieces in faults.items()}
+    for a in nodes:
+        for b in nodes:
+            if nodes[a] != nodes[b]:
+                assert window[a][0] < window[b][1] and window[b][0] < window[a][1], "the nodes took turns"
+    calls = sorted((e["ts"], e["ts"] + e["dur"]) for pieces in _spans(events, "cudaHostRegister").values()
+                   for e in pieces)
+    assert calls and all(end <= start for (_, end), (start, _) in zip(calls, calls[1:])), "register calls overlapped"

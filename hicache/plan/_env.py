@@ -105,8 +105,9 @@ SETTINGS = (
             "host page copies: the native helper when built (auto), only it (native), or ctypes memmove (python)",
             choices=("auto", "native", "python")),
     Setting("HICACHE_RANKS_PER_HOST", "count", "LOCAL_WORLD_SIZE, else 1", _BRING_UPS + ("doctor",),
-            "ranks sharing this host's memory: the budget splits the free memory between them "
-            "(apply's --ranks-per-host wins)", minimum=1, maximum=4096),
+            "ranks sharing this host's memory: the budget splits the free memory between them, and each "
+            "rank's pre-fault takes an equal share of its NUMA node's CPUs (apply's --ranks-per-host wins)",
+            minimum=1, maximum=4096),
     Setting("HICACHE_PIN_CONCURRENCY", "concurrency", "auto", _BRING_UPS + ("doctor",),
             "the host's registration turnstile: auto (one call at a time while another process brings up "
             "pools), off, or N calls in flight across the host", maximum=1024),

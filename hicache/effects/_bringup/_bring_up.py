@@ -11,7 +11,9 @@ four modes, always into one `HostPools` handle that owns what came up and releas
 The budget lock is held to decide, not to fill (issue #35): a rank samples the machine, takes
 off what the host's claims still have to fault in, records its claim and lets go; its pre-fault
 then raises the claim's resident count (`_claim.ClaimedFill`), so ranks that start together
-pre-fault side by side, register in turns at the turnstile, and never overcommit (sglang #38156). Machine facts, the lock, the allocator and the runtime are parameters.
+pre-fault side by side, register in turns at the turnstile, and never overcommit (sglang #38156).
+Each rank's pre-fault threads run on its pool's NUMA node, an equal share of that node's CPUs
+per rank it hosts (`_share`). Machine facts, the lock, the allocator and the runtime are parameters.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from hicache.effects._hostwide._lock import budget_lock
 from hicache.effects._cuda._progressive import MAX_STALL_S, check_max_stall
 from hicache.effects._hostwide import _turnstile
 from hicache.effects._host._allocators import host_allocator
+from hicache.effects._host._environment import ranks_per_host as env_ranks_per_host
+from hicache.effects._host._numa import FaultShare, fault_share, node_cpus, process_cpus
 from hicache.effects._host._probes import probe_machine
 import hicache.effects._trace as _trace
 from hicache.effects._interrupts import terminate_as_interrupt
@@ -172,6 +176,22 @@ def _admit(lock, total: int, machine, host_memory_bytes, ranks_per_host, reserve
     return ClaimedFill(lock, total)
 
 
+def _share(allocator, machine, ranks_per_host) -> FaultShare:
+    """Where this rank's background pre-fault runs (issue #35 item 2, `_numa.fault_share`): on
+    its pool's NUMA node's CPUs (the allocator's ``numa_node``), an equal share of them per rank
+    the node hosts; the allocator's ``prefault_threads`` overrides the count. Topology from
+    ``machine`` where it has it, else read here (sysfs and this process's affinity)."""
+    node = getattr(allocator, "numa_node", None)
+    pairs = machine.numa_node_cpus if machine is not None and machine.numa_node_cpus else None
+    if pairs is None:
+        pairs = node_cpus() if node is not None else ()
+    cpus = machine.cpus if machine is not None and machine.cpus else process_cpus()
+    if ranks_per_host is None:
+        ranks_per_host = machine.ranks_per_host if machine is not None else env_ranks_per_host()
+    return fault_share(node, node_cpus=pairs, all_cpus=cpus, ranks_per_host=ranks_per_host,
+                       threads=getattr(allocator, "prefault_threads", None))
+
+
 def _owning_signals(function):
     """A bring-up on the main thread of a process that left SIGTERM/SIGHUP at their default
     (a CLI, a script) undoes itself on them as on Ctrl-C; a server's own handlers stay."""
@@ -269,8 +289,10 @@ def bring_up(
             with lock:
                 claim = _admit(lock, handle.total_bytes, machine, host_memory_bytes, ranks_per_host, reserve_bytes)
                 handle._hold_budget(lock, handle.total_bytes, claim)
+        share = _share(allocator, machine, ranks_per_host) if mode == PIPELINED or isinstance(mode, Progressive) else None
         run = _Run(handle, requests, runtime, ledger, turnstile, flags, retry_halvings, progress,
-                   prefault_progress if claim is None else tee(prefault_progress, claim), listening, device, start)
+                   prefault_progress if claim is None else tee(prefault_progress, claim), listening, device, start,
+                   share)
         fill(run)
         if claim is not None and not isinstance(mode, Progressive):  # progressive: its faulting counts on
             claim.settle()

@@ -21,10 +21,10 @@ import time
 
 from hicache.effects._cuda._progressive import chunk_order
 from hicache.effects._trace import span
+from hicache.effects._host._threads import lower_priority, pin_thread
 from hicache.effects._host._memory import (
     PREFAULT_PIECE_BYTES,
     _run_workers,
-    lower_priority,
     prefault,
     started_executor,
 )
@@ -39,20 +39,37 @@ PIECE_BYTES = 256 * 2**20
 BACKGROUND_NICE = 5
 
 
+def _cpus_text() -> str | None:
+    """The CPUs the calling thread may run on, as the kernel lists them ("0-3,8"), for the trace."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 class Prefaulter:
     """Faults ``buffers`` (HostBuffers, in registration order) in the background."""
 
     def __init__(self, buffers, *, threads: int | None = None, piece_bytes: int | None = None, order=None,
-                 on_piece=None) -> None:
+                 on_piece=None, cpus=None) -> None:
         """``order``: ``(buffer index, start, length)`` spans to fault in that order (default:
         each buffer front to back); with it, wait with `wait_span`. ``on_piece(nbytes)``: after
-        each piece, from the thread that faulted it (progress reports)."""
+        each piece, from the thread that faulted it (progress reports). ``cpus``: every
+        faulting thread runs on these only (the pool's node's, `_numa.fault_share`)."""
         self.buffers = list(buffers)
         self.on_piece = on_piece
         self.order = list(order) if order is not None else [(i, 0, b.nbytes) for i, b in enumerate(self.buffers)]
         self.spans_done = 0
         self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
         self._workers = threads or min(os.cpu_count() or 1, 16)
+        self.cpus = tuple(cpus) if cpus else None
         self.done = [0] * len(self.buffers)  # bytes faulted from the start of each buffer
         self.seconds = 0.0
         self.error: BaseException | None = None
@@ -71,10 +88,10 @@ class Prefaulter:
         ``(span position, buffer index, offset, length)``; an empty span is one empty call, so
         that progress passes it in order."""
         calls = []
-        for position, (index, first, span) in enumerate(self.order):
+        for position, (index, first, extent) in enumerate(self.order):
             buffer = self.buffers[index]
             unit = buffer.hugepage_bytes or buffer.page_bytes
-            offset, end = first, min(first + span, buffer.nbytes)
+            offset, end = first, min(first + extent, buffer.nbytes)
             share = -(-(end - offset) // self._workers)
             step = max(unit, min(self.piece_bytes, PREFAULT_PIECE_BYTES, -(-share // unit) * unit) // unit * unit)
             if offset >= end:
@@ -96,7 +113,9 @@ class Prefaulter:
             def fault(number: int) -> None:
                 position, index, offset, length = calls[number]
                 if length:
-                    with span("pre-fault", "prefault", buffer=index, offset=offset, size=length):
+                    with span("pre-fault", "prefault", buffer=index, offset=offset, size=length) as args:
+                        if args is not None:  # tracing: where the kernel ran it (issue #35 item 2)
+                            args["cpus"] = _cpus_text()
                         prefault(self.buffers[index], threads=1, start=offset, length=length, piece_bytes=length)
                 with self._changed:  # progress in order: a later call may finish first
                     finished[number] = True
@@ -114,10 +133,11 @@ class Prefaulter:
             if self._workers > 1:
                 # threads started before the first call (a thread started beside one waits for
                 # it); each takes the next call, none waits for another at a piece's end
-                pool = started_executor(self._workers, nice=BACKGROUND_NICE)
+                pool = started_executor(self._workers, nice=BACKGROUND_NICE, cpus=self.cpus)
                 _run_workers(pool, self._workers, fault, range(len(calls)), stop=self._stop)
             else:
                 lower_priority(BACKGROUND_NICE)
+                pin_thread(self.cpus)
                 for number in range(len(calls)):
                     if self._stop.is_set():
                         return
@@ -219,11 +239,11 @@ class ProgressiveFaulting:
     index, offset, size)`` in ``buffers``) cut into pieces in the order the calls reach them
     (``key`` as `ProgressiveRegistration`'s), and the two hooks its calls wait through."""
 
-    def __init__(self, buffers, order, *, key=None, threads: int | None = None, on_piece=None) -> None:
+    def __init__(self, buffers, order, *, key=None, threads: int | None = None, on_piece=None, cpus=None) -> None:
         pieces, self._ends = fault_pieces(order, key)
         self._positions = [[position for _, position in chunk_ends] for chunk_ends in self._ends]
         self._count = len(pieces)
-        self.faulter = Prefaulter(buffers, order=pieces, threads=threads, on_piece=on_piece)  # started by start()
+        self.faulter = Prefaulter(buffers, order=pieces, threads=threads, on_piece=on_piece, cpus=cpus)  # by start()
 
     def start(self) -> None:
         self.faulter.start()

@@ -1,7 +1,8 @@
 """The steps of one bring-up, each taking its `_Run` record (issue #34 item 5): allocate and
 pre-fault (`_allocate`), map unfaulted (`_map`), map + background pre-fault + register as pages
 become resident (`_pipelined`), register a plan (`_register`), and the progressive start
-(`_progressive`: the first calls here, the rest in the background). `_bring_up.bring_up` orders
+(`_progressive`: the first calls here, the rest in the background), their background pre-fault
+on the run's `FaultShare` of threads and CPUs. `_bring_up.bring_up` orders
 them under the budget lock and undoes them through the handle; each step puts what it made in
 the handle's books before anything can fail after it.
 """
@@ -19,9 +20,17 @@ from hicache.effects._cuda._executor import ProgressEvent, _apply
 from hicache.effects._cuda._progressive import Chunk, ProgressiveRegistration
 from hicache.effects._cuda._gate import Gate
 from hicache.effects._cuda._runtime import default_runtime
+from hicache.effects._host._numa import FaultShare
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.errors import PlanError
 from hicache.plan import RegistrationPlan, plan_registration
+
+
+def _fault_options(run: _Run) -> dict:
+    """The background pre-fault's threads and CPUs: the run's `FaultShare`, else the allocator's."""
+    if run.share is None:
+        return {"threads": run.handle.allocator.prefault_threads}
+    return {"threads": run.share.threads, "cpus": run.share.cpus}
 
 
 def _uint8():
@@ -61,6 +70,7 @@ class _Run:
     log: object  # the library's progress log (None: nobody reads it)
     device: str
     start: float
+    share: FaultShare | None = None  # where the background pre-fault runs (None: the allocator's threads, unpinned)
 
 
 def _items(handle: HostPools, requests) -> list:
@@ -100,7 +110,7 @@ def _pipelined(run: _Run) -> None:
     handle = run.handle
     buffers = _unfaulted(handle, run.requests)
     on_piece = PrefaultCounter(handle.total_bytes, run.prefault_progress) if run.prefault_progress is not None else None
-    faulter = Prefaulter(buffers, threads=handle.allocator.prefault_threads, on_piece=on_piece).start()
+    faulter = Prefaulter(buffers, on_piece=on_piece, **_fault_options(run)).start()
     try:
         _register(run, before_call=faulter.wait)
     except BaseException:
@@ -164,8 +174,8 @@ def _progressive(run: _Run, settings) -> None:
             user_on_chunk(position, done, size)
 
     on_piece = PrefaultCounter(total, run.prefault_progress) if run.prefault_progress is not None else None
-    faulting = ProgressiveFaulting(handle.host_buffers, order, key=settings.key,
-                                   threads=handle.allocator.prefault_threads, on_piece=on_piece)
+    faulting = ProgressiveFaulting(handle.host_buffers, order, key=settings.key, on_piece=on_piece,
+                                   **_fault_options(run))
     registration = ProgressiveRegistration(
         chunks, runtime=default_runtime() if run.runtime is None else run.runtime, ledger=run.ledger, on_chunk=on_chunk,
         max_stall_s=settings.max_stall_s, key=settings.key, before_call=faulting.before_call,

@@ -12,7 +12,6 @@ import ctypes
 import errno
 import mmap
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -23,6 +22,7 @@ import attrs
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._host._numa import bind
+from hicache.effects._host._threads import lower_priority, pin_thread
 from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
 from hicache.plan.checks import check_int
 from hicache.plan._settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, check_hugepages  # noqa: F401 - used here and re-exported
@@ -125,6 +125,7 @@ class HostBuffer:
     _mapping: mmap.mmap | None
     _tensor: object
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    numa_node: int | None = attrs.field(default=None, kw_only=True)  # bound there (mbind) before any fault
 
     @property
     def tensor(self):
@@ -279,7 +280,7 @@ def allocate_host(
             mapping.close()
             raise
         notes.append(f"bound to NUMA node {numa_node}")
-    return HostBuffer(nbytes, length, page, huge, tuple(notes), mapping, tensor)
+    return HostBuffer(nbytes, length, page, huge, tuple(notes), mapping, tensor, numa_node=numa_node)
 
 
 @attrs.frozen
@@ -304,19 +305,9 @@ def _madvise():
     return _libc.madvise
 
 
-def lower_priority(nice: int) -> None:
-    """Make the calling thread ``nice`` steps nicer; best effort, Linux only (where a thread id
-    names the thread; elsewhere it could name another process)."""
-    if nice and sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        except (AttributeError, OSError):
-            pass
-
-
-def started_executor(workers: int, *, prefix: str = "hicache-prefault", nice: int = 0) -> ThreadPoolExecutor:
-    """A thread pool of ``workers`` threads, every one of them started before it is returned
-    (and ``nice`` steps nicer than the caller, see `lower_priority`).
+def started_executor(workers: int, *, prefix: str = "hicache-prefault", nice: int = 0, cpus=None) -> ThreadPoolExecutor:
+    """A thread pool of ``workers`` threads, all started before it is returned, ``nice`` steps
+    nicer than the caller (`lower_priority`) and on ``cpus`` if given (`_numa.pin_thread`).
 
     Starting a thread maps its stack, which takes the mmap lock for writing: a thread started
     lazily beside a running MADV_POPULATE_WRITE waits for that call, so a pool that starts
@@ -328,6 +319,7 @@ def started_executor(workers: int, *, prefix: str = "hicache-prefault", nice: in
 
     def arrive() -> None:
         lower_priority(nice)
+        pin_thread(cpus)
         barrier.wait(60.0)
 
     try:

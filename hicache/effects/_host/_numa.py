@@ -2,7 +2,9 @@
 
 Owns ``mbind``/``get_mempolicy`` through ctypes (glibc does not export them; the syscall
 numbers are per architecture), the online-node list and each node's free memory from sysfs,
-binding a mapping. Resolving ``numa_node`` = ``"auto" | "off" | N`` needs the GPUs' PCI
+binding a mapping, and where a rank's pre-fault threads run (issue #35 item 2: `fault_share` -
+on its pool's node's CPUs, an equal share of them for each rank the node hosts; `_threads`
+pins them). Resolving ``numa_node`` = ``"auto" | "off" | N`` needs the GPUs' PCI
 placement and lives with the probes (`_probes.resolve_numa_node`). Binding happens before
 pre-fault, so every page is placed there. Imports nothing of hicache.effects.
 """
@@ -16,7 +18,9 @@ import platform
 import re
 from pathlib import Path
 
-from hicache.errors import HostOutOfMemoryError, PlanError
+import attrs
+
+from hicache.errors import HostOutOfMemoryError
 
 MPOL_BIND = 2
 MPOL_F_ADDR = 1 << 1
@@ -90,6 +94,73 @@ def node_free_bytes(*, root: str = "/") -> dict[int, int]:
         if match:
             free[node] = int(match[1]) * 1024
     return free
+
+
+def process_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on (its affinity: taskset, cpuset); every CPU where that
+    cannot be asked."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return tuple(range(os.cpu_count() or 1))
+
+
+def node_cpus(*, root: str = "/", allowed_cpus=None) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``(node, cpus)`` for each node this process may use (`allowed_nodes`): the node's
+    ``cpulist`` less the CPUs outside this process's affinity (``allowed_cpus``, default
+    `process_cpus`). A memory-only node, or one whose CPUs this process may not use, has none."""
+    allowed = set(process_cpus() if allowed_cpus is None else allowed_cpus)
+    pairs = []
+    for node in allowed_nodes(root=root):
+        try:
+            text = Path(root, f"sys/devices/system/node/node{node}/cpulist").read_text()
+            cpus = parse_node_list(text)
+        except (OSError, ValueError):
+            cpus = ()
+        pairs.append((node, tuple(cpu for cpu in cpus if cpu in allowed)))
+    return tuple(pairs)
+
+
+#: The most pre-fault threads one rank runs by default (faulting stops scaling well before).
+MAX_FAULT_THREADS = 16
+
+
+@attrs.frozen
+class FaultShare:
+    """Where one rank's pre-fault runs: ``threads`` threads, each pinned to ``cpus`` (None: not
+    pinned), on ``node`` (None: the pool is bound nowhere) that ``ranks_on_node`` ranks share."""
+
+    threads: int
+    cpus: tuple[int, ...] | None
+    node: int | None
+    ranks_on_node: int
+
+
+def fault_share(node: int | None, *, node_cpus, all_cpus, ranks_per_host: int, threads: int | None = None) -> FaultShare:
+    """The pre-fault threads of a rank whose pool is bound to ``node`` (issue #35 item 2).
+
+    Bound to a node with CPUs: its threads run on that node's CPUs (``node_cpus``: `node_cpus`'s
+    pairs), next to the memory they fault, so the ranks of different nodes fill side by side on
+    their own memory controllers; a node hosts ``ceil(ranks_per_host / nodes with CPUs)``
+    ranks (ranks are spread over the nodes their GPUs sit on), and each takes an equal share of
+    its CPUs: the same number of threads at the same priority, so no rank starves another
+    whatever order they start in. Not bound (or to a memory-only node): unpinned, an equal
+    share of ``all_cpus`` (the process's) among the host's ranks. ``threads`` (the caller's
+    ``prefault_threads``) overrides the count, never the placement. At most
+    `MAX_FAULT_THREADS`, at least one.
+    """
+    ranks = max(1, int(ranks_per_host))
+    cpus_of = dict(node_cpus)
+    home = cpus_of.get(node) if node is not None else None
+    if home:
+        nodes = max(1, sum(1 for cpus in cpus_of.values() if cpus))
+        sharing = -(-ranks // nodes)
+        count = len(home) // sharing
+        pinned: tuple[int, ...] | None = tuple(home)
+    else:
+        sharing, count, pinned = ranks, len(all_cpus) // ranks, None
+    count = max(1, min(MAX_FAULT_THREADS, count)) if not threads else threads
+    return FaultShare(count, pinned, node, sharing)
 
 
 def _syscalls():

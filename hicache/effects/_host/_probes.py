@@ -17,7 +17,7 @@ import attrs
 
 from hicache.effects._host._memory import os_page_bytes
 from hicache.effects._cuda._runtime import default_binding
-from hicache.effects._host._numa import allowed_nodes, memory_only_nodes, online_nodes
+from hicache.effects._host._numa import allowed_nodes, memory_only_nodes, node_cpus, online_nodes, process_cpus
 from hicache.errors import PlanError
 from hicache.effects._host._environment import ranks_per_host
 from hicache.plan import (
@@ -56,6 +56,8 @@ class MachineFacts:
     numa_allowed_nodes: tuple = ()  # the nodes this process may use (its cpuset); () if unknown
     numa_memory_only_nodes: tuple = ()  # online nodes without CPUs
     free_2mib_blocks: int | None = None  # free physically contiguous 2 MiB blocks (/proc/buddyinfo)
+    numa_node_cpus: tuple = ()  # (node, cpus) of each allowed node: the CPUs this process may use there
+    cpus: tuple = ()  # the CPUs this process may use (its affinity); () if unknown
 
 
 def _read(root: str, path: str) -> str | None:
@@ -158,6 +160,8 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
         numa_allowed_nodes=allowed_nodes(root=root),
         numa_memory_only_nodes=memory_only_nodes(root=root),
         free_2mib_blocks=free_2mib_blocks(root=root),
+        numa_node_cpus=node_cpus(root=root),
+        cpus=process_cpus(),
         ranks_per_host=ranks_per_host(env),
     )
 
