@@ -8,16 +8,19 @@ import time
 
 def interleaved(fns: dict, *, rounds: int = 7, warmup: int = 1) -> dict:
     """Seconds of every call of each function in ``fns`` (name -> fn), called in turn for
-    ``rounds`` rounds so that machine noise hits them alike; ``warmup`` rounds first, not
-    counted (first touches of buffers, caches, lazily built state). A function may return a
-    teardown (a callable): it runs after the clock stops, before the next call - freeing what
-    the timed part built without timing the free."""
+    ``rounds`` rounds so that machine noise hits them alike, in the given order in even rounds
+    and reversed in odd ones (so none always runs first - into caches, allocator state or files
+    the previous one left - or always second); ``warmup`` rounds first, not counted (first
+    touches of buffers, caches, lazily built state). A function may return a teardown (a
+    callable): it runs after the clock stops, before the next call - freeing what the timed part
+    built without timing the free."""
     for _ in range(warmup):
         for fn in fns.values():
             _teardown(fn())
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for round_number in range(rounds):
+        order = list(fns.items())
+        for name, fn in order if round_number % 2 == 0 else reversed(order):
             start = time.perf_counter()
             result = fn()
             times[name].append(time.perf_counter() - start)

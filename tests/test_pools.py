@@ -289,6 +289,37 @@ def test_bad_input_is_a_clear_error(call, pattern):
     pool.destroy()
 
 
+@pytest.mark.parametrize("name, layout", [("mha", "page_first_direct"), ("mha", "layer_first"), ("mla", "page_first"),
+                                          ("asymmetric", "page_first"), ("mamba", "page_first")])
+def test_a_flat_page_of_the_wrong_size_is_refused_and_nothing_is_copied(name, layout):
+    """set_from_flat_data_page (issue #35 item 3's fast path): a page one element short or one
+    long, or something that is no tensor, is a TransferError naming the sizes and leaves the
+    pool's bytes as they were; a page of the right count but strides no view can take (a
+    transposed tensor) is copied as SGLang's reshape does, element order kept."""
+    pool, _ = make(name, layout)
+    try:
+        for buffer in pool.buffers:
+            buffer.view(torch.uint8).random_(0, 255, generator=torch.Generator().manual_seed(7))
+        before = [b.clone() for b in pool.buffers]
+        same = lambda: all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, pool.buffers))
+        page = pool.get_dummy_flat_data_page()
+        total = page.numel()
+        for wrong in (torch.ones(total - 1, dtype=page.dtype), torch.ones(total + 1, dtype=page.dtype)):
+            with pytest.raises(TransferError, match=f"data_page has {wrong.numel()} elements; a page has {total}"):
+                pool.set_from_flat_data_page(P, wrong)
+        with pytest.raises((TransferError, AttributeError, TypeError)):
+            pool.set_from_flat_data_page(P, [0] * total)
+        assert same(), "a refused page was copied"
+        source = pool.get_data_page(0).clone()
+        assert total % 2 == 0
+        strided = source.reshape(2, -1).t().contiguous().t()  # the right elements, strides no view can take
+        assert not strided.is_contiguous() and torch.equal(strided.reshape(-1).view(torch.uint8), source.view(torch.uint8))
+        pool.set_from_flat_data_page(P, strided)
+        assert torch.equal(pool.get_data_page(P).view(torch.uint8), source.view(torch.uint8))
+    finally:
+        pool.destroy()
+
+
 @pytest.mark.parametrize("name", ["mha", "mla"])
 def test_zero_copy_pointers_only_for_indices_that_start_a_page(name):
     """`get_page_buffer_meta` hands out raw pointers a back end reads or writes a whole page at:

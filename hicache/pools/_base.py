@@ -356,6 +356,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         with self.lock:
             if self._destroyed:
                 return
+            self._close_pages()  # the page path checks the pool's state again from here on
             self._wait_for_device_copies()
             try:
                 if host is not None:

@@ -40,11 +40,17 @@ class _PageGeometry(NamedTuple):
     total: int
     dtype: object  # of a flat page (None when mixed: uint8)
     shapes: tuple
+    page_size: int  # the pool's, and its token slots: an int index in [0, size) needs no more checks
+    size: int
+    direct: bool  # no DCP: a token index is this rank's own
 
 
 class StoragePagesMixin:
     """Mixed into `HostKVCache` (needs ``buffers``, ``descriptor``, ``layout``, ``page_size``,
-    ``size``, ``dtype``, ``size_per_token`` and ``_alive()``)."""
+    ``size``, ``dtype``, ``size_per_token`` and ``_alive()``; its ``destroy`` calls
+    `_close_pages` before releasing anything)."""
+
+    _page_geometry: _PageGeometry | None = None  # set by _geometry() on a live pool only
 
     def get_page_buffer_element_size(self, split_factor: int = 1):
         """Bytes of one storage element (SGLang's: the first size of the page meta of page 0),
@@ -79,10 +85,10 @@ class StoragePagesMixin:
     def _geometry(self) -> _PageGeometry:
         """How a page sits in each buffer and what its flat form is, derived once per set of
         buffers (a page is read and written per L3 page: this is on the hot path)."""
-        cached = getattr(self, "_page_geometry", None)
+        cached = self._page_geometry
         if cached is not None and cached.key == id(self.kv_buffer):
             return cached
-        self._alive()
+        self._alive()  # the one check of the pool's state: a destroyed or leaked pool has no geometry
         if self.kv_buffer is None:
             raise TransferError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no pages")
         family, layout = self.descriptor.family, self.layout
@@ -94,37 +100,35 @@ class StoragePagesMixin:
             raise TransferError(f"{type(self).__name__}: its buffers cut pages on different axes {axes}")
         (axis, by_page), = set(axes)
         made = _PageGeometry(id(self.kv_buffer), tuple(self.buffers), (slice(None),) * axis, by_page, mixed, sizes,
-                             sum(sizes), None if mixed else parts[0].dtype, tuple(tuple(p.shape) for p in parts))
+                             sum(sizes), None if mixed else parts[0].dtype, tuple(tuple(p.shape) for p in parts),
+                             self.page_size, self.size, self.dcp_size == 1)
         self._page_geometry = made
         return made
 
+    def _close_pages(self) -> None:
+        """No page access from here on without `_alive()`'s check (destroy calls it first): the
+        cached geometry, the page path's proof that the pool was live, is dropped."""
+        self._page_geometry = None
+
     def _page_at(self, index):
-        """(geometry, key) of the page holding token ``index``: the L3 page path's one entry,
-        called per page - the pool's state, the cached geometry and the index are each checked
-        with one test in the common case (a refused pool or a bad index takes the long way,
-        which raises naming why)."""
-        host = self._host
-        if self._destroyed or (host is not None and host.state == "leaked"):
-            self._alive()
-        geometry = getattr(self, "_page_geometry", None)
+        """(geometry, key) of the page holding token ``index`` - the key is the index into each
+        buffer that selects it: the L3 page path's one entry, called per page (one function, no
+        further calls in the common case). A cached geometry exists only while the pool is live
+        (`_geometry` checks, `_close_pages` drops it), so the common case - a live pool, an int
+        index in range - is two tests; a refused pool or a bad index takes the long way, which
+        raises naming why."""
+        geometry = self._page_geometry
         if geometry is None or geometry.key != id(self.kv_buffer):
             geometry = self._geometry()
-        return geometry, self._page_key(index, geometry)
-
-    def _page_key(self, index, geometry):
-        """The index into each buffer that selects the page holding token ``index``."""
-        page_size = self.page_size
-        if type(index) is int and 0 <= index < self.size and self.dcp_size == 1:  # the common case
+        page_size = geometry.page_size
+        if type(index) is int and 0 <= index < geometry.size and geometry.direct:  # the common case
             page = index // page_size
         else:
             page = self._storage_index(index) // page_size
-        if geometry.by_page:
-            cut = slice(page, page + 1)
-        else:
-            cut = slice(page * page_size, (page + 1) * page_size)
+        cut = slice(page, page + 1) if geometry.by_page else slice(page * page_size, (page + 1) * page_size)
         # basic slicing, torch's fast path: a bare slice on axis 0 (a 1-tuple, or narrow(), costs
         # half as much again per page)
-        return geometry.lead + (cut,) if geometry.lead else cut
+        return geometry, (geometry.lead + (cut,) if geometry.lead else cut)
 
     def _page_parts(self, index):
         geometry, key = self._page_at(index)
@@ -159,22 +163,39 @@ class StoragePagesMixin:
         import torch
 
         geometry, key = self._page_at(index)
-        if data_page.numel() != geometry.total:
-            raise TransferError(f"data_page has {data_page.numel()} elements; a page has {geometry.total}")
         if len(geometry.tensors) == 1 and not geometry.mixed:
             # view(*ints): torch's fast path (a torch.Size argument costs about three times more)
-            # and assignment, not [key].copy_(): torch copies in place without a Python view object
+            # and assignment, not [key].copy_(): torch copies in place without a Python view object.
+            # The view is the size check too: it fails for a wrong element count (and for strides
+            # it cannot view), both told apart below - never a partial copy.
             shape = geometry.shapes[0]
-            geometry.tensors[0][key] = data_page.view(*shape) if data_page.is_contiguous() else data_page.reshape(*shape)
+            try:
+                source = data_page.view(*shape)
+            except RuntimeError:
+                source = self._reshaped_page(data_page, geometry, shape)
+            geometry.tensors[0][key] = source
             return
+        if data_page.numel() != geometry.total:
+            raise TransferError(f"data_page has {data_page.numel()} elements; a page has {geometry.total}")
+        flat = data_page.reshape(-1)  # cut by element counts: a view where it can be
         parts = [t[key] for t in geometry.tensors]
         offset = 0
         for part, size, shape in zip(parts, geometry.sizes, geometry.shapes):
-            chunk = data_page[offset : offset + size]
+            chunk = flat[offset : offset + size]
             if geometry.mixed:
                 chunk = chunk.view(torch.uint8).view(part.dtype)
             part.copy_(chunk.view(*shape) if chunk.is_contiguous() else chunk.reshape(*shape))
             offset += size
+
+    @staticmethod
+    def _reshaped_page(data_page, geometry, shape):
+        """``data_page`` as a page's ``shape`` where a view cannot be: refused unless it holds
+        exactly a page's elements (then copied into that shape, as SGLang's reshape does)."""
+        numel = getattr(data_page, "numel", None)
+        if numel is None or numel() != geometry.total:
+            count = numel() if numel is not None else type(data_page).__name__
+            raise TransferError(f"data_page has {count} elements; a page has {geometry.total}")
+        return data_page.reshape(*shape)
 
     # -- zero-copy --------------------------------------------------------------------------
     def get_ksize_per_token(self) -> int:
