@@ -2,8 +2,8 @@
 
 Owns the shape and page-copy-unit rules of every family x layout (as data tables, from
 ../shared/reference/host-pool-layouts.md), the descriptors' shared base and field checks, and
-which module holds each family's class (`_layouts_mha`, `_layouts_mla`, `_layouts_state`, loaded
-on first use). It knows nothing of limits or chunking. Pure: attrs, the standard library and hicache.errors only.
+which module holds each family's class (`_layouts_mha`, `_layouts_kv_split`, `_layouts_mla`,
+`_layouts_state`, loaded on first use). It knows nothing of limits or chunking. Pure: attrs, the standard library and hicache.errors only.
 """
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ def dsa_indexer_pages(anchor_tokens: int, page_size: int) -> int:
 #: family -> (module, class name) of its descriptor; the module is imported on first lookup.
 _FAMILY_HOMES = {
     "mha": ("hicache.plan._layouts_mha", "MHALayout"),
-    "mha_k_only": ("hicache.plan._layouts_mha", "MHAKOnlyLayout"),
-    "asymmetric_mha": ("hicache.plan._layouts_mha", "AsymmetricMHALayout"),
+    "mha_k_only": ("hicache.plan._layouts_kv_split", "MHAKOnlyLayout"),
+    "asymmetric_mha": ("hicache.plan._layouts_kv_split", "AsymmetricMHALayout"),
     "mla": ("hicache.plan._layouts_mla", "MLALayout"),
     "dsa_indexer": ("hicache.plan._layouts_mla", "DSAIndexerLayout"),
     "mamba": ("hicache.plan._layouts_state", "MambaLayout"),
