@@ -7,8 +7,6 @@ Imports importlib only.
 
 from __future__ import annotations
 
-import importlib.util
-
 EXTRA = "cuda"
 
 
@@ -18,6 +16,8 @@ class MissingExtraError(ImportError):
 
 def require(module: str, what: str) -> None:
     """Raise `MissingExtraError` naming the extra when ``module`` cannot be imported."""
+    import importlib.util  # here: `hicache plan` imports this module and never asks
+
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package missing, or blocked in sys.modules

@@ -25,8 +25,9 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 #: Host page sizes a pool may ask for (`hicache.effects` maps them; these are the words): the one
 #: tuple the variable, apply's --hugepages, the pools and the allocator check against.
 HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
-_ASCII_INT = re.compile(r"[0-9]+", re.ASCII)
-_ASCII_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?", re.ASCII)
+# compiled on first use (re caches them): regexes compiled at import cost `hicache plan`'s start
+_ASCII_INT = r"[0-9]+"
+_ASCII_NUMBER = r"[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?"
 
 
 def _number(value: float) -> str:
@@ -171,13 +172,13 @@ def env_value(env: Mapping, name: str):
         if kind == "concurrency" and word in ("auto", "off", "0", "false", "no"):
             return "auto" if word == "auto" else "off"
         minimum = 1 if setting.minimum is None else setting.minimum
-        if not _ASCII_INT.fullmatch(text) or not minimum <= int(text) <= setting.maximum:
+        if not re.fullmatch(_ASCII_INT, text, re.ASCII) or not minimum <= int(text) <= setting.maximum:
             raise refuse(f"must be {setting.range}" if kind == "concurrency" else f"must be a positive integer "
                          f"({setting.range})")
         return int(text)
     if kind == "seconds":
         try:
-            seconds = float(Decimal(text)) if _ASCII_NUMBER.fullmatch(text) else math.nan
+            seconds = float(Decimal(text)) if re.fullmatch(_ASCII_NUMBER, text, re.ASCII) else math.nan
         except InvalidOperation:
             seconds = math.nan
         if not (math.isfinite(seconds) and setting.minimum < seconds <= setting.maximum):

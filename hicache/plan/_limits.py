@@ -32,13 +32,14 @@ KERNEL_PIN_CAP_BYTES = 2**31 - 2 * MiB
 DEFAULT_CHUNK_LIMIT_BYTES = 64 * GiB
 
 
-_RELEASE = re.compile(r"^\s*(?:linux\s+)?v?(\d+)[.,](\d+)(?:\D.*)?$", re.IGNORECASE | re.DOTALL)
+#: compiled on first use (re caches it): a regex compiled at import costs `hicache plan`'s start
+_RELEASE = r"^\s*(?:linux\s+)?v?(\d+)[.,](\d+)(?:\D.*)?$"
 
 
 def parse_kernel_release(release: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a Linux release as people write it - ``6.12``, ``6.12.0-31-generic``
     (``uname -r``), ``v6.12``, ``6,12``, ``Linux 6.12``, surrounding spaces - or None."""
-    match = _RELEASE.match(release) if isinstance(release, str) else None
+    match = re.match(_RELEASE, release, re.IGNORECASE | re.DOTALL) if isinstance(release, str) else None
     return (int(match[1]), int(match[2])) if match else None
 
 
