@@ -357,8 +357,9 @@ def test_the_exemptions_from_the_size_rule_are_still_needed():
 def test_the_plan_packages_names_all_resolve_and_load_only_their_own_module():
     """hicache.plan's names load on first use (issue #35 item 4): every name of __all__ has a
     home and resolves to that module's object, an unknown name is an AttributeError naming it,
-    and `hicache plan`'s start does not load the store's planner, nor the layout classes of the
-    families its model does not use (the default preset is MHA; a fresh process tells)."""
+    and `hicache plan`'s start does not load the store's planner, the budget check (no host
+    figure given), nor the layout classes of the families its model does not use (the default
+    preset is MHA; a fresh process tells)."""
     import importlib
     import subprocess
     import sys
@@ -376,7 +377,7 @@ def test_the_plan_packages_names_all_resolve_and_load_only_their_own_module():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert "hicache.plan._store" not in loaded.stdout and "hicache.plan._layouts'" in loaded.stdout, loaded.stdout
     assert "hicache.plan._layouts_mha'" in loaded.stdout, loaded.stdout
-    assert not {"_layouts_kv_split", "_layouts_mla", "_layouts_state"} & set(loaded.stdout.replace("'", " ").replace(
+    assert not {"_budget", "_layouts_kv_split", "_layouts_mla", "_layouts_state"} & set(loaded.stdout.replace("'", " ").replace(
         "hicache.plan.", " ").split()), loaded.stdout
 
 

@@ -8,9 +8,9 @@ tests/test_purity.py enforces it.
 #: starts in the time of the modules it runs (issue #35 item 4: <= 1.5x `import attrs`), not of all.
 _HOMES = {
     **dict.fromkeys((
-        "DEFAULT_RESERVE_BYTES", "SIZING_RULES", "host_tokens", "pages_for", "BudgetVerdict", "PoolSize",
-        "assess_budget", "check_budget", "size_pool"
+        "DEFAULT_RESERVE_BYTES", "SIZING_RULES", "host_tokens", "pages_for", "PoolSize", "size_pool"
     ), "hicache.plan._capacity"),
+    **dict.fromkeys(("BudgetVerdict", "assess_budget", "check_budget"), "hicache.plan._budget"),
     **dict.fromkeys(("CAPACITY_DEFAULTS", "CapacityPlan", "NamedPool", "plan_capacity"), "hicache.plan._capacity_plan"),
     **dict.fromkeys(("SCHEMA_VERSION", "from_jsonable", "to_jsonable"), "hicache.plan._codec"),
     **dict.fromkeys((

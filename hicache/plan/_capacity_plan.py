@@ -8,18 +8,20 @@ given. Never reads the machine. Pure: the rest of hicache.plan only.
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 import attrs
 
 from hicache.errors import CapacityError, PlanError
-from hicache.plan._capacity import (
-    DEFAULT_RESERVE_BYTES, SGLANG_0_5_23, BudgetVerdict, PoolSize, assess_budget, size_pool,
-)
+from hicache.plan._capacity import DEFAULT_RESERVE_BYTES, SGLANG_0_5_23, PoolSize, size_pool
 from hicache.plan.checks import check_int
 from hicache.plan._limits import Limits
 from hicache.plan._models import DEFAULT_MODEL, ModelSpec, kv_itemsize, model_pools
 from hicache.plan._pool import PoolPlan, plan_pool
 from hicache.plan._units import format_gb
+
+if TYPE_CHECKING:  # an annotation only: a plan without a host figure does not load the budget
+    from hicache.plan._budget import BudgetVerdict
 
 
 @attrs.frozen
@@ -138,6 +140,8 @@ def plan_capacity(
     total = sum(p.plan.total_bytes for p in pools)
     budget = None
     if host_memory_bytes is not None:
+        from hicache.plan._budget import assess_budget  # here: a plan without a host figure needs none
+
         budget = assess_budget(
             total, available_bytes=host_memory_bytes, reserve_bytes=reserve_bytes,
             ranks_per_host=ranks_per_host or 1,
