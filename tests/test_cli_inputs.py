@@ -241,6 +241,25 @@ def test_doctor_maps_gpus_to_numa_nodes_and_matches_the_binding_to_the_driver(tm
     assert max(len(line) for line in out.splitlines()) <= 100
 
 
+def test_doctor_says_where_each_ranks_pre_fault_runs(tmp_path):
+    """The numa check names each rank's pre-fault share (issue #35 item 2, the bring-up's own
+    fault_share): on two nodes of 8 CPUs with 4 ranks per host, 4 threads per rank on each
+    node's CPUs, 2 ranks per node; on one node, an unpinned share of the process's CPUs."""
+    from hicache.cli._doctor import doctor_checks
+    from machine import facts
+
+    two = facts(numa_nodes=2, numa_node_cpus=((0, tuple(range(8))), (1, tuple(range(8, 16)))), cpus=tuple(range(16)),
+                ranks_per_host=4)
+    finding = {c.name: c for c in doctor_checks(root=str(tmp_path), env={"HICACHE_RANKS_PER_HOST": "4"},
+                                                facts=two)}["numa"].finding
+    assert "pre-fault: node 0 4 thread(s) per rank on its CPUs, node 1 4 thread(s) per rank on its CPUs" in finding
+    assert "(2 of the 4 rank(s) per node)" in finding
+    one = facts(numa_node_cpus=((0, (0, 1, 2, 3)),), cpus=(0, 1, 2, 3), ranks_per_host=2)
+    finding = {c.name: c for c in doctor_checks(root=str(tmp_path), env={"HICACHE_RANKS_PER_HOST": "2"},
+                                                facts=one)}["numa"].finding
+    assert "pre-fault: 2 thread(s) per rank, 2 rank(s) sharing 4 CPU(s)" in finding
+
+
 def test_an_unknown_preset_suggests_the_close_ones(capsys):
     """A misspelt --model is error[unknown-model] suggesting the close preset names."""
     assert main(["plan", "--model", "deepseek-v32"]) == 2

@@ -5,7 +5,7 @@ the CUDA binding, GPUs and CUDA itself. Each reads the `Context` and returns one
 
 from __future__ import annotations
 
-
+import os
 
 from hicache.plan import assess_budget, format_bytes
 
@@ -176,9 +176,24 @@ def _numa(c: Context) -> Check:
         for n, b in sorted(free.items())) if free else ""
     if allowed and len(allowed) < numa:
         detail += f"; this process may use node(s) {','.join(map(str, allowed))} only (its cpuset)"
+    detail += "; " + _fault_shares(c, for_cli)
     return Check("numa", "pass", f"{numa} NUMA node(s){detail}",
                  "" if numa == 1 else "pools bind to their GPU's node by default (numa_node / --numa auto), "
                  "within this process's cpuset and never to a memory-only node unless asked")
+
+
+def _fault_shares(c: Context, for_cli) -> str:
+    """Where each rank's pre-fault runs (`fault_share`, what the bring-up uses): threads per rank
+    on each node with CPUs, or unpinned on this process's CPUs."""
+    pairs = tuple(c.facts.numa_node_cpus)
+    cpus = tuple(c.facts.cpus) or tuple(range(os.cpu_count() or 1))
+    homes = [node for node, node_cpus in pairs if node_cpus]
+    if len(homes) > 1:
+        shares = [for_cli.fault_share(node, node_cpus=pairs, all_cpus=cpus, ranks_per_host=c.ranks) for node in homes]
+        return ("pre-fault: " + ", ".join(f"node {s.node} {s.threads} thread(s) per rank on its CPUs" for s in shares)
+                + f" ({shares[0].ranks_on_node} of the {c.ranks} rank(s) per node)")
+    share = for_cli.fault_share(None, node_cpus=pairs, all_cpus=cpus, ranks_per_host=c.ranks)
+    return f"pre-fault: {share.threads} thread(s) per rank, {c.ranks} rank(s) sharing {len(cpus)} CPU(s)"
 
 
 def _host_copy(c: Context) -> Check:

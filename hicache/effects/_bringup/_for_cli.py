@@ -1,12 +1,14 @@
 """What only the CLI's `doctor`, `plan` and `apply` ask of the shell (issue #34 item 6: CLI-only
 helpers leave effects' face): the check of every HICACHE_* variable, the host copy's mode and
-helper, the GPUs and their NUMA nodes, a node's free memory, the kernel release. The face
+helper, the GPUs and their NUMA nodes, a node's free memory and each rank's pre-fault share of
+its node's CPUs, the kernel release. The face
 exports this module as ``hicache.effects.for_cli``; each name lives in its own room's module
 (this room may import every other, which is why the list sits here)."""
 
 from hicache.effects._copy._host_copy import host_copy_info
 from hicache.effects._host._environment import environment_problems
-from hicache.effects._host._numa import node_free_bytes
+from hicache.effects._host._numa import fault_share, node_free_bytes
 from hicache.effects._host._probes import probe_gpus, probe_kernel_release
 
-__all__ = ["environment_problems", "host_copy_info", "node_free_bytes", "probe_gpus", "probe_kernel_release"]
+__all__ = ["environment_problems", "fault_share", "host_copy_info", "node_free_bytes", "probe_gpus",
+           "probe_kernel_release"]
