@@ -9,7 +9,7 @@ time / hicache's (> 1: hicache is faster). Both unpinned: the registration is no
 - `get_data_page(flat=True)` + `set_from_flat_data_page` for 256 pages (MHA page_first_direct,
   MLA page_first).
 - SGLang's `HiCacheFile` `batch_set_v2` / `batch_get_v2` of 256 pages to tmpfs (/dev/shm).
-Rounds: HICACHE_BENCH_ROUNDS (default 5). Needs `make sglang`; says so and exits 0 without.
+Rounds: HICACHE_BENCH_ROUNDS (default 31: a page row is milliseconds, and its median over a few rounds moves by +-8 % on a shared box). Needs `make sglang`; says so and exits 0 without.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> int:
     from hicache import pools as ours_pools
 
     storage, memory_pool, base, mha, mla = _sglang()
-    rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "5"))
+    rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "31"))
     with fake_cuda():
         # alloc + free: a 1M-slot pool with a tiny token (what is timed is the bookkeeping)
         small = memory_pool.MHATokenToKVPool(size=4096, page_size=64, dtype=torch.bfloat16, head_num=1, head_dim=8,
