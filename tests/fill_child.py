@@ -59,14 +59,13 @@ def _at_first_piece(barrier: str, ranks: int, stall: bool):
 
 def _on_node(root: str, node: int):
     """An allocator binding to ``node`` of the fake topology under ``root``."""
-    import functools
-
-    import hicache.effects._bringup._bring_up as bring_up_module
     import hicache.effects._host._memory as memory
+    import hicache.effects._host._probes as probes
     from hicache.effects._host._allocators import HostTensorAllocator
     from hicache.effects._host._numa import node_cpus
 
-    bring_up_module.node_cpus = functools.partial(node_cpus, root=root)
+    # what the budget's machine sample reads (probe_machine passes its own root: this one wins)
+    probes.node_cpus = lambda **asked: node_cpus(**{**asked, "root": root})
     memory.bind = lambda ptr, length, node: None
     return HostTensorAllocator(numa_node=node)
 

@@ -154,10 +154,10 @@ def fixed_room(host_memory_bytes: int, peers: dict, ranks: int) -> int:
     return max(host_memory_bytes - claimed, 0)
 
 
-def _admit(lock, total: int, machine, host_memory_bytes, ranks_per_host, reserve_bytes) -> ClaimedFill:
+def _admit(lock, total: int, facts, host_memory_bytes, ranks_per_host, reserve_bytes) -> ClaimedFill:
     """Under ``lock``: the budget's answer for ``total`` bytes (`CapacityError` when it refuses)
-    and, admitted, the claim recorded - none of it resident yet."""
-    facts = probe_machine() if machine is None else machine
+    and, admitted, the claim recorded - none of it resident yet. ``facts``: the machine, sampled
+    under the lock."""
     ranks = facts.ranks_per_host if ranks_per_host is None else ranks_per_host
     claims = lock.claims()
     me = os.getpid()
@@ -287,6 +287,7 @@ def bring_up(
         if budget:  # held to decide, not to fill (issue #35): ranks that start together fill side by side
             lock = budget_lock() if lock is None else lock
             with lock:
+                machine = probe_machine() if machine is None else machine  # sampled under the lock, once
                 claim = _admit(lock, handle.total_bytes, machine, host_memory_bytes, ranks_per_host, reserve_bytes)
                 handle._hold_budget(lock, handle.total_bytes, claim)
         share = _share(allocator, machine, ranks_per_host) if mode == PIPELINED or isinstance(mode, Progressive) else None

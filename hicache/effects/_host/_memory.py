@@ -125,7 +125,6 @@ class HostBuffer:
     _mapping: mmap.mmap | None
     _tensor: object
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
-    numa_node: int | None = attrs.field(default=None, kw_only=True)  # bound there (mbind) before any fault
 
     @property
     def tensor(self):
@@ -280,7 +279,7 @@ def allocate_host(
             mapping.close()
             raise
         notes.append(f"bound to NUMA node {numa_node}")
-    return HostBuffer(nbytes, length, page, huge, tuple(notes), mapping, tensor, numa_node=numa_node)
+    return HostBuffer(nbytes, length, page, huge, tuple(notes), mapping, tensor)
 
 
 @attrs.frozen
