@@ -171,13 +171,11 @@ class StoragePagesMixin:
             shape = geometry.shapes[0]
             try:
                 source = data_page.view(*shape)
-            except RuntimeError:
+            except (RuntimeError, AttributeError, TypeError):  # a wrong size or strides; no tensor at all
                 source = self._reshaped_page(data_page, geometry, shape)
             geometry.tensors[0][key] = source
             return
-        if data_page.numel() != geometry.total:
-            raise TransferError(f"data_page has {data_page.numel()} elements; a page has {geometry.total}")
-        flat = data_page.reshape(-1)  # cut by element counts: a view where it can be
+        flat = self._reshaped_page(data_page, geometry, (-1,))  # cut by element counts: a view where it can be
         parts = [t[key] for t in geometry.tensors]
         offset = 0
         for part, size, shape in zip(parts, geometry.sizes, geometry.shapes):
@@ -189,12 +187,13 @@ class StoragePagesMixin:
 
     @staticmethod
     def _reshaped_page(data_page, geometry, shape):
-        """``data_page`` as a page's ``shape`` where a view cannot be: refused unless it holds
-        exactly a page's elements (then copied into that shape, as SGLang's reshape does)."""
+        """``data_page`` reshaped to ``shape`` (a view where its strides allow, else a copy, as
+        SGLang's reshape): refused unless it is a tensor of exactly a page's elements."""
         numel = getattr(data_page, "numel", None)
-        if numel is None or numel() != geometry.total:
-            count = numel() if numel is not None else type(data_page).__name__
-            raise TransferError(f"data_page has {count} elements; a page has {geometry.total}")
+        if numel is None:
+            raise TransferError(f"data_page must be a tensor, got {type(data_page).__name__}")
+        if numel() != geometry.total:
+            raise TransferError(f"data_page has {numel()} elements; a page has {geometry.total}")
         return data_page.reshape(*shape)
 
     # -- zero-copy --------------------------------------------------------------------------
