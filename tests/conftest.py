@@ -4,6 +4,7 @@ file's tests in their own order), so a test that passes only after, or only befo
 file's shows up; CI runs a random order, its seed in the header (rerun with the same value)."""
 
 import os
+import sys
 import random
 import signal
 
@@ -99,6 +100,18 @@ def _no_machine_settings():
     saved = {name: os.environ.pop(name) for name in _MACHINE_SETTINGS if name in os.environ}
     yield
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_trace_recording_left():
+    """A trace recording lasts for the rest of its process (`hicache.effects._trace.start`, what a
+    bring-up given a trace file does): it never runs on into the next test, where it would take
+    that test's own trace and its bring-ups' spans (seen: a worker's later trace and progressive
+    tests failing after one in-process traced bring-up)."""
+    yield
+    recorder = sys.modules.get("hicache.effects._trace")  # only where a test imported it
+    if recorder is not None:
+        recorder.stop()
 
 
 @pytest.fixture(autouse=True, scope="session")

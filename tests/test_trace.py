@@ -18,12 +18,6 @@ pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `m
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(autouse=True)
-def _no_recording_left():
-    yield
-    _trace.stop()  # a recording lasts for the process: never into the next test
-
-
 def _check_spans(events) -> None:
     by_thread: dict = {}
     for event in events:

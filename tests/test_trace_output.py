@@ -28,12 +28,6 @@ APPLY = ["apply", "--fake-cuda", "--model", "llama-3.1-8b", "--tp", "8", "--host
          "--threads", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _no_recording_left():
-    yield
-    trace.stop()
-
-
 def _char_device(directory):
     """A character device node (1, 7: what /dev/full is) in a temp dir - never the host's own."""
     path = directory / "full"
