@@ -3,7 +3,8 @@
 Owns the shape and page-copy-unit rules of every family x layout (as data tables, from
 ../shared/reference/host-pool-layouts.md), the descriptors' shared base and field checks, and
 which module holds each family's class (`_layouts_mha`, `_layouts_kv_split`, `_layouts_mla`,
-`_layouts_state`, loaded on first use). It knows nothing of limits or chunking. Pure: attrs, the standard library and hicache.errors only.
+`_layouts_state`, loaded on first use). It knows nothing of limits or chunking.
+Pure: attrs, the standard library and hicache.errors only.
 """
 
 from __future__ import annotations

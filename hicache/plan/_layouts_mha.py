@@ -1,7 +1,8 @@
 """The layout descriptor of plain multi-head attention (family mha): K and V in one buffer.
 
-Owns its fields and buffers (its K/V-split variants are `_layouts_kv_split`'s); the shape tables and shared checks are `_layouts`'.
-Loaded on first use (`_layouts.LAYOUT_CLASSES`), so a plan of one family builds only its classes.
+Owns its fields and buffers (its K/V-split variants are `_layouts_kv_split`'s); the shape
+tables and shared checks are `_layouts`'. Loaded on first use (`_layouts.LAYOUT_CLASSES`), so a
+plan of one family builds only its classes.
 Pure: attrs, the standard library and hicache.errors only.
 """
 
