@@ -61,13 +61,26 @@ def test_sglangs_controller_writes_while_the_pool_registers_and_after_it_is_read
                                              layer_mapper=lambda layer: layer, is_primary_index_anchor=True)])
             controller = HybridCacheController(allocator, group, PAGE, None, threading.Event(), io_backend="direct")
             generator = torch.Generator().manual_seed(7)
+            # What was registered when the pool chose a write's pages: sampled as its alloc returns
+            # (registration only grows while the pool lives, and the fake records a range before its
+            # call returns). Sampled before controller.write instead, pages the background
+            # registration finished in between looked outside it (seen under load).
+            held_at_alloc = []
+            choose = host.alloc
+
+            def alloc(*args, **kwargs):
+                chosen = choose(*args, **kwargs)
+                held_at_alloc.append(fake.held())
+                return chosen
+
+            monkeypatch.setattr(host, "alloc", alloc)
 
             def write() -> bool:
                 written = allocator.alloc(2 * PAGE)
                 for layer in [*device.k_buffer, *device.v_buffer]:
                     layer[written] = torch.randn(layer[written].shape, generator=generator).to(layer.dtype)
                 want = device.k_buffer[1][written].clone()
-                held = fake.held()  # before the write: what is registered at least
+                held_at_alloc.clear()
                 host_indices = controller.write(written)
                 for ack in controller.ack_write_queue:
                     ack.finish_event.synchronize()
@@ -75,6 +88,7 @@ def test_sglangs_controller_writes_while_the_pool_registers_and_after_it_is_read
                 allocator.free(written)
                 if host_indices is None:
                     return False
+                [held] = held_at_alloc  # the controller asked the pool once
                 ptrs, sizes = host.get_page_buffer_meta(host_indices)
                 assert all(_covered(held, p, s) for p, s in zip(ptrs, sizes)), "a page outside the registered ranges"
                 rows = host.kv_buffer[0][host_indices // PAGE, 1, host_indices % PAGE]  # K of layer 1
