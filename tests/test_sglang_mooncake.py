@@ -120,8 +120,17 @@ def _said(process, word: str) -> None:
         raise AssertionError(f"the instance said {said!r}, not {word!r}")
 
 
+def _let_go(process) -> None:
+    """Close the instance's stdin, which lets it finish: it drops its Mooncake segment, destroys
+    its pool and exits (Mooncake's client takes seconds to leave)."""
+    if process.stdin is not None and not process.stdin.closed:
+        process.stdin.close()
+    process.stdin = None  # communicate() then only reads what is left
+
+
 def _report(process, timeout: float = 240.0) -> dict:
-    out, _ = process.communicate(input="", timeout=timeout)  # closing stdin lets it finish
+    _let_go(process)
+    out, _ = process.communicate(timeout=timeout)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert process.returncode == 0 and lines, (
         f"instance failed ({process.returncode}):\n{out}\n{process.log.read_text()[-4000:]}")
@@ -145,7 +154,9 @@ def test_two_instances_share_pages_each_way_through_sglangs_mooncake_store_byte_
             process.stdin.flush()
         for _, process in instances.values():
             _said(process, "fetched")
-        reports = {pools: _report(process) for pools, (_, process) in instances.items()}  # segments go only now
+        for _, process in instances.values():  # both fetched: their segments may go now, and their
+            _let_go(process)                     # exits (seconds of Mooncake's teardown each) overlap
+        reports = {pools: _report(process) for pools, (_, process) in instances.items()}
     except BaseException:
         for _, process in instances.values():
             process.kill()
