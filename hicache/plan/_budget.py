@@ -9,15 +9,14 @@ Machine figures come in as arguments. Pure: attrs, the standard library and hica
 
 from __future__ import annotations
 
-import attrs
-
 from hicache.errors import CapacityError, PlanError
 from hicache.plan.checks import check_int
 from hicache.plan._capacity import DEFAULT_RESERVE_BYTES
 from hicache.plan._units import format_bytes, format_gb
+from hicache.plan._value import value_class
 
 
-@attrs.frozen
+@value_class
 class BudgetVerdict:
     """The arithmetic of one budget check; ``ok`` says whether the request fits."""
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import numbers
 from decimal import Decimal, InvalidOperation
 
-import attrs
-
 from hicache.errors import PlanError, PoolTooSmallError
 from hicache.plan.checks import check_int
 from hicache.plan._units import format_gb
+from hicache.plan._value import value_class
 
 #: SGLang keeps 10 GiB of host memory back for everything else (memory_pool_host.py).
 DEFAULT_RESERVE_BYTES = 10 * 2**30
@@ -72,7 +71,7 @@ def pages_for(tokens: int, page_size: int, rule: str = CEIL) -> int:
     return -(-tokens // page_size)
 
 
-@attrs.frozen
+@value_class
 class PoolSize:
     """Tokens and pages a pool holds; ``notes`` carry warnings (host smaller than device)."""
 

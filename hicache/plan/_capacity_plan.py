@@ -10,8 +10,6 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
-import attrs
-
 from hicache.errors import CapacityError, PlanError
 from hicache.plan._capacity import DEFAULT_RESERVE_BYTES, SGLANG_0_5_23, PoolSize, size_pool
 from hicache.plan.checks import check_int
@@ -19,12 +17,13 @@ from hicache.plan._limits import Limits
 from hicache.plan._models import DEFAULT_MODEL, ModelSpec, kv_itemsize, model_pools
 from hicache.plan._pool import PoolPlan, plan_pool
 from hicache.plan._units import format_gb
+from hicache.plan._value import value_class
 
 if TYPE_CHECKING:  # an annotation only: a plan without a host figure does not load the budget
     from hicache.plan._budget import BudgetVerdict
 
 
-@attrs.frozen
+@value_class
 class NamedPool:
     """One pool of a model on a rank (``kv``, ``indexer``, ``mamba``, ...) and its plan."""
 
@@ -32,7 +31,7 @@ class NamedPool:
     plan: PoolPlan
 
 
-@attrs.frozen
+@value_class
 class CapacityPlan:
     """Everything one rank registers, with the inputs it was computed from."""
 

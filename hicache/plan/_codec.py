@@ -23,6 +23,7 @@ from hicache.plan._limits import Limits
 from hicache.plan._planner import RegistrationPlan
 from hicache.plan._pool import BufferPlan, PoolPlan
 from hicache.plan._range import Range
+from hicache.plan._value import value_class
 
 SCHEMA = "hicache.plan"
 SCHEMA_VERSION = 1
@@ -55,13 +56,13 @@ def _converter():
 def _wire():
     """The wire schemas, built on first load (attrs class creation costs start-up time)."""
 
-    @attrs.frozen
+    @value_class
     class _RangeWire:
         offset: int
         size: int
 
 
-    @attrs.frozen
+    @value_class
     class _PlanWire:
         total_bytes: int
         granularity_bytes: int | None
@@ -71,7 +72,7 @@ def _wire():
         notes: list[str]
 
 
-    @attrs.frozen
+    @value_class
     class _BufferWire:
         name: str
         layout: str
@@ -85,7 +86,7 @@ def _wire():
         notes: list[str]
 
 
-    @attrs.frozen
+    @value_class
     class _ModelWire:
         name: str
         source: str
@@ -93,7 +94,7 @@ def _wire():
         facts: dict
 
 
-    @attrs.frozen
+    @value_class
     class _InputsWire:
         tp: int
         page_size: int

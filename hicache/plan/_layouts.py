@@ -16,6 +16,7 @@ import attrs
 
 from hicache.errors import LayoutError
 from hicache.plan.checks import MAX_BYTES, as_int, as_tuple, check_int, check_name
+from hicache.plan._value import value_class
 
 # The copy unit of a layout is the largest contiguous byte run one page copy touches; every such
 # run starts a whole number of units from the base. Tables: layout -> (shape, unit), both as
@@ -58,7 +59,7 @@ LAYOUT_RULES = {
 }
 
 
-@attrs.frozen
+@value_class
 class BufferSpec:
     """One host buffer of a pool: ``shape`` elements of ``itemsize`` bytes, split on units."""
 

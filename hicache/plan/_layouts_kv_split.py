@@ -9,13 +9,12 @@ Pure: attrs, the standard library and hicache.errors only.
 
 from __future__ import annotations
 
-import attrs
-
 from hicache.plan._layouts import MAX_LAYERS, BufferSpec, _dim, _layout_name, _LayoutBase
 from hicache.plan._layouts_mha import MHALayout
+from hicache.plan._value import value_class
 
 
-@attrs.frozen
+@value_class
 class MHAKOnlyLayout(MHALayout):
     """MHA keys only (index-K of sparse-attention models): no V, no leading axis of 2."""
 
@@ -28,7 +27,7 @@ class MHAKOnlyLayout(MHALayout):
         return (self._spec("k", self._dims(), self.itemsize),)
 
 
-@attrs.frozen
+@value_class
 class AsymmetricMHALayout(_LayoutBase):
     """MHA whose K and V head dims differ: two buffers, ``k`` and ``v``."""
 

@@ -8,12 +8,11 @@ Pure: attrs, the standard library and hicache.errors only.
 
 from __future__ import annotations
 
-import attrs
-
 from hicache.plan._layouts import MAX_LAYERS, BufferSpec, _dim, _layout_name, _LayoutBase
+from hicache.plan._value import value_class
 
 
-@attrs.frozen
+@value_class
 class MHALayout(_LayoutBase):
     """Multi-head attention, K and V in one buffer with a leading axis of 2."""
 

@@ -12,9 +12,10 @@ import attrs
 from hicache.errors import LayoutError
 from hicache.plan._layouts import MAX_LAYERS, BufferSpec, _dim, _layout_name, _LayoutBase
 from hicache.plan.checks import check_int
+from hicache.plan._value import value_class
 
 
-@attrs.frozen
+@value_class
 class MLALayout(_LayoutBase):
     """Multi-head latent attention: one ``kv_cache_dim`` vector per token per layer."""
 
@@ -37,7 +38,7 @@ class MLALayout(_LayoutBase):
         return (self._spec("kv", dims, self.itemsize),)
 
 
-@attrs.frozen
+@value_class
 class DSAIndexerLayout(_LayoutBase):
     """DeepSeek sparse-attention index keys (uint8): FP8 keys plus an fp32 scale per block.
 

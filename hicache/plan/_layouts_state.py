@@ -14,6 +14,7 @@ import attrs
 from hicache.errors import LayoutError
 from hicache.plan._layouts import MAX_LAYERS, BufferSpec, _dim, _layout_name, _LayoutBase
 from hicache.plan.checks import check_int
+from hicache.plan._value import value_class
 
 
 def _shape_field(name: str):
@@ -48,7 +49,7 @@ def _conv_shapes_field():
     return attrs.field(kw_only=True, converter=convert, validator=check)
 
 
-@attrs.frozen
+@value_class
 class MambaLayout(_LayoutBase):
     """Linear-attention state: one slot per request (page size 1), a temporal and conv states.
 
@@ -91,7 +92,7 @@ class MambaLayout(_LayoutBase):
         )
 
 
-@attrs.frozen
+@value_class
 class DeepSeekV4PagedLayout(_LayoutBase):
     """DeepSeek-V4 paged pool: ``item_bytes`` uint8 per page row per layer."""
 
@@ -115,7 +116,7 @@ class DeepSeekV4PagedLayout(_LayoutBase):
         return (self._spec("kv", dims, 1),)
 
 
-@attrs.frozen
+@value_class
 class DeepSeekV4StateLayout(DeepSeekV4PagedLayout):
     """DeepSeek-V4 state pool: ``state_page_bytes`` (ring size x slot bytes) per page per layer."""
 

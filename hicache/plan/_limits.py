@@ -13,6 +13,7 @@ import attrs
 
 from hicache.errors import PlanError
 from hicache.plan.checks import as_int, check_int, check_power_of_two
+from hicache.plan._value import value_class
 
 GiB = 2**30
 MiB = 2**20
@@ -74,7 +75,7 @@ def _default_base_alignment(limits: "Limits") -> int:
     return limits.hugepage_bytes or limits.os_page_bytes
 
 
-@attrs.frozen(kw_only=True)
+@value_class(kw_only=True)
 class Limits:
     """Caps on one registration call and alignments the plan may assume.
 

@@ -12,6 +12,7 @@ import attrs
 from hicache.errors import ConfigError, LayoutError
 from hicache.plan import _layouts as layouts  # its classes by attribute: a model loads only its families'
 from hicache.plan._layouts import dsa_indexer_pages
+from hicache.plan._value import value_class
 
 KV_DTYPES = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
@@ -22,7 +23,7 @@ KINDS = ("mha", "mla", "mla_dsa", "hybrid_linear", "asymmetric")
 
 
 
-@attrs.frozen
+@value_class
 class ModelSpec:
     """The KV-cache-deciding facts of one model; ``kind`` picks the host pools it needs."""
 
@@ -175,7 +176,7 @@ def heads_per_rank(heads: int, tp: int, what: str = "KV heads") -> int:
     return 1
 
 
-@attrs.frozen
+@value_class
 class PoolRecipe:
     """What a model needs per rank: named token pools (per page) and per-request state."""
 

@@ -19,6 +19,7 @@ from hicache.plan.checks import as_tuple, check_int
 from hicache.plan._limits import Limits
 from hicache.plan._range import Range, Tiling, tiling
 from hicache.plan._units import format_bytes
+from hicache.plan._value import value_class
 
 
 _offset, _size = itemgetter(0), itemgetter(1)
@@ -89,7 +90,7 @@ def _explain_bad_plan(ranges, total: int, cap: int, unit: int | None) -> None:
     raise PlanError(f"ranges cover [0, {position}) but total_bytes is {total}")
 
 
-@attrs.frozen
+@value_class
 class RegistrationPlan:
     """How to register one buffer: ``ranges`` tile ``[0, total_bytes)`` in order.
 

@@ -13,9 +13,10 @@ from hicache.plan.checks import as_tuple
 from hicache.plan._layouts import LAYOUT_CLASSES, BufferSpec, is_layout
 from hicache.plan._limits import Limits
 from hicache.plan._planner import RegistrationPlan, plan_registration
+from hicache.plan._value import value_class
 
 
-@attrs.frozen
+@value_class
 class BufferPlan:
     """One buffer of a pool and how to register it."""
 
@@ -35,7 +36,7 @@ class BufferPlan:
             )
 
 
-@attrs.frozen
+@value_class
 class PoolPlan:
     """Every buffer of a pool with its registration plan; applied as one transaction."""
 

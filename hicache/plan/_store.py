@@ -15,6 +15,7 @@ import zlib
 import attrs
 
 from hicache.errors import ArenaError, ArenaGeometryError, PlanError
+from hicache.plan._value import value_class
 
 MAGIC = b"HICSTORE"
 SCHEMA = 1
@@ -47,7 +48,7 @@ def _round_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
 
-@attrs.frozen
+@value_class
 class StorePlan:
     """Where everything lies in an arena of ``total_bytes``: ``slots`` slots of ``slot_bytes``
     payload each (``slot_stride`` apart, from ``data_offset``), their 64-byte records from
