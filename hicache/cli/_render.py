@@ -56,13 +56,13 @@ WIDTH = 100
 
 def _wrap(lines: list[str], width: int) -> list[str]:
     """Prose lines folded at ``width`` (continuations indented); table rows are left alone."""
-    import textwrap
-
     out = []
     for line in lines:
         if len(line) <= width:
             out.append(line)
             continue
+        import textwrap  # only for a long line: most plans have none (start-up, issue #35)
+
         indent = " " * (len(line) - len(line.lstrip()) + 2)
         out += textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False)
     return out
