@@ -528,6 +528,45 @@ def test_mamba_pool_from_its_state_description_matches(sglang, layout, drafts):
         assert fake.held() == set()
 
 
+def test_a_mamba_slot_whose_later_state_starts_off_its_dtypes_alignment_round_trips_as_sglangs(sglang):
+    """A slot of a bf16 state with an odd element count before an fp32 one: the fp32 state's
+    bytes start in the flat page where fp32 cannot be viewed (SGLang's pool re-bases such a
+    piece); set_from_flat_data_page restores it byte for byte, as SGLang's, and a page one byte
+    short is refused with nothing written."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost as Theirs
+
+    from hicache.errors import TransferError
+    from hicache.pools import MambaPoolHost as Ours
+
+    generator = torch.Generator().manual_seed(5)
+    info = MambaStateBufferInfo(temporal=torch.randn(3, 9, 3, 3, generator=generator).to(torch.bfloat16),
+                                conv=(torch.randn(3, 9, 2, 3, generator=generator),))  # 3 x 18 B, then fp32
+    with fake_cuda() as fake:
+        with host_memory_budget_scope(10**12):
+            theirs = Theirs(info, 2.0, 0, pin_memory=False, device_capacity=8, layout="page_first_direct")
+        ours = Ours(info, 2.0, 0, device_capacity=8, layout="page_first_direct", **ROOM)
+        try:
+            for a, b in zip(theirs.get_hybrid_pool_buffer(), ours.get_hybrid_pool_buffer()):
+                data = torch.randint(0, 256, (a.numel() * a.element_size(),), generator=generator, dtype=torch.uint8)
+                a.view(-1).view(torch.uint8).copy_(data)
+                b.view(-1).view(torch.uint8).copy_(data)
+            page = theirs.get_data_page(2)
+            assert torch.equal(ours.get_data_page(2), page)
+            for pool in (theirs, ours):
+                pool.set_from_flat_data_page(5, page)
+            assert torch.equal(ours.get_data_page(5), page) and torch.equal(theirs.get_data_page(5), page)
+            before = ours.get_data_page(6)
+            with pytest.raises(TransferError, match="bytes"):
+                ours.set_from_flat_data_page(6, page[:-1])
+            assert torch.equal(ours.get_data_page(6), before)
+        finally:
+            ours.destroy()
+            theirs.destroy()
+        assert fake.held() == set()
+
+
 def test_logical_host_pool_as_sglangs(sglang):
     """DeepSeek-V4's anchor: slots, no memory; SGLang's return values for every call."""
     from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool as Theirs

@@ -136,7 +136,10 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
         offset = 0
         for part in parts:
             size = part.numel() * part.element_size()
-            part.copy_(flat[offset : offset + size].clone().view(part.dtype).reshape(part.shape))
+            piece = flat[offset : offset + size]
+            if piece.storage_offset() % part.element_size():  # a state after one of another dtype may
+                piece = piece.clone()  # start where its dtype cannot be viewed: re-based at 0 (as SGLang)
+            part.copy_(piece.view(part.dtype).reshape(part.shape))  # else no copy but the one into the slot
             offset += size
 
 
