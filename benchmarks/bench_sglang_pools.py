@@ -101,48 +101,118 @@ def main() -> int:
 
         # pages: 8 layers x 8 heads x 128 dims bf16 (MHA), 8 layers x 576 bf16 (MLA), 16-token pages
         page = 16
-        mha_device = memory_pool.MHATokenToKVPool(size=4096, page_size=page, dtype=torch.bfloat16, head_num=8,
-                                                  head_dim=128, layer_num=8, device="cpu", enable_memory_saver=False)
-        mla_device = memory_pool.MLATokenToKVPool(size=4096, page_size=page, dtype=torch.bfloat16, kv_lora_rank=512,
-                                                  qk_rope_head_dim=64, layer_num=8, device="cpu",
-                                                  enable_memory_saver=False)
-        kw = dict(device_capacity_tokens=4096, start_layer=0, end_layer=7, host_token_capacity=1024 * page)
-        cases = {
-            "MHA page_first_direct": (mha.MHATokenToKVPoolHost, ours_pools.MHATokenToKVPoolHost, mha_device,
-                                      "page_first_direct", kw),
-            "MHA layer_first": (mha.MHATokenToKVPoolHost, ours_pools.MHATokenToKVPoolHost, mha_device, "layer_first",
-                                kw),
-            "MLA page_first": (mla.MLATokenToKVPoolHost, ours_pools.MLATokenToKVPoolHost, mla_device, "page_first",
-                               dict(kw, target_layer_num=8)),
-        }
+        devices = _devices(memory_pool, torch, page)
         indices = torch.cat([torch.arange(p * page, (p + 1) * page) for p in range(3, 3 + 2 * PAGES_IO, 2)])
         tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         try:
-            for label, (theirs_cls, ours_cls, device, layout, extra) in cases.items():
-                pools = _pair(theirs_cls, ours_cls, device.get_device_pool_infos()[0].buffer_info, layout, page, base,
-                              **extra)
-                for pool in pools:
-                    for buffer in (pool.kv_buffer if isinstance(pool.kv_buffer, (list, tuple)) else [pool.kv_buffer]):
-                        buffer.view(torch.int16).random_(-30000, 30000)
-                _calls(f"get_page_buffer_meta, {PAGES_IO} pages, {label}", pools,
-                       lambda pool: lambda: pool.get_page_buffer_meta(indices), rounds)
-                if layout != "layer_first":
-                    starts = [int(indices[i * page]) for i in range(PAGES_IO)]
-                    targets = [s + page for s in starts]
-
-                    def pages(pool):
-                        def run():
-                            for source, target in zip(starts, targets):
-                                pool.set_from_flat_data_page(target, pool.get_data_page(source, flat=True))
-                        return run
-
-                    _calls(f"get_data_page + set_from_flat_data_page, {PAGES_IO} pages, {label}", pools, pages, rounds)
-                    _file(storage, pools, indices, tmp / label.replace(" ", "_"), label, rounds, is_mla="MLA" in label)
-                for pool in pools:
-                    pool.destroy()
+            for label, make in _cases(mha, mla, ours_pools, devices, page, base).items():
+                pair, owned = make()
+                try:
+                    _pages(storage, pair, indices, page, tmp / label.replace(" ", "_"), label, rounds, torch)
+                finally:
+                    for pool in owned:
+                        pool.destroy()
+            _mamba(ours_pools, base, rounds, torch)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _devices(memory_pool, torch, page: int) -> dict:
+    """SGLang's real device pools on CPU that the host pools are described from."""
+    common = dict(size=4096, page_size=page, dtype=torch.bfloat16, layer_num=8, device="cpu",
+                  enable_memory_saver=False)
+    return {
+        "mha": memory_pool.MHATokenToKVPool(head_num=8, head_dim=128, **common),
+        "mla": memory_pool.MLATokenToKVPool(kv_lora_rank=512, qk_rope_head_dim=64, **common),
+        "k_only": memory_pool.MHATokenToKOnlyPool(head_num=1, head_dim=128, **common),
+    }
+
+
+def _cases(mha, mla, ours_pools, devices, page: int, base) -> dict:
+    """label -> a function making ((SGLang's pool, hicache's), every pool to destroy after) for
+    that family and layout: every layout SGLang's flat pages serve, for each family with them
+    (issue #35 item 3)."""
+    kw = dict(device_capacity_tokens=4096, start_layer=0, end_layer=7, host_token_capacity=1024 * page)
+    info = {name: devices[name].get_device_pool_infos()[0].buffer_info for name in ("mha", "mla")}
+
+    def plain(theirs_cls, ours_cls, family, layout, **extra):
+        pair = _pair(theirs_cls, ours_cls, info[family], layout, page, base, **kw, **extra)
+        return pair, pair
+
+    def k_only(layout):  # sized by its MHA anchor (MiniMax's index-K)
+        anchors = _pair(mha.MHATokenToKVPoolHost, ours_pools.MHATokenToKVPoolHost, info["mha"], layout, page, base,
+                        **kw)
+        with base.host_memory_budget_scope(10**13):
+            theirs = mha.MHATokenToKOnlyPoolHost(devices["k_only"], anchors[0], layout, pin_memory=False)
+        ours = ours_pools.MHATokenToKOnlyPoolHost(devices["k_only"], anchors[1], layout, **ROOM)
+        return (theirs, ours), (theirs, ours, *anchors)
+
+    cases = {}
+    for layout in ("page_first_direct", "page_first", "layer_first"):
+        cases[f"MHA {layout}"] = lambda layout=layout: plain(
+            mha.MHATokenToKVPoolHost, ours_pools.MHATokenToKVPoolHost, "mha", layout)
+        cases[f"MLA {layout}"] = lambda layout=layout: plain(
+            mla.MLATokenToKVPoolHost, ours_pools.MLATokenToKVPoolHost, "mla", layout, target_layer_num=8)
+        cases[f"K-only {layout}"] = lambda layout=layout: k_only(layout)
+    return cases
+
+
+def _pages(storage, pair, indices, page: int, where: Path, label: str, rounds: int, torch) -> None:
+    """Zero-copy meta (where the layout has it), flat pages and HiCacheFile for one case."""
+    for pool in pair:
+        for buffer in _buffers(pool):
+            buffer.view(torch.int16).random_(-30000, 30000)
+    if label.startswith(("MHA", "MLA")) and not label.endswith("page_first"):  # SGLang's meta layouts
+        _calls(f"get_page_buffer_meta, {PAGES_IO} pages, {label}", pair,
+               lambda pool: lambda: pool.get_page_buffer_meta(indices), rounds)
+    starts = [int(indices[i * page]) for i in range(PAGES_IO)]
+    targets = [s + page for s in starts]
+
+    def pages(pool):
+        def run():
+            for source, target in zip(starts, targets):
+                pool.set_from_flat_data_page(target, pool.get_data_page(source, flat=True))
+        return run
+
+    _calls(f"get_data_page + set_from_flat_data_page, {PAGES_IO} pages, {label}", pair, pages, rounds)
+    _file(storage, pair, indices, where, label, rounds, is_mla=label.startswith("MLA"))
+
+
+def _buffers(pool) -> list:
+    for name in ("kv_buffer", "k_buffer"):
+        buffer = getattr(pool, name, None)
+        if buffer is not None:
+            return list(buffer) if isinstance(buffer, (list, tuple)) else [buffer]
+    return list(pool.get_hybrid_pool_buffer())
+
+
+def _mamba(ours_pools, base, rounds: int, torch) -> None:
+    """Mamba state slots (a page is one slot's raw bytes): get_data_page + set_from_flat_data_page."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    generator = torch.Generator().manual_seed(2)
+    info = MambaStateBufferInfo(temporal=torch.randn(8, 9, 32, 128, 64, generator=generator),
+                                conv=(torch.randn(8, 9, 3, 4096, generator=generator).to(torch.bfloat16),))
+    kw = dict(device_capacity=8, layout="page_first_direct")
+    with base.host_memory_budget_scope(10**13):
+        theirs = MambaPoolHost(info, 2.0, 0, pin_memory=False, **kw)
+    ours = ours_pools.MambaPoolHost(info, 2.0, 0, **kw, **ROOM)
+    try:
+        slots = list(range(1, theirs.size // 2))
+
+        def pages(pool):
+            def run():
+                for slot in slots:
+                    pool.set_from_flat_data_page(slot + len(slots), pool.get_data_page(slot))
+            return run
+
+        _calls(f"get_data_page + set_from_flat_data_page, {len(slots)} slots, Mamba page_first_direct",
+               (theirs, ours), pages, rounds)
+    finally:
+        for pool in (theirs, ours):
+            pool.destroy()
 
 
 def _file(storage, pools, indices, where: Path, label: str, rounds: int, *, is_mla: bool) -> None:
