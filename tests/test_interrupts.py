@@ -273,15 +273,19 @@ def _lines(tmp_path, caller) -> int:
 # collector: see `_progressive_caller`); with a label per run the count is the same under six
 # busy processes as idle (checked so: 863 lines in six of six runs).
 _CALLER_PARAMS = sorted(CALLERS)
+#: Each walk runs as two tests, one for every other line (together: every line): xdist's workers
+#: take them side by side, where one walk alone was the suite's longest test (18 s, progressive).
+_SHARDS = (0, 1)
 
 
+@pytest.mark.parametrize("shard", _SHARDS)
 @pytest.mark.parametrize("caller", _CALLER_PARAMS)
-def test_every_line_interrupted_leaves_nothing_behind(tmp_path, caller):
+def test_every_line_interrupted_leaves_nothing_behind(tmp_path, caller, shard):
     """A Ctrl-C at every traced line of a bring-up and its release leaves nothing registered, mapped
     or budgeted (or hands the handle over, named)."""
     total = _lines(tmp_path, caller)
     assert total > 100
-    for target in range(1, total + 1):
+    for target in range(1 + shard, total + 1, len(_SHARDS)):
         _, error, runtime, ledger, entries, allocator = _run(target, tmp_path, caller)
         where = f"interrupt at traced line {target} of {total}"
         assert error is not None, where
@@ -294,12 +298,13 @@ def test_every_line_interrupted_leaves_nothing_behind(tmp_path, caller):
         runtime.check_valid()
 
 
+@pytest.mark.parametrize("shard", _SHARDS)
 @pytest.mark.parametrize("caller", _CALLER_PARAMS)
-def test_every_line_interrupted_with_a_failing_undo_reports_exactly_what_stays(tmp_path, caller):
+def test_every_line_interrupted_with_a_failing_undo_reports_exactly_what_stays(tmp_path, caller, shard):
     """When an unregister fails, whatever stays registered is what the error (or the handle)
     reports, and that memory stays mapped."""
     total = _lines(tmp_path, caller)
-    for target in range(1, total + 1):
+    for target in range(1 + shard, total + 1, len(_SHARDS)):
         _, error, runtime, ledger, entries, allocator = _run(target, tmp_path, caller, fail_unregister={0: 1})
         where = f"interrupt at traced line {target} of {total}"
         held = runtime.held()
