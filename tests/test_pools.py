@@ -293,9 +293,9 @@ def test_bad_input_is_a_clear_error(call, pattern):
                                           ("asymmetric", "page_first"), ("mamba", "page_first")])
 def test_a_flat_page_of_the_wrong_size_is_refused_and_nothing_is_copied(name, layout):
     """set_from_flat_data_page (issue #35 item 3's fast path): a page one element short or one
-    long, or something that is no tensor, is a TransferError naming the sizes and leaves the
-    pool's bytes as they were; a page of the right count but strides no view can take (a
-    transposed tensor) is copied as SGLang's reshape does, element order kept."""
+    long, of another dtype, or something that is no tensor, is a TransferError naming the sizes
+    (or dtypes) and leaves the pool's bytes as they were; a page of the right count but strides
+    no view can take (a transposed tensor) is copied as SGLang's reshape does, element order kept."""
     pool, _ = make(name, layout)
     try:
         for buffer in pool.buffers:
@@ -309,6 +309,9 @@ def test_a_flat_page_of_the_wrong_size_is_refused_and_nothing_is_copied(name, la
                 pool.set_from_flat_data_page(P, wrong)
         with pytest.raises(TransferError, match="data_page must be a tensor, got list"):
             pool.set_from_flat_data_page(P, [0] * total)
+        other = torch.float64 if page.dtype != torch.float64 else torch.float32  # right count, wrong dtype:
+        with pytest.raises(TransferError, match=f"data_page is {other}; a page of this pool is {page.dtype}"):
+            pool.set_from_flat_data_page(P, torch.ones(total, dtype=other))  # it would convert, not copy
         assert same(), "a refused page was copied"
         source = pool.get_data_page(0).clone()
         assert total % 2 == 0

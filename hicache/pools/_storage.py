@@ -173,6 +173,8 @@ class StoragePagesMixin:
                 source = data_page.view(*shape)
             except (RuntimeError, AttributeError, TypeError):  # a wrong size or strides; no tensor at all
                 source = self._reshaped_page(data_page, geometry, shape)
+            if source.dtype is not geometry.dtype:  # the assignment would convert it value by value
+                self._reshaped_page(data_page, geometry, shape)  # raises, naming both dtypes
             geometry.tensors[0][key] = source
             return
         flat = self._reshaped_page(data_page, geometry, (-1,))  # cut by element counts: a view where it can be
@@ -188,10 +190,19 @@ class StoragePagesMixin:
     @staticmethod
     def _reshaped_page(data_page, geometry, shape):
         """``data_page`` reshaped to ``shape`` (a view where its strides allow, else a copy, as
-        SGLang's reshape): refused unless it is a tensor of exactly a page's elements."""
+        SGLang's reshape): refused unless it is a tensor of exactly a page's elements, of the
+        page's dtype (`get_dummy_flat_data_page`'s: raw bytes where the buffers' dtypes differ).
+        Another dtype would be converted value by value - the page's bytes lost - where SGLang's
+        pool converts it silently (docs/sglang.md); every SGLang back end passes the pool's own."""
         numel = getattr(data_page, "numel", None)
         if numel is None:
             raise TransferError(f"data_page must be a tensor, got {type(data_page).__name__}")
+        import torch
+
+        dtype = torch.uint8 if geometry.mixed else geometry.dtype
+        if data_page.dtype != dtype:
+            raise TransferError(f"data_page is {data_page.dtype}; a page of this pool is {dtype} (its bytes "
+                                "would be converted value by value, not copied)")
         if numel() != geometry.total:
             raise TransferError(f"data_page has {numel()} elements; a page has {geometry.total}")
         return data_page.reshape(*shape)
