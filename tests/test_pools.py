@@ -323,6 +323,24 @@ def test_a_flat_page_of_the_wrong_size_is_refused_and_nothing_is_copied(name, la
         pool.destroy()
 
 
+def test_pages_follow_a_replaced_kv_buffer_not_the_one_they_were_first_cut_from():
+    """The page path caches how a page sits in the buffers (issue #35 item 3); a kv_buffer put in
+    its place (as code that swaps a pool's tensor does) is the one read and written after, not
+    the tensor the cache was derived from."""
+    pool, _ = make("mha", "page_first_direct")
+    original = pool.kv_buffer
+    try:
+        pool.get_data_page(P)  # the geometry is derived and cached here
+        replacement = torch.full_like(original, 3)
+        pool.kv_buffer = replacement
+        assert torch.equal(pool.get_data_page(P), torch.full_like(pool.get_data_page(P), 3))
+        pool.set_from_flat_data_page(2 * P, torch.full_like(pool.get_dummy_flat_data_page(), 5))
+        assert torch.equal(replacement[:, 2].reshape(-1), torch.full_like(replacement[:, 2].reshape(-1), 5))
+    finally:
+        pool.kv_buffer = original
+        pool.destroy()
+
+
 @pytest.mark.parametrize("name", ["mha", "mla"])
 def test_zero_copy_pointers_only_for_indices_that_start_a_page(name):
     """`get_page_buffer_meta` hands out raw pointers a back end reads or writes a whole page at:

@@ -31,7 +31,7 @@ def as_index(value, what: str) -> int:
 
 
 class _PageGeometry(NamedTuple):
-    key: int  # id of the buffers it was derived from
+    key: object  # the kv_buffer it was derived from (the same object, or the geometry is stale)
     tensors: tuple  # those buffers
     lead: tuple  # full slices before the axis a page is cut on (the same in every buffer)
     by_page: bool  # that axis counts pages (True) or tokens (False)
@@ -86,7 +86,7 @@ class StoragePagesMixin:
         """How a page sits in each buffer and what its flat form is, derived once per set of
         buffers (a page is read and written per L3 page: this is on the hot path)."""
         cached = self._page_geometry
-        if cached is not None and cached.key == id(self.kv_buffer):
+        if cached is not None and cached.key is self.kv_buffer:
             return cached
         self._alive()  # the one check of the pool's state: a destroyed or leaked pool has no geometry
         if self.kv_buffer is None:
@@ -99,7 +99,7 @@ class StoragePagesMixin:
         if len(set(axes)) != 1:
             raise TransferError(f"{type(self).__name__}: its buffers cut pages on different axes {axes}")
         (axis, by_page), = set(axes)
-        made = _PageGeometry(id(self.kv_buffer), tuple(self.buffers), (slice(None),) * axis, by_page, mixed, sizes,
+        made = _PageGeometry(self.kv_buffer, tuple(self.buffers), (slice(None),) * axis, by_page, mixed, sizes,
                              sum(sizes), None if mixed else parts[0].dtype, tuple(tuple(p.shape) for p in parts),
                              self.page_size, self.size, self.dcp_size == 1)
         self._page_geometry = made
@@ -118,7 +118,7 @@ class StoragePagesMixin:
         index in range - is two tests; a refused pool or a bad index takes the long way, which
         raises naming why."""
         geometry = self._page_geometry
-        if geometry is None or geometry.key != id(self.kv_buffer):
+        if geometry is None or geometry.key is not self.kv_buffer:
             geometry = self._geometry()
         page_size = geometry.page_size
         if type(index) is int and 0 <= index < geometry.size and geometry.direct:  # the common case
@@ -127,8 +127,9 @@ class StoragePagesMixin:
             page = self._storage_index(index) // page_size
         cut = slice(page, page + 1) if geometry.by_page else slice(page * page_size, (page + 1) * page_size)
         # basic slicing, torch's fast path: a bare slice on axis 0 (a 1-tuple, or narrow(), costs
-        # half as much again per page)
-        return geometry, (geometry.lead + (cut,) if geometry.lead else cut)
+        # half as much again per page); fewer slices than SGLang's [:, :, a:b, :, :] cost less
+        lead = geometry.lead
+        return geometry, (lead + (cut,) if lead else cut)
 
     def _page_parts(self, index):
         geometry, key = self._page_at(index)
@@ -137,15 +138,15 @@ class StoragePagesMixin:
     def get_data_page(self, index, flat: bool = True):
         """The page holding token ``index`` (all layers, K and V); flat: one 1-D tensor (a view
         where the page is contiguous - MLA page-first - as SGLang's)."""
-        import torch
-
         geometry, key = self._page_at(index)
-        if len(geometry.tensors) == 1:  # the common case, on every L3 page: no list
+        if len(geometry.tensors) == 1:  # the common case, on every L3 page: no list, no import
             part = geometry.tensors[0][key]
             return part.flatten() if flat else part
         parts = [t[key] for t in geometry.tensors]
         if not flat:
             return parts
+        import torch  # here, not above: an import statement costs the common case ~60 ns a page
+
         if geometry.mixed:  # mixed dtypes (Mamba): raw bytes
             return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
         return torch.cat([p.flatten() for p in parts])
@@ -160,8 +161,6 @@ class StoragePagesMixin:
 
     def set_from_flat_data_page(self, index, data_page) -> None:
         """Write a page produced by `get_data_page` back at token ``index``."""
-        import torch
-
         geometry, key = self._page_at(index)
         if len(geometry.tensors) == 1 and not geometry.mixed:
             # view(*ints): torch's fast path (a torch.Size argument costs about three times more)
@@ -177,6 +176,8 @@ class StoragePagesMixin:
                 self._reshaped_page(data_page, geometry, shape)  # raises, naming both dtypes
             geometry.tensors[0][key] = source
             return
+        import torch  # not in the single-buffer case above (per page: see get_data_page)
+
         flat = self._reshaped_page(data_page, geometry, (-1,))  # cut by element counts: a view where it can be
         parts = [t[key] for t in geometry.tensors]
         offset = 0
