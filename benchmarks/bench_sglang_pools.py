@@ -5,11 +5,12 @@ Each line times the same calls on SGLang's pool and on hicache's, interleaved; r
 time / hicache's (> 1: hicache is faster). Both unpinned: the registration is not what is timed.
 - alloc + free at 10/50/90/99 % full (a 1M-slot pool, 64-token pages, 1-32-page requests):
   SGLang's `alloc`/`free` (its free-slot tensor and release list) vs hicache's.
-- `get_page_buffer_meta` for 256 pages (MHA page_first_direct and layer_first, MLA page_first).
-- `get_data_page(flat=True)` + `set_from_flat_data_page` for 256 pages (MHA page_first_direct,
-  MLA page_first).
-- SGLang's `HiCacheFile` `batch_set_v2` / `batch_get_v2` of 256 pages to tmpfs (/dev/shm); both
-  pools' gets read the same files (see `_file`).
+- For MHA, MLA and K-only in page_first_direct, page_first and layer_first (`_cases`):
+  `get_page_buffer_meta` for 256 pages (MHA and MLA, where SGLang's pool has it),
+  `get_data_page(flat=True)` + `set_from_flat_data_page` for 256 pages, and SGLang's `HiCacheFile`
+  `batch_set_v2` / `batch_get_v2` of 256 pages to tmpfs (/dev/shm; both pools' gets read the
+  same files, see `_file`).
+- Mamba's state slots: `get_data_page` + `set_from_flat_data_page` (`_mamba`).
 Rounds: HICACHE_BENCH_ROUNDS (default 31: a page row is milliseconds, and its median over a few rounds moves by +-8 % on a shared box). Needs `make sglang`; says so and exits 0 without.
 """
 
@@ -105,10 +106,10 @@ def main() -> int:
         indices = torch.cat([torch.arange(p * page, (p + 1) * page) for p in range(3, 3 + 2 * PAGES_IO, 2)])
         tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         try:
-            for label, make in _cases(mha, mla, ours_pools, devices, page, base).items():
+            for (family, layout), make in _cases(mha, mla, ours_pools, devices, page, base).items():
                 pair, owned = make()
                 try:
-                    _pages(storage, pair, indices, page, tmp / label.replace(" ", "_"), label, rounds, torch)
+                    _pages(storage, pair, indices, page, tmp / f"{family}_{layout}", family, layout, rounds, torch)
                 finally:
                     for pool in owned:
                         pool.destroy()
@@ -130,9 +131,8 @@ def _devices(memory_pool, torch, page: int) -> dict:
 
 
 def _cases(mha, mla, ours_pools, devices, page: int, base) -> dict:
-    """label -> a function making ((SGLang's pool, hicache's), every pool to destroy after) for
-    that family and layout: every layout SGLang's flat pages serve, for each family with them
-    (issue #35 item 3)."""
+    """(family, layout) -> a function making ((SGLang's pool, hicache's), every pool to destroy
+    after): every layout SGLang's flat pages serve, for each family with them (issue #35 item 3)."""
     kw = dict(device_capacity_tokens=4096, start_layer=0, end_layer=7, host_token_capacity=1024 * page)
     info = {name: devices[name].get_device_pool_infos()[0].buffer_info for name in ("mha", "mla")}
 
@@ -150,20 +150,21 @@ def _cases(mha, mla, ours_pools, devices, page: int, base) -> dict:
 
     cases = {}
     for layout in ("page_first_direct", "page_first", "layer_first"):
-        cases[f"MHA {layout}"] = lambda layout=layout: plain(
+        cases["MHA", layout] = lambda layout=layout: plain(
             mha.MHATokenToKVPoolHost, ours_pools.MHATokenToKVPoolHost, "mha", layout)
-        cases[f"MLA {layout}"] = lambda layout=layout: plain(
+        cases["MLA", layout] = lambda layout=layout: plain(
             mla.MLATokenToKVPoolHost, ours_pools.MLATokenToKVPoolHost, "mla", layout, target_layer_num=8)
-        cases[f"K-only {layout}"] = lambda layout=layout: k_only(layout)
+        cases["K-only", layout] = lambda layout=layout: k_only(layout)
     return cases
 
 
-def _pages(storage, pair, indices, page: int, where: Path, label: str, rounds: int, torch) -> None:
-    """Zero-copy meta (where the layout has it), flat pages and HiCacheFile for one case."""
+def _pages(storage, pair, indices, page: int, where: Path, family: str, layout: str, rounds: int, torch) -> None:
+    """Zero-copy meta (where SGLang's pool has it), flat pages and HiCacheFile for one case."""
+    label = f"{family} {layout}"
     for pool in pair:
         for buffer in _buffers(pool):
             buffer.view(torch.int16).random_(-30000, 30000)
-    if label.startswith(("MHA", "MLA")) and not label.endswith("page_first"):  # SGLang's meta layouts
+    if family in ("MHA", "MLA") and layout != "page_first":  # SGLang's meta layouts
         _calls(f"get_page_buffer_meta, {PAGES_IO} pages, {label}", pair,
                lambda pool: lambda: pool.get_page_buffer_meta(indices), rounds)
     starts = [int(indices[i * page]) for i in range(PAGES_IO)]
@@ -176,7 +177,7 @@ def _pages(storage, pair, indices, page: int, where: Path, label: str, rounds: i
         return run
 
     _calls(f"get_data_page + set_from_flat_data_page, {PAGES_IO} pages, {label}", pair, pages, rounds)
-    _file(storage, pair, indices, where, label, rounds, is_mla=label.startswith("MLA"))
+    _file(storage, pair, indices, where, label, rounds, is_mla=family == "MLA")
 
 
 def _buffers(pool) -> list:

@@ -33,9 +33,9 @@ def value_class(maybe_cls=None, /, **options):
     return wrap if maybe_cls is None else wrap(maybe_cls)
 
 
-def _getter(names, keys=None):
+def _getter(names, keys):
     """A function from an instance to the tuple of those fields (through their eq_key, if any)."""
-    if keys and any(keys):
+    if any(keys):
         pairs = tuple(zip(names, keys))
         return lambda instance: tuple(
             key(getattr(instance, name)) if key else getattr(instance, name) for name, key in pairs)
