@@ -123,3 +123,17 @@ def store_geometries(draw):
     least = -(-(data + 16 * stride) // unit) * unit
     total = least + draw(st.integers(min_value=0, max_value=64)) * unit + draw(st.integers(min_value=0, max_value=unit - 1))
     return total, slot_bytes, unit
+
+
+@st.composite
+def strided_views(draw):
+    """``(shape, narrows, order)``: a contiguous tensor's shape (dims of 0-5), a narrow per dim
+    (start, length) inside it and a permutation of the dims - a view as a pool's page slice is
+    (narrowed on one axis), or any other strided view of one buffer."""
+    shape = tuple(draw(st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=4)))
+    narrows = []
+    for size in shape:
+        start = draw(st.integers(min_value=0, max_value=size))
+        narrows.append((start, draw(st.integers(min_value=0, max_value=size - start))))
+    order = draw(st.permutations(range(len(shape))))
+    return shape, narrows, order

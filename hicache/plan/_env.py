@@ -103,7 +103,8 @@ SETTINGS = (
             "host pools register in the background, serving from the first registered page "
             "(apply's --progressive/--no-progressive wins)"),
     Setting("HICACHE_HOST_COPY", "choice", "auto", ("apply", "pools", "doctor"),
-            "host page copies: the native helper when built (auto), only it (native), or ctypes memmove (python)",
+            "host page copies: the native helper when built (auto), only it (native), or ctypes memmove (python); "
+            "flat L3 pages are written into a pool by the helper's streaming stores, or by torch (python)",
             choices=("auto", "native", "python")),
     Setting("HICACHE_RANKS_PER_HOST", "count", "LOCAL_WORLD_SIZE, else 1", _BRING_UPS + ("doctor",),
             "ranks sharing this host's memory: the budget splits the free memory between them, and each "

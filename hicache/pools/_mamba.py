@@ -126,9 +126,12 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
     def set_from_flat_data_page(self, index, data_page) -> None:
         if not self.geometry.form.byte_pages:
             return super().set_from_flat_data_page(index, data_page)
+        geometry, key = self._page_at(index)
+        if geometry.writer is not None and self._written(geometry, key, data_page):
+            return
         import torch
 
-        parts = self._page_parts(index)
+        parts = [t[key] for t in geometry.tensors]
         flat = data_page.contiguous().view(torch.uint8).reshape(-1)
         expected = sum(part.numel() * part.element_size() for part in parts)
         if flat.numel() != expected:

@@ -13,6 +13,7 @@ import operator
 from typing import NamedTuple
 
 from hicache.errors import TransferError
+from hicache.pools._page_writes import page_writer
 from hicache.pools._views import buffer_symbols, page_axis, page_slice
 from hicache.plan.checks import is_integer
 
@@ -43,6 +44,7 @@ class _PageGeometry(NamedTuple):
     page_size: int  # the pool's, and its token slots: an int index in [0, size) needs no more checks
     size: int
     direct: bool  # no DCP: a token index is this rank's own
+    writer: object  # a `PageWriter` for the single-buffer page write, or None: torch's assignment
 
 
 class StoragePagesMixin:
@@ -99,9 +101,18 @@ class StoragePagesMixin:
         if len(set(axes)) != 1:
             raise TransferError(f"{type(self).__name__}: its buffers cut pages on different axes {axes}")
         (axis, by_page), = set(axes)
+        writer = None
+        engine = getattr(self, "copy_engine", None)
+        pages, tail = divmod(self.size, self.page_size)
+        if engine is not None and pages and not tail:  # every index in range is in a whole page
+            import torch
+
+            lasts = [page_slice(t, family, layout, pages - 1, self.page_size) for t in self.buffers]
+            writer = page_writer(self.buffers, parts, lasts, pages - 1 if by_page else (pages - 1) * self.page_size,
+                                 axis, engine, dtype=torch.uint8 if mixed else parts[0].dtype, numel=sum(sizes))
         made = _PageGeometry(self.kv_buffer, tuple(self.buffers), (slice(None),) * axis, by_page, mixed, sizes,
                              sum(sizes), None if mixed else parts[0].dtype, tuple(tuple(p.shape) for p in parts),
-                             self.page_size, self.size, self.dcp_size == 1)
+                             self.page_size, self.size, self.dcp_size == 1, writer)
         self._page_geometry = made
         return made
 
@@ -162,6 +173,8 @@ class StoragePagesMixin:
     def set_from_flat_data_page(self, index, data_page) -> None:
         """Write a page produced by `get_data_page` back at token ``index``."""
         geometry, key = self._page_at(index)
+        if geometry.writer is not None and self._written(geometry, key, data_page):
+            return
         if len(geometry.tensors) == 1 and not geometry.mixed:
             # view(*ints): torch's fast path (a torch.Size argument costs about three times more)
             # and assignment, not [key].copy_(): torch copies in place without a Python view object.
@@ -183,10 +196,27 @@ class StoragePagesMixin:
         offset = 0
         for part, size, shape in zip(parts, geometry.sizes, geometry.shapes):
             chunk = flat[offset : offset + size]
-            if geometry.mixed:
-                chunk = chunk.view(torch.uint8).view(part.dtype)
+            if geometry.mixed:  # raw bytes: viewed as the part's dtype once contiguous and aligned to it
+                if not chunk.is_contiguous() or chunk.storage_offset() % part.element_size():
+                    chunk = chunk.clone()  # a broadcast page, or a part after one of another dtype
+                chunk = chunk.view(part.dtype)
             part.copy_(chunk.view(*shape) if chunk.is_contiguous() else chunk.reshape(*shape))
             offset += size
+
+    @staticmethod
+    def _written(geometry, key, data_page) -> bool:
+        """Whether ``data_page`` went into the page at ``key`` by the geometry's streaming writer
+        (_page_writes): only a contiguous CPU tensor of exactly a flat page's dtype and elements,
+        whose bytes are then the page's; anything else is left to torch's path (False)."""
+        writer = geometry.writer
+        try:
+            plain = (data_page.dtype is writer.dtype and data_page.is_cpu and data_page.is_contiguous()
+                     and data_page.numel() == writer.numel)
+        except (AttributeError, RuntimeError):  # not a tensor, or one without strides (sparse)
+            return False
+        if plain:
+            writer.write((key[-1] if geometry.lead else key).start, data_page.data_ptr())
+        return plain
 
     @staticmethod
     def _reshaped_page(data_page, geometry, shape):

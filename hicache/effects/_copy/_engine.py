@@ -10,7 +10,7 @@ parameters so tests stand in for both.
 
 from __future__ import annotations
 
-from hicache.effects._copy._host_copy import copy_host_blocks, copy_parts, host_copy_mode
+from hicache.effects._copy._host_copy import copy_host_blocks, copy_parts, host_copy_mode, streaming_copier
 from hicache.errors import CudaCallError
 
 
@@ -90,6 +90,15 @@ class CopyEngine:
         src_base)`` built by the caller (contiguous int64 CPU tensors, sizes >= 0 adding up to
         ``total``): each block goes from ``src_base + src_offsets[i]`` to ``dst_base + ...``."""
         return PreparedCopy(self, parts, device)
+
+    def streaming_copier(self, parts):
+        """A function ``(index, src_base)`` writing one pattern of host blocks with streaming
+        stores, for a page written into a host pool (parts as _host_copy's `streaming_copier`
+        takes them, built by the caller); None in the ``python`` host copy mode or
+        without the C helper (the caller copies with torch)."""
+        if self.host_copy_mode != "native":
+            return None
+        return streaming_copier(parts)
 
     def issue_cuda_copies(self, device, dsts, srcs, sizes) -> str:
         """Copies on ``device``'s current torch stream, ordered after the work already queued.

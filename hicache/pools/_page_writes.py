@@ -1,0 +1,87 @@
+"""Flat L3 pages written into a single-buffer pool by the C copy helper, with streaming stores.
+
+A page of most layouts is a few strided blocks of the pool's buffer (MHA layer_first: K and V of
+every layer, 2 x layers blocks). torch's assignment copies them through the cache, reading every
+destination line before writing it (a read-for-ownership). A page written from L3 is not read by
+this CPU again soon - it goes to the GPU, or back to L3 - so the helper's non-temporal stores
+skip that read: MHA layer_first pages of 512 KiB are written in 0.71x torch's time
+(bench_sglang_pools, issue #35 item 3).
+
+The blocks of page 0 are derived once per buffer from torch's own view of the page (`runs`, in
+the row-major order `flatten` reads), and proved inside the buffer for its last page;
+page p is those blocks moved by p pages' worth of the cut axis's stride. A pool of several
+buffers (Mamba's states) has one such pattern per buffer, written in the same one call. A source is copied this
+way only when it is a contiguous CPU tensor of the page's dtype and element count - its bytes
+are then exactly the flat page - and everything else takes torch's path, which reshapes or
+refuses (`StoragePagesMixin.set_from_flat_data_page`). Without the helper (no compiler), or
+with ``HICACHE_HOST_COPY=python``, there is no writer and torch's assignment copies every page.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from hicache.errors import TransferError
+
+MAX_RUNS = 4096  # a page in more blocks than this is not a layout SGLang serves: torch copies it
+# (blocks under 256 bytes go by memcpy in the helper, not streamed: still one call, not torch's per-page set-up)
+
+
+class PageWriter(NamedTuple):
+    write: Callable  # (start, src_base) -> None: the page starting `start` units along the cut axis
+    dtype: object  # of a flat page this writer takes (uint8 where the buffers' dtypes differ)
+    numel: int  # elements of a flat page
+
+
+def runs(shape, strides) -> list[tuple[int, int]]:
+    """``[(offset, length)]`` in elements: the contiguous runs of a strided view, in the
+    row-major order its ``flatten()`` reads them (one run for a contiguous view; an empty list
+    for an empty one). Trailing dims are merged while each steps by the next one's extent."""
+    dims = [(size, stride) for size, stride in zip(shape, strides) if size != 1]
+    if any(size == 0 for size, _ in dims):
+        return []
+    length, inner = 1, len(dims)
+    while inner and dims[inner - 1][1] == length:  # the contiguous tail: one run per outer index
+        length *= dims[inner - 1][0]
+        inner -= 1
+    offsets = [0]
+    for size, stride in dims[:inner]:
+        offsets = [base + i * stride for base in offsets for i in range(size)]
+    return [(offset, length) for offset in offsets]
+
+
+def page_writer(buffers, firsts, lasts, last_start: int, axis: int, copy_engine, *, dtype, numel: int):
+    """The writer of the pages of ``buffers`` - ``firsts`` are page 0's views (one per buffer),
+    ``lasts`` the last page's, which starts ``last_start`` units along the cut ``axis`` - taking
+    flat pages of ``dtype`` and ``numel`` elements (each buffer's part back to back, as
+    `get_data_page` builds them), or None where torch's assignment is the way: no streaming
+    copier in ``copy_engine``, or a page in too many blocks. Raises `TransferError`
+    if the views are not what the pattern assumes (a page further on is not page 0 moved along
+    the axis, or leaves its buffer)."""
+    import torch
+
+    parts, src_start = [], 0
+    for buffer, first, last in zip(buffers, firsts, lasts):
+        element = buffer.element_size()
+        pattern = runs(first.shape, first.stride())
+        if not pattern or len(pattern) > MAX_RUNS:
+            return None
+        step = buffer.stride(axis) * element
+        base = first.data_ptr()
+        # the buffer's own span, not its storage's: buffers carved from one mapping share a storage
+        lowest = buffer.data_ptr()
+        highest = lowest + (sum((size - 1) * stride for size, stride in zip(buffer.shape, buffer.stride())) + 1) * element
+        end = base + last_start * step + max(offset + length for offset, length in pattern) * element
+        if last.data_ptr() != base + last_start * step or base < lowest or end > highest:
+            raise TransferError(f"{type(buffer).__name__} pages are not page 0's blocks moved along the buffer "
+                                f"(last page at {last.data_ptr():#x}, expected {base + last_start * step:#x}; "
+                                f"buffer [{lowest:#x}, {highest:#x}), last block ends {end:#x})")
+        dst = torch.tensor([offset * element for offset, _ in pattern], dtype=torch.int64)
+        sizes = torch.tensor([length * element for _, length in pattern], dtype=torch.int64)
+        src = torch.cumsum(sizes, 0) - sizes + src_start  # the flat page: the runs back to back
+        parts.append((dst, src, sizes, base, step))
+        src_start += int(sizes.sum())
+    if src_start != numel * torch.empty((), dtype=dtype).element_size():
+        raise TransferError(f"a flat page is {numel} {dtype} elements; the buffers' pages hold {src_start} bytes")
+    write = copy_engine.streaming_copier(parts)
+    return None if write is None else PageWriter(write, dtype, numel)
