@@ -1,4 +1,4 @@
-"""Flat L3 pages written into a single-buffer pool by the C copy helper, with streaming stores.
+"""Flat L3 pages written into a pool by the C copy helper, with streaming stores.
 
 A page of most layouts is a few strided blocks of the pool's buffer (MHA layer_first: K and V of
 every layer, 2 x layers blocks). torch's assignment copies them through the cache, reading every
@@ -10,8 +10,8 @@ skip that read: MHA layer_first pages of 512 KiB are written in 0.71x torch's ti
 The blocks of page 0 are derived once per buffer from torch's own view of the page (`runs`, in
 the row-major order `flatten` reads), and proved inside the buffer for its last page;
 page p is those blocks moved by p pages' worth of the cut axis's stride. A pool of several
-buffers (Mamba's states) has one such pattern per buffer, written in the same one call. A source is copied this
-way only when it is a contiguous CPU tensor of the page's dtype and element count - its bytes
+buffers (Mamba's states) has one such pattern per buffer, all written in one call. A source is
+copied this way only when it is a contiguous CPU tensor of the page's dtype and element count - its bytes
 are then exactly the flat page - and everything else takes torch's path, which reshapes or
 refuses (`StoragePagesMixin.set_from_flat_data_page`). Without the helper (no compiler), or
 with ``HICACHE_HOST_COPY=python``, there is no writer and torch's assignment copies every page.

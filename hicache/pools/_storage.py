@@ -44,7 +44,7 @@ class _PageGeometry(NamedTuple):
     page_size: int  # the pool's, and its token slots: an int index in [0, size) needs no more checks
     size: int
     direct: bool  # no DCP: a token index is this rank's own
-    writer: object  # a `PageWriter` for the single-buffer page write, or None: torch's assignment
+    writer: object  # a `PageWriter` (_page_writes: the streaming page write), or None: torch's assignment
 
 
 class StoragePagesMixin:

@@ -138,9 +138,10 @@ def streaming_copier(parts, *, threads: int | None = None):
     stores and a fence, in one call of the C helper: for a destination this CPU does not read
     again soon (a page written into a host pool). Each part ``(dst_offsets, src_offsets, sizes,
     dst_base, dst_step)`` (contiguous int64 CPU tensors, sizes >= 0) copies ``src_base +
-    src_offsets[i]`` to ``dst_base + index * dst_step + dst_offsets[i]``. On the calling thread unless ``threads`` says more: a page write is one
-    of many that a back end's own threads issue side by side (an 8.5 MB Mamba slot took 2x as
-    long over two threads started per call as on one, on 2 cores). None without the helper: the
+    src_offsets[i]`` to ``dst_base + index * dst_step + dst_offsets[i]``. On the calling thread
+    unless ``threads`` says more: a page write is one of many that a back end's own threads
+    issue side by side (an 8.5 MB Mamba slot took 2x as long over two threads started per call
+    as on one, on 2 cores). None without the helper: the
     caller copies another way."""
     if _native is None:
         return None
