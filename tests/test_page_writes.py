@@ -27,7 +27,7 @@ def test_the_runs_of_a_view_are_what_its_flatten_reads(view):
     """`runs`: the elements at the runs' offsets (from the view's first element), back to back,
     are ``view.flatten()`` - for views narrowed on any dims and permuted (torch is the oracle)."""
     shape, narrows, order = view
-    buffer = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.int64)[: torch.Size(shape).numel()].view(shape)
+    buffer = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).view(shape)
     viewed = buffer
     for axis, (start, length) in enumerate(narrows):
         viewed = viewed.narrow(axis, start, length)
@@ -105,7 +105,8 @@ def test_a_source_the_writer_cannot_prove_is_copied_by_torch_or_refused_with_not
 def test_the_writer_refuses_pages_that_are_not_page_zero_moved_along_the_buffer():
     """`page_writer` proves its pattern for the last page before any write: a last page that is
     not page 0 moved by the axis's stride, or whose blocks would end past the buffer (a view of
-    a larger storage included), is a TransferError naming the addresses (whether or not the helper is built)."""
+    a larger storage included), is a TransferError naming the addresses (whether or not the
+    helper is built)."""
     buffer = torch.zeros(2, 8, 4, 3, dtype=torch.bfloat16)  # K/V x tokens x heads x dims, pages of 2 tokens
     first, last = buffer[:, 0:2], buffer[:, 6:8]
     engine = CopyEngine()
@@ -114,8 +115,8 @@ def test_the_writer_refuses_pages_that_are_not_page_zero_moved_along_the_buffer(
     assert (writer is not None) == (_host_copy._native is not None)
     with pytest.raises(TransferError, match="expected"):
         page_writer([buffer], [first], [buffer[:, 4:6]], 6, 1, engine, **kw)  # last page where page 2 is
+    short = buffer[:, :7]  # the pattern steps to token 6, whose page would run past token 7
     with pytest.raises(TransferError, match="last block ends"):
-        short = buffer[:, :7]  # the pattern steps to token 6, whose page would run past token 7
         page_writer([short], [short[:, 0:2]], [buffer[:, 6:8]], 6, 1, engine, **kw)
     with pytest.raises(TransferError, match="flat page is"):
         page_writer([buffer], [first], [last], 6, 1, engine, dtype=torch.bfloat16, numel=first.numel() + 1)

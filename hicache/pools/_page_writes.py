@@ -81,7 +81,7 @@ def page_writer(buffers, firsts, lasts, last_start: int, axis: int, copy_engine,
         src = torch.cumsum(sizes, 0) - sizes + src_start  # the flat page: the runs back to back
         parts.append((dst, src, sizes, base, step))
         src_start += int(sizes.sum())
-    if src_start != numel * torch.empty((), dtype=dtype).element_size():
+    if src_start != numel * dtype.itemsize:
         raise TransferError(f"a flat page is {numel} {dtype} elements; the buffers' pages hold {src_start} bytes")
     write = copy_engine.streaming_copier(parts)
     return None if write is None else PageWriter(write, dtype, numel)

@@ -133,19 +133,17 @@ def copy_parts(parts, total: int, *, mode: str, threads: int | None = None) -> N
     _memmove_threads(dsts, srcs, sizes, workers)
 
 
-def streaming_copier(parts, *, threads: int | None = None):
+def streaming_copier(parts):
     """A function ``(index, src_base)`` copying one checked pattern of blocks with non-temporal
     stores and a fence, in one call of the C helper: for a destination this CPU does not read
     again soon (a page written into a host pool). Each part ``(dst_offsets, src_offsets, sizes,
     dst_base, dst_step)`` (contiguous int64 CPU tensors, sizes >= 0) copies ``src_base +
-    src_offsets[i]`` to ``dst_base + index * dst_step + dst_offsets[i]``. On the calling thread
-    unless ``threads`` says more: a page write is one of many that a back end's own threads
-    issue side by side (an 8.5 MB Mamba slot took 2x as long over two threads started per call
-    as on one, on 2 cores). None without the helper: the
-    caller copies another way."""
+    src_offsets[i]`` to ``dst_base + index * dst_step + dst_offsets[i]``. On the calling thread:
+    a page write is one of many that a back end's own threads issue side by side (an 8.5 MB
+    Mamba slot took 2x as long over two threads started per call as on one, on 2 cores). None
+    without the helper: the caller copies another way."""
     if _native is None:
         return None
-    workers = threads or 1
     native = [(d.data_ptr(), s.data_ptr(), z.data_ptr(), z.numel(), base, step) for d, s, z, base, step in parts]
     keep = tuple(parts)  # the tensors the addresses point into live as long as the function
     if len(native) == 1:  # one buffer (every KV page): one call, nothing built per page
@@ -153,13 +151,13 @@ def streaming_copier(parts, *, threads: int | None = None):
         copy = _native.copy_blocks
 
         def write(index: int, src_base: int, _keep=keep) -> None:
-            copy(dsts, srcs, lengths, count, workers, True, base + index * step, src_base)
+            copy(dsts, srcs, lengths, count, 1, True, base + index * step, src_base)
 
         return write
     copy_parts = _native.copy_parts
 
     def write_parts(index: int, src_base: int, _keep=keep) -> None:
-        copy_parts([(d, s, z, n, base + index * step, src_base) for d, s, z, n, base, step in native], workers, True)
+        copy_parts([(d, s, z, n, base + index * step, src_base) for d, s, z, n, base, step in native], 1, True)
 
     return write_parts
 
