@@ -2,7 +2,8 @@
 same device-buffer description (SGLang's real device pools on CPU), in one run (#25).
 
 Each line times the same calls on SGLang's pool and on hicache's, interleaved; ratio = SGLang's
-time / hicache's (> 1: hicache is faster). Both unpinned: the registration is not what is timed.
+time / hicache's (> 1: hicache is faster), and SGLang's call against itself (A/A: the row's noise
+floor). Both unpinned: the registration is not what is timed.
 - alloc + free at 10/50/90/99 % full (a 1M-slot pool, 64-token pages, 1-32-page requests):
   SGLang's `alloc`/`free` (its free-slot tensor and release list) vs hicache's.
 - For MHA, MLA and K-only in page_first_direct, page_first and layer_first (`_cases`):
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import warnings
@@ -73,10 +75,16 @@ def _alloc_free(pools, rounds: int) -> None:
 
 
 def _calls(name, pools, make_call, rounds: int) -> None:
+    """One line: hicache's pool against SGLang's, and SGLang's call timed a second time in the
+    same rounds (A/A: the ratio of identical work, this box's noise floor for the row - a row
+    at 0.98x beside an A/A of 1.04x is parity, not a loss)."""
     theirs, ours = pools
-    times = interleaved({"ours": make_call(ours), "theirs": make_call(theirs)}, rounds=rounds, warmup=1)
+    times = interleaved({"ours": make_call(ours), "theirs": make_call(theirs), "theirs again": make_call(theirs)},
+                        rounds=rounds, warmup=1)
     ms = {key: [t * 1e3 for t in values] for key, values in times.items()}
-    print(median_line(name, ms["ours"], "SGLang 0.5.23's pool", ms["theirs"], unit="ms"), flush=True)
+    same = statistics.median(ms["theirs"]) / statistics.median(ms["theirs again"])
+    print(median_line(name, ms["ours"], "SGLang 0.5.23's pool", ms["theirs"], unit="ms")
+          + f" | A/A (SGLang's call against itself) {same:.2f}x", flush=True)
 
 
 def main() -> int:
