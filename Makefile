@@ -51,17 +51,19 @@ docs: $(STAMP)  ## regenerate docs/environment.md from the one table of HICACHE_
 plan: $(STAMP)  ## capacity plan (ARGS="--model deepseek-v3.2 --host-gb 300", ARGS="--format json")
 	$(BIN)/hicache plan $(ARGS)
 
-# Tests run in parallel workers (pytest-xdist; an idle worker takes tests queued for a busy one).
+# Tests run in parallel workers (pytest-xdist; each test goes to the first free worker, except that
+# the ones importing SGLang in-process share one, which pays that import once: tests/worker_groups.py).
 # Three on two cores: many tests wait on child processes. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 3
 test: $(STAMP)  ## the whole test suite (ARGS passes pytest options; TEST_WORKERS=0: no workers)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --sglang-on-one-worker $(ARGS)
 
 # The suite's concurrency tests (marker `concurrency`: processes, threads, signals, waits) again,
-# beside six busy processes - the load of a shared 2-core box - in a random file order.
+# beside six busy processes - the load of a shared 2-core box - in a random file order (workers as
+# above: SGLang's in-process import, ~25 s under this load, is paid once).
 test-loaded: $(STAMP)  ## the concurrency tests under a load of about 8 (scripts/under_load.py)
 	HICACHE_TEST_ORDER=$${HICACHE_TEST_ORDER:-random} $(BIN)/python scripts/under_load.py --hogs 6 -- \
-	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "concurrency and not load_free" $(ARGS)
+	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --sglang-on-one-worker -m "concurrency and not load_free" $(ARGS)
 
 bench: $(STAMP)  ## the benchmarks: figure, baseline, ratio (ARGS=plan runs bench_plan only)
 	$(BIN)/python benchmarks/run.py $(ARGS)

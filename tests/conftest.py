@@ -85,6 +85,21 @@ def pytest_collection_modifyitems(config, items):
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--sglang-on-one-worker", action="store_true",
+                     help="run the tests that import SGLang in-process on one xdist worker (tests/worker_groups.py)")
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent where the suite runs without xdist
+def pytest_xdist_make_scheduler(config, log):
+    """--sglang-on-one-worker: tests/worker_groups.py's scheduler; otherwise xdist's --dist."""
+    if not config.getoption("sglang_on_one_worker"):
+        return None
+    from worker_groups import scheduler
+
+    return scheduler(config, log)
+
+
 #: Settings of the machine running the tests that would change what the tests see: every row of
 #: hicache's environment table (the runtime directory is set below) and the variables beside it.
 _MACHINE_SETTINGS = (

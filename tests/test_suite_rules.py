@@ -84,3 +84,26 @@ def test_a_test_left_out_of_the_loaded_run_says_why():
     for name, node in marks:
         assert len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).strip(), name
     assert len(marks) <= 5, [name for name, _ in marks]
+
+
+def _imports_sglang_in_process(tree: ast.AST) -> bool:
+    """A test or fixture taking the `sglang` fixture, or a call of load_sglang (sglang_support)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if any(arg.arg == "sglang" for arg in node.args.args):
+                return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "load_sglang":
+            return True
+    return False
+
+
+def test_the_one_worker_for_sglang_names_exactly_the_files_that_import_it_in_process():
+    """tests/worker_groups.py's list is every test file that imports SGLang in its own process,
+    and only those: a new one cannot pay SGLang's import again on another loaded worker."""
+    from worker_groups import IN_PROCESS_SGLANG, SGLANG_UNIT, unit_of
+
+    found = {p.name for p in TESTS.glob("test_*.py") if _imports_sglang_in_process(ast.parse(p.read_text()))}
+    assert found, "the rule sees no file importing SGLang in-process: it would pass vacuously"
+    assert set(IN_PROCESS_SGLANG) == found, (sorted(found - IN_PROCESS_SGLANG), sorted(IN_PROCESS_SGLANG - found))
+    assert unit_of("tests/test_sglang_controller.py::test_x[mha]") == SGLANG_UNIT
+    assert unit_of("tests/test_lock.py::test_x") == "tests/test_lock.py::test_x"
