@@ -58,13 +58,13 @@ def test_bring_up_registers_everything_and_release_undoes_it_in_order(lock):
     assert [op[0] for op in runtime.cudart.log].count("unregister") == plan.call_count
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_the_budget_lock_decides_and_the_claim_fills_outside_it(lock, pipelined, monkeypatch):
+@pytest.mark.parametrize("mode", ["blocking", "pipelined"])
+def test_the_budget_lock_decides_and_the_claim_fills_outside_it(lock, mode, monkeypatch):
     """Every pre-fault runs with the host-wide lock free (issue #35: a rank starting meanwhile
     samples at once, side by side) and after the claim is recorded: a peer sampling mid-fill
     counts the pool's bytes that are not resident yet as pending - all of them before the first
-    byte is faulted - and none once the bring-up is up; released, the claim is gone."""
-    from hicache.effects._host import _allocators
+    byte is faulted - and none once the bring-up is up; released, the claim is gone. (Blocking
+    too: with an allocator that maps unfaulted, its pre-fault is the pipelined one's, waited for.)"""
     from hicache.effects._bringup import _faulting as _pipeline
     seen = []
 
@@ -83,16 +83,16 @@ def test_the_budget_lock_decides_and_the_claim_fills_outside_it(lock, pipelined,
         with BudgetLock(lock.path.parent, timeout_s=60) as peer:
             return peer.pending_bytes(), peer.claims()[os.getpid()].claimed
 
-    real = _allocators.prefault if not pipelined else _pipeline.prefault
+    real = _pipeline.prefault
 
     def watched(buffer, **kw):
         seen.append(peer_pending())
         return real(buffer, **kw)
 
-    monkeypatch.setattr(_pipeline if pipelined else _allocators, "prefault", watched)
+    monkeypatch.setattr(_pipeline, "prefault", watched)
     plan = _pool_plan()
     handle = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger(),
-                      mode="pipelined" if pipelined else "blocking")
+                      mode=mode)
     try:
         assert seen and all(claimed == plan.total_bytes and 0 < pending <= plan.total_bytes for pending, claimed in seen)
         assert seen[0][0] == plan.total_bytes  # before the first byte: all of it pending

@@ -145,17 +145,19 @@ def _spans(events: list, name: str) -> dict:
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not {0, 1} <= os.sched_getaffinity(0),
                     reason="needs CPUs 0 and 1 in this process's affinity (Linux)")
-def test_ranks_on_two_nodes_pre_fault_on_their_own_cpus_side_by_side(tmp_path, fork_server):
-    """Four ranks, two on each of two NUMA nodes, with room for all (issue #35 item 2): in their
-    traces merged by `hicache trace merge`, every pre-fault piece of a rank ran on its own node's
-    CPU only, each rank ran the same number of pre-fault threads (an equal share), the ranks of
-    the two nodes pre-faulted at the same time, and no two register calls overlapped."""
+@pytest.mark.parametrize("mode", ["numa", "numa-blocking"], ids=["pipelined", "blocking"])
+def test_ranks_on_two_nodes_pre_fault_on_their_own_cpus_side_by_side(tmp_path, fork_server, mode):
+    """Four ranks, two on each of two NUMA nodes, with room for all (issue #35 item 2), pipelined
+    and blocking: in their traces merged by `hicache trace merge`, every pre-fault piece of a
+    rank ran on its own node's CPU only, each rank ran the same number of pre-fault threads (an
+    equal share), the ranks of the two nodes pre-faulted at the same time, and no two register
+    calls overlapped."""
     from hicache.cli import main as cli
 
     root = _two_nodes(tmp_path / "topology")
     barrier = _barrier(tmp_path, "numa")
     nodes = {}
-    children = _start(fork_server, barrier, _env(tmp_path, 16 * POOL), 4, mode="numa",
+    children = _start(fork_server, barrier, _env(tmp_path, 16 * POOL), 4, mode=mode,
                       extra=lambda rank: (str(root), str(rank % 2)))
     for rank, child in enumerate(children):
         nodes[child.pid] = rank % 2

@@ -290,7 +290,9 @@ def bring_up(
                 machine = probe_machine() if machine is None else machine  # sampled under the lock, once
                 claim = _admit(lock, handle.total_bytes, machine, host_memory_bytes, ranks_per_host, reserve_bytes)
                 handle._hold_budget(lock, handle.total_bytes, claim)
-        share = _share(allocator, machine, ranks_per_host) if mode == PIPELINED or isinstance(mode, Progressive) else None
+        faults_here = mode == PIPELINED or isinstance(mode, Progressive) or (
+            mode == BLOCKING and str(device) == "cpu" and allocator.can_map_unfaulted)  # else the allocator faults
+        share = _share(allocator, machine, ranks_per_host) if faults_here else None
         run = _Run(handle, requests, runtime, ledger, turnstile, flags, retry_halvings, progress,
                    prefault_progress if claim is None else tee(prefault_progress, claim), listening, device, start,
                    share)

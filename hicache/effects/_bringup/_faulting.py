@@ -1,5 +1,5 @@
 """What is faulted when: the background pre-fault that the pipelined and progressive bring-ups
-register behind.
+register behind (and that a blocking one waits for, where its allocator maps unfaulted).
 
 Owns a background thread that faults the buffers in the order the executor registers them,
 in calls of at most PREFAULT_PIECE_BYTES that its worker threads take one after another (none
@@ -58,11 +58,14 @@ class Prefaulter:
     """Faults ``buffers`` (HostBuffers, in registration order) in the background."""
 
     def __init__(self, buffers, *, threads: int | None = None, piece_bytes: int | None = None, order=None,
-                 on_piece=None, cpus=None) -> None:
+                 on_piece=None, cpus=None, nice: int = BACKGROUND_NICE) -> None:
         """``order``: ``(buffer index, start, length)`` spans to fault in that order (default:
         each buffer front to back); with it, wait with `wait_span`. ``on_piece(nbytes)``: after
         each piece, from the thread that faulted it (progress reports). ``cpus``: every
-        faulting thread runs on these only (the pool's node's, `_numa.fault_share`)."""
+        faulting thread runs on these only (the pool's node's, `_numa.fault_share`). ``nice``:
+        how much nicer its threads run than the process (0 where nothing of ours runs beside
+        them: a blocking bring-up waits for them)."""
+        self.nice = nice
         self.buffers = list(buffers)
         self.on_piece = on_piece
         self.order = list(order) if order is not None else [(i, 0, b.nbytes) for i, b in enumerate(self.buffers)]
@@ -133,10 +136,10 @@ class Prefaulter:
             if self._workers > 1:
                 # threads started before the first call (a thread started beside one waits for
                 # it); each takes the next call, none waits for another at a piece's end
-                pool = started_executor(self._workers, nice=BACKGROUND_NICE, cpus=self.cpus)
+                pool = started_executor(self._workers, nice=self.nice, cpus=self.cpus)
                 _run_workers(pool, self._workers, fault, range(len(calls)), stop=self._stop)
             else:
-                lower_priority(BACKGROUND_NICE)
+                lower_priority(self.nice)
                 pin_thread(self.cpus)
                 for number in range(len(calls)):
                     if self._stop.is_set():

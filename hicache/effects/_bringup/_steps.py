@@ -1,5 +1,5 @@
 """The steps of one bring-up, each taking its `_Run` record (issue #34 item 5): allocate and
-pre-fault (`_allocate`), map unfaulted (`_map`), map + background pre-fault + register as pages
+pre-fault (`_allocate`, on the run's share where the allocator maps unfaulted), map unfaulted (`_map`), map + background pre-fault + register as pages
 become resident (`_pipelined`), register a plan (`_register`), and the progressive start
 (`_progressive`: the first calls here, the rest in the background), their background pre-fault
 on the run's `FaultShare` of threads and CPUs. `_bring_up.bring_up` orders
@@ -132,7 +132,26 @@ def _faulting_time(handle: HostPools, seconds: float) -> None:
 
 
 def _allocate(run: _Run) -> None:
+    """Every buffer allocated and resident before anything is registered (blocking). Where the
+    allocator maps unfaulted, this room faults the memory as the pipelined mode does - on the
+    run's `FaultShare` of the pool's node (issue #35 item 2), each piece counted in the claim
+    and the progress - and waits for it; otherwise the allocator faults it its own way."""
     handle = run.handle
+    if run.share is not None and str(run.device) == "cpu" and handle.allocator.can_map_unfaulted:
+        buffers = _unfaulted(handle, run.requests)
+        on_piece = PrefaultCounter(handle.total_bytes, run.prefault_progress) if run.prefault_progress is not None else None
+        # nice=0: nothing of this bring-up runs beside it (the allocator's own faulting is not nicer)
+        faulter = Prefaulter(buffers, on_piece=on_piece, nice=0, **_fault_options(run))
+        try:
+            faulter.start()
+            faulter.join()  # a Ctrl-C here is re-raised once the threads have ended
+        except BaseException:
+            faulter.stop()
+            faulter.join(quiet=True)  # the memory is freed only once no thread faults it
+            raise
+        finally:
+            _faulting_time(handle, faulter.seconds)
+        return
     for request in run.requests:
         dtype = request.dtype if request.dtype is not None else _uint8()
         handle.tensors.append(handle.allocator.allocate(request.shape, dtype=dtype, device=run.device))
