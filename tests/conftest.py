@@ -92,8 +92,9 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent where the suite runs without xdist
 def pytest_xdist_make_scheduler(config, log):
-    """--sglang-on-one-worker: tests/worker_groups.py's scheduler; otherwise xdist's --dist."""
-    if not config.getoption("sglang_on_one_worker"):
+    """--sglang-on-one-worker: tests/worker_groups.py's scheduler, unless another --dist was
+    asked for (xdist's default with -n is "load"); otherwise xdist's --dist."""
+    if not config.getoption("sglang_on_one_worker") or config.getoption("dist") != "load":
         return None
     from worker_groups import scheduler
 
