@@ -1,7 +1,7 @@
-"""Flat L3 pages written by the C helper's streaming stores (hicache/pools/_page_writes.py, issue
-#35 item 3): the blocks it derives are what torch's flatten reads, every pool layout writes the
-same bytes through it as through torch's assignment, and a source or a buffer it cannot prove
-is left to torch's path or refused - never a wild copy."""
+"""Flat L3 pages written by the C helper's streaming stores and small ones read by its gather
+(hicache/pools/_page_writes.py, issue #35 item 3): the blocks it derives are what torch's flatten
+reads, every pool layout writes and reads the same bytes through it as through torch, and a
+source or a buffer it cannot prove is left to torch's path or refused - never a wild copy."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hicache.effects import CopyEngine
 from hicache.effects._copy import _host_copy
 from hicache.errors import TransferError
-from hicache.pools._page_writes import page_writer, runs
+from hicache.pools._page_writes import GATHER_MAX_BYTES, page_reader, page_writer, runs
 
 from strategies import strided_views
 from test_pools import CASES, P, make
@@ -75,6 +75,37 @@ def test_every_layout_writes_the_bytes_torchs_assignment_writes(name, layout):
         plain.destroy()
 
 
+@pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-{l}" for n, l in CASES])
+def test_every_layout_reads_the_bytes_torchs_flatten_reads(name, layout):
+    """``get_data_page(flat=True)`` where the helper is built and through torch (the python
+    engine) give the same bytes for the first, a middle and the last page; the gather reads
+    exactly where a page is one buffer's, in several blocks and at most GATHER_MAX_BYTES (else
+    torch: a view for a one-block page, as SGLang's); its page is a new contiguous tensor - a
+    write to it leaves the pool as it was."""
+    read, _ = make(name, layout)
+    plain, _ = make(name, layout, copy_engine=CopyEngine(host_copy_mode="python"))
+    try:
+        for pool in (read, plain):
+            for seed, buffer in enumerate(pool.buffers):
+                _random_bytes(buffer, seed)
+        view = read.get_data_page(0, flat=False)
+        gathers = (_host_copy._native is not None and not isinstance(view, list) and not view.is_contiguous()
+                   and view.numel() * view.element_size() <= GATHER_MAX_BYTES)
+        assert (read._geometry().reader is not None) == gathers
+        assert plain._geometry().reader is None
+        last = (read.size // read.page_size - 1) * read.page_size
+        for index in (0, (read.size // 2) // read.page_size * read.page_size, last, last + read.page_size - 1):
+            page = read.get_data_page(index, flat=True)
+            assert page.is_contiguous() and _same(page, plain.get_data_page(index, flat=True)), index
+            if gathers:
+                before = [b.clone() for b in read.buffers]
+                page.view(torch.uint8).fill_(0xA5)
+                assert all(_same(a, b) for a, b in zip(before, read.buffers)), "the gathered page shares the pool"
+    finally:
+        read.destroy()
+        plain.destroy()
+
+
 @pytest.mark.parametrize("name, layout", [("mha", "layer_first"), ("mla", "page_first"), ("mamba", "page_first")])
 def test_a_source_the_writer_cannot_prove_is_copied_by_torch_or_refused_with_nothing_written(name, layout):
     """Only a contiguous CPU tensor of a page's dtype and elements is streamed: a meta tensor
@@ -120,3 +151,27 @@ def test_the_writer_refuses_pages_that_are_not_page_zero_moved_along_the_buffer(
         page_writer([short], [short[:, 0:2]], [buffer[:, 6:8]], 6, 1, engine, **kw)
     with pytest.raises(TransferError, match="flat page is"):
         page_writer([buffer], [first], [last], 6, 1, engine, dtype=torch.bfloat16, numel=first.numel() + 1)
+
+
+def test_the_reader_proves_its_pattern_and_leaves_one_block_and_large_pages_to_torch():
+    """`page_reader` proves its blocks as the writer does (a last page that is not page 0 moved
+    along the axis, or that runs past the buffer, is a TransferError naming the addresses); a
+    page in one block (a view) or over GATHER_MAX_BYTES gets no reader; a page it reads is the
+    flatten of that page."""
+    buffer = torch.arange(2 * 8 * 4 * 3, dtype=torch.float32).view(2, 8, 4, 3)  # K/V x tokens x heads x dims
+    first, last = buffer[:, 0:2], buffer[:, 6:8]
+    engine = CopyEngine()
+    reader = page_reader(buffer, first, last, 6, 1, engine)
+    assert (reader is not None) == (_host_copy._native is not None)
+    if reader is not None:
+        assert torch.equal(reader(4), buffer[:, 4:6].flatten())
+    assert page_reader(buffer, first, last, 6, 1, CopyEngine(host_copy_mode="python")) is None
+    with pytest.raises(TransferError, match="expected"):
+        page_reader(buffer, first, buffer[:, 4:6], 6, 1, engine)
+    short = buffer[:, :7]
+    with pytest.raises(TransferError, match="last block ends"):
+        page_reader(short, short[:, 0:2], buffer[:, 6:8], 6, 1, engine)
+    whole = buffer.view(16, 4, 3)  # pages of 2 tokens in one block each: torch's view
+    assert page_reader(whole, whole[0:2], whole[14:16], 14, 0, engine) is None
+    large = torch.zeros(2, 4, GATHER_MAX_BYTES // 8 + 1, dtype=torch.float32)  # a 2-token page > the cap
+    assert page_reader(large, large[:, 0:2], large[:, 2:4], 2, 1, engine) is None

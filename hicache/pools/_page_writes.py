@@ -1,4 +1,5 @@
-"""Flat L3 pages written into a pool by the C copy helper, with streaming stores.
+"""Flat L3 pages copied between a pool and a flat tensor by the C copy helper: written into the
+pool with streaming stores (`page_writer`), and small ones read out by one gather (`page_reader`).
 
 A page of most layouts is a few strided blocks of the pool's buffer (MHA layer_first: K and V of
 every layer, 2 x layers blocks). torch's assignment copies them through the cache, reading every
@@ -15,6 +16,12 @@ copied this way only when it is a contiguous CPU tensor of the page's dtype and 
 are then exactly the flat page - and everything else takes torch's path, which reshapes or
 refuses (`StoragePagesMixin.set_from_flat_data_page`). Without the helper (no compiler), or
 with ``HICACHE_HOST_COPY=python``, there is no writer and torch's assignment copies every page.
+
+Reading a page out (`get_data_page(flat=True)`) is torch's ``flatten()`` - a view where the page
+is one block, else a copy - except for a small page of one buffer in several blocks: there torch's
+per-call set-up costs more than the copy, and the helper gathers the same blocks (the same proof)
+into a new tensor in one call. The flat page is read again at once (written to a file, a store),
+so these are plain stores. Nothing else is read this way (no writer, no reader: torch copies).
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ from typing import Callable, NamedTuple
 from hicache.errors import TransferError
 
 MAX_RUNS = 4096  # a page in more blocks than this is not a layout SGLang serves: torch copies it
+#: The largest flat page read by the helper's gather, not torch's flatten(): below it torch's
+#: per-call set-up dominates (a 32 KiB page in 8 blocks, K-only layer_first: 2.0 vs 3.9 us on 2
+#: cores); from 144 KiB torch's copy - on all its threads - is as fast or faster (9.6 vs 10.1 us;
+#: 512 KiB: 22.3 vs 25.2 us). One page at a time, on the calling thread, as a back end asks.
+GATHER_MAX_BYTES = 64 * 2**10
 # (blocks under 256 bytes go by memcpy in the helper, not streamed: still one call, not torch's per-page set-up)
 
 
@@ -50,14 +62,12 @@ def runs(shape, strides) -> list[tuple[int, int]]:
     return [(offset, length) for offset in offsets]
 
 
-def page_writer(buffers, firsts, lasts, last_start: int, axis: int, copy_engine, *, dtype, numel: int):
-    """The writer of the pages of ``buffers`` - ``firsts`` are page 0's views (one per buffer),
-    ``lasts`` the last page's, which starts ``last_start`` units along the cut ``axis`` - taking
-    flat pages of ``dtype`` and ``numel`` elements (each buffer's part back to back, as
-    `get_data_page` builds them), or None where torch's assignment is the way: no streaming
-    copier in ``copy_engine``, or a page in too many blocks. Raises `TransferError`
+def _blocks(buffers, firsts, lasts, last_start: int, axis: int, *, dtype, numel: int):
+    """Per buffer ``(dst_offsets, src_offsets, sizes, base, step)``: page 0's blocks in the
+    buffer (bytes from ``base``, page p ``p * step`` further on) and where each sits in a flat
+    page of ``dtype`` x ``numel``; None for a page in no block or too many. Raises `TransferError`
     if the views are not what the pattern assumes (a page further on is not page 0 moved along
-    the axis, or leaves its buffer)."""
+    the axis, or leaves its buffer, or the flat page is not the pages' bytes)."""
     import torch
 
     parts, src_start = [], 0
@@ -83,5 +93,44 @@ def page_writer(buffers, firsts, lasts, last_start: int, axis: int, copy_engine,
         src_start += int(sizes.sum())
     if src_start != numel * dtype.itemsize:
         raise TransferError(f"a flat page is {numel} {dtype} elements; the buffers' pages hold {src_start} bytes")
+    return parts
+
+
+def page_writer(buffers, firsts, lasts, last_start: int, axis: int, copy_engine, *, dtype, numel: int):
+    """The writer of the pages of ``buffers`` - ``firsts`` are page 0's views (one per buffer),
+    ``lasts`` the last page's, which starts ``last_start`` units along the cut ``axis`` - taking
+    flat pages of ``dtype`` and ``numel`` elements (each buffer's part back to back, as
+    `get_data_page` builds them), or None where torch's assignment is the way: no streaming
+    copier in ``copy_engine``, or a page in too many blocks. Raises `TransferError` as `_blocks`."""
+    parts = _blocks(buffers, firsts, lasts, last_start, axis, dtype=dtype, numel=numel)
+    if parts is None:
+        return None
     write = copy_engine.streaming_copier(parts)
     return None if write is None else PageWriter(write, dtype, numel)
+
+
+def page_reader(buffer, first, last, last_start: int, axis: int, copy_engine):
+    """``read(start)``: a new flat page (contiguous, ``first``'s dtype and elements) holding
+    the page of ``buffer`` that starts ``start`` units along ``axis`` - gathered by the C helper
+    in one call - or None where torch's ``flatten()`` is the way: a page in one block (it is a
+    view then, as SGLang's), a page over `GATHER_MAX_BYTES`, no helper (``python`` mode).
+    ``start`` must be a page start in range (the caller's index check): the pattern is proved
+    inside the buffer for the last page (``last``, at ``last_start``), as the writer's."""
+    numel = first.numel()
+    pattern = runs(first.shape, first.stride())
+    if len(pattern) < 2 or numel * first.element_size() > GATHER_MAX_BYTES:
+        return None
+    parts = _blocks([buffer], [first], [last], last_start, axis, dtype=first.dtype, numel=numel)
+    gather = None if parts is None else copy_engine.gathering_copier(parts[0])
+    if gather is None:
+        return None
+    import torch
+
+    empty, dtype = torch.empty, first.dtype
+
+    def read(start: int):
+        page = empty(numel, dtype=dtype)
+        gather(start, page.data_ptr())
+        return page
+
+    return read

@@ -13,7 +13,7 @@ import operator
 from typing import NamedTuple
 
 from hicache.errors import TransferError
-from hicache.pools._page_writes import page_writer
+from hicache.pools._page_writes import page_reader, page_writer
 from hicache.pools._views import buffer_symbols, page_axis, page_slice
 from hicache.plan.checks import is_integer
 
@@ -45,6 +45,7 @@ class _PageGeometry(NamedTuple):
     size: int
     direct: bool  # no DCP: a token index is this rank's own
     writer: object  # a `PageWriter` (_page_writes: the streaming page write), or None: torch's assignment
+    reader: object  # start -> a new flat page (_page_writes: the small pages' gather), or None: torch's flatten
 
 
 class StoragePagesMixin:
@@ -101,18 +102,21 @@ class StoragePagesMixin:
         if len(set(axes)) != 1:
             raise TransferError(f"{type(self).__name__}: its buffers cut pages on different axes {axes}")
         (axis, by_page), = set(axes)
-        writer = None
+        writer = reader = None
         engine = getattr(self, "copy_engine", None)
         pages, tail = divmod(self.size, self.page_size)
         if engine is not None and pages and not tail:  # every index in range is in a whole page
             import torch
 
             lasts = [page_slice(t, family, layout, pages - 1, self.page_size) for t in self.buffers]
-            writer = page_writer(self.buffers, parts, lasts, pages - 1 if by_page else (pages - 1) * self.page_size,
-                                 axis, engine, dtype=torch.uint8 if mixed else parts[0].dtype, numel=sum(sizes))
+            last_start = pages - 1 if by_page else (pages - 1) * self.page_size
+            writer = page_writer(self.buffers, parts, lasts, last_start, axis, engine,
+                                 dtype=torch.uint8 if mixed else parts[0].dtype, numel=sum(sizes))
+            if len(self.buffers) == 1:
+                reader = page_reader(self.buffers[0], parts[0], lasts[0], last_start, axis, engine)
         made = _PageGeometry(self.kv_buffer, tuple(self.buffers), (slice(None),) * axis, by_page, mixed, sizes,
                              sum(sizes), None if mixed else parts[0].dtype, tuple(tuple(p.shape) for p in parts),
-                             self.page_size, self.size, self.dcp_size == 1, writer)
+                             self.page_size, self.size, self.dcp_size == 1, writer, reader)
         self._page_geometry = made
         return made
 
@@ -151,6 +155,8 @@ class StoragePagesMixin:
         where the page is contiguous - MLA page-first - as SGLang's)."""
         geometry, key = self._page_at(index)
         if len(geometry.tensors) == 1:  # the common case, on every L3 page: no list, no import
+            if flat and geometry.reader is not None:  # a small page in several blocks: one gather
+                return geometry.reader((key[-1] if geometry.lead else key).start)
             part = geometry.tensors[0][key]
             return part.flatten() if flat else part
         parts = [t[key] for t in geometry.tensors]

@@ -10,7 +10,9 @@ parameters so tests stand in for both.
 
 from __future__ import annotations
 
-from hicache.effects._copy._host_copy import copy_host_blocks, copy_parts, host_copy_mode, streaming_copier
+from hicache.effects._copy._host_copy import (
+    copy_host_blocks, copy_parts, gathering_copier, host_copy_mode, streaming_copier,
+)
 from hicache.errors import CudaCallError
 
 
@@ -99,6 +101,14 @@ class CopyEngine:
         if self.host_copy_mode != "native":
             return None
         return streaming_copier(parts)
+
+    def gathering_copier(self, part):
+        """A function ``(index, dst_base)`` gathering one pattern of host blocks into a flat
+        destination (a page read out of a host pool; part as _host_copy's `gathering_copier`
+        takes it); None in the ``python`` host copy mode or without the C helper."""
+        if self.host_copy_mode != "native":
+            return None
+        return gathering_copier(part)
 
     def issue_cuda_copies(self, device, dsts, srcs, sizes) -> str:
         """Copies on ``device``'s current torch stream, ordered after the work already queued.

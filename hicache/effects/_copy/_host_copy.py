@@ -162,6 +162,25 @@ def streaming_copier(parts):
     return write_parts
 
 
+def gathering_copier(part):
+    """A function ``(index, dst_base)`` copying one checked pattern of host blocks into a flat
+    destination, in one call of the C helper with plain stores (what it copies is read right
+    away: a flat page handed to an L3 back end). ``part`` is one of `streaming_copier`'s parts
+    ``(dst_offsets, src_offsets, sizes, base, step)``, read the other way: the block at ``base
+    + index * step + dst_offsets[i]`` is copied to ``dst_base + src_offsets[i]``. On the calling
+    thread. None without the helper."""
+    if _native is None:
+        return None
+    dsts, srcs, sizes, base, step = part
+    blocks, flat, lengths, count = dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), sizes.numel()
+    copy = _native.copy_blocks
+
+    def read(index: int, dst_base: int, _keep=part) -> None:
+        copy(flat, blocks, lengths, count, 1, False, dst_base, base + index * step)
+
+    return read
+
+
 def _memmove_all(dsts, srcs, sizes) -> None:
     move = ctypes.memmove
     for dst, src, size in zip(dsts, srcs, sizes):
