@@ -11,7 +11,8 @@ refused ones decided while an admitted one was mid-pre-fault. Mode ``stall`` wai
 ever instead (the parent kills it). Mode ``numa ROOT NODE``: the pool is on NUMA node NODE of
 the topology under ROOT (a fake sysfs: this box has one node, so the mbind itself is skipped -
 tests/test_numa.py binds for real), the host has ``ranks`` ranks, and the rank traces to
-``trace-<pid>.json`` in the barrier directory; ``numa-blocking`` is the same in blocking mode. Exit 0 admitted, 1 refused (``error[budget-refused]``).
+``trace-<pid>.json`` in the barrier directory. A mode ending ``-blocking`` (``fill-blocking``,
+``numa-blocking``) is that mode with ``bring_up(mode="blocking")``. Exit 0 admitted, 1 refused (``error[budget-refused]``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def _on_node(root: str, node: int):
 def main(mode: str, barrier: str, ranks: int, pool_mib: int, *numa: str) -> int:
     import psutil
 
-    on_node = mode in ("numa", "numa-blocking")
+    blocking = mode.endswith("-blocking")  # any mode with -blocking: the same in blocking mode
+    mode = mode.removesuffix("-blocking")
+    on_node = mode == "numa"
     allocator = _on_node(numa[0], int(numa[1])) if on_node else None
     trace = os.path.join(barrier, f"trace-{os.getpid()}.json") if on_node else None
     wait_at_barrier(barrier)
@@ -84,7 +87,7 @@ def main(mode: str, barrier: str, ranks: int, pool_mib: int, *numa: str) -> int:
     cudart = FakeCudart(driver_lock=os.path.join(barrier, "driver.lock"), shared_log=os.path.join(barrier, "calls.log"))
     try:
         handle = bring_up(plan, runtime=FakeRuntime(cudart), ranks_per_host=ranks if allocator else 1, reserve_bytes=0,
-                          turnstile="auto", allocator=allocator, mode="blocking" if mode == "numa-blocking" else None,
+                          turnstile="auto", allocator=allocator, mode="blocking" if blocking else None,
                           report=Report("fill", prefault_progress=_at_first_piece(barrier, ranks, mode == "stall"),
                                         trace=trace))
     except CapacityError as error:

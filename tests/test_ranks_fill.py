@@ -85,11 +85,13 @@ def test_ranks_with_room_for_all_pre_fault_side_by_side_and_register_in_turns(tm
     assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(calls, calls[1:])), "calls overlapped"
 
 
-def test_ranks_with_room_for_one_admit_one_while_it_is_mid_pre_fault(tmp_path, fork_server):
-    """Room for one (and a half): exactly one rank is admitted; the three others were refused
-    while it waited mid-pre-fault - its claim's pending bytes counted against them."""
+@pytest.mark.parametrize("mode", ["fill", "fill-blocking"], ids=["pipelined", "blocking"])
+def test_ranks_with_room_for_one_admit_one_while_it_is_mid_pre_fault(tmp_path, fork_server, mode):
+    """Room for one (and a half), pipelined and blocking: exactly one rank is admitted; the three
+    others were refused while it waited mid-pre-fault - its claim's pending bytes counted
+    against them."""
     barrier = _barrier(tmp_path, "one")
-    children = _start(fork_server, barrier, _env(tmp_path, POOL * 3 // 2), 4)
+    children = _start(fork_server, barrier, _env(tmp_path, POOL * 3 // 2), 4, mode=mode)
     _go(barrier, children, 4)
     results = _results(children)
     assert sorted(code for code, _, _ in results) == [0, 1, 1, 1], results
