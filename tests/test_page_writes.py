@@ -5,6 +5,8 @@ source or a buffer it cannot prove is left to torch's path or refused - never a 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import example, given
 
@@ -47,18 +49,29 @@ def _same(a, b) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@contextlib.contextmanager
+def _helper_and_torch(name, layout):
+    """Two pools of one case holding the same random bytes: one copying through the C helper
+    where it is built, one through torch (``HICACHE_HOST_COPY=python``'s engine)."""
+    helper, _ = make(name, layout)
+    plain, _ = make(name, layout, copy_engine=CopyEngine(host_copy_mode="python"))
+    try:
+        for pool in (helper, plain):
+            for seed, buffer in enumerate(pool.buffers):
+                _random_bytes(buffer, seed)
+        yield helper, plain
+    finally:
+        helper.destroy()
+        plain.destroy()
+
+
 @pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-{l}" for n, l in CASES])
 def test_every_layout_writes_the_bytes_torchs_assignment_writes(name, layout):
     """Pages written where the helper is built (the streaming writer) and through torch's
     assignment (``HICACHE_HOST_COPY=python``'s engine) leave every buffer byte-identical: the
     first, a middle and the last page, from a flat page and from a 2-D one of its elements;
     the writer is in place exactly where the helper is built."""
-    streamed, _ = make(name, layout)
-    plain, _ = make(name, layout, copy_engine=CopyEngine(host_copy_mode="python"))
-    try:
-        for pool in (streamed, plain):
-            for seed, buffer in enumerate(pool.buffers):
-                _random_bytes(buffer, seed)
+    with _helper_and_torch(name, layout) as (streamed, plain):
         assert (streamed._geometry().writer is not None) == (_host_copy._native is not None)
         assert plain._geometry().writer is None
         last = (streamed.size // streamed.page_size - 1) * streamed.page_size
@@ -70,9 +83,6 @@ def test_every_layout_writes_the_bytes_torchs_assignment_writes(name, layout):
                     pool.set_from_flat_data_page(index, source)
                 assert all(_same(a, b) for a, b in zip(streamed.buffers, plain.buffers)), (index, source.shape)
                 assert _same(streamed.get_data_page(index), page)
-    finally:
-        streamed.destroy()
-        plain.destroy()
 
 
 @pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-{l}" for n, l in CASES])
@@ -82,12 +92,7 @@ def test_every_layout_reads_the_bytes_torchs_flatten_reads(name, layout):
     exactly where a page is one buffer's, in several blocks and at most GATHER_MAX_BYTES (else
     torch: a view for a one-block page, as SGLang's); its page is a new contiguous tensor - a
     write to it leaves the pool as it was."""
-    read, _ = make(name, layout)
-    plain, _ = make(name, layout, copy_engine=CopyEngine(host_copy_mode="python"))
-    try:
-        for pool in (read, plain):
-            for seed, buffer in enumerate(pool.buffers):
-                _random_bytes(buffer, seed)
+    with _helper_and_torch(name, layout) as (read, plain):
         view = read.get_data_page(0, flat=False)
         gathers = (_host_copy._native is not None and not isinstance(view, list) and not view.is_contiguous()
                    and view.numel() * view.element_size() <= GATHER_MAX_BYTES)
@@ -101,9 +106,6 @@ def test_every_layout_reads_the_bytes_torchs_flatten_reads(name, layout):
                 before = [b.clone() for b in read.buffers]
                 page.view(torch.uint8).fill_(0xA5)
                 assert all(_same(a, b) for a, b in zip(before, read.buffers)), "the gathered page shares the pool"
-    finally:
-        read.destroy()
-        plain.destroy()
 
 
 @pytest.mark.parametrize("name, layout", [("mha", "layer_first"), ("mla", "page_first"), ("mamba", "page_first")])
