@@ -31,12 +31,12 @@ from typing import Callable, NamedTuple
 from hicache.errors import TransferError
 
 MAX_RUNS = 4096  # a page in more blocks than this is not a layout SGLang serves: torch copies it
+# (blocks under 256 bytes go by memcpy in the helper, not streamed: still one call, not torch's per-page set-up)
 #: The largest flat page read by the helper's gather, not torch's flatten(): below it torch's
 #: per-call set-up dominates (a 32 KiB page in 8 blocks, K-only layer_first: 2.0 vs 3.9 us on 2
 #: cores); from 144 KiB torch's copy - on all its threads - is as fast or faster (9.6 vs 10.1 us;
 #: 512 KiB: 22.3 vs 25.2 us). One page at a time, on the calling thread, as a back end asks.
 GATHER_MAX_BYTES = 64 * 2**10
-# (blocks under 256 bytes go by memcpy in the helper, not streamed: still one call, not torch's per-page set-up)
 
 
 class PageWriter(NamedTuple):

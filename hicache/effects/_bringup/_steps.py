@@ -1,8 +1,8 @@
 """The steps of one bring-up, each taking its `_Run` record (issue #34 item 5): allocate and
-pre-fault (`_allocate`, on the run's share where the allocator maps unfaulted), map unfaulted (`_map`), map + background pre-fault + register as pages
+pre-fault (`_allocate`), map unfaulted (`_map`), map + background pre-fault + register as pages
 become resident (`_pipelined`), register a plan (`_register`), and the progressive start
-(`_progressive`: the first calls here, the rest in the background), their background pre-fault
-on the run's `FaultShare` of threads and CPUs. `_bring_up.bring_up` orders
+(`_progressive`: the first calls here, the rest in the background), their pre-fault on the
+run's `FaultShare` of threads and CPUs (the blocking one's too, unless its allocator faults). `_bring_up.bring_up` orders
 them under the budget lock and undoes them through the handle; each step puts what it made in
 the handle's books before anything can fail after it.
 """
@@ -70,7 +70,7 @@ class _Run:
     log: object  # the library's progress log (None: nobody reads it)
     device: str
     start: float
-    share: FaultShare | None = None  # where the background pre-fault runs (None: the allocator's threads, unpinned)
+    share: FaultShare | None = None  # where this room's pre-fault runs (None: the allocator's threads, unpinned; blocking: the allocator faults)
 
 
 def _items(handle: HostPools, requests) -> list:
@@ -137,7 +137,7 @@ def _allocate(run: _Run) -> None:
     run's `FaultShare` of the pool's node (issue #35 item 2), each piece counted in the claim
     and the progress - and waits for it; otherwise the allocator faults it its own way."""
     handle = run.handle
-    if run.share is not None and str(run.device) == "cpu" and handle.allocator.can_map_unfaulted:
+    if run.share is not None:  # set where this room faults (`_bring_up`: an allocator that maps unfaulted)
         buffers = _unfaulted(handle, run.requests)
         on_piece = PrefaultCounter(handle.total_bytes, run.prefault_progress) if run.prefault_progress is not None else None
         # nice=0: nothing of this bring-up runs beside it (the allocator's own faulting is not nicer)
