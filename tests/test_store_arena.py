@@ -417,3 +417,57 @@ def test_create_over_someone_elses_file_removes_nothing(shm_dir):
     with pytest.raises(ArenaError, match="not a hicache store arena"):
         arena.create_arena(str(path), _plan(), label="t")
     assert path.read_bytes() == b"precious" * 1000
+
+
+def _hugetlbfs_on(directory, unit: int = 2 * 2**20):
+    """A Backing saying hugetlbfs (2 MiB pages) for a tmpfs directory: creation's hugetlbfs
+    branches run where no hugepages are reserved (the real mount: the test above)."""
+    from hicache.effects._arena._mounts import Backing, Mount
+
+    return Backing(str(directory), Mount(str(directory), "hugetlbfs", ("rw", "pagesize=2M"), unit), 1 << 40)
+
+
+def test_on_hugetlbfs_the_mark_goes_through_a_mapping_and_an_unmarked_page_is_a_dead_creators(shm_dir):
+    """hugetlbfs takes no write() (EINVAL; seen on a real mount): the creating mark is written
+    through a mapping of a first hugepage, and one hugepage of zeros - a creator killed before
+    its mark - counts as incomplete there only: not on tmpfs, not with a byte set, not longer."""
+    from hicache.effects._arena import _arena
+
+    directory = str(shm_dir)
+    hugetlbfs = _hugetlbfs_on(directory)
+    tmpfs = arena.backing_of(os.path.join(directory, "x"))
+    unit = hugetlbfs.unit_bytes
+    marked = os.path.join(directory, "marked")
+    fd = os.open(marked, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _arena._mark_creating(fd, hugetlbfs)
+    finally:
+        os.close(fd)
+    with open(marked, "rb") as f:
+        assert os.path.getsize(marked) == unit and f.read(len(_arena.CREATING)) == _arena.CREATING
+    assert _arena._incomplete(marked, hugetlbfs)
+    for name, size, first in (("zeros", unit, b""), ("byte", unit, b"x"), ("longer", 2 * unit, b"")):
+        path = os.path.join(directory, name)
+        with open(path, "wb") as f:
+            f.write(first)
+            f.truncate(size)
+        os.chmod(path, 0o600)
+        assert _arena._incomplete(path, hugetlbfs) == (name == "zeros"), name
+        assert not _arena._incomplete(path, tmpfs), name
+
+
+def test_a_create_on_hugetlbfs_replaces_a_dead_creators_unmarked_page_and_serves(shm_dir):
+    """Over a dead creator's one hugepage of zeros, a create on (a stand-in for) hugetlbfs
+    removes it and makes an arena whose header replaced the mark, attachable after."""
+    hugetlbfs = _hugetlbfs_on(shm_dir)
+    path = os.path.join(shm_dir, "a")
+    with open(path, "wb") as f:
+        f.truncate(hugetlbfs.unit_bytes)
+    os.chmod(path, 0o600)
+    plan = plan_store(8 << 20, slot_bytes=65536, unit_bytes=hugetlbfs.unit_bytes, backing="hugetlbfs")
+    made = arena.create_arena(path, plan, label="h", backing=hugetlbfs)
+    assert made.created and os.path.getsize(path) == plan.total_bytes
+    made.close()
+    again = arena.attach_arena(path, backing=hugetlbfs)
+    assert (again.plan, again.label) == (plan, "h")
+    again.close()

@@ -4,7 +4,8 @@ Create: under an exclusive flock of the arena's directory (so one process create
 wait and then attach), the file is made with O_EXCL and mode 0600, ``posix_fallocate``d (a sparse
 tmpfs file would SIGBUS when tmpfs fills), mapped MAP_SHARED, pre-faulted by hicache's parallel
 MADV_POPULATE_WRITE workers, and its header written last: a file without a header is no arena,
-and one a creator died making is removed by the next create. Anything that fails on the way
+and one a creator died making (marked `CREATING` first - through a mapping on hugetlbfs, which
+takes no write()) is removed by the next create. Anything that fails on the way
 unmaps, closes and unlinks what it made. Attach: open (no symlink), refuse another user's file
 or one open to group/others, check the header against what the engine asks, map it - no
 pre-fault, no CUDA registration: its cost does not grow with the arena.
@@ -240,8 +241,9 @@ class _DirectoryLock:
 CREATING = b"HICINIT\0"
 
 
-def _incomplete(path: str) -> bool:
-    """A file at ``path`` a creator died making: empty, or still marked `CREATING`."""
+def _incomplete(path: str, backing: Backing) -> bool:
+    """A file at ``path`` a creator died making: empty, or still marked `CREATING` - or, on
+    hugetlbfs (`_mark_creating`), one hugepage of zeros: a creator that died before its mark."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -249,9 +251,31 @@ def _incomplete(path: str) -> bool:
     try:
         info = os.fstat(fd)
         _check_owner(path, info)
-        return info.st_size == 0 or os.pread(fd, len(CREATING), 0) == CREATING
+        if info.st_size == 0:
+            return True
+        first = os.pread(fd, len(CREATING), 0)
+        unmarked = backing.kind == "hugetlbfs" and info.st_size == backing.unit_bytes and first == bytes(len(CREATING))
+        return first == CREATING or unmarked
     finally:
         os.close(fd)
+
+
+def _mark_creating(fd: int, backing: Backing) -> None:
+    """`CREATING` at the start of the new file, before the arena is reserved. hugetlbfs takes
+    no write() (EINVAL: its files are only mapped), so there the file is first made one hugepage
+    long and the mark written through a mapping of that page; a creator killed between the two
+    leaves one hugepage of zeros, which `_incomplete` counts as its own."""
+    if backing.kind != "hugetlbfs":
+        os.pwrite(fd, CREATING, 0)
+        return
+    os.ftruncate(fd, backing.unit_bytes)
+    try:  # a shared hugetlbfs mapping reserves its page here: none free is ENOMEM, not a SIGBUS later
+        first = mmap.mmap(fd, backing.unit_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as error:
+        raise ArenaError(f"store arena: cannot map a first hugepage on {backing.mount.point} ({error.strerror}; "
+                         "free hugepages: /proc/sys/vm/nr_hugepages)") from None
+    with first:
+        first[:len(CREATING)] = CREATING
 
 
 def check_room(path: str, plan: StorePlan, backing: Backing) -> None:
@@ -282,7 +306,7 @@ def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None 
     lock = _DirectoryLock(backing.directory, timeout_s=wait_s)
     try:
         if os.path.lexists(path):
-            if _incomplete(path):
+            if _incomplete(path, backing):
                 os.unlink(path)  # a creator died before the header: nothing in it was ever served
             elif not exist_ok:
                 raise ArenaError(f"store arena {path}: exists already (hicache store drop {path} removes it)")
@@ -302,7 +326,7 @@ def _create(path, plan, label, backing, *, threads, progress, ops) -> Arena:
     mapping = None
     try:
         os.fchmod(fd, 0o600)
-        os.pwrite(fd, CREATING, 0)  # before a byte is reserved: a creator's death is told from others' files
+        _mark_creating(fd, backing)  # before the arena is reserved: a creator's death is told from others' files
         try:
             os.posix_fallocate(fd, 0, plan.total_bytes)
         except OSError as error:
