@@ -45,15 +45,36 @@ def _unknown(ptr, length):
 
 
 def test_tiers_of_a_range_from_an_smaps_text():
-    """THP, hugetlb and base pages by mapping; a range that covers half of a fully resident
-    mapping counts that half, and says the split is approximate."""
+    """THP, hugetlb and base pages by mapping; a range that covers half of a mapping whose
+    every page is resident in one tier counts that half, exactly; half of a mapping of two
+    tiers is an approximate split."""
     tiers = lambda ptr, n: page_tiers(ptr, n, smaps_text=SMAPS, resident=_unknown)  # noqa: E731
     assert tiers(BASE, 4 * MiB) == (0, 2 * MiB, 2 * MiB, True)
     assert tiers(BASE + 4 * MiB, 8 * MiB).tier == "hugetlb"
     half = tiers(BASE + 12 * MiB, 4 * MiB)
-    assert half == (0, 0, 4 * MiB, False) and half.tier == "4k"
+    assert half == (0, 0, 4 * MiB, True) and half.tier == "4k"
+    assert not tiers(BASE, 2 * MiB).exact  # THP and base pages in one mapping: a share of each
     assert tiers(BASE, 20 * MiB) == (8 * MiB, 2 * MiB, 10 * MiB, True)
     assert tiers(BASE + 64 * MiB, MiB).tier == "none"
+
+
+def test_a_buffer_that_is_a_prefix_of_its_own_resident_mapping_counts_every_byte():
+    """A pool's buffer is a prefix of its own mapping, rounded up to the huge page: on fully
+    resident hugepages (or THP, or base pages) every byte of it is that tier, exactly - not a
+    count of whole pages inside it (1.6 MB on one 2 MiB hugepage read as 0 hugetlb bytes)."""
+    text = """\
+7f0000000000-7f0000200000 rw-s 00000000 00:10 12 /anon_hugepage (deleted)
+Size:               2048 kB
+KernelPageSize:     2048 kB
+Rss:                   0 kB
+Private_Hugetlb:    2048 kB
+7f0001000000-7f0001400000 rw-p 00000000 00:00 0
+Size:               4096 kB
+Rss:                4096 kB
+AnonHugePages:      4096 kB
+"""
+    assert page_tiers(BASE, 1_638_400, smaps_text=text, resident=_unknown) == (1_638_400, 0, 0, True)
+    assert page_tiers(BASE + 16 * MiB, 3 * MiB + 5, smaps_text=text, resident=_unknown) == (0, 3 * MiB + 5, 0, True)
 
 
 MERGED = """\

@@ -138,7 +138,19 @@ def page_tiers(ptr: int, length: int, *, smaps_text: str | None = None, smaps_pa
             thp += anon_huge
             base += max(0, rss - anon_huge) if not huge else 0
             continue
-        exact = False  # merged with a neighbour (or the range cuts it)
+        whole = stop - start
+        if huge == whole or (not huge and anon_huge == whole) or (not huge and not anon_huge and rss == whole):
+            # every page of the mapping is resident, all in one tier: so is every byte of the
+            # range's part. A pool's buffer is a prefix of its own mapping, rounded up to the
+            # huge page - 16,384,000 bytes on 8 hugepages read as 7, 1.6 MB on one as none.
+            if huge:
+                hugetlb += overlap
+            elif anon_huge:
+                thp += overlap
+            else:
+                base += overlap
+            continue
+        exact = False  # merged with a neighbour (or the range cuts it), its pages of several kinds
         if huge:  # hugetlbfs pages: whole pages of the mapping's own size
             hugetlb += _bounded(huge, overlap, outside, fields.get("KernelPageSize", OS_PAGE) or OS_PAGE)
             continue
