@@ -398,3 +398,29 @@ def test_two_threads_of_one_process_never_write_one_slot_at_once(shm_dir, ops):
         assert torch.equal(out.data, src.data)
     finally:
         store.close()
+
+
+def test_a_slot_another_writer_filled_after_this_one_chose_it_is_not_taken(shm_dir, ops):
+    """Two writers of one window (two attaches: two processes' locks): writer B stores its page
+    in the empty slot writer A had just picked (between A's look at the window and A's lock -
+    a writer descheduled there, as on a loaded box). A must not overwrite B's fresh page while
+    the window has empty slots: both pages read back byte-exact, nothing evicted."""
+    a, b = _open(shm_dir, ops, total=ONE_WINDOW), _open(shm_dir, ops, total=ONE_WINDOW)
+    src = Pages(2, seed=21)
+    chosen = a.index._victims
+
+    def stale(home):
+        order = chosen(home)  # what A saw: every slot empty
+        assert b.put(NS, ["b"], src.segments([1])) == [True]  # B fills the first of them meanwhile
+        return order
+
+    a.index._victims = stale
+    out = Pages(2, seed=22)
+    try:
+        assert a.put(NS, ["a"], src.segments([0])) == [True]
+        assert a.get(NS, ["a", "b"], out.segments()) == [True, True]
+        assert torch.equal(out.data, src.data)
+        assert a.arena.counters()["evictions"] == 0
+    finally:
+        a.close()
+        b.close()

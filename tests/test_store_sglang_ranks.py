@@ -71,7 +71,7 @@ def test_mla_at_tp4_keeps_one_copy_that_every_rank_loads(zygote, shm_dir):
     open(stored, "w").close()  # rank 0's pages are in: now every rank reads
     reports = [zygote.result(f"r{rank}") for rank in range(4)]
     assert [r["writer"] for r in reports] == [True, False, False, False]
-    assert [r["byte_exact"] for r in reports] == [True] * 4
+    assert [r["byte_exact"] for r in reports] == [True] * 4, [(r["exists"], r["fetched"], r["stats"]) for r in reports]
     assert [r["fetched"] for r in reports] == [PAGES] * 4
     assert {r["stats"]["pages"] for r in reports} == {PAGES}
     assert sum(r["created"] for r in reports) == 1
@@ -88,7 +88,7 @@ def test_mha_at_tp2_keeps_the_ranks_pages_apart_and_another_model_misses(zygote,
         zygote.wait_for(f"r{rank}", "stored")
     open(stored, "w").close()
     reports = [zygote.result(f"r{rank}") for rank in range(2)]
-    assert [r["byte_exact"] for r in reports] == [True, True]
+    assert [r["byte_exact"] for r in reports] == [True, True], [(r["exists"], r["fetched"], r["stats"]) for r in reports]
     assert {r["stats"]["pages"] for r in reports} == {2 * PAGES}
     _engine(zygote, "other", path=path, size_gb=SIZE_GB, kind="mha", layout="page_first", pools="sglang", seed=0,
             write=False, read_seed=31, tp_rank=0, tp_size=2, model="another/model")

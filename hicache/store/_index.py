@@ -131,26 +131,27 @@ class SlotIndex:
         return ok, torn, corrupt
 
     # -- writes ----------------------------------------------------------------------------------
-    def _victims(self, home: int) -> list[int]:
-        """The window's slots in the order a writer tries them: empty, then torn (a dead
-        writer's - its lock will be free), then unreferenced by descending depth, then the
-        rest by descending depth (CLOCK's second chance: their referenced bits are cleared)."""
+    def _victims(self, home: int) -> list[tuple[int, int]]:
+        """The window's slots in the order a writer tries them, each with the generation it was
+        seen with: empty, then torn (a dead writer's - its lock will be free), then unreferenced
+        by descending depth, then the rest by descending depth (CLOCK's second chance: their
+        referenced bits are cleared)."""
         empty, torn, cold, warm = [], [], [], []
         for j in range(self.plan.window):
             slot = (home + j) % self.plan.slots
             gen, key, _, _, _, depth, _, ref, _, _ = self._record(slot)
             if gen == 0 or key == ZERO_KEY:
-                empty.append(slot)
+                empty.append((slot, gen))
             elif gen & 1:
-                torn.append(slot)
+                torn.append((slot, gen))
             elif ref:
-                warm.append((depth, slot))
+                warm.append((depth, slot, gen))
             else:
-                cold.append((depth, slot))
+                cold.append((depth, slot, gen))
         if warm and not (empty or torn or cold):  # CLOCK's hand passes: every page loses its second chance
-            for _, slot in warm:
+            for _, slot, _ in warm:
                 ctypes.c_uint8.from_address(self.arena.record_addr(slot) + REF_OFFSET).value = 0
-        order = lambda pairs: [slot for _, slot in sorted(pairs, key=lambda p: (-p[0], p[1]))]  # noqa: E731
+        order = lambda triples: [(slot, gen) for _, slot, gen in sorted(triples, key=lambda t: (-t[0], t[1]))]  # noqa: E731
         return empty + torn + order(cold) + order(warm)
 
     def _hook(self, stage: str, page: int) -> None:
@@ -177,10 +178,13 @@ class SlotIndex:
                     continue
                 key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
                 taken = {slot for _, slot, _ in claimed}
-                for slot in self._victims(self.home(key)):
+                for slot, seen in self._victims(self.home(key)):
                     if slot in taken or not self._lock(slot):
                         continue
                     gen, old_key = self._record(slot)[GEN:KEY + 1]
+                    if gen != seen:  # another writer filled or changed it since we looked (it was
+                        self._unlock(slot)  # empty then, say): not ours to evict - the next one
+                        continue
                     if gen and not gen & 1 and old_key != ZERO_KEY:
                         result.evictions += 1
                     odd = gen + 1 if gen % 2 == 0 else gen + 2
