@@ -801,3 +801,35 @@ def test_a_back_ends_own_allocator_comes_from_sglang_and_hicache_registers_its_m
             shm.destroy()
             plain.destroy()
         assert fake.held() == set()
+
+
+def test_a_pool_inside_sglangs_budget_scope_is_admitted_by_it_as_sglangs(sglang):
+    """Inside SGLang's `host_memory_budget_scope` (its auto-sizing books every pool built inside
+    against one snapshot; its tests give pools a budget so) hicache's pool is admitted by the
+    scope, as SGLang's own, where hicache's own figure would refuse (a stated host of 1 MB), and
+    books its bytes in it; one past what is left is refused before any memory, naming the scope;
+    outside a scope, hicache's budget decides."""
+    from sglang.srt.mem_cache.pool_host import base
+
+    from hicache.errors import CapacityError
+
+    _, ours_cls = _classes("mha")
+    info = _device("mha").get_device_pool_infos()[0].buffer_info
+    tiny = dict(host_memory_bytes=10**6)  # hicache's own figure: room for none of it
+
+    def build():
+        return ours_cls(info, 2.0, 0, PAGE, "page_first", **KW, **tiny)
+
+    with fake_cuda() as fake:
+        with pytest.raises(CapacityError, match="host memory budget refused"):
+            build()
+        with base.host_memory_budget_scope(10**9):
+            pool = build()
+            try:
+                assert base._host_memory_budget.get() == 10**9 - pool.pool_plan.total_bytes  # booked
+            finally:
+                pool.destroy()
+        with base.host_memory_budget_scope(1000):
+            with pytest.raises(CapacityError, match="budget in force has"):
+                build()
+        assert fake.held() == set()

@@ -11,6 +11,8 @@ and SGLang's own destroy() leaves nothing held. Needs `make sglang`."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from sglang_support import cuda_at_destroy, published, recording_allocators, sglang  # noqa: F401 - sglang: a fixture
 
@@ -199,3 +201,26 @@ def test_a_ctrl_c_at_each_register_call_leaves_sglangs_constructor_holding_nothi
             assert fake.held() == set(), (k, when)
             assert made and all(allocator.owned() == [] for allocator in made), (k, when)
             fake.check_valid()
+
+
+def test_hicache_pools_inside_sglangs_budget_scope_leave_no_claim_once_up(plugged):
+    """With the plug-in loaded, SGLang's admission check (wrapped: it claims an admitted request
+    on the host-wide lock) admits hicache's pool inside SGLang's budget scope; once the pool is
+    up its claim is paid off - none left to shrink the host's room for the next rank."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    from hicache.effects._hostwide._lock import budget_lock
+    from hicache.pools import MHATokenToKVPoolHost
+
+    device = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=2,
+                              device="cpu", enable_memory_saver=False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    with fake_cuda(), host_memory_budget_scope(10**9):
+        pool = MHATokenToKVPoolHost(info, 2.0, 0, 16, "page_first", device_capacity_tokens=256, start_layer=0,
+                                    end_layer=1, host_memory_bytes=10**6)
+        try:
+            with budget_lock() as lock:
+                assert lock.pending_bytes() == 0 and os.getpid() not in lock.claims()
+        finally:
+            pool.destroy()

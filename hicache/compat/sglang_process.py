@@ -1,9 +1,10 @@
 """The live SGLang process as hicache's pools need it (issue #34 item 3): the one place outside
 the plug-in's hooks that reads SGLang's loaded modules. `SGLangProcess` answers the pools'
-three questions (`hicache.pools.server()`): SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through
+questions (`hicache.pools.server()`): SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through
 SGLang's own `envs` accessor (what its tests patch, its handling of a bad value), its PP-group
-sync of a fixed --hicache-size, and the allocator SGLang's `get_allocator_from_storage` gives a
-storage back end that brings its own memory. Modules are looked up, never imported: a process
+sync of a fixed --hicache-size, the allocator SGLang's `get_allocator_from_storage` gives a
+storage back end that brings its own memory, and the budget of SGLang's
+`host_memory_budget_scope` (its auto-sizing books every pool built inside against one snapshot). Modules are looked up, never imported: a process
 where SGLang did not load one simply has no answer there.
 """
 
@@ -36,6 +37,29 @@ class SGLangProcess:
         torch.distributed with a pipeline group; otherwise it returns ``size``)."""
         sync = getattr(sys.modules.get(_BASE), "sync_fixed_hicache_size", None)
         return int(sync(size, host_size)) if sync is not None else size
+
+    def book_host_memory(self, nbytes: int) -> int | None:
+        """Inside SGLang's `host_memory_budget_scope` (its auto-sizing, its tests): SGLang's own
+        `host_memory_budget_bytes(nbytes)`, which books ``nbytes`` against the scope's snapshot
+        when they fit and returns the allowance before - as SGLang's own pools are admitted there
+        (through the plug-in's admission hook, which claims them on the host-wide lock). None
+        outside a scope, or where SGLang's pool module is not loaded."""
+        base = sys.modules.get(_BASE)
+        scope = getattr(base, "_host_memory_budget", None)
+        if scope is None or scope.get() is None:
+            return None
+        return int(base.host_memory_budget_bytes(nbytes))
+
+    def host_memory_settled(self, nbytes: int, *, up: bool) -> None:
+        """The plug-in's claim for a request `book_host_memory` admitted: paid off once the pool
+        is up (its memory is resident), dropped when it failed - as compat's
+        ``alloc_with_host_register`` settles SGLang's own pools' claims."""
+        from hicache.effects import admission
+
+        if up:
+            admission.resident(nbytes)
+        else:
+            admission.abandon()
 
     def storage_allocator(self, name: str):
         """The allocator SGLang's own `get_allocator_from_storage` gives back end ``name`` when

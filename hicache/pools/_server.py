@@ -1,6 +1,7 @@
 """The server process as the host pools see it (issue #34 item 3): the serving engine's own
-chunk setting, its pipeline-parallel size sync and a storage back end's own allocator, asked of
-one object handed in from outside (`serve_in`) - a null one where no server handed one.
+chunk setting, its pipeline-parallel size sync, a storage back end's own allocator and the host
+memory budget it has in force, asked of one object handed in from outside (`serve_in`) - a null
+one where no server handed one.
 
 The pools never look the live server up themselves (no ``sys.modules`` read in pools/, which
 once gave an import-order bug): ``hicache.compat`` knows the SGLang process and its plug-in
@@ -29,6 +30,16 @@ class NoServer:
     def storage_allocator(self, name: str):
         """The allocator the server gives storage back end ``name`` (None: hicache's default)."""
         return None
+
+    def book_host_memory(self, nbytes: int) -> int | None:
+        """Where the server has a host-memory budget in force for the pools built now: book
+        ``nbytes`` against it (when they fit) and return what it allowed before; None where it
+        has none (hicache's host-wide budget decides)."""
+        return None
+
+    def host_memory_settled(self, nbytes: int, *, up: bool) -> None:
+        """A pool `book_host_memory` admitted is up (``up``) or failed: whatever the server keeps
+        for an admitted request until it is resident can go."""
 
 
 NO_SERVER = NoServer()
