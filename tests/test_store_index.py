@@ -11,7 +11,7 @@ import ctypes
 import threading
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from store_support import shm_dir  # noqa: F401 - a fixture
@@ -312,29 +312,6 @@ TestNoWrongBytes.settings = settings(max_examples=25, stateful_step_count=30, de
 def test_the_one_window_arena_has_sixteen_slots():
     """The constant the eviction tests rely on."""
     assert plan_store(ONE_WINDOW, slot_bytes=PAGE).slots == 16
-
-
-@given(words=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64),
-       cuts=st.lists(st.integers(1, 63), max_size=4, unique=True), seed1=st.integers(0, 2**64 - 1),
-       seed2=st.integers(0, 2**64 - 1))
-def test_the_checksum_is_the_same_for_any_split_of_a_page_and_in_both_implementations(words, cuts, seed1, seed2):
-    """A page's checksum depends on its words and the seeds only - not on how its segments cut
-    it - and the fallback computes the C helper's (where built) exactly."""
-    import struct
-
-    raw = bytearray(struct.pack(f"<{len(words)}Q", *words))
-    buffer = (ctypes.c_char * len(raw)).from_buffer(raw)
-    base = ctypes.addressof(buffer)
-    bounds = [0, *sorted(c for c in cuts if c < len(words)), len(words)]
-    spans = [(base + 8 * a, 8 * (b - a)) for a, b in zip(bounds, bounds[1:])]
-    whole = _slots.PythonSlotOps.copy_pages(2, [base], [0], [8 * len(words)], 1, [seed1, seed2])
-    split = _slots.PythonSlotOps.copy_pages(2, [base], [0] * len(spans), [n for _, n in spans], len(spans),
-                                           [seed1, seed2])
-    assert whole == split
-    if "native" in OPS:
-        assert _slots.NativeSlotOps.copy_pages(2, [base], [0] * len(spans), [n for _, n in spans], len(spans),
-                                               [seed1, seed2]) == whole
-    del buffer
 
 
 @pytest.mark.concurrency

@@ -63,17 +63,29 @@ def test_a_record_is_one_cache_line():
     assert RECORD.size <= RECORD_BYTES == 64
 
 
-def test_another_schema_is_a_geometry_error_naming_it():
-    """A header of a future schema (its CRC valid) says which schema it is."""
-    plan = plan_store(64 << 20, slot_bytes=4096)
-    raw = bytearray(encode_header(plan, label=""))
-    struct.pack_into("<I", raw, 8, 2)
-    body = bytes(raw[:-4])
+def _header_of_schema(schema: int) -> bytes:
+    """A header of ``schema`` with a valid CRC."""
     import zlib
 
-    raw[-4:] = struct.pack("<I", zlib.crc32(body))
-    with pytest.raises(ArenaGeometryError, match="schema 2"):
-        decode_header(bytes(raw))
+    raw = bytearray(encode_header(plan_store(64 << 20, slot_bytes=4096), label=""))
+    struct.pack_into("<I", raw, 8, schema)
+    raw[-4:] = struct.pack("<I", zlib.crc32(bytes(raw[:-4])))
+    return bytes(raw)
+
+
+def test_another_schema_is_a_geometry_error_naming_it():
+    """A header of a future schema (its CRC valid) says which schema it is."""
+    with pytest.raises(ArenaGeometryError, match="schema 3"):
+        decode_header(_header_of_schema(3))
+
+
+def test_an_arena_of_the_old_page_checksum_is_refused_naming_its_sum_and_the_drop():
+    """Schema 1's arenas carry the checksum that let bit flips through (issue #51): refused,
+    naming that sum and `hicache store drop`; this hicache writes schema 2."""
+    assert decode_header(encode_header(plan_store(64 << 20, slot_bytes=4096), label="x"))[1] == "x"
+    assert struct.unpack_from("<I", encode_header(plan_store(64 << 20, slot_bytes=4096), label=""), 8) == (2,)
+    with pytest.raises(ArenaGeometryError, match=r"schema 1.*fletcher4-folded.*hicache store drop"):
+        decode_header(_header_of_schema(1))
 
 
 def test_a_header_with_regions_its_geometry_would_not_make_is_corrupt():

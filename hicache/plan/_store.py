@@ -18,7 +18,13 @@ from hicache.errors import ArenaError, ArenaGeometryError, PlanError
 from hicache.plan._value import value_class
 
 MAGIC = b"HICSTORE"
-SCHEMA = 1
+SCHEMA = 1  # of the plan's JSON (`StorePlan.to_jsonable`)
+#: The arena header's schema, and which page checksum each one's slots carry (the header says;
+#: hicache.effects' arena room computes it). Schema 1's four Fletcher lanes, folded as
+#: a0 + 2a1 + 3a2 + 4a3 mod 2**64, lost the top bits of three lanes: some single-bit flips
+#: read as hits with wrong bytes (issue #51). Its arenas are refused at attach.
+ARENA_SCHEMA = 2
+PAGE_SUMS = {1: "fletcher4-folded", 2: "halfword-fletcher"}
 HEADER_BYTES = 4096  # the header page: fields, then the arena-wide counters at COUNTERS_OFFSET
 COUNTERS_OFFSET = 1024
 COUNTERS = ("hits", "misses", "torn", "corrupt", "evictions", "writes")
@@ -131,7 +137,7 @@ def encode_header(plan: StorePlan, *, label: str) -> bytes:
     raw_label = label.encode()
     if len(raw_label) > LABEL_BYTES:
         raise PlanError(f"store label must be at most {LABEL_BYTES} bytes of UTF-8, got {len(raw_label)}: {label!r}")
-    body = _HEADER.pack(MAGIC, SCHEMA, HEADER_BYTES, plan.total_bytes, plan.slot_bytes, plan.slot_stride, plan.slots,
+    body = _HEADER.pack(MAGIC, ARENA_SCHEMA, HEADER_BYTES, plan.total_bytes, plan.slot_bytes, plan.slot_stride, plan.slots,
                         plan.unit_bytes, plan.window, BACKINGS.index(plan.backing), plan.namespace_offset,
                         plan.index_offset, plan.data_offset, raw_label)
     return body + struct.pack("<I", zlib.crc32(body))
@@ -151,8 +157,15 @@ def decode_header(raw: bytes, *, where: str = "arena") -> tuple[StorePlan, str]:
         raise ArenaError(f"{where}: corrupt header (CRC {zlib.crc32(body):#010x} != stored {crc:#010x})")
     (_, schema, header_bytes, total, slot_bytes, stride, slots, unit, window, backing, ns_offset, index_offset,
      data_offset, label) = _HEADER.unpack(body)
-    if schema != SCHEMA:
-        raise ArenaGeometryError(f"{where}: schema {schema}, this hicache reads schema {SCHEMA} (drop and recreate it)")
+    if schema in PAGE_SUMS and schema != ARENA_SCHEMA:
+        raise ArenaGeometryError(
+            f"{where}: made by an older hicache (schema {schema}); its pages carry the {PAGE_SUMS[schema]} checksum, "
+            f"which lets some bit flips through, and this hicache reads only {PAGE_SUMS[ARENA_SCHEMA]} (schema "
+            f"{ARENA_SCHEMA}): drop it with `hicache store drop` and let it be recreated"
+        )
+    if schema != ARENA_SCHEMA:
+        raise ArenaGeometryError(f"{where}: schema {schema}, this hicache reads schema {ARENA_SCHEMA} "
+                                 "(made by a newer hicache? drop it with `hicache store drop` and recreate it)")
     if backing >= len(BACKINGS):
         raise ArenaError(f"{where}: corrupt header (backing {backing})")
     try:

@@ -6,10 +6,18 @@
  * ordered CPUs (aarch64: Grace Hopper) too.
  * copy_pages: a batch of page copies between a pool's page segments and arena slots, without the
  * GIL, checksumming every 8-byte word as it is copied - the checksum of exactly the bytes
- * written or delivered, in one pass at memory speed: four Fletcher lanes over the page's words
- * (word i goes to lane i % 4: a += w, b += a, mod 2**64; lane 0 starts at seed1, lane 1 at
- * seed2), folded as sum1 = a0 + 2 a1 + 3 a2 + 4 a3, sum2 = b0 + b1 + b2 + b3. Adds only, so the
- * compiler vectorizes it (a multiply per word ran at half of memcpy's speed).
+ * written or delivered, in one pass at memory speed. The sum (`hicache.plan`'s SUM_HALFWORD_FLETCHER,
+ * stated and proved in docs/store.md): the page's words w_i (i < N) as 2N half-words
+ * x_p = 32-bit halves (p = 2i low, 2i + 1 high), and
+ *     sum1 = seed1 + sum_i w_i                 mod 2**64
+ *     sum2 = seed2 + sum_p (2N - p) x_p        mod 2**64  (Fletcher's second sum over half-words)
+ * Any error inside one word moves sum1 by its nonzero difference: detected. Half-words summed
+ * into 64-bit lanes cannot wrap (below 2**32 of them), so two flips of one bit position that
+ * cancel in sum1 move sum2 by 2**k times a distance below 2**33: every error of at most two
+ * bits is detected too (pages below 16 GiB). Computed in 8 sub-lanes (word i in lane i % 4, its
+ * low and high half apart: a += x, b += a), folded at the page's end; adds, ands and shifts only,
+ * so SSE2 runs it beside the copy (the old sum folded lanes as a0 + 2a1 + 3a2 + 4a3 and lost the
+ * top bits: issue #51).
  * lookup: for each 16-byte key, the slot of its window holding it with an even generation.
  * Bounds are the caller's (hicache.effects._arena._slots checks every segment against the
  * arena and the pool before calling).
@@ -58,13 +66,29 @@ static int get_u64(PyObject *obj, Py_buffer *view, Py_ssize_t need, const char *
     return 0;
 }
 
-/* blocks of 4 words: copied from f to t (unless t is NULL) and summed into the lanes. On x86-64
- * SSE2 (its baseline), with streaming stores past the caches when t is 16-byte aligned - made
- * visible before the slot's generation is published by the sfence at the end of copy_pages. */
-static void blocks_sum(const unsigned char *f, unsigned char *t, uint64_t blocks, uint64_t *a, uint64_t *b) {
+/* the page's running sums: lane l (word i % 4), its low and high halves apart */
+typedef struct {
+    uint64_t alo[4], ahi[4], blo[4], bhi[4];
+} sums_t;
+
+static inline void word_sum(sums_t *s, uint64_t i, uint64_t w) {
+    int l = (int)(i & 3);
+    s->alo[l] += w & 0xFFFFFFFFu;
+    s->ahi[l] += w >> 32;
+    s->blo[l] += s->alo[l];
+    s->bhi[l] += s->ahi[l];
+}
+
+/* blocks of 4 words (the first in lane 0): copied from f to t (unless t is NULL) and summed. On
+ * x86-64 SSE2 (its baseline), with streaming stores past the caches when t is 16-byte aligned -
+ * made visible before the slot's generation is published by the sfence at the end of copy_pages. */
+static void blocks_sum(const unsigned char *f, unsigned char *t, uint64_t blocks, sums_t *s) {
 #if defined(__SSE2__)
-    __m128i a01 = _mm_set_epi64x((long long)a[1], (long long)a[0]), a23 = _mm_set_epi64x((long long)a[3], (long long)a[2]);
-    __m128i b01 = _mm_set_epi64x((long long)b[1], (long long)b[0]), b23 = _mm_set_epi64x((long long)b[3], (long long)b[2]);
+    const __m128i mask = _mm_set1_epi64x(0xFFFFFFFFLL);
+    __m128i alo01 = _mm_loadu_si128((const __m128i *)s->alo), alo23 = _mm_loadu_si128((const __m128i *)(s->alo + 2));
+    __m128i ahi01 = _mm_loadu_si128((const __m128i *)s->ahi), ahi23 = _mm_loadu_si128((const __m128i *)(s->ahi + 2));
+    __m128i blo01 = _mm_loadu_si128((const __m128i *)s->blo), blo23 = _mm_loadu_si128((const __m128i *)(s->blo + 2));
+    __m128i bhi01 = _mm_loadu_si128((const __m128i *)s->bhi), bhi23 = _mm_loadu_si128((const __m128i *)(s->bhi + 2));
     int stream = t != NULL && ((uintptr_t)t & 15) == 0;
     for (uint64_t q = 0; q < blocks; q++) {
         __m128i v01 = _mm_loadu_si128((const __m128i *)(f + 32 * q));
@@ -76,23 +100,40 @@ static void blocks_sum(const unsigned char *f, unsigned char *t, uint64_t blocks
             _mm_storeu_si128((__m128i *)(t + 32 * q), v01);
             _mm_storeu_si128((__m128i *)(t + 32 * q + 16), v23);
         }
-        a01 = _mm_add_epi64(a01, v01);
-        a23 = _mm_add_epi64(a23, v23);
-        b01 = _mm_add_epi64(b01, a01);
-        b23 = _mm_add_epi64(b23, a23);
+        alo01 = _mm_add_epi64(alo01, _mm_and_si128(v01, mask));
+        ahi01 = _mm_add_epi64(ahi01, _mm_srli_epi64(v01, 32));
+        alo23 = _mm_add_epi64(alo23, _mm_and_si128(v23, mask));
+        ahi23 = _mm_add_epi64(ahi23, _mm_srli_epi64(v23, 32));
+        blo01 = _mm_add_epi64(blo01, alo01);
+        bhi01 = _mm_add_epi64(bhi01, ahi01);
+        blo23 = _mm_add_epi64(blo23, alo23);
+        bhi23 = _mm_add_epi64(bhi23, ahi23);
     }
-    _mm_storeu_si128((__m128i *)a, a01);
-    _mm_storeu_si128((__m128i *)(a + 2), a23);
-    _mm_storeu_si128((__m128i *)b, b01);
-    _mm_storeu_si128((__m128i *)(b + 2), b23);
+    _mm_storeu_si128((__m128i *)s->alo, alo01); _mm_storeu_si128((__m128i *)(s->alo + 2), alo23);
+    _mm_storeu_si128((__m128i *)s->ahi, ahi01); _mm_storeu_si128((__m128i *)(s->ahi + 2), ahi23);
+    _mm_storeu_si128((__m128i *)s->blo, blo01); _mm_storeu_si128((__m128i *)(s->blo + 2), blo23);
+    _mm_storeu_si128((__m128i *)s->bhi, bhi01); _mm_storeu_si128((__m128i *)(s->bhi + 2), bhi23);
 #else
     for (uint64_t q = 0; q < blocks; q++) {
         uint64_t v[4];
         memcpy(v, f + 32 * q, 32);
         if (t != NULL) memcpy(t + 32 * q, v, 32);
-        for (int l = 0; l < 4; l++) { a[l] += v[l]; b[l] += a[l]; }
+        for (int l = 0; l < 4; l++) word_sum(s, (uint64_t)l, v[l]);
     }
 #endif
+}
+
+/* the page's (sum1, sum2) from its running sums over n words (see the charter) */
+static void fold_sums(const sums_t *s, uint64_t n, uint64_t seed1, uint64_t seed2, uint64_t *out) {
+    uint64_t sum1 = seed1, sum2 = seed2, halves = 2 * n;
+    for (uint64_t l = 0; l < 4; l++) {
+        uint64_t count = (n + 3 - l) / 4; /* words in lane l */
+        sum1 += s->alo[l] + (s->ahi[l] << 32);
+        sum2 += 8 * (s->blo[l] + s->bhi[l]) + (halves - 2 * l - 8 * count) * s->alo[l]
+                + (halves - 2 * l - 1 - 8 * count) * s->ahi[l];
+    }
+    out[0] = sum1;
+    out[1] = sum2;
 }
 
 typedef struct {
@@ -116,7 +157,9 @@ static void *run_share(void *arg) {
     const uint64_t *slot = job->slot, *ptr = job->ptr, *len = job->len;
     uint64_t *sum = job->sum;
     for (Py_ssize_t p = share->first; p < share->last; p++) {
-        uint64_t a[4] = {sum[2 * p], sum[2 * p + 1], 0, 0}, b[4] = {0, 0, 0, 0}, i = 0;
+        sums_t sums;
+        uint64_t i = 0;
+        memset(&sums, 0, sizeof sums);
         unsigned char *at = (unsigned char *)(uintptr_t)slot[p];
         for (Py_ssize_t s = 0; s < per_page; s++) {
             uint64_t n = len[p * per_page + s] / 8, k = 0, w;
@@ -126,25 +169,20 @@ static void *run_share(void *arg) {
             for (; k < n && (i & 3); k++, i++) { /* to a lane-0 word */
                 memcpy(&w, from + 8 * k, 8);
                 if (direction != 2) memcpy(to + 8 * k, &w, 8);
-                a[i & 3] += w;
-                b[i & 3] += a[i & 3];
+                word_sum(&sums, i, w);
             }
             uint64_t blocks = (n - k) / 4;
-            const unsigned char *f = from + 8 * k;
-            unsigned char *t = to + 8 * k;
-            blocks_sum(f, direction == 2 ? NULL : t, blocks, a, b);
+            blocks_sum(from + 8 * k, direction == 2 ? NULL : to + 8 * k, blocks, &sums);
             k += 4 * blocks;
             i += 4 * blocks;
             for (; k < n; k++, i++) {
                 memcpy(&w, from + 8 * k, 8);
                 if (direction != 2) memcpy(to + 8 * k, &w, 8);
-                a[i & 3] += w;
-                b[i & 3] += a[i & 3];
+                word_sum(&sums, i, w);
             }
             at += 8 * n;
         }
-        sum[2 * p] = a[0] + 2 * a[1] + 3 * a[2] + 4 * a[3];
-        sum[2 * p + 1] = b[0] + b[1] + b[2] + b[3];
+        fold_sums(&sums, i, sum[2 * p], sum[2 * p + 1], sum + 2 * p);
     }
 #if defined(__SSE2__)
     _mm_sfence();

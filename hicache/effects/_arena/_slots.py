@@ -76,29 +76,31 @@ class NativeSlotOps:
         return list(found), list(gens)
 
 
+_CHUNK = 1 << 15  # half-words per partial sum: 2**15 terms below 2**47 stay below 2**62 (no int64 wrap)
+
+
 def _page_sum(spans, seed1: int, seed2: int) -> tuple[int, int]:
-    """The C helper's checksum of the words at ``spans`` (``(addr, bytes)``, in page order): four
-    Fletcher lanes (word i in lane i % 4: a += w, b += a, mod 2**64; lane 0 seeded with
-    ``seed1``, lane 1 with ``seed2``), folded as (a0 + 2a1 + 3a2 + 4a3, b0 + b1 + b2 + b3). In
-    closed form: the m-th word of lane l adds (N_l - m) w to b_l, N_l being that lane's words."""
+    """The C helper's checksum of the words at ``spans`` (``(addr, bytes)``, in page order), in
+    closed form: ``sum1 = seed1 + sum(w_i)``, ``sum2 = seed2 + sum((2N - p) x_p)`` mod 2**64, x_p
+    the page's 2N 32-bit half-words (low half first). Exact integer arithmetic: every torch sum
+    is split so that no int64 can wrap (its overflow is undefined in C++), then summed in Python."""
     import torch
 
-    parts = [torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.int64) for addr, size in spans
+    parts = [torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.int32) for addr, size in spans
              if size]
-    words = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    total = words.numel()
-    index = torch.arange(total, dtype=torch.int64)
-    lane, m = index % 4, index // 4
-    counts = torch.tensor([(total - l + 3) // 4 for l in range(4)], dtype=torch.int64)
-    a = torch.zeros(4, dtype=torch.int64).index_add_(0, lane, words)
-    b = torch.zeros(4, dtype=torch.int64).index_add_(0, lane, words * (counts[lane] - m))
-    a_lanes = [int(v) & MASK for v in a]
-    b_lanes = [int(v) & MASK for v in b]
-    a_lanes[0] = (a_lanes[0] + seed1) & MASK
-    a_lanes[1] = (a_lanes[1] + seed2) & MASK
-    b_lanes[0] = (b_lanes[0] + int(counts[0]) * seed1) & MASK
-    b_lanes[1] = (b_lanes[1] + int(counts[1]) * seed2) & MASK
-    return (sum((l + 1) * v for l, v in enumerate(a_lanes)) & MASK, sum(b_lanes) & MASK)
+    if not parts:
+        return seed1 & MASK, seed2 & MASK
+    halves = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64) & 0xFFFFFFFF  # x_p, unsigned
+    count = halves.numel()  # 2N
+    low, high = halves[0::2], halves[1::2]
+    total = int(halves.sum())  # < 2**32 * 2N: exact below 2**31 half-words
+    sum1 = seed1 + int(low.sum()) + (int(high.sum()) << 32)
+    weighted = 0  # sum(p * x_p), x_p split in 16-bit halves so each chunk's sum stays exact
+    for first in range(0, count, _CHUNK):
+        x = halves[first:first + _CHUNK]
+        p = torch.arange(first, first + x.numel(), dtype=torch.int64)
+        weighted += int((p * (x & 0xFFFF)).sum()) + (int((p * (x >> 16)).sum()) << 16)
+    return sum1 & MASK, (seed2 + count * total - weighted) & MASK
 
 
 class PythonSlotOps:
