@@ -27,6 +27,7 @@ __all__ = [
     "NoAllocatorError",
     "HostPagesExhaustedError",
     "ArenaError",
+    "StoreClosedError",
     "ArenaGeometryError",
     "TraceOutputError",
     "caused_by_interrupt",
@@ -187,6 +188,11 @@ class ArenaError(HicacheError, ValueError):
 class ArenaGeometryError(ArenaError):
     """An arena exists but its geometry (slot bytes, size, schema) does not fit what this engine
     stores: the attach fails cleanly and the arena is untouched."""
+
+
+class StoreClosedError(HicacheError, RuntimeError):
+    """A node store used after its ``close()`` (the message names the arena and the call): the
+    arena is unmapped, so nothing was read or written - never a read of unmapped memory."""
 
 
 class TraceOutputError(HicacheError, ValueError):

@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache.compat._store_views import PoolView as _PoolView
 from hicache.compat._store_views import flat_segments as _flat_segments
-from hicache.errors import ArenaError, TransferError
+from hicache.errors import ArenaError, StoreClosedError, TransferError
 from hicache.store import Namespace, open_store, shard_of
 from hicache.plan.checks import is_integer, is_real
 
@@ -196,7 +196,7 @@ class HiCacheNodeStore(HiCacheStorage):
 
     def _ready(self) -> None:
         if self._closed:
-            raise RuntimeError("HiCacheNodeStore is closed")
+            raise StoreClosedError(f"HiCacheNodeStore {self.path}: closed")
         if self.store is None:  # a caller that never fired on_host_pools_registered
             self.on_host_pools_registered()
 
@@ -373,11 +373,13 @@ class HiCacheNodeStore(HiCacheStorage):
         return stats
 
     def close(self) -> None:
-        """Unmap the arena; idempotent. Its pages stay for the next engine."""
+        """Unmap the arena once the transfers in flight on SGLang's other threads are done;
+        idempotent. Later calls raise `StoreClosedError` (a RuntimeError), never touch unmapped
+        memory: the closed store stays in place, so a thread past `_ready` meets its error.
+        The arena's pages stay for the next engine."""
         self._closed = True
-        if self.store is not None:
+        if self.store is not None and not self.store.closed:
             from hicache import metrics
 
             metrics.untrack_store(self.path)
-            store, self.store = self.store, None
-            store.close()
+            self.store.close()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.errors import ArenaGeometryError, TransferError
+from hicache.errors import ArenaGeometryError, StoreClosedError, TransferError
 from hicache.plan import StorePlan, plan_store
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
 from hicache.store._keys import Namespace, shard_of, slot_keys
@@ -39,7 +40,16 @@ class StoreCounts:
 
 
 class NodeStore:
-    """Pages by key in one attached arena. Never waits for another process on a read."""
+    """Pages by key in one attached arena. Never waits for another process on a read.
+
+    Pointers are the caller's: a page's segments ``(ptr, bytes)`` are checked here to be whole
+    8-byte words making one page of the namespace, each segment inside the address space and
+    outside this arena's own mapping (a segment into the arena's index would overwrite every
+    attached engine's view of it) - not to lie inside memory the caller owns, which only the
+    caller knows (`HiCacheNodeStore` checks every segment against its pool's own buffers first).
+
+    Every call after `close` raises `StoreClosedError`; `close` waits for the calls in flight on
+    other threads (none of them waits on another process) and then unmaps."""
 
     def __init__(self, arena, *, fault_hook=None) -> None:
         self.arena = arena
@@ -48,11 +58,30 @@ class NodeStore:
         self._counting = threading.Lock()  # SGLang's prefetch and backup threads count at once
         self._digests: dict[Namespace, bytes] = {}
         self._entries: dict[Namespace, int] = {}
+        self._calls = threading.Condition()  # the calls in flight, which close() waits for
+        self._in_flight = 0
+        self._closing = False
         self.reclaimed = self.index.reclaim_torn() if not arena.created else 0
 
     @property
     def closed(self) -> bool:
-        return self.arena.closed
+        return self._closing or self.arena.closed
+
+    @contextmanager
+    def _open_for(self, call: str):
+        """The arena stays mapped until this call is done; after close() it is an error."""
+        with self._calls:
+            if self._closing or self.arena.closed:
+                raise StoreClosedError(f"node store {self.arena.path}: {call}() after close() (the arena is unmapped "
+                                       "here: attach it again with open_store)")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._calls.notify_all()
 
     def _digest(self, namespace: Namespace) -> bytes:
         """The namespace's digest (a read needs no table entry: a query registers nothing)."""
@@ -70,30 +99,49 @@ class NodeStore:
         return self._entries[namespace]
 
     def _check_pages(self, namespace: Namespace, keys, pages) -> None:
+        """Each page: the same number of segments as the first, whole 8-byte words adding up to
+        one page, none reaching outside the address space or into this arena's mapping."""
         if len(pages) != len(keys):
             raise TransferError(f"{len(keys)} keys but {len(pages)} pages")
+        arena_start, arena_end = self.arena.base, self.arena.base + self.arena.plan.total_bytes
         for i, segments in enumerate(pages):
             if len(segments) != len(pages[0]):
                 raise TransferError(f"page {i} has {len(segments)} segments, page 0 has {len(pages[0])}")
-            total = sum(size for _, size in segments)
-            if total != namespace.page_bytes or any(size % 8 or size <= 0 or ptr <= 0 for ptr, size in segments):
+            total = 0
+            for ptr, size in segments:
+                if size <= 0 or size % 8:
+                    raise TransferError(f"page {i}: a segment of {size} bytes is not whole 8-byte words")
+                if ptr <= 0 or ptr + size > 2**64:
+                    raise TransferError(f"page {i}: segment {ptr:#x} + {size} bytes is outside the address space")
+                if ptr < arena_end and arena_start < ptr + size:
+                    raise TransferError(f"page {i}: segment {ptr:#x} + {size} bytes lies in the arena's own mapping "
+                                        f"[{arena_start:#x}, {arena_end:#x}) ({self.arena.path})")
+                total += size
+            if total != namespace.page_bytes:
                 raise TransferError(f"page {i}: segments of {[s for _, s in segments]} bytes are not one page of "
-                                    f"{namespace.page_bytes} bytes in 8-byte words")
+                                    f"{namespace.page_bytes} bytes")
 
     def exists(self, namespace: Namespace, keys) -> int:
         """How many leading ``keys`` are held (SGLang's `batch_exists`)."""
-        if not keys:
-            return 0
-        return self.index.leading(slot_keys(self._digest(namespace), keys))
+        with self._open_for("exists"):
+            if not keys:
+                return 0
+            return self.index.leading(slot_keys(self._digest(namespace), keys))
 
     def present(self, namespace: Namespace, keys) -> list[bool]:
-        if not keys:
-            return []
-        found, _ = self.index.find(slot_keys(self._digest(namespace), keys))
-        return [slot != _arena.NOT_FOUND for slot in found]
+        """Whether each of ``keys`` is held."""
+        with self._open_for("present"):
+            if not keys:
+                return []
+            found, _ = self.index.find(slot_keys(self._digest(namespace), keys))
+            return [slot != _arena.NOT_FOUND for slot in found]
 
     def get(self, namespace: Namespace, keys, pages) -> list[bool]:
         """Copy each held key's page into its segments; a miss, torn or corrupt page is False."""
+        with self._open_for("get"):
+            return self._get(namespace, keys, pages)
+
+    def _get(self, namespace: Namespace, keys, pages) -> list[bool]:
         if not keys:
             return []
         digest = self._digest(namespace)
@@ -111,6 +159,10 @@ class NodeStore:
     def put(self, namespace: Namespace, keys, pages, *, first_depth: int = 0) -> list[bool]:
         """Store each key's page from its segments (``first_depth``: the chain position of the
         first key, from SGLang's ``prefix_keys``). True for pages stored or already held."""
+        with self._open_for("put"):
+            return self._put(namespace, keys, pages, first_depth=first_depth)
+
+    def _put(self, namespace: Namespace, keys, pages, *, first_depth: int) -> list[bool]:
         if not keys:
             return []
         digest, entry = self._digest(namespace), self._entry(namespace)
@@ -126,14 +178,23 @@ class NodeStore:
 
     def clear(self, namespaces=None) -> int:
         """Empty the pages of ``namespaces`` (default: every namespace this store used)."""
-        chosen = self._entries if namespaces is None else namespaces
-        entries = {self._entry(ns) for ns in chosen} - {NO_NAMESPACE}
-        return self.index.clear(entries)
+        with self._open_for("clear"):
+            chosen = self._entries if namespaces is None else namespaces
+            entries = {self._entry(ns) for ns in chosen} - {NO_NAMESPACE}
+            return self.index.clear(entries)
 
     def census(self) -> Census:
-        return self.index.census()
+        """What the arena holds now."""
+        with self._open_for("census"):
+            return self.index.census()
 
     def close(self) -> None:
+        """Wait for the calls in flight, then unmap; idempotent. Later calls raise
+        `StoreClosedError`. The arena's pages stay for the next attach."""
+        with self._calls:
+            self._closing = True
+            while self._in_flight:
+                self._calls.wait()
         self.arena.close()
 
 

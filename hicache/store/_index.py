@@ -103,10 +103,15 @@ class SlotIndex:
             return ok, 0, 0
         per_page = len(pages[0])
         records = {i: self._record(found[i]) for i in hits}
-        mismatched = sum(records[i][LENGTH] != page_bytes for i in hits)  # the key's digest fixes its length:
-        hits = [i for i in hits if records[i][LENGTH] == page_bytes]      # another one is a corrupt record
+        torn = corrupt = 0
+        for i in [i for i in hits if records[i][LENGTH] != page_bytes]:  # the key's digest fixes its length:
+            hits.remove(i)  # another length is a corrupt record - unless a writer moved the slot on meanwhile
+            if records[i][GEN] != gens[i] or self.ops.load(self.arena.record_addr(found[i])) != gens[i]:
+                torn += 1
+            else:
+                corrupt += 1
         if not hits:
-            return ok, 0, mismatched
+            return ok, torn, corrupt
         seeds, slots, ptrs, lens = [], [], [], []
         for i in hits:
             key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
@@ -116,7 +121,6 @@ class SlotIndex:
                 ptrs.append(ptr)
                 lens.append(size)
         sums = self.ops.copy_pages(1, slots, ptrs, lens, per_page, seeds)
-        torn, corrupt = 0, mismatched
         for i, (s1, s2) in zip(hits, sums):
             slot, record = found[i], records[i]
             if self.ops.load(self.arena.record_addr(slot)) != gens[i] or record[GEN] != gens[i]:

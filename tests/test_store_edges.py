@@ -1,0 +1,217 @@
+"""The node store at its edges (issue #51): a closed store is an error naming the arena and never
+a read of unmapped memory (in a child process: no signal), and `close()` waits for a transfer in
+flight on another thread; a segment is refused unless it is whole words, one page with every
+page cut alike, and outside the arena's own mapping; a record a writer is changing reads as torn,
+never corrupt; a second attach writes the windows the first one wrote (the first let its locks
+go)."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from store_support import shm_dir  # noqa: F401 - a fixture
+from test_store_index import NS, OPS, PAGE, Pages, _open
+
+from hicache.errors import StoreClosedError, TransferError
+from hicache.plan._store import LENGTH, RECORD
+from hicache.store._keys import slot_keys
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(params=OPS)
+def ops(request):
+    return request.param
+
+
+CALLS = {
+    "exists": lambda s, p: s.exists(NS, ["k"]),
+    "present": lambda s, p: s.present(NS, ["k"]),
+    "get": lambda s, p: s.get(NS, ["k"], p.segments()),
+    "put": lambda s, p: s.put(NS, ["k"], p.segments()),
+    "census": lambda s, p: s.census(),
+    "clear": lambda s, p: s.clear(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_every_call_on_a_closed_store_is_one_error_naming_the_arena(shm_dir, call):
+    """After close(), each call raises StoreClosedError naming the arena and the call; close()
+    again is a no-op."""
+    store, page = _open(shm_dir, "python"), Pages(1)
+    store.put(NS, ["k"], page.segments())
+    store.close()
+    store.close()
+    with pytest.raises(StoreClosedError, match=rf"{shm_dir}/arena: {call}\(\) after close"):
+        CALLS[call](store, page)
+
+
+@pytest.mark.concurrency
+def test_calls_after_close_in_a_child_process_raise_and_never_signal(shm_dir):
+    """issue #51's crash: in a fresh process (native ops where built), every call after close()
+    - NodeStore's and HiCacheNodeStore's zero-copy get - is an error; the child exits 0, no
+    SIGSEGV."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, "tests")
+        from test_store_index import NS, Pages
+        from test_store_edges import CALLS
+        from hicache.errors import StoreClosedError
+        from hicache.store import open_store
+        store = open_store({str(shm_dir / "arena")!r}, size_bytes=8 << 20, slot_bytes={PAGE})
+        page = Pages(1)
+        store.put(NS, ["k"], page.segments())
+        store.close()
+        for name, call in sorted(CALLS.items()):
+            try:
+                call(store, page)
+            except StoreClosedError:
+                print("refused", name)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == [f"refused {name}" for name in sorted(CALLS)]
+
+
+@pytest.mark.concurrency
+def test_close_waits_for_a_read_in_flight_and_the_read_completes(shm_dir, ops):
+    """A thread stopped inside a get's copy (an Event it waits on): close() on another thread
+    does not return while the copy is in flight; released, the read delivers its page byte-exact,
+    close() returns, and the next call is StoreClosedError."""
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=9)
+    store.put(NS, ["k"], src.segments())
+    inside, go, closed = threading.Event(), threading.Event(), threading.Event()
+    real = store.index.ops
+
+    class Stopping:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def copy_pages(direction, *args):
+            inside.set()
+            assert go.wait(60), "hang guard"
+            return real.copy_pages(direction, *args)
+
+    store.index.ops = Stopping()
+    result = []
+    reader = threading.Thread(target=lambda: result.append(store.get(NS, ["k"], dst.segments())))
+    closer = threading.Thread(target=lambda: (store.close(), closed.set()))
+    try:
+        reader.start()
+        assert inside.wait(60), "hang guard"
+        closer.start()
+        deadline = time.monotonic() + 60  # a hang guard
+        while not store.closed:
+            assert time.monotonic() < deadline, "hang guard"
+            time.sleep(0.001)
+        assert not closed.is_set() and not store.arena.closed  # it waits for the copy in flight
+    finally:
+        go.set()
+        reader.join(60)
+        closer.join(60)
+    assert result == [[True]] and torch.equal(dst.data, src.data) and closed.is_set()
+    with pytest.raises(StoreClosedError):
+        store.get(NS, ["k"], dst.segments())
+
+
+@pytest.mark.parametrize("case, match", [
+    ("mixed segment counts", "page 1 has 2 segments, page 0 has 1"),
+    ("a segment not whole words", "4 bytes is not whole 8-byte words"),
+    ("segments short of a page", "not one page"),
+    ("a null pointer", "outside the address space"),
+    ("past the address space", "outside the address space"),
+    ("into the arena's index", "arena's own mapping"),
+    ("ending in the arena's header", "arena's own mapping"),
+])
+@pytest.mark.parametrize("direction", ["put", "get"])
+def test_bad_segments_are_refused_before_any_copy(shm_dir, case, match, direction):
+    """Every page's segments are checked before any byte moves, on reads and writes: the same
+    number per page, whole 8-byte words, one page in all, inside the address space and outside
+    the arena's mapping (a segment into its index would wipe every engine's view of it)."""
+    store, src = _open(shm_dir, "python"), Pages(2)
+    try:
+        store.put(NS, ["a", "b"], src.segments())
+        index = store.arena.base + store.arena.plan.index_offset
+        snapshot = ctypes.string_at(index, store.arena.plan.index_bytes)
+        base = src.data[0].data_ptr()
+        pages = {
+            "mixed segment counts": [[(base, PAGE)], [(base, PAGE // 2), (base + PAGE // 2, PAGE // 2)]],
+            "a segment not whole words": [[(base, 4), (base + 4, PAGE - 4)]],
+            "segments short of a page": [[(base, PAGE - 8)]],
+            "a null pointer": [[(0, PAGE)]],
+            "past the address space": [[(2**64 - 8, PAGE)]],
+            "into the arena's index": [[(index, PAGE)]],
+            "ending in the arena's header": [[(store.arena.base - PAGE + 8, PAGE)]],
+        }[case]
+        keys = ["a", "b"][:len(pages)] if direction == "get" else ["x", "y"][:len(pages)]
+        with pytest.raises(TransferError, match=match):
+            getattr(store, direction)(NS, keys, pages)
+        assert ctypes.string_at(index, store.arena.plan.index_bytes) == snapshot
+        assert store.exists(NS, ["a", "b"]) == 2 and store.present(NS, ["x"]) == [False]
+    finally:
+        store.close()
+
+
+def test_a_record_a_writer_is_changing_reads_as_torn_not_corrupt(shm_dir, ops):
+    """Between the lookup and the record read another writer takes the slot (its generation odd,
+    its length being rewritten): torn, not corrupt - corrupt means bytes that failed their
+    checksum or a length no writer is changing."""
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=3)
+    store.put(NS, ["k"], src.segments())
+    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    addr = store.arena.record_addr(slot)
+    real_record = store.index._record
+
+    def mid_rewrite(at):
+        record = list(real_record(at))
+        if at == slot:  # a writer of another page claimed it: odd generation, its own length
+            store.arena.ops.store(addr, record[0] + 1)
+            record[0], record[LENGTH] = record[0] + 1, 8
+        return tuple(record)
+
+    store.index._record = mid_rewrite
+    try:
+        assert store.get(NS, ["k"], dst.segments()) == [False]
+        assert (store.counts.torn, store.counts.corrupt) == (1, 0)
+    finally:
+        store.close()
+
+
+def test_a_length_no_writer_is_changing_is_corrupt(shm_dir, ops):
+    """A record whose length differs from its namespace's page, its generation steady: corrupt."""
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=3)
+    store.put(NS, ["k"], src.segments())
+    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    offset = 8 + 16 + 8 + 8  # gen, key, sum1, sum2, then length
+    assert RECORD.unpack_from(ctypes.string_at(store.arena.record_addr(slot), RECORD.size))[LENGTH] == PAGE
+    ctypes.c_uint32.from_address(store.arena.record_addr(slot) + offset).value = PAGE - 8
+    try:
+        assert store.get(NS, ["k"], dst.segments()) == [False]
+        assert (store.counts.torn, store.counts.corrupt) == (0, 1)
+    finally:
+        store.close()
+
+
+def test_a_second_attach_rewrites_the_windows_the_first_wrote(shm_dir, ops):
+    """Two attaches (two processes' locks): after A stored a batch, B overwrites every slot of
+    that window - possible only if A let each slot's lock go - and A reads B's pages back."""
+    from test_store_index import ONE_WINDOW
+
+    a, b = _open(shm_dir, ops, total=ONE_WINDOW), _open(shm_dir, ops, total=ONE_WINDOW)
+    first, second = Pages(16, seed=30), Pages(16, seed=31)
+    out = Pages(16, seed=32)
+    try:
+        assert a.put(NS, [f"a{i}" for i in range(16)], first.segments()) == [True] * 16
+        assert b.put(NS, [f"b{i}" for i in range(16)], second.segments()) == [True] * 16
+        assert a.get(NS, [f"b{i}" for i in range(16)], out.segments()) == [True] * 16
+        assert torch.equal(out.data, second.data) and a.exists(NS, ["a0"]) == 0
+    finally:
+        a.close()
+        b.close()
