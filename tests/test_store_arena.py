@@ -188,13 +188,16 @@ def test_another_users_arena_is_refused(shm_dir):
         arena.attach_arena(path, uid=os.getuid() + 1)
 
 
-def test_an_arena_open_to_others_is_refused(shm_dir):
-    """Mode 0644: KV holds users' prompts, so the attach refuses and names the mode."""
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o602, 0o610, 0o601])
+def test_an_arena_open_to_others_is_refused(shm_dir, mode):
+    """Any group or other bit - read, write or execute, each alone: KV holds users' prompts, so
+    the attach refuses and names the mode; the owner can still drop it (what the error says to)."""
     path = str(shm_dir / "a")
     _created(path)
-    os.chmod(path, 0o644)
-    with pytest.raises(ArenaError, match="mode 0644 is open to group/others"):
+    os.chmod(path, mode)
+    with pytest.raises(ArenaError, match=f"mode {mode:04o} is open to group/others"):
         arena.attach_arena(path)
+    assert arena.drop_arena(path) is True and _listing(shm_dir) == []
 
 
 def test_a_symlink_is_refused(shm_dir):
@@ -371,6 +374,31 @@ def test_an_arena_counts_the_claims_still_filling_as_used(shm_dir, tmp_path):
         lock.record(ARENA_BYTES)  # a pool of this host admitted, nothing of it resident yet
     machine = facts(available_bytes=ARENA_BYTES * 3 // 2)  # room for the arena alone, not beside the pool
     with pytest.raises(CapacityError, match="host memory budget refused"):
+        open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=lock, machine=machine)
+    assert _listing(shm_dir) == []
+    with lock:
+        lock.forget(ARENA_BYTES)
+    open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=lock, machine=machine).close()
+
+
+def test_a_cgroup_limit_counts_the_claims_still_filling_as_used(shm_dir, tmp_path):
+    """The same inside a cgroup: memory is plentiful, the cgroup's limit leaves room for the
+    arena alone - but a claim still filling is charged to it already in the check (its usage
+    sample has none of it yet): refused with it pending, admitted once it is gone."""
+    from machine import facts
+
+    from hicache.effects import BudgetLock
+    from hicache.errors import CapacityError
+    from hicache.store import open_store
+
+    directory = tmp_path / "run"
+    directory.mkdir(mode=0o700)
+    lock = BudgetLock(directory)
+    with lock:
+        lock.record(ARENA_BYTES)
+    machine = facts(available_bytes=ARENA_BYTES * 100, cgroup_limit_bytes=ARENA_BYTES * 4,
+                    cgroup_usage_bytes=ARENA_BYTES * 5 // 2)  # room for 1.5 arenas: the arena, not it and the claim
+    with pytest.raises(CapacityError, match="cgroup"):
         open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=lock, machine=machine)
     assert _listing(shm_dir) == []
     with lock:

@@ -67,12 +67,13 @@ def test_status_shows_what_engines_stored_and_changes_no_byte(capsys, shm_dir):
 
 
 def test_drop_unlinks_and_a_second_drop_says_there_is_none(capsys, shm_dir):
-    """store drop unlinks the arena; a second drop is error[no-arena], exit 1."""
+    """store drop unlinks the arena; a second drop is error[arena], exit 2 - as status says of a
+    missing arena."""
     path = str(shm_dir / "kv")
     run(capsys, "store", "create", path, "--size-gb", "0.01", "--slot-bytes", "4096")
     assert run(capsys, "store", "drop", path)[0] == 0 and not os.path.exists(path)
     code, _, err = run(capsys, "store", "drop", path)
-    assert code == 1 and err.startswith("error[no-arena]:")
+    assert code == 2 and err.startswith(f"error[arena]: store arena {path}: does not exist")
 
 
 @pytest.mark.parametrize("argv, ref, code", [
@@ -147,3 +148,124 @@ def test_an_arena_beyond_the_nodes_memory_is_refused_by_the_budget(capsys, shm_d
     monkeypatch.setattr(effects, "probe_machine", lambda **_: facts(available_bytes=5_000_000))
     code, _, err = run(capsys, "store", "create", str(shm_dir / "kv"), "--size-gb", "0.01", "--slot-bytes", "4096")
     assert code == 1 and err.startswith("error[budget-refused]:") and os.listdir(shm_dir) == []
+
+
+def _not_a_file(kind: str, path):
+    """Make ``kind`` at ``path``: a FIFO, a listening Unix socket, a symlink to an arena or a
+    directory. Returns what must stay open until the test ends (the socket), else None."""
+    import socket
+
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "socket":
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(path))
+        return listener
+    elif kind == "symlink":
+        open_store(str(path) + ".real", size_bytes=8 << 20, slot_bytes=8192).close()
+        os.symlink(str(path) + ".real", path)
+    elif kind == "directory":
+        os.mkdir(path, 0o700)
+    return None
+
+
+@pytest.mark.parametrize("kind, said", [("fifo", "a FIFO"), ("socket", "a socket"), ("symlink", "a symbolic link"),
+                                        ("directory", "a directory")])
+@pytest.mark.parametrize("action", ["create", "status", "drop"])
+def test_anything_but_a_regular_file_at_the_path_is_one_error_line_before_any_wait(capsys, shm_dir, kind, said,
+                                                                                    action):
+    """A FIFO (whose open would block for ever), a socket, a symlink or a directory at the arena
+    path: create, status and drop each print one error[arena] line naming what is there, exit
+    2, leave it as it was, and never open it (a FIFO's open would hang the test: pytest's hang
+    guard and the child's timeout below would say so)."""
+    import subprocess
+    import sys
+
+    path = shm_dir / "arena"
+    keep = _not_a_file(kind, path)
+    argv = ["store", action, str(path)] + (["--size-gb", "0.01", "--slot-bytes", "8192"] if action == "create" else [])
+    try:
+        done = subprocess.run([sys.executable, "-m", "hicache", *argv], capture_output=True, text=True, timeout=120)
+    finally:
+        if keep is not None:
+            keep.close()
+    lines = done.stderr.strip().split("\n")
+    assert done.returncode == 2, done.stderr
+    assert lines[0].startswith(f"error[arena]: store arena {path}: is {said}") and "Traceback" not in done.stderr
+    assert len([line for line in lines if line.startswith("error")]) == 1
+    assert os.path.lexists(path)
+
+
+@pytest.mark.concurrency
+def test_a_flock_on_the_shared_directory_does_not_stall_creation(capsys, shm_dir):
+    """Another process holding `flock -x` on the arena's directory (what any user could do to
+    /dev/shm): create is unaffected - the creators' lock is a file of this user's own."""
+    import fcntl
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", _holder_script(str(shm_dir))], stdout=subprocess.PIPE,
+                              stdin=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # an event, not a sleep
+        fd = os.open(shm_dir, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # the directory really is locked
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        code, out, err = run(capsys, "store", "create", str(shm_dir / "arena"), "--size-gb", "0.01", "--slot-bytes",
+                             "8192")
+        assert code == 0, err
+        assert "created" in err
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
+        holder.stdout.close()
+
+
+def _holder_script(directory: str) -> str:
+    """A child that flocks ``directory`` exclusively, says "held", and keeps it until stdin closes."""
+    return ("import fcntl, os, sys\n"
+            f"fd = os.open({directory!r}, os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n")
+
+
+def test_a_creator_that_holds_the_lock_too_long_is_named_and_the_wait_ends(shm_dir, tmp_path):
+    """A waiter whose deadline passes (an injected clock) gives up with an error naming the
+    holder's pid and the lock file - it never waits for ever."""
+    import fcntl
+
+    from hicache.effects._arena._arena import _CreatorsLock
+    from hicache.errors import ArenaError
+
+    lock_dir = tmp_path / "run"
+    held = _CreatorsLock(str(shm_dir / "arena"), timeout_s=1, directory=lock_dir)
+    ticks = iter(range(0, 1000))
+    try:
+        with pytest.raises(ArenaError, match=rf"another creator \(pid {os.getpid()}\) held its lock .*arena-"):
+            _CreatorsLock(str(shm_dir / "arena"), timeout_s=5, directory=lock_dir, clock=lambda: next(ticks),
+                          sleep=lambda _: None)
+    finally:
+        held.close()
+    again = _CreatorsLock(str(shm_dir / "arena"), timeout_s=5, directory=lock_dir)  # released: taken at once
+    fcntl.flock(again.fd, fcntl.LOCK_UN)
+    again.close()
+
+
+def test_drop_removes_ones_own_arena_of_any_mode_as_status_says(capsys, shm_dir):
+    """An arena of mode 0644: status refuses it (exit 2) with a hint that says to drop it, and
+    drop does (exit 0); then drop and status both say there is none, in one error[arena] line,
+    exit 2."""
+    path = str(shm_dir / "arena")
+    open_store(path, size_bytes=8 << 20, slot_bytes=8192).close()
+    os.chmod(path, 0o644)
+    code, _, err = run(capsys, "store", "status", path)
+    assert code == 2 and "mode 0644" in err and "drop" in err
+    code, _, err = run(capsys, "store", "drop", path)
+    assert code == 0 and not os.path.lexists(path)
+    for action in ("drop", "status"):
+        code, _, err = run(capsys, "store", action, path)
+        assert code == 2 and err.startswith(f"error[arena]: store arena {path}: does not exist"), action

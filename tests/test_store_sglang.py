@@ -413,3 +413,58 @@ def test_a_pool_that_refuses_zero_copy_is_served_through_its_flat_pages(sglang, 
         assert all(torch.equal(_page(kv, 6 + i), want[i]) for i in range(2))
     finally:
         store.close()
+
+
+@pytest.mark.concurrency
+def test_close_racing_a_batch_get_v1_in_flight_waits_and_later_calls_are_errors(sglang, shm_dir, pools):
+    """SGLang's prefetch thread stopped inside batch_get_v1's copy (an Event): close() from
+    another thread waits for it; released, the read completes with the stored bytes, and every
+    later call - batch_get_v1, batch_set_v1, batch_exists - is StoreClosedError (a RuntimeError),
+    never a read of unmapped memory."""
+    import threading
+    import time
+
+    from hicache.errors import StoreClosedError
+
+    writer, reader = pools[0], pools[1]
+    store = _store(shm_dir / "arena", writer)
+    assert store.batch_set_v1(["a"], torch.arange(0, PAGE)) == [True]
+    store.close()
+    store = _store(shm_dir / "arena", reader)
+    inside, go, closed = threading.Event(), threading.Event(), threading.Event()
+    real = store.store.index.ops
+
+    class Stopping:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def copy_pages(direction, *args):
+            inside.set()
+            assert go.wait(60), "hang guard"
+            return real.copy_pages(direction, *args)
+
+    store.store.index.ops = Stopping()
+    result = []
+    prefetch = threading.Thread(target=lambda: result.append(store.batch_get_v1(["a"], torch.arange(2 * PAGE,
+                                                                                                   3 * PAGE))))
+    closer = threading.Thread(target=lambda: (store.close(), closed.set()))
+    try:
+        prefetch.start()
+        assert inside.wait(60), "hang guard"
+        closer.start()
+        deadline = time.monotonic() + 60  # a hang guard
+        while not store.store.closed:
+            assert time.monotonic() < deadline, "hang guard"
+            time.sleep(0.001)
+        assert not closed.is_set()  # it waits for the copy in flight
+    finally:
+        go.set()
+        prefetch.join(60)
+        closer.join(60)
+    assert result == [[True]] and closed.is_set()
+    assert torch.equal(_page(reader, 2), _page(writer, 0))
+    for call in (lambda: store.batch_get_v1(["a"], torch.arange(0, PAGE)),
+                 lambda: store.batch_set_v1(["b"], torch.arange(0, PAGE)), lambda: store.batch_exists(["a"])):
+        with pytest.raises(StoreClosedError, match="closed"):
+            call()

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from hicache.cli._common import INFEASIBLE, CliError, emit, positive_decimal, positive_int
+from hicache.cli._common import USAGE, CliError, emit, positive_decimal, positive_int
 from hicache.plan import format_bytes, format_gb, format_progress
 
 DESCRIPTION = (
@@ -105,9 +105,9 @@ def run(args) -> int:
     from hicache.store import drop_arena, open_store
 
     if args.action == "drop":
-        if not drop_arena(args.path):
-            raise CliError("no-arena", f"there is no arena at {args.path}", "hicache store status PATH shows one",
-                           INFEASIBLE)
+        if not drop_arena(args.path):  # as status words and codes it: one error[arena] line, exit 2
+            raise CliError("arena", f"store arena {args.path}: does not exist (nothing to drop)",
+                           "hicache store status PATH shows an arena; docs/store.md: where arenas go", USAGE)
         print(f"dropped {args.path}", file=sys.stderr)
         return 0
     if args.action == "status":

@@ -1,7 +1,9 @@
 """The node store's arena file: created once, attached by every engine on the node after.
 
-Create: under an exclusive flock of the arena's directory (so one process creates, the rest
-wait and then attach), the file is made with O_EXCL and mode 0600, ``posix_fallocate``d (a sparse
+Create: anything at the path but a regular file (FIFO, socket, device, symlink, directory) is
+refused before any wait; then, under the creators' lock of that path - a file of this user's in
+hicache's private runtime directory, never a lock on the shared directory another user could
+hold (so one process creates, the rest wait, naming the holder, and then attach) - the file is made with O_EXCL and mode 0600, ``posix_fallocate``d (a sparse
 tmpfs file would SIGBUS when tmpfs fills), mapped MAP_SHARED, pre-faulted by hicache's parallel
 MADV_POPULATE_WRITE workers, and its header written last: a file without a header is no arena,
 and one a creator died making (marked `CREATING` first - through a mapping on hugetlbfs, which
@@ -24,7 +26,7 @@ import time
 
 import attrs
 
-from hicache.errors import ArenaError, HostOutOfMemoryError
+from hicache.errors import ArenaError, HostOutOfMemoryError, LockDirectoryError
 from hicache.effects._arena._mounts import Backing, backing_of
 from hicache.effects._arena._slots import slot_ops, try_lock, unlock
 from hicache.plan._store import (
@@ -127,14 +129,36 @@ class Arena:
         os.close(self._fd)
 
 
-def _check_owner(path: str, info: os.stat_result, uid: int | None = None) -> None:
-    uid = os.getuid() if uid is None else uid
+_KINDS = ((stat.S_ISLNK, "a symbolic link (give the arena's own path)"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
+
+
+def _refuse_non_regular(path: str, info: os.stat_result | None = None) -> os.stat_result | None:
+    """The lstat of ``path`` (None when nothing is there); `ArenaError` naming what it is when
+    that is not a regular file - before anything opens it (a FIFO's open would block)."""
+    if info is None:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise ArenaError(f"store arena {path}: cannot be read ({error.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
-        raise ArenaError(f"store arena {path}: not a regular file")
+        what = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
+        raise ArenaError(f"store arena {path}: is {what}, not an arena file")
+    return info
+
+
+def _check_owner(path: str, info: os.stat_result, uid: int | None = None, *, mode: bool = True) -> None:
+    """A regular file of this user (``uid``), and - unless ``mode`` is False (dropping one's own
+    file) - open to nobody else: every group and other bit refused, read, write or execute."""
+    uid = os.getuid() if uid is None else uid
+    _refuse_non_regular(path, info)
     if info.st_uid != uid:
         raise ArenaError(f"store arena {path}: owned by uid {info.st_uid}, not this user (uid {uid}); "
                          "KV holds users' prompts: each user needs an arena of their own")
-    if info.st_mode & 0o077:
+    if mode and info.st_mode & 0o077:
         raise ArenaError(f"store arena {path}: mode {stat.S_IMODE(info.st_mode):04o} is open to group/others "
                          "(KV holds users' prompts): chmod 600 it, or drop and recreate it")
 
@@ -159,8 +183,9 @@ def attach_arena(path: str, *, page_bytes: int | None = None, total_bytes: int |
     ``backing``: the path's, when the caller read it already."""
     began = time.perf_counter()
     backing = backing_of(path, root=root) if backing is None else backing
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    _refuse_non_regular(path)
+    try:  # O_NONBLOCK: a FIFO swapped in since the lstat opens at once (and fails the owner check)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ArenaError(f"store arena {path}: does not exist (create it: hicache store create {path} ...)") from None
     except OSError as error:
@@ -215,22 +240,45 @@ def _prefault(base: int, length: int, unit: int, *, threads: int, progress) -> N
         pool.shutdown(wait=True)
 
 
-class _DirectoryLock:
-    """An exclusive flock of the arena's directory while one process creates (the others wait
-    on it, then attach). Released by close - and by the holder's death."""
+class _CreatorsLock:
+    """The creators' lock of one arena path: an exclusive flock of a file of this user's in
+    hicache's private runtime directory (mode 0700: no other user can hold it), named after the
+    path. One process creates, the others wait here, then attach. The holder writes its pid
+    in it, so a waiter that gives up names who held it. Released by close - and by the holder's
+    death (the kernel drops a dead process's flock)."""
 
-    def __init__(self, directory: str, *, timeout_s: float, clock=time.monotonic, sleep=time.sleep) -> None:
-        self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def __init__(self, path: str, *, timeout_s: float, directory=None, clock=time.monotonic,
+                 sleep=time.sleep) -> None:
+        import hashlib
+
+        from hicache.effects._hostwide._rundir import private_dir, runtime_dir
+
+        try:
+            base = private_dir(runtime_dir() if directory is None else directory)
+        except LockDirectoryError as error:
+            raise ArenaError(f"store arena {path}: no private directory for the creators' lock ({error})") from None
+        name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:24]
+        self.path = str(base / f"arena-{name}.lock")
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        except OSError as error:
+            raise ArenaError(f"store arena {path}: cannot open its creators' lock {self.path} ({error.strerror})") \
+                from None
         deadline = clock() + timeout_s
         while True:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
+                break
             except BlockingIOError:
                 if clock() > deadline:  # a hang guard: creating even a TB arena takes minutes
+                    holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
                     os.close(self.fd)
-                    raise ArenaError(f"store arena: {directory} stayed locked by another creator for {timeout_s:.0f} s")
+                    raise ArenaError(f"store arena {path}: another creator (pid {holder}) held its lock {self.path} "
+                                     f"for {timeout_s:.0f} s; is it still pre-faulting? (hicache store status "
+                                     f"{path} once it is done)") from None
                 sleep(0.01)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
     def close(self) -> None:
         os.close(self.fd)  # drops the flock
@@ -244,8 +292,10 @@ CREATING = b"HICINIT\0"
 def _incomplete(path: str, backing: Backing) -> bool:
     """A file at ``path`` a creator died making: empty, or still marked `CREATING` - or, on
     hugetlbfs (`_mark_creating`), one hugepage of zeros: a creator that died before its mark."""
+    if _refuse_non_regular(path) is None:
+        return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return False
     try:
@@ -291,19 +341,22 @@ def check_room(path: str, plan: StorePlan, backing: Backing) -> None:
 
 def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None = None, progress=None,
                  exist_ok: bool = True, page_bytes: int | None = None, total_bytes: int | None = None,
-                 ops=None, root: str = "/", wait_s: float = CREATE_WAIT_S, backing: Backing | None = None) -> Arena:
+                 ops=None, root: str = "/", wait_s: float = CREATE_WAIT_S, backing: Backing | None = None,
+                 lock_dir=None) -> Arena:
     """Create the arena at ``path`` with ``plan`` and pre-fault it - or, when it exists already
     (``exist_ok``), attach it as `attach_arena` does with ``page_bytes``/``total_bytes``.
     Checks the mount and its room first: `ArenaError` before anything is allocated
-    (``backing``: the path's, when the caller read it already)."""
+    (``backing``: the path's, when the caller read it already; ``lock_dir``: where the creators'
+    lock lives, default hicache's private runtime directory)."""
     backing = backing_of(path, root=root) if backing is None else backing
+    _refuse_non_regular(path)  # before any wait: a FIFO or a symlink is one error, not a hang
     if backing.kind != plan.backing or plan.unit_bytes != backing.unit_bytes:
         raise ArenaError(
             f"store arena {path}: {backing.mount.point} is {backing.kind} with {backing.unit_bytes}-byte pages, the plan "
             f"is for {plan.backing} with {plan.unit_bytes}-byte pages"
             + (" (wrong hugepage size: plan with the mount's pagesize=)" if backing.kind == "hugetlbfs" else "")
         )
-    lock = _DirectoryLock(backing.directory, timeout_s=wait_s)
+    lock = _CreatorsLock(path, timeout_s=wait_s, directory=lock_dir)
     try:
         if os.path.lexists(path):
             if _incomplete(path, backing):
@@ -354,13 +407,13 @@ def _create(path, plan, label, backing, *, threads, progress, ops) -> Arena:
 
 def drop_arena(path: str) -> bool:
     """Unlink the arena at ``path`` (its pages go when the last engine unmaps it). False when
-    there was none; `ArenaError` for what is not an arena of this user (never removed)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
+    there was none; `ArenaError` for what is not an arena of this user (never removed). Its mode
+    does not matter: one's own arena left open to others is exactly what status says to drop."""
+    info = _refuse_non_regular(path)
+    if info is None:
         return False
-    _check_owner(path, info)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    _check_owner(path, info, mode=False)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         if os.pread(fd, 8, 0) not in (b"HICSTORE", CREATING, b""):
             raise ArenaError(f"store arena {path}: not a hicache store arena (its first bytes differ): not removed")
