@@ -28,6 +28,7 @@ __all__ = [
     "HostPagesExhaustedError",
     "ArenaError",
     "StoreClosedError",
+    "NamespaceTableFullError",
     "ArenaGeometryError",
     "TraceOutputError",
     "caused_by_interrupt",
@@ -188,6 +189,12 @@ class ArenaError(HicacheError, ValueError):
 class ArenaGeometryError(ArenaError):
     """An arena exists but its geometry (slot bytes, size, schema) does not fit what this engine
     stores: the attach fails cleanly and the arena is untouched."""
+
+
+class NamespaceTableFullError(ArenaError):
+    """Every entry of an arena's namespace table holds pages (or is being written): a write of a
+    new namespace is refused, naming the arena - its pages are never filed under another entry.
+    Entries are freed when their last page goes (`clear`, eviction)."""
 
 
 class StoreClosedError(HicacheError, RuntimeError):

@@ -215,3 +215,92 @@ def test_a_second_attach_rewrites_the_windows_the_first_wrote(shm_dir, ops):
     finally:
         a.close()
         b.close()
+
+
+def _namespace(i: int):
+    from hicache.store import Namespace
+
+    return Namespace(model=f"model-{i}", dtype="torch.bfloat16", page_tokens=16, layout="page_first/segments",
+                     pool="kv", page_bytes=PAGE, shard=(("tp", 0, 1),))
+
+
+def test_300_namespaces_each_cleared_leave_nothing_behind(shm_dir, ops):
+    """300 namespaces (more than the table's 256 entries), each storing pages and then cleared:
+    every clear() leaves no page of its namespace, its entry goes back to the table, and no page
+    is ever filed under the old overflow entry 65535."""
+    from hicache.store._index import NO_NAMESPACE
+
+    store, src = _open(shm_dir, ops), Pages(2)
+    try:
+        for i in range(300):
+            namespace = _namespace(i)
+            assert store.put(namespace, ["a", "b"], src.segments()) == [True, True]
+            census = store.census()
+            assert NO_NAMESPACE not in census.by_namespace and census.pages == 2
+            assert store.clear([namespace]) == 2
+            assert store.census().pages == 0 and store.present(namespace, ["a", "b"]) == [False, False]
+        assert store.index.namespaces() == {}
+    finally:
+        store.close()
+
+
+def test_a_full_table_frees_entries_without_pages_and_refuses_when_none_is(shm_dir, ops):
+    """256 namespaces holding a page each fill the table: a 257th namespace's write is
+    NamespaceTableFullError naming the arena (its page is filed nowhere), reads still answer;
+    once one namespace's last page goes (another process's clear), the next write takes its
+    entry."""
+    from hicache.errors import NamespaceTableFullError
+
+    store, other, src = _open(shm_dir, ops), _open(shm_dir, ops), Pages(1)
+    try:
+        for i in range(256):
+            assert store.put(_namespace(i), ["k"], src.segments()) == [True]
+        with pytest.raises(NamespaceTableFullError, match=rf"{shm_dir}/arena: all 256 namespace entries hold pages"):
+            store.put(_namespace(256), ["k"], src.segments())
+        assert store.census().pages == 256 and store.exists(_namespace(3), ["k"]) == 1
+        assert other.clear([_namespace(7)]) == 1
+        assert store.put(_namespace(256), ["k"], src.segments()) == [True]
+        assert store.exists(_namespace(256), ["k"]) == 1 and store.exists(_namespace(7), ["k"]) == 0
+        assert len(store.index.namespaces()) == 256
+    finally:
+        store.close()
+        other.close()
+
+
+def test_entries_whose_pages_were_evicted_are_freed_when_the_table_fills(shm_dir, ops):
+    """On a one-window arena (16 slots) 300 namespaces write one page each: eviction takes the
+    old pages, and each registration past the 256th frees entries no page names - every write
+    is stored, the table never overflows."""
+    from test_store_index import ONE_WINDOW
+
+    store, src = _open(shm_dir, ops, total=ONE_WINDOW), Pages(1)
+    try:
+        for i in range(300):
+            assert store.put(_namespace(i), ["k"], src.segments()) == [True]
+        assert len(store.index.namespaces()) <= 256 and store.census().pages == 16
+    finally:
+        store.close()
+
+
+def test_a_namespace_entry_held_by_a_writer_is_not_freed_and_a_freed_one_is_claimed_again(shm_dir, ops):
+    """A writer holding its entry (shared) keeps another attach from freeing it even with no
+    page under it yet; a store whose cached entry was freed since (another attach's clear)
+    claims an entry again on its next write, and its page is cleared with its namespace."""
+    a, b, src = _open(shm_dir, ops), _open(shm_dir, ops), Pages(1)
+    namespace = _namespace(1)
+    try:
+        assert a.put(namespace, ["k"], src.segments()) == [True]
+        entry = a.index.entry_of(namespace.digest)
+        assert a.index.hold_entry(entry, namespace.digest)
+        assert b.clear([namespace]) == 1 and b.index.entry_of(namespace.digest) == entry  # held: not freed
+        assert a.index.free_entries([entry]) == 0  # nor by a's own process while its writer holds it
+        a.index.release_entry(entry)
+        assert b.index.free_entries([entry]) == 1 and b.index.namespaces() == {}
+        b.put(_namespace(2), ["x"], src.segments())  # takes the freed entry
+        assert b.index.entry_of(_namespace(2).digest) == entry
+        assert a.put(namespace, ["k"], src.segments()) == [True]  # a's cache is stale: claims again
+        assert a.index.entry_of(namespace.digest) not in (entry, 0xFFFF)
+        assert b.clear([namespace]) == 1 and b.census().pages == 1 and b.exists(_namespace(2), ["x"]) == 1
+    finally:
+        a.close()
+        b.close()

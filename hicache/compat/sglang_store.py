@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache.compat._store_views import PoolView as _PoolView
 from hicache.compat._store_views import flat_segments as _flat_segments
-from hicache.errors import ArenaError, StoreClosedError, TransferError
+from hicache.errors import ArenaError, NamespaceTableFullError, StoreClosedError, TransferError
 from hicache.store import Namespace, open_store, shard_of
 from hicache.plan.checks import is_integer, is_real
 
@@ -264,12 +264,11 @@ class HiCacheNodeStore(HiCacheStorage):
         began = time.perf_counter()
         if view.zero_copy:
             pages = view.segments(starts)
-            ok = (self.store.put(view.namespace, keys, pages, first_depth=depth) if write
-                  else self.store.get(view.namespace, keys, pages))
+            ok = (self._put(view, keys, pages, depth) if write else self.store.get(view.namespace, keys, pages))
         else:  # SGLang's flat data pages: one staging copy each way
             if write:
                 flats = [_flat_segments(view.pool.get_data_page(s, flat=True)) for s in starts]
-                ok = self.store.put(view.namespace, keys, [seg for seg, _ in flats], first_depth=depth)
+                ok = self._put(view, keys, [seg for seg, _ in flats], depth)
             else:
                 flats = [_flat_segments(view.staging_page()) for _ in starts]
                 ok = self.store.get(view.namespace, keys, [seg for seg, _ in flats])
@@ -282,6 +281,15 @@ class HiCacheNodeStore(HiCacheStorage):
         self._pending[f"{kind}_pgs"].append(moved)
         self._pending[f"{kind}_bandwidth"].append(moved * view.page_bytes / seconds / 2**30)
         return ok
+
+    def _put(self, view: _PoolView, keys, pages, depth: int) -> list[bool]:
+        """Store pages; a full namespace table fails this batch's pages (False, logged), as
+        SGLang's backup expects of a store that cannot take them - it never crashes the thread."""
+        try:
+            return self.store.put(view.namespace, keys, pages, first_depth=depth)
+        except NamespaceTableFullError as error:
+            logger.error("HiCacheNodeStore: %s", error)
+            return [False] * len(keys)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         return self._transfer(self._view(PoolName.KV.value), keys, host_indices, write=False, depth=0)
@@ -347,7 +355,7 @@ class HiCacheNodeStore(HiCacheStorage):
             if segments[0][1] != view.page_bytes:
                 raise TransferError(f"HiCacheNodeStore.batch_set: value for {key!r} has {segments[0][1]} bytes, a "
                                     f"flat page is {view.page_bytes}")
-        return all(self.store.put(view.namespace, keys, [seg for seg, _ in flats])) if keys else True
+        return all(self._put(view, keys, [seg for seg, _ in flats], 0)) if keys else True
 
     # -- the rest --------------------------------------------------------------------------------
     def clear(self) -> None:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.errors import ArenaGeometryError, StoreClosedError, TransferError
+from hicache.errors import ArenaError, ArenaGeometryError, StoreClosedError, TransferError
 from hicache.plan import StorePlan, plan_store
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
 from hicache.store._keys import Namespace, shard_of, slot_keys
@@ -57,7 +57,8 @@ class NodeStore:
         self.counts = StoreCounts()
         self._counting = threading.Lock()  # SGLang's prefetch and backup threads count at once
         self._digests: dict[Namespace, bytes] = {}
-        self._entries: dict[Namespace, int] = {}
+        self._entries: dict[Namespace, int] = {}  # a cache: `_held_entry` checks it on every write
+        self._used: set[Namespace] = set()  # what clear() empties by default
         self._calls = threading.Condition()  # the calls in flight, which close() waits for
         self._in_flight = 0
         self._closing = False
@@ -92,11 +93,20 @@ class NodeStore:
             self._digests[namespace] = namespace.digest
         return self._digests[namespace]
 
-    def _entry(self, namespace: Namespace) -> int:
-        """The namespace's entry in the arena's table (claimed by the first write)."""
-        if namespace not in self._entries:
-            self._entries[namespace] = self.index.register_namespace(self._digest(namespace), namespace.description)
-        return self._entries[namespace]
+    def _held_entry(self, namespace: Namespace) -> int:
+        """The namespace's table entry, claimed by its first write and held (shared) until
+        `release_entry`: another process cannot free it while pages go under it. A cached entry
+        that was freed (or reused) since is claimed again."""
+        digest = self._digest(namespace)
+        for _ in range(3):  # a free racing us: look again (3: a hang guard, one retry suffices)
+            entry = self._entries.get(namespace)
+            if entry is None:
+                entry = self._entries[namespace] = self.index.register_namespace(digest, namespace.description)
+            if self.index.hold_entry(entry, digest):
+                return entry
+            self._entries.pop(namespace, None)
+        raise ArenaError(f"node store {self.arena.path}: the namespace entry of {namespace.description!r} was freed "
+                         "three times while claiming it")
 
     def _check_pages(self, namespace: Namespace, keys, pages) -> None:
         """Each page: the same number of segments as the first, whole 8-byte words adding up to
@@ -165,11 +175,16 @@ class NodeStore:
     def _put(self, namespace: Namespace, keys, pages, *, first_depth: int) -> list[bool]:
         if not keys:
             return []
-        digest, entry = self._digest(namespace), self._entry(namespace)
+        digest = self._digest(namespace)
         self._check_pages(namespace, keys, pages)
-        depths = [first_depth + i for i in range(len(keys))]
-        result = self.index.write(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes, depths=depths,
-                                  namespace=entry)
+        self._used.add(namespace)
+        entry = self._held_entry(namespace)
+        try:
+            depths = [first_depth + i for i in range(len(keys))]
+            result = self.index.write(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes, depths=depths,
+                                      namespace=entry)
+        finally:
+            self.index.release_entry(entry)
         with self._counting:
             self.counts.evictions += result.evictions
             self.counts.writes += result.written
@@ -177,11 +192,16 @@ class NodeStore:
         return result.stored
 
     def clear(self, namespaces=None) -> int:
-        """Empty the pages of ``namespaces`` (default: every namespace this store used)."""
+        """Empty the pages of ``namespaces`` (default: every namespace this store wrote) and
+        free their table entries; returns how many pages went."""
         with self._open_for("clear"):
-            chosen = self._entries if namespaces is None else namespaces
-            entries = {self._entry(ns) for ns in chosen} - {NO_NAMESPACE}
-            return self.index.clear(entries)
+            chosen = self._used if namespaces is None else namespaces
+            entries = {self.index.entry_of(self._digest(ns)) for ns in chosen} - {NO_NAMESPACE}
+            if not entries:
+                return 0
+            cleared = self.index.clear(entries)
+            self.index.free_entries(entries)
+            return cleared
 
     def census(self) -> Census:
         """What the arena holds now."""

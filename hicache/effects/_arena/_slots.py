@@ -38,6 +38,15 @@ def try_lock(fd: int, offset: int, length: int) -> bool:
     return True
 
 
+def try_read_lock(fd: int, offset: int, length: int) -> bool:
+    """A shared OFD lock on the range (many holders; excludes a write lock), or False at once."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, 0, offset, length, 0))
+    except OSError:
+        return False
+    return True
+
+
 def unlock(fd: int, offset: int, length: int) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, 0, offset, length, 0))
 
