@@ -304,3 +304,72 @@ def test_a_namespace_entry_held_by_a_writer_is_not_freed_and_a_freed_one_is_clai
     finally:
         a.close()
         b.close()
+
+
+_ROLE = """
+import sys, torch
+sys.path.insert(0, "tests")
+from test_store_index import NS, PAGE
+from hicache.store import open_store
+
+role, path, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+keys = [f"k{i}" for i in range(24)]
+# each key's bytes are fixed (derived from the key): any hit must deliver exactly them
+pages = torch.stack([torch.full((PAGE,), i + 1, dtype=torch.uint8) ^ torch.arange(PAGE, dtype=torch.uint8)
+                     for i in range(24)])
+out = torch.zeros_like(pages)
+store = open_store(path, size_bytes=None, slot_bytes=PAGE)
+print("ready", flush=True)
+sys.stdin.readline()  # "go": every role starts together
+wrong = hits = 0
+for r in range(rounds):
+    if role == "writer":
+        store.put(NS, keys[r % 3::3], [[(pages[i].data_ptr(), PAGE)] for i in range(24)][r % 3::3])
+    elif role == "clearer":
+        store.clear([NS])
+    else:
+        ok = store.get(NS, keys, [[(out[i].data_ptr(), PAGE)] for i in range(24)])
+        hits += sum(ok)
+        wrong += sum(1 for i, hit in enumerate(ok) if hit and not torch.equal(out[i], pages[i]))
+print("done", store.counts.corrupt, store.counts.torn, wrong, hits, flush=True)
+store.close()
+"""
+
+
+@pytest.mark.concurrency
+def test_three_processes_writing_clearing_and_reading_the_same_keys_count_nothing_corrupt(shm_dir):
+    """A writer, a clearer and a reader process over the same 24 keys, started together
+    (bounded loops): no read delivers a wrong byte, and nothing is counted corrupt - a page a
+    writer or a clear was changing is torn or a miss, never "corrupt" (issue #51 item 5: 299
+    on a healthy node)."""
+    import subprocess
+
+    path = str(shm_dir / "arena")
+    _open(shm_dir, "python").close()
+    rounds = {"writer": 300, "clearer": 300, "reader": 300}
+    children = {role: subprocess.Popen([sys.executable, "-c", _ROLE, role, path, str(n)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True) for role, n in rounds.items()}
+    try:
+        for child in children.values():
+            assert child.stdout.readline().strip() == "ready"
+        for child in children.values():
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        results = {}
+        for role, child in children.items():
+            words = child.stdout.readline().split()
+            assert words and words[0] == "done", role
+            results[role] = [int(w) for w in words[1:]]
+            assert child.wait(120) == 0
+    finally:
+        for child in children.values():
+            child.kill() if child.poll() is None else None
+            child.stdin.close()
+            child.stdout.close()
+    corrupt, torn, wrong, _ = results["reader"]
+    assert (corrupt, wrong) == (0, 0), results
+    store = _open(shm_dir, "python")
+    try:
+        assert store.arena.counters()["corrupt"] == 0
+    finally:
+        store.close()
