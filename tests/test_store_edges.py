@@ -373,3 +373,18 @@ def test_three_processes_writing_clearing_and_reading_the_same_keys_count_nothin
         assert store.arena.counters()["corrupt"] == 0
     finally:
         store.close()
+
+
+def test_the_python_example_in_docs_store_md_runs_as_written(shm_dir):
+    """docs/store.md's NodeStore example, run with its arena moved into the test's directory:
+    it stores, reads its hits back and closes."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "store.md").read_text()
+    block = text.split("## From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"/dev/shm/my-arena"' in block
+    scope: dict = {}
+    exec(compile(block.replace('"/dev/shm/my-arena"', repr(str(shm_dir / "arena"))), "docs/store.md", "exec"), scope)
+    assert scope["hits"] == [True, True, False] and torch.equal(scope["out"][:2], scope["pages"][:2])
+    with pytest.raises(StoreClosedError):
+        scope["store"].exists(scope["ns"], ["a"])
