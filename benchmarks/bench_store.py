@@ -39,15 +39,24 @@ PAGES = 128
 ROUNDS = int(os.environ.get("HICACHE_BENCH_ROUNDS", "5"))
 
 
+#: tokens per page of each case: the small one is a 16-token page of a small model (64 KiB)
+PAGE_TOKENS = {"mla": 64, "mha": 64, "small": 16}
+KINDS = os.environ.get("HICACHE_BENCH_STORE_KINDS", "small,mla,mha").split(",")
+
+
 def _pool(kind: str):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     import hicache.pools as pools
 
-    tokens = 2 * PAGES * 64
-    common = dict(size=tokens, page_size=64, dtype=torch.bfloat16, device="cpu", enable_memory_saver=False)
-    if kind == "mla":
+    page = PAGE_TOKENS[kind]
+    tokens = 2 * PAGES * page
+    common = dict(size=tokens, page_size=page, dtype=torch.bfloat16, device="cpu", enable_memory_saver=False)
+    if kind == "small":  # 8 layers x 1 KV head x 128 x bf16 x 16 tokens x K and V: 64 KiB
+        device = MHATokenToKVPool(head_num=1, head_dim=128, layer_num=8, **common)
+        cls, layers = pools.MHATokenToKVPoolHost, 8
+    elif kind == "mla":
         device = MLATokenToKVPool(kv_lora_rank=512, qk_rope_head_dim=64, layer_num=61, **common)
         cls, layers = pools.MLATokenToKVPoolHost, 61
     else:
@@ -55,7 +64,7 @@ def _pool(kind: str):
         cls, layers = pools.MHATokenToKVPoolHost, 80
     info = device.get_device_pool_infos()[0].buffer_info
     extra = dict(target_layer_num=layers) if kind == "mla" else {}
-    host = cls(info, 1.0, 0, 64, "page_first_direct", device_capacity_tokens=tokens, start_layer=0,
+    host = cls(info, 1.0, 0, page, "page_first_direct", device_capacity_tokens=tokens, start_layer=0,
                end_layer=layers - 1, host_memory_bytes=10**12, **extra)
     del device
     for buffer in (host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]):
@@ -88,7 +97,8 @@ def _batches(kind: str, shm: str) -> list[str]:
     theirs = HiCacheFile(_config(kind, {}), file_path=file_dir)
     theirs.register_mem_pool_host(host)
     theirs.register_mem_host_pool_v2(host, PoolName.KV)
-    source, target = torch.arange(0, PAGES * 64), torch.arange(PAGES * 64, 2 * PAGES * 64)
+    page = PAGE_TOKENS[kind]
+    source, target = torch.arange(0, PAGES * page), torch.arange(PAGES * page, 2 * PAGES * page)
     keys = [f"{kind}-{i:04d}" for i in range(PAGES)]
     put = [PoolTransfer(name=PoolName.KV, host_indices=source, keys=keys)]
     get = [PoolTransfer(name=PoolName.KV, host_indices=target, keys=keys)]
@@ -101,7 +111,7 @@ def _batches(kind: str, shm: str) -> list[str]:
         assert all(theirs.batch_set_v2(put)[PoolName.KV])
         return lambda: theirs.clear()
 
-    label = f"{kind} page {page_bytes / 1e6:.1f} MB, {PAGES}-page batch"
+    label = f"{kind} page {page_bytes / 1e6:.3g} MB, {PAGES}-page batch"
     writes = interleaved({"ours": set_ours, "theirs": set_theirs}, rounds=ROUNDS)
     lines = [median_line(f"store batch_set_v1 ({label})", writes["ours"], "HiCacheFile batch_set_v2 on /dev/shm",
                          writes["theirs"])]
@@ -124,6 +134,34 @@ def _batches(kind: str, shm: str) -> list[str]:
     shutil.rmtree(file_dir, ignore_errors=True)
     os.unlink(arena)
     return lines
+
+
+def _checksum_copy(page_bytes: int) -> str:
+    """The store's copy that checksums as it goes (the C helper, a 128-page write into slots)
+    against plain memmove of the same pages: what the checksum costs the copy (issue #51)."""
+    import ctypes
+
+    import torch
+
+    from hicache.effects._arena import _slots
+
+    if _slots._native is None:
+        return "store copy+checksum: the C helper is not built (no compiler): skipped"
+    src = torch.randint(-2**62, 2**62, (PAGES, page_bytes // 8), dtype=torch.int64)
+    dst = torch.zeros_like(src)
+    slots, ptrs = [dst[i].data_ptr() for i in range(PAGES)], [src[i].data_ptr() for i in range(PAGES)]
+
+    def summed():
+        _slots.NativeSlotOps.copy_pages(0, slots, ptrs, [page_bytes] * PAGES, 1, [1, 2] * PAGES)
+
+    def plain():
+        for i in range(PAGES):
+            ctypes.memmove(slots[i], ptrs[i], page_bytes)
+
+    times = interleaved({"ours": summed, "theirs": plain}, rounds=max(ROUNDS, 15))
+    gbs = PAGES * page_bytes / statistics.median(times["ours"]) / 1e9
+    return median_line(f"store copy+checksum ({PAGES} pages of {page_bytes / 1e6:.3g} MB, {gbs:.1f} GB/s)",
+                       times["ours"], "ctypes.memmove of the same pages", times["theirs"])
 
 
 def _attach(shm: str) -> str:
@@ -193,7 +231,9 @@ def main() -> int:
     shm = tempfile.mkdtemp(prefix="hicache-bench-", dir="/dev/shm")
     try:
         with fake_cuda():
-            for kind in ("mla", "mha"):
+            for page_bytes in (64 << 10, 4718592):
+                print(_checksum_copy(page_bytes), flush=True)
+            for kind in KINDS:
                 for line in _batches(kind, shm):
                     print(line, flush=True)
         print(_attach(shm), flush=True)
