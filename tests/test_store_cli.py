@@ -238,7 +238,7 @@ def test_a_creator_that_holds_the_lock_too_long_is_named_and_the_wait_ends(shm_d
     holder's pid and the lock file - it never waits for ever."""
     import fcntl
 
-    from hicache.effects._arena._arena import _CreatorsLock
+    from hicache.effects._arena._creators import CreatorsLock as _CreatorsLock
     from hicache.errors import ArenaError
 
     lock_dir = tmp_path / "run"

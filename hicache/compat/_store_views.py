@@ -64,7 +64,10 @@ class PoolView:
     def _indices(self, starts):
         import torch
 
-        return torch.cat([torch.arange(s, s + self.page_size) for s in starts]) if starts else torch.empty(0, dtype=torch.int64)
+        if not starts:
+            return torch.empty(0, dtype=torch.int64)
+        # one broadcast, not an arange per page (128 of them were a tenth of a 64 KiB-page batch_get_v1)
+        return (torch.tensor(starts, dtype=torch.int64).unsqueeze(1) + torch.arange(self.page_size)).view(-1)
 
     def starts(self, host_indices, count: int) -> list[int]:
         """Each page's first host index, checked: ``count`` whole pages inside the pool."""

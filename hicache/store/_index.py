@@ -23,12 +23,10 @@ import time
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.errors import NamespaceTableFullError
-from hicache.plan._store import GEN, KEY, LENGTH, NAMESPACE_BYTES, NAMESPACE_ENTRIES, RECORD, RECORD_BYTES, REF_OFFSET
+from hicache.plan._store import GEN, KEY, LENGTH, RECORD, RECORD_BYTES, REF_OFFSET
 from hicache.store._keys import DIGEST_BYTES
+from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
 
-ZERO_KEY = bytes(DIGEST_BYTES)
-NO_NAMESPACE = 0xFFFF
 _LE = "little"
 
 
@@ -51,7 +49,7 @@ class WriteResult:
     written: int = 0
 
 
-class SlotIndex:
+class SlotIndex(NamespaceEntries):
     """The slot protocol over one attached arena. ``fault_hook(stage, page)``, when given, is
     called at each step of a write (tests kill the process there)."""
 
@@ -309,124 +307,6 @@ class SlotIndex:
             gen = self.ops.load(self.arena.record_addr(slot))
             cleared += self._reclaim(slot, gen if not gen & 1 else None)
         return cleared
-
-    # -- namespaces ------------------------------------------------------------------------------
-    # An entry is held while its namespace has pages: a writer holds it shared (an OFD read lock)
-    # from its check of the entry's digest to its last publish; freeing takes it exclusively and
-    # re-counts the entry's slots under that lock, so a page is never filed under a freed entry.
-    def _namespace_range(self, entry: int) -> tuple[int, int]:
-        return self.plan.namespace_offset + entry * NAMESPACE_BYTES, NAMESPACE_BYTES
-
-    def entry_of(self, digest: bytes) -> int:
-        """The table entry holding ``digest`` now, or `NO_NAMESPACE` (a lookup: claims nothing)."""
-        for entry in range(NAMESPACE_ENTRIES):
-            if ctypes.string_at(self.arena.namespace_addr(entry), DIGEST_BYTES) == digest:
-                return entry
-        return NO_NAMESPACE
-
-    def hold_entry(self, entry: int, digest: bytes) -> bool:
-        """Hold ``entry`` shared while writing pages under it: True when it still holds
-        ``digest`` (release with `release_entry`), False when it was freed or reused meanwhile.
-        One OFD lock serves this process's threads (it is the file's, not a thread's): a count
-        says when the last of them lets it go, and this process frees no entry it holds."""
-        with self._holding:
-            if not self._held.get(entry) and not _arena.try_read_lock(self.arena.fd, *self._namespace_range(entry)):
-                return False  # another process is freeing it right now
-            self._held[entry] = self._held.get(entry, 0) + 1
-        if ctypes.string_at(self.arena.namespace_addr(entry), DIGEST_BYTES) == digest:
-            return True
-        self.release_entry(entry)
-        return False
-
-    def release_entry(self, entry: int) -> None:
-        with self._holding:
-            self._held[entry] -= 1
-            if not self._held[entry]:
-                del self._held[entry]
-                _arena.unlock(self.arena.fd, *self._namespace_range(entry))
-
-    def register_namespace(self, digest: bytes, description: str) -> int:
-        """The namespace table entry for ``digest``, claimed when new; when the table is full,
-        entries without a page are freed first. `NamespaceTableFullError` when every entry holds
-        pages (or is being written or claimed by another process right now)."""
-        raw = description.encode()[:NAMESPACE_BYTES - DIGEST_BYTES]
-        with self._writing:
-            entry = self._register(digest, raw)
-            if entry == NO_NAMESPACE and self.free_entries():
-                entry = self._register(digest, raw)
-        if entry == NO_NAMESPACE:
-            raise NamespaceTableFullError(
-                f"node store {self.arena.path}: all {NAMESPACE_ENTRIES} namespace entries hold pages; a page of "
-                f"{description!r} is not stored (clear() an engine's namespaces, or drop and recreate the arena)"
-            )
-        return entry
-
-    def _slots_of(self, entries) -> "torch.Tensor":
-        """Per entry of ``entries``, how many slots name it with a key (published, or torn)."""
-        import torch
-
-        columns = self._columns()
-        named = (columns[:, 1] != 0) | (columns[:, 2] != 0)
-        wanted = torch.tensor(sorted(entries), dtype=torch.int64)
-        ns = columns[:, 6][named] & 0xFFFF
-        return (ns.unsqueeze(1) == wanted.unsqueeze(0)).sum(dim=0)
-
-    def free_entries(self, entries=None) -> int:
-        """Free the table entries (default: all) that no slot names and no writer holds; returns
-        how many. Each is re-counted under its exclusive lock, then its digest zeroed first."""
-        held = [e for e in (range(NAMESPACE_ENTRIES) if entries is None else entries) if e != NO_NAMESPACE
-                and ctypes.string_at(self.arena.namespace_addr(e), DIGEST_BYTES) != ZERO_KEY]
-        if not held:
-            return 0
-        empty = [e for e, count in zip(sorted(held), self._slots_of(held).tolist()) if not count]
-        freed = 0
-        for entry in empty:
-            with self._holding:  # all along: a writer of this process holds no entry half-freed
-                if entry in self._held or not _arena.try_lock(self.arena.fd, *self._namespace_range(entry)):
-                    continue  # a writer holds it, here or elsewhere (or another process frees it)
-                try:
-                    if int(self._slots_of([entry])[0]):
-                        continue  # pages landed under it since the count
-                    addr = self.arena.namespace_addr(entry)
-                    ctypes.memset(addr, 0, DIGEST_BYTES)  # the digest first: no lookup finds it half-cleared
-                    ctypes.memset(addr + DIGEST_BYTES, 0, NAMESPACE_BYTES - DIGEST_BYTES)
-                    freed += 1
-                finally:
-                    _arena.unlock(self.arena.fd, *self._namespace_range(entry))
-        return freed
-
-    def _register(self, digest: bytes, raw: bytes) -> int:
-        for entry in range(NAMESPACE_ENTRIES):
-            addr = self.arena.namespace_addr(entry)
-            held = ctypes.string_at(addr, DIGEST_BYTES)
-            if held == digest:
-                return entry
-            if held != ZERO_KEY:
-                continue
-            offset, length = self._namespace_range(entry)
-            if not _arena.try_lock(self.arena.fd, offset, length):
-                continue
-            try:
-                if ctypes.string_at(addr, DIGEST_BYTES) != ZERO_KEY:
-                    continue
-                if self.entry_of(digest) != NO_NAMESPACE:  # another process claimed it in a later entry meanwhile
-                    return self.entry_of(digest)
-                ctypes.memmove(addr + DIGEST_BYTES, raw.ljust(NAMESPACE_BYTES - DIGEST_BYTES, b"\0"),
-                               NAMESPACE_BYTES - DIGEST_BYTES)
-                ctypes.memmove(addr, digest, DIGEST_BYTES)  # the digest last: a reader sees it whole
-                return entry
-            finally:
-                _arena.unlock(self.arena.fd, offset, length)
-        return NO_NAMESPACE
-
-    def namespaces(self) -> dict[int, str]:
-        out = {}
-        for entry in range(NAMESPACE_ENTRIES):
-            addr = self.arena.namespace_addr(entry)
-            if ctypes.string_at(addr, DIGEST_BYTES) != ZERO_KEY:
-                raw = ctypes.string_at(addr + DIGEST_BYTES, NAMESPACE_BYTES - DIGEST_BYTES)
-                out[entry] = raw.rstrip(b"\0").decode(errors="replace")
-        return out
 
 
 def _first_of_each(keys):

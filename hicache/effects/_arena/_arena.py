@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import mmap
 import os
 import stat
@@ -26,7 +25,8 @@ import time
 
 import attrs
 
-from hicache.errors import ArenaError, HostOutOfMemoryError, LockDirectoryError
+from hicache.errors import ArenaError, HostOutOfMemoryError
+from hicache.effects._arena._creators import CreatorsLock
 from hicache.effects._arena._mounts import Backing, backing_of
 from hicache.effects._arena._slots import slot_ops, try_lock, unlock
 from hicache.plan._store import (
@@ -240,50 +240,6 @@ def _prefault(base: int, length: int, unit: int, *, threads: int, progress) -> N
         pool.shutdown(wait=True)
 
 
-class _CreatorsLock:
-    """The creators' lock of one arena path: an exclusive flock of a file of this user's in
-    hicache's private runtime directory (mode 0700: no other user can hold it), named after the
-    path. One process creates, the others wait here, then attach. The holder writes its pid
-    in it, so a waiter that gives up names who held it. Released by close - and by the holder's
-    death (the kernel drops a dead process's flock)."""
-
-    def __init__(self, path: str, *, timeout_s: float, directory=None, clock=time.monotonic,
-                 sleep=time.sleep) -> None:
-        import hashlib
-
-        from hicache.effects._hostwide._rundir import private_dir, runtime_dir
-
-        try:
-            base = private_dir(runtime_dir() if directory is None else directory)
-        except LockDirectoryError as error:
-            raise ArenaError(f"store arena {path}: no private directory for the creators' lock ({error})") from None
-        name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:24]
-        self.path = str(base / f"arena-{name}.lock")
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
-        except OSError as error:
-            raise ArenaError(f"store arena {path}: cannot open its creators' lock {self.path} ({error.strerror})") \
-                from None
-        deadline = clock() + timeout_s
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if clock() > deadline:  # a hang guard: creating even a TB arena takes minutes
-                    holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                    os.close(self.fd)
-                    raise ArenaError(f"store arena {path}: another creator (pid {holder}) held its lock {self.path} "
-                                     f"for {timeout_s:.0f} s; is it still pre-faulting? (hicache store status "
-                                     f"{path} once it is done)") from None
-                sleep(0.01)
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-
-    def close(self) -> None:
-        os.close(self.fd)  # drops the flock
-
-
 #: What a creator writes first (the header replaces it last): a file that starts with it, or an
 #: empty one, is an arena whose creator died - anything else at the path is never removed.
 CREATING = b"HICINIT\0"
@@ -356,7 +312,7 @@ def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None 
             f"is for {plan.backing} with {plan.unit_bytes}-byte pages"
             + (" (wrong hugepage size: plan with the mount's pagesize=)" if backing.kind == "hugetlbfs" else "")
         )
-    lock = _CreatorsLock(path, timeout_s=wait_s, directory=lock_dir)
+    lock = CreatorsLock(path, timeout_s=wait_s, directory=lock_dir)
     try:
         if os.path.lexists(path):
             if _incomplete(path, backing):
