@@ -154,3 +154,32 @@ class Zygote:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StoppingOps:
+    """A store's slot ops (``real``) that stop inside every page copy until ``go`` is set;
+    ``inside`` says a copy got there. Put in place as ``store.index.ops = StoppingOps(...)``."""
+
+    def __init__(self, real) -> None:
+        import threading
+
+        self.real = real
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def copy_pages(self, direction, *args):
+        self.inside.set()
+        assert self.go.wait(60), "hang guard"
+        return self.real.copy_pages(direction, *args)
+
+
+def wait_until(predicate, *, timeout_s: float = 60) -> None:
+    """Poll ``predicate`` until it holds; the deadline is only a hang guard."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "hang guard"
+        time.sleep(0.001)

@@ -12,10 +12,9 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
-from store_support import shm_dir  # noqa: F401 - a fixture
+from store_support import StoppingOps, shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
 from test_store_index import NS, OPS, PAGE, Pages, _open
 
 from hicache.errors import StoreClosedError, TransferError
@@ -86,34 +85,19 @@ def test_close_waits_for_a_read_in_flight_and_the_read_completes(shm_dir, ops):
     close() returns, and the next call is StoreClosedError."""
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=9)
     store.put(NS, ["k"], src.segments())
-    inside, go, closed = threading.Event(), threading.Event(), threading.Event()
-    real = store.index.ops
-
-    class Stopping:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def copy_pages(direction, *args):
-            inside.set()
-            assert go.wait(60), "hang guard"
-            return real.copy_pages(direction, *args)
-
-    store.index.ops = Stopping()
+    closed = threading.Event()
+    stopping = store.index.ops = StoppingOps(store.index.ops)
     result = []
     reader = threading.Thread(target=lambda: result.append(store.get(NS, ["k"], dst.segments())))
     closer = threading.Thread(target=lambda: (store.close(), closed.set()))
     try:
         reader.start()
-        assert inside.wait(60), "hang guard"
+        assert stopping.inside.wait(60), "hang guard"
         closer.start()
-        deadline = time.monotonic() + 60  # a hang guard
-        while not store.closed:
-            assert time.monotonic() < deadline, "hang guard"
-            time.sleep(0.001)
+        wait_until(lambda: store.closed)
         assert not closed.is_set() and not store.arena.closed  # it waits for the copy in flight
     finally:
-        go.set()
+        stopping.go.set()
         reader.join(60)
         closer.join(60)
     assert result == [[True]] and torch.equal(dst.data, src.data) and closed.is_set()
@@ -159,13 +143,18 @@ def test_bad_segments_are_refused_before_any_copy(shm_dir, case, match, directio
         store.close()
 
 
+def _one_stored(shm_dir, ops):
+    """(store, its page, a page to read into, the slot) of a store holding one page under "k"."""
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=3)
+    store.put(NS, ["k"], src.segments())
+    return store, src, dst, store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+
+
 def test_a_record_a_writer_is_changing_reads_as_torn_not_corrupt(shm_dir, ops):
     """Between the lookup and the record read another writer takes the slot (its generation odd,
     its length being rewritten): torn, not corrupt - corrupt means bytes that failed their
     checksum or a length no writer is changing."""
-    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=3)
-    store.put(NS, ["k"], src.segments())
-    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    store, _, dst, slot = _one_stored(shm_dir, ops)
     addr = store.arena.record_addr(slot)
     real_record = store.index._record
 
@@ -186,9 +175,7 @@ def test_a_record_a_writer_is_changing_reads_as_torn_not_corrupt(shm_dir, ops):
 
 def test_a_length_no_writer_is_changing_is_corrupt(shm_dir, ops):
     """A record whose length differs from its namespace's page, its generation steady: corrupt."""
-    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=3)
-    store.put(NS, ["k"], src.segments())
-    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    store, _, dst, slot = _one_stored(shm_dir, ops)
     offset = 8 + 16 + 8 + 8  # gen, key, sum1, sum2, then length
     assert RECORD.unpack_from(ctypes.string_at(store.arena.record_addr(slot), RECORD.size))[LENGTH] == PAGE
     ctypes.c_uint32.from_address(store.arena.record_addr(slot) + offset).value = PAGE - 8

@@ -422,7 +422,8 @@ def test_close_racing_a_batch_get_v1_in_flight_waits_and_later_calls_are_errors(
     later call - batch_get_v1, batch_set_v1, batch_exists - is StoreClosedError (a RuntimeError),
     never a read of unmapped memory."""
     import threading
-    import time
+
+    from store_support import StoppingOps, wait_until
 
     from hicache.errors import StoreClosedError
 
@@ -431,35 +432,20 @@ def test_close_racing_a_batch_get_v1_in_flight_waits_and_later_calls_are_errors(
     assert store.batch_set_v1(["a"], torch.arange(0, PAGE)) == [True]
     store.close()
     store = _store(shm_dir / "arena", reader)
-    inside, go, closed = threading.Event(), threading.Event(), threading.Event()
-    real = store.store.index.ops
-
-    class Stopping:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def copy_pages(direction, *args):
-            inside.set()
-            assert go.wait(60), "hang guard"
-            return real.copy_pages(direction, *args)
-
-    store.store.index.ops = Stopping()
+    closed = threading.Event()
+    stopping = store.store.index.ops = StoppingOps(store.store.index.ops)
     result = []
     prefetch = threading.Thread(target=lambda: result.append(store.batch_get_v1(["a"], torch.arange(2 * PAGE,
                                                                                                    3 * PAGE))))
     closer = threading.Thread(target=lambda: (store.close(), closed.set()))
     try:
         prefetch.start()
-        assert inside.wait(60), "hang guard"
+        assert stopping.inside.wait(60), "hang guard"
         closer.start()
-        deadline = time.monotonic() + 60  # a hang guard
-        while not store.store.closed:
-            assert time.monotonic() < deadline, "hang guard"
-            time.sleep(0.001)
+        wait_until(lambda: store.store.closed)
         assert not closed.is_set()  # it waits for the copy in flight
     finally:
-        go.set()
+        stopping.go.set()
         prefetch.join(60)
         closer.join(60)
     assert result == [[True]] and closed.is_set()

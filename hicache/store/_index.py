@@ -92,6 +92,11 @@ class SlotIndex(NamespaceEntries):
         found, _ = self.find(digests)
         return next((i for i, slot in enumerate(found) if slot == _arena.NOT_FOUND), len(found))
 
+    def _moved_on(self, slot: int, record: tuple, seen: int) -> bool:
+        """A writer changed the slot since the lookup saw generation ``seen``: its record as read,
+        or the slot now, has another generation (torn - what it holds is not that key's page)."""
+        return record[GEN] != seen or self.ops.load(self.arena.record_addr(slot)) != seen
+
     # -- reads -----------------------------------------------------------------------------------
     def read(self, digests: bytes, pages: list, *, page_bytes: int) -> tuple[list[bool], int, int]:
         """Copy each key's page into its segments (``pages[i]``: ``[(ptr, bytes), ...]``, all
@@ -107,7 +112,7 @@ class SlotIndex(NamespaceEntries):
         torn = corrupt = 0
         for i in [i for i in hits if records[i][LENGTH] != page_bytes]:  # the key's digest fixes its length:
             hits.remove(i)  # another length is a corrupt record - unless a writer moved the slot on meanwhile
-            if records[i][GEN] != gens[i] or self.ops.load(self.arena.record_addr(found[i])) != gens[i]:
+            if self._moved_on(found[i], records[i], gens[i]):
                 torn += 1
             else:
                 corrupt += 1
@@ -124,7 +129,7 @@ class SlotIndex(NamespaceEntries):
         sums = self.ops.copy_pages(1, slots, ptrs, lens, per_page, seeds)
         for i, (s1, s2) in zip(hits, sums):
             slot, record = found[i], records[i]
-            if self.ops.load(self.arena.record_addr(slot)) != gens[i] or record[GEN] != gens[i]:
+            if self._moved_on(slot, record, gens[i]):
                 torn += 1  # rewritten while we copied: those bytes are not this key's
                 continue
             if (s1, s2) != (record[2], record[3]):

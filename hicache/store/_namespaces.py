@@ -120,8 +120,9 @@ class NamespaceEntries:
             try:
                 if ctypes.string_at(addr, DIGEST_BYTES) != ZERO_KEY:
                     continue
-                if self.entry_of(digest) != NO_NAMESPACE:  # another process claimed it in a later entry meanwhile
-                    return self.entry_of(digest)
+                claimed = self.entry_of(digest)
+                if claimed != NO_NAMESPACE:  # another process claimed it in a later entry meanwhile
+                    return claimed
                 ctypes.memmove(addr + DIGEST_BYTES, raw.ljust(NAMESPACE_BYTES - DIGEST_BYTES, b"\0"),
                                NAMESPACE_BYTES - DIGEST_BYTES)
                 ctypes.memmove(addr, digest, DIGEST_BYTES)  # the digest last: a reader sees it whole
