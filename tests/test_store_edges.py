@@ -156,16 +156,16 @@ def test_a_record_a_writer_is_changing_reads_as_torn_not_corrupt(shm_dir, ops):
     checksum or a length no writer is changing."""
     store, _, dst, slot = _one_stored(shm_dir, ops)
     addr = store.arena.record_addr(slot)
-    real_record = store.index._record
+    real_snapshot = store.index._snapshot
 
-    def mid_rewrite(at):
-        record = list(real_record(at))
-        if at == slot:  # a writer of another page claimed it: odd generation, its own length
-            store.arena.ops.store(addr, record[0] + 1)
-            record[0], record[LENGTH] = record[0] + 1, 8
-        return tuple(record)
+    def mid_rewrite(slots):
+        records = real_snapshot(slots)
+        gen, s1, s2, _ = records[slots.index(slot)]  # a writer of another page claimed it:
+        store.arena.ops.store(addr, gen + 1)  # odd generation, its own length
+        records[slots.index(slot)] = (gen + 1, s1, s2, 8)
+        return records
 
-    store.index._record = mid_rewrite
+    store.index._snapshot = mid_rewrite
     try:
         assert store.get(NS, ["k"], dst.segments()) == [False]
         assert (store.counts.torn, store.counts.corrupt) == (1, 0)

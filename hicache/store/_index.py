@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import threading
 import time
 
@@ -28,6 +29,7 @@ from hicache.store._keys import DIGEST_BYTES
 from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
 
 _LE = "little"
+_U64 = 2**64 - 1
 
 
 @attrs.frozen
@@ -92,52 +94,66 @@ class SlotIndex(NamespaceEntries):
         found, _ = self.find(digests)
         return next((i for i, slot in enumerate(found) if slot == _arena.NOT_FOUND), len(found))
 
-    def _moved_on(self, slot: int, record: tuple, seen: int) -> bool:
-        """A writer changed the slot since the lookup saw generation ``seen``: its record as read,
-        or the slot now, has another generation (torn - what it holds is not that key's page)."""
-        return record[GEN] != seen or self.ops.load(self.arena.record_addr(slot)) != seen
+    def _snapshot(self, slots: list[int]) -> list[tuple[int, int, int, int]]:
+        """(generation, sum1, sum2, length) of each slot's record, in one gather over the index
+        (a struct per page was most of a 64 KiB-page batch's time, issue #51)."""
+        import torch
+
+        words = self._columns()[torch.tensor(slots, dtype=torch.int64), :6].tolist()
+        return [(gen & _U64, s1 & _U64, s2 & _U64, sizes & 0xFFFFFFFF) for gen, _, _, s1, s2, sizes in words]
+
+    def _moved_on(self, slot: int, recorded: int, seen: int) -> bool:
+        """A writer changed the slot since the lookup saw generation ``seen``: its record as read
+        (generation ``recorded``), or the slot now, has another (torn - not that key's page)."""
+        return recorded != seen or self.ops.load(self.arena.record_addr(slot)) != seen
 
     # -- reads -----------------------------------------------------------------------------------
     def read(self, digests: bytes, pages: list, *, page_bytes: int) -> tuple[list[bool], int, int]:
         """Copy each key's page into its segments (``pages[i]``: ``[(ptr, bytes), ...]``, all
         pages alike). Returns (per-key success, torn, corrupt). A miss leaves its segments'
         bytes unspecified - SGLang uses only pages reported True."""
+        import torch
+
         found, gens = self.find(digests)
         hits = [i for i, slot in enumerate(found) if slot != _arena.NOT_FOUND]
         ok = [False] * len(found)
         if not hits:
             return ok, 0, 0
-        per_page = len(pages[0])
-        records = {i: self._record(found[i]) for i in hits}
+        records = self._snapshot([found[i] for i in hits])
         torn = corrupt = 0
-        for i in [i for i in hits if records[i][LENGTH] != page_bytes]:  # the key's digest fixes its length:
-            hits.remove(i)  # another length is a corrupt record - unless a writer moved the slot on meanwhile
-            if self._moved_on(found[i], records[i], gens[i]):
-                torn += 1
+        kept = []
+        for i, record in zip(hits, records):
+            if record[3] == page_bytes:
+                kept.append((i, record))
+            elif self._moved_on(found[i], record[0], gens[i]):  # the key's digest fixes its length: another
+                torn += 1  # is a corrupt record - unless a writer moved the slot on meanwhile
             else:
                 corrupt += 1
-        if not hits:
+        if not kept:
             return ok, torn, corrupt
+        words = struct.unpack(f"<{2 * len(found)}Q", digests)
         seeds, slots, ptrs, lens = [], [], [], []
-        for i in hits:
-            key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
-            seeds += [int.from_bytes(key[:8], _LE), int.from_bytes(key[8:], _LE)]
+        for i, _ in kept:
+            seeds += words[2 * i:2 * i + 2]
             slots.append(self.arena.slot_addr(found[i]))
             for ptr, size in pages[i]:
                 ptrs.append(ptr)
                 lens.append(size)
-        sums = self.ops.copy_pages(1, slots, ptrs, lens, per_page, seeds)
-        for i, (s1, s2) in zip(hits, sums):
-            slot, record = found[i], records[i]
-            if self._moved_on(slot, record, gens[i]):
+        sums = self.ops.copy_pages(1, slots, ptrs, lens, len(pages[0]), seeds)
+        referenced = []
+        for (i, record), (s1, s2) in zip(kept, sums):
+            slot = found[i]
+            if self._moved_on(slot, record[0], gens[i]):
                 torn += 1  # rewritten while we copied: those bytes are not this key's
                 continue
-            if (s1, s2) != (record[2], record[3]):
+            if (s1, s2) != (record[1], record[2]):
                 corrupt += 1
                 self._reclaim(slot, gens[i])
                 continue
             ok[i] = True
-            ctypes.c_uint8.from_address(self.arena.record_addr(slot) + REF_OFFSET).value = 1  # CLOCK: referenced
+            referenced.append(slot)
+        if referenced:  # CLOCK: referenced
+            self._record_bytes()[torch.tensor(referenced, dtype=torch.int64), REF_OFFSET] = 1
         return ok, torn, corrupt
 
     # -- writes ----------------------------------------------------------------------------------
@@ -269,11 +285,24 @@ class SlotIndex(NamespaceEntries):
         finally:
             self._unlock(slot)
 
-    def _columns(self):
+    def _index_view(self, dtype):
+        """The index records as a [slots, record] tensor over the arena (valid while it is attached:
+        NodeStore refuses every call after close)."""
         import torch
 
         view = (ctypes.c_char * self.plan.index_bytes).from_address(self.arena.base + self.plan.index_offset)
-        return torch.frombuffer(view, dtype=torch.int64).view(self.plan.slots, RECORD_BYTES // 8)
+        return torch.frombuffer(view, dtype=dtype).view(self.plan.slots, -1)
+
+    def _columns(self):
+        """The records as int64 words (an unsigned field above 2**63 reads negative: mask with _U64)."""
+        import torch
+
+        return self._index_view(torch.int64)
+
+    def _record_bytes(self):
+        import torch
+
+        return self._index_view(torch.uint8)
 
     def reclaim_torn(self) -> int:
         """Reclaim every torn slot whose writer is gone; returns how many."""
