@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import longest_mmap_wait  # noqa: E402
 
@@ -199,6 +200,11 @@ def main() -> int:
     out.update(figures, progressive_longest_mmap_wait_s=round(wait_s, 4))
     out["one_cold_call_longest_mmap_wait_s"] = round(out["one_cold_call_longest_mmap_wait_s"], 4)
     out.update(page_size_figures(nbytes, runtime))
+    if torch.cuda.is_available():  # the pools' transfers need a CUDA torch (issue #52)
+        from gpu_transfers import transfer_table
+
+        out["transfers"] = transfer_table()
+        out["ok"] = out["ok"] and out["transfers"]["ok"]
     print(json.dumps(out, sort_keys=True))
     return 0 if out["ok"] else 1
 

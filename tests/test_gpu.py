@@ -18,6 +18,18 @@ from hicache.testing import check_runtime_conformance
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
+@pytest.fixture(autouse=True)
+def _the_real_machine():
+    """The GPU tests bring up real pools on a real machine: its own memory figures, not the
+    3 GB machine every other test sees (with it, each pool here was refused by the budget)."""
+    import psutil
+
+    small = psutil.virtual_memory
+    psutil.virtual_memory = getattr(small, "__wrapped__", small)
+    yield
+    psutil.virtual_memory = small
+
+
 def _cuda_device_pool(seed: int):
     """torch and a 4-layer MHA device pool on the GPU filled with seeded random values (skips
     without a CUDA build of torch)."""
@@ -72,15 +84,19 @@ def test_gpu_check_without_cuda_says_so():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first", "page_first", "page_head"])
 @pytest.mark.parametrize("side_stream", [False, True])
-def test_pool_round_trip_on_cuda(layout, side_stream):
+@pytest.mark.parametrize("transfer, backend", [("dma", "direct"), ("gather", "kernel"), ("auto", "kernel")])
+def test_pool_round_trip_on_cuda(layout, side_stream, transfer, backend):
     """A registered MHA pool backs up GPU pages and loads them back per layer, from torch's
-    default (NULL) stream - batched on a side stream - or from a stream of the caller's."""
+    default (NULL) stream - batched on a side stream - or from a stream of the caller's, with
+    the copy engine, the GPU's gather, or the table's choice."""
     torch, device = _cuda_device_pool(seed=5)
+    from hicache.effects import CopyEngine
     from hicache.pools import MHATokenToKVPoolHost
 
-    pool = MHATokenToKVPoolHost(device, 1.0, 0, 64, layout, True, "cpu", limits=Limits(chunk_limit_bytes=4 * 2**20))
+    pool = MHATokenToKVPoolHost(device, 1.0, 0, 64, layout, True, "cpu", limits=Limits(chunk_limit_bytes=4 * 2**20),
+                                copy_engine=CopyEngine(transfer=transfer))
     try:
         pages = torch.randperm(4096 // 64 - 1, generator=torch.Generator().manual_seed(1))[:16] + 1
         device_idx = (pages[:, None] * 64 + torch.arange(64)).reshape(-1).cuda()
@@ -88,11 +104,11 @@ def test_pool_round_trip_on_cuda(layout, side_stream):
         original = [t[device_idx].clone() for t in device.tensors()]
         stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
         with torch.cuda.stream(stream):
-            pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+            pool.backup_from_device_all_layer(device, host_idx, device_idx, backend)
             for t in device.tensors():
                 t.zero_()
             for layer in range(4):
-                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, backend)
         stream.synchronize()
         assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
     finally:

@@ -44,7 +44,7 @@ class DeviceCopiesMixin:
         self._alive()
         if self._transfers is None:
             raise RegistrationStateError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no memory to copy")
-        if io_backend != "direct":  # the layout was checked when the pool was built
+        if io_backend not in ("direct", "kernel"):  # the layout was checked when the pool was built
             check_backend(io_backend, self.layout, self.descriptor_class().supported())
         if self.geometry.form.own_device:
             # the device buffers given at construction, whatever pool the caller passes (SGLang's

@@ -17,16 +17,19 @@ from typing import NamedTuple
 from hicache.errors import TransferError
 from hicache.pools._indices import IndexMemo
 
-IO_BACKENDS = ("direct",)
+#: SGLang 0.5.23's io backends the pools serve: both move the same bytes between the same
+#: buffers in every layout (sgl-kernel's `kernel` ops and its `direct` ones differ only in how);
+#: which engine moves them is the engine table's choice (hicache.plan._transfer), not the name's
+IO_BACKENDS = ("direct", "kernel")
 
 
-def check_backend(io_backend: str, layout: str, supported_layouts) -> None:
+def check_backend(io_backend, layout: str, supported_layouts) -> None:
     """Refuse a backend/layout pair we do not implement, naming what is supported."""
     if io_backend not in IO_BACKENDS or layout not in supported_layouts:
         pairs = ", ".join(f"{b}/{l}" for b in IO_BACKENDS for l in supported_layouts)
         raise TransferError(
-            f"io_backend {io_backend!r} with layout {layout!r} is not supported; supported: {pairs}"
-            " (the 'kernel' backend needs sgl-kernel's UVA kernels, which hicache does not ship)"
+            f"io_backend {io_backend!r} with layout {layout!r} is not supported; supported: {pairs} "
+            "(--hicache-io-backend kernel or direct)"
         )
 
 
@@ -91,8 +94,9 @@ class Descriptors:
     is a block pattern (offsets) at a destination and a source base address: patterns are
     shared by every layer, so a layer costs no tensor arithmetic."""
 
-    def __init__(self, engine=None) -> None:
+    def __init__(self, engine=None, *, direction: str | None = None) -> None:
         self.engine = engine  # a CopyEngine; None: a default one when first needed
+        self.direction = direction  # "load" (host -> device) or "backup": the engine table's row
         self.parts: list[tuple] = []  # (pattern, dst base address, src base address)
         self.cuda = None  # the CUDA device when either side of a copy is on one
         self.keep: list = []  # the tensors the addresses point into, alive until issued
@@ -140,7 +144,7 @@ class Descriptors:
 
             self.engine = CopyEngine()
         parts = [(p.dst, p.src, p.sizes, p.total, dst_base, src_base) for p, dst_base, src_base in self.parts]
-        return self.engine.prepare_parts(parts, device=self.cuda)
+        return self.engine.prepare_parts(parts, device=self.cuda, direction=self.direction)
 
 
 def copy_blocks(dst, dst_ids, src, src_ids) -> None:
@@ -166,7 +170,7 @@ class Link:
     and shape, so a fresh batch costs a pattern lookup and one descriptor part per layer."""
 
     __slots__ = ("host_view", "device", "device_ptr", "device_shape", "dst", "src", "unit", "dst_step",
-                 "src_step", "dst_extent", "src_extent", "dst_ptr", "src_ptr", "whole_pages")
+                 "src_step", "dst_extent", "src_extent", "dst_ptr", "src_ptr", "whole_pages", "token_rows")
 
     def fits(self, device) -> bool:
         return self.device is device and self.device_ptr == device.data_ptr() and self.device_shape == device.shape
@@ -194,6 +198,14 @@ class Link:
         return True
 
 
+def token_rows(host_view):
+    """A ``(pages, page_size, *item)`` host view as ``(slots, *item)`` token rows, when the pages
+    are evenly spaced token runs (every layout's are; None otherwise)."""
+    if host_view.dim() < 2 or host_view.stride(0) != host_view.shape[1] * host_view.stride(1):
+        return None
+    return host_view.flatten(0, 1)
+
+
 def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool) -> Link:
     link = Link()
     link.host_view, link.device = host_view, device
@@ -202,6 +214,14 @@ def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool) -
     blocks = device if rows or not link.whole_pages else device.unflatten(0, (-1, page_size))
     link.dst, link.src = (host_view, blocks) if to_host else (blocks, host_view)
     link.unit = block_unit(link.dst, link.src)
+    link.token_rows = False
+    if link.unit is None and not rows:  # a page is not one run (page_first: a token's layers are
+        tokens = token_rows(host_view)  # together): copy token rows instead of indexing with torch
+        if tokens is not None:
+            dst, src = (tokens, device) if to_host else (device, tokens)
+            unit = block_unit(dst, src)
+            if unit is not None:
+                link.dst, link.src, link.unit, link.token_rows = dst, src, unit, True
     link.dst_step = link.dst.stride(0) * link.dst.element_size() if link.dst.dim() else 0
     link.src_step = link.src.stride(0) * link.src.element_size() if link.src.dim() else 0
     link.dst_extent, link.src_extent = extent_bytes(link.dst), extent_bytes(link.src)
@@ -345,7 +365,7 @@ class Transfers:
         went through torch indexing, which is not reusable)."""
         hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
         patterns = checked.patterns
-        batch = Descriptors(self.copy_engine)  # every layer's page copies, issued together
+        batch = Descriptors(self.copy_engine, direction="backup" if to_host else "load")  # issued together
         later: list = []  # torch-indexing copies: run only once every part passed its checks
         reusable = True
         tensors = iter(device_tensors)
@@ -354,7 +374,10 @@ class Transfers:
                 dv = next(tensors)
                 where = Where(layer, stream.buffer, stream.kv)
                 link = self._link(stream, layer, dv, to_host=to_host, where=where)
-                if stream.rows or (hpages is not None and dpages is not None and link.whole_pages):
+                if link.token_rows:  # one descriptor per token row (coalesced where rows are adjacent)
+                    dst_ids, src_ids = (hidx, didx) if to_host else (didx, hidx)
+                    reusable &= link.copy(dst_ids, src_ids, batch, patterns, where=where, later=later)
+                elif stream.rows or (hpages is not None and dpages is not None and link.whole_pages):
                     if hpages is None or dpages is None:
                         raise TransferError(f"{self.name} moves whole pages: indices must be page-aligned runs")
                     dst_ids, src_ids = (hpages, dpages) if to_host else (dpages, hpages)

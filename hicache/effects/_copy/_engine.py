@@ -13,7 +13,9 @@ from __future__ import annotations
 from hicache.effects._copy._host_copy import (
     copy_host_blocks, copy_parts, gathering_copier, host_copy_mode, streaming_copier,
 )
-from hicache.errors import CudaCallError
+from hicache.effects._copy._gather import GatherCopy, triton_ready
+from hicache.errors import CudaCallError, TransferError
+from hicache.plan._transfer import TRANSFER_MODES, choose_engine
 
 
 def cuda_copy(dsts, srcs, sizes, *, stream: int, binding=None) -> str:
@@ -46,14 +48,21 @@ class CopyEngine:
     cuda-python's runtime or a stand-in (both looked up on first CUDA use).
     """
 
-    def __init__(self, *, host_copy_mode: str | None = None, cuda=None, binding=None) -> None:
+    def __init__(self, *, host_copy_mode: str | None = None, cuda=None, binding=None, transfer: str | None = None,
+                 programs: int | None = None) -> None:
         self.host_copy_mode = host_copy_mode if host_copy_mode is not None else _probe_mode()
         self._cuda = cuda
         self._binding = binding
         self._side_streams: dict = {}  # device -> stream, for copies issued from the NULL stream
+        setting, count = transfer_settings()
+        self.transfer = transfer if transfer is not None else setting
+        self.programs = programs if programs is not None else count
+        if self.transfer not in TRANSFER_MODES:
+            raise ValueError(f"transfer must be one of {TRANSFER_MODES}, got {self.transfer!r}")
+        self.last_choice = None  # the EngineChoice of the last batch prepared with a direction
 
     def __repr__(self) -> str:
-        return f"CopyEngine(host_copy_mode={self.host_copy_mode!r})"
+        return f"CopyEngine(host_copy_mode={self.host_copy_mode!r}, transfer={self.transfer!r})"
 
     def _torch_cuda(self):
         if self._cuda is None:
@@ -87,11 +96,44 @@ class CopyEngine:
             total = int(sizes.sum()) if sizes.numel() else 0
         return PreparedCopy(self, [(dsts.contiguous(), srcs.contiguous(), sizes.contiguous(), total, 0, 0)], device)
 
-    def prepare_parts(self, parts, *, device=None) -> "PreparedCopy":
+    def prepare_parts(self, parts, *, device=None, direction: str | None = None):
         """Like `prepare`, for parts ``(dst_offsets, src_offsets, sizes, total, dst_base,
         src_base)`` built by the caller (contiguous int64 CPU tensors, sizes >= 0 adding up to
-        ``total``): each block goes from ``src_base + src_offsets[i]`` to ``dst_base + ...``."""
-        return PreparedCopy(self, parts, device)
+        ``total``): each block goes from ``src_base + src_offsets[i]`` to ``dst_base + ...``.
+
+        ``direction`` ("load": the sources are host memory, "backup": the destinations are)
+        lets the engine table (`hicache.plan.choose_engine`) pick the copy engine or the GPU's
+        gather for this batch; without it the copy engine (or the host copy) runs it. The
+        result's ``choice`` says which and why."""
+        if direction is None:
+            return PreparedCopy(self, parts, device)
+        total = sum([part[3] for part in parts])
+        count = sum([int(part[2].numel()) for part in parts if part[3]])
+        choice = choose_engine(direction, total // max(count, 1), on_gpu=device is not None, setting=self.transfer,
+                               gather_ready=device is not None or triton_ready())
+        self.last_choice = choice
+        if choice.engine != "gather":
+            return PreparedCopy(self, parts, device, choice=choice)
+        host_pointer = None if device is None else self._host_pointer
+        batch = GatherCopy(parts, device, programs=self.programs, host_side="src" if direction == "load" else "dst",
+                           host_pointer=host_pointer)
+        return PreparedGather(batch, choice, self, device)
+
+    def _host_pointer(self, address: int) -> int:
+        """The device's address of registered host memory (UVA); a TransferError for memory no
+        registration covers - a GPU reading it would fault or read another process's pages."""
+        binding = self._binding
+        if binding is None:
+            from cuda.bindings import runtime as binding
+
+            self._binding = binding
+        result = binding.cudaHostGetDevicePointer(address, 0)
+        code = int(result[0])
+        if code:
+            binding.cudaGetLastError()
+            raise TransferError(f"host address {address:#x} is not in registered memory (cudaHostGetDevicePointer: "
+                                f"{code}); the GPU cannot read or write it, nothing was copied")
+        return int(result[1])
 
     def streaming_copier(self, parts):
         """A function ``(index, src_base)`` writing one pattern of host blocks with streaming
@@ -139,12 +181,29 @@ class CopyEngine:
                 cuda.synchronize(index)
 
 
+class PreparedGather:
+    """A checked batch the GPU moves itself (`GatherCopy`), issued by `run()` as often as needed;
+    ``choice``: the table's `EngineChoice` that sent it here."""
+
+    def __init__(self, batch: GatherCopy, choice, copy_engine: CopyEngine, device) -> None:
+        self.batch, self.choice, self.copy_engine, self.device = batch, choice, copy_engine, device
+        self.total = getattr(batch, "bytes", 0)
+
+    def run(self) -> str:
+        if self.device is None:
+            return self.batch.run()
+        cuda = self.copy_engine._torch_cuda()
+        with cuda.device(self.device):
+            return self.batch.run()
+
+
 class PreparedCopy:
     """One checked batch of copies, issued by `run()` as often as needed. The caller keeps the
     memory its addresses point into alive and unchanged."""
 
-    def __init__(self, engine: CopyEngine, parts, device) -> None:
+    def __init__(self, engine: CopyEngine, parts, device, *, choice=None) -> None:
         self.engine, self.device, self.parts = engine, device, parts
+        self.choice = choice  # the table's EngineChoice, when prepared with a direction
         self.total = sum([part[3] for part in parts])
         if device is not None:  # cudaMemcpyBatchAsync takes Python int lists: built once
             dsts, srcs, sizes = [], [], []
@@ -166,3 +225,15 @@ class PreparedCopy:
 
 def _probe_mode() -> str:
     return host_copy_mode()
+
+
+def transfer_settings(env=None) -> tuple[str, int]:
+    """(HICACHE_TRANSFER, HICACHE_TRANSFER_PROGRAMS) as set, or their defaults; `EnvError` for a
+    bad value, naming it."""
+    import os
+
+    from hicache.plan._env import env_value
+    from hicache.plan._transfer import DEFAULT_PROGRAMS
+
+    env = os.environ if env is None else env
+    return env_value(env, "HICACHE_TRANSFER") or "auto", env_value(env, "HICACHE_TRANSFER_PROGRAMS") or DEFAULT_PROGRAMS

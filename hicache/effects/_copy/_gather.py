@@ -1,0 +1,170 @@
+"""The GPU's own transfer: a kernel that reads (load) or writes (backup) registered host memory
+over PCIe, many pieces in flight per program (issue #52).
+
+Owns the Triton kernel (one program walks tiles of ``ROWS`` pieces, each piece in chunks of
+``CHUNK`` words, grid-stride over the batch), its tables (absolute word addresses and sizes, built
+and moved to the device once per prepared batch), the torch fallback (index kernels over
+word views of the same ranges) and the word size (the widest of 8, 4, 2, 1 bytes dividing every
+address and size). The same kernel runs on CPU tensors through Triton's interpreter, so the
+suite runs the code the GPU runs. Callers bounds-check every piece against its tensors first
+(`hicache.pools._transfer.Descriptors`); this module checks the tables' own consistency and,
+on a GPU, that every host range is registered (`host_pointer` raises for one that is not).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from hicache.errors import TransferError
+
+ROWS = 16  # pieces in flight per program (8-32 reached the link on the H200)
+CHUNK_BYTES = 1024  # bytes of each piece a program moves per step
+
+
+@functools.lru_cache(maxsize=None)
+def triton_ready() -> bool:
+    """Triton imports here (the kernel can run: compiled on a GPU, interpreted on CPU)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install is as absent as a missing one
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    """The kernel: Triton-compiled for a GPU, or interpreted for CPU tensors (without needing
+    TRITON_INTERPRET set before triton was imported)."""
+    import triton
+
+    from hicache.effects._copy._gather_kernel import copy_pieces
+
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(copy_pieces)
+    return triton.jit(copy_pieces)
+
+
+def word_bytes(dsts, srcs, sizes) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) dividing every address and size."""
+    low = 0  # the OR of every value's low three bits
+    merged = (dsts | srcs | sizes) & 7
+    for bit in (1, 2, 4):
+        if bool((merged & bit).any()):
+            low |= bit
+    return 8 if low == 0 else 4 if low % 4 == 0 else 2 if low % 2 == 0 else 1
+
+
+_WORD_DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+
+
+class GatherCopy:
+    """One prepared batch for the gather engine. ``parts``: ``(dst_offsets, src_offsets, sizes,
+    total, dst_base, src_base)`` as `CopyEngine.prepare_parts` takes them; ``device``: the CUDA
+    device, or None (host memory on both sides: the interpreter); ``host_side``: which side of
+    every part is host memory on a GPU ("dst" for a backup, "src" for a load); ``host_pointer``:
+    host address -> the device's address of it (raises for an unregistered one)."""
+
+    def __init__(self, parts, device, *, programs: int, host_side: str | None = None, host_pointer=None,
+                 runner: str = "auto") -> None:
+        import torch
+
+        if programs < 1:
+            raise ValueError(f"programs must be >= 1, got {programs}")
+        self.device, self.programs = device, programs
+        dsts, srcs, sizes = [], [], []
+        for dst_offsets, src_offsets, part_sizes, total, dst_base, src_base in parts:
+            if not total:
+                continue
+            if device is not None and host_side is not None:
+                reach = int((part_sizes + (dst_offsets if host_side == "dst" else src_offsets)).max())
+                base = dst_base if host_side == "dst" else src_base
+                moved = _translate(host_pointer, base, reach)
+                dst_base, src_base = (moved, src_base) if host_side == "dst" else (dst_base, moved)
+            dsts.append(dst_offsets + dst_base)
+            srcs.append(src_offsets + src_base)
+            sizes.append(part_sizes)
+        self.count = sum(int(s.numel()) for s in sizes)
+        if not self.count:
+            self.tables = None
+            return
+        dsts, srcs, sizes = torch.cat(dsts), torch.cat(srcs), torch.cat(sizes)
+        self.word = word_bytes(dsts, srcs, sizes)
+        dtype = getattr(torch, _WORD_DTYPES[self.word])
+        chunk = max(1, CHUNK_BYTES // self.word)
+        sizes = sizes // self.word
+        self.chunks = -(-int(sizes.max()) // chunk)
+        self.chunk = chunk
+        self.runner = runner if runner != "auto" else ("triton" if triton_ready() else "torch")
+        target = "cpu" if device is None else device
+        self.tables = tuple(t.contiguous().to(target) for t in (dsts, srcs, sizes))
+        self.like = torch.empty(1, dtype=dtype, device=target)
+        self.bytes = int(sizes.sum()) * self.word
+
+    def run(self) -> str:
+        """Launch (asynchronous on a GPU, on the current stream; finished on return on CPU)."""
+        if self.tables is None:
+            return "empty"
+        if self.runner == "torch":
+            _torch_copy(self)
+            return "gather-torch"
+        grid = (max(1, min(self.programs, -(-self.count // ROWS))),)
+        _kernel(self.device is None)[grid](*self.tables, self.count, self.chunks, self.like,
+                                          ROWS=ROWS, CHUNK=self.chunk)
+        return "gather-triton" if self.device is not None else "gather-interpreted"
+
+
+def _translate(host_pointer, base: int, reach: int) -> int:
+    """The device address of host range [base, base + reach): both ends must be registered
+    and map to one contiguous device range."""
+    if host_pointer is None:
+        return base
+    start = host_pointer(base)
+    end = host_pointer(base + max(reach, 1) - 1)
+    if end - start != max(reach, 1) - 1:
+        raise TransferError(f"host range [{base:#x}, +{reach}) is not one registered range; nothing was copied")
+    return start
+
+
+def _torch_copy(batch: GatherCopy) -> None:
+    """The fallback: each piece as word indices, one index kernel per batch over word views of
+    the whole address span each side touches (a device view of registered host memory on a GPU)."""
+    import torch
+
+    dsts, srcs, sizes = (t.cpu() for t in batch.tables)
+    step = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
+    within = torch.arange(step.numel()) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    word = batch.word
+    dst_words, src_words = dsts // word, srcs // word
+    dst_span, dst_low = _span_of(dst_words, sizes, word, batch)
+    src_span, src_low = _span_of(src_words, sizes, word, batch)
+    values = src_span[(src_words[step] + within - src_low).to(src_span.device)]
+    dst_span[(dst_words[step] + within - dst_low).to(dst_span.device)] = values
+
+
+def _span_of(words, sizes, word: int, batch: GatherCopy):
+    """A word view over the range one side's pieces cover, and its first word."""
+    low, high = int(words.min()), int((words + sizes).max())
+    return _word_view(low * word, (high - low) * word, batch.like.dtype, batch.device), low
+
+
+class _DeviceSpan:
+    """`__cuda_array_interface__` over raw device (or registered host, UVA) memory."""
+
+    def __init__(self, ptr: int, count: int, typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False), "version": 3}
+
+
+def _word_view(address: int, nbytes: int, dtype, device):
+    """A 1-D tensor of ``dtype`` words over [address, address + nbytes)."""
+    import torch
+
+    size = torch.empty(0, dtype=dtype).element_size()
+    if device is None:
+        raw = (ctypes.c_char * nbytes).from_address(address)
+        return torch.frombuffer(raw, dtype=dtype)
+    typestr = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}[dtype]
+    return torch.as_tensor(_DeviceSpan(address, nbytes // size, typestr), device=device)
