@@ -1,13 +1,14 @@
 """CPU page transfers (backup all layers, load per layer) vs a plain copy of the same bytes.
 
-Layouts page_first_direct and layer_first; random host and device page sets (the hard case:
+Layouts page_first_direct, layer_first and page_first (token rows); random host and device page sets (the hard case:
 nothing coalesces). Target: >= 0.7 of the plain copy for pages of 64 tokens and more.
 The plain copy (torch's copy_ of one contiguous tensor) and the transfers are timed in
 interleaved rounds (HICACHE_BENCH_ROUNDS, 7); each line gives medians and the per-round range,
 so drift on a shared machine hits all of them alike. Two reference lines put the ratios in
 context: the same bytes as one block through hicache's own host copy (non-temporal stores,
 which the plain copy does not use), and, for 64-token pages, the transfers on the ctypes
-memmove fallback (what an install without a C compiler gets). Last, the per-layer call
+memmove fallback (what an install without a C compiler gets) and through the GPU gather engine's
+torch runner (its index kernels on CPU, issue #52). Last, the per-layer call
 overhead with the copy itself stubbed out, against a plain copy of one layer's bytes.
 """
 
@@ -33,13 +34,13 @@ from hicache.testing import MHADevicePool  # noqa: E402
 
 LAYERS, HEADS, DIM = 8, 8, 128
 MOVED_PAGES = 256
-LAYOUTS = ("page_first_direct", "layer_first")
+LAYOUTS = ("page_first_direct", "layer_first", "page_first")
 
 
 class StubEngine(CopyEngine):
     """Prepares (checks) every batch as usual and then copies nothing: the overhead alone."""
 
-    def prepare_parts(self, parts, *, device=None):
+    def prepare_parts(self, parts, *, device=None, direction=None):
         prepared = super().prepare_parts(parts, device=device)
         prepared.run = lambda: "stub"
         return prepared
@@ -63,6 +64,9 @@ def bench_page_size(page_size: int, rounds: int) -> None:
     for layout in LAYOUTS:  # one pool at a time
         pool = make_pool(device, page_size, layout)
         slow = make_pool(device, page_size, layout, copy_engine=CopyEngine(host_copy_mode="python")) if page_size == 64 else None
+        # the GPU engine's code on CPU: its torch runner (interpreter-free), so a CPU regression shows
+        gather = make_pool(device, page_size, layout, copy_engine=CopyEngine(transfer="gather", gather_runner="torch")) \
+            if page_size == 64 else None
         slots = pool.alloc(device_idx.numel())
         host_idx = slots.view(-1, page_size)[torch.randperm(MOVED_PAGES, generator=generator)].reshape(-1)
 
@@ -81,14 +85,18 @@ def bench_page_size(page_size: int, rounds: int) -> None:
         if slow is not None:
             jobs["backup all layers, memmove fallback"] = lambda: backup(slow)
             jobs["load per layer, memmove fallback"] = lambda: load(slow)
+        if gather is not None:
+            jobs["backup all layers, gather engine (torch)"] = lambda: backup(gather)
+            jobs["load per layer, gather engine (torch)"] = lambda: load(gather)
         times = interleaved(jobs, rounds=rounds)
         plain = times.pop("plain")
         for what, seconds in times.items():
             print(median_line(f"{layout} {what}, {page_size}-token pages", [t * 1e3 for t in seconds],
                               "plain copy of the same bytes", [t * 1e3 for t in plain], "ms"))
         pool.destroy()
-        if slow is not None:
-            slow.destroy()
+        for extra in (slow, gather):
+            if extra is not None:
+                extra.destroy()
 
 
 def bench_overhead(page_size: int, rounds: int) -> None:

@@ -6,7 +6,8 @@ torch 2.13 (the CUDA wheel fails with ``operator torchvision::nms does not exist
 the host-pool paths calls it; every name it is asked for is a class that refuses to be built.
 transformers' own "is torchvision installed" answer is settled (cached False) before the
 stand-in exists, so it never takes the stand-in for the real package. Second, sgl-kernel's
-"direct" io_backend copies, which SGLang binds only on CUDA (`bind_transfers`). CUDA itself is
+"direct" io_backend copies and its "kernel" backend's kvcacheio ops, which SGLang binds only on
+CUDA (`bind_transfers`). CUDA itself is
 stood in for by `hicache.testing.fake_cuda`. Imports nothing of hicache.
 """
 
@@ -127,13 +128,109 @@ def transfer_kv_all_layer_direct_lf_pf(*, src_ptrs, dst_ptrs, src_indices, dst_i
             dst[where, layer] = rows.reshape(-1, page_size, *rows.shape[1:]).to(dst.device)
 
 
+# -- sgl-kernel's "kernel" io_backend ops (kvcacheio), as item copies at computed addresses ---------
+# Their contract (sgl-kernel csrc/kvcacheio/transfer.cu; ../shared/reference/sglang-0.5.23.md): int64
+# index tensors of equal length, item_size % 8 == 0, item `id` of layer `l` at `base + id * item`
+# (layer_first), `base + id * layout_dim + l * item` (page_first) or `table[l] + id * item` (a
+# pointer table). Every address a tensor argument gives is checked inside that tensor here;
+# pointer tables are SGLang's own buffers' addresses, as on CUDA.
+
+
+def _base(tensor_or_table, layer: int | None = None) -> tuple[int, int | None]:
+    """(address, bytes it may hold or None for a pointer table's entry) of one buffer."""
+    if layer is None:
+        return tensor_or_table.data_ptr(), tensor_or_table.numel() * tensor_or_table.element_size()
+    return int(tensor_or_table[layer]), None
+
+
+def _items(what: str, dst, dst_stride: int, dst_offset: int, src, src_stride: int, src_offset: int,
+           dst_indices, src_indices, item_size: int) -> None:
+    import ctypes
+
+    if item_size % 8 or src_indices.numel() != dst_indices.numel():
+        raise ValueError(f"{what}: item_size {item_size} must be a multiple of 8 and the index counts equal")
+    (dst_at, dst_room), (src_at, src_room) = dst, src
+    for d, s in zip(dst_indices.tolist(), src_indices.tolist()):
+        to, start = d * dst_stride + dst_offset, s * src_stride + src_offset
+        for room, at in ((dst_room, to), (src_room, start)):
+            if at < 0 or (room is not None and at + item_size > room):
+                raise IndexError(f"{what}: item at byte {at} is outside its {room}-byte buffer")
+        ctypes.memmove(dst_at + to, src_at + start, item_size)
+
+
+def transfer_kv_per_layer_mla(*, src, dst, src_indices, dst_indices, item_size):
+    """One layer_first layer to another: ``base + id * item`` both sides."""
+    _items("transfer_kv_per_layer_mla", _base(dst), item_size, 0, _base(src), item_size, 0, dst_indices, src_indices,
+           item_size)
+
+
+def transfer_kv_per_layer(*, src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size):
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        transfer_kv_per_layer_mla(src=src, dst=dst, src_indices=src_indices, dst_indices=dst_indices,
+                                  item_size=item_size)
+
+
+def transfer_kv_all_layer_mla(*, src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers):
+    """Every layer through two pointer tables."""
+    if src_layers.numel() != num_layers or dst_layers.numel() != num_layers:
+        raise ValueError(f"transfer_kv_all_layer_mla: tables of {src_layers.numel()} and {dst_layers.numel()} "
+                         f"layers, num_layers {num_layers}")
+    for layer in range(num_layers):
+        _items("transfer_kv_all_layer_mla", _base(dst_layers, layer), item_size, 0, _base(src_layers, layer),
+               item_size, 0, dst_indices, src_indices, item_size)
+
+
+def transfer_kv_all_layer(*, src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices,
+                          item_size, num_layers):
+    for src, dst in ((src_k_layers, dst_k_layers), (src_v_layers, dst_v_layers)):
+        transfer_kv_all_layer_mla(src_layers=src, dst_layers=dst, src_indices=src_indices, dst_indices=dst_indices,
+                                  item_size=item_size, num_layers=num_layers)
+
+
+def transfer_kv_per_layer_mla_pf_lf(*, src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim):
+    """Layer ``layer_id`` of a page_first buffer to a layer_first one."""
+    _items("transfer_kv_per_layer_mla_pf_lf", _base(dst), item_size, 0, _base(src), src_layout_dim,
+           layer_id * item_size, dst_indices, src_indices, item_size)
+
+
+def transfer_kv_per_layer_pf_lf(*, src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
+                                src_layout_dim):
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        transfer_kv_per_layer_mla_pf_lf(src=src, dst=dst, src_indices=src_indices, dst_indices=dst_indices,
+                                        layer_id=layer_id, item_size=item_size, src_layout_dim=src_layout_dim)
+
+
+def transfer_kv_all_layer_mla_lf_pf(*, src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim,
+                                    num_layers):
+    """Every layer through a pointer table into a page_first buffer."""
+    if src_layers.numel() != num_layers:
+        raise ValueError(f"transfer_kv_all_layer_mla_lf_pf: a table of {src_layers.numel()} layers, num_layers "
+                         f"{num_layers}")
+    for layer in range(num_layers):
+        _items("transfer_kv_all_layer_mla_lf_pf", _base(dst), dst_layout_dim, layer * item_size,
+               _base(src_layers, layer), item_size, 0, dst_indices, src_indices, item_size)
+
+
+def transfer_kv_all_layer_lf_pf(*, src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
+                                dst_layout_dim, num_layers):
+    for src, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
+        transfer_kv_all_layer_mla_lf_pf(src_layers=src, dst=dst, src_indices=src_indices, dst_indices=dst_indices,
+                                        item_size=item_size, dst_layout_dim=dst_layout_dim, num_layers=num_layers)
+
+
+_KERNEL_OPS = (transfer_kv_per_layer, transfer_kv_all_layer, transfer_kv_per_layer_mla, transfer_kv_all_layer_mla,
+               transfer_kv_per_layer_pf_lf, transfer_kv_all_layer_lf_pf, transfer_kv_per_layer_mla_pf_lf,
+               transfer_kv_all_layer_mla_lf_pf)
+
+
 _TRANSFERS = {f.__name__: f for f in (transfer_kv_direct, transfer_kv_per_layer_direct_pf_lf,
-                                      transfer_kv_all_layer_direct_lf_pf)}
+                                      transfer_kv_all_layer_direct_lf_pf, *_KERNEL_OPS)}
 
 
 def bind_transfers() -> tuple[str, ...]:
-    """Give SGLang's MHA, MLA, Mamba, DSA and DeepSeek-V4 host-pool modules the direct-backend copies where they have
-    none (off CUDA); a real sgl-kernel binding is left alone. Returns what was bound."""
+    """Give SGLang's MHA, MLA, Mamba, DSA and DeepSeek-V4 host-pool modules the direct-backend copies and the
+    kernel-backend ops (not page_head's or Mamba's JIT ones) where they have none (off CUDA); a real sgl-kernel
+    binding is left alone. Returns what was bound."""
     import importlib
     import warnings
 

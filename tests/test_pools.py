@@ -263,7 +263,7 @@ def test_destroy_keeps_memory_a_failed_release_left_registered():
         (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4.0), torch.arange(4), 0, "direct"), "1-D int64 or int32"),
         (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(8), 0, "direct"), "has 4 entries but device_indices has 8"),
         (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 7, "direct"), r"layer_id 7 out of range \[0, 3\)"),
-        (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 0, "kernel"), "supported: direct/layer_first"),
+        (lambda p, d: p.load_to_device_per_layer(d, torch.arange(4), torch.arange(4), 0, "kernel_ascend"), "supported: direct/layer_first"),
         (lambda p, d: p.backup_from_device_all_layer(d, torch.tensor([10**6]), torch.tensor([1]), "direct"), "host_indices out of range"),
         # negative indices would wrap (torch indexing counts from the end): a copy to the wrong slot
         (lambda p, d: p.backup_from_device_all_layer(d, torch.tensor([-1]), torch.tensor([1]), "direct"), r"host_indices out of range \[0, \d+\): min -1"),

@@ -2,7 +2,7 @@
 `HybridCacheController` (what `UnifiedRadixCache` drives) over a `HostPoolGroup` whose pool
 SGLang's assembler built - its registration hicache's (under `fake_cuda`) - writes device pages
 to host through `L2TransferEngine`, and loads them back into a cleared device pool byte for
-byte, with SGLang's "direct" io_backend (its sgl-kernel copies stood in for on CPU by
+byte, with SGLang's "direct" and "kernel" io_backends (their sgl-kernel copies stood in for on CPU by
 `hicache.testing.sglang_on_cpu`). Needs `make sglang`."""
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def _host_rows(host, kind: str, layout: str, j: int, indices):
     layer = j % LAYERS
     if layout == "layer_first":  # [layer, token, ...]
         return kv[layer][indices]
+    if layout == "page_first":  # [token, layer, ...]
+        return kv[indices, layer]
     return kv[indices // PAGE, layer, indices % PAGE]  # page_first_direct: [page, layer, token, ...]
 
 
@@ -75,7 +77,7 @@ def _round_trip(controller, allocator, device, host, kind: str, layout: str, *, 
 
 
 @contextlib.contextmanager
-def _assembled_host(monkeypatch, pools: str, kind: str, layout: str, **build):
+def _assembled_host(monkeypatch, pools: str, kind: str, layout: str, backend: str = "direct", **build):
     """SGLang's assembler builds the host pool of a device pool of ``kind`` - SGLang's own class
     (pools="sglang": hicache registers its buffers) or, with HICACHE_SGLANG_POOLS=1, hicache's -
     under the fake driver; yields ``(fake, allocator, device, host)`` and destroys the pool
@@ -90,7 +92,7 @@ def _assembled_host(monkeypatch, pools: str, kind: str, layout: str, **build):
         monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
     plugins.load_plugins()
     settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
-                    hicache_io_backend="direct")
+                    hicache_io_backend=backend)
     with published(**settings), fake_cuda() as fake:
         device = _device_pool(kind)
         allocator = PagedTokenToKVPoolAllocator(256, PAGE, torch.bfloat16, "cpu", device, False)
@@ -106,38 +108,42 @@ def _assembled_host(monkeypatch, pools: str, kind: str, layout: str, **build):
 
 @pytest.mark.parametrize("pools", ["sglang", "hicache"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+@pytest.mark.parametrize("layout, backend", [("layer_first", "direct"), ("page_first_direct", "direct"),
+                                             ("page_first", "kernel"), ("layer_first", "kernel")])
 def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sglang, monkeypatch, roomy_psutil,
-                                                                            kind, layout, pools):
+                                                                            kind, layout, backend, pools):
     """pools="sglang": SGLang's own pool classes (hicache registers their buffers);
     pools="hicache": HICACHE_SGLANG_POOLS=1 - the plug-in's class REPLACE, so SGLang's assembler
-    builds hicache's pool and SGLang's controller drives it."""
+    builds hicache's pool and SGLang's controller drives it. SGLang's defaults (page_first with
+    the kernel backend: sgl-kernel's kvcacheio ops on CPU for SGLang's pools) included; both put
+    every row where SGLang's layout says."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 
-    with _assembled_host(monkeypatch, pools, kind, layout) as (fake, allocator, device, host):
+    with _assembled_host(monkeypatch, pools, kind, layout, backend) as (fake, allocator, device, host):
         buffers = host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]
         assert {tuple(r) for b in buffers for r in b._sglang_cuda_host_registered_ranges} == fake.held() != set()
         group = HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=host, device_pool=device,
                                          layer_mapper=lambda layer: layer, is_primary_index_anchor=True)])
-        controller = HybridCacheController(allocator, group, PAGE, None, threading.Event(), io_backend="direct")
+        controller = HybridCacheController(allocator, group, PAGE, None, threading.Event(), io_backend=backend)
         _round_trip(controller, allocator, device, host, kind, layout, seed=11, pages=5)
     fake.check_valid()
 
 
 @pytest.mark.parametrize("pools", ["sglang", "hicache"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout, backend", [("page_first_direct", "direct"), ("page_first", "kernel")])
 def test_decode_offloads_hicache_controller_round_trips_pages_byte_exact(sglang, monkeypatch, roomy_psutil, kind,
-                                                                         pools):
+                                                                         pools, layout, backend):
     """Decode-side KV offload (`disaggregation/decode_kvcache_offload_manager.py`): SGLang's
     assembler builds the host pool for a flat device pool and SGLang's `HiCacheController` (no
     HostPoolGroup) backs pages up and loads them back - over SGLang's pool and, with
     HICACHE_SGLANG_POOLS=1, over hicache's."""
     from sglang.srt.managers.cache_controller import HiCacheController
 
-    layout = "page_first_direct"
-    with _assembled_host(monkeypatch, pools, kind, layout, use_mla=kind == "mla") as (_, allocator, device, host):
+    with _assembled_host(monkeypatch, pools, kind, layout, backend, use_mla=kind == "mla") as (_, allocator, device,
+                                                                                             host):
         controller = HiCacheController(token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=PAGE,
-                                       tp_group=None, load_cache_event=threading.Event(), io_backend="direct")
+                                       tp_group=None, load_cache_event=threading.Event(), io_backend=backend)
         _round_trip(controller, allocator, device, host, kind, layout, seed=13, pages=4)

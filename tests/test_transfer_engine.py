@@ -181,3 +181,52 @@ def test_bad_calls_through_the_gather_change_no_byte():
         assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
     finally:
         pool.destroy()
+
+
+def test_the_doctor_names_each_layouts_engine_and_refuses_a_bad_setting():
+    """`hicache doctor`'s transfer rule: the table's picks per layout, the setting's override, a
+    failing check naming a bad value."""
+    from hicache.cli._doctor import transfer_check
+
+    auto = transfer_check({})
+    assert auto.status == "pass" and "page_first load gather, backup gather" in auto.finding
+    assert "layer_first load dma, backup gather" in auto.finding
+    forced = transfer_check({"HICACHE_TRANSFER": "dma"})
+    assert "page_first load dma, backup dma" in forced.finding
+    bad = transfer_check({"HICACHE_TRANSFER": "warp"})
+    assert bad.status == "fail" and "warp" in bad.finding
+
+
+class _Driver:
+    """cuda-python's cudaHostGetDevicePointer over a registered range [start, end) mapped at +shift."""
+
+    def __init__(self, start: int, end: int, shift: int = 0) -> None:
+        self.start, self.end, self.shift, self.drained = start, end, shift, 0
+
+    def cudaHostGetDevicePointer(self, address, flags):  # noqa: N802 - cuda-python's name
+        if self.start <= address < self.end:
+            return (0, address + self.shift)
+        return (1, 0)  # cudaErrorInvalidValue
+
+    def cudaGetLastError(self):  # noqa: N802
+        self.drained += 1
+        return (0,)
+
+
+def test_a_gather_over_unregistered_host_memory_is_refused_before_any_launch():
+    """The gather asks the driver for every host range's device address first: memory outside
+    every registration, or a range whose two ends are not one registration, is a TransferError;
+    a registered range maps to the device's address of it."""
+    from hicache.effects._copy._gather import _translate
+
+    driver = _Driver(0x10000, 0x20000, shift=0x1000)
+    engine = CopyEngine(binding=driver)
+    assert _translate(engine._host_pointer, 0x10000, 0x800) == 0x11000
+    with pytest.raises(TransferError, match="not in registered memory"):
+        _translate(engine._host_pointer, 0x1F000, 0x2000)  # runs past the registration's end
+    assert driver.drained == 1
+    with pytest.raises(TransferError, match="not in registered memory"):
+        engine._host_pointer(0x30000)
+    split = lambda address: address if address < 0x18000 else address + 0x100000  # noqa: E731 - two registrations
+    with pytest.raises(TransferError, match="not one registered range"):
+        _translate(split, 0x17000, 0x2000)

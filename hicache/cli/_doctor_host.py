@@ -220,6 +220,34 @@ def host_copy_check(env) -> Check:
     return Check("host_copy", "pass", f"ctypes memmove copies ({info.env_var})")
 
 
+def _transfer(c: Context) -> Check:
+    return transfer_check(c.env)
+
+
+def transfer_check(env) -> Check:
+    """Which engine the pools' host<->GPU transfers take, by layout and direction (the engine
+    table, hicache.plan._transfer, for a Llama-8B-like page: 2 KiB rows, 128 KiB page runs)."""
+    import importlib.util
+
+    from hicache.errors import EnvError
+    from hicache.plan._env import env_value
+    from hicache.plan._transfer import DEFAULT_PROGRAMS, choose_engine
+
+    try:
+        setting = env_value(env, "HICACHE_TRANSFER") or "auto"
+        programs = env_value(env, "HICACHE_TRANSFER_PROGRAMS") or DEFAULT_PROGRAMS
+    except EnvError as error:
+        return Check("transfer", "fail", str(error), "unset HICACHE_TRANSFER / HICACHE_TRANSFER_PROGRAMS")
+    triton = importlib.util.find_spec("triton") is not None
+    pieces = {"page_first": 2048, "layer_first": 128 * 2**10, "page_first_direct": 128 * 2**10}
+    picks = "; ".join(
+        f"{layout} load {choose_engine('load', piece, on_gpu=True, setting=setting).engine}, backup "
+        f"{choose_engine('backup', piece, on_gpu=True, setting=setting).engine}" for layout, piece in pieces.items())
+    how = f"Triton, {programs} programs at most" if triton else "torch's index kernels (Triton is not installed)"
+    detail = f"HICACHE_TRANSFER={setting}: {picks}; the gather runs through {how}; page_head through torch indexing"
+    return Check("transfer", "pass", detail)
+
+
 def _versions(c: Context) -> Check:
     import platform
 

@@ -17,9 +17,8 @@ from typing import NamedTuple
 from hicache.errors import TransferError
 from hicache.pools._indices import IndexMemo
 
-#: SGLang 0.5.23's io backends the pools serve: both move the same bytes between the same
-#: buffers in every layout (sgl-kernel's `kernel` ops and its `direct` ones differ only in how);
-#: which engine moves them is the engine table's choice (hicache.plan._transfer), not the name's
+#: SGLang 0.5.23's io backends: both move the same bytes in every layout (sgl-kernel's `kernel` and
+#: `direct` ops differ only in how); which engine moves them is hicache.plan._transfer's table's
 IO_BACKENDS = ("direct", "kernel")
 
 

@@ -45,11 +45,13 @@ class CopyEngine:
 
     ``host_copy_mode``: ``"native"`` or ``"python"`` (default: `host_copy_mode()`, which reads
     ``HICACHE_HOST_COPY`` once, here). ``cuda``: torch.cuda or a stand-in; ``binding``:
-    cuda-python's runtime or a stand-in (both looked up on first CUDA use).
+    cuda-python's runtime or a stand-in (both looked up on first CUDA use). ``transfer`` and
+    ``programs``: HICACHE_TRANSFER and HICACHE_TRANSFER_PROGRAMS unless given; ``gather_runner``:
+    what runs a gather, Triton where it is (``auto``) or torch's index kernels (``torch``).
     """
 
     def __init__(self, *, host_copy_mode: str | None = None, cuda=None, binding=None, transfer: str | None = None,
-                 programs: int | None = None) -> None:
+                 programs: int | None = None, gather_runner: str = "auto") -> None:
         self.host_copy_mode = host_copy_mode if host_copy_mode is not None else _probe_mode()
         self._cuda = cuda
         self._binding = binding
@@ -60,6 +62,7 @@ class CopyEngine:
         if self.transfer not in TRANSFER_MODES:
             raise ValueError(f"transfer must be one of {TRANSFER_MODES}, got {self.transfer!r}")
         self.last_choice = None  # the EngineChoice of the last batch prepared with a direction
+        self.gather_runner = gather_runner  # "auto" (Triton where it is), "triton" or "torch"
 
     def __repr__(self) -> str:
         return f"CopyEngine(host_copy_mode={self.host_copy_mode!r}, transfer={self.transfer!r})"
@@ -116,7 +119,7 @@ class CopyEngine:
             return PreparedCopy(self, parts, device, choice=choice)
         host_pointer = None if device is None else self._host_pointer
         batch = GatherCopy(parts, device, programs=self.programs, host_side="src" if direction == "load" else "dst",
-                           host_pointer=host_pointer)
+                           host_pointer=host_pointer, runner=self.gather_runner)
         return PreparedGather(batch, choice, self, device)
 
     def _host_pointer(self, address: int) -> int:
