@@ -15,6 +15,9 @@ import math
 from typing import NamedTuple
 
 from hicache.errors import TransferError
+from hicache.pools._blocks import (  # noqa: F401 - block_pattern: the tests reach it here
+    BlockPattern, _pattern, block_pattern, block_unit, copy_blocks, copy_tokens, extent_bytes,
+)
 from hicache.pools._indices import IndexMemo
 
 #: SGLang 0.5.23's io backends: both move the same bytes in every layout (sgl-kernel's `kernel` and
@@ -30,62 +33,6 @@ def check_backend(io_backend, layout: str, supported_layouts) -> None:
             f"io_backend {io_backend!r} with layout {layout!r} is not supported; supported: {pairs} "
             "(--hicache-io-backend kernel or direct)"
         )
-
-
-def _block_bytes(tensor) -> int | None:
-    """Bytes of one dim-0 block when each block is one contiguous run, else None (shape and
-    stride arithmetic only: no view is made)."""
-    shape, stride = tensor.shape, tensor.stride()
-    expected = 1
-    for size, step in zip(reversed(shape[1:]), reversed(stride[1:])):
-        if size != 1 and step != expected:
-            return None
-        expected *= size
-    return expected * tensor.element_size()
-
-
-def block_unit(dst, src) -> int | None:
-    """Bytes per dim-0 block when blocks are contiguous, equally sized and typed on both sides."""
-    if dst.dtype != src.dtype or not dst.shape or not src.shape or src.shape[0] == 0:
-        return None
-    unit = _block_bytes(dst)
-    if unit is None or _block_bytes(src) != unit:
-        return None
-    return unit
-
-
-class BlockPattern(NamedTuple):
-    """Coalesced block copies as byte offsets from the two tensors' base addresses, and how far
-    they reach into each tensor (checked against every tensor they are used on)."""
-
-    dst: object  # int64 tensors
-    src: object
-    sizes: object
-    dst_reach: int = 0  # one past the last byte written, from the destination's base
-    src_reach: int = 0
-    total: int = 0  # bytes copied
-
-
-def _pattern(dst_offsets, src_offsets, sizes) -> BlockPattern:
-    if not sizes.numel():
-        return BlockPattern(dst_offsets, src_offsets, sizes)
-    return BlockPattern(dst_offsets, src_offsets, sizes, int((dst_offsets + sizes).max()),
-                        int((src_offsets + sizes).max()), int(sizes.sum()))
-
-
-def block_pattern(dst_ids, dst_step: int, src_ids, src_step: int, unit: int) -> BlockPattern:
-    """Copies ``dst[dst_ids[i]] = src[src_ids[i]]`` of ``unit``-byte blocks, consecutive ones merged."""
-    import torch
-
-    dst_offsets, src_offsets = dst_ids * dst_step, src_ids * src_step
-    order = torch.argsort(dst_offsets)  # walk the destination in address order: runs coalesce,
-    dst_offsets, src_offsets = dst_offsets[order], src_offsets[order]  # and writes stream forward
-    joins = (dst_offsets[1:] - dst_offsets[:-1] == unit) & (src_offsets[1:] - src_offsets[:-1] == unit)
-    if not joins.any():
-        return _pattern(dst_offsets, src_offsets, torch.full_like(dst_offsets, unit))
-    starts = torch.nonzero(torch.cat([joins.new_ones(1), ~joins])).flatten()
-    ends = torch.cat([starts[1:], starts.new_tensor([dst_offsets.numel()])])
-    return _pattern(dst_offsets[starts], src_offsets[starts], (ends - starts) * unit)
 
 
 class Descriptors:
@@ -146,23 +93,6 @@ class Descriptors:
         return self.engine.prepare_parts(parts, device=self.cuda, direction=self.direction)
 
 
-def copy_blocks(dst, dst_ids, src, src_ids) -> None:
-    """``dst[dst_ids[i]] = src[src_ids[i]]`` for whole blocks along dim 0 by torch indexing
-    (blocks not contiguous on both sides); the caller checked every id against both tensors."""
-    if dst_ids.numel() == 0:
-        return
-    values = src[src_ids.to(src.device)]
-    dst[dst_ids.to(dst.device)] = values.to(dst.device).reshape((values.shape[0], *dst.shape[1:]))
-
-
-def extent_bytes(tensor) -> int:
-    """Bytes from ``tensor.data_ptr()`` to one past its last element (0 when empty)."""
-    if tensor.numel() == 0:
-        return 0
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return (last + 1) * tensor.element_size()
-
-
 class Link:
     """One layer of one stream, both ways: the block views, the unit, the steps, how far each
     side reaches - all fixed while the device tensor is the same object at the same address
@@ -205,7 +135,7 @@ def token_rows(host_view):
     return host_view.flatten(0, 1)
 
 
-def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool) -> Link:
+def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool, split_rows: bool = True) -> Link:
     link = Link()
     link.host_view, link.device = host_view, device
     link.device_ptr, link.device_shape = device.data_ptr(), device.shape
@@ -214,7 +144,7 @@ def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool) -
     link.dst, link.src = (host_view, blocks) if to_host else (blocks, host_view)
     link.unit = block_unit(link.dst, link.src)
     link.token_rows = False
-    if link.unit is None and not rows:  # a page is not one run (page_first: a token's layers are
+    if link.unit is None and not rows and split_rows:  # a page is not one run (page_first: a token's layers are
         tokens = token_rows(host_view)  # together): copy token rows instead of indexing with torch
         if tokens is not None:
             dst, src = (tokens, device) if to_host else (device, tokens)
@@ -241,20 +171,6 @@ class ReadyCopy(NamedTuple):
         return all(a is b for a, b in zip(self.device_tensors, tensors)) and len(tensors) == len(self.device_tensors) and all(
             t.data_ptr() == address for t, address in zip(tensors, self.addresses)
         )
-
-
-def copy_tokens(hv, hidx, dv, didx, page_size: int, *, to_host: bool) -> None:
-    """Token-by-token path for runs that are not whole aligned pages.
-
-    ``hv`` is a host view ``(pages, page_size, *item)``, ``dv`` a device view ``(slots, *item)``.
-    """
-    pages, offsets = hidx // page_size, hidx % page_size
-    if to_host:
-        values = dv[didx.to(dv.device)].to(hv.device)
-        hv[pages, offsets] = values.reshape((values.shape[0], *hv.shape[2:]))
-    else:
-        values = hv[pages, offsets].to(dv.device)
-        dv[didx.to(dv.device)] = values.reshape((values.shape[0], *dv.shape[1:]))
 
 
 class Where(NamedTuple):
@@ -356,7 +272,11 @@ class Transfers:
         link = self._links.get(key)
         if link is None or not link.fits(dv):
             self._check_matches(where, hv, dv, rows=stream.rows)  # before any copy of this transfer
-            link = self._links[key] = make_link(hv, dv, self.page_size, rows=stream.rows, to_host=to_host)
+            engine = self.copy_engine  # per-row memmove (no C helper, on CPU) is slower than torch indexing
+            split = dv.device.type == "cuda" or engine is None or engine.host_copy_mode == "native" or \
+                getattr(engine, "transfer", "auto") == "gather"
+            link = self._links[key] = make_link(hv, dv, self.page_size, rows=stream.rows, to_host=to_host,
+                                                split_rows=split)
         return link
 
     def _build(self, checked, layers, device_tensors, *, to_host: bool):

@@ -131,7 +131,16 @@ def _translate(host_pointer, base: int, reach: int) -> int:
 
 def _torch_copy(batch: GatherCopy) -> None:
     """The fallback: each piece as word indices, one index kernel per batch over word views of
-    the whole address span each side touches (a device view of registered host memory on a GPU)."""
+    the whole address span each side touches (a device view of registered host memory on a GPU).
+    The views and indices are built on the first run and kept: a prepared batch runs again and
+    again (SGLang loads the same pages layer by layer)."""
+    if getattr(batch, "_views", None) is None:
+        batch._views = _torch_views(batch)
+    dst_span, dst_index, src_span, src_index = batch._views
+    dst_span[dst_index] = src_span[src_index]
+
+
+def _torch_views(batch: GatherCopy) -> tuple:
     import torch
 
     dsts, srcs, sizes = (t.cpu() for t in batch.tables)
@@ -141,8 +150,8 @@ def _torch_copy(batch: GatherCopy) -> None:
     dst_words, src_words = dsts // word, srcs // word
     dst_span, dst_low = _span_of(dst_words, sizes, word, batch)
     src_span, src_low = _span_of(src_words, sizes, word, batch)
-    values = src_span[(src_words[step] + within - src_low).to(src_span.device)]
-    dst_span[(dst_words[step] + within - dst_low).to(dst_span.device)] = values
+    return (dst_span, (dst_words[step] + within - dst_low).to(dst_span.device),
+            src_span, (src_words[step] + within - src_low).to(src_span.device))
 
 
 def _span_of(words, sizes, word: int, batch: GatherCopy):
