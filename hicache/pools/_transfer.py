@@ -273,8 +273,7 @@ class Transfers:
         if link is None or not link.fits(dv):
             self._check_matches(where, hv, dv, rows=stream.rows)  # before any copy of this transfer
             engine = self.copy_engine  # per-row memmove (no C helper, on CPU) is slower than torch indexing
-            split = dv.device.type == "cuda" or engine is None or engine.host_copy_mode == "native" or \
-                getattr(engine, "transfer", "auto") == "gather"
+            split = dv.device.type == "cuda" or engine.host_copy_mode == "native" or engine.transfer == "gather"
             link = self._links[key] = make_link(hv, dv, self.page_size, rows=stream.rows, to_host=to_host,
                                                 split_rows=split)
         return link

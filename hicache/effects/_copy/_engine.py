@@ -190,7 +190,7 @@ class PreparedGather:
 
     def __init__(self, batch: GatherCopy, choice, copy_engine: CopyEngine, device) -> None:
         self.batch, self.choice, self.copy_engine, self.device = batch, choice, copy_engine, device
-        self.total = getattr(batch, "bytes", 0)
+        self.total = batch.bytes
 
     def run(self) -> str:
         if self.device is None:

@@ -50,15 +50,12 @@ def _kernel(interpret: bool):
 
 def word_bytes(dsts, srcs, sizes) -> int:
     """The widest word (8, 4, 2 or 1 bytes) dividing every address and size."""
-    low = 0  # the OR of every value's low three bits
-    merged = (dsts | srcs | sizes) & 7
-    for bit in (1, 2, 4):
-        if bool((merged & bit).any()):
-            low |= bit
-    return 8 if low == 0 else 4 if low % 4 == 0 else 2 if low % 2 == 0 else 1
+    merged = dsts | srcs | sizes
+    return next((word for word in (8, 4, 2) if not bool((merged % word).any())), 1)
 
 
-_WORD_DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+#: word bytes -> (torch dtype name, __cuda_array_interface__ typestr)
+_WORDS = {8: ("int64", "<i8"), 4: ("int32", "<i4"), 2: ("int16", "<i2"), 1: ("uint8", "|u1")}
 
 
 class GatherCopy:
@@ -75,6 +72,7 @@ class GatherCopy:
         if programs < 1:
             raise ValueError(f"programs must be >= 1, got {programs}")
         self.device, self.programs = device, programs
+        self._views = None  # the torch runner's word views and indices, built on its first run
         dsts, srcs, sizes = [], [], []
         for dst_offsets, src_offsets, part_sizes, total, dst_base, src_base in parts:
             if not total:
@@ -89,11 +87,11 @@ class GatherCopy:
             sizes.append(part_sizes)
         self.count = sum(int(s.numel()) for s in sizes)
         if not self.count:
-            self.tables = None
+            self.tables, self.bytes = None, 0
             return
         dsts, srcs, sizes = torch.cat(dsts), torch.cat(srcs), torch.cat(sizes)
         self.word = word_bytes(dsts, srcs, sizes)
-        dtype = getattr(torch, _WORD_DTYPES[self.word])
+        dtype = getattr(torch, _WORDS[self.word][0])
         chunk = max(1, CHUNK_BYTES // self.word)
         sizes = sizes // self.word
         self.chunks = -(-int(sizes.max()) // chunk)
@@ -134,7 +132,7 @@ def _torch_copy(batch: GatherCopy) -> None:
     the whole address span each side touches (a device view of registered host memory on a GPU).
     The views and indices are built on the first run and kept: a prepared batch runs again and
     again (SGLang loads the same pages layer by layer)."""
-    if getattr(batch, "_views", None) is None:
+    if batch._views is None:
         batch._views = _torch_views(batch)
     dst_span, dst_index, src_span, src_index = batch._views
     dst_span[dst_index] = src_span[src_index]
@@ -171,9 +169,8 @@ def _word_view(address: int, nbytes: int, dtype, device):
     """A 1-D tensor of ``dtype`` words over [address, address + nbytes)."""
     import torch
 
-    size = torch.empty(0, dtype=dtype).element_size()
+    word = torch.empty(0, dtype=dtype).element_size()
     if device is None:
         raw = (ctypes.c_char * nbytes).from_address(address)
         return torch.frombuffer(raw, dtype=dtype)
-    typestr = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}[dtype]
-    return torch.as_tensor(_DeviceSpan(address, nbytes // size, typestr), device=device)
+    return torch.as_tensor(_DeviceSpan(address, nbytes // word, _WORDS[word][1]), device=device)
