@@ -157,7 +157,7 @@ class Zygote:
 
 
 class StoppingOps:
-    """A store's slot ops (``real``) that stop inside every page copy until ``go`` is set;
+    """A store's slot ops (``real``) that stop inside every page copy or read until ``go`` is set;
     ``inside`` says a copy got there. Put in place as ``store.index.ops = StoppingOps(...)``."""
 
     def __init__(self, real) -> None:
@@ -169,10 +169,33 @@ class StoppingOps:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def copy_pages(self, direction, *args):
+    def _stop(self) -> None:
         self.inside.set()
         assert self.go.wait(60), "hang guard"
+
+    def copy_pages(self, direction, *args):
+        self._stop()
         return self.real.copy_pages(direction, *args)
+
+    def read_pages(self, *args, **kwargs):
+        self._stop()
+        return self.real.read_pages(*args, **kwargs)
+
+
+class MovedOnAfterLookup:
+    """The arena's ops, but between a read's lookup and its record read ``change(found, gens)``
+    runs - a writer arriving then (read_pages over slots the caller looked up: its seam)."""
+
+    def __init__(self, ops, change) -> None:
+        self.ops, self.change = ops, change
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def read_pages(self, index_addr, data_addr, nslots, window, *rest):
+        found, gens = self.ops.lookup(index_addr, nslots, window, rest[2])
+        gens = self.change(found, gens)
+        return self.ops.read_pages(index_addr, data_addr, nslots, window, *rest, found=found, gens=gens)
 
 
 def wait_until(predicate, *, timeout_s: float = 60) -> None:

@@ -14,7 +14,7 @@ import textwrap
 import threading
 
 import pytest
-from store_support import StoppingOps, shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
+from store_support import MovedOnAfterLookup, StoppingOps, shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
 from test_store_index import NS, OPS, PAGE, Pages, _open
 
 from hicache.errors import StoreClosedError, TransferError
@@ -22,6 +22,7 @@ from hicache.plan._store import LENGTH, RECORD
 from hicache.store._keys import slot_keys
 
 torch = pytest.importorskip("torch")
+_LENGTH_AT = 8 + 16 + 8 + 8  # a record's length field: after gen, key, sum1, sum2
 
 
 @pytest.fixture(params=OPS)
@@ -156,16 +157,13 @@ def test_a_record_a_writer_is_changing_reads_as_torn_not_corrupt(shm_dir, ops):
     checksum or a length no writer is changing."""
     store, _, dst, slot = _one_stored(shm_dir, ops)
     addr = store.arena.record_addr(slot)
-    real_snapshot = store.index._snapshot
 
-    def mid_rewrite(slots):
-        records = real_snapshot(slots)
-        gen, s1, s2, _ = records[slots.index(slot)]  # a writer of another page claimed it:
-        store.arena.ops.store(addr, gen + 1)  # odd generation, its own length
-        records[slots.index(slot)] = (gen + 1, s1, s2, 8)
-        return records
+    def writer_arrives(found, gens):
+        store.arena.ops.store(addr, gens[0] + 1)  # a writer of another page claimed it: odd generation,
+        ctypes.c_uint32.from_address(addr + _LENGTH_AT).value = 8  # its own length
+        return gens
 
-    store.index._snapshot = mid_rewrite
+    store.index.ops = MovedOnAfterLookup(store.index.ops, writer_arrives)
     try:
         assert store.get(NS, ["k"], dst.segments()) == [False]
         assert (store.counts.torn, store.counts.corrupt) == (1, 0)
@@ -176,7 +174,7 @@ def test_a_record_a_writer_is_changing_reads_as_torn_not_corrupt(shm_dir, ops):
 def test_a_length_no_writer_is_changing_is_corrupt(shm_dir, ops):
     """A record whose length differs from its namespace's page, its generation steady: corrupt."""
     store, _, dst, slot = _one_stored(shm_dir, ops)
-    offset = 8 + 16 + 8 + 8  # gen, key, sum1, sum2, then length
+    offset = _LENGTH_AT
     assert RECORD.unpack_from(ctypes.string_at(store.arena.record_addr(slot), RECORD.size))[LENGTH] == PAGE
     ctypes.c_uint32.from_address(store.arena.record_addr(slot) + offset).value = PAGE - 8
     try:
@@ -267,6 +265,46 @@ def test_entries_whose_pages_were_evicted_are_freed_when_the_table_fills(shm_dir
         assert len(store.index.namespaces()) <= 256 and store.census().pages == 16
     finally:
         store.close()
+
+
+def test_a_new_namespace_entry_is_held_from_the_moment_it_is_claimed(shm_dir, ops):
+    """register_namespace claims a free entry and holds it in one step (its exclusive lock turned
+    shared): another attach can neither free it nor take it exclusively before the writer's
+    release - the race a peer's clear() loop won three times in a row (a writer then crashed)."""
+    a, b = _open(shm_dir, ops), _open(shm_dir, ops)
+    namespace = _namespace(5)
+    try:
+        entry = a.index.register_namespace(namespace.digest, namespace.description)
+        assert b.index.free_entries([entry]) == 0 and b.index.entry_of(namespace.digest) == entry
+        a.index.release_entry(entry)
+        assert b.index.free_entries([entry]) == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_write_whose_entry_another_process_is_freeing_stores_nothing_and_does_not_wait(shm_dir, ops):
+    """Another attach holding the namespace's entry exclusively at every look (freeing it): the
+    put returns False for each page at once, counted busy, nothing filed under any entry; once
+    it lets go, the same put stores."""
+    from hicache.effects import arena as effects_arena
+
+    a, b, src = _open(shm_dir, ops), _open(shm_dir, ops), Pages(2)
+    namespace = _namespace(6)
+    try:
+        entry = b.index.register_namespace(namespace.digest, namespace.description)
+        b.index.release_entry(entry)
+        offset, length = b.index._namespace_range(entry)
+        assert effects_arena.try_lock(b.arena.fd, offset, length)  # b "frees" it: exclusive
+        try:
+            assert a.put(namespace, ["x", "y"], src.segments()) == [False, False]
+            assert a.counts.busy == 2 and a.census().pages == 0
+        finally:
+            effects_arena.unlock(b.arena.fd, offset, length)
+        assert a.put(namespace, ["x", "y"], src.segments()) == [True, True]
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_namespace_entry_held_by_a_writer_is_not_freed_and_a_freed_one_is_claimed_again(shm_dir, ops):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from array import array
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from store_support import shm_dir  # noqa: F401 - a fixture
+from store_support import MovedOnAfterLookup, shm_dir  # noqa: F401 - shm_dir: a fixture
 
 from hicache.effects import arena
 from hicache.effects._arena import _slots
@@ -137,30 +138,19 @@ def test_a_slot_being_written_reads_as_a_miss_without_waiting(shm_dir, ops):
         reader_store.close()
 
 
-def test_a_page_rewritten_while_it_is_copied_is_torn_not_returned(shm_dir, ops, monkeypatch):
-    """A writer that republishes the slot during the reader's copy (the copy moves the slot's
-    generation on): the read is a miss and counted torn."""
+def test_a_page_rewritten_while_it_is_copied_is_torn_not_returned(shm_dir, ops):
+    """A writer that republishes the slot after the reader's lookup (its generation moved on by
+    two, its length the same, so the copy runs): the read is a miss, counted torn, and the slot
+    is left alone - the next read, over the slot as it stands, is a hit."""
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=3)
     store.put(NS, ["k"], src.segments())
-    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
-    real = store.index.ops.copy_pages
-
-    class Racing:
-        def __getattr__(self, name):
-            return getattr(store.arena.ops, name)
-
-        @staticmethod
-        def copy_pages(direction, *args):
-            out = real(direction, *args)
-            if direction == 1:  # another writer published generation +2 meanwhile
-                addr = store.arena.record_addr(slot)
-                store.arena.ops.store(addr, store.arena.ops.load(addr) + 2)
-            return out
-
-    store.index.ops = Racing()
+    real = store.index.ops
+    store.index.ops = MovedOnAfterLookup(real, lambda found, gens: [gens[0] - 2])
     try:
         assert store.get(NS, ["k"], dst.segments()) == [False]
-        assert store.counts.torn == 1
+        assert (store.counts.torn, store.counts.corrupt) == (1, 0)
+        store.index.ops = real
+        assert store.get(NS, ["k"], dst.segments()) == [True] and dst.data[0].equal(src.data[0])
     finally:
         store.close()
 
@@ -230,6 +220,57 @@ def test_a_full_window_evicts_unreferenced_tail_pages_first(shm_dir, ops):
         assert store.exists(NS, [f"n{i}" for i in range(8)]) == 8
     finally:
         store.close()
+
+
+def test_a_page_read_gets_its_second_chance_before_eviction(shm_dir, ops):
+    """CLOCK's referenced bit, set by a hit: the deep half of a 16-page chain is read, so eight
+    new pages evict the unreferenced shallow half instead (deepest first) - the pages read stay."""
+    store = _open(shm_dir, ops, total=ONE_WINDOW)
+    chain, fresh = Pages(16), Pages(8, seed=8)
+    keys = [f"c{i}" for i in range(16)]
+    try:
+        assert store.put(NS, keys, chain.segments(), first_depth=0) == [True] * 16
+        assert store.get(NS, keys[8:], Pages(8, seed=0).segments()) == [True] * 8
+        for i in range(8):
+            assert store.put(NS, [f"n{i}"], fresh.segments([i]), first_depth=0) == [True]
+            assert store.present(NS, keys) == [True] * (7 - i) + [False] * (i + 1) + [True] * 8
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("sizes", [[PAGE - 8], [PAGE + 8], [PAGE - 4, 4], [0, PAGE]], ids=["short", "long", "not words", "empty"])
+def test_read_pages_itself_refuses_segments_that_are_not_one_page_of_words(shm_dir, ops, sizes):
+    """The ops' own guard under NodeStore's (a caller that skipped it): segments short of a
+    page, past it, not whole 8-byte words or empty are a ValueError before any byte moves."""
+    store, src = _open(shm_dir, ops), Pages(1)
+    store.put(NS, ["k"], src.segments())
+    out = torch.zeros(2 * PAGE, dtype=torch.uint8)
+    plan, base = store.arena.plan, store.arena.base
+    ptrs = array("Q", [out.data_ptr() + sum(sizes[:i]) for i in range(len(sizes))])
+    try:
+        with pytest.raises(ValueError, match="read_pages"):
+            store.index.ops.read_pages(base + plan.index_offset, base + plan.data_offset, plan.slots, plan.window,
+                                       plan.slot_stride, PAGE, slot_keys(NS.digest, ["k"]), ptrs,
+                                       array("Q", sizes), len(sizes))
+        assert not out.any()
+    finally:
+        store.close()
+
+
+def test_the_c_helper_reads_records_laid_out_as_the_plan_says():
+    """The built helper's record offsets are hicache.plan's RECORD (a stale build of another
+    layout is never used: the fallback reads records then)."""
+    if _slots._native is None:
+        pytest.skip("the C helper is not built here (no compiler): the fallback reads the plan's layout")
+    import struct
+
+    from hicache.plan._store import RECORD, RECORD_BYTES, REF_OFFSET
+
+    assert RECORD.format == "<Q16sQQIIHBxIQ"  # gen, key, sum1, sum2, length, ...: the offsets below
+    plan_layout = {"RECORD_BYTES": RECORD_BYTES, "OFF_SUM1": struct.calcsize("<Q16s"),
+                   "OFF_SUM2": struct.calcsize("<Q16sQ"), "OFF_LENGTH": struct.calcsize("<Q16sQQ"), "OFF_REF": REF_OFFSET}
+    assert _slots._RECORD_LAYOUT == plan_layout
+    assert {name: getattr(_slots._native, name) for name in plan_layout} == plan_layout
 
 
 def test_bad_pages_are_refused_before_any_copy(shm_dir, ops):

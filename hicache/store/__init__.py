@@ -16,12 +16,14 @@ from contextlib import contextmanager
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.errors import ArenaError, ArenaGeometryError, StoreClosedError, TransferError
+from hicache.errors import ArenaGeometryError, StoreClosedError, TransferError
 from hicache.plan import StorePlan, plan_store
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
+from hicache.store._namespaces import BUSY
 from hicache.store._keys import Namespace, shard_of, slot_keys
+from hicache.store._pages import PageSegments, check_pages
 
-__all__ = ["Census", "Namespace", "NodeStore", "SlotIndex", "StoreCounts", "StorePlan", "drop_arena", "open_store",
+__all__ = ["Census", "Namespace", "NodeStore", "PageSegments", "SlotIndex", "StoreCounts", "StorePlan", "drop_arena", "open_store",
            "plan_store", "shard_of"]
 
 drop_arena = _arena.drop_arena
@@ -37,11 +39,14 @@ class StoreCounts:
     corrupt: int = 0
     evictions: int = 0
     writes: int = 0
+    busy: int = 0  # pages not stored: their namespace entry was being freed by another process
 
 
 class NodeStore:
     """Pages by key in one attached arena. Never waits for another process on a read.
 
+    A batch's pages are a list of segment lists ``[(ptr, bytes), ...]`` per page, or one
+    `PageSegments` (the same, flat in u64 arrays: no per-page Python on the way to the copy).
     Pointers are the caller's: a page's segments ``(ptr, bytes)`` are checked here to be whole
     8-byte words making one page of the namespace, each segment inside the address space and
     outside this arena's own mapping (a segment into the arena's index would overwrite every
@@ -93,43 +98,29 @@ class NodeStore:
             self._digests[namespace] = namespace.digest
         return self._digests[namespace]
 
-    def _held_entry(self, namespace: Namespace) -> int:
+    def _held_entry(self, namespace: Namespace) -> int | None:
         """The namespace's table entry, claimed by its first write and held (shared) until
         `release_entry`: another process cannot free it while pages go under it. A cached entry
-        that was freed (or reused) since is claimed again."""
+        that was freed (or reused) since is claimed again; None when another process was
+        freeing it at every look (the write stores nothing rather than wait)."""
         digest = self._digest(namespace)
-        for _ in range(3):  # a free racing us: look again (3: a hang guard, one retry suffices)
-            entry = self._entries.get(namespace)
-            if entry is None:
-                entry = self._entries[namespace] = self.index.register_namespace(digest, namespace.description)
-            if self.index.hold_entry(entry, digest):
-                return entry
+        entry = self._entries.get(namespace)
+        if entry is not None and self.index.hold_entry(entry, digest):
+            return entry
+        # freed (or reused) since it was cached: claimed and held again in one step
+        entry = self.index.register_namespace(digest, namespace.description)
+        if entry == BUSY:
             self._entries.pop(namespace, None)
-        raise ArenaError(f"node store {self.arena.path}: the namespace entry of {namespace.description!r} was freed "
-                         "three times while claiming it")
+            return None
+        self._entries[namespace] = entry
+        return entry
 
-    def _check_pages(self, namespace: Namespace, keys, pages) -> None:
-        """Each page: the same number of segments as the first, whole 8-byte words adding up to
-        one page, none reaching outside the address space or into this arena's mapping."""
-        if len(pages) != len(keys):
-            raise TransferError(f"{len(keys)} keys but {len(pages)} pages")
-        arena_start, arena_end = self.arena.base, self.arena.base + self.arena.plan.total_bytes
-        for i, segments in enumerate(pages):
-            if len(segments) != len(pages[0]):
-                raise TransferError(f"page {i} has {len(segments)} segments, page 0 has {len(pages[0])}")
-            total = 0
-            for ptr, size in segments:
-                if size <= 0 or size % 8:
-                    raise TransferError(f"page {i}: a segment of {size} bytes is not whole 8-byte words")
-                if ptr <= 0 or ptr + size > 2**64:
-                    raise TransferError(f"page {i}: segment {ptr:#x} + {size} bytes is outside the address space")
-                if ptr < arena_end and arena_start < ptr + size:
-                    raise TransferError(f"page {i}: segment {ptr:#x} + {size} bytes lies in the arena's own mapping "
-                                        f"[{arena_start:#x}, {arena_end:#x}) ({self.arena.path})")
-                total += size
-            if total != namespace.page_bytes:
-                raise TransferError(f"page {i}: segments of {[s for _, s in segments]} bytes are not one page of "
-                                    f"{namespace.page_bytes} bytes")
+    def _pages(self, namespace: Namespace, keys, pages) -> PageSegments:
+        """``pages`` as one batch of segments, checked (`check_pages`)."""
+        pages = PageSegments.of(pages)
+        check_pages(pages, count=len(keys), page_bytes=namespace.page_bytes,
+                    arena=(self.arena.base, self.arena.base + self.arena.plan.total_bytes), where=self.arena.path)
+        return pages
 
     def exists(self, namespace: Namespace, keys) -> int:
         """How many leading ``keys`` are held (SGLang's `batch_exists`)."""
@@ -155,7 +146,7 @@ class NodeStore:
         if not keys:
             return []
         digest = self._digest(namespace)
-        self._check_pages(namespace, keys, pages)
+        pages = self._pages(namespace, keys, pages)
         ok, torn, corrupt = self.index.read(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes)
         hits = sum(ok)
         with self._counting:
@@ -176,9 +167,13 @@ class NodeStore:
         if not keys:
             return []
         digest = self._digest(namespace)
-        self._check_pages(namespace, keys, pages)
+        pages = self._pages(namespace, keys, pages)
         self._used.add(namespace)
         entry = self._held_entry(namespace)
+        if entry is None:  # another process frees the entry at every look: not stored, no wait
+            with self._counting:
+                self.counts.busy += len(keys)
+            return [False] * len(keys)
         try:
             depths = [first_depth + i for i in range(len(keys))]
             result = self.index.write(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes, depths=depths,

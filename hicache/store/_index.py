@@ -27,6 +27,7 @@ from hicache.effects import arena as _arena
 from hicache.plan._store import GEN, KEY, LENGTH, RECORD, RECORD_BYTES, REF_OFFSET
 from hicache.store._keys import DIGEST_BYTES
 from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
+from hicache.store._pages import PageSegments
 
 _LE = "little"
 _U64 = 2**64 - 1
@@ -94,67 +95,24 @@ class SlotIndex(NamespaceEntries):
         found, _ = self.find(digests)
         return next((i for i, slot in enumerate(found) if slot == _arena.NOT_FOUND), len(found))
 
-    def _snapshot(self, slots: list[int]) -> list[tuple[int, int, int, int]]:
-        """(generation, sum1, sum2, length) of each slot's record, in one gather over the index
-        (a struct per page was most of a 64 KiB-page batch's time, issue #51)."""
-        import torch
-
-        words = self._columns()[torch.tensor(slots, dtype=torch.int64), :6].tolist()
-        return [(gen & _U64, s1 & _U64, s2 & _U64, sizes & 0xFFFFFFFF) for gen, _, _, s1, s2, sizes in words]
-
-    def _moved_on(self, slot: int, recorded: int, seen: int) -> bool:
-        """A writer changed the slot since the lookup saw generation ``seen``: its record as read
-        (generation ``recorded``), or the slot now, has another (torn - not that key's page)."""
-        return recorded != seen or self.ops.load(self.arena.record_addr(slot)) != seen
-
     # -- reads -----------------------------------------------------------------------------------
-    def read(self, digests: bytes, pages: list, *, page_bytes: int) -> tuple[list[bool], int, int]:
-        """Copy each key's page into its segments (``pages[i]``: ``[(ptr, bytes), ...]``, all
-        pages alike). Returns (per-key success, torn, corrupt). A miss leaves its segments'
-        bytes unspecified - SGLang uses only pages reported True."""
-        import torch
-
-        found, gens = self.find(digests)
-        hits = [i for i, slot in enumerate(found) if slot != _arena.NOT_FOUND]
-        ok = [False] * len(found)
-        if not hits:
-            return ok, 0, 0
-        records = self._snapshot([found[i] for i in hits])
-        torn = corrupt = 0
-        kept = []
-        for i, record in zip(hits, records):
-            if record[3] == page_bytes:
-                kept.append((i, record))
-            elif self._moved_on(found[i], record[0], gens[i]):  # the key's digest fixes its length: another
-                torn += 1  # is a corrupt record - unless a writer moved the slot on meanwhile
-            else:
-                corrupt += 1
-        if not kept:
-            return ok, torn, corrupt
-        words = struct.unpack(f"<{2 * len(found)}Q", digests)
-        seeds, slots, ptrs, lens = [], [], [], []
-        for i, _ in kept:
-            seeds += words[2 * i:2 * i + 2]
-            slots.append(self.arena.slot_addr(found[i]))
-            for ptr, size in pages[i]:
-                ptrs.append(ptr)
-                lens.append(size)
-        sums = self.ops.copy_pages(1, slots, ptrs, lens, len(pages[0]), seeds)
-        referenced = []
-        for (i, record), (s1, s2) in zip(kept, sums):
-            slot = found[i]
-            if self._moved_on(slot, record[0], gens[i]):
-                torn += 1  # rewritten while we copied: those bytes are not this key's
-                continue
-            if (s1, s2) != (record[1], record[2]):
-                corrupt += 1
-                self._reclaim(slot, gens[i])
-                continue
-            ok[i] = True
-            referenced.append(slot)
-        if referenced:  # CLOCK: referenced
-            self._record_bytes()[torch.tensor(referenced, dtype=torch.int64), REF_OFFSET] = 1
-        return ok, torn, corrupt
+    def read(self, digests: bytes, pages: PageSegments, *, page_bytes: int) -> tuple[list[bool], int, int]:
+        """Copy each key's page into its segments (checked by the caller: whole words, one page
+        each). Returns (per-key success, torn, corrupt). A miss leaves its segments' bytes
+        unspecified - SGLang uses only pages reported True. The protocol's read side runs in one
+        call of the arena's ops (`read_pages`); a corrupt slot is reclaimed here while it still
+        holds what was read."""
+        plan, base = self.plan, self.arena.base
+        status, found, gens = self.ops.read_pages(base + plan.index_offset, base + plan.data_offset, plan.slots,
+                                                  plan.window, plan.slot_stride, page_bytes, digests, pages.ptrs,
+                                                  pages.sizes, pages.per_page)
+        torn = status.count(_arena.TORN)
+        corrupt = status.count(_arena.CORRUPT)
+        if corrupt:
+            for i, state in enumerate(status):
+                if state == _arena.CORRUPT:
+                    self._reclaim(found[i], gens[i])
+        return [state == _arena.HIT for state in status], torn, corrupt
 
     # -- writes ----------------------------------------------------------------------------------
     def _victims(self, home: int) -> list[tuple[int, int]]:
@@ -184,11 +142,11 @@ class SlotIndex(NamespaceEntries):
         if self.fault_hook is not None:
             self.fault_hook(stage, page)
 
-    def write(self, digests: bytes, pages: list, *, page_bytes: int, depths: list[int], namespace: int) -> WriteResult:
+    def write(self, digests: bytes, pages: PageSegments, *, page_bytes: int, depths: list[int], namespace: int) -> WriteResult:
         with self._writing:
             return self._write(digests, pages, page_bytes=page_bytes, depths=depths, namespace=namespace)
 
-    def _write(self, digests: bytes, pages: list, *, page_bytes: int, depths: list[int], namespace: int) -> WriteResult:
+    def _write(self, digests: bytes, pages: PageSegments, *, page_bytes: int, depths: list[int], namespace: int) -> WriteResult:
         """Store each key's page from its segments. A key already held counts as stored (as
         SGLang's HiCacheFile skips it); a window whose every slot is locked by other writers
         leaves that page unstored (False), without waiting."""
@@ -222,15 +180,12 @@ class SlotIndex(NamespaceEntries):
                     break
             if not claimed:
                 return result
-            per_page = len(pages[0])
-            seeds, slots, ptrs, lens = [], [], [], []
-            for i, slot, _ in claimed:
-                key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
-                seeds += [int.from_bytes(key[:8], _LE), int.from_bytes(key[8:], _LE)]
-                slots.append(self.arena.slot_addr(slot))
-                for ptr, size in pages[i]:
-                    ptrs.append(ptr)
-                    lens.append(size)
+            per_page = pages.per_page
+            words = struct.unpack(f"<{2 * n}Q", digests)
+            seeds = [w for i, _, _ in claimed for w in words[2 * i:2 * i + 2]]
+            slots = [self.arena.slot_addr(slot) for _, slot, _ in claimed]
+            chosen = pages.take([i for i, _, _ in claimed])
+            ptrs, lens = chosen.ptrs, chosen.sizes
             if self.fault_hook is not None:  # page by page, with a tear half-way through each
                 half = max(1, per_page // 2)
                 sums = []

@@ -20,6 +20,7 @@ from hicache.store._keys import DIGEST_BYTES
 
 ZERO_KEY = bytes(DIGEST_BYTES)
 NO_NAMESPACE = 0xFFFF
+BUSY = -1  # register_namespace: the entry is being freed by another process at every look
 
 
 class NamespaceEntries:
@@ -57,12 +58,18 @@ class NamespaceEntries:
                 _arena.unlock(self.arena.fd, *self._namespace_range(entry))
 
     def register_namespace(self, digest: bytes, description: str) -> int:
-        """The namespace table entry for ``digest``, claimed when new; when the table is full,
-        entries without a page are freed first. `NamespaceTableFullError` when every entry holds
-        pages (or is being written or claimed by another process right now)."""
+        """The namespace table entry for ``digest``, claimed when new, and held (as `hold_entry`:
+        release it with `release_entry`) - claimed and held in one step, so a peer's clear()
+        cannot free it between the two (a writer racing a clearing loop lost three times in a
+        row); when the table is full, entries without a page are freed first. `BUSY` when
+        another process was freeing the entry at each of 8 looks (nothing is held then).
+        `NamespaceTableFullError` when every entry holds pages (or is being written or claimed by
+        another process right now)."""
         raw = description.encode()[:NAMESPACE_BYTES - DIGEST_BYTES]
         with self._writing:
             entry = self._register(digest, raw)
+            if entry == BUSY:
+                return BUSY
             if entry == NO_NAMESPACE and self.free_entries():
                 entry = self._register(digest, raw)
         if entry == NO_NAMESPACE:
@@ -107,29 +114,46 @@ class NamespaceEntries:
         return freed
 
     def _register(self, digest: bytes, raw: bytes) -> int:
+        """The entry holding ``digest`` (held), or a free one claimed for it (held), or
+        `NO_NAMESPACE` (the table is full). An entry another process is freeing right now sends
+        the scan round again, 8 times at most: then `BUSY` (a peer clearing in a loop holds it
+        most of the time; the writer does not wait for it)."""
+        for _ in range(8):
+            entry, retry = self._scan(digest, raw)
+            if not retry:
+                return entry
+        return BUSY
+
+    def _scan(self, digest: bytes, raw: bytes) -> tuple[int, bool]:
         for entry in range(NAMESPACE_ENTRIES):
             addr = self.arena.namespace_addr(entry)
             held = ctypes.string_at(addr, DIGEST_BYTES)
             if held == digest:
-                return entry
+                return (entry, False) if self.hold_entry(entry, digest) else (NO_NAMESPACE, True)
             if held != ZERO_KEY:
                 continue
             offset, length = self._namespace_range(entry)
             if not _arena.try_lock(self.arena.fd, offset, length):
                 continue
+            kept = False
             try:
                 if ctypes.string_at(addr, DIGEST_BYTES) != ZERO_KEY:
                     continue
                 claimed = self.entry_of(digest)
                 if claimed != NO_NAMESPACE:  # another process claimed it in a later entry meanwhile
-                    return claimed
+                    return (claimed, False) if self.hold_entry(claimed, digest) else (NO_NAMESPACE, True)
                 ctypes.memmove(addr + DIGEST_BYTES, raw.ljust(NAMESPACE_BYTES - DIGEST_BYTES, b"\0"),
                                NAMESPACE_BYTES - DIGEST_BYTES)
                 ctypes.memmove(addr, digest, DIGEST_BYTES)  # the digest last: a reader sees it whole
-                return entry
+                with self._holding:  # the exclusive lock becomes the shared hold in one step (a lock
+                    kept = _arena.try_read_lock(self.arena.fd, offset, length)  # conversion: never unlocked)
+                    if kept:
+                        self._held[entry] = self._held.get(entry, 0) + 1
+                return (entry, False) if kept else (NO_NAMESPACE, True)
             finally:
-                _arena.unlock(self.arena.fd, offset, length)
-        return NO_NAMESPACE
+                if not kept:
+                    _arena.unlock(self.arena.fd, offset, length)
+        return NO_NAMESPACE, False
 
     def namespaces(self) -> dict[int, str]:
         out = {}

@@ -5,7 +5,7 @@ leaves, `_host` (the pre-fault workers) and `_copy` (how many threads a large co
 
 from hicache.effects._arena._arena import Arena, attach_arena, check_room, create_arena, drop_arena
 from hicache.effects._arena._mounts import Backing, Mount, backing_of, mount_of, mounts, parse_mountinfo
-from hicache.effects._arena._slots import NOT_FOUND, NativeSlotOps, PythonSlotOps, slot_ops, try_lock, try_read_lock, unlock
+from hicache.effects._arena._slots import CORRUPT, HIT, MISS, NOT_FOUND, TORN, NativeSlotOps, PythonSlotOps, slot_ops, try_lock, try_read_lock, unlock
 
-__all__ = ["Arena", "Backing", "check_room", "Mount", "NOT_FOUND", "NativeSlotOps", "PythonSlotOps", "attach_arena", "backing_of",
+__all__ = ["Arena", "Backing", "CORRUPT", "HIT", "MISS", "TORN", "check_room", "Mount", "NOT_FOUND", "NativeSlotOps", "PythonSlotOps", "attach_arena", "backing_of",
            "create_arena", "drop_arena", "mount_of", "mounts", "parse_mountinfo", "slot_ops", "try_lock", "try_read_lock", "unlock"]

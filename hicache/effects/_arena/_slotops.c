@@ -25,6 +25,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
 #if defined(__SSE2__)
@@ -141,6 +142,7 @@ typedef struct {
     Py_ssize_t per_page;
     const uint64_t *slot, *ptr, *len;
     uint64_t *sum;
+    const Py_ssize_t *segs_of; /* page p's segments are those of page segs_of[p] (NULL: of page p) */
 } job_t;
 
 typedef struct {
@@ -161,9 +163,10 @@ static void *run_share(void *arg) {
         uint64_t i = 0;
         memset(&sums, 0, sizeof sums);
         unsigned char *at = (unsigned char *)(uintptr_t)slot[p];
+        const Py_ssize_t first_seg = (job->segs_of ? job->segs_of[p] : p) * per_page;
         for (Py_ssize_t s = 0; s < per_page; s++) {
-            uint64_t n = len[p * per_page + s] / 8, k = 0, w;
-            unsigned char *seg = (unsigned char *)(uintptr_t)ptr[p * per_page + s];
+            uint64_t n = len[first_seg + s] / 8, k = 0, w;
+            unsigned char *seg = (unsigned char *)(uintptr_t)ptr[first_seg + s];
             const unsigned char *from = direction == 0 ? seg : at;
             unsigned char *to = direction == 0 ? at : seg;
             for (; k < n && (i & 3); k++, i++) { /* to a lane-0 word */
@@ -190,6 +193,30 @@ static void *run_share(void *arg) {
     return NULL;
 }
 
+/* a job's pages shared out over up to `threads` threads (this one included); call without the GIL */
+static void run_job(const job_t *job, Py_ssize_t pages, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > pages) threads = pages > 0 ? (int)pages : 1;
+    share_t shares[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++) {
+        shares[t].job = job;
+        shares[t].first = pages * t / threads;
+        shares[t].last = pages * (t + 1) / threads;
+    }
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_share, &shares[t]) == 0;
+    run_share(&shares[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else run_share(&shares[t]); /* a thread that could not start: its pages here */
+    }
+#if defined(__SSE2__)
+    _mm_sfence(); /* streaming stores are weakly ordered: all visible before any publish */
+#endif
+}
+
 /* copy_pages(direction, pages, per_page, slots, seg_ptrs, seg_lens, sums[, threads])
  * direction 0: segments -> slot (a write), 1: slot -> segments (a read), 2: sum the slot only.
  * sums: 2 u64 per page, the seeds in, the checksums out. */
@@ -213,31 +240,32 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     if (get_u64(o_sums, &sums, 2 * pages, "sums") < 0) {
         PyBuffer_Release(&slots); PyBuffer_Release(&ptrs); PyBuffer_Release(&lens); return NULL;
     }
-    job_t job = {direction, per_page, slots.buf, ptrs.buf, lens.buf, sums.buf};
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > pages) threads = pages > 0 ? (int)pages : 1;
+    job_t job = {direction, per_page, slots.buf, ptrs.buf, lens.buf, sums.buf, NULL};
     Py_BEGIN_ALLOW_THREADS
-    share_t shares[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 0; t < threads; t++) {
-        shares[t].job = &job;
-        shares[t].first = pages * t / threads;
-        shares[t].last = pages * (t + 1) / threads;
-    }
-    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_share, &shares[t]) == 0;
-    run_share(&shares[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else run_share(&shares[t]); /* a thread that could not start: its pages here */
-    }
-#if defined(__SSE2__)
-    _mm_sfence(); /* streaming stores are weakly ordered: all visible before any publish */
-#endif
+    run_job(&job, pages, threads);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&slots); PyBuffer_Release(&ptrs); PyBuffer_Release(&lens); PyBuffer_Release(&sums);
     Py_RETURN_NONE;
+}
+
+/* the slot of `key`'s window holding it with an even generation (UINT64_MAX: none), and that generation */
+static void find_key(uint64_t index_addr, uint64_t nslots, Py_ssize_t window, const unsigned char *key,
+                     uint64_t *slot, uint64_t *seen) {
+    uint64_t home;
+    memcpy(&home, key, 8);
+    home %= nslots;
+    *slot = UINT64_MAX;
+    *seen = 0;
+    for (Py_ssize_t j = 0; j < window; j++) {
+        unsigned char *rec = (unsigned char *)(uintptr_t)(index_addr + ((home + j) % nslots) * RECORD_BYTES);
+        uint64_t gen = __atomic_load_n((uint64_t *)rec, __ATOMIC_ACQUIRE);
+        if (gen == 0 || (gen & 1) || memcmp(rec + 8, key, 16) != 0) continue;
+        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the key's bytes were read before the re-check */
+        if (__atomic_load_n((uint64_t *)rec, __ATOMIC_RELAXED) != gen) continue;
+        *slot = (home + j) % nslots;
+        *seen = gen;
+        return;
+    }
 }
 
 /* lookup(index_addr, nslots, window, keys, found, gens): keys 16 bytes each; found[i] the slot
@@ -260,25 +288,138 @@ static PyObject *lookup(PyObject *self, PyObject *args) {
     const unsigned char *key = keys.buf;
     uint64_t *out = found.buf, *gen_out = gens.buf;
     Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) find_key(index_addr, (uint64_t)nslots, window, key + 16 * i, out + i, gen_out + i);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&keys); PyBuffer_Release(&found); PyBuffer_Release(&gens);
+    Py_RETURN_NONE;
+}
+
+/* A record's fields read by read_pages (hicache.plan's RECORD; _slots checks them at import). */
+#define OFF_SUM1 24
+#define OFF_SUM2 32
+#define OFF_LENGTH 40
+#define OFF_REF 50
+enum { MISS = 0, HIT = 1, TORN = 2, CORRUPT = 3 };
+
+/* whether the slot's generation is still `seen`: every read of it before this one is done first */
+static inline int still(const unsigned char *rec, uint64_t seen) {
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return __atomic_load_n((const uint64_t *)rec, __ATOMIC_RELAXED) == seen;
+}
+
+/* read_pages(index_addr, data_addr, nslots, window, slot_stride, page_bytes, keys, seg_ptrs, seg_lens,
+ *            per_page, status, found, gens[, threads[, given]])
+ * The read side of the slot protocol in one call, without the GIL (a 64 KiB-page batch spent
+ * half its time in per-page Python around copy_pages: issue #51). Each 16-byte key is looked
+ * up in its window; a slot found has its record's length checked, its payload copied into the
+ * page's segments while checksumming what was delivered (seeded by the key), then its
+ * generation re-read. status[i] (one byte): MISS (not held), HIT, TORN (a writer moved the slot
+ * on: the bytes are not the key's) or CORRUPT (the length or checksum disagree while the slot
+ * stood still). A hit sets the slot's CLOCK referenced bit. found/gens: each key's slot and the
+ * generation it was seen with (the caller reclaims a corrupt slot only while it still has it);
+ * with `given`, found/gens come in from the caller's own lookup (a writer can then be made to
+ * move a slot on between the lookup and the read: the tests' seam).
+ * Every page's segments are whole words adding up to page_bytes <= slot_stride, checked before
+ * anything is read; where the segments point is the caller's check. */
+static PyObject *read_pages(PyObject *self, PyObject *args) {
+    unsigned long long index_addr, data_addr, slot_stride, page_bytes;
+    Py_ssize_t nslots, window, per_page;
+    int threads = 1, given = 0;
+    Py_buffer keys;
+    PyObject *o_ptrs, *o_lens, *o_status, *o_found, *o_gens;
+    if (!PyArg_ParseTuple(args, "KKnnKKy*OOnOOO|ii", &index_addr, &data_addr, &nslots, &window, &slot_stride,
+                          &page_bytes, &keys, &o_ptrs, &o_lens, &per_page, &o_status, &o_found, &o_gens, &threads,
+                          &given))
+        return NULL;
+    Py_ssize_t n = keys.len / 16;
+    if (nslots < 1 || window < 1 || per_page < 1 || keys.len % 16 || page_bytes % 8 || page_bytes > slot_stride) {
+        PyBuffer_Release(&keys);
+        PyErr_SetString(PyExc_ValueError, "read_pages: bad slot count, window, segment count, key bytes or page bytes");
+        return NULL;
+    }
+    Py_buffer ptrs, lens, status, found, gens;
+    int got = 0;
+    if (get_u64(o_ptrs, &ptrs, n * per_page, "seg_ptrs") == 0) got = 1;
+    if (got == 1 && get_u64(o_lens, &lens, n * per_page, "seg_lens") == 0) got = 2;
+    if (got == 2) {
+        if (PyObject_GetBuffer(o_status, &status, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) {
+            got = 3;
+            if (status.len < n) PyErr_Format(PyExc_ValueError, "status holds %zd bytes, %zd needed", status.len, n);
+        }
+    }
+    if (got == 3 && status.len >= n && get_u64(o_found, &found, n, "found") == 0) got = 4;
+    if (got == 4 && get_u64(o_gens, &gens, n, "gens") == 0) got = 5;
+    const uint64_t *len = got >= 3 ? lens.buf : NULL;
+    for (Py_ssize_t i = 0; got == 5 && i < n; i++) {
+        uint64_t total = 0;
+        for (Py_ssize_t s = 0; s < per_page; s++) {
+            uint64_t size = len[i * per_page + s];
+            if (size == 0 || size % 8 || size > page_bytes) { total = UINT64_MAX; break; }
+            total += size;
+        }
+        if (total != page_bytes) {
+            PyErr_Format(PyExc_ValueError, "read_pages: page %zd's segments are not whole words adding up to %llu bytes",
+                         i, page_bytes);
+            got = 6;
+        }
+    }
+    uint64_t *slot_addrs = NULL, *sums = NULL;
+    Py_ssize_t *picked = NULL;
+    if (got == 5) {
+        slot_addrs = malloc(sizeof(uint64_t) * (n ? n : 1));
+        sums = malloc(2 * sizeof(uint64_t) * (n ? n : 1));
+        picked = malloc(sizeof(Py_ssize_t) * (n ? n : 1));
+        if (!slot_addrs || !sums || !picked) { PyErr_NoMemory(); got = 7; }
+    }
+    if (got != 5) {
+        free(slot_addrs); free(sums); free(picked);
+        if (got >= 5) PyBuffer_Release(&gens);
+        if (got >= 4) PyBuffer_Release(&found);
+        if (got >= 3) PyBuffer_Release(&status);
+        if (got >= 2) PyBuffer_Release(&lens);
+        if (got >= 1) PyBuffer_Release(&ptrs);
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    const unsigned char *key = keys.buf;
+    unsigned char *state = status.buf;
+    uint64_t *slot_of = found.buf, *seen = gens.buf;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t copying = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t home;
-        memcpy(&home, key + 16 * i, 8);
-        home %= (uint64_t)nslots;
-        out[i] = UINT64_MAX;
-        gen_out[i] = 0;
-        for (Py_ssize_t j = 0; j < window; j++) {
-            unsigned char *rec = (unsigned char *)(uintptr_t)(index_addr + ((home + j) % nslots) * RECORD_BYTES);
-            uint64_t gen = __atomic_load_n((uint64_t *)rec, __ATOMIC_ACQUIRE);
-            if (gen == 0 || (gen & 1) || memcmp(rec + 8, key + 16 * i, 16) != 0) continue;
-            __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the key's bytes were read before the re-check */
-            if (__atomic_load_n((uint64_t *)rec, __ATOMIC_RELAXED) != gen) continue;
-            out[i] = (home + j) % nslots;
-            gen_out[i] = gen;
-            break;
+        if (!given) find_key(index_addr, (uint64_t)nslots, window, key + 16 * i, slot_of + i, seen + i);
+        state[i] = MISS;
+        if (slot_of[i] >= (uint64_t)nslots || (seen[i] & 1)) continue; /* not held (a given slot: checked) */
+        const unsigned char *rec = (const unsigned char *)(uintptr_t)(index_addr + slot_of[i] * RECORD_BYTES);
+        uint32_t length;
+        memcpy(&length, rec + OFF_LENGTH, 4);
+        if (length != page_bytes) { /* the key's digest fixes its length: another is corrupt - unless moved on */
+            state[i] = still(rec, seen[i]) ? CORRUPT : TORN;
+            continue;
+        }
+        slot_addrs[copying] = data_addr + slot_of[i] * slot_stride;
+        memcpy(sums + 2 * copying, key + 16 * i, 16); /* the seeds: the key's two little-endian words */
+        picked[copying++] = i;
+    }
+    job_t job = {1, per_page, slot_addrs, ptrs.buf, lens.buf, sums, picked};
+    run_job(&job, copying, threads);
+    for (Py_ssize_t c = 0; c < copying; c++) {
+        Py_ssize_t i = picked[c];
+        unsigned char *rec = (unsigned char *)(uintptr_t)(index_addr + slot_of[i] * RECORD_BYTES);
+        uint64_t sum1, sum2;
+        memcpy(&sum1, rec + OFF_SUM1, 8); /* read before the re-check: they belong to the generation seen */
+        memcpy(&sum2, rec + OFF_SUM2, 8);
+        if (!still(rec, seen[i])) state[i] = TORN; /* rewritten while we copied: those bytes are not the key's */
+        else if (sum1 != sums[2 * c] || sum2 != sums[2 * c + 1]) state[i] = CORRUPT;
+        else {
+            state[i] = HIT;
+            __atomic_store_n(rec + OFF_REF, (unsigned char)1, __ATOMIC_RELAXED); /* CLOCK: referenced */
         }
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&keys); PyBuffer_Release(&found); PyBuffer_Release(&gens);
+    free(slot_addrs); free(sums); free(picked);
+    PyBuffer_Release(&gens); PyBuffer_Release(&found); PyBuffer_Release(&status); PyBuffer_Release(&lens);
+    PyBuffer_Release(&ptrs); PyBuffer_Release(&keys);
     Py_RETURN_NONE;
 }
 
@@ -288,9 +429,21 @@ static PyMethodDef methods[] = {
     {"fetch_add", slot_fetch_add, METH_VARARGS, "fetch_add(addr, delta) -> old u64"},
     {"copy_pages", copy_pages, METH_VARARGS, "batched page copies with their checksums, without the GIL"},
     {"lookup", lookup, METH_VARARGS, "each key's slot in its window, or -1"},
+    {"read_pages", read_pages, METH_VARARGS, "the slot protocol's reads: look up, copy, checksum, re-check"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slotops", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__slotops(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__slotops(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    /* the record layout this build reads: _slots refuses the helper if hicache.plan's differs */
+    if (PyModule_AddIntConstant(m, "RECORD_BYTES", RECORD_BYTES) < 0 || PyModule_AddIntConstant(m, "OFF_SUM1", OFF_SUM1) < 0
+        || PyModule_AddIntConstant(m, "OFF_SUM2", OFF_SUM2) < 0 || PyModule_AddIntConstant(m, "OFF_LENGTH", OFF_LENGTH) < 0
+        || PyModule_AddIntConstant(m, "OFF_REF", OFF_REF) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

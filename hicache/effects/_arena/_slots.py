@@ -17,6 +17,8 @@ import fcntl
 import struct
 from array import array
 
+from hicache.plan._store import RECORD_BYTES, REF_OFFSET
+
 try:
     from hicache.effects._arena import _slotops as _native
 except ImportError:  # built without a C compiler: PythonSlotOps below
@@ -24,6 +26,14 @@ except ImportError:  # built without a C compiler: PythonSlotOps below
 
 MASK = 2**64 - 1
 NOT_FOUND = MASK
+#: A key's outcome in `read_pages` (one byte each): not held, its page delivered, a writer moved
+#: the slot on meanwhile (those bytes are not the key's), or length/checksum wrong while it stood still.
+MISS, HIT, TORN, CORRUPT = range(4)
+_SUM1, _SUM2, _LENGTH = 24, 32, 40  # byte offsets inside a record (hicache.plan's RECORD)
+_RECORD_LAYOUT = {"RECORD_BYTES": RECORD_BYTES, "OFF_SUM1": _SUM1, "OFF_SUM2": _SUM2, "OFF_LENGTH": _LENGTH,
+                  "OFF_REF": REF_OFFSET}
+if _native is not None and any(getattr(_native, name, None) != value for name, value in _RECORD_LAYOUT.items()):
+    _native = None  # a stale build of another record layout: never read records through it (the fallback is right)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock (x86-64 / aarch64): type, whence, start, len, pid
 
 
@@ -84,6 +94,23 @@ class NativeSlotOps:
         _native.lookup(index_addr, nslots, window, keys, found, gens)
         return list(found), list(gens)
 
+    @staticmethod
+    def read_pages(index_addr: int, data_addr: int, nslots: int, window: int, slot_stride: int, page_bytes: int,
+                   keys: bytes, seg_ptrs, seg_lens, per_page: int, *, found=None,
+                   gens=None) -> tuple[list[int], list[int], list[int]]:
+        """The slot protocol's reads in one call (see `_python_read_pages`)."""
+        from hicache.effects._copy._host_copy import PARALLEL_BYTES, copy_threads
+
+        n = len(keys) // 16
+        given = found is not None
+        status = bytearray(n)
+        found = array("Q", found if given else bytes(8 * n))
+        gens = array("Q", gens if given else bytes(8 * n))
+        threads = copy_threads() if n * page_bytes >= PARALLEL_BYTES else 1
+        _native.read_pages(index_addr, data_addr, nslots, window, slot_stride, page_bytes, keys, seg_ptrs, seg_lens,
+                           per_page, status, found, gens, threads, int(given))
+        return list(status), list(found), list(gens)
+
 
 _CHUNK = 1 << 15  # half-words per partial sum: 2**15 terms below 2**47 stay below 2**62 (no int64 wrap)
 
@@ -110,6 +137,52 @@ def _page_sum(spans, seed1: int, seed2: int) -> tuple[int, int]:
         p = torch.arange(first, first + x.numel(), dtype=torch.int64)
         weighted += int((p * (x & 0xFFFF)).sum()) + (int((p * (x >> 16)).sum()) << 16)
     return sum1 & MASK, (seed2 + count * total - weighted) & MASK
+
+
+def _python_read_pages(index_addr: int, data_addr: int, nslots: int, window: int, slot_stride: int, page_bytes: int,
+                       keys: bytes, seg_ptrs, seg_lens, per_page: int, *, found=None,
+                       gens=None) -> tuple[list[int], list[int], list[int]]:
+    """Each key looked up, its record's length checked, its payload copied into its segments
+    while checksumming what was delivered, then its generation re-read: a status per key
+    (`MISS`, `HIT`, `TORN`, `CORRUPT`), its slot and the generation seen. A hit sets the slot's
+    referenced bit. Every page's segments must be whole words adding up to ``page_bytes``.
+    ``found``/``gens``: the caller's own lookup (the tests move a slot on after it)."""
+    n = len(keys) // 16
+    if page_bytes % 8 or page_bytes > slot_stride:
+        raise ValueError("read_pages: bad page bytes")
+    for i in range(n):
+        sizes = seg_lens[i * per_page:(i + 1) * per_page]
+        if any(size <= 0 or size % 8 for size in sizes) or sum(sizes) != page_bytes:
+            raise ValueError(f"read_pages: page {i}'s segments are not whole words adding up to {page_bytes} bytes")
+    if found is None:
+        found, gens = PythonSlotOps.lookup(index_addr, nslots, window, keys)
+    found, gens = list(found), list(gens)
+    status = [MISS] * n
+    record = lambda i: index_addr + found[i] * RECORD_BYTES  # noqa: E731
+    still = lambda i: PythonSlotOps.load(record(i)) == gens[i]  # noqa: E731
+    copying = []
+    for i in range(n):
+        if found[i] >= nslots or gens[i] & 1:  # not held (a given slot: checked)
+            continue
+        if ctypes.c_uint32.from_address(record(i) + _LENGTH).value != page_bytes:
+            status[i] = CORRUPT if still(i) else TORN  # the key's digest fixes its length: another is corrupt
+            continue
+        copying.append(i)
+    words = struct.unpack(f"<{2 * n}Q", keys)
+    ptrs = [seg_ptrs[i * per_page + s] for i in copying for s in range(per_page)]
+    lens = [seg_lens[i * per_page + s] for i in copying for s in range(per_page)]
+    sums = PythonSlotOps.copy_pages(1, [data_addr + found[i] * slot_stride for i in copying], ptrs, lens, per_page,
+                                    [w for i in copying for w in words[2 * i:2 * i + 2]])
+    for i, got in zip(copying, sums):
+        recorded = (PythonSlotOps.load(record(i) + _SUM1), PythonSlotOps.load(record(i) + _SUM2))
+        if not still(i):
+            status[i] = TORN  # rewritten while we copied: those bytes are not the key's
+        elif got != recorded:
+            status[i] = CORRUPT
+        else:
+            status[i] = HIT
+            ctypes.c_uint8.from_address(record(i) + REF_OFFSET).value = 1  # CLOCK: referenced
+    return status, found, gens
 
 
 class PythonSlotOps:
@@ -168,6 +241,8 @@ class PythonSlotOps:
             found.append(hit)
             gens.append(seen)
         return found, gens
+
+    read_pages = staticmethod(_python_read_pages)
 
 
 def slot_ops(prefer: str = "auto"):
