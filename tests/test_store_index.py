@@ -268,7 +268,8 @@ def test_the_c_helper_reads_records_laid_out_as_the_plan_says():
 
     assert RECORD.format == "<Q16sQQIIHBxIQ"  # gen, key, sum1, sum2, length, ...: the offsets below
     plan_layout = {"RECORD_BYTES": RECORD_BYTES, "OFF_SUM1": struct.calcsize("<Q16s"),
-                   "OFF_SUM2": struct.calcsize("<Q16sQ"), "OFF_LENGTH": struct.calcsize("<Q16sQQ"), "OFF_REF": REF_OFFSET}
+                   "OFF_SUM2": struct.calcsize("<Q16sQ"), "OFF_LENGTH": struct.calcsize("<Q16sQQ"),
+                   "OFF_DEPTH": struct.calcsize("<Q16sQQI"), "OFF_REF": REF_OFFSET}
     assert _slots._RECORD_LAYOUT == plan_layout
     assert {name: getattr(_slots._native, name) for name in plan_layout} == plan_layout
 
@@ -425,14 +426,21 @@ def test_a_slot_another_writer_filled_after_this_one_chose_it_is_not_taken(shm_d
     the window has empty slots: both pages read back byte-exact, nothing evicted."""
     a, b = _open(shm_dir, ops, total=ONE_WINDOW), _open(shm_dir, ops, total=ONE_WINDOW)
     src = Pages(2, seed=21)
-    chosen = a.index._victims
+    real = a.index.ops
 
-    def stale(home):
-        order = chosen(home)  # what A saw: every slot empty
-        assert b.put(NS, ["b"], src.segments([1])) == [True]  # B fills the first of them meanwhile
-        return order
+    class Stale:
+        """A's ops, but B stores its page right after A ordered the window (every slot empty)."""
 
-    a.index._victims = stale
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def victims(*args):
+            order = real.victims(*args)  # what A saw: every slot empty
+            assert b.put(NS, ["b"], src.segments([1])) == [True]  # B fills the first of them meanwhile
+            return order
+
+    a.index.ops = Stale()
     out = Pages(2, seed=22)
     try:
         assert a.put(NS, ["a"], src.segments([0])) == [True]

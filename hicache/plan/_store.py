@@ -45,6 +45,9 @@ BACKINGS = ("tmpfs", "hugetlbfs")
 RECORD = struct.Struct("<Q16sQQIIHBxIQ")
 GEN, KEY, SUM1, SUM2, LENGTH, DEPTH, NS, REF, WRITER, STAMP = range(10)
 REF_OFFSET = 8 + 16 + 8 + 8 + 4 + 4 + 2  # byte offset of `ref` inside a record
+#: byte offsets of sum1, sum2, length and depth inside a record (the C helper reads them there)
+SUM1_OFFSET, SUM2_OFFSET, LENGTH_OFFSET, DEPTH_OFFSET = (struct.calcsize(prefix) for prefix in
+                                                          ("<Q16s", "<Q16sQ", "<Q16sQQ", "<Q16sQQI"))
 assert RECORD.size <= RECORD_BYTES
 
 _HEADER = struct.Struct("<8sIIQQQQQIBxxxQQQ64s")  # then a CRC32 of these bytes

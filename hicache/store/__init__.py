@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.errors import ArenaGeometryError, StoreClosedError, TransferError
+from hicache.errors import ArenaGeometryError, StoreClosedError
 from hicache.plan import StorePlan, plan_store
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
 from hicache.store._namespaces import BUSY

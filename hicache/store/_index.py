@@ -24,7 +24,7 @@ import time
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.plan._store import GEN, KEY, LENGTH, RECORD, RECORD_BYTES, REF_OFFSET
+from hicache.plan._store import GEN, KEY, RECORD, RECORD_BYTES, SUM1_OFFSET, SUM2_OFFSET
 from hicache.store._keys import DIGEST_BYTES
 from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
 from hicache.store._pages import PageSegments
@@ -115,29 +115,6 @@ class SlotIndex(NamespaceEntries):
         return [state == _arena.HIT for state in status], torn, corrupt
 
     # -- writes ----------------------------------------------------------------------------------
-    def _victims(self, home: int) -> list[tuple[int, int]]:
-        """The window's slots in the order a writer tries them, each with the generation it was
-        seen with: empty, then torn (a dead writer's - its lock will be free), then unreferenced
-        by descending depth, then the rest by descending depth (CLOCK's second chance: their
-        referenced bits are cleared)."""
-        empty, torn, cold, warm = [], [], [], []
-        for j in range(self.plan.window):
-            slot = (home + j) % self.plan.slots
-            gen, key, _, _, _, depth, _, ref, _, _ = self._record(slot)
-            if gen == 0 or key == ZERO_KEY:
-                empty.append((slot, gen))
-            elif gen & 1:
-                torn.append((slot, gen))
-            elif ref:
-                warm.append((depth, slot, gen))
-            else:
-                cold.append((depth, slot, gen))
-        if warm and not (empty or torn or cold):  # CLOCK's hand passes: every page loses its second chance
-            for _, slot, _ in warm:
-                ctypes.c_uint8.from_address(self.arena.record_addr(slot) + REF_OFFSET).value = 0
-        order = lambda triples: [(slot, gen) for _, slot, gen in sorted(triples, key=lambda t: (-t[0], t[1]))]  # noqa: E731
-        return empty + torn + order(cold) + order(warm)
-
     def _hook(self, stage: str, page: int) -> None:
         if self.fault_hook is not None:
             self.fault_hook(stage, page)
@@ -153,16 +130,22 @@ class SlotIndex(NamespaceEntries):
         n = len(digests) // DIGEST_BYTES
         result = WriteResult([False] * n)
         found, _ = self.find(digests)
+        missing = [i for i in range(n) if found[i] == _arena.NOT_FOUND]
+        for i in range(n):
+            result.stored[i] = found[i] != _arena.NOT_FOUND
+        if not missing:
+            return result
+        window, index_addr = self.plan.window, self.arena.base + self.plan.index_offset
+        # every missing key's window ordered in one pass (a struct per record was most of a batch)
+        order, seen_gens = self.ops.victims(index_addr, self.plan.slots, window,
+                                            b"".join(digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)] for i in missing))
         claimed = []  # (i, slot, odd generation)
+        taken: set[int] = set()  # slots this batch claimed: a later key of it skips them
         stamp = time.time_ns()
         try:
-            for i in range(n):
-                if found[i] != _arena.NOT_FOUND:
-                    result.stored[i] = True
-                    continue
+            for m, i in enumerate(missing):
                 key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
-                taken = {slot for _, slot, _ in claimed}
-                for slot, seen in self._victims(self.home(key)):
+                for slot, seen in zip(order[m * window:(m + 1) * window], seen_gens[m * window:(m + 1) * window]):
                     if slot in taken or not self._lock(slot):
                         continue
                     gen, old_key = self._record(slot)[GEN:KEY + 1]
@@ -176,6 +159,7 @@ class SlotIndex(NamespaceEntries):
                     self._put_fields(slot, (odd, key, 0, 0, page_bytes, depths[i] & 0xFFFFFFFF, namespace, 0,
                                             self._pid, stamp))
                     claimed.append((i, slot, odd))
+                    taken.add(slot)
                     self._hook("claimed", i)
                     break
             if not claimed:
@@ -199,11 +183,11 @@ class SlotIndex(NamespaceEntries):
             else:
                 sums = self.ops.copy_pages(0, slots, ptrs, lens, per_page, seeds)
             for (i, slot, odd), (s1, s2) in zip(claimed, sums):
-                record = list(self._record(slot))
-                record[2], record[3] = s1, s2
-                self._put_fields(slot, tuple(record))
+                record = self.arena.record_addr(slot)
+                self.ops.store(record + SUM1_OFFSET, s1)
+                self.ops.store(record + SUM2_OFFSET, s2)
                 self._hook("summed", i)
-                self.ops.store(self.arena.record_addr(slot), odd + 1)  # publish
+                self.ops.store(record, odd + 1)  # publish
                 result.stored[i] = True
                 result.written += 1
                 self._hook("published", i)

@@ -423,12 +423,82 @@ static PyObject *read_pages(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#define OFF_DEPTH 44
+
+/* victims(index_addr, nslots, window, keys, slots, gens): for each 16-byte key, the slots of its
+ * window in the order a writer tries them, each with the generation it was seen with - empty
+ * (generation 0 or no key) and torn (odd) in window order, then unreferenced pages and then
+ * referenced ones, each by descending chain depth, then slot. A window of referenced pages only
+ * loses every referenced bit (CLOCK's hand passing: their second chance is spent). Read without
+ * locks: the writer re-checks a slot's generation under its lock before taking it. */
+static PyObject *victims(PyObject *self, PyObject *args) {
+    unsigned long long index_addr;
+    Py_ssize_t nslots, window;
+    Py_buffer keys;
+    PyObject *o_slots, *o_gens;
+    if (!PyArg_ParseTuple(args, "Knny*OO", &index_addr, &nslots, &window, &keys, &o_slots, &o_gens)) return NULL;
+    Py_ssize_t n = keys.len / 16;
+    if (nslots < 1 || window < 1 || window > 64 || window > nslots || keys.len % 16) {
+        PyBuffer_Release(&keys);
+        PyErr_SetString(PyExc_ValueError, "victims: bad slot count, window (1-64, at most the slots) or key bytes");
+        return NULL;
+    }
+    Py_buffer slots, gens;
+    if (get_u64(o_slots, &slots, n * window, "slots") < 0) { PyBuffer_Release(&keys); return NULL; }
+    if (get_u64(o_gens, &gens, n * window, "gens") < 0) { PyBuffer_Release(&keys); PyBuffer_Release(&slots); return NULL; }
+    const unsigned char *key = keys.buf;
+    uint64_t *slot_out = slots.buf, *gen_out = gens.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t home, slot[64], gen[64], rank[64]; /* rank: class << 32 | order within the class */
+        int order[64], warm = 0;
+        memcpy(&home, key + 16 * i, 8);
+        home %= (uint64_t)nslots;
+        for (Py_ssize_t j = 0; j < window; j++) {
+            const unsigned char *rec = (const unsigned char *)(uintptr_t)(index_addr + ((home + j) % nslots) * RECORD_BYTES);
+            uint64_t g = __atomic_load_n((const uint64_t *)rec, __ATOMIC_ACQUIRE), k0, k1;
+            uint32_t depth;
+            memcpy(&k0, rec + 8, 8);
+            memcpy(&k1, rec + 16, 8);
+            memcpy(&depth, rec + OFF_DEPTH, 4);
+            slot[j] = (home + j) % nslots;
+            gen[j] = g;
+            order[j] = (int)j;
+            if (g == 0 || (k0 == 0 && k1 == 0)) rank[j] = (uint64_t)j; /* empty: window order */
+            else if (g & 1) rank[j] = (1ULL << 32) | (uint64_t)j; /* torn: a dead writer's, or in flight */
+            else if (rec[OFF_REF]) { rank[j] = (3ULL << 32) | (uint64_t)(UINT32_MAX - depth); warm++; }
+            else rank[j] = (2ULL << 32) | (uint64_t)(UINT32_MAX - depth);
+        }
+        for (Py_ssize_t a = 1; a < window; a++) { /* insertion sort: 16 entries; ties by slot */
+            int o = order[a];
+            Py_ssize_t b = a - 1;
+            while (b >= 0 && (rank[order[b]] > rank[o] || (rank[order[b]] == rank[o] && slot[order[b]] > slot[o]))) {
+                order[b + 1] = order[b];
+                b--;
+            }
+            order[b + 1] = o;
+        }
+        if (warm == window) /* CLOCK's hand passes: every page loses its second chance */
+            for (Py_ssize_t j = 0; j < window; j++)
+                __atomic_store_n((unsigned char *)(uintptr_t)(index_addr + slot[j] * RECORD_BYTES) + OFF_REF,
+                                 (unsigned char)0, __ATOMIC_RELAXED);
+        for (Py_ssize_t j = 0; j < window; j++) {
+            slot_out[i * window + j] = slot[order[j]];
+            gen_out[i * window + j] = gen[order[j]];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&keys); PyBuffer_Release(&slots); PyBuffer_Release(&gens);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"load", slot_load, METH_VARARGS, "load(addr) -> u64, acquire"},
     {"store", slot_store, METH_VARARGS, "store(addr, value), release"},
     {"fetch_add", slot_fetch_add, METH_VARARGS, "fetch_add(addr, delta) -> old u64"},
     {"copy_pages", copy_pages, METH_VARARGS, "batched page copies with their checksums, without the GIL"},
     {"lookup", lookup, METH_VARARGS, "each key's slot in its window, or -1"},
+    {"victims", victims, METH_VARARGS, "each key's window in the order a writer tries its slots"},
     {"read_pages", read_pages, METH_VARARGS, "the slot protocol's reads: look up, copy, checksum, re-check"},
     {NULL, NULL, 0, NULL},
 };
@@ -441,7 +511,7 @@ PyMODINIT_FUNC PyInit__slotops(void) {
     /* the record layout this build reads: _slots refuses the helper if hicache.plan's differs */
     if (PyModule_AddIntConstant(m, "RECORD_BYTES", RECORD_BYTES) < 0 || PyModule_AddIntConstant(m, "OFF_SUM1", OFF_SUM1) < 0
         || PyModule_AddIntConstant(m, "OFF_SUM2", OFF_SUM2) < 0 || PyModule_AddIntConstant(m, "OFF_LENGTH", OFF_LENGTH) < 0
-        || PyModule_AddIntConstant(m, "OFF_REF", OFF_REF) < 0) {
+        || PyModule_AddIntConstant(m, "OFF_REF", OFF_REF) < 0 || PyModule_AddIntConstant(m, "OFF_DEPTH", OFF_DEPTH) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -17,7 +17,11 @@ import fcntl
 import struct
 from array import array
 
+from hicache.plan._store import DEPTH_OFFSET as _DEPTH
+from hicache.plan._store import LENGTH_OFFSET as _LENGTH
 from hicache.plan._store import RECORD_BYTES, REF_OFFSET
+from hicache.plan._store import SUM1_OFFSET as _SUM1
+from hicache.plan._store import SUM2_OFFSET as _SUM2
 
 try:
     from hicache.effects._arena import _slotops as _native
@@ -29,9 +33,8 @@ NOT_FOUND = MASK
 #: A key's outcome in `read_pages` (one byte each): not held, its page delivered, a writer moved
 #: the slot on meanwhile (those bytes are not the key's), or length/checksum wrong while it stood still.
 MISS, HIT, TORN, CORRUPT = range(4)
-_SUM1, _SUM2, _LENGTH = 24, 32, 40  # byte offsets inside a record (hicache.plan's RECORD)
 _RECORD_LAYOUT = {"RECORD_BYTES": RECORD_BYTES, "OFF_SUM1": _SUM1, "OFF_SUM2": _SUM2, "OFF_LENGTH": _LENGTH,
-                  "OFF_REF": REF_OFFSET}
+                  "OFF_DEPTH": _DEPTH, "OFF_REF": REF_OFFSET}
 if _native is not None and any(getattr(_native, name, None) != value for name, value in _RECORD_LAYOUT.items()):
     _native = None  # a stale build of another record layout: never read records through it (the fallback is right)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock (x86-64 / aarch64): type, whence, start, len, pid
@@ -95,6 +98,14 @@ class NativeSlotOps:
         return list(found), list(gens)
 
     @staticmethod
+    def victims(index_addr: int, nslots: int, window: int, keys: bytes) -> tuple[list[int], list[int]]:
+        """Each key's window in the order a writer tries its slots (see `_python_victims`)."""
+        n = len(keys) // 16
+        slots, gens = array("Q", bytes(8 * n * window)), array("Q", bytes(8 * n * window))
+        _native.victims(index_addr, nslots, window, keys, slots, gens)
+        return slots.tolist(), gens.tolist()
+
+    @staticmethod
     def read_pages(index_addr: int, data_addr: int, nslots: int, window: int, slot_stride: int, page_bytes: int,
                    keys: bytes, seg_ptrs, seg_lens, per_page: int, *, found=None,
                    gens=None) -> tuple[list[int], list[int], list[int]]:
@@ -137,6 +148,39 @@ def _page_sum(spans, seed1: int, seed2: int) -> tuple[int, int]:
         p = torch.arange(first, first + x.numel(), dtype=torch.int64)
         weighted += int((p * (x & 0xFFFF)).sum()) + (int((p * (x >> 16)).sum()) << 16)
     return sum1 & MASK, (seed2 + count * total - weighted) & MASK
+
+
+def _python_victims(index_addr: int, nslots: int, window: int, keys: bytes) -> tuple[list[int], list[int]]:
+    """For each 16-byte key, its window's slots in the order a writer tries them, each with the
+    generation it was seen with (flat: key i's are ``[i*window, (i+1)*window)``): empty, then
+    torn (a dead writer's - its lock will be free), both in window order, then unreferenced
+    pages and then referenced ones, each by descending chain depth, then slot. A window of
+    referenced pages only loses every referenced bit (CLOCK's hand passes: their second chance
+    is spent). Read without locks: the writer re-checks a slot under its lock before taking it."""
+    slots, gens = [], []
+    for i in range(len(keys) // 16):
+        home = int.from_bytes(keys[16 * i:16 * i + 8], "little") % nslots
+        empty, torn, cold, warm = [], [], [], []
+        for j in range(window):
+            slot = (home + j) % nslots
+            record = index_addr + slot * RECORD_BYTES
+            gen = PythonSlotOps.load(record)
+            if gen == 0 or ctypes.string_at(record + 8, 16) == bytes(16):
+                empty.append((slot, gen))
+            elif gen & 1:
+                torn.append((slot, gen))
+            else:
+                depth = ctypes.c_uint32.from_address(record + _DEPTH).value
+                chosen = warm if ctypes.c_uint8.from_address(record + REF_OFFSET).value else cold
+                chosen.append((depth, slot, gen))
+        if len(warm) == window:
+            for _, slot, _ in warm:
+                ctypes.c_uint8.from_address(index_addr + slot * RECORD_BYTES + REF_OFFSET).value = 0
+        order = empty + torn + [(slot, gen) for _, slot, gen in sorted(cold, key=lambda t: (-t[0], t[1]))]
+        order += [(slot, gen) for _, slot, gen in sorted(warm, key=lambda t: (-t[0], t[1]))]
+        slots += [slot for slot, _ in order]
+        gens += [gen for _, gen in order]
+    return slots, gens
 
 
 def _python_read_pages(index_addr: int, data_addr: int, nslots: int, window: int, slot_stride: int, page_bytes: int,
@@ -243,6 +287,7 @@ class PythonSlotOps:
         return found, gens
 
     read_pages = staticmethod(_python_read_pages)
+    victims = staticmethod(_python_victims)
 
 
 def slot_ops(prefer: str = "auto"):
