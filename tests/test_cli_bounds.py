@@ -4,6 +4,8 @@ value; one option given twice with two values refused; numbers only in ASCII dig
 
 from __future__ import annotations
 
+import os
+
 import json
 
 import pytest
@@ -106,6 +108,31 @@ def test_the_same_value_twice_is_not_a_conflict(capsys):
     """--tp 8 --tp-size 8 says one thing twice: it plans."""
     code, out, err = _run(capsys, "plan", "--tp", "8", "--tp-size", "8", "--format", "json")
     assert code == 0 and json.loads(out)["inputs"]["tp"] == 8, err
+
+
+_NEVER = f"/dev/shm/hicache-test-never-made-{os.getpid()}"
+
+
+@pytest.mark.parametrize("argv, ref", [
+    (["plan", "--tp", "1_6"], "bad-number"),                 # int() reads it as 16
+    (["plan", "--host-gb", "1_0"], "bad-size"),              # Decimal() reads it as 10
+    (["plan", "--ratio", "2_0", "--device-tokens", "1000"], "bad-size"),
+    ([*APPLY, "--metrics-port", "1_9601"], "bad-number"),
+    ([*APPLY, "--hold", "1_0"], "bad-number"),               # float() reads it as 10.0
+    (["store", "create", _NEVER, "--size-gb", "1_0", "--slot-bytes", "4096"], "bad-size"),
+    (["store", "create", _NEVER, "--size-gb", "1", "--slot-bytes", "4_096"], "bad-number"),
+])
+def test_numbers_with_underscores_are_refused(argv, ref, capsys):
+    """Python reads "1_0" as 10 (PEP 515): `--size-gb 1_0` made a 10 GB arena and `--tp 1_6`
+    planned TP=16 (issue #54). Refused naming the flag, as the environment table refuses them;
+    nothing is created."""
+    try:
+        code, out, err = _run(capsys, *argv)
+        assert code == 2 and err.startswith(f"error[{ref}]"), err
+        assert out == "" and not os.path.exists(_NEVER)
+    finally:
+        if os.path.lexists(_NEVER):  # a regression made it: never leave a GB in /dev/shm
+            os.unlink(_NEVER)
 
 
 @pytest.mark.parametrize("argv, ref", [

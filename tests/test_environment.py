@@ -54,7 +54,12 @@ def _invalid(setting, tmp_path: Path) -> list[str]:
         shared = tmp_path / "shared"
         shared.mkdir(mode=0o755)
         shared.chmod(0o755)
-        return [str(plain), str(fifo), str(shared), str(tmp_path / "missing" / "deeper")]
+        group = tmp_path / "group"  # its group may write: 0770 (0755 sets the group and other bits together)
+        group.mkdir()
+        group.chmod(0o770)
+        # /proc: os.access() says root may create there, mkdir says no (doctor passed it, issue #54)
+        return [str(plain), str(fifo), str(shared), str(group), str(tmp_path / "missing" / "deeper"),
+                "/proc/hicache-runtime"]
     raise AssertionError(f"no invalid values for {setting.name} ({kind}): add them to this oracle")
 
 

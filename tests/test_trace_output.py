@@ -195,6 +195,30 @@ def test_merge_refuses_what_is_no_hicache_trace(tmp_path, capsys):
     assert not (tmp_path / "m.json").exists()
 
 
+@pytest.mark.concurrency
+def test_merge_refuses_a_fifo_or_a_device_input_at_once(tmp_path, capsys):
+    """A FIFO with no writer (it hung `trace merge` for ever, issue #54) or /dev/zero as an
+    input: one error line naming it, exit 2, no output written - well inside a hang guard (the
+    merge runs on a thread that must finish in 30 s)."""
+    import threading
+
+    fifo = tmp_path / "rank0.json"
+    os.mkfifo(fifo)
+    for source in (str(fifo), "/dev/zero"):
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(code=main(
+            ["trace", "merge", "--out", str(tmp_path / "m.json"), source])), daemon=True)
+        worker.start()
+        worker.join(30)
+        if worker.is_alive():  # the hang itself: free the thread (a writer end opens the FIFO) and fail
+            with open(fifo, "w"):
+                pass
+            pytest.fail(f"trace merge of {source} still running after 30 s")
+        assert result["code"] == 2, source
+        assert f"trace {source} is not a regular file" in capsys.readouterr().err
+        assert not (tmp_path / "m.json").exists()
+
+
 def test_a_trace_records_its_clock_and_origin(tmp_path):
     """The metadata a merge relies on: the host's monotonic clock, the wall-clock time of its
     origin, host and pid."""

@@ -64,9 +64,11 @@ MAXIMA = {"--tp": 65_536, "--page-size": 2**20, "--mamba-slots": 10**8, "--threa
 
 
 def ascii_number(text) -> bool:
-    """Whether ``text`` is written in ASCII: int(), float() and Decimal() read "١٢" (Arabic-Indic
-    digits) or "１２" (full-width) as 12, which no operator meant (issue #33)."""
-    return isinstance(text, str) and text.isascii()
+    """Whether ``text`` is written as a plain number may be: in ASCII - int(), float() and
+    Decimal() read "١٢" (Arabic-Indic digits) or "１２" (full-width) as 12 (issue #33) - and
+    without underscores, which they read as digit separators ("1_0" is 10: `--size-gb 1_0` made
+    a 10 GB arena, issue #54). The environment table refuses both the same way."""
+    return isinstance(text, str) and text.isascii() and "_" not in text
 
 
 def positive_int(text: str, flag: str) -> int:

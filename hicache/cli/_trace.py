@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from hicache.cli._common import CliError
+from hicache.cli._common import CliError, read_json_file
+
+TRACE_LIMIT_BYTES = 1 << 30  # a bring-up trace is KB to MB; past a GiB it is not one
 
 DESCRIPTION = ("Merge bring-up traces (hicache apply --trace, HICACHE_TRACE) of the processes of one host into "
                "one Chrome trace-event file, each process its own row. Example: hicache trace merge --out node.json "
@@ -28,11 +30,14 @@ def run(args) -> int:
     from hicache.effects import trace
     from hicache.errors import TraceOutputError
 
+    hint = "merge hicache traces of one host; --out a new or regular file"
+    # every input as the CLI reads files: a FIFO, device or /dev/zero is refused, never read (it hung)
+    loaded = [(path, read_json_file(path, "trace", TRACE_LIMIT_BYTES, hint, "bad-trace")) for path in args.traces]
     try:
         out = trace.check_path(args.out)
-        merged = trace.merge(args.traces)
+        merged = trace.merge_loaded(loaded)
     except TraceOutputError as error:
-        raise CliError("bad-trace", str(error), "merge hicache traces of one host; --out a new or regular file") from None
+        raise CliError("bad-trace", str(error), hint) from None
     if not trace.write_json(out, merged):
         raise CliError("bad-output", f"cannot write {out}", "see the warning above")
     processes = len({e.get("pid") for e in merged["traceEvents"]})

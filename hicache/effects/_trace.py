@@ -230,13 +230,21 @@ def merge(paths) -> dict:
     """One trace of the traces at ``paths`` (each rank's, one host): their events on the host's
     clock they share, each process under its own pid. `TraceOutputError` for a file that is no
     hicache trace, or traces of another clock or host (their times do not line up)."""
-    events, sources = [], []
+    loaded = []
     for path in paths:
         try:
             with open(path) as handle:
-                data = json.load(handle)
+                loaded.append((path, json.load(handle)))
         except (OSError, ValueError) as error:
             raise TraceOutputError(f"trace {path}: cannot read it ({error})") from None
+    return merge_loaded(loaded)
+
+
+def merge_loaded(loaded) -> dict:
+    """`merge` of traces already read: ``(path, parsed JSON)`` pairs (`hicache trace merge`
+    reads them as it reads every input file: regular files only, bounded)."""
+    events, sources = [], []
+    for path, data in loaded:
         other = data.get("otherData", {}) if isinstance(data, dict) else {}
         if other.get("clock") != CLOCK or not isinstance(data.get("traceEvents"), list):
             raise TraceOutputError(f"trace {path}: not a hicache trace on {CLOCK} (written by an older hicache?)")

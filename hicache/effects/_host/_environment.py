@@ -48,8 +48,9 @@ class EnvProblem:
 def environment_problems(env=None, *, paths: bool = True) -> list[EnvProblem]:
     """Every row of the environment table checked against ``env`` - as its readers parse it,
     and (``paths``) a path as it will be used (HICACHE_TRACE writable as a trace,
-    HICACHE_RUNTIME_DIR a private directory) - without changing anything. Empty: every
-    bring-up can read it."""
+    HICACHE_RUNTIME_DIR a private directory; one not there yet is made and removed again, the
+    only true answer to whether it can be) - leaving nothing changed. Empty: every bring-up can
+    read it."""
     from hicache.effects._hostwide._rundir import runtime_dir_problem
     from hicache.effects._trace import check_path
     from hicache.errors import TraceOutputError

@@ -51,16 +51,27 @@ def private_dir(path: Path) -> Path:
 
 
 def runtime_dir_problem(path: Path) -> str | None:
-    """What `private_dir` would refuse about ``path``, without creating it (`hicache doctor`):
-    None when it is ours, a plain directory of mode 0700 - or absent with a writable parent."""
+    """What `private_dir` would refuse about ``path``, leaving nothing behind (`hicache doctor`):
+    None when it is ours, a plain directory of mode 0700 - or absent and creatable (tried: made
+    and removed again)."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         parent = path.parent
         if not parent.is_dir():
             return f"{path} does not exist and neither does its parent {parent}"
-        if not os.access(parent, os.W_OK | os.X_OK):
-            return f"{path} does not exist and {parent} is not writable: it cannot be created"
+        # made and removed at once: os.access() says yes to root anywhere, /proc included, where
+        # apply's mkdir then fails (issue #54) - the real call is the only true answer
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # made by someone meanwhile: judge it as it is
+            return runtime_dir_problem(path)
+        except OSError as error:
+            return f"{path} does not exist and cannot be created: {error.strerror}"
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
         return None
     except OSError as error:
         return f"{path} cannot be read: {error.strerror}"
