@@ -362,6 +362,30 @@ def test_zero_copy_pointers_only_for_indices_that_start_a_page(name):
         pool.destroy()
 
 
+@pytest.mark.parametrize("name", ["mha", "mla"])
+def test_zero_copy_pointers_follow_a_replaced_kv_buffer(name):
+    """A `kv_buffer` replaced after pointers were handed out (a new tensor; Mooncake, NIXL and 3FS
+    read and write at them): the next `get_page_buffer_meta` points into the new tensor, never the
+    old one - whether or not the new tensor happens to reuse the old one's id()."""
+    pool, _ = make(name, "page_first")
+    original = pool.kv_buffer
+    try:
+        before, _ = pool.get_page_buffer_meta(torch.arange(P, 2 * P))
+        replacement = original.clone()
+        pool.kv_buffer = replacement
+        after, _ = pool.get_page_buffer_meta(torch.arange(P, 2 * P))
+        start = replacement.data_ptr()
+        end = start + replacement.untyped_storage().nbytes()
+        assert after != before and all(start <= ptr < end for ptr in after)
+        pool._kinds = (id(original), pool._kinds[1])  # the replacement's pointers, under an id() that came back
+        pool.kv_buffer = original
+        again, _ = pool.get_page_buffer_meta(torch.arange(P, 2 * P))
+        assert again == before
+    finally:
+        pool.kv_buffer = original
+        pool.destroy()
+
+
 @pytest.mark.parametrize("name, layout", [(name, layout) for name in ("mha", "mla", "asymmetric")
                                           for layout in ("page_first", "page_first_direct", "layer_first")
                                           if (name, layout) != ("asymmetric", "layer_first")])  # none such

@@ -272,13 +272,16 @@ class StoragePagesMixin:
         """``(ptr of page 0, bytes from one page to the next, bytes)`` of each contiguous block of
         a page, in SGLang's order: per layer K then V for layer_first, K then V for the page
         layouts (MLA: one block, per layer for layer_first). Derived once from pages 0 and 1."""
+        # keyed on what the pointers derive from - each buffer's address, bytes, shape and strides -
+        # not on id(): a replaced kv_buffer can reuse a freed one's id(), and its pointers must move
+        key = tuple((t.data_ptr(), t.untyped_storage().nbytes(), tuple(t.shape), t.stride()) for t in self.buffers)
         kinds = getattr(self, "_kinds", None)
-        if kinds is not None and kinds[0] == id(self.kv_buffer):
+        if kinds is not None and kinds[0] == key:
             return kinds[1]
         first = self._layer_blocks(0)
         second = self._layer_blocks(1) if self.page_num > 1 else first
         made = [(a.data_ptr(), b.data_ptr() - a.data_ptr(), a.numel() * a.element_size()) for a, b in zip(first, second)]
-        self._kinds = (id(self.kv_buffer), made)
+        self._kinds = (key, made)
         return made
 
     def _layer_blocks(self, page: int) -> list:
