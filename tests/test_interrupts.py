@@ -320,3 +320,33 @@ def test_every_line_interrupted_with_a_failing_undo_reports_exactly_what_stays(t
         for buffer in allocator.owned():
             assert not buffer.freed or not held, where
         assert entries == {}, where
+
+
+@pytest.mark.concurrency
+def test_a_second_interrupt_held_while_the_first_is_honoured_never_replaces_its_record():
+    """A Ctrl-C held while the block already leaves with the honoured interrupt - or with an
+    error it caused (the rollback's record of leaked ranges, chained to it) - is dropped at
+    exit: the caller sees that exception and its record, not a bare KeyboardInterrupt in its
+    place (issue #54). A signal held while nothing is being honoured is still delivered."""
+    import os
+    import signal
+
+    from hicache.errors import RollbackError
+
+    def leave_with(exception):
+        with pytest.raises(BaseException) as caught:
+            with deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGINT)  # held: a second Ctrl-C during the rollback
+                raise exception
+        return caught.value
+
+    honoured = KeyboardInterrupt("the first Ctrl-C, honoured")
+    assert leave_with(honoured) is honoured
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as first:
+        record = RollbackError("rolled back; 1 range leaked", leaked=((0x1000, 4096),), uncertain=())
+        record.__context__ = first
+    got = leave_with(record)
+    assert got is record and got.leaked == ((0x1000, 4096),)
+    assert isinstance(leave_with(ValueError("unrelated")), KeyboardInterrupt)  # nothing honoured: delivered
