@@ -434,3 +434,28 @@ def test_apply_progressive_that_fails_midway_leaves_nothing_registered(lock, cap
         assert code != 0 and captured.out == ""
         assert fake.cudart.register_calls == 4
         assert fake.held() == set()
+
+
+def test_an_interrupt_at_the_budget_locks_exit_lets_the_host_wide_lock_go(lock, monkeypatch):
+    """A Ctrl-C landing at the budget lock's with-exit (CPython cannot promise __exit__ runs
+    then): bring_up raises KeyboardInterrupt with nothing registered and the host-wide lock let
+    go - a process that lives on (a notebook, a server catching the interrupt) does not hold
+    every other rank's bring-up behind it (issue #54)."""
+    from hicache.effects._hostwide import _lock
+
+    real_exit, landed = _lock.BudgetLock.__exit__, []
+
+    def interrupted_exit(self, *exc_info):
+        if not landed:  # the first exit (the admission's): the signal lands before its body runs
+            landed.append(True)
+            raise KeyboardInterrupt
+        return real_exit(self, *exc_info)  # the rollback's own uses of the lock run as ever
+
+    monkeypatch.setattr(_lock.BudgetLock, "__exit__", interrupted_exit)
+    runtime = FakeRuntime()
+    with pytest.raises(KeyboardInterrupt):
+        bring_up(_pool_plan(), runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger())
+    monkeypatch.undo()
+    assert not lock.held and runtime.held() == set()
+    with BudgetLock(lock.path.parent, timeout_s=5) as peer:  # free at once (5 s: a hang guard)
+        assert os.getpid() not in peer.claims()
