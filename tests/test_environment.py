@@ -54,11 +54,16 @@ def _invalid(setting, tmp_path: Path) -> list[str]:
         shared = tmp_path / "shared"
         shared.mkdir(mode=0o755)
         shared.chmod(0o755)
-        group = tmp_path / "group"  # its group may write: 0770 (0755 sets the group and other bits together)
-        group.mkdir()
-        group.chmod(0o770)
+        # each bit the check guards on its own (0755 sets group and other bits together): group or
+        # other, read or write
+        opened = []
+        for mode in (0o770, 0o750, 0o720, 0o705, 0o702):
+            directory = tmp_path / f"mode-{mode:o}"
+            directory.mkdir()
+            directory.chmod(mode)
+            opened.append(str(directory))
         # /proc: os.access() says root may create there, mkdir says no (doctor passed it, issue #54)
-        return [str(plain), str(fifo), str(shared), str(group), str(tmp_path / "missing" / "deeper"),
+        return [str(plain), str(fifo), str(shared), *opened, str(tmp_path / "missing" / "deeper"),
                 "/proc/hicache-runtime"]
     raise AssertionError(f"no invalid values for {setting.name} ({kind}): add them to this oracle")
 

@@ -43,18 +43,19 @@ def test_peers_lists_live_allocators_only(tmp_path):
 
 
 def test_symlinked_or_shared_directories_are_refused(tmp_path):
-    """A lock directory that is a symlink, or readable by others, is refused."""
+    """A lock directory that is a symlink, or that its group or others may read or write, is refused."""
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     link = tmp_path / "link"
     link.symlink_to(real)
     with pytest.raises(RegistrationStateError, match="not a plain directory"):
         budget_lock(directory=link)
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o755)
-    with pytest.raises(RegistrationStateError, match="mode 0700"):
-        budget_lock(directory=shared)
+    for mode in (0o755, 0o770, 0o750, 0o720, 0o705, 0o702):  # each guarded bit on its own: group or other,
+        shared = tmp_path / f"shared-{mode:o}"  # read or write (0755 alone sets both)
+        shared.mkdir()
+        shared.chmod(mode)
+        with pytest.raises(RegistrationStateError, match="mode 0700"):
+            budget_lock(directory=shared)
 
 
 _HOLD = (
