@@ -118,3 +118,39 @@ def test_a_released_bring_up_gives_back_exactly_what_its_fill_counted(lock):
     books.forget_budget()
     books.forget_budget()
     assert _peer_view(lock) == Claim(400, 400)
+
+
+GB = 10**9
+
+
+def _admit(lock, total, **machine):
+    from machine import facts
+
+    from hicache.effects._bringup._bring_up import _admit as admit
+
+    with lock:
+        return admit(lock, total, facts(**machine), None, 1, 0)
+
+
+def test_this_processs_own_claim_still_filling_is_counted_like_a_peers(lock):
+    """A pool of this process still filling (its 6 GB not resident yet: not gone from the
+    sampled available memory) leaves 4 GB of a 10 GB sample: a second pool of 5 GB is refused,
+    one of 3 GB admitted - another thread's pool or the plug-in's admission claim counts."""
+    from hicache.errors import CapacityError
+
+    _claimed(lock, 6 * GB, GB)
+    with pytest.raises(CapacityError):
+        _admit(lock, 5 * GB, available_bytes=10 * GB)
+    _admit(lock, 3 * GB, available_bytes=10 * GB)
+
+
+def test_pending_claims_count_against_the_cgroup_as_against_available_memory(lock):
+    """A cgroup of 20 GB using 10: a claim of 6 GB still filling is not in the cgroup's usage
+    yet, so a 5 GB pool would overrun the limit - refused; a 3 GB one fits."""
+    from hicache.errors import CapacityError
+
+    _claimed(lock, 6 * GB, GB)
+    room = dict(available_bytes=1000 * GB, cgroup_limit_bytes=20 * GB, cgroup_usage_bytes=10 * GB)
+    with pytest.raises(CapacityError):
+        _admit(lock, 5 * GB, **room)
+    _admit(lock, 3 * GB, **room)
