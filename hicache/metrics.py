@@ -53,6 +53,7 @@ class _State:
         self.entries: dict[str, _Entry] = {}
         self.calls: dict[tuple[str, str], int] = {}  # (pool, result) -> calls of bring-ups no longer tracked
         self.last_rates = (0.0, 0.0)  # (pre-fault, register) bytes/s of the last bring-up
+        self.last_pool: str | None = None  # its name: a scrape reads its rates again while it is tracked
         self.registered: set = set()  # ids of the registries the collector is in
         self.turnstile_waits = None  # the handles' reader of this process's turnstile waits
         self.stores: dict[str, weakref.ref] = {}  # arena path -> this process's NodeStore over it
@@ -100,6 +101,14 @@ def install(registry=None) -> bool:
     return True
 
 
+def _rates(record) -> tuple[float, float]:
+    """(pre-fault, register) bytes/s of a bring-up's record: as of now for a progressive one
+    (its background pre-fault and calls go on after it returned), so each scrape asks again."""
+    prefault, register_s = record.prefault_s, record.register_s
+    registered = record.registered_bytes if register_s else 0
+    return (record.total_bytes / prefault if prefault else 0.0, registered / register_s if register_s else 0.0)
+
+
 def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None, phases=None) -> None:
     """Report ``handle`` (a `HostPools`) as pool ``pool`` from now on: ``page_num`` its pages,
     ``ready_pages`` a callable giving those ready now (held weakly), ``phases`` seconds of
@@ -109,17 +118,14 @@ def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None,
         if not install():
             return
         entry = _Entry(handle, numa_node, page_num, ready_pages, phases)
-        record = handle.record(tiers=False)
-        prefault, register_s = record.prefault_s, record.register_s
-        registered = record.registered_bytes if register_s else 0
-        rates = (record.total_bytes / prefault if prefault else 0.0, registered / register_s if register_s else 0.0)
+        rates = _rates(handle.record(tiers=False))
     except Exception:  # metrics never fail a bring-up (an interrupt still propagates)
         logger.exception("hicache metrics: could not track %s", pool)
         return
     with _STATE.lock:
         _retire(pool)
         _STATE.entries[pool] = entry
-        _STATE.last_rates = rates
+        _STATE.last_rates, _STATE.last_pool = rates, pool
         _STATE.turnstile_waits = getattr(type(handle), "turnstile_waits", None) or _STATE.turnstile_waits
     _published()
 
@@ -271,7 +277,7 @@ def _pool_scrape() -> PoolScrape:
     with _STATE.lock:
         entries = list(_STATE.entries.items())
         tally = dict(_STATE.calls)
-        rates = _STATE.last_rates
+        rates, last_pool = _STATE.last_rates, _STATE.last_pool
         read_waits = _STATE.turnstile_waits
     claims: dict = {}
     smaps = None
@@ -286,6 +292,10 @@ def _pool_scrape() -> PoolScrape:
             key = (pool, "ok")
             tally[key] = tally.get(key, 0) + record.calls
             claims.update(dict(record.claims))
+            if pool == last_pool:  # the last bring-up's rates as of this scrape (progressive: still moving)
+                rates = _rates(record)
+                with _STATE.lock:
+                    _STATE.last_rates = rates  # kept once it is released
         views.append(PoolView(pool, entry, record))
     waits = read_waits() if read_waits is not None else {"buckets": [(float("inf"), 0)], "sum": 0.0}
     return PoolScrape(tuple(views), tally, claims, rates, waits)

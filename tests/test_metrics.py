@@ -127,6 +127,44 @@ def test_a_progressive_pools_ready_pages_move_as_it_registers(tmp_path):
         pool.destroy()
 
 
+@pytest.mark.concurrency
+def test_a_progressive_pools_prefault_seconds_and_rates_follow_it_to_its_last_call(tmp_path):
+    """A progressive pool returns after its first calls while its background registration is
+    held at a gate (an event: no timing): once let go and done, a scrape shows the pre-fault
+    phase as the whole background pre-fault took and both rate gauges as of the last call -
+    not the figures of the moment the bring-up returned (issue #54: "252 GB/s" pre-fault)."""
+    import threading
+
+    runtime = FakeRuntime()
+    gate = threading.Event()
+    register = runtime.cudart.cudaHostRegister
+
+    def gated(ptr, size, flags):
+        if threading.current_thread() is not threading.main_thread():
+            assert gate.wait(60), "hang guard"
+        return register(ptr, size, flags)
+
+    runtime.cudart.cudaHostRegister = gated
+    pool = _pool("metrics-r", runtime, tmp_path, tokens=256, chunk=16 * 1024, progressive=True, max_stall_s=None)
+    name, handle = pool.metrics_name, pool._host
+    try:
+        early = _value("hicache_register_bytes_per_second")
+        gate.set()
+        assert pool.wait_ready(timeout=30)
+        faulter = handle._books.faulting.faulter
+        faulter.join()  # every piece faulted (the registration waited for them all): ends at once
+        record = handle.record(tiers=False)
+        registered = sum(s for _, s in runtime.held())
+        assert record.register_s == pytest.approx(sum(call[2] for call in handle.calls))
+        assert _value("hicache_register_bytes_per_second") == pytest.approx(registered / record.register_s)
+        assert _value("hicache_bringup_seconds", pool=name, phase="prefault") == pytest.approx(faulter.seconds)
+        assert _value("hicache_prefault_bytes_per_second") == pytest.approx(handle.total_bytes / faulter.seconds)
+        assert early != _value("hicache_register_bytes_per_second")  # it moved after the bring-up returned
+    finally:
+        gate.set()
+        pool.destroy()
+
+
 def test_a_failed_bring_up_counts_as_failed(tmp_path):
     """A pool bring-up that fails and rolls back counts one result=failed bring-up, with nothing
     registered."""

@@ -74,7 +74,9 @@ class Prefaulter:
         self._workers = threads or min(os.cpu_count() or 1, 16)
         self.cpus = tuple(cpus) if cpus else None
         self.done = [0] * len(self.buffers)  # bytes faulted from the start of each buffer
-        self.seconds = 0.0
+        self.seconds = 0.0  # the whole pre-fault's, once it has ended (`elapsed()` meanwhile)
+        self._started: float | None = None
+        self._ended = False
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._changed = threading.Condition()
@@ -106,7 +108,7 @@ class Prefaulter:
         return calls
 
     def _run(self) -> None:
-        start = time.perf_counter()
+        start = self._started = time.perf_counter()
         pool = None
         try:
             calls = self._calls()
@@ -151,8 +153,16 @@ class Prefaulter:
             if pool is not None:
                 pool.shutdown(wait=True)  # no call still faulting once this thread ends
             self.seconds = time.perf_counter() - start
+            self._ended = True
             with self._changed:
                 self._changed.notify_all()
+
+    def elapsed(self) -> float:
+        """Seconds of faulting so far: the whole pre-fault's once it has ended (a progressive
+        bring-up's metrics follow its background pre-fault, issue #54), 0 before it starts."""
+        if self._ended or self._started is None:
+            return self.seconds
+        return time.perf_counter() - self._started
 
     def wait(self, index: int, end: int, stop=None) -> None:
         """Return once buffer ``index`` is faulted up to ``end`` (or the faulting failed: its

@@ -292,10 +292,14 @@ class HostPools:
         calls, phase seconds, page tiers (``tiers=False``: not read) and the host's claims."""
         from hicache._bringup_record import make_record
 
+        timings = dict(self.timings)
+        faulting = self._books.faulting
+        if faulting is not None:  # progressive: the background pre-fault so far, not up to the first call
+            timings["prefault_s"] = faulting.faulter.elapsed() or None
         return make_record(
             state=self.state, total_bytes=self.total_bytes,
             registered_bytes=sum(size for _, size in self.registered_ranges()), calls=self.calls,
-            timings=dict(self.timings), allocator=self.allocator, progressive=self.mode == "progressive",
+            timings=timings, allocator=self.allocator, progressive=self.mode == "progressive",
             tiers=self.tiers(smaps_text=smaps_text) if tiers else (), claims=self.budget_claims(),
         )
 
