@@ -29,7 +29,6 @@ from hicache.store._keys import DIGEST_BYTES
 from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
 from hicache.store._pages import PageSegments
 
-_LE = "little"
 _U64 = 2**64 - 1
 
 
@@ -82,9 +81,6 @@ class SlotIndex(NamespaceEntries):
     def _unlock(self, slot: int) -> None:
         _arena.unlock(self.arena.fd, self.plan.record_offset(slot), RECORD_BYTES)
 
-    def home(self, digest: bytes) -> int:
-        return int.from_bytes(digest[:8], _LE) % self.plan.slots
-
     # -- lookups (never wait) --------------------------------------------------------------------
     def find(self, digests: bytes) -> tuple[list[int], list[int]]:
         """Each key's slot (`_arena.NOT_FOUND` for none) and the even generation it was seen with."""
@@ -128,11 +124,9 @@ class SlotIndex(NamespaceEntries):
         SGLang's HiCacheFile skips it); a window whose every slot is locked by other writers
         leaves that page unstored (False), without waiting."""
         n = len(digests) // DIGEST_BYTES
-        result = WriteResult([False] * n)
         found, _ = self.find(digests)
-        missing = [i for i in range(n) if found[i] == _arena.NOT_FOUND]
-        for i in range(n):
-            result.stored[i] = found[i] != _arena.NOT_FOUND
+        result = WriteResult([slot != _arena.NOT_FOUND for slot in found])  # a key already held counts as stored
+        missing = [i for i, slot in enumerate(found) if slot == _arena.NOT_FOUND]
         if not missing:
             return result
         window, index_addr = self.plan.window, self.arena.base + self.plan.index_offset
@@ -237,11 +231,6 @@ class SlotIndex(NamespaceEntries):
         import torch
 
         return self._index_view(torch.int64)
-
-    def _record_bytes(self):
-        import torch
-
-        return self._index_view(torch.uint8)
 
     def reclaim_torn(self) -> int:
         """Reclaim every torn slot whose writer is gone; returns how many."""

@@ -80,12 +80,12 @@ class NativeSlotOps:
 
     @staticmethod
     def copy_pages(direction: int, slots, seg_ptrs, seg_lens, per_page: int, seeds) -> list[tuple[int, int]]:
-        from hicache.effects._copy._host_copy import PARALLEL_BYTES, copy_threads
+        from hicache.effects._copy._host_copy import copy_workers
 
         sums = _u64s(seeds)
-        # the host copy engine's rule: threads for a batch past PARALLEL_BYTES (2 on a 2-core box:
-        # 8.0 -> 15.7 GB/s copied and checksummed, 128 MLA pages)
-        threads = copy_threads() if sum(seg_lens) >= PARALLEL_BYTES else 1
+        # the host copy engine's rule (2 threads on a 2-core box: 8.0 -> 15.7 GB/s copied and
+        # checksummed, 128 MLA pages)
+        threads = copy_workers(sum(seg_lens))
         _native.copy_pages(direction, len(slots), per_page, _u64s(slots), _u64s(seg_ptrs), _u64s(seg_lens), sums,
                            threads)
         return [(sums[2 * i], sums[2 * i + 1]) for i in range(len(slots))]
@@ -110,14 +110,14 @@ class NativeSlotOps:
                    keys: bytes, seg_ptrs, seg_lens, per_page: int, *, found=None,
                    gens=None) -> tuple[list[int], list[int], list[int]]:
         """The slot protocol's reads in one call (see `_python_read_pages`)."""
-        from hicache.effects._copy._host_copy import PARALLEL_BYTES, copy_threads
+        from hicache.effects._copy._host_copy import copy_workers
 
         n = len(keys) // 16
         given = found is not None
         status = bytearray(n)
         found = array("Q", found if given else bytes(8 * n))
         gens = array("Q", gens if given else bytes(8 * n))
-        threads = copy_threads() if n * page_bytes >= PARALLEL_BYTES else 1
+        threads = copy_workers(n * page_bytes)
         _native.read_pages(index_addr, data_addr, nslots, window, slot_stride, page_bytes, keys, seg_ptrs, seg_lens,
                            per_page, status, found, gens, threads, int(given))
         return list(status), list(found), list(gens)

@@ -27,6 +27,12 @@ MAX_THREADS = 8  # a socket's memory bandwidth is saturated well before this
 _pool: ThreadPoolExecutor | None = None
 
 
+def copy_workers(total: int, threads: int | None = None) -> int:
+    """Threads a copy of ``total`` bytes uses: one below `PARALLEL_BYTES`, else ``threads`` or
+    `copy_threads()` (the one rule for host copies and the node store's checksummed copies)."""
+    return 1 if total < PARALLEL_BYTES else (threads or copy_threads())
+
+
 def copy_threads() -> int:
     """Threads a large copy uses: the CPUs this process may run on, at most `MAX_THREADS`."""
     try:
@@ -107,7 +113,7 @@ def copy_checked_blocks(dst_addrs, src_addrs, sizes, total: int, *, mode: str, t
     """`copy_host_blocks` for descriptors already checked (contiguous int64 CPU tensors of one
     length, sizes >= 0 adding up to ``total``, ``mode`` valid): the per-call path of a
     prepared, reused batch."""
-    workers = 1 if total < PARALLEL_BYTES else (threads or copy_threads())
+    workers = copy_workers(total, threads)
     if mode == "native":
         _native.copy_blocks(
             dst_addrs.data_ptr(), src_addrs.data_ptr(), sizes.data_ptr(), sizes.numel(), workers, total >= STREAM_BYTES
@@ -120,7 +126,7 @@ def copy_checked_blocks(dst_addrs, src_addrs, sizes, total: int, *, mode: str, t
 def copy_parts(parts, total: int, *, mode: str, threads: int | None = None) -> None:
     """Copy every part ``(dst_offsets, src_offsets, sizes, total, dst_base, src_base)`` (checked
     contiguous int64 CPU tensors) in one call, the ``total`` bytes shared by the threads."""
-    workers = 1 if total < PARALLEL_BYTES else (threads or copy_threads())
+    workers = copy_workers(total, threads)
     if mode == "native":
         native = [(d.data_ptr(), s.data_ptr(), z.data_ptr(), z.numel(), db, sb) for d, s, z, _, db, sb in parts]
         _native.copy_parts(native, workers, total >= STREAM_BYTES)
