@@ -492,3 +492,39 @@ def test_release_unregisters_the_calls_newest_first():
     registered = [ptr for op, ptr, *_ in cudart.log if op == "register"]
     unregistered = [ptr for op, ptr, *_ in cudart.log if op == "unregister"]
     assert len(registered) == 4 and unregistered == registered[::-1] and cudart.registered == {}
+
+
+@pytest.mark.parametrize("transfer", ["auto", "gather"])
+def test_a_transfer_touching_a_page_not_yet_registered_is_refused_and_copies_nothing(transfer):
+    """A progressive pool stopped part-way (a failed background call): a transfer of its ready
+    pages runs (each engine), one that touches a page past them - in either direction, among
+    ready ones - is a TransferError naming the registered slots, and no byte changes on either side."""
+    from hicache.effects import CopyEngine
+    from hicache.errors import TransferError
+
+    runtime, ledger = FakeRuntime(fail_register={5: 2}), HostLedger()
+    pool = _pool(runtime, ledger, chunk=4096, copy_engine=CopyEngine(transfer=transfer))
+    with pytest.raises(ApplyError):
+        pool.wait_ready()
+    ready = pool.ready_pages()
+    assert 0 < ready < pool.page_num
+    device = pool.device_pool
+    generator = torch.Generator().manual_seed(5)
+    for buffer in device.kv_buffer:
+        buffer.copy_(torch.randint(-99, 99, buffer.shape, generator=generator).to(buffer.dtype))
+    fine = torch.arange(0, min(ready * P, 256))
+    pool.backup_from_device_all_layer(device, fine, fine, "kernel")
+    pool.load_to_device_per_layer(device, fine, fine, 1, "kernel")
+    on_device = torch.arange(P, 3 * P)
+    for bad_page in (ready, pool.page_num - 1):
+        bad = torch.cat([torch.arange(0, P), torch.arange(bad_page * P, bad_page * P + P)])
+        host_before = [b.clone() for b in pool.buffers]
+        device_before = [b.clone() for b in device.kv_buffer]
+        for call in (lambda: pool.backup_from_device_all_layer(device, bad, on_device, "kernel"),
+                     lambda: pool.load_to_device_per_layer(device, bad, on_device, 0, "kernel")):
+            with pytest.raises(TransferError, match=f"not registered yet .*slots \\[0, {ready * P}\\)"):
+                call()
+        assert all(torch.equal(a, b) for a, b in zip(host_before, pool.buffers))
+        assert all(torch.equal(a, b) for a, b in zip(device_before, device.kv_buffer))
+    pool.destroy()
+    assert runtime.held() == set() and ledger.held() == ()

@@ -147,3 +147,28 @@ def test_decode_offloads_hicache_controller_round_trips_pages_byte_exact(sglang,
         controller = HiCacheController(token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=PAGE,
                                        tp_group=None, load_cache_event=threading.Event(), io_backend=backend)
         _round_trip(controller, allocator, device, host, kind, layout, seed=13, pages=4)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_backend_hicaches_pools_cannot_serve_fails_the_build_naming_the_pair_and_flag(sglang, monkeypatch,
+                                                                                       roomy_psutil, kind):
+    """A server started with --hicache-io-backend kernel_ascend and hicache's pools: SGLang's
+    assembler's build raises, naming the pair and the flag, before anything is registered - not
+    the first write-back on the scheduler thread (that once took the server down)."""
+    import sglang.srt.plugins as plugins
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    from hicache.errors import LayoutError
+
+    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
+    plugins.load_plugins()
+    settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2.0,
+                    hicache_mem_layout="page_first", hicache_io_backend="kernel_ascend")
+    with published(**settings), fake_cuda() as fake:
+        device = _device_pool(kind)
+        with host_memory_budget_scope(10**12), pytest.raises(LayoutError) as raised:
+            build_kv_host_pool(kv_pool=device, page_size=PAGE)
+        assert fake.cudart.log == [] and fake.held() == set()
+    message = str(raised.value)
+    assert "'kernel_ascend' with layout 'page_first'" in message and "--hicache-io-backend kernel" in message

@@ -14,7 +14,12 @@ from hicache.effects._copy._gather import GatherCopy, triton_ready, word_bytes
 from hicache.errors import TransferError
 from hicache.plan._transfer import ENGINE_TABLE, MiB, choose_engine
 
+from machine import ROOMY
+from test_pool_layout_oracle import LIMITS, mha_host_element
 from test_pools import CASES, FAMILIES, _slots, make
+
+from hicache.pools import MHATokenToKVPoolHost
+from hicache.testing import MHADevicePool
 
 torch = pytest.importorskip("torch")
 RUNNERS = ["triton", "torch"]
@@ -121,10 +126,8 @@ def test_every_family_and_layout_serves_the_kernel_backend_through_the_gather(na
             host_idx = _slots(pool, 3)
             original = [t.clone() for t in device.tensors()]
             pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
-            if transfer == "gather":  # page_head splits a token's row per head: torch's index ops
-                # move it (the same bytes; not yet a gather - issue #52's note)
-                chosen = pool.copy_engine.last_choice
-                assert (chosen is None) if layout == "page_head" else (chosen.engine == "gather")
+            if transfer == "gather":  # every layout, page_head's per-head pieces included
+                assert pool.copy_engine.last_choice.engine == "gather"
             host_bytes = [b.clone() for b in pool.buffers]
             device.zero()
             for layer in range(pool.start_layer, pool.end_layer):
@@ -230,3 +233,83 @@ def test_a_gather_over_unregistered_host_memory_is_refused_before_any_launch():
     split = lambda address: address if address < 0x18000 else address + 0x100000  # noqa: E731 - two registrations
     with pytest.raises(TransferError, match="not one registered range"):
         _translate(split, 0x17000, 0x2000)
+
+
+def test_a_gather_checks_every_host_piece_against_the_ranges_registered_now():
+    """With both ends of a buffer registered but a hole between (a progressive pool part-way, a
+    range let go), the ends-only address check passes; the per-piece check refuses the piece in
+    the hole before any table reaches the device, and adjacent registrations count as one."""
+    from hicache.effects._copy._gather import check_registered
+
+    held = [(0x10000, 0x1000), (0x11000, 0x1000), (0x14000, 0x1000)]  # hole: [0x12000, 0x14000)
+    check_registered(torch.tensor([0x10000, 0x10800, 0x14F00]), torch.tensor([0x1800, 0x800, 0x100]), held)
+    check_registered(torch.tensor([0x13000]), torch.tensor([0]), held)  # an empty piece touches nothing
+    for address, size in ((0x12000, 8), (0x11F00, 0x200), (0x14F00, 0x101), (0xF000, 8)):
+        with pytest.raises(TransferError, match=f"{address:#x}.*not inside a registered range"):
+            check_registered(torch.tensor([0x10000, address]), torch.tensor([8, size]), held)
+    with pytest.raises(TransferError, match="0 held"):
+        check_registered(torch.tensor([0x10000]), torch.tensor([8]), [])
+    part = (torch.tensor([0, 64]), torch.tensor([0, 0x3000]), torch.tensor([64, 64]), 128, 0x50000, 0x10000)
+    moved = []
+    with pytest.raises(TransferError, match="0x13000"):
+        GatherCopy([part], torch.device("meta"), programs=2, host_side="src",
+                   host_pointer=lambda address: moved.append(address) or address, registered=held)
+    assert moved == []  # refused before any address was translated or table built
+    batch = GatherCopy([part], torch.device("meta"), programs=2, host_side="src", host_pointer=lambda a: a,
+                       registered=held + [(0x12000, 0x2000)])
+    assert batch.count == 2 and batch.tables[0].device.type == "meta"
+
+
+def _index_set(kind: str, pages: int, page: int, generator):
+    """Host-side page ids of one index set: random pages, a run, one page, the last page."""
+    if kind == "random":
+        return torch.randperm(pages, generator=generator)[:3]
+    if kind == "run":
+        return torch.arange(1, 4)
+    return torch.tensor([0 if kind == "one page" else pages - 1])
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(["layer_first", "page_first", "page_first_direct", "page_head"]),
+       dtype=st.sampled_from(["bfloat16", "float32", "uint8"]), head_num=st.sampled_from([1, 2, 3]),
+       head_dim=st.sampled_from([1, 3, 8]), page_size=st.sampled_from([1, 4]),
+       index_set=st.sampled_from(["random", "run", "one page", "last page"]), seed=st.integers(0, 2**16))
+def test_the_gather_puts_every_token_where_the_layout_says_both_ways(runner, layout, dtype, head_num, head_dim,
+                                                                       page_size, index_set, seed):
+    """The gather engine (Triton's interpreter or torch's index kernels) backs up and loads MHA
+    tokens of any row size and dtype: each (K/V, layer, token) host element is where the layout's
+    definition puts it (the oracle of test_pool_layout_oracle), every other host byte unchanged,
+    and a load brings back exactly the backed-up rows."""
+    device = MHADevicePool(size=8 * page_size, layer_num=2, head_num=head_num, head_dim=head_dim,
+                           page_size=page_size, dtype=getattr(torch, dtype))
+    device.randomize(seed)
+    engine = CopyEngine(transfer="gather", programs=3, gather_runner=_runner(runner))
+    pool = MHATokenToKVPoolHost(device, 2.0, 0, page_size, layout, False, "cpu", limits=LIMITS, machine=ROOMY,
+                                copy_engine=engine)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        host_pages = _index_set(index_set, pool.page_num, page_size, generator)
+        device_pages = torch.randperm(device.slots // page_size, generator=generator)[: host_pages.numel()]
+        spread = lambda pages: (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)  # noqa: E731
+        host_idx, device_idx = spread(host_pages), spread(device_pages)
+        pool.kv_buffer.view(torch.uint8).fill_(0xA5)
+        untouched = pool.kv_buffer.clone()
+        pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
+        assert engine.last_choice.engine == "gather"
+        for kv, buffers in ((0, device.k_buffer), (1, device.v_buffer)):
+            for layer in range(2):
+                for h, d in zip(host_idx.tolist(), device_idx.tolist()):
+                    got = mha_host_element(pool.kv_buffer, layout, kv, layer, h, page_size)
+                    assert torch.equal(got, buffers[layer][d])
+                    mha_host_element(untouched, layout, kv, layer, h, page_size).copy_(got)
+        assert torch.equal(pool.kv_buffer.view(torch.uint8), untouched.view(torch.uint8))  # nothing else written
+        want = [t.clone() for t in device.tensors()]
+        device.zero()
+        for layer in range(2):
+            pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "kernel")
+        for before, after in zip(want, device.tensors()):
+            assert torch.equal(before[device_idx], after[device_idx])
+            assert not after[~torch.isin(torch.arange(device.slots), device_idx)].view(torch.uint8).any()
+    finally:
+        pool.destroy()

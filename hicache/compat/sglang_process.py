@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 _ENVIRON = "sglang.srt.environ"
 _BASE = "sglang.srt.mem_cache.pool_host.base"
 _COMMON = "sglang.srt.mem_cache.pool_host.common"
+_RUNTIME = "sglang.srt.runtime_context"
 
 
 class SGLangProcess:
@@ -37,6 +38,20 @@ class SGLangProcess:
         torch.distributed with a pipeline group; otherwise it returns ``size``)."""
         sync = getattr(sys.modules.get(_BASE), "sync_fixed_hicache_size", None)
         return int(sync(size, host_size)) if sync is not None else size
+
+    def io_backend(self) -> str | None:
+        """``--hicache-io-backend`` as the server published it (SGLang's own `get_memory()`, read
+        as its pools read it to refuse a pair at construction), after its start-up rewrites
+        (page_first_direct + kernel becomes direct); None where nothing was published."""
+        context = sys.modules.get(_RUNTIME)
+        get_memory = getattr(context, "get_memory", None)
+        if get_memory is None:
+            return None
+        try:
+            backend = get_memory().hicache_io_backend
+        except (AttributeError, KeyError, ValueError):  # not published (a script, a test)
+            return None
+        return backend if isinstance(backend, str) else None
 
     def book_host_memory(self, nbytes: int) -> int | None:
         """Inside SGLang's `host_memory_budget_scope` (its auto-sizing, its tests): SGLang's own

@@ -158,7 +158,9 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         self._reserve()
         try:
             self._transfers = Transfers(self._host_view, self.geometry.streams, page_size=self.page_size,
-                                        host_slots=self.size, copy_engine=self.copy_engine, name=name)
+                                        host_slots=self.size, copy_engine=self.copy_engine, name=name,
+                                        ready_slots=None if self._readiness is None else self._ready_slots,
+                                        registered=self._registered_now)
             if self._pages is None and self.has_allocator:
                 self._pages = PageAllocator(self.page_num, self.logical_page_size)
         except BaseException:  # never leave a half-built pool holding pinned memory

@@ -19,7 +19,9 @@ from hicache.errors import LayoutError, TransferError
 from hicache.plan import size_pool
 from hicache.plan.checks import check_int, check_real
 from hicache.errors import PlanError
+from hicache.pools._server import server
 from hicache.pools._sglang_sizing import sglang_page_num
+from hicache.pools._transfer import check_backend
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +176,9 @@ def make_geometry(pool, form, view, sizing: Sizing, layout: str) -> PoolGeometry
     supported = pool.descriptor_class().supported()
     if layout not in supported:
         raise LayoutError(f"{owner}: layout {layout!r} is not supported; supported: {', '.join(supported)}")
+    backend = server().io_backend()
+    if backend is not None:  # a pair we cannot serve fails the server's start, not its first write-back
+        check_backend(backend, layout, supported, error=LayoutError, owner=owner)
     facts = (_described_facts if form.mapped_layers else lambda o, v, s: _pool_facts(o, pool, v, s))(owner, view, sizing)
     pool._adopt_facts(view, layout, facts)
     per_token = pool.get_size_per_token()

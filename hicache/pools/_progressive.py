@@ -143,6 +143,18 @@ class ProgressiveMixin:
         with self.lock:
             return self._readiness.ready
 
+    def _ready_slots(self) -> int:
+        """The host slots a transfer may touch now: those of the ready pages (they grow only,
+        so an unlocked read may refuse a page that just became ready, never admit one that is not)."""
+        readiness = self._readiness
+        ready = readiness.ready
+        return self.size if ready >= readiness.page_num else ready * (self.size // readiness.page_num)
+
+    def _registered_now(self) -> tuple:
+        """The ``(ptr, size)`` ranges this pool's handle holds registered now (none once released)."""
+        host = self._host
+        return () if host is None else host.registered_ranges()
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every page is registered (True), or ``timeout`` seconds (False); raise
         the `ApplyError` that stopped a background registration."""

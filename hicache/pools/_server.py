@@ -27,6 +27,11 @@ class NoServer:
         """``size`` after the server's pipeline-parallel group agreed on it (unchanged here)."""
         return size
 
+    def io_backend(self) -> str | None:
+        """The io backend the server will pass to every transfer (None: not known before the
+        first transfer names it)."""
+        return None
+
     def storage_allocator(self, name: str):
         """The allocator the server gives storage back end ``name`` (None: hicache's default)."""
         return None

@@ -16,21 +16,23 @@ from typing import NamedTuple
 
 from hicache.errors import TransferError
 from hicache.pools._blocks import (  # noqa: F401 - block_pattern: the tests reach it here
-    BlockPattern, _pattern, block_pattern, block_unit, copy_blocks, copy_tokens, extent_bytes,
+    BlockPattern, _pattern, block_pattern, block_unit, copy_blocks, copy_tokens, extent_bytes, strided_pieces,
 )
-from hicache.pools._indices import IndexMemo
+from hicache.pools._indices import IndexMemo, check_indices
 
 #: SGLang 0.5.23's io backends: both move the same bytes in every layout (sgl-kernel's `kernel` and
 #: `direct` ops differ only in how); which engine moves them is hicache.plan._transfer's table's
 IO_BACKENDS = ("direct", "kernel")
 
 
-def check_backend(io_backend, layout: str, supported_layouts) -> None:
-    """Refuse a backend/layout pair we do not implement, naming what is supported."""
+def check_backend(io_backend, layout: str, supported_layouts, *, error=TransferError, owner: str = "") -> None:
+    """Refuse a backend/layout pair we do not implement, naming what is supported (``error``:
+    a `LayoutError` when a pool is built, a `TransferError` at a transfer)."""
     if io_backend not in IO_BACKENDS or layout not in supported_layouts:
         pairs = ", ".join(f"{b}/{l}" for b in IO_BACKENDS for l in supported_layouts)
-        raise TransferError(
-            f"io_backend {io_backend!r} with layout {layout!r} is not supported; supported: {pairs} "
+        raise error(
+            f"{owner + ': ' if owner else ''}io_backend {io_backend!r} with layout {layout!r} is not supported; "
+            f"supported: {pairs} "
             "(--hicache-io-backend kernel or direct)"
         )
 
@@ -40,8 +42,9 @@ class Descriptors:
     is a block pattern (offsets) at a destination and a source base address: patterns are
     shared by every layer, so a layer costs no tensor arithmetic."""
 
-    def __init__(self, engine=None, *, direction: str | None = None) -> None:
+    def __init__(self, engine=None, *, direction: str | None = None, registered=None) -> None:
         self.engine = engine  # a CopyEngine; None: a default one when first needed
+        self.registered = registered  # () -> the host ranges registered now (a gather checks every piece)
         self.direction = direction  # "load" (host -> device) or "backup": the engine table's row
         self.parts: list[tuple] = []  # (pattern, dst base address, src base address)
         self.cuda = None  # the CUDA device when either side of a copy is on one
@@ -90,7 +93,7 @@ class Descriptors:
 
             self.engine = CopyEngine()
         parts = [(p.dst, p.src, p.sizes, p.total, dst_base, src_base) for p, dst_base, src_base in self.parts]
-        return self.engine.prepare_parts(parts, device=self.cuda, direction=self.direction)
+        return self.engine.prepare_parts(parts, device=self.cuda, direction=self.direction, registered=self.registered)
 
 
 class Link:
@@ -99,7 +102,7 @@ class Link:
     and shape, so a fresh batch costs a pattern lookup and one descriptor part per layer."""
 
     __slots__ = ("host_view", "device", "device_ptr", "device_shape", "dst", "src", "unit", "dst_step",
-                 "src_step", "dst_extent", "src_extent", "dst_ptr", "src_ptr", "whole_pages", "token_rows")
+                 "src_step", "dst_extent", "src_extent", "dst_ptr", "src_ptr", "whole_pages", "token_rows", "pieces")
 
     def fits(self, device) -> bool:
         return self.device is device and self.device_ptr == device.data_ptr() and self.device_shape == device.shape
@@ -143,7 +146,7 @@ def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool, s
     blocks = device if rows or not link.whole_pages else device.unflatten(0, (-1, page_size))
     link.dst, link.src = (host_view, blocks) if to_host else (blocks, host_view)
     link.unit = block_unit(link.dst, link.src)
-    link.token_rows = False
+    link.token_rows, link.pieces = False, None
     if link.unit is None and not rows and split_rows:  # a page is not one run (page_first: a token's layers are
         tokens = token_rows(host_view)  # together): copy token rows instead of indexing with torch
         if tokens is not None:
@@ -151,6 +154,8 @@ def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool, s
             unit = block_unit(dst, src)
             if unit is not None:
                 link.dst, link.src, link.unit, link.token_rows = dst, src, unit, True
+        if not link.token_rows:  # a token's row is several runs on the host (page_head): pieces of them
+            link.pieces = strided_pieces(host_view, device, page_size)
     link.dst_step = link.dst.stride(0) * link.dst.element_size() if link.dst.dim() else 0
     link.src_step = link.src.stride(0) * link.src.element_size() if link.src.dim() else 0
     link.dst_extent, link.src_extent = extent_bytes(link.dst), extent_bytes(link.src)
@@ -194,8 +199,11 @@ class Transfers:
     indices) live here and go with `forget`.
     """
 
-    def __init__(self, host_view, streams, *, page_size: int, host_slots: int, copy_engine, name: str) -> None:
+    def __init__(self, host_view, streams, *, page_size: int, host_slots: int, copy_engine, name: str,
+                 ready_slots=None, registered=None) -> None:
         self.host_view = host_view
+        self.ready_slots = ready_slots  # () -> the leading host slots registered now (a progressive pool)
+        self.registered = registered  # () -> the (ptr, size) ranges the pool's handle holds registered
         self.streams = list(streams)
         self.page_size = page_size
         self.host_slots = host_slots
@@ -216,9 +224,15 @@ class Transfers:
         streams = self.streams
         first = self._device(device_pool, streams[0], 0)
         device_slots = first.shape[0] * (self.page_size if streams[0].rows else 1)
-        checked = self.memo.check(
-            host_indices, device_indices, host_slots=self.host_slots, device_slots=device_slots, page_size=self.page_size
-        )
+        host_slots = self.host_slots if self.ready_slots is None else self.ready_slots()
+        try:
+            checked = self.memo.check(
+                host_indices, device_indices, host_slots=host_slots, device_slots=device_slots, page_size=self.page_size
+            )
+        except TransferError:
+            if host_slots < self.host_slots:
+                self._refuse_unready(host_indices, device_indices, host_slots, device_slots)
+            raise
         device_tensors = tuple(self._device(device_pool, stream, layer) for layer in layers for stream in streams)
         key = (to_host, tuple(layers), id(device_pool))
         ready = checked.ready.get(key)
@@ -229,6 +243,16 @@ class Transfers:
         ready = self._build(checked, layers, device_tensors, to_host=to_host)
         if ready is not None:
             checked.ready[key] = ready
+
+    def _refuse_unready(self, host_indices, device_indices, ready: int, device_slots: int) -> None:
+        """Indices valid in the whole pool but past its registered slots: say so (a GPU must
+        never read or write a range not yet registered; the DMA path would copy it unpinned)."""
+        hidx, _ = check_indices(host_indices, device_indices, host_slots=self.host_slots, device_slots=device_slots)
+        raise TransferError(
+            f"{self.name}: host slot {int(hidx.max())} is not registered yet (progressive registration: slots "
+            f"[0, {ready}) of {self.host_slots} are; pages come from alloc() only once ready, or wait_ready()); "
+            "nothing was copied"
+        )
 
     def _device(self, device_pool, stream, layer: int):
         """The device tensor of ``stream``'s ``layer``, or a TransferError naming what the device
@@ -283,7 +307,8 @@ class Transfers:
         went through torch indexing, which is not reusable)."""
         hidx, didx, hpages, dpages = checked.hidx, checked.didx, checked.hpages, checked.dpages
         patterns = checked.patterns
-        batch = Descriptors(self.copy_engine, direction="backup" if to_host else "load")  # issued together
+        batch = Descriptors(self.copy_engine, direction="backup" if to_host else "load",
+                            registered=self.registered)  # issued together
         later: list = []  # torch-indexing copies: run only once every part passed its checks
         reusable = True
         tensors = iter(device_tensors)
@@ -295,6 +320,12 @@ class Transfers:
                 if link.token_rows:  # one descriptor per token row (coalesced where rows are adjacent)
                     dst_ids, src_ids = (hidx, didx) if to_host else (didx, hidx)
                     reusable &= link.copy(dst_ids, src_ids, batch, patterns, where=where, later=later)
+                elif link.pieces is not None:  # each token's runs as descriptors (page_head)
+                    key = (id(hidx), id(didx), to_host, link.pieces.signature)
+                    pattern = patterns.get(key)
+                    if pattern is None:
+                        pattern = patterns[key] = link.pieces.pattern(hidx, didx, to_host=to_host)
+                    batch.add_checked(pattern, link, where)
                 elif stream.rows or (hpages is not None and dpages is not None and link.whole_pages):
                     if hpages is None or dpages is None:
                         raise TransferError(f"{self.name} moves whole pages: indices must be page-aligned runs")

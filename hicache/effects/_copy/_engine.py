@@ -99,7 +99,7 @@ class CopyEngine:
             total = int(sizes.sum()) if sizes.numel() else 0
         return PreparedCopy(self, [(dsts.contiguous(), srcs.contiguous(), sizes.contiguous(), total, 0, 0)], device)
 
-    def prepare_parts(self, parts, *, device=None, direction: str | None = None):
+    def prepare_parts(self, parts, *, device=None, direction: str | None = None, registered=None):
         """Like `prepare`, for parts ``(dst_offsets, src_offsets, sizes, total, dst_base,
         src_base)`` built by the caller (contiguous int64 CPU tensors, sizes >= 0 adding up to
         ``total``): each block goes from ``src_base + src_offsets[i]`` to ``dst_base + ...``.
@@ -107,7 +107,8 @@ class CopyEngine:
         ``direction`` ("load": the sources are host memory, "backup": the destinations are)
         lets the engine table (`hicache.plan.choose_engine`) pick the copy engine or the GPU's
         gather for this batch; without it the copy engine (or the host copy) runs it. The
-        result's ``choice`` says which and why."""
+        result's ``choice`` says which and why. ``registered``: a callable giving the ``(ptr,
+        size)`` host ranges registered now; a gather on a GPU refuses any host piece outside them."""
         if direction is None:
             return PreparedCopy(self, parts, device)
         total = sum([part[3] for part in parts])
@@ -119,7 +120,8 @@ class CopyEngine:
             return PreparedCopy(self, parts, device, choice=choice)
         host_pointer = None if device is None else self._host_pointer
         batch = GatherCopy(parts, device, programs=self.programs, host_side="src" if direction == "load" else "dst",
-                           host_pointer=host_pointer, runner=self.gather_runner)
+                           host_pointer=host_pointer, runner=self.gather_runner,
+                           registered=None if device is None or registered is None else registered())
         return PreparedGather(batch, choice, self, device)
 
     def _host_pointer(self, address: int) -> int:

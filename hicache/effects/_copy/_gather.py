@@ -63,10 +63,12 @@ class GatherCopy:
     total, dst_base, src_base)`` as `CopyEngine.prepare_parts` takes them; ``device``: the CUDA
     device, or None (host memory on both sides: the interpreter); ``host_side``: which side of
     every part is host memory on a GPU ("dst" for a backup, "src" for a load); ``host_pointer``:
-    host address -> the device's address of it (raises for an unregistered one)."""
+    host address -> the device's address of it (raises for an unregistered one); ``registered``:
+    the ``(ptr, size)`` host ranges the caller's handle holds registered now - every host piece
+    must lie inside them (a hole in the middle of a range whose ends are registered included)."""
 
     def __init__(self, parts, device, *, programs: int, host_side: str | None = None, host_pointer=None,
-                 runner: str = "auto") -> None:
+                 runner: str = "auto", registered=None) -> None:
         import torch
 
         if programs < 1:
@@ -78,6 +80,9 @@ class GatherCopy:
             if not total:
                 continue
             if device is not None and host_side is not None:
+                if registered is not None:
+                    host_offsets, host_base = (dst_offsets, dst_base) if host_side == "dst" else (src_offsets, src_base)
+                    check_registered(host_offsets + host_base, part_sizes, registered)
                 reach = int((part_sizes + (dst_offsets if host_side == "dst" else src_offsets)).max())
                 base = dst_base if host_side == "dst" else src_base
                 moved = _translate(host_pointer, base, reach)
@@ -113,6 +118,33 @@ class GatherCopy:
         _kernel(self.device is None)[grid](*self.tables, self.count, self.chunks, self.like,
                                           ROWS=ROWS, CHUNK=self.chunk)
         return "gather-triton" if self.device is not None else "gather-interpreted"
+
+
+def check_registered(addresses, sizes, registered) -> None:
+    """Every piece ``[addresses[i], + sizes[i])`` (int64 tensors) lies inside one of the
+    ``(ptr, size)`` ``registered`` ranges (adjacent ones merged: one device mapping on UVA);
+    a `TransferError` naming the first that does not - one vectorized pass per batch."""
+    import torch
+
+    merged: list[list[int]] = []
+    for ptr, size in sorted(registered):
+        if merged and merged[-1][1] >= ptr:
+            merged[-1][1] = max(merged[-1][1], ptr + size)
+        else:
+            merged.append([ptr, ptr + size])
+    if not merged:
+        outside = torch.ones_like(addresses, dtype=torch.bool)
+    else:
+        bounds = torch.tensor(merged, dtype=torch.int64)
+        at = torch.searchsorted(bounds[:, 0].contiguous(), addresses, right=True) - 1
+        ends = bounds[at.clamp(min=0), 1]
+        outside = (at < 0) | (addresses + sizes > ends)
+    outside &= sizes > 0
+    if bool(outside.any()):
+        first = int(outside.nonzero()[0, 0])
+        raise TransferError(
+            f"host piece [{int(addresses[first]):#x}, +{int(sizes[first])}) is not inside a registered range "
+            f"({len(merged)} held, merged); the GPU cannot read or write it, nothing was copied")
 
 
 def _translate(host_pointer, base: int, reach: int) -> int:
