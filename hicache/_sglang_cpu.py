@@ -218,9 +218,79 @@ def transfer_kv_all_layer_lf_pf(*, src_k_layers, dst_k, src_v_layers, dst_v, src
                                         item_size=item_size, dst_layout_dim=dst_layout_dim, num_layers=num_layers)
 
 
+def _head_items(what: str, host, device, host_indices, device_indices, *, item_size: int, layout_dim: int,
+                layer: int, page_size: int, head_num: int, to_host: bool) -> None:
+    """page_head's copies, head by head: item ``id`` of layer ``l``, head ``h`` at ``base + id // P * P * ld
+    + ld // H * h * P + id % P * ld // H + l * item // H`` in the host buffer and ``base + id * item + h *
+    item // H`` in the layer_first one (``host``/``device``: (address, room or None)), ``item // H``
+    bytes each (whole words)."""
+    import ctypes
+
+    if item_size % head_num or (item_size // head_num) % 8 or layout_dim % head_num:
+        raise ValueError(f"{what}: item_size {item_size} and layout_dim {layout_dim} must split into {head_num} "
+                         "heads of whole 8-byte words")
+    if host_indices.numel() != device_indices.numel():
+        raise ValueError(f"{what}: index counts differ")
+    piece, head_dim = item_size // head_num, layout_dim // head_num
+    for h, d in zip(host_indices.tolist(), device_indices.tolist()):
+        for head in range(head_num):
+            at_host = h // page_size * page_size * layout_dim + head_dim * head * page_size + h % page_size * head_dim \
+                + layer * piece
+            at_device = d * item_size + head * piece
+            for (_, room), at in ((host, at_host), (device, at_device)):
+                if at < 0 or (room is not None and at + piece > room):
+                    raise IndexError(f"{what}: item at byte {at} is outside its {room}-byte buffer")
+            dst, src = (host[0] + at_host, device[0] + at_device) if to_host else (device[0] + at_device, host[0] + at_host)
+            ctypes.memmove(dst, src, piece)
+
+
+def transfer_kv_per_layer_ph_lf(*, src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
+                                src_layout_dim, page_size, head_num):
+    """Layer ``layer_id`` of page_head K and V buffers to layer_first ones, head by head."""
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        _head_items("transfer_kv_per_layer_ph_lf", _base(src), _base(dst), src_indices, dst_indices,
+                    item_size=item_size, layout_dim=src_layout_dim, layer=layer_id, page_size=page_size,
+                    head_num=head_num, to_host=False)
+
+
+def transfer_kv_all_layer_lf_ph(*, src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
+                                dst_layout_dim, num_layers, page_size, head_num):
+    """Every layer through pointer tables into page_head K and V buffers, head by head."""
+    for table, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
+        if table.numel() != num_layers:
+            raise ValueError(f"transfer_kv_all_layer_lf_ph: a table of {table.numel()} layers, num_layers {num_layers}")
+        for layer in range(num_layers):
+            _head_items("transfer_kv_all_layer_lf_ph", _base(dst), _base(table, layer), dst_indices, src_indices,
+                        item_size=item_size, layout_dim=dst_layout_dim, layer=layer, page_size=page_size,
+                        head_num=head_num, to_host=True)
+
+
+def _mamba_item(what: str, item_size: int) -> None:
+    if item_size % 16:
+        raise ValueError(f"{what}: item_size {item_size} must be a multiple of 16 (the JIT kernel's vector)")
+
+
+def transfer_kv_mamba_pf_lf(*, src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim):
+    """SGLang's Mamba JIT load: ``src + id * ld + l * item -> dst + id * item``."""
+    _mamba_item("transfer_kv_mamba_pf_lf", item_size)
+    _items("transfer_kv_mamba_pf_lf", _base(dst), item_size, 0, _base(src), src_layout_dim, layer_id * item_size,
+           dst_indices, src_indices, item_size)
+
+
+def transfer_kv_mamba_lf_pf(*, src_ptrs, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers):
+    """SGLang's Mamba JIT backup: ``ptrs[l] + id * item -> dst + id * ld + l * item``."""
+    _mamba_item("transfer_kv_mamba_lf_pf", item_size)
+    if src_ptrs.numel() != num_layers:
+        raise ValueError(f"transfer_kv_mamba_lf_pf: a table of {src_ptrs.numel()} layers, num_layers {num_layers}")
+    for layer in range(num_layers):
+        _items("transfer_kv_mamba_lf_pf", _base(dst), dst_layout_dim, layer * item_size, _base(src_ptrs, layer),
+               item_size, 0, dst_indices, src_indices, item_size)
+
+
 _KERNEL_OPS = (transfer_kv_per_layer, transfer_kv_all_layer, transfer_kv_per_layer_mla, transfer_kv_all_layer_mla,
                transfer_kv_per_layer_pf_lf, transfer_kv_all_layer_lf_pf, transfer_kv_per_layer_mla_pf_lf,
-               transfer_kv_all_layer_mla_lf_pf)
+               transfer_kv_all_layer_mla_lf_pf, transfer_kv_per_layer_ph_lf, transfer_kv_all_layer_lf_ph,
+               transfer_kv_mamba_pf_lf, transfer_kv_mamba_lf_pf)
 
 
 _TRANSFERS = {f.__name__: f for f in (transfer_kv_direct, transfer_kv_per_layer_direct_pf_lf,
@@ -229,8 +299,8 @@ _TRANSFERS = {f.__name__: f for f in (transfer_kv_direct, transfer_kv_per_layer_
 
 def bind_transfers() -> tuple[str, ...]:
     """Give SGLang's MHA, MLA, Mamba, DSA and DeepSeek-V4 host-pool modules the direct-backend copies and the
-    kernel-backend ops (not page_head's or Mamba's JIT ones) where they have none (off CUDA); a real sgl-kernel
-    binding is left alone. Returns what was bound."""
+    kernel-backend ops (page_head's and Mamba's JIT ones included) where they have none (off CUDA); a real
+    sgl-kernel binding is left alone. Returns what was bound."""
     import importlib
     import warnings
 

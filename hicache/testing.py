@@ -372,9 +372,10 @@ def fake_cuda(**faults):
 def sglang_on_cpu(*, transfers: bool = True) -> bool:
     """Let SGLang's real code (0.5.23) import and copy on a CPU box: installs a `torchvision`
     stand-in (see hicache/_sglang_cpu.py) unless a working torchvision imports, and - with
-    ``transfers`` and SGLang installed - gives its MHA and MLA host pools CPU versions of
-    sgl-kernel's ``io_backend="direct"`` copies (bound there only on CUDA), so SGLang's own
-    backup/load paths run. Idempotent; returns True when the torchvision stand-in is in place.
+    ``transfers`` and SGLang installed - gives its MHA, MLA, Mamba, DSA and DeepSeek-V4 host
+    pools CPU versions of sgl-kernel's ``io_backend="direct"`` copies and of its ``kernel``
+    backend's kvcacheio ops (page_head's and Mamba's JIT ones included; bound there only on
+    CUDA), so SGLang's own backup/load paths run with either backend. Idempotent; returns True when the torchvision stand-in is in place.
     With `fake_cuda()` around the code under test, SGLang's pools then build and run on CPU with
     hicache's plug-in loaded (its registration goes through the fake)."""
     from hicache import _sglang_cpu

@@ -458,12 +458,14 @@ def test_k_only_pool_beside_its_anchor_matches(sglang, layout):
         assert fake.held() == set()
 
 
+@pytest.mark.parametrize("backend", ["direct", "kernel"])
 @pytest.mark.parametrize("drafts", [0, 1])
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_mamba_pool_from_its_state_description_matches(sglang, layout, drafts):
+def test_mamba_pool_from_its_state_description_matches(sglang, layout, drafts, backend):
     """`MambaPoolHost(MambaStateBufferInfo, ratio, size, *, device_capacity, layout,
-    mtp_draft_buffer_infos)`: sizes, buffers, raw-byte pages, zero-copy meta and the direct
-    transfers of every layer (drafts included) as SGLang's."""
+    mtp_draft_buffer_infos)`: sizes, buffers, raw-byte pages, zero-copy meta and the transfers
+    of every layer (drafts included) as SGLang's, with either io backend (``kernel``: SGLang's
+    pool runs its Mamba JIT ops, their CPU versions here)."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost as Theirs
@@ -498,7 +500,7 @@ def test_mamba_pool_from_its_state_description_matches(sglang, layout, drafts):
                       *info.conv[0].unbind(0), *[d.conv[0][0] for d in draft_infos]]
             rows_d, rows_h = torch.tensor([1, 4, 6]), torch.tensor([9, 2, 16])
             for pool in (theirs, ours):
-                pool.backup_from_device_all_layer(None, rows_h, rows_d, "direct")
+                pool.backup_from_device_all_layer(None, rows_h, rows_d, backend)
             for a, b in zip(theirs.get_hybrid_pool_buffer(), ours.get_hybrid_pool_buffer()):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for index in (2, torch.tensor(9)):
@@ -520,7 +522,7 @@ def test_mamba_pool_from_its_state_description_matches(sglang, layout, drafts):
                 for layer in layers:
                     layer.zero_()
                 for layer_id in range(2 + drafts):
-                    pool.load_to_device_per_layer(None, rows_h, rows_d, layer_id, "direct", is_draft=layer_id >= 2)
+                    pool.load_to_device_per_layer(None, rows_h, rows_d, layer_id, backend, is_draft=layer_id >= 2)
                 assert all(torch.equal(layer[rows_d], w) for layer, w in zip(layers, want)), type(pool).__module__
         finally:
             ours.destroy()

@@ -48,6 +48,8 @@ def _host_rows(host, kind: str, layout: str, j: int, indices):
         return kv[layer][indices]
     if layout == "page_first":  # [token, layer, ...]
         return kv[indices, layer]
+    if layout == "page_head":  # [page, head, token, layer, dim]
+        return kv[indices // PAGE, :, indices % PAGE, layer]
     return kv[indices // PAGE, layer, indices % PAGE]  # page_first_direct: [page, layer, token, ...]
 
 
@@ -107,9 +109,10 @@ def _assembled_host(monkeypatch, pools: str, kind: str, layout: str, backend: st
 
 
 @pytest.mark.parametrize("pools", ["sglang", "hicache"])
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-@pytest.mark.parametrize("layout, backend", [("layer_first", "direct"), ("page_first_direct", "direct"),
-                                             ("page_first", "kernel"), ("layer_first", "kernel")])
+@pytest.mark.parametrize("kind, layout, backend", [
+    (kind, layout, backend) for kind in ("mha", "mla") for layout, backend in (
+        ("layer_first", "direct"), ("page_first_direct", "direct"), ("page_first", "kernel"), ("layer_first", "kernel"))
+] + [("mha", "page_head", "kernel")])
 def test_sglangs_controller_round_trips_pages_byte_exact_over_a_plugged_pool(sglang, monkeypatch, roomy_psutil,
                                                                             kind, layout, backend, pools):
     """pools="sglang": SGLang's own pool classes (hicache registers their buffers);

@@ -244,7 +244,7 @@ def transfer_check(env) -> Check:
         f"{layout} load {choose_engine('load', piece, on_gpu=True, setting=setting).engine}, backup "
         f"{choose_engine('backup', piece, on_gpu=True, setting=setting).engine}" for layout, piece in pieces.items())
     how = f"Triton, {programs} programs at most" if triton else "torch's index kernels (Triton is not installed)"
-    detail = f"HICACHE_TRANSFER={setting}: {picks}; the gather runs through {how}; page_head through torch indexing"
+    detail = f"HICACHE_TRANSFER={setting}: {picks}; the gather runs through {how} (page_head: a piece per head, by the same rules)"
     return Check("transfer", "pass", detail)
 
 
