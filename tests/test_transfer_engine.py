@@ -313,3 +313,72 @@ def test_the_gather_puts_every_token_where_the_layout_says_both_ways(runner, lay
             assert not after[~torch.isin(torch.arange(device.slots), device_idx)].view(torch.uint8).any()
     finally:
         pool.destroy()
+
+
+class _HeldCopy:
+    """A prepared copy whose run() records its start, waits until released, runs, records its end."""
+
+    def __init__(self, prepared, log: list, started, go) -> None:
+        self.prepared, self.log, self.started, self.go = prepared, log, started, go
+        self.total, self.choice = prepared.total, prepared.choice
+
+    def run(self):
+        self.log.append("copy-start")
+        self.started.set()
+        assert self.go.wait(60), "the test never let the copy go"
+        result = self.prepared.run()
+        self.log.append("copy-end")
+        return result
+
+
+@pytest.mark.concurrency
+@pytest.mark.parametrize("transfer", ["gather", "auto"])
+def test_destroy_waits_for_a_copy_in_flight_and_no_transfer_starts_after(transfer):
+    """destroy() called while a transfer's copy runs on another thread lets nothing go before
+    that copy ends (the order proved from events: copy-start, destroy waiting, copy-end, release);
+    a transfer after destroy() - or one starting while it waits - is refused and launches nothing."""
+    import threading
+
+    from hicache.errors import RegistrationStateError
+
+    log: list = []
+    started, go = threading.Event(), threading.Event()
+
+    class Holding(CopyEngine):
+        def prepare_parts(self, parts, **kw):
+            return _HeldCopy(super().prepare_parts(parts, **kw), log, started, go)
+
+    pool, device = make("mha", "page_first", copy_engine=Holding(transfer=transfer, programs=2))
+    device.randomize(4)
+    host_idx = _slots(pool, 2)
+    device_idx = torch.arange(2 * pool.page_size)
+    handle = pool._host
+    release = handle.release
+
+    def logged_release():
+        log.append("release")
+        return release()
+
+    handle.release = logged_release
+    copier = threading.Thread(target=pool.backup_from_device_all_layer, args=(device, host_idx, device_idx, "kernel"))
+    copier.start()
+    assert started.wait(60)
+    destroyer = threading.Thread(target=pool.destroy)
+    destroyer.start()
+    try:
+        for _ in range(6000):  # until destroy() waits on the copy (its flag: events, not seconds)
+            if pool._closing:
+                break
+            threading.Event().wait(0.01)
+        assert pool._closing and log == ["copy-start"]
+        with pytest.raises(RegistrationStateError, match="being destroyed"):
+            pool.load_to_device_per_layer(device, host_idx, device_idx, 0, "kernel")
+    finally:
+        go.set()
+    copier.join(60)
+    destroyer.join(60)
+    assert not copier.is_alive() and not destroyer.is_alive()
+    assert log == ["copy-start", "copy-end", "release"]
+    with pytest.raises(RegistrationStateError, match="destroyed"):
+        pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
+    assert log == ["copy-start", "copy-end", "release"]

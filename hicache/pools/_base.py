@@ -136,6 +136,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         self.runtime = self.host_setup.runtime
         self.ledger = self.host_setup.ledger  # None: the process ledger (what CUDA holds for this process)
         self.lock = threading.RLock()
+        self._copy_gate, self._copies, self._closing = threading.Condition(), 0, False  # transfers in flight
         self.registration = None
         self.kv_buffer = None
         self._destroyed = False
@@ -362,6 +363,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
             if self._destroyed:
                 return
             self._close_pages()  # the page path checks the pool's state again from here on
+            self._drain_copies()  # no launch may follow the release below
             self._wait_for_device_copies()
             try:
                 if host is not None:

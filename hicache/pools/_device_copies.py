@@ -41,7 +41,29 @@ class DeviceCopiesMixin:
         return layer_token_view(tensor, self.descriptor.family, self.layout, layer, stream.kv, self.page_size)
 
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
-        self._alive()
+        with self._copy_gate:  # counted in flight, so destroy() waits for it before letting memory go
+            self._alive()
+            if self._closing:
+                raise RegistrationStateError(f"{type(self).__name__} is being destroyed: no new transfer starts")
+            self._copies += 1
+        try:
+            self._transfer_now(device_pool, host_indices, device_indices, layers, io_backend, to_host=to_host)
+        finally:
+            with self._copy_gate:
+                self._copies -= 1
+                if not self._copies:
+                    self._copy_gate.notify_all()
+
+    def _drain_copies(self) -> None:
+        """Refuse new transfers and wait for those in flight: a host copy still running, or a
+        launch about to enqueue work on memory about to be unregistered (interruptible; a
+        second destroy() waits again)."""
+        with self._copy_gate:
+            self._closing = True
+            while self._copies:
+                self._copy_gate.wait(0.1)
+
+    def _transfer_now(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
         if self._transfers is None:
             raise RegistrationStateError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no memory to copy")
         if io_backend not in ("direct", "kernel"):  # the layout was checked when the pool was built
