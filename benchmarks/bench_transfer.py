@@ -1,6 +1,6 @@
 """CPU page transfers (backup all layers, load per layer) vs a plain copy of the same bytes.
 
-Layouts page_first_direct, layer_first and page_first (token rows); random host and device page sets (the hard case:
+Layouts page_first_direct, layer_first, page_first (token rows) and page_head (a piece per head); random host and device page sets (the hard case:
 nothing coalesces). Target: >= 0.7 of the plain copy for pages of 64 tokens and more.
 The plain copy (torch's copy_ of one contiguous tensor) and the transfers are timed in
 interleaved rounds (HICACHE_BENCH_ROUNDS, 7); each line gives medians and the per-round range,
@@ -8,7 +8,8 @@ so drift on a shared machine hits all of them alike. Two reference lines put the
 context: the same bytes as one block through hicache's own host copy (non-temporal stores,
 which the plain copy does not use), and, for 64-token pages, the transfers on the ctypes
 memmove fallback (what an install without a C compiler gets) and through the GPU gather engine's
-torch runner (its index kernels on CPU, issue #52). Last, the per-layer call
+torch runner (its index kernels on CPU, issue #52; page_head's memmove-fallback rows are also its
+torch-indexing path before issue #52, which moves a piece per head now). Last, the per-layer call
 overhead with the copy itself stubbed out, against a plain copy of one layer's bytes.
 """
 
@@ -34,7 +35,7 @@ from hicache.testing import MHADevicePool  # noqa: E402
 
 LAYERS, HEADS, DIM = 8, 8, 128
 MOVED_PAGES = 256
-LAYOUTS = ("page_first_direct", "layer_first", "page_first")
+LAYOUTS = ("page_first_direct", "layer_first", "page_first", "page_head")
 
 
 class StubEngine(CopyEngine):
@@ -65,8 +66,9 @@ def bench_page_size(page_size: int, rounds: int) -> None:
         pool = make_pool(device, page_size, layout)
         slow = make_pool(device, page_size, layout, copy_engine=CopyEngine(host_copy_mode="python")) if page_size == 64 else None
         # the GPU engine's code on CPU: its torch runner (interpreter-free), so a CPU regression shows
+        # (not page_head: its torch runner indexes every word - 7 GB and 10 s a batch here; on a GPU Triton runs it)
         gather = make_pool(device, page_size, layout, copy_engine=CopyEngine(transfer="gather", gather_runner="torch")) \
-            if page_size == 64 else None
+            if page_size == 64 and layout != "page_head" else None
         slots = pool.alloc(device_idx.numel())
         host_idx = slots.view(-1, page_size)[torch.randperm(MOVED_PAGES, generator=generator)].reshape(-1)
 

@@ -71,7 +71,8 @@ def limits_for(draw, unit: int, *, pages=powers_of_two):
     os_page = draw(pages)
     hugepage = draw(st.none() | st.integers(0, 3).map(lambda k: os_page * 2**k))
     chunk = unit * draw(st.integers(1, 4)) + draw(st.integers(0, unit - 1))
-    return Limits(chunk_limit_bytes=chunk, os_page_bytes=os_page, hugepage_bytes=hugepage)
+    call_cap = draw(st.none() | st.integers(unit, 2 * chunk))  # issue #53's cap: the smallest, or not
+    return Limits(chunk_limit_bytes=chunk, os_page_bytes=os_page, hugepage_bytes=hugepage, call_cap_bytes=call_cap)
 
 
 @st.composite

@@ -6,6 +6,7 @@ import json
 import math
 
 import attrs
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -131,3 +132,38 @@ def test_replan_keeps_the_done_part_and_stays_on_copy_units(inputs, data):
     assert all(item.size <= failed.size // 2 for item in retry.ranges[index:])
     assert all(r.end % unit == 0 for r in retry.ranges[:-1])
     assert all(r.end % retry.alignment_bytes == 0 for r in retry.ranges[index:-1])
+
+
+def test_the_call_cap_is_four_gib_by_default_named_with_its_source_and_splits_a_pool():
+    """Resolved with nothing set, the call cap is 4 GiB from "default" and decides the step of a
+    37.5 GiB pool (>= 9 calls, every call <= 4 GiB and on copy units); HICACHE_CALL_CAP and the
+    flag override it (the flag wins), "none" drops it, and a bad value names the variable."""
+    from hicache.errors import EnvError
+    from hicache.plan import resolve_limits
+
+    resolved = resolve_limits()
+    assert resolved.limits.call_cap_bytes == 4 * 2**30 and resolved.sources["call_cap"] == "default"
+    assert resolved.limits.binding_caps() == ("call_cap",)
+    unit = 10 * 2**20  # a 64-token page of a 70B model's page_first_direct pool
+    total = 3840 * unit  # 37.5 GiB
+    plan = plan_registration(total, granularity_bytes=unit, limits=resolved.limits)
+    assert plan.call_count >= 9 and plan.largest_call_bytes <= 4 * 2**30
+    assert all(r.end % unit == 0 for r in plan.ranges[:-1])
+    assert_plan_laws(plan, total, unit, resolved.limits)
+    from_env = resolve_limits(env={"HICACHE_CALL_CAP": "2GiB"})
+    assert (from_env.limits.call_cap_bytes, from_env.sources["call_cap"]) == (2 * 2**30, "HICACHE_CALL_CAP")
+    flag = resolve_limits(env={"HICACHE_CALL_CAP": "2GiB"}, call_cap_bytes=2**30)
+    assert (flag.limits.call_cap_bytes, flag.sources["call_cap"]) == (2**30, "--call-cap")
+    none = resolve_limits(env={"HICACHE_CALL_CAP": "none"})
+    assert none.limits.call_cap_bytes is None and "call_cap" not in none.limits.caps()
+    assert plan_registration(total, granularity_bytes=unit, limits=none.limits).call_count == 1
+    assert resolve_limits(call_cap_bytes="none").limits.call_cap_bytes is None
+    with pytest.raises(EnvError, match="HICACHE_CALL_CAP"):
+        resolve_limits(env={"HICACHE_CALL_CAP": "1_0"})
+
+
+def test_the_call_cap_is_a_choice_not_the_machines_cap():
+    """A call cap below the driver's and kernel's caps never lowers `hard_cap_bytes` (what a
+    saved plan is checked against on the target machine)."""
+    limits = Limits(chunk_limit_bytes=64 * 2**30, call_cap_bytes=2**30, kernel_cap_bytes=2**31 - 2**21)
+    assert limits.effective_cap_bytes == 2**30 and limits.hard_cap_bytes == 2**31 - 2**21

@@ -636,3 +636,34 @@ def test_sglangs_numbers_of_any_real_type_are_read_and_others_named():
         MHATokenToKVPoolHost(device, 2.0, "2", P, "layer_first", False, "cpu", limits=LIMITS, machine=ROOMY)
     with pytest.raises(TypeError, match=r"dims must be integers, got \(2.5, 1024\)"):
         compat.alloc_with_host_register((2.5, 1024), torch.uint8, "cpu", False, compat.HostTensorAllocator())
+
+
+def _mapped(ptr: int) -> bool:
+    """Some mapping of this process covers ``ptr`` (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            if low <= ptr < high:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("name, layout", [("mha", "page_first"), ("mla", "layer_first"), ("mamba", "page_first")])
+def test_destroy_unmaps_the_memory_at_once_while_the_pool_object_lives_on(name, layout):
+    """destroy() returns the pool's memory to the system before it returns, even while the pool
+    object itself is still referenced and the garbage collector has not run (a kept view of the
+    buffers once deferred the unmap to the pool's death: 4.3 GB per pool stayed resident)."""
+    import gc
+
+    gc.disable()
+    try:
+        pool, device = make(name, layout)
+        device.randomize(1)
+        host_idx = _slots(pool, 2)
+        pool.backup_from_device_all_layer(device, host_idx, torch.arange(host_idx.numel()), "direct")
+        ptrs = [b.data_ptr() for b in pool.buffers]
+        assert all(_mapped(p) for p in ptrs)
+        pool.destroy()
+        assert not any(_mapped(p) for p in ptrs)
+    finally:
+        gc.enable()

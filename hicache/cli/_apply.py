@@ -156,7 +156,7 @@ _PLAN_ARGUMENTS = (
     ("--tp", "tp", None), ("--page-size", "page_size", None), ("--layout", "layout", None),
     ("--kv-dtype", "kv_dtype", None), ("--mamba-slots", "mamba_slots", str(CAPACITY_DEFAULTS["mamba_slots"])),
     ("--host-gb", "host_gb", None), ("--ratio", "ratio", None), ("--device-tokens", "device_tokens", None),
-    ("--chunk-limit", "chunk_limit", None), ("--kernel-release", "kernel_release", None),
+    ("--chunk-limit", "chunk_limit", None), ("--call-cap", "call_cap", None), ("--kernel-release", "kernel_release", None),
     ("--hugepage-size", "hugepage_size", None),
 )
 

@@ -34,6 +34,8 @@ def _limits(c: Context) -> Check:
              f"driver ceiling {format_bytes(limits.hard_ceiling_bytes)} ({sources['driver_ceiling']})"]
     cap = limits.kernel_cap_bytes
     parts.append(f"kernel cap {format_bytes(cap) if cap else 'none'} ({sources['kernel_cap']})")
+    call = limits.call_cap_bytes
+    parts.append(f"call cap {format_bytes(call) if call else 'none'} ({sources.get('call_cap', 'default')})")
     if limits.hugepage_bytes:
         parts.append(f"hugepage {format_bytes(limits.hugepage_bytes)} ({sources['hugepage']})")
     finding = "this machine plans with " + ", ".join(parts)

@@ -13,6 +13,7 @@ import os
 from hicache.cli._common import CONFIG_LIMIT_BYTES, CliError, positive_decimal, positive_int, read_json_file, size
 from hicache.errors import LayoutError
 from hicache.plan._env import BY_NAME, size_in_range
+from hicache.plan._limits import DEFAULT_CALL_CAP_BYTES
 from hicache.plan import (
     CAPACITY_DEFAULTS,
     DEFAULT_CHUNK_LIMIT_BYTES,
@@ -86,6 +87,8 @@ def _defaults_used(args, sources: dict) -> tuple[str, ...]:
             used.append(f"{flag} {CAPACITY_DEFAULTS[key]}")
     if sources.get("chunk_limit") == "default":
         used.append(f"--chunk-limit {DEFAULT_CHUNK_LIMIT_BYTES // 2**30}GiB")
+    if sources.get("call_cap") == "default":
+        used.append(f"--call-cap {DEFAULT_CALL_CAP_BYTES // 2**30}GiB")
     if args.host_gb is None and args.ratio is None:
         used.append(f"--host-gb {CAPACITY_DEFAULTS['host_gb']}")
     return tuple(used)
@@ -97,6 +100,9 @@ def limits_from_args(args, *, env=None, machine_kernel_release: str | None = Non
         raise CliError("bad-kernel-release", f"--kernel-release {args.kernel_release!r} is not a Linux release",
                        "e.g. --kernel-release 6.12, or what `uname -r` prints on the target machine")
     chunk = size(args.chunk_limit, "--chunk-limit") if args.chunk_limit else None
+    call_cap = getattr(args, "call_cap", None)
+    if call_cap:
+        call_cap = "none" if call_cap.strip().lower() == "none" else size(call_cap, "--call-cap", minimum=4096)
     hugepage = size(args.hugepage_size, "--hugepage-size") if args.hugepage_size else None
     if hugepage is not None and not size_in_range("HICACHE_HUGEPAGE_SIZE", hugepage):
         raise CliError("bad-size", f"--hugepage-size {args.hugepage_size} must be "
@@ -106,10 +112,11 @@ def limits_from_args(args, *, env=None, machine_kernel_release: str | None = Non
         return resolve_limits(
             env=os.environ if env is None else env, chunk_limit_bytes=chunk,
             kernel_release=args.kernel_release or None, hugepage_bytes=hugepage,
-            machine_kernel_release=machine_kernel_release, os_page_bytes=os_page_bytes,
+            machine_kernel_release=machine_kernel_release, os_page_bytes=os_page_bytes, call_cap_bytes=call_cap or None,
         )
     except EnvError as error:
-        raise CliError("bad-limits", str(error), "check --chunk-limit, --hugepage-size and the HICACHE_* variables") from None
+        raise CliError("bad-limits", str(error),
+                       "check --chunk-limit, --call-cap, --hugepage-size and the HICACHE_* variables") from None
 
 
 def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPlan, tuple[str, ...], dict]:
@@ -178,6 +185,7 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
 
 _CAP_FIXES = {
     "chunk_limit": "raise --chunk-limit (or HICACHE_REGISTER_CHUNK)",
+    "call_cap": "raise --call-cap (or HICACHE_CALL_CAP; none drops it, and registration waits for the whole pre-fault)",
     "kernel_cap": "the kernel cap decides the call size: raise or unset HICACHE_KERNEL_PIN_CAP (or check --kernel-release)",
     "driver_ceiling": "the driver ceiling decides the call size: raise or unset HICACHE_DRIVER_CEILING",
 }
@@ -228,8 +236,11 @@ def add_plan_arguments(parser, *, budget_title: str = "budget (plan never reads 
                             help=f"host pool per rank in decimal GB, as SGLang's --hicache-size (default {CAPACITY_DEFAULTS['host_gb']})")
     size_group.add_argument("--ratio", "--hicache-ratio", dest="ratio", help="host-to-device ratio; needs --device-tokens")
     size_group.add_argument("--device-tokens", help="tokens of the device KV pool")
-    caps = parser.add_argument_group("registration caps (a flag beats HICACHE_REGISTER_CHUNK / HICACHE_KERNEL_PIN_CAP / HICACHE_HUGEPAGE_SIZE)")
+    caps = parser.add_argument_group("registration caps (a flag beats HICACHE_REGISTER_CHUNK / HICACHE_CALL_CAP / "
+                                     "HICACHE_KERNEL_PIN_CAP / HICACHE_HUGEPAGE_SIZE)")
     caps.add_argument("--chunk-limit", help="largest cudaHostRegister call (default: HICACHE_REGISTER_CHUNK, else 64GiB)")
+    caps.add_argument("--call-cap", help="largest call so registration overlaps the pre-fault and holds the driver at "
+                                         "most the stall budget (default: HICACHE_CALL_CAP, else 4GiB; none: no such cap)")
     caps.add_argument("--kernel-release", help="apply the per-pin cap of this Linux release (6.11-6.13)")
     caps.add_argument("--hugepage-size", help="hugetlbfs page size of the pool (e.g. 2MiB, 1GiB)")
     budget = parser.add_argument_group(budget_title)

@@ -14,7 +14,9 @@ _CAP_WHY = {
     "chunk_limit": "chunk limit",
     "driver_ceiling": "driver ceiling (r580+ refuse a call of 512 GiB or more)",
     "kernel_cap": "kernel cap (Linux 6.11-6.13: ~2 GB a call)",
+    "call_cap": "call cap (registration overlaps the pre-fault; a call holds the driver <= the stall budget)",
 }
+_UNSET_HOW = {"kernel_cap": "set by --kernel-release / HICACHE_KERNEL_PIN_CAP", "call_cap": "set by --call-cap / HICACHE_CALL_CAP"}
 
 
 def render_json(plan: CapacityPlan, sources: dict | None = None) -> str:
@@ -85,7 +87,7 @@ def _caps_lines(plan: CapacityPlan, sources: dict | None = None) -> list[str]:
     sources = sources or {}
     lines = []
     caps = plan.limits.caps()
-    for name in ("chunk_limit", "driver_ceiling", "kernel_cap"):
+    for name in ("chunk_limit", "call_cap", "driver_ceiling", "kernel_cap"):
         source = sources.get(name)
         if name in caps:
             mark = "  <- decides" if name in binding else ""
@@ -93,7 +95,7 @@ def _caps_lines(plan: CapacityPlan, sources: dict | None = None) -> list[str]:
             lines.append(f"{format_bytes(caps[name]):>10}  {_CAP_WHY[name]}{origin}{mark}")
         else:
             origin = f" (from {source})" if source and source != "not checked" else ""
-            lines.append(f"{'not set':>10}  {_CAP_WHY[name]}{origin}; set by --kernel-release / HICACHE_KERNEL_PIN_CAP")
+            lines.append(f"{'not set':>10}  {_CAP_WHY[name]}{origin}; {_UNSET_HOW[name]}")
     return lines
 
 

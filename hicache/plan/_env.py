@@ -88,6 +88,10 @@ SETTINGS = (
     Setting("HICACHE_REGISTER_CHUNK", "size", "64 GiB", _ALL,
             "largest cudaHostRegister call (a flag such as --chunk-limit wins)",
             minimum=4096),
+    Setting("HICACHE_CALL_CAP", "size", "4 GiB", _ALL,
+            "largest cudaHostRegister call so registration overlaps the pre-fault and no call holds the driver "
+            "past the stall budget (none: no such cap; --call-cap wins)",
+            minimum=4096, none_word="none"),
     Setting("HICACHE_KERNEL_PIN_CAP", "size", "by the running kernel's release", _ALL,
             "the kernel's per-pin cap (none: no cap; --kernel-release wins)",
             minimum=4096, none_word="none"),

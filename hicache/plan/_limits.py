@@ -28,6 +28,14 @@ DRIVER_CEILING_BYTES = 2**39 - GiB
 #: registers 2 GiB chunks on those kernels. 2 GiB - 2 MiB stays under it and keeps 2 MiB pages.
 KERNEL_PIN_CAP_BYTES = 2**31 - 2 * MiB
 
+#: The call cap when none is given (issue #53; ../shared/reference/h200-measured.md): calls small
+#: enough that registration runs beside the pre-fault (a 64 GiB call waits for all 64 GiB to be
+#: resident first) and that none holds the driver-wide lock past the turnstile's 0.25 s stall
+#: budget at the slowest rate measured for one call (19 GB/s, 4 KiB pages: 4 GiB takes 0.23 s;
+#: 39 GB/s with THP). On an H200 4 GiB calls took a 37.5 GiB pool to usable in 2.3-2.4 s (1.0-1.1
+#: with THP) against 2.3-4.1 s for one 64 GiB call.
+DEFAULT_CALL_CAP_BYTES = 4 * GiB
+
 #: The chunk limit when none is given: vLLM's and LMCache's 64 GiB - each call then holds the
 #: driver lock for seconds, not minutes (TensorRT-LLM #17429). SGLang defaults to 256 GiB.
 DEFAULT_CHUNK_LIMIT_BYTES = 64 * GiB
@@ -85,6 +93,9 @@ class Limits:
     ``os_page_bytes``: the base page size. ``hugepage_bytes``: the page size of a
     hugepage-backed buffer, or None. ``base_alignment_bytes``: what the buffer's base address is
     known to be aligned to (default: the hugepage or OS page, as hicache's mmap guarantees).
+    ``call_cap_bytes``: calls sized to overlap the pre-fault and to hold the driver no longer
+    than the stall budget (see ``DEFAULT_CALL_CAP_BYTES``), or None (no such cap: a bare
+    `Limits` has none; `resolve_limits` gives 4 GiB unless told otherwise).
     """
 
     chunk_limit_bytes: int = attrs.field(
@@ -107,6 +118,9 @@ class Limits:
     hugepage_bytes: int | None = attrs.field(
         default=None, converter=as_int, validator=_power_of_two_or_none("hugepage_bytes")
     )
+    call_cap_bytes: int | None = attrs.field(
+        default=None, converter=as_int, validator=_positive_or_none("call_cap_bytes")
+    )
     base_alignment_bytes: int = attrs.field(
         default=attrs.Factory(_default_base_alignment, takes_self=True),
         converter=as_int,
@@ -125,6 +139,8 @@ class Limits:
         caps = {"chunk_limit": self.chunk_limit_bytes, "driver_ceiling": self.hard_ceiling_bytes}
         if self.kernel_cap_bytes is not None:
             caps["kernel_cap"] = self.kernel_cap_bytes
+        if self.call_cap_bytes is not None:
+            caps["call_cap"] = self.call_cap_bytes
         return caps
 
     @property
@@ -134,9 +150,11 @@ class Limits:
 
     @property
     def hard_cap_bytes(self) -> int:
-        """The largest call the machine accepts at all (driver ceiling and kernel cap)."""
+        """The largest call the machine accepts at all (driver ceiling and kernel cap; the
+        chunk limit and the call cap are choices, not the machine's)."""
         caps = self.caps()
         del caps["chunk_limit"]
+        caps.pop("call_cap", None)
         return min(caps.values())
 
     def binding_caps(self) -> tuple[str, ...]:

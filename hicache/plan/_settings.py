@@ -15,6 +15,7 @@ from typing import NamedTuple
 from hicache.errors import EnvError, PlanError
 from hicache.plan._env import BY_NAME, HUGEPAGE_MODES, env_value
 from hicache.plan._limits import (
+    DEFAULT_CALL_CAP_BYTES,
     DEFAULT_CHUNK_LIMIT_BYTES,
     DRIVER_CEILING_BYTES,
     Limits,
@@ -78,16 +79,20 @@ def resolve_limits(
     machine_kernel_release: str | None = None,
     os_page_bytes: int = 4096,
     flag_names: Mapping | None = None,
+    call_cap_bytes: int | str | None = None,
 ) -> ResolvedLimits:
     """Merge explicit values (flags), ``env`` (``HICACHE_*``) and the machine into `Limits`.
 
     ``kernel_release`` (a flag) applies that release's per-pin cap; ``machine_kernel_release``
     is the running kernel's, used only when neither the flag nor ``HICACHE_KERNEL_PIN_CAP``
     says otherwise. ``flag_names`` names the flags in ``sources`` (default ``--chunk-limit``,
-    ``--kernel-release``, ``--hugepage-size``). Raises `EnvError` naming a bad variable.
+    ``--kernel-release``, ``--hugepage-size``, ``--call-cap``). ``call_cap_bytes`` (a flag: bytes,
+    or ``"none"`` for no call cap) beats ``HICACHE_CALL_CAP``, which beats the 4 GiB default.
+    Raises `EnvError` naming a bad variable.
     """
     env = {} if env is None else env
-    flags = {"chunk_limit": "--chunk-limit", "kernel_release": "--kernel-release", "hugepage": "--hugepage-size"}
+    flags = {"chunk_limit": "--chunk-limit", "kernel_release": "--kernel-release", "hugepage": "--hugepage-size",
+             "call_cap": "--call-cap"}
     flags.update(flag_names or {})
     sources: dict[str, str] = {}
 
@@ -97,6 +102,13 @@ def resolve_limits(
         chunk, sources["chunk_limit"] = value, "HICACHE_REGISTER_CHUNK"
     else:
         chunk, sources["chunk_limit"] = DEFAULT_CHUNK_LIMIT_BYTES, "default"
+
+    if call_cap_bytes is not None:
+        call_cap, sources["call_cap"] = (None if call_cap_bytes == "none" else call_cap_bytes), flags["call_cap"]
+    elif (value := env_size(env, "HICACHE_CALL_CAP", allow_none=True)) is not None:
+        call_cap, sources["call_cap"] = (None if value == "none" else value), "HICACHE_CALL_CAP"
+    else:
+        call_cap, sources["call_cap"] = DEFAULT_CALL_CAP_BYTES, "default"
 
     env_cap = env_size(env, "HICACHE_KERNEL_PIN_CAP", allow_none=True)
     if kernel_release is not None:
@@ -128,7 +140,7 @@ def resolve_limits(
     try:
         limits = Limits(
             chunk_limit_bytes=chunk, os_page_bytes=os_page_bytes, hard_ceiling_bytes=ceiling,
-            kernel_cap_bytes=cap, hugepage_bytes=hugepage,
+            kernel_cap_bytes=cap, hugepage_bytes=hugepage, call_cap_bytes=call_cap,
         )
     except PlanError as error:
         named = ", ".join(f"{k} from {v}" for k, v in sources.items() if v not in ("default", "not set", "not checked"))

@@ -372,7 +372,9 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
                 if host is None or host.state == "released":
                     for tensor in self.buffers if self.kv_buffer is not None else ():
                         setattr(tensor, RANGES_ATTR, [])  # nothing of it is registered any more
-                    self.kv_buffer = None
+                    # no view of the memory may outlive this: a kept tensor defers the unmap to
+                    # the pool object's death (a reference cycle: the next garbage collection)
+                    self.kv_buffer, self._range_records = None, []
                     if self._transfers is not None:
                         self._transfers.forget()
                     self._destroyed = True
