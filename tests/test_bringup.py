@@ -459,3 +459,39 @@ def test_an_interrupt_at_the_budget_locks_exit_lets_the_host_wide_lock_go(lock, 
     assert not lock.held and runtime.held() == set()
     with BudgetLock(lock.path.parent, timeout_s=5) as peer:  # free at once (5 s: a hang guard)
         assert os.getpid() not in peer.claims()
+
+
+def test_a_pool_planned_with_the_call_cap_registers_while_it_still_faults(monkeypatch, lock):
+    """A pinned pool on its default caps (no limits given: the resolved settings, here the call
+    cap from HICACHE_CALL_CAP scaled down to the test's size): its plan has several calls, each
+    within the cap, and the fake driver's log shows the first register call start before the
+    last pre-fault piece ends - registration overlaps the pre-fault. Order from events."""
+    import time as _time
+
+    from hicache.effects._bringup import _faulting as _pipeline
+
+    pieces = []
+    real = _pipeline.prefault
+
+    def slow_prefault(buffer, **kw):
+        _time.sleep(0.005)
+        report = real(buffer, **kw)
+        pieces.append(_time.perf_counter())
+        return report
+
+    monkeypatch.setattr(_pipeline, "prefault", slow_prefault)
+    monkeypatch.setattr(_pipeline, "PIECE_BYTES", 64 * 1024)
+    monkeypatch.setenv("HICACHE_CALL_CAP", "256KiB")
+    monkeypatch.delenv("HICACHE_REGISTER_CHUNK", raising=False)
+    runtime = FakeRuntime()
+    device = MHADevicePool(size=512, layer_num=2, head_num=2, head_dim=64, page_size=4)
+    pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", machine=ROOMY, runtime=runtime,
+                                ledger=HostLedger(), budget_lock=lock)
+    try:
+        assert pool._limits.call_cap_bytes == 256 * 1024 and pool._limits.binding_caps() == ("call_cap",)
+        calls = runtime.cudart.timeline
+        assert len(calls) == pool.pool_plan.call_count >= 4
+        assert all(size <= 256 * 1024 for _, _, size, _, _ in calls)
+        assert calls[0][3] < max(pieces)  # the first call began before the pre-fault ended
+    finally:
+        pool.destroy()
