@@ -16,7 +16,9 @@ class BringupRecord:
     no reader guesses at a handle's attributes. ``calls``: register calls made; seconds are None
     where a phase did not happen (or, ``register_s`` of a progressive bring-up, the calls so
     far); ``tiers``: ``(buffer, PageTiers)`` as the kernel backs them (empty when not read);
-    ``claims``: this host's budget claims ``(pid, bytes)`` as the budget file says."""
+    ``claims``: this host's budget claims ``(pid, bytes)`` as the budget file says;
+    ``page_rules``: ``(buffer, rule, bytes)`` - under ``hugepages="auto"``, the bytes each rule of
+    `hicache.plan._thp.RULES` decided for each buffer (empty otherwise)."""
 
     state: str
     total_bytes: int
@@ -28,10 +30,11 @@ class BringupRecord:
     ready_s: float | None
     tiers: tuple = ()
     claims: tuple = ()
+    page_rules: tuple = ()
 
 
 def make_record(*, state: str, total_bytes: int, registered_bytes: int, calls, timings: dict, allocator,
-                progressive: bool = False, tiers=(), claims=()) -> BringupRecord:
+                progressive: bool = False, tiers=(), claims=(), page_rules=()) -> BringupRecord:
     """The one derivation of a record's seconds: pre-fault from the handle's timing, else its
     allocator's, else the allocate+pre-fault span; registration from its timing, else (a
     progressive bring-up, whose calls go on after it returned) the seconds of the calls so far."""
@@ -40,4 +43,5 @@ def make_record(*, state: str, total_bytes: int, registered_bytes: int, calls, t
     if register is None and progressive:
         register = sum(call[2] for call in calls) or None
     return BringupRecord(state, total_bytes, registered_bytes, len(calls), getattr(allocator, "allocate_s", None),
-                         prefault, register, timings.get("ready_s"), tuple(tiers), tuple(sorted(dict(claims).items())))
+                         prefault, register, timings.get("ready_s"), tuple(tiers), tuple(sorted(dict(claims).items())),
+                         tuple(page_rules))

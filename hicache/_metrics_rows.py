@@ -70,6 +70,10 @@ def _each(read):
 POOL_METRICS = (
     Metric("hicache_host_pool_bytes", GAUGE, "Host pool bytes by the page tier the kernel backs them with "
            "(/proc/self/smaps)", ("pool", "numa_node", "tier"), _each(_tiers)),
+    Metric("hicache_page_size_rule_bytes", GAUGE, "Bytes of each buffer whose pre-fault page size each "
+           "hugepages=auto rule decided (free, no-free-blocks, brake, ...)", ("pool", "buffer", "rule"),
+           _each(lambda v: [((v.pool, buffer, rule), nbytes) for buffer, rule, nbytes in v.record.page_rules]
+                 if v.record else [])),
     Metric("hicache_registered_bytes", GAUGE, "Bytes registered with CUDA now", ("pool",),
            _each(lambda v: [((v.pool,), v.record.registered_bytes if v.record else 0)])),
     Metric("hicache_registration_calls", COUNTER, "cudaHostRegister calls of bring-ups, by result",

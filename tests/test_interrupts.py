@@ -198,7 +198,8 @@ def _run(target, tmp_path, caller="deferring", **faults):
         signal.signal(signum, signal.SIG_DFL)       # landed in a restore must not change the next's lines
     directory = tmp_path / f"run-{target}"
     directory.mkdir(mode=0o700)
-    runtime, ledger, lock, allocator = FakeRuntime(**faults), HostLedger(), BudgetLock(directory), HostTensorAllocator()
+    runtime, ledger, lock, allocator = (FakeRuntime(**faults), HostLedger(), BudgetLock(directory),
+                                        HostTensorAllocator(hugepages="off"))
     counter, holder, where = [0], [], []
     error = None
     with warnings.catch_warnings(record=True) as caught_warnings:
@@ -247,6 +248,15 @@ def _run(target, tmp_path, caller="deferring", **faults):
     with lock:
         entries = lock._claimed()
     return counter[0], error, runtime, ledger, entries, allocator
+
+
+@pytest.fixture(autouse=True)
+def _four_kib_pages(monkeypatch):
+    """4 KiB pages for every walk here (HICACHE_HUGEPAGES=off): under the default "auto" each
+    piece's page size follows its measured rate, so the traced line count of one run (the
+    walk's length) would depend on the machine's timing; THP's own rules are tests of their own
+    (test_thp_auto)."""
+    monkeypatch.setenv("HICACHE_HUGEPAGES", "off")
 
 
 def _state(handle) -> str:

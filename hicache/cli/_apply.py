@@ -289,6 +289,10 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         total_s = time.perf_counter() - start
         calls = len(handle.calls)
         tiers = {name: tier.as_dict() for name, tier in handle.tiers()}  # as obtained, read from the kernel
+        page_rules: dict = {}  # hugepages=auto: which rule decided how many bytes of each buffer
+        for name, rule, nbytes in handle.page_rules():
+            page_rules.setdefault(name, {})[rule] = nbytes
+        brake = handle.thp_brake
         status = handle.registration.status() if handle.registration is not None else None
         _hold_for(hold, handle.total_bytes)
     finally:
@@ -297,6 +301,8 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         if server is not None:
             server.shutdown()
     report = {"bytes": handle.total_bytes, "calls": calls, "hugepages": args.hugepages, "tiers": tiers}
+    if args.hugepages == "auto":
+        report |= {"page_rules": page_rules, "thp_brake": brake}
     if args.progressive:
         report |= {"first_chunk_s": round(handle.first_call_s, 4), "total_s": round(total_s, 4), "numa_node": node}
         return _write_report(args, report, sources, progressive=True)
@@ -317,6 +323,11 @@ def _shown(key: str, value) -> str:
         return f"{format_bytes(value)} ({value:,} B)"
     if key == "tiers" and isinstance(value, dict):
         return "; ".join(f"{name}: {_tiers_cell(counts)}" for name, counts in value.items())
+    if key == "page_rules" and isinstance(value, dict):  # hugepages=auto: the rule behind each buffer's pages
+        return "; ".join(f"{name}: " + ", ".join(f"{format_bytes(n)} {rule}" for rule, n in rules.items())
+                         for name, rules in value.items()) or "none"
+    if key == "thp_brake" and value is None:
+        return "not engaged"
     if key == "numa_node" and value is None:
         return "not bound (one node, or --numa off)"
     if key.endswith("_s") and isinstance(value, float):

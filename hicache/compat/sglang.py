@@ -263,7 +263,10 @@ def _bring_up_allocator(allocator, device):
         node, _ = resolve_numa_node("auto")
     except Exception:  # placement is an optimisation: a probe that fails places nothing
         node = None
-    return HostTensorAllocator(numa_node=node)
+    from hicache.effects import pool_settings
+
+    hugepages = pool_settings().hugepages  # "auto" unless HICACHE_HUGEPAGES says (checked at the plug-in's load)
+    return HostTensorAllocator(numa_node=node, hugepages=hugepages)
 
 
 def alloc_with_host_register(

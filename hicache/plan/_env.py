@@ -25,7 +25,7 @@ from hicache.plan._units import format_bytes, parse_size
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 #: Host page sizes a pool may ask for (`hicache.effects` maps them; these are the words): the one
 #: tuple the variable, apply's --hugepages, the pools and the allocator check against.
-HUGEPAGE_MODES = ("off", "thp", "prefer", "required")
+HUGEPAGE_MODES = ("off", "thp", "prefer", "required", "auto")
 # compiled on first use (re caches them): regexes compiled at import cost `hicache plan`'s start
 _ASCII_INT = r"[0-9]+"
 _ASCII_NUMBER = r"[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?"
@@ -101,9 +101,10 @@ SETTINGS = (
     Setting("HICACHE_HUGEPAGE_SIZE", "size", "2 MiB (when hugetlbfs pages are asked for)", _ALL,
             "hugetlbfs page size of hugepage-backed pools (--hugepage-size wins)",
             minimum=64 * 2**10, maximum=2 * 2**30, power_of_two=True),  # see HUGEPAGE_MAX_NOTE
-    Setting("HICACHE_HUGEPAGES", "choice", "off", ("apply", "pools", "SGLang plug-in", "doctor"),
-            "host pools' page size: 4 KiB, transparent huge pages, hugetlbfs when free (prefer) or only hugetlbfs "
-            "(required); apply's --hugepages wins", choices=HUGEPAGE_MODES),
+    Setting("HICACHE_HUGEPAGES", "choice", "auto", ("apply", "pools", "SGLang plug-in", "doctor"),
+            "host pools' page size: 4 KiB (off), transparent huge pages (thp), hugetlbfs when free (prefer) or only "
+            "hugetlbfs (required), or THP for each pre-fault piece the node's free 2 MiB blocks cover, braked off when "
+            "it faults slower than 4 KiB pages (auto); apply's --hugepages wins", choices=HUGEPAGE_MODES),
     Setting("HICACHE_PROGRESSIVE", "bool", "0", ("apply", "pools", "SGLang plug-in", "doctor"),
             "host pools register in the background, serving from the first registered page "
             "(apply's --progressive/--no-progressive wins)"),

@@ -58,14 +58,16 @@ class Prefaulter:
     """Faults ``buffers`` (HostBuffers, in registration order) in the background."""
 
     def __init__(self, buffers, *, threads: int | None = None, piece_bytes: int | None = None, order=None,
-                 on_piece=None, cpus=None, nice: int = BACKGROUND_NICE) -> None:
+                 on_piece=None, cpus=None, nice: int = BACKGROUND_NICE, thp=None) -> None:
         """``order``: ``(buffer index, start, length)`` spans to fault in that order (default:
         each buffer front to back); with it, wait with `wait_span`. ``on_piece(nbytes)``: after
         each piece, from the thread that faulted it (progress reports). ``cpus``: every
         faulting thread runs on these only (the pool's node's, `_numa.fault_share`). ``nice``:
         how much nicer its threads run than the process (0 where nothing of ours runs beside
-        them: a blocking bring-up waits for them)."""
+        them: a blocking bring-up waits for them). ``thp``: a `ThpAuto` deciding each piece's
+        page size just before it faults (``hugepages="auto"``), or None (the mapping's own advice)."""
         self.nice = nice
+        self.thp = thp
         self.buffers = list(buffers)
         self.on_piece = on_piece
         self.order = list(order) if order is not None else [(i, 0, b.nbytes) for i, b in enumerate(self.buffers)]
@@ -121,7 +123,11 @@ class Prefaulter:
                     with span("pre-fault", "prefault", buffer=index, offset=offset, size=length) as args:
                         if args is not None:  # tracing: where the kernel ran it (issue #35 item 2)
                             args["cpus"] = _cpus_text()
-                        prefault(self.buffers[index], threads=1, start=offset, length=length, piece_bytes=length)
+                        buffer = self.buffers[index]
+                        token = None if self.thp is None else self.thp.before(index, buffer.ptr + offset, length)
+                        prefault(buffer, threads=1, start=offset, length=length, piece_bytes=length)
+                        if token is not None:
+                            self.thp.after(index, buffer.ptr + offset, length, token)
                 with self._changed:  # progress in order: a later call may finish first
                     finished[number] = True
                     while frontier[0] < len(calls) and finished[frontier[0]]:
@@ -252,11 +258,13 @@ class ProgressiveFaulting:
     index, offset, size)`` in ``buffers``) cut into pieces in the order the calls reach them
     (``key`` as `ProgressiveRegistration`'s), and the two hooks its calls wait through."""
 
-    def __init__(self, buffers, order, *, key=None, threads: int | None = None, on_piece=None, cpus=None) -> None:
+    def __init__(self, buffers, order, *, key=None, threads: int | None = None, on_piece=None, cpus=None,
+                 thp=None) -> None:
         pieces, self._ends = fault_pieces(order, key)
         self._positions = [[position for _, position in chunk_ends] for chunk_ends in self._ends]
         self._count = len(pieces)
-        self.faulter = Prefaulter(buffers, order=pieces, threads=threads, on_piece=on_piece, cpus=cpus)  # by start()
+        self.faulter = Prefaulter(buffers, order=pieces, threads=threads, on_piece=on_piece, cpus=cpus,
+                                  thp=thp)  # started by start()
 
     def start(self) -> None:
         self.faulter.start()

@@ -175,6 +175,7 @@ class HostPools:
         self._first_call: list = []  # progressive: seconds to the first registered call, once made
         self._nbytes = tuple(nbytes)
         self._books = _Books(allocator, ledger, owns_memory)
+        self.thp = None  # hugepages="auto": the `ThpAuto` that decided each pre-fault piece's page size
         self._finalizer = weakref.finalize(self, _finalize, self._books)
 
     # -- what the bring-up records (hicache.effects._bringup._bring_up only) -----------------
@@ -287,6 +288,21 @@ class HostPools:
         return [(request.name, page_tiers(tensor.data_ptr(), tensor.numel() * tensor.element_size(), smaps_text=smaps))
                 for request, tensor in zip(self.requests, self.tensors)]
 
+    def page_rules(self) -> tuple:
+        """``(buffer name, rule, bytes)``: under ``hugepages="auto"``, which rule decided how many
+        bytes of each buffer (`hicache.plan._thp.RULES`; "brake" names why in `thp_brake`); empty
+        for any other mode."""
+        if self.thp is None:
+            return ()
+        rules = self.thp.summary()["rules"]
+        return tuple((self.requests[index].name, rule, nbytes) for index, counts in sorted(rules.items())
+                     for rule, nbytes in sorted(counts.items()))
+
+    @property
+    def thp_brake(self) -> str | None:
+        """Why ``hugepages="auto"`` turned THP off for the rest of this bring-up (None: it did not)."""
+        return None if self.thp is None else self.thp.summary()["brake"]
+
     def record(self, *, tiers: bool = True, smaps_text: str | None = None):
         """This bring-up as a frozen `hicache._bringup_record.BringupRecord` (what the metrics show): state, bytes,
         calls, phase seconds, page tiers (``tiers=False``: not read) and the host's claims."""
@@ -301,6 +317,7 @@ class HostPools:
             registered_bytes=sum(size for _, size in self.registered_ranges()), calls=self.calls,
             timings=timings, allocator=self.allocator, progressive=self.mode == "progressive",
             tiers=self.tiers(smaps_text=smaps_text) if tiers else (), claims=self.budget_claims(),
+            page_rules=self.page_rules(),
         )
 
     @staticmethod

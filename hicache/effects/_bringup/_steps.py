@@ -33,6 +33,18 @@ def _fault_options(run: _Run) -> dict:
     return {"threads": run.share.threads, "cpus": run.share.cpus}
 
 
+def _thp(run: _Run):
+    """``hugepages="auto"``: the bring-up's `ThpAuto` (kept on the handle for its report), which
+    decides each pre-fault piece's page size just before it faults; None for any other mode."""
+    allocator = run.handle.allocator
+    if getattr(allocator, "hugepages", None) != "auto":
+        return None
+    from hicache.effects._host._thp import ThpAuto
+
+    run.handle.thp = ThpAuto(node=getattr(allocator, "numa_node", None))
+    return run.handle.thp
+
+
 def _uint8():
     import torch
 
@@ -110,7 +122,7 @@ def _pipelined(run: _Run) -> None:
     handle = run.handle
     buffers = _unfaulted(handle, run.requests)
     on_piece = PrefaultCounter(handle.total_bytes, run.prefault_progress) if run.prefault_progress is not None else None
-    faulter = Prefaulter(buffers, on_piece=on_piece, **_fault_options(run)).start()
+    faulter = Prefaulter(buffers, on_piece=on_piece, thp=_thp(run), **_fault_options(run)).start()
     try:
         _register(run, before_call=faulter.wait)
     except BaseException:
@@ -141,7 +153,7 @@ def _allocate(run: _Run) -> None:
         buffers = _unfaulted(handle, run.requests)
         on_piece = PrefaultCounter(handle.total_bytes, run.prefault_progress) if run.prefault_progress is not None else None
         # nice=0: nothing of this bring-up runs beside it (the allocator's own faulting is not nicer)
-        faulter = Prefaulter(buffers, on_piece=on_piece, nice=0, **_fault_options(run))
+        faulter = Prefaulter(buffers, on_piece=on_piece, nice=0, thp=_thp(run), **_fault_options(run))
         try:
             faulter.start()
             faulter.join()  # a Ctrl-C here is re-raised once the threads have ended
@@ -194,7 +206,7 @@ def _progressive(run: _Run, settings) -> None:
 
     on_piece = PrefaultCounter(total, run.prefault_progress) if run.prefault_progress is not None else None
     faulting = ProgressiveFaulting(handle.host_buffers, order, key=settings.key, on_piece=on_piece,
-                                   **_fault_options(run))
+                                   thp=_thp(run), **_fault_options(run))
     registration = ProgressiveRegistration(
         chunks, runtime=default_runtime() if run.runtime is None else run.runtime, ledger=run.ledger, on_chunk=on_chunk,
         max_stall_s=settings.max_stall_s, key=settings.key, before_call=faulting.before_call,

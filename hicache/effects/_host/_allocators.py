@@ -108,11 +108,12 @@ class HostTensorAllocator(_Allocator):
     """Allocates host tensors for KV pools: page-aligned mmap, pre-faulted from N threads.
 
     Not ``torch.empty(pin_memory=True)``: that rounds every block up to a power of two
-    (sglang PR #37285). ``hugepages``/``hugepage_bytes`` as `allocate_host`. ``allocate_s`` and
+    (sglang PR #37285). ``hugepages``/``hugepage_bytes`` as `allocate_host` (``"auto"`` by default: a
+    bring-up's pre-fault decides each piece; `allocate` decides once for the whole buffer). ``allocate_s`` and
     ``prefault_s`` add up the time spent mapping and faulting.
     """
 
-    def __init__(self, *, prefault_threads: int | None = None, hugepages: str = "off",
+    def __init__(self, *, prefault_threads: int | None = None, hugepages: str = "auto",
                  hugepage_bytes: int | None = None, numa_node: int | None = None) -> None:
         self.prefault_threads = prefault_threads
         self.numa_node = numa_node  # bind every buffer there (see effects/_host/_numa)
@@ -148,6 +149,10 @@ class HostTensorAllocator(_Allocator):
         with self._lock:  # tracked before the slow part: an interrupt there still frees it
             self.buffers.append(buffer)
         middle = time.perf_counter()
+        if self.hugepages == "auto" and buffer.nbytes:  # one piece: the whole buffer, decided before it faults
+            from hicache.effects._host._thp import ThpAuto
+
+            ThpAuto(node=self.numa_node).before(0, buffer.ptr, buffer.nbytes)
         prefault(buffer, threads=self.prefault_threads)
         end = time.perf_counter()
         self.allocate_s += middle - start

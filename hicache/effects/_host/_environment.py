@@ -114,7 +114,7 @@ class PoolSettings:
     plug-in puts hicache's host-pool classes in place of SGLang's (HICACHE_SGLANG_POOLS)."""
 
     progressive: bool = False
-    hugepages: str = "off"
+    hugepages: str = "auto"
     sglang_pools: bool = False
 
 
@@ -122,5 +122,5 @@ def pool_settings(env=None) -> PoolSettings:
     """`PoolSettings` from the environment; a value hicache cannot read is an `EnvError`
     naming the variable and the value (never a silent default)."""
     env = os.environ if env is None else env
-    return PoolSettings(bool(env_value(env, "HICACHE_PROGRESSIVE")), env_value(env, "HICACHE_HUGEPAGES") or "off",
+    return PoolSettings(bool(env_value(env, "HICACHE_PROGRESSIVE")), env_value(env, "HICACHE_HUGEPAGES") or "auto",
                         bool(env_value(env, "HICACHE_SGLANG_POOLS")))

@@ -204,7 +204,8 @@ def allocate_host(
 ) -> HostBuffer:
     """Map ``nbytes`` of page-aligned anonymous memory, exposed as a torch uint8 tensor.
 
-    ``hugepages``: ``"off"``, ``"thp"`` (normal pages with ``MADV_HUGEPAGE``: transparent huge
+    ``hugepages``: ``"off"``, ``"auto"`` (mapped as ``"off"``; the bring-up's pre-fault then advises each
+    piece, `hicache.effects._host._thp.ThpAuto`), ``"thp"`` (normal pages with ``MADV_HUGEPAGE``: transparent huge
     pages where the kernel can assemble them), ``"prefer"`` (hugetlbfs pages of ``hugepage_bytes`` when the
     reserved pool has them, else normal pages with a note) or ``"required"`` (raise
     ``HostOutOfMemoryError`` saying how many pages are free vs needed). Transparent huge pages
@@ -222,7 +223,7 @@ def allocate_host(
     notes: list[str] = []
     mapping = huge = None
     transparent_hugepages = hugepages == "thp"
-    if transparent_hugepages:
+    if transparent_hugepages or hugepages == "auto":  # auto: 4 KiB until a bring-up advises a piece (`ThpAuto`)
         hugepages = "off"
     if hugepages != "off":
         if hugepage_bytes & (hugepage_bytes - 1) or hugepage_bytes < page:

@@ -114,17 +114,20 @@ def _hugepages(root: str) -> tuple[HugepagePool, ...]:
     return tuple(sorted(pools, key=lambda p: p.size_bytes))
 
 
-def free_2mib_blocks(*, root: str = "/", page_bytes: int = 4096) -> int | None:
-    """Free 2 MiB blocks the buddy allocator holds, over every node and zone
-    (``/proc/buddyinfo``: free blocks per order; a block of order k >= 9 (4 KiB pages) holds
-    2^(k-9) of them) - what THP can get at fault time without compacting. None if unreadable."""
+def free_2mib_blocks(*, root: str = "/", page_bytes: int = 4096, node: int | None = None) -> int | None:
+    """Free 2 MiB blocks the buddy allocator holds, over every zone of ``node`` (None: every
+    node) (``/proc/buddyinfo``: free blocks per order; a block of order k >= 9 (4 KiB pages)
+    holds 2^(k-9) of them) - what THP can get at fault time without compacting. None if unreadable."""
     text = _read(root, "/proc/buddyinfo")
     if not text:
         return None
     order = (2 * 2**20 // page_bytes).bit_length() - 1
     total = 0
     for line in text.splitlines():
-        counts = line.split(",", 1)[-1].split()[2:]  # "Node 0, zone Normal c0 c1 ..."
+        head, _, rest = line.partition(",")  # "Node 0, zone Normal c0 c1 ..."
+        if node is not None and head.split()[-1:] != [str(node)]:
+            continue
+        counts = rest.split()[2:]
         try:
             total += sum(int(count) << (k - order) for k, count in enumerate(counts) if k >= order)
         except ValueError:

@@ -1,0 +1,113 @@
+"""``hugepages="auto"`` in the shell (issue #53 item 2): before each pre-fault piece, read the host
+(THP's `enabled`, the free 2 MiB blocks of the pool's node), ask the pure rule
+(`hicache.plan._thp.decide_piece`), advise the piece's range MADV_HUGEPAGE or MADV_NOHUGEPAGE;
+after it, measure how it faulted in (seconds, huge pages obtained) and engage the brake for the
+rest of the bring-up when THP cost more than it gave. Keeps, per buffer, the bytes each rule
+decided (the report, `tiers` and metrics say which rule decided).
+
+Every reading and the advice itself are injected (tests give snapshots and a recording
+madvise); the pre-fault threads call `before`/`after` concurrently, so the state is locked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from hicache.plan._thp import PieceFault, ThpSnapshot, base_rate, brake_reason, decide_piece
+
+MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _read_enabled(root: str = "/") -> str | None:
+    from hicache.effects._host._probes import _read, _selected
+
+    return _selected(_read(root, THP_ENABLED))
+
+
+def _madvise_range(ptr: int, length: int, *, huge: bool) -> bool:
+    """MADV_HUGEPAGE / MADV_NOHUGEPAGE over the whole pages inside [ptr, ptr + length) (a piece
+    may start mid-page where a plan gave up page alignment); False if the kernel refused."""
+    import mmap
+
+    from hicache.effects._host._memory import _madvise
+
+    page = mmap.PAGESIZE
+    start, end = -(-ptr // page) * page, (ptr + length) // page * page
+    if end <= start:
+        return True
+    return _madvise()(start, end - start, MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE) == 0
+
+
+def _huge_bytes(ptr: int, length: int) -> int | None:
+    from hicache.effects._host._tiers import page_tiers
+
+    tiers = page_tiers(ptr, length)
+    return tiers.thp if tiers.exact or tiers.thp else None
+
+
+class ThpAuto:
+    """One bring-up's ``auto`` THP policy. ``node``: the pool's NUMA node (None: all nodes);
+    ``enabled()``, ``free_blocks()`` (free 2 MiB blocks), ``madvise(ptr, length, huge=)``,
+    ``huge_bytes(ptr, length)``: the host, read or changed (defaults: the real ones); ``clock``:
+    seconds, for each piece's rate (default `time.perf_counter`)."""
+
+    def __init__(self, *, node: int | None = None, enabled=None, free_blocks=None, madvise=None, huge_bytes=None,
+                 root: str = "/", clock=time.perf_counter) -> None:
+        self._clock = clock
+        from hicache.effects._host._probes import free_2mib_blocks
+
+        self._enabled = enabled if enabled is not None else (lambda: _read_enabled(root))
+        self._free_blocks = free_blocks if free_blocks is not None else (lambda: free_2mib_blocks(root=root, node=node))
+        self._madvise = madvise if madvise is not None else _madvise_range
+        self._huge_bytes = huge_bytes if huge_bytes is not None else _huge_bytes
+        self._lock = threading.Lock()
+        self.enabled = self._enabled()  # read once: a bring-up does not outlive a sysfs change we act on
+        self.brake: str | None = None  # why THP was turned off for the rest of the bring-up
+        self._base: list[PieceFault] = []  # this bring-up's 4 KiB pieces: the rate a THP piece is held to
+        self._promised = 0  # bytes of THP pieces in flight: free blocks they will take
+        self._reference = False  # a 4 KiB reference piece has been handed out
+        self.rules: dict[int, dict[str, int]] = {}  # buffer index -> rule -> bytes it decided
+
+    def before(self, index: int, ptr: int, length: int):
+        """Decide and advise the piece ``[ptr, ptr + length)`` of buffer ``index`` just before it
+        faults; returns ``(ThpDecision, start)`` to hand to `after` once it has."""
+        with self._lock:
+            brake, promised, reference = self.brake, self._promised, not self._reference
+            self._reference = True  # the first piece asked is the reference, whatever threads race here
+        free = None
+        if brake is None and self.enabled is not None and not reference:
+            blocks = self._free_blocks()
+            free = None if blocks is None else max(0, blocks * 2 * 2**20 - promised)
+        decision = decide_piece(ThpSnapshot(self.enabled, free), length, brake=brake, reference=reference)
+        if not self._madvise(ptr, length, huge=decision.huge) and decision.huge:
+            self._madvise(ptr, length, huge=False)
+            decision = decision._replace(huge=False, rule="thp-off", reason="madvise(MADV_HUGEPAGE) refused")
+        with self._lock:
+            if decision.huge:
+                self._promised += length
+            counts = self.rules.setdefault(index, {})
+            counts[decision.rule] = counts.get(decision.rule, 0) + length
+        return decision, self._clock()
+
+    def after(self, index: int, ptr: int, length: int, token) -> None:
+        """Record how the piece faulted in; a THP piece slower than 4 KiB pages or mostly
+        without huge pages engages the brake."""
+        decision, start = token
+        seconds = self._clock() - start
+        huge_bytes = self._huge_bytes(ptr, length) if decision.huge else 0
+        fault = PieceFault(length, seconds, decision.huge, huge_bytes)
+        with self._lock:
+            if decision.huge:
+                self._promised -= length
+            else:
+                self._base.append(fault)
+            if self.brake is None:
+                self.brake = brake_reason(fault, base_rate(self._base))
+
+    def summary(self) -> dict:
+        """``{buffer index: {rule: bytes}}`` and the brake's reason, for the report."""
+        with self._lock:
+            return {"rules": {index: dict(counts) for index, counts in self.rules.items()}, "brake": self.brake}

@@ -1,0 +1,108 @@
+"""``hugepages="auto"`` (issue #53 item 2): transparent huge pages for a pre-fault piece only where
+they are free, and a brake that turns them off for the rest of a bring-up once they cost more
+than they give. Pure: snapshots of the host and each piece's measured outcome come in, one
+`ThpDecision` per piece goes out, naming its rule.
+
+Why a rule per piece (../shared/reference/h200-measured.md): on an H200 host THP took one register
+call from 19 to 39 GB/s and the pre-fault from 34 to 54 GB/s (37.5 GiB usable in 1.0-1.1 s
+against 2.3-2.4 s with 4 KiB pages). But on a fragmented, long-running host each 2 MiB fault
+can enter direct compaction and fall "from GB/s to GB/min" (TensorRT-LLM #15430). THP is asked
+for a piece only when the buddy allocator already holds enough free 2 MiB-and-larger blocks on
+the pool's node to back it (no compaction needed); the brake catches what a snapshot cannot
+see - a piece that faulted in slower than 4 KiB pages do, or got mostly 4 KiB pages anyway.
+"Slower than 4 KiB pages" is measured on the same host in the same bring-up: its first piece
+is faulted with 4 KiB pages as the reference (a stated rate would brake a merely slow machine:
+a small VM faults 4 KiB pages at 0.7 GB/s a thread, where the H200 did 2.1), and a healthy THP
+piece is faster than 4 KiB pages on the same host (54 against 34 GB/s there).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+THP_BYTES = 2 * 2**20
+#: THP `enabled` settings under which MADV_HUGEPAGE gives a range huge pages
+THP_USABLE = ("always", "madvise")
+#: A THP piece that got less than this share of its bytes as huge pages engages the brake.
+MOSTLY_HUGE = 0.5
+
+
+class ThpSnapshot(NamedTuple):
+    """What the host says before a piece: THP's `enabled` setting (None: unreadable) and the
+    bytes of free 2 MiB-and-larger blocks on the pool's node not yet promised to a piece in
+    flight (None: unreadable)."""
+
+    enabled: str | None
+    free_huge_bytes: int | None
+
+
+class PieceFault(NamedTuple):
+    """How one piece faulted in: its bytes, seconds (on one thread), whether THP was asked for,
+    and the bytes the kernel backed with huge pages (None: not read)."""
+
+    nbytes: int
+    seconds: float
+    huge: bool
+    huge_bytes: int | None
+
+
+class ThpDecision(NamedTuple):
+    """``huge``: advise MADV_HUGEPAGE for the piece (else MADV_NOHUGEPAGE); ``rule``: which rule
+    decided (a key of `RULES`); ``reason``: the figures behind it, for the report."""
+
+    huge: bool
+    rule: str
+    reason: str
+
+
+#: Every rule `decide_piece` applies, first match wins, and what it means.
+RULES = {
+    "brake": "THP off for the rest of this bring-up: a THP piece faulted slower than 4 KiB pages or mostly without huge pages",
+    "thp-off": "THP's enabled setting is never (or unreadable): 4 KiB pages",
+    "reference": "the bring-up's first piece, faulted with 4 KiB pages: the rate THP pieces are held to",
+    "no-free-blocks": "the free 2 MiB blocks on the pool's node do not cover the piece: THP would compact; 4 KiB pages",
+    "unknown-free-blocks": "/proc/buddyinfo is unreadable: 4 KiB pages",
+    "free": "THP: free 2 MiB blocks cover the piece",
+}
+
+
+def decide_piece(snapshot: ThpSnapshot, piece_bytes: int, *, brake: str | None = None,
+                 reference: bool = False) -> ThpDecision:
+    """The page size for the next piece of ``piece_bytes`` (``brake``: why THP was turned off
+    for this bring-up, or None while it is not; ``reference``: no 4 KiB piece has been faulted
+    or started yet, so this one is)."""
+    if brake is not None:
+        return ThpDecision(False, "brake", brake)
+    if snapshot.enabled not in THP_USABLE:
+        return ThpDecision(False, "thp-off", f"THP enabled: {snapshot.enabled or 'unreadable'}")
+    if reference:
+        return ThpDecision(False, "reference", "the first piece: 4 KiB pages, the rate THP pieces are held to")
+    if snapshot.free_huge_bytes is None:
+        return ThpDecision(False, "unknown-free-blocks", "/proc/buddyinfo unreadable")
+    if snapshot.free_huge_bytes < piece_bytes:
+        return ThpDecision(False, "no-free-blocks", f"{snapshot.free_huge_bytes // THP_BYTES} free 2 MiB blocks, "
+                                                    f"the piece needs {-(-piece_bytes // THP_BYTES)}")
+    return ThpDecision(True, "free", f"{snapshot.free_huge_bytes // THP_BYTES} free 2 MiB blocks cover "
+                                     f"{-(-piece_bytes // THP_BYTES)}")
+
+
+def base_rate(base_faults) -> float | None:
+    """The 4 KiB rate a THP piece is held to: the median bytes per second of this bring-up's
+    4 KiB pieces (None before it has one)."""
+    rates = sorted(f.nbytes / f.seconds for f in base_faults if f.seconds > 0 and f.nbytes)
+    return rates[len(rates) // 2] if rates else None
+
+
+def brake_reason(fault: PieceFault, rate_4k: float | None) -> str | None:
+    """Why a THP piece engages the brake (None: it does not): slower than ``rate_4k`` (not
+    judged before a 4 KiB piece was measured), or less than half of it backed by huge pages.
+    Only whole 2 MiB pages can be huge: a piece smaller than one is judged by its rate alone."""
+    if not fault.huge or not fault.nbytes:
+        return None
+    if rate_4k is not None and fault.seconds > 0 and fault.nbytes / fault.seconds < rate_4k:
+        return (f"a THP piece of {fault.nbytes / 2**20:.0f} MiB faulted at {fault.nbytes / fault.seconds / 1e9:.2f} GB/s, "
+                f"below the 4 KiB rate of {rate_4k / 1e9:.2f} GB/s")
+    if fault.huge_bytes is not None and fault.nbytes >= THP_BYTES and fault.huge_bytes < MOSTLY_HUGE * fault.nbytes:
+        return (f"a THP piece of {fault.nbytes / 2**20:.0f} MiB got {fault.huge_bytes / 2**20:.0f} MiB of huge pages "
+                f"(under {MOSTLY_HUGE:.0%})")
+    return None

@@ -1,0 +1,227 @@
+"""``hugepages="auto"`` (issue #53 item 2): the pure per-piece rule as a table over injected THP
+settings, free-block snapshots and measured piece rates; the pre-fault applying it piece by piece
+(a fake host: recorded madvise, scripted clock) with the brake switching the remaining pieces
+to MADV_NOHUGEPAGE and the report naming why; the default everywhere it is promised."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.plan._thp import RULES, THP_BYTES, PieceFault, ThpSnapshot, base_rate, brake_reason, decide_piece
+
+MiB = 2**20
+PIECE = 64 * MiB
+
+
+@pytest.mark.parametrize("enabled, free, brake, reference, huge, rule", [
+    ("madvise", 100 * PIECE, None, False, True, "free"),  # free blocks cover it
+    ("always", PIECE, None, False, True, "free"),  # exactly covered
+    ("madvise", PIECE - THP_BYTES, None, False, False, "no-free-blocks"),  # fragmented: would compact
+    ("madvise", 0, None, False, False, "no-free-blocks"),
+    ("never", 100 * PIECE, None, False, False, "thp-off"),
+    (None, 100 * PIECE, None, False, False, "thp-off"),  # unreadable setting
+    ("madvise", None, None, False, False, "unknown-free-blocks"),
+    ("madvise", 100 * PIECE, "a THP piece was slow", False, False, "brake"),  # engaged mid-way: sticky
+    ("never", 100 * PIECE, "a THP piece was slow", False, False, "brake"),  # the brake is named first
+    ("madvise", 100 * PIECE, None, True, False, "reference"),  # the first piece: the 4 KiB yardstick
+    ("never", 100 * PIECE, None, True, False, "thp-off"),  # no yardstick needed without THP
+])
+def test_each_rule_decides_its_own_pieces(enabled, free, brake, reference, huge, rule):
+    """decide_piece over injected snapshots: THP only where the node's free 2 MiB blocks cover
+    the piece and THP is usable, the brake and the reference before everything else, each
+    decision naming a rule of RULES and its figures."""
+    decision = decide_piece(ThpSnapshot(enabled, free), PIECE, brake=brake, reference=reference)
+    assert (decision.huge, decision.rule) == (huge, rule) and rule in RULES and decision.reason
+
+
+@pytest.mark.parametrize("fault, rate_4k, engaged", [
+    (PieceFault(PIECE, 0.01, True, PIECE), 2e9, False),  # 6.7 GB/s, all huge
+    (PieceFault(PIECE, 0.1, True, PIECE), 2e9, True),  # 0.67 GB/s: slower than 4 KiB pages
+    (PieceFault(PIECE, 0.1, True, PIECE), None, False),  # no 4 KiB piece measured yet: not judged by rate
+    (PieceFault(PIECE, 0.01, True, PIECE // 4), 2e9, True),  # mostly 4 KiB pages anyway
+    (PieceFault(PIECE, 0.01, True, PIECE // 2), 2e9, False),  # half is enough
+    (PieceFault(PIECE, 0.01, True, None), 2e9, False),  # huge pages unread: the rate alone
+    (PieceFault(MiB, 0.0001, True, 0), 2e9, False),  # under one 2 MiB page: no huge page possible
+    (PieceFault(PIECE, 1.0, False, 0), 2e9, False),  # a 4 KiB piece never engages it
+])
+def test_the_brake_engages_on_a_slow_or_mostly_small_thp_piece(fault, rate_4k, engaged):
+    """brake_reason: a THP piece slower than this bring-up's 4 KiB rate, or with under half its
+    bytes in huge pages, engages the brake, and the reason gives the figures."""
+    reason = brake_reason(fault, rate_4k)
+    assert (reason is not None) == engaged
+    if engaged:
+        assert "GB/s" in reason or "huge pages" in reason
+
+
+def test_the_4k_rate_is_the_median_of_this_bring_ups_4k_pieces():
+    """base_rate: the median of the measured 4 KiB pieces' rates; None before any."""
+    assert base_rate([]) is None
+    faults = [PieceFault(PIECE, s, False, 0) for s in (0.1, 0.02, 0.05)]
+    assert base_rate(faults) == PIECE / 0.05
+
+
+class _Host:
+    """A fake host for ThpAuto: THP setting, free 2 MiB blocks, a madvise log, huge pages per
+    advised range, and a clock each piece's scripted seconds advance."""
+
+    def __init__(self, *, enabled="madvise", blocks=10**6, seconds=(), huge_share=1.0):
+        self.enabled, self.blocks, self.huge_share = enabled, blocks, huge_share
+        self.advice: list = []  # (ptr, length, huge)
+        self.now, self.seconds = 0.0, list(seconds)
+        self.started: dict = {}
+
+    def madvise(self, ptr, length, *, huge):
+        self.advice.append((ptr, length, huge))
+        return True
+
+    def clock(self):
+        return self.now
+
+    def huge_bytes(self, ptr, length):
+        return int(length * self.huge_share)
+
+    def policy(self):
+        from hicache.effects._host._thp import ThpAuto
+
+        return ThpAuto(enabled=lambda: self.enabled, free_blocks=lambda: self.blocks, madvise=self.madvise,
+                       huge_bytes=self.huge_bytes, clock=self.clock)
+
+
+def _fault(policy, host, pieces):
+    """Fault ``pieces`` (one thread, in order) as the Prefaulter does: before, the piece's seconds
+    pass on the host's clock, after."""
+    for index, (ptr, length) in enumerate(pieces):
+        token = policy.before(0, ptr, length)
+        host.now += host.seconds[index] if index < len(host.seconds) else 0.01
+        policy.after(0, ptr, length, token)
+
+
+def test_a_slow_thp_piece_brakes_every_later_piece_to_4k_and_the_summary_says_why():
+    """Piece 0 is the 4 KiB reference (6.7 GB/s), piece 1 gets THP and faults at 0.67 GB/s: the
+    brake engages, and pieces 2-5 are advised MADV_NOHUGEPAGE; the summary counts each rule's
+    bytes and gives the brake's figures."""
+    host = _Host(seconds=[0.01, 0.1, 0.01, 0.01, 0.01, 0.01])
+    policy = host.policy()
+    pieces = [(i * PIECE, PIECE) for i in range(6)]
+    _fault(policy, host, pieces)
+    assert [huge for _, _, huge in host.advice] == [False, True, False, False, False, False]
+    summary = policy.summary()
+    assert summary["rules"] == {0: {"reference": PIECE, "free": PIECE, "brake": 4 * PIECE}}
+    assert "below the 4 KiB rate of 6.71 GB/s" in summary["brake"]
+
+
+def test_a_healthy_host_gets_thp_for_every_piece_after_the_reference():
+    """THP faster than the reference and fully huge: every piece after the first is advised
+    MADV_HUGEPAGE; no brake."""
+    host = _Host(seconds=[0.02] + [0.01] * 5)
+    policy = host.policy()
+    _fault(policy, host, [(i * PIECE, PIECE) for i in range(6)])
+    assert [huge for _, _, huge in host.advice] == [False] + [True] * 5
+    assert policy.summary() == {"rules": {0: {"reference": PIECE, "free": 5 * PIECE}}, "brake": None}
+
+
+def test_pieces_in_flight_count_against_the_free_blocks():
+    """Free blocks for one piece: two pieces started together do not both get THP (the first
+    one's blocks are promised until it has faulted)."""
+    host = _Host(blocks=PIECE // THP_BYTES)
+    policy = host.policy()
+    policy.before(0, 0, PIECE)  # the reference
+    first = policy.before(0, PIECE, PIECE)
+    second = policy.before(0, 2 * PIECE, PIECE)
+    assert (first[0].rule, second[0].rule) == ("free", "no-free-blocks")
+    policy.after(0, PIECE, PIECE, first)
+    assert policy.before(0, 3 * PIECE, PIECE)[0].rule == "free"  # given back once it faulted
+
+
+def test_a_refused_madvise_falls_back_to_4k_and_says_so():
+    """A kernel refusing MADV_HUGEPAGE: the piece is advised 4 KiB instead and counted as such."""
+    host = _Host()
+    host.madvise = lambda ptr, length, *, huge: not huge
+    policy = host.policy()
+    policy.before(0, 0, PIECE)
+    decision, _ = policy.before(0, PIECE, PIECE)
+    assert (decision.huge, decision.rule, decision.reason) == (False, "thp-off", "madvise(MADV_HUGEPAGE) refused")
+
+
+@pytest.mark.concurrency
+def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reaches_the_report(monkeypatch):
+    """A real pipelined bring-up with hugepages="auto" (fake driver; the host's THP readings,
+    madvise and clock injected through ThpAuto's defaults): each piece is advised just before
+    it is faulted, a slow THP piece brakes the rest to MADV_NOHUGEPAGE, and the handle's
+    page_rules and thp_brake (what apply, tiers and the metrics show) name it; every byte of
+    the buffer is counted under exactly one rule."""
+    from machine import ROOMY
+
+    from hicache.effects import BufferRequest, HostTensorAllocator, bring_up
+    from hicache.effects._bringup import _faulting
+    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.effects._host import _thp
+    from hicache.testing import FakeRuntime
+
+    events: list = []
+    host = _Host(seconds=[0.01, 0.1] + [0.01] * 100)
+    real_prefault = _faulting.prefault
+
+    def recording_prefault(buffer, **kw):
+        events.append(("fault", buffer.ptr + kw["start"]))
+        result = real_prefault(buffer, **kw)
+        host.now += host.seconds.pop(0)
+        return result
+
+    def madvise(ptr, length, *, huge):
+        events.append(("advise", ptr, huge))
+        return True
+
+    class Injected(_thp.ThpAuto):
+        def __init__(self, **kw):
+            super().__init__(enabled=lambda: "madvise", free_blocks=lambda: 10**6, madvise=madvise,
+                             huge_bytes=lambda ptr, length: length, clock=host.clock)
+
+    monkeypatch.setattr(_thp, "ThpAuto", Injected)
+    monkeypatch.setattr(_faulting, "prefault", recording_prefault)
+    monkeypatch.setattr(_faulting, "PIECE_BYTES", 256 * 1024)
+    from hicache.effects._bringup import _steps
+
+    monkeypatch.setattr(_steps, "_fault_options", lambda run: {"threads": 1})  # pieces in order: a scripted clock
+    from hicache.plan import Limits, plan_registration
+
+    plan = plan_registration(2 * MiB, granularity_bytes=64 * 1024, limits=Limits(chunk_limit_bytes=MiB))
+    request = BufferRequest("kv", (2 * MiB,), None, plan)
+    handle = bring_up([request], mode="pipelined", allocator=HostTensorAllocator(prefault_threads=1),
+                      runtime=FakeRuntime(), machine=ROOMY, ledger=HostLedger(), budget=False)
+    try:
+        advised = [e for e in events if e[0] == "advise"]
+        faulted = [e for e in events if e[0] == "fault"]
+        assert len(advised) == len(faulted) == 8
+        for position, event in enumerate(events):  # every fault right after its own piece's advice
+            if event[0] == "fault":
+                assert events[position - 1][:2] == ("advise", event[1])
+        assert [huge for _, _, huge in advised] == [False, True] + [False] * 6
+        rules = {rule: nbytes for _, rule, nbytes in handle.page_rules()}
+        assert rules == {"reference": 256 * 1024, "free": 256 * 1024, "brake": 6 * 256 * 1024}
+        assert sum(rules.values()) == 2 * MiB and "below the 4 KiB rate" in handle.thp_brake
+        assert handle.record(tiers=False).page_rules == handle.page_rules()
+    finally:
+        handle.release()
+
+
+def test_auto_is_the_default_of_the_pools_apply_and_the_seam_mode(monkeypatch):
+    """HICACHE_HUGEPAGES unset: the pools' settings, apply's --hugepages and SGLang's own pools'
+    allocator (the plug-in's seam) all use "auto"; the variable still picks another mode."""
+    from hicache.compat import sglang as compat
+    from hicache.effects import HostTensorAllocator, pool_settings
+    from hicache.plan._env import BY_NAME
+
+    monkeypatch.delenv("HICACHE_HUGEPAGES", raising=False)
+    assert pool_settings().hugepages == "auto" and BY_NAME["HICACHE_HUGEPAGES"].default == "auto"
+    assert HostTensorAllocator().hugepages == "auto"
+
+    class SGLangDefault:  # SGLang's own default allocator, as the seam sees it
+        pass
+
+    SGLangDefault.__name__, SGLangDefault.__module__ = "HostTensorAllocator", "sglang.srt.mem_cache.pool_host.common"
+    monkeypatch.setattr(compat, "resolve_numa_node", lambda _: (None, None))
+    assert compat._bring_up_allocator(SGLangDefault(), "cpu").hugepages == "auto"
+    monkeypatch.setenv("HICACHE_HUGEPAGES", "off")
+    assert compat._bring_up_allocator(SGLangDefault(), "cpu").hugepages == "off"
+    assert pool_settings().hugepages == "off"
