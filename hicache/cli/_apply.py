@@ -37,9 +37,11 @@ def add_command(commands) -> None:
     apply.add_argument("--plan", dest="plan_file", help="a saved JSON plan (instead of plan arguments)")
     apply.add_argument("--hold", default="0", help="seconds to hold the registration, or inf: until Ctrl-C (default 0)")
     apply.add_argument("--hugepages", choices=HUGEPAGE_MODES,
-                       help="off: 4 KiB pages (see README); thp: transparent huge pages; prefer/required: "
-                            "hugetlbfs pages of --hugepage-size (one the kernel offers: /sys/kernel/mm/hugepages; "
-                            "prefer falls back to 4 KiB pages). Default: HICACHE_HUGEPAGES, else off")
+                       help="auto: THP for each pre-fault piece the node's free 2 MiB blocks cover, braked off when "
+                            "slower than 4 KiB pages (see README); off: 4 KiB pages; thp: transparent huge pages; "
+                            "prefer/required: hugetlbfs pages of --hugepage-size (one the kernel offers: "
+                            "/sys/kernel/mm/hugepages; prefer falls back to 4 KiB pages). Default: HICACHE_HUGEPAGES, "
+                            "else auto")
     apply.add_argument("--threads", help="pre-fault threads (default: cores, at most 16)")
     apply.add_argument("--numa", default="auto",
                        help="bind the pool to a NUMA node: auto (the GPU's, where there are several), off, or N")

@@ -97,9 +97,9 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
     `wait_ready`; page-first layouts only, layer_first registers everything first; None, the
     default: ``HICACHE_PROGRESSIVE``, else False - SGLang's call sites pass no keywords),
     ``max_stall_s`` (progressive: no call holds the driver longer, by the measured rate; the
-    first call is at most 16 MiB; None: one call per planned chunk), ``hugepages`` (``"off"``,
-    ``"thp"``, ``"prefer"``, ``"required"`` as `allocate_host`; None: ``HICACHE_HUGEPAGES``,
-    else ``"off"``).
+    first call is at most 16 MiB; None: one call per planned chunk), ``hugepages`` (``"auto"``,
+    ``"off"``, ``"thp"``, ``"prefer"``, ``"required"`` as `allocate_host`; None: ``HICACHE_HUGEPAGES``,
+    else ``"auto"``).
     Bring-up and teardown go through `hicache.effects.bring_up`.
     """
 
