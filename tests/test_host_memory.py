@@ -504,3 +504,52 @@ def test_free_all_keeps_a_buffer_whose_unmap_was_refused_and_frees_it_later():
     ledger.replace([pinned_buffer.ptr], [])
     allocator.free_all(ledger=ledger)
     assert allocator.owned() == [] and pinned_buffer.freed
+
+
+def test_a_freed_buffer_gives_its_pages_back_in_parallel_pieces_then_unmaps(monkeypatch):
+    """give_back frees every page of a pre-faulted range from several threads (the range stays
+    mapped, nothing resident, reads as zeros); HostBuffer.free calls it over the whole mapping
+    before the unmap, and a range of one piece is left to munmap alone."""
+    import threading
+
+    from hicache.effects._host import _release
+    from hicache.effects._host._memory import allocate_host, prefault
+    from hicache.effects._host._tiers import resident_bytes
+
+    monkeypatch.setattr(_release, "RELEASE_PIECE_BYTES", 64 * 1024)
+    buffer = allocate_host(1024 * 1024)
+    prefault(buffer, threads=1)
+    buffer.tensor.fill_(7)
+    assert resident_bytes(buffer.ptr, buffer.mapped_bytes) == buffer.mapped_bytes
+    names = set()
+    real = _release._libc_madvise
+
+    def recording():
+        madvise = real()
+        return lambda *args: names.add(threading.current_thread().name) or madvise(*args)
+
+    monkeypatch.setattr(_release, "_libc_madvise", recording)
+    assert _release.give_back(buffer.ptr, buffer.mapped_bytes, threads=4) == 4
+    assert resident_bytes(buffer.ptr, buffer.mapped_bytes) == 0 and not buffer.tensor.any()
+    assert len(names) > 1 and all(n.startswith("hicache-release") for n in names)
+    assert _release.give_back(buffer.ptr, 64 * 1024, threads=4) == 0  # one piece: munmap alone
+    calls = []
+    monkeypatch.setattr(_release, "give_back", lambda ptr, length: calls.append((ptr, length)))
+    ptr, mapped = buffer.ptr, buffer.mapped_bytes
+    buffer.free()
+    assert calls == [(ptr, mapped)] and buffer.freed
+
+
+def test_a_buffer_another_tensor_still_views_is_neither_zapped_nor_unmapped_by_free(monkeypatch):
+    """free() while a view of the memory lives elsewhere: no page is given back and nothing is
+    unmapped (the view keeps its bytes); the mapping goes with the last view."""
+    from hicache.effects._host import _release
+    from hicache.effects._host._memory import allocate_host
+
+    calls = []
+    monkeypatch.setattr(_release, "give_back", lambda ptr, length: calls.append((ptr, length)))
+    buffer = allocate_host(1024 * 1024)
+    buffer.tensor.fill_(7)
+    view = buffer.tensor.view(-1)[:4096]
+    buffer.free()
+    assert calls == [] and buffer.freed and bool((view == 7).all())

@@ -25,6 +25,7 @@ from hicache.effects._host._numa import bind
 from hicache.effects._host._threads import lower_priority, pin_thread
 from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
 from hicache.plan.checks import check_int
+from hicache.effects._host._libc import madvise_function as _madvise
 from hicache.plan._settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, check_hugepages  # noqa: F401 - used here and re-exported
 
 MAP_HUGETLB = 0x40000  # linux/mman.h
@@ -164,9 +165,13 @@ class HostBuffer:
                         f"[0x{held[0]:x}, +{held[1]}) is still registered with CUDA"
                     )
             mapping, tensor = self._mapping, self._tensor
+            base = tensor.data_ptr() if self.nbytes else 0
             self._mapping = self._tensor = None
             if mapping is not None and _sole_user(tensor):
                 del tensor
+                from hicache.effects._host._release import give_back
+
+                give_back(base, self.mapped_bytes)  # in parallel pieces: the unmap then has little to free
                 mapping.close()
 
     def __enter__(self) -> "HostBuffer":
@@ -182,7 +187,9 @@ def _sole_user(tensor) -> bool:
         import torch
 
         storage = tensor.untyped_storage()
-        return torch._C._storage_Use_Count(storage._cdata) <= 2  # tensor + this handle
+        # tensor + this handle, + the base the tensor views (allocate_host's slice of its
+        # frombuffer tensor keeps that alive: without it, every free was left to the collector)
+        return torch._C._storage_Use_Count(storage._cdata) <= 2 + (tensor._base is not None)
     except Exception:  # private API: when unsure, let the last view release the mapping
         return False
 
@@ -291,18 +298,6 @@ class PrefaultReport:
     threads: int
     pieces: int
     seconds: float
-
-
-_libc = None
-
-
-def _madvise():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        _libc.madvise.restype = ctypes.c_int
-    return _libc.madvise
 
 
 def started_executor(workers: int, *, prefix: str = "hicache-prefault", nice: int = 0, cpus=None) -> ThreadPoolExecutor:

@@ -32,7 +32,7 @@ def _madvise_range(ptr: int, length: int, *, huge: bool) -> bool:
     may start mid-page where a plan gave up page alignment); False if the kernel refused."""
     import mmap
 
-    from hicache.effects._host._memory import _madvise
+    from hicache.effects._host._libc import madvise_function as _madvise
 
     page = mmap.PAGESIZE
     start, end = -(-ptr // page) * page, (ptr + length) // page * page
