@@ -7,11 +7,14 @@ usable then), its `destroy()` untimed. With the plug-in its three seam functions
 hicache's (loaded by SGLang's own `load_plugins()`); without, they are SGLang's own, whose
 `torch.cuda.cudart()` is a `hicache.testing.FakeCudart` here. Two drivers: one that registers
 instantly and one at 10 GB/s. Sizes: HICACHE_BENCH_SGLANG_GIB (default "2,4,8"); medians of
-HICACHE_BENCH_ROUNDS (3) interleaved rounds. Needs `make sglang`; says so and exits 0 without.
+HICACHE_BENCH_ROUNDS (3) interleaved rounds. The plug-in's defaults (hugepages=auto, 4 GiB calls:
+issue #53) are also set against its old ones (4 KiB pages, 64 GiB calls) in the same rounds.
+Needs `make sglang`; says so and exits 0 without.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -60,8 +63,14 @@ def main() -> int:
     info = device.get_device_pool_infos()[0].buffer_info
     per_token = 32 * 2 * 8 * 128 * 2
 
-    def build(size: int, rate, plugged: bool):
+    #: the plug-in's defaults before issue #53: 4 KiB pages, one call per 64 GiB chunk
+    old_defaults = {"HICACHE_HUGEPAGES": "off", "HICACHE_CALL_CAP": "none"}
+
+    def build(size: int, rate, plugged: bool, settings=None):
         def run():
+            for name in old_defaults:
+                os.environ.pop(name, None)
+            os.environ.update(settings or {})
             use(ours if plugged else own)
             fake = FakeCudart(register_bytes_per_s=rate)
             torch.cuda.cudart = lambda: fake  # SGLang's own helper asks torch for the driver
@@ -73,6 +82,7 @@ def main() -> int:
             def teardown():
                 with fake_cuda():
                     host.destroy()
+                gc.collect()  # SGLang's pool sits in reference cycles: its buffers go with the collector
 
             return teardown
 
@@ -80,12 +90,15 @@ def main() -> int:
 
     rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "3"))
     sizes = [int(s) for s in os.environ.get("HICACHE_BENCH_SGLANG_GIB", "2,4,8").split(",")]
-    for rate, driver in ((None, "instant fake driver"), (10e9, "fake driver at 10 GB/s")):
+    for rate, driver in ((None, "instant fake driver"), (10e9, "fake driver at 10 GB/s"))[: int(os.environ.get("HICACHE_BENCH_DRIVERS", "2"))]:
         for gib in sizes:
-            times = interleaved({"plugin": build(gib * GiB, rate, True), "sglang": build(gib * GiB, rate, False)},
-                                rounds=rounds, warmup=1)
+            times = interleaved({"plugin": build(gib * GiB, rate, True), "sglang": build(gib * GiB, rate, False),
+                                 "old": build(gib * GiB, rate, True, old_defaults)}, rounds=rounds, warmup=1)
             print(median_line(f"SGLang's MHA host pool, {gib} GiB, {driver}, with the hicache plug-in",
                               times["plugin"], "SGLang's own registration", times["sglang"]), flush=True)
+            print(median_line(f"SGLang's MHA host pool, {gib} GiB, {driver}, the plug-in's defaults (auto pages, "
+                              "4 GiB calls)", times["plugin"], "its old defaults (4 KiB pages, 64 GiB calls)",
+                              times["old"]), flush=True)
     use(own)
     return 0
 

@@ -10,7 +10,8 @@ GB/s; then the same pool brought up progressively (`bring_up(mode=Progressive())
 call): time to the first registered chunk vs the whole blocking bring-up, and the longest call;
 the longest a 1 MiB mmap in another thread waits beside one cold whole-buffer call and beside
 the progressive bring-up; pre-fault and registration GB/s with 4 KiB pages, THP and (where
-reserved) hugetlbfs. Uses cuda-python for everything CUDA (torch may be a CPU build). Exit 0
+reserved) hugetlbfs; hicache's bring-up defaults (4 GiB calls, hugepages="auto") against SGLang
+0.5.23's path at 37.5 GiB and 100 GB (`gpu_bringup.py`). Uses cuda-python for everything CUDA (torch may be a CPU build). Exit 0
 ok, 1 mismatch or failure, 2 no CUDA.
 """
 
@@ -200,6 +201,9 @@ def main() -> int:
     out.update(figures, progressive_longest_mmap_wait_s=round(wait_s, 4))
     out["one_cold_call_longest_mmap_wait_s"] = round(out["one_cold_call_longest_mmap_wait_s"], 4)
     out.update(page_size_figures(nbytes, runtime))
+    from gpu_bringup import bringup_table  # issue #53: the defaults against SGLang 0.5.23's path
+
+    out["bringup_defaults"] = bringup_table(runtime)
     if torch.cuda.is_available():  # the pools' transfers need a CUDA torch (issue #52)
         from gpu_transfers import transfer_table
 

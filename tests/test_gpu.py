@@ -141,3 +141,25 @@ def test_progressive_pool_serves_pages_while_it_registers_on_cuda():
         assert pool.wait_ready(timeout=300) is True and pool.ready_pages() == pool.page_num
     finally:
         pool.destroy()
+
+
+def test_the_bring_up_table_runs_on_cpu_under_the_fake_driver(monkeypatch):
+    """scripts/gpu_bringup.py's table, the code the GPU check runs, at small sizes under the fake
+    driver: interleaved rounds of hicache's defaults and SGLang's path, each brought up and
+    released (nothing left registered), the call cap's calls, each buffer's page rules, a size
+    the machine has no room for skipped with the reason."""
+    import importlib
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    gpu_bringup = importlib.import_module("gpu_bringup")  # a script beside gpu_check.py, not a package
+
+    from hicache.testing import FakeRuntime
+
+    monkeypatch.setenv("HICACHE_CALL_CAP", "16MiB")
+    runtime = FakeRuntime()
+    table = gpu_bringup.bringup_table(runtime, sizes={"48 MiB": 48 * 2**20, "too big": 10**15}, rounds=2,
+                                      available=2**40)
+    small = table["48 MiB"]
+    assert len(small["ours_usable_s"]) == len(small["sglang_usable_s"]) == 2 and small["speedup"] > 0
+    assert small["calls"] == 4 and sum(nbytes for _, _, nbytes in small["page_rules"]) == 40 * 2**20
+    assert "needs" in table["too big"]["skipped"] and runtime.held() == set()

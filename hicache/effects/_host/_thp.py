@@ -19,6 +19,11 @@ from hicache.plan._thp import PieceFault, ThpSnapshot, base_rate, brake_reason, 
 MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+#: THP pieces whose huge pages are counted (/proc/self/smaps): the first only. Reading smaps walks
+#: every page table of the process - 30-50 ms inside a serving engine - so a read per 32 MiB
+#: piece made an SGLang pool's 2 GiB bring-up 9x slower; later pieces are judged by their rate,
+#: and the report's tiers give the share obtained.
+HUGE_READS = 1
 
 
 def _read_enabled(root: str = "/") -> str | None:
@@ -69,6 +74,7 @@ class ThpAuto:
         self._base: list[PieceFault] = []  # this bring-up's 4 KiB pieces: the rate a THP piece is held to
         self._promised = 0  # bytes of THP pieces in flight: free blocks they will take
         self._reference = False  # a 4 KiB reference piece has been handed out
+        self._huge_reads = 0  # THP pieces whose huge pages were read
         self.rules: dict[int, dict[str, int]] = {}  # buffer index -> rule -> bytes it decided
 
     def before(self, index: int, ptr: int, length: int):
@@ -97,7 +103,10 @@ class ThpAuto:
         without huge pages engages the brake."""
         decision, start = token
         seconds = self._clock() - start
-        huge_bytes = self._huge_bytes(ptr, length) if decision.huge else 0
+        with self._lock:  # the share of huge pages: read for the first THP piece only (see HUGE_READS)
+            read = decision.huge and self._huge_reads < HUGE_READS
+            self._huge_reads += read
+        huge_bytes = self._huge_bytes(ptr, length) if read else (None if decision.huge else 0)
         fault = PieceFault(length, seconds, decision.huge, huge_bytes)
         with self._lock:
             if decision.huge:
