@@ -34,7 +34,15 @@ from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime
 
 pytest.importorskip("torch")
-FILES = {m.__file__ for m in (_bringup, _steps, _executor, _host_pools, _registration, _interrupts, _progressive)}
+from hicache.effects._bringup import _claim
+from hicache.effects._hostwide import _lock
+
+FILES = {m.__file__ for m in (_bringup, _steps, _executor, _host_pools, _registration, _interrupts, _progressive,
+                              _lock, _claim)}  # the budget lock's lines too: a Ctrl-C inside it lets it go
+#: not the budget lock's for the progressive caller: its background threads change the claims
+#: file under the main thread (how many entries a read parses), so its line count would vary
+#: run to run; the other callers walk every line of the lock's take, release and give-back
+LOCK_FILES = {_lock.__file__, _claim.__file__}
 # not _pipeline: its wait loop runs as often as the pre-fault thread's timing makes it, so the
 # line count would vary run to run; an interrupt there is a held Ctrl-C checked by the executor
 PLAN = plan_pool(
@@ -103,9 +111,9 @@ def _in_finalizer(frame) -> bool:
 _PIPELINE = _pipeline.__file__
 
 
-def _tracer(target: int, counter: list, where: list):
+def _tracer(target: int, counter: list, where: list, files=FILES):
     def trace(frame, event, arg):
-        if frame.f_code.co_filename not in FILES:
+        if frame.f_code.co_filename not in files:
             return None
         if event == "call" and _in_finalizer(frame):
             return None  # garbage of an earlier run being finalized: not this run's lines
@@ -204,7 +212,7 @@ def _run(target, tmp_path, caller="deferring", **faults):
     error = None
     with warnings.catch_warnings(record=True) as caught_warnings:
         warnings.simplefilter("always")
-        sys.settrace(_tracer(target, counter, where))
+        sys.settrace(_tracer(target, counter, where, FILES - LOCK_FILES if caller == "progressive" else FILES))
         try:
             CALLERS[caller](runtime, ledger, lock, allocator, holder)
         except BaseException as caught:  # the interrupt, or what it became

@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 from hicache.effects._hostwide._rundir import private_dir as _private_dir, runtime_dir
 from hicache.plan._env import env_value
+from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._trace import span
 from hicache.errors import LockTimeoutError, RegistrationStateError
 
@@ -56,6 +57,22 @@ def lock_timeout_s(env=None) -> float | None:
 _PROCESS = threading.RLock()
 _HOLDERS: dict[str, int] = {}
 _PENDING: dict[str, list[tuple[int, int | None]]] = {}  # (bytes, of them resident) to forget
+
+
+class _process_held:
+    """``with _process_held():`` - `_PROCESS` taken with Ctrl-C held until it is let go. A
+    KeyboardInterrupt landing at a plain ``with _PROCESS:`` can arrive after the acquire and
+    before the block is set up, leaving the lock held by the main thread for good - and every
+    faulting thread of the next bring-up then waits for it (the interrupt walk found it)."""
+
+    def __enter__(self) -> None:
+        self._held = deferred_interrupts()
+        self._held.__enter__()
+        _PROCESS.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        _PROCESS.release()
+        self._held.__exit__(*exc_info)
 
 
 class Claim(NamedTuple):
@@ -113,18 +130,16 @@ class BudgetLock:
             return self._enter()
 
     def _enter(self) -> "BudgetLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with deferred_interrupts():  # the descriptor is closed by the except below once it exists
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         start = self._clock()
         deadline = None if self.timeout_s is None else start + self.timeout_s
         next_report = start + self.report_every_s
         try:
             while True:  # polled, not a blocking flock: a waiter reports who it waits for
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as error:
-                    if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        raise
+                with deferred_interrupts():  # the flock and the record of who holds it, together:
+                    if self._lock_now(fd):   # a Ctrl-C between them left the host's lock held by
+                        break                # a descriptor nobody would ever close
                 now = self._clock()
                 if deadline is not None and now > deadline:
                     raise LockTimeoutError(
@@ -137,15 +152,30 @@ class BudgetLock:
                     next_report = now + self.report_every_s
                 self._sleep(POLL_S)
             self._say_holder()
+            with _process_held():
+                self._apply_pending()
         except BaseException:
-            os.close(fd)
+            if self._fd == fd:
+                self.release_all()  # let go of what this call took, a Ctrl-C included
+            else:
+                os.close(fd)
             raise
-        with _PROCESS:
+        return self
+
+    def _lock_now(self, fd: int) -> bool:
+        """Take the file's lock through ``fd`` if no other descriptor holds it, recording it as
+        held (call with interrupts deferred); False when another holds it."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            return False
+        with _process_held():
             self._fd, self._depth = fd, 1
             key = str(self.path)
             _HOLDERS[key] = _HOLDERS.get(key, 0) + 1
-            self._apply_pending()
-        return self
+        return True
 
     @property
     def _holder_path(self) -> Path:
@@ -155,10 +185,11 @@ class BudgetLock:
         """Write who holds the lock now and since when (read by waiters; best effort)."""
         temporary = self._holder_path.with_name(f"{self._holder_path.name}.{os.getpid()}")
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as handle:
-                json.dump({"pid": os.getpid(), "since": time.time()}, handle)
-            os.replace(temporary, self._holder_path)
+            with deferred_interrupts():  # a few bytes: written and closed before a Ctrl-C lands
+                with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                                       | os.O_CLOEXEC, 0o600), "w") as handle:
+                    json.dump({"pid": os.getpid(), "since": time.time()}, handle)
+                os.replace(temporary, self._holder_path)
         except OSError:  # a waiter then says the holder left no record; the lock itself is fine
             pass
 
@@ -182,18 +213,23 @@ class BudgetLock:
 
     def release_all(self) -> None:
         """Let the lock go however deep it is held (after an interrupt skipped an ``__exit__``:
-        CPython cannot promise ``__exit__`` runs when a KeyboardInterrupt lands at its call)."""
-        with _PROCESS:
-            if self._fd is None:
-                return
+        CPython cannot promise ``__exit__`` runs when a KeyboardInterrupt lands at its call). A
+        Ctrl-C meanwhile is held until the descriptor is closed: a descriptor dropped on the way
+        would hold the host-wide lock for the life of the process."""
+        with deferred_interrupts():
+            with _PROCESS:
+                if self._fd is None:
+                    return
+                try:
+                    self._apply_pending()  # budget given back meanwhile by others of this process
+                finally:
+                    fd, self._fd, self._depth = self._fd, None, 0
+                    key = str(self.path)
+                    _HOLDERS[key] = _HOLDERS.get(key, 1) - 1
             try:
-                self._apply_pending()  # budget given back meanwhile by others of this process
+                fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
-                fd, self._fd, self._depth = self._fd, None, 0
-                key = str(self.path)
-                _HOLDERS[key] = _HOLDERS.get(key, 1) - 1
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+                os.close(fd)
 
     def _apply_pending(self) -> None:
         pending = _PENDING.get(str(self.path))
@@ -207,7 +243,7 @@ class BudgetLock:
         lets go. Otherwise take the lock (``wait=False``, a finalizer's: only if it is free now;
         if another process holds it, a short-lived thread waits for it and applies the queue)."""
         key = str(self.path)
-        with _PROCESS:
+        with _process_held():
             if self.held:
                 self.forget(nbytes, resident=resident)
                 return
@@ -229,7 +265,7 @@ class BudgetLock:
         """Raise this process's resident count by ``nbytes`` if the lock is free now (never
         waits: a faulting thread calls it, and a skipped update only keeps the claim's pending
         bytes counted a little longer - never too short). True when written."""
-        with _PROCESS:
+        with _process_held():
             if self.held:
                 self.add_resident(nbytes)
                 return True
@@ -242,17 +278,18 @@ class BudgetLock:
         return True
 
     def _try_enter(self) -> bool:
-        """Take the file now if no other process holds it (never waits)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        key = str(self.path)
-        self._fd, self._depth = fd, 1
-        _HOLDERS[key] = _HOLDERS.get(key, 0) + 1
-        return True
+        """Take the file now if no other process holds it (never waits; interrupts held while
+        the descriptor and its lock are not yet recorded)."""
+        with deferred_interrupts():
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                taken = self._lock_now(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if not taken:
+                os.close(fd)
+            return taken
 
     def _entries(self) -> dict[int, Claim]:
         if self._fd is None:
