@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import os
 import signal
 import sys
 import warnings
@@ -253,9 +254,25 @@ def _run(target, tmp_path, caller="deferring", **faults):
             holder[0].release()
         except ReleaseError as failed:
             error = failed
+    _assert_free_from_outside(lock, target, where, error)
     with lock:
         entries = lock._claimed()
     return counter[0], error, runtime, ledger, entries, allocator
+
+
+def _assert_free_from_outside(lock: BudgetLock, target: int, where, error) -> None:
+    """The host-wide lock is free as another process sees it: a fresh open file of it takes the
+    flock at once (this process's BudgetLock objects and their counts could not tell a leaked
+    descriptor - and waiting on it would hang the walk instead of failing it)."""
+    import fcntl
+
+    probe = os.open(lock.path, os.O_RDWR | os.O_CREAT, 0o600)  # none yet: nothing holds it
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise AssertionError(f"interrupt at traced line {target} ({where}) left the budget lock held: {error!r}") from None
+    finally:
+        os.close(probe)
 
 
 @pytest.fixture(autouse=True)
