@@ -265,16 +265,16 @@ class BudgetLock:
         """Raise this process's resident count by ``nbytes`` if the lock is free now (never
         waits: a faulting thread calls it, and a skipped update only keeps the claim's pending
         bytes counted a little longer - never too short). True when written."""
-        with _process_held():
+        with _process_held():  # one held region: a Ctrl-C held while the file was taken lands after it is let go
             if self.held:
                 self.add_resident(nbytes)
                 return True
             if _HOLDERS.get(str(self.path), 0) > 0 or not self._try_enter():
                 return False
-        try:
-            self.add_resident(nbytes)
-        finally:
-            self.release_all()
+            try:
+                self.add_resident(nbytes)
+            finally:
+                self.release_all()
         return True
 
     def _try_enter(self) -> bool:
