@@ -225,3 +225,19 @@ def test_auto_is_the_default_of_the_pools_apply_and_the_seam_mode(monkeypatch):
     monkeypatch.setenv("HICACHE_HUGEPAGES", "off")
     assert compat._bring_up_allocator(SGLangDefault(), "cpu").hugepages == "off"
     assert pool_settings().hugepages == "off"
+
+
+def test_thp_pieces_that_end_before_the_reference_are_judged_once_it_has():
+    """A THP piece faulting beside the reference and ending first is judged when the reference
+    ends: a slow one brakes every piece started after."""
+    host = _Host()
+    policy = host.policy()
+    reference = policy.before(0, 0, PIECE)
+    early = policy.before(0, PIECE, PIECE)  # started beside the reference (another thread)
+    host.now += 0.1
+    policy.after(0, PIECE, PIECE, early)  # 0.67 GB/s, no reference yet: not judged
+    assert policy.summary()["brake"] is None
+    host.now += 0.0
+    policy.after(0, 0, PIECE, (reference[0], host.now - 0.01))  # the reference: 6.7 GB/s
+    assert "below the 4 KiB rate" in policy.summary()["brake"]
+    assert policy.before(0, 2 * PIECE, PIECE)[0].rule == "brake"

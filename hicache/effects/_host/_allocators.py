@@ -109,7 +109,8 @@ class HostTensorAllocator(_Allocator):
 
     Not ``torch.empty(pin_memory=True)``: that rounds every block up to a power of two
     (sglang PR #37285). ``hugepages``/``hugepage_bytes`` as `allocate_host` (``"auto"`` by default: a
-    bring-up's pre-fault decides each piece; `allocate` decides once for the whole buffer). ``allocate_s`` and
+    bring-up's pre-fault decides each piece against a 4 KiB reference piece; `allocate`, which
+    faults the whole buffer at once with nothing to compare it to, keeps 4 KiB pages). ``allocate_s`` and
     ``prefault_s`` add up the time spent mapping and faulting.
     """
 
@@ -149,10 +150,6 @@ class HostTensorAllocator(_Allocator):
         with self._lock:  # tracked before the slow part: an interrupt there still frees it
             self.buffers.append(buffer)
         middle = time.perf_counter()
-        if self.hugepages == "auto" and buffer.nbytes:  # one piece: the whole buffer, decided before it faults
-            from hicache.effects._host._thp import ThpAuto
-
-            ThpAuto(node=self.numa_node).before(0, buffer.ptr, buffer.nbytes)
         prefault(buffer, threads=self.prefault_threads)
         end = time.perf_counter()
         self.allocate_s += middle - start

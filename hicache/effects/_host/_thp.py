@@ -75,6 +75,7 @@ class ThpAuto:
         self._promised = 0  # bytes of THP pieces in flight: free blocks they will take
         self._reference = False  # a 4 KiB reference piece has been handed out
         self._huge_reads = 0  # THP pieces whose huge pages were read
+        self._unjudged: list[PieceFault] = []  # THP pieces that ended before the reference: judged by it
         self.rules: dict[int, dict[str, int]] = {}  # buffer index -> rule -> bytes it decided
 
     def before(self, index: int, ptr: int, length: int):
@@ -113,8 +114,14 @@ class ThpAuto:
                 self._promised -= length
             else:
                 self._base.append(fault)
-            if self.brake is None:
-                self.brake = brake_reason(fault, base_rate(self._base))
+            rate = base_rate(self._base)
+            if decision.huge and rate is None:  # faulted before the reference: judged once it is
+                self._unjudged.append(fault)
+            for judged in ([fault] if rate is None else [*self._unjudged, fault]):
+                if self.brake is None:
+                    self.brake = brake_reason(judged, rate)
+            if rate is not None:
+                self._unjudged = []
 
     def summary(self) -> dict:
         """``{buffer index: {rule: bytes}}`` and the brake's reason, for the report."""
