@@ -98,13 +98,13 @@ def _fault(policy, host, pieces):
 
 def test_a_slow_thp_piece_brakes_every_later_piece_to_4k_and_the_summary_says_why():
     """Piece 0 is the 4 KiB reference (6.7 GB/s), piece 1 gets THP and faults at 0.67 GB/s: the
-    brake engages, and pieces 2-5 are advised MADV_NOHUGEPAGE; the summary counts each rule's
-    bytes and gives the brake's figures."""
+    brake engages, and pieces 2-5 keep the mapping's MADV_NOHUGEPAGE (only piece 1 is advised
+    MADV_HUGEPAGE); the summary counts each rule's bytes and gives the brake's figures."""
     host = _Host(seconds=[0.01, 0.1, 0.01, 0.01, 0.01, 0.01])
     policy = host.policy()
     pieces = [(i * PIECE, PIECE) for i in range(6)]
     _fault(policy, host, pieces)
-    assert [huge for _, _, huge in host.advice] == [False, True, False, False, False, False]
+    assert host.advice == [(PIECE, PIECE, True)]
     summary = policy.summary()
     assert summary["rules"] == {0: {"reference": PIECE, "free": PIECE, "brake": 4 * PIECE}}
     assert "below the 4 KiB rate of 6.71 GB/s" in summary["brake"]
@@ -112,11 +112,11 @@ def test_a_slow_thp_piece_brakes_every_later_piece_to_4k_and_the_summary_says_wh
 
 def test_a_healthy_host_gets_thp_for_every_piece_after_the_reference():
     """THP faster than the reference and fully huge: every piece after the first is advised
-    MADV_HUGEPAGE; no brake."""
+    MADV_HUGEPAGE (the reference needs no call); no brake."""
     host = _Host(seconds=[0.02] + [0.01] * 5)
     policy = host.policy()
     _fault(policy, host, [(i * PIECE, PIECE) for i in range(6)])
-    assert [huge for _, _, huge in host.advice] == [False] + [True] * 5
+    assert host.advice == [(i * PIECE, PIECE, True) for i in range(1, 6)]
     assert policy.summary() == {"rules": {0: {"reference": PIECE, "free": 5 * PIECE}}, "brake": None}
 
 
@@ -147,7 +147,8 @@ def test_a_refused_madvise_falls_back_to_4k_and_says_so():
 def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reaches_the_report(monkeypatch):
     """A real pipelined bring-up with hugepages="auto" (fake driver; the host's THP readings,
     madvise and clock injected through ThpAuto's defaults): each piece is advised just before
-    it is faulted, a slow THP piece brakes the rest to MADV_NOHUGEPAGE, and the handle's
+    it is faulted (a THP piece only: the mapping is MADV_NOHUGEPAGE whole), a slow THP piece
+    brakes the rest to 4 KiB pages, and the handle's
     page_rules and thp_brake (what apply, tiers and the metrics show) name it; every byte of
     the buffer is counted under exactly one rule."""
     from machine import ROOMY
@@ -192,11 +193,9 @@ def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reache
     try:
         advised = [e for e in events if e[0] == "advise"]
         faulted = [e for e in events if e[0] == "fault"]
-        assert len(advised) == len(faulted) == 8
-        for position, event in enumerate(events):  # every fault right after its own piece's advice
-            if event[0] == "fault":
-                assert events[position - 1][:2] == ("advise", event[1])
-        assert [huge for _, _, huge in advised] == [False, True] + [False] * 6
+        assert len(faulted) == 8 and len(advised) == 1 and advised[0][2] is True
+        position = events.index(advised[0])  # the THP piece faults right after its advice
+        assert events[position + 1] == ("fault", advised[0][1]) and faulted[1] == events[position + 1]
         rules = {rule: nbytes for _, rule, nbytes in handle.page_rules()}
         assert rules == {"reference": 256 * 1024, "free": 256 * 1024, "brake": 6 * 256 * 1024}
         assert sum(rules.values()) == 2 * MiB and "below the 4 KiB rate" in handle.thp_brake
@@ -241,3 +240,26 @@ def test_thp_pieces_that_end_before_the_reference_are_judged_once_it_has():
     policy.after(0, 0, PIECE, (reference[0], host.now - 0.01))  # the reference: 6.7 GB/s
     assert "below the 4 KiB rate" in policy.summary()["brake"]
     assert policy.before(0, 2 * PIECE, PIECE)[0].rule == "brake"
+
+
+def test_an_auto_mapping_starts_as_4k_pages_whole():
+    """allocate_host(hugepages="auto") maps with MADV_NOHUGEPAGE over the whole buffer (VmFlags
+    "nh"): a 4 KiB piece then needs no call of its own, and only THP pieces are advised."""
+    from hicache.effects._host._memory import allocate_host
+
+    buffer = allocate_host(8 * MiB, hugepages="auto")
+    try:
+        flags = None
+        with open("/proc/self/smaps") as smaps:
+            inside = False
+            for line in smaps:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    low, high = (int(x, 16) for x in head.split("-"))
+                    inside = low <= buffer.ptr < high
+                elif inside and line.startswith("VmFlags:"):
+                    flags = line.split()[1:]
+                    break
+        assert flags is not None and "nh" in flags
+    finally:
+        buffer.free()
