@@ -347,6 +347,22 @@ def test_plan_reads_the_kernel_release_only_when_asked(monkeypatch, capsys):
     assert printed["caps"]["kernel_cap"] < 2**31
 
 
+def _registered_once(runtime):
+    """An event set when ``runtime``'s first register call begins (the order checks below wait
+    on it, bounded, instead of hoping the scheduler runs the register thread in time)."""
+    import threading
+
+    began = threading.Event()
+    real = runtime.register
+
+    def register(ptr, size, flags):
+        began.set()
+        return real(ptr, size, flags)
+
+    runtime.register = register
+    return began
+
+
 def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monkeypatch, lock):
     """With a slow fake driver and a slow pre-fault: every register call starts only once its
     whole chunk is resident, and the first one starts before the last piece is faulted (the
@@ -357,9 +373,14 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
     pieces = []
     real = _pipeline.prefault
 
+    runtime = FakeRuntime(register_bytes_per_s=64 * 1024 / 0.01)  # 10 ms a chunk
+    first_call = _registered_once(runtime)
+
     def slow_prefault(buffer, **kw):
         start = _time.perf_counter()
         _time.sleep(0.01)
+        if kw["start"] + kw["length"] >= buffer.nbytes:  # the last piece: once a call has begun (bounded:
+            first_call.wait(30)  # without pipelining none begins, and the order check below fails)
         report = real(buffer, **kw)
         pieces.append((buffer.ptr + kw["start"], kw["length"], start, _time.perf_counter()))
         return report
@@ -367,7 +388,6 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
     monkeypatch.setattr(_pipeline, "prefault", slow_prefault)
     monkeypatch.setattr(_pipeline, "PIECE_BYTES", 32 * 1024)
     plan = _pool_plan(pages=64)  # 4 chunks of 64 KiB: 8 pieces
-    runtime = FakeRuntime(register_bytes_per_s=64 * 1024 / 0.01)  # 10 ms a chunk
     handle = bring_up(plan, runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger(), mode="pipelined")
     calls = runtime.cudart.timeline
     handle.release()
@@ -472,9 +492,13 @@ def test_a_pool_planned_with_the_call_cap_registers_while_it_still_faults(monkey
 
     pieces = []
     real = _pipeline.prefault
+    runtime = FakeRuntime()
+    first_call = _registered_once(runtime)
 
     def slow_prefault(buffer, **kw):
         _time.sleep(0.005)
+        if kw["start"] + kw["length"] >= buffer.nbytes:  # the last piece waits (bounded) for a call to begin
+            first_call.wait(30)
         report = real(buffer, **kw)
         pieces.append(_time.perf_counter())
         return report
@@ -483,7 +507,6 @@ def test_a_pool_planned_with_the_call_cap_registers_while_it_still_faults(monkey
     monkeypatch.setattr(_pipeline, "PIECE_BYTES", 64 * 1024)
     monkeypatch.setenv("HICACHE_CALL_CAP", "256KiB")
     monkeypatch.delenv("HICACHE_REGISTER_CHUNK", raising=False)
-    runtime = FakeRuntime()
     device = MHADevicePool(size=512, layer_num=2, head_num=2, head_dim=64, page_size=4)
     pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", machine=ROOMY, runtime=runtime,
                                 ledger=HostLedger(), budget_lock=lock)
