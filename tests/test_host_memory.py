@@ -531,7 +531,8 @@ def test_a_freed_buffer_gives_its_pages_back_in_parallel_pieces_then_unmaps(monk
     monkeypatch.setattr(_release, "_libc_madvise", recording)
     assert _release.give_back(buffer.ptr, buffer.mapped_bytes, threads=4) == 4
     assert resident_bytes(buffer.ptr, buffer.mapped_bytes) == 0 and not buffer.tensor.any()
-    assert len(names) > 1 and all(n.startswith("hicache-release") for n in names)
+    assert names and all(n.startswith("hicache-release") for n in names)  # on the pool's threads (how many
+    # of its four take a piece is the scheduler's: under load one may take them all)
     assert _release.give_back(buffer.ptr, 64 * 1024, threads=4) == 0  # one piece: munmap alone
     calls = []
     monkeypatch.setattr(_release, "give_back", lambda ptr, length: calls.append((ptr, length)))
