@@ -75,14 +75,15 @@ class GatherCopy:
             raise ValueError(f"programs must be >= 1, got {programs}")
         self.device, self.programs = device, programs
         self._views = None  # the torch runner's word views and indices, built on its first run
+        parts = [part for part in parts if part[3]]
+        if device is not None and host_side is not None and registered is not None and parts:
+            # every part's host pieces in one pass against the ranges (merged once), before any is translated
+            side = 0 if host_side == "dst" else 1
+            check_registered(torch.cat([part[side] + part[4 + side] for part in parts]),
+                             torch.cat([part[2] for part in parts]), registered)
         dsts, srcs, sizes = [], [], []
         for dst_offsets, src_offsets, part_sizes, total, dst_base, src_base in parts:
-            if not total:
-                continue
             if device is not None and host_side is not None:
-                if registered is not None:
-                    host_offsets, host_base = (dst_offsets, dst_base) if host_side == "dst" else (src_offsets, src_base)
-                    check_registered(host_offsets + host_base, part_sizes, registered)
                 reach = int((part_sizes + (dst_offsets if host_side == "dst" else src_offsets)).max())
                 base = dst_base if host_side == "dst" else src_base
                 moved = _translate(host_pointer, base, reach)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from hicache.effects._host._libc import madvise_function as _libc_madvise  # a name of this module: tests wrap it
+
 #: Pieces a release gives back from each thread (MADV_DONTNEED takes the mmap lock for reading:
 #: threads free pages side by side, where munmap frees them all from one; 6 GiB of 4 KiB pages
 #: here: 0.20 s munmap alone, 0.13 s with 2 threads first). Below two pieces: munmap alone.
@@ -34,9 +36,3 @@ def give_back(ptr: int, length: int, *, threads: int | None = None) -> int:
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hicache-release") as pool:
         list(pool.map(zap, pieces))
     return workers
-
-
-def _libc_madvise():
-    from hicache.effects._host._libc import madvise_function
-
-    return madvise_function()

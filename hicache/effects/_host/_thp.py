@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
+from hicache.effects._host._libc import madvise_function
 from hicache.plan._thp import PieceFault, ThpSnapshot, base_rate, brake_reason, decide_piece
 
 MADV_HUGEPAGE = 14
@@ -38,13 +39,11 @@ def _madvise_range(ptr: int, length: int, *, huge: bool) -> bool:
     may start mid-page where a plan gave up page alignment); False if the kernel refused."""
     import mmap
 
-    from hicache.effects._host._libc import madvise_function as _madvise
-
     page = mmap.PAGESIZE
     start, end = -(-ptr // page) * page, (ptr + length) // page * page
     if end <= start:
         return True
-    return _madvise()(start, end - start, MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE) == 0
+    return madvise_function()(start, end - start, MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE) == 0
 
 
 def _huge_bytes(ptr: int, length: int) -> int | None:
@@ -62,9 +61,9 @@ class ThpAuto:
 
     def __init__(self, *, node: int | None = None, enabled=None, free_blocks=None, madvise=None, huge_bytes=None,
                  root: str = "/", clock=time.perf_counter) -> None:
-        self._clock = clock
         from hicache.effects._host._probes import free_2mib_blocks
 
+        self._clock = clock
         self._enabled = enabled if enabled is not None else (lambda: _read_enabled(root))
         self._free_blocks = free_blocks if free_blocks is not None else (lambda: free_2mib_blocks(root=root, node=node))
         self._madvise = madvise if madvise is not None else _madvise_range
@@ -93,8 +92,7 @@ class ThpAuto:
         # only a THP piece is advised: an auto mapping is made MADV_NOHUGEPAGE whole, and each
         # piece faults once - advising a 4 KiB piece again took the mmap lock for writing between
         # the other threads' pre-fault calls for nothing (2 GiB bring-up here: 0.58x -> 0.70x of by hand)
-        if decision.huge and not self._madvise(ptr, length, huge=True):
-            self._madvise(ptr, length, huge=False)
+        if decision.huge and not self._madvise(ptr, length, huge=True):  # refused: the range stays 4 KiB
             decision = decision._replace(huge=False, rule="thp-off", reason="madvise(MADV_HUGEPAGE) refused")
         with self._lock:
             if decision.huge:
