@@ -46,6 +46,24 @@ class _DevicePool:
         for tensor in self.tensors():
             tensor.zero_()
 
+    def to(self, device) -> "_DevicePool":
+        """Move every buffer to ``device`` (a GPU, for the real-GPU tests and checks); returns self."""
+        torch = _torch()
+
+        def moved(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(device)
+            if isinstance(value, list):
+                return [moved(item) for item in value]
+            if isinstance(value, SimpleNamespace):
+                return SimpleNamespace(**{name: moved(item) for name, item in vars(value).items()})
+            return value
+
+        for name, value in list(vars(self).items()):
+            setattr(self, name, moved(value))
+        self.device = str(device)
+        return self
+
 
 class MHADevicePool(_DevicePool):
     def __init__(self, *, head_num: int, head_dim: int, k_only: bool = False, **kw):

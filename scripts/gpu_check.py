@@ -10,7 +10,7 @@ GB/s; then the same pool brought up progressively (`bring_up(mode=Progressive())
 call): time to the first registered chunk vs the whole blocking bring-up, and the longest call;
 the longest a 1 MiB mmap in another thread waits beside one cold whole-buffer call and beside
 the progressive bring-up; pre-fault and registration GB/s with 4 KiB pages, THP and (where
-reserved) hugetlbfs; hicache's bring-up defaults (4 GiB calls, hugepages="auto") against SGLang
+reserved) hugetlbfs; the transfer table (`gpu_transfers.py`); hicache's bring-up defaults (4 GiB calls, hugepages="auto") against SGLang
 0.5.23's path at 37.5 GiB and 100 GB (`gpu_bringup.py`). Uses cuda-python for everything CUDA (torch may be a CPU build). Exit 0
 ok, 1 mismatch or failure, 2 no CUDA.
 """
@@ -201,16 +201,33 @@ def main() -> int:
     out.update(figures, progressive_longest_mmap_wait_s=round(wait_s, 4))
     out["one_cold_call_longest_mmap_wait_s"] = round(out["one_cold_call_longest_mmap_wait_s"], 4)
     out.update(page_size_figures(nbytes, runtime))
-    from gpu_bringup import bringup_table  # issue #53: the defaults against SGLang 0.5.23's path
-
-    out["bringup_defaults"] = bringup_table(runtime)
+    _section("registration", out)
     if torch.cuda.is_available():  # the pools' transfers need a CUDA torch (issue #52)
         from gpu_transfers import transfer_table
 
-        out["transfers"] = transfer_table()
-        out["ok"] = out["ok"] and out["transfers"]["ok"]
+        out["transfers"] = _guarded(transfer_table)
+        _section("transfers", out["transfers"])
+        out["ok"] = out["ok"] and out["transfers"].get("ok", False)
+    from gpu_bringup import bringup_table  # issue #53: the defaults against SGLang 0.5.23's path
+
+    out["bringup_defaults"] = _guarded(lambda: bringup_table(runtime))
+    _section("bringup_defaults", out["bringup_defaults"])
     print(json.dumps(out, sort_keys=True))
     return 0 if out["ok"] else 1
+
+
+def _guarded(run) -> dict:
+    """A section's table, or its error (one section failing leaves the others' figures)."""
+    try:
+        return run()
+    except Exception as error:  # noqa: BLE001 - reported in the JSON line
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+
+
+def _section(name: str, figures: dict) -> None:
+    """Each section's figures on stderr as it ends (stdout keeps the one JSON line): a run cut
+    short by its time limit still shows what it measured."""
+    print(json.dumps({"section": name, **figures}, sort_keys=True, default=str), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,81 @@ def test_progressive_pool_serves_pages_while_it_registers_on_cuda():
         pool.destroy()
 
 
+def _family_cases():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from test_pools import CASES
+
+    return CASES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, layout", _family_cases(), ids=[f"{n}-{l}" for n, l in _family_cases()])
+def test_every_family_and_layout_round_trips_on_cuda_with_each_engine(name, layout):
+    """Every family x layout on a real GPU, with SGLang's `direct` backend on the copy engine
+    and its `kernel` backend on the gather and on the table's choice: a backup of random device
+    pages then a per-layer load gives back the device rows bit for bit, and the three engines
+    leave the same host bytes."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of torch (the development pin is the CPU build)")
+    round_trip_each_engine(name, layout, "cuda")
+
+
+def round_trip_each_engine(name, layout, target):
+    """The round trip above on ``target`` ("cuda"; "cpu" to try this code without a GPU)."""
+    import torch
+    from test_pools import _slots, make
+
+    from hicache.effects import CopyEngine
+
+    host_bytes = []
+    for transfer, backend in (("dma", "direct"), ("gather", "kernel"), ("auto", "kernel")):
+        pool, device = make(name, layout, pin_memory=True, limits=Limits(chunk_limit_bytes=4 * 2**20),
+                            copy_engine=CopyEngine(transfer=transfer))
+        try:
+            device.randomize(11)
+            device.to(target)
+            page = pool.page_size
+            generator = torch.Generator().manual_seed(5)
+            device_pages = torch.randperm(device.slots // page - 1, generator=generator)[:3] + 1
+            device_idx = (device_pages[:, None] * page + torch.arange(page)).reshape(-1).to(target)
+            host_idx = _slots(pool, 3)
+            original = [t.clone() for t in device.tensors()]
+            pool.backup_from_device_all_layer(device, host_idx, device_idx, backend)
+            _synchronize(torch, target)
+            host_bytes.append([b.clone() for b in pool.buffers])
+            device.zero()
+            for layer in range(pool.start_layer, pool.end_layer):
+                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, backend)
+            _synchronize(torch, target)
+            rows = (device_pages if any(s.rows for s in pool.streams()) else device_idx.cpu()).to(target)
+            axis = 1 if name == "mamba" else 0
+            for before, after in zip(original, device.tensors()):
+                assert torch.equal(before.index_select(axis, rows), after.index_select(axis, rows)), transfer
+        finally:
+            pool.destroy()
+    assert all(torch.equal(a, b) for a, b in zip(host_bytes[0], host_bytes[1]))
+    assert all(torch.equal(a, b) for a, b in zip(host_bytes[0], host_bytes[2]))
+
+
+def _synchronize(torch, target) -> None:
+    if target == "cuda":
+        torch.cuda.synchronize()
+
+
+def test_every_stand_in_moves_all_its_buffers_to_a_device():
+    """The device stand-ins' `to()` (the GPU tests put them on CUDA with it) moves every buffer
+    of every family, the Mamba cache's namespace included ("meta" stands in for a GPU here)."""
+    torch = pytest.importorskip("torch")
+    from test_pools import FAMILIES
+
+    for name, (_, device_pool) in FAMILIES.items():
+        device = device_pool()
+        assert device.to("meta") is device and device.device == "meta", name
+        assert device.tensors() and all(t.device.type == "meta" for t in device.tensors()), name
+        assert all(t.device.type == "meta" for t in vars(device).values() if isinstance(t, torch.Tensor)), name
+
+
 def test_the_bring_up_table_runs_on_cpu_under_the_fake_driver(monkeypatch):
     """scripts/gpu_bringup.py's table, the code the GPU check runs, at small sizes under the fake
     driver: interleaved rounds of hicache's defaults and SGLang's path, each brought up and
