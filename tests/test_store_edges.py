@@ -13,13 +13,20 @@ import sys
 import textwrap
 import threading
 
+from array import array
+
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from store_support import MovedOnAfterLookup, StoppingOps, shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
 from test_store_index import NS, OPS, PAGE, Pages, _open
 
 from hicache.errors import StoreClosedError, TransferError
 from hicache.plan._store import LENGTH, RECORD
+from hicache.effects._arena._slots import NativeSlotOps, PythonSlotOps
+from hicache.effects._arena._slots import _native as _slot_native
 from hicache.store._keys import slot_keys
+from hicache.store._pages import PageSegments, check_pages
 
 torch = pytest.importorskip("torch")
 _LENGTH_AT = 8 + 16 + 8 + 8  # a record's length field: after gen, key, sum1, sum2
@@ -116,11 +123,12 @@ def test_close_waits_for_a_read_in_flight_and_the_read_completes(shm_dir, ops):
     ("ending in the arena's header", "arena's own mapping"),
 ])
 @pytest.mark.parametrize("direction", ["put", "get"])
-def test_bad_segments_are_refused_before_any_copy(shm_dir, case, match, direction):
-    """Every page's segments are checked before any byte moves, on reads and writes: the same
-    number per page, whole 8-byte words, one page in all, inside the address space and outside
-    the arena's mapping (a segment into its index would wipe every engine's view of it)."""
-    store, src = _open(shm_dir, "python"), Pages(2)
+def test_bad_segments_are_refused_before_any_copy(shm_dir, case, match, direction, ops):
+    """Every page's segments are checked before any byte moves, on reads and writes, by the C
+    helper's pass and by the fallback's: the same number per page, whole 8-byte words, one page
+    in all, inside the address space and outside the arena's mapping (a segment into its index
+    would wipe every engine's view of it)."""
+    store, src = _open(shm_dir, ops), Pages(2)
     try:
         store.put(NS, ["a", "b"], src.segments())
         index = store.arena.base + store.arena.plan.index_offset
@@ -142,6 +150,62 @@ def test_bad_segments_are_refused_before_any_copy(shm_dir, case, match, directio
         assert store.exists(NS, ["a", "b"]) == 2 and store.present(NS, ["x"]) == [False]
     finally:
         store.close()
+
+
+_TOP = 2**63
+
+
+@st.composite
+def segment_batches(draw):
+    """Batches of pages cut into segments near every edge the checks draw: address 0, 2**63 and
+    2**64, the arena's two ends, sizes of 0, not whole words, larger than a page, short of one."""
+    per_page = draw(st.integers(1, 3))
+    page_bytes = 8 * draw(st.integers(per_page, 64))
+    arena = (draw(st.sampled_from([4096, 2**40, _TOP - 2**20])), 0)
+    arena = (arena[0], arena[0] + 8 * draw(st.integers(1, 4096)))
+    edges = [0, 8, arena[0], arena[1], _TOP, 2**64]
+    pages = draw(st.integers(1, 6))
+    ptrs, sizes = [], []
+    for _ in range(pages):
+        good = draw(st.booleans())
+        cuts = [page_bytes // per_page // 8 * 8] * (per_page - 1)
+        cuts.append(page_bytes - sum(cuts))
+        for size in cuts:
+            if good:
+                ptrs.append(draw(st.integers(2**20, 2**30)) * 8)
+                sizes.append(size)
+                continue
+            size = draw(st.one_of(st.just(size), st.integers(0, 2 * page_bytes), st.integers(0, 2**64 - 1)))
+            # a segment starting or ending at an edge, a few words either side, or anywhere
+            near = st.builds(lambda edge, end, words: (edge - (size if end else 0) + 8 * words) % 2**64,
+                             st.sampled_from(edges), st.booleans(), st.integers(-2, 2))
+            ptrs.append(draw(st.one_of(near, st.integers(0, 2**64 - 1))))
+            sizes.append(size)
+    return ptrs, sizes, per_page, page_bytes, arena
+
+
+@pytest.mark.skipif(_slot_native is None, reason="the C helper is not built (no compiler)")
+@settings(max_examples=400, deadline=None)
+@given(segment_batches())
+@example(([4096 - 64], [64], 1, 64, (4096, 8192)))  # ends where the arena starts: good
+@example(([4096 - 56], [64], 1, 64, (4096, 8192)))  # one word into it
+@example(([8192], [64], 1, 64, (4096, 8192)))  # starts where it ends: good
+@example(([8192 - 8], [64], 1, 64, (4096, 8192)))
+@example(([_TOP - 128], [64], 1, 64, (4096, 8192)))  # ends a page below 2**63: good
+@example(([_TOP - 64], [64], 1, 64, (4096, 8192)))  # ends at 2**63
+@example(([2**20, 2**21], [32, 32], 2, 64, (4096, 8192)))  # two segments, one page: good
+@example(([8, 16, 24], [_TOP - 8, _TOP - 8, 80], 3, 64, (4096, 8192)))  # sizes adding up to 2**64 + a page
+def test_the_c_helpers_segment_checks_agree_with_the_fallbacks(batch):
+    """The C helper's `check_segments` and the fallback's torch pass find the same first bad page
+    (or none) on every batch, edges included (a law: either pass may run the store's checks)."""
+    ptrs, sizes, per_page, page_bytes, (start, end) = batch
+    ptrs, sizes = array("Q", ptrs), array("Q", sizes)
+    native = NativeSlotOps.first_bad_page(ptrs, sizes, per_page, page_bytes, start, end)
+    assert native == PythonSlotOps.first_bad_page(ptrs, sizes, per_page, page_bytes, start, end)
+    if native >= 0:  # the message pass agrees too: it names that page
+        with pytest.raises(TransferError, match=f"^page {native}:"):
+            check_pages(PageSegments(ptrs, sizes, per_page), count=len(ptrs) // per_page, page_bytes=page_bytes,
+                        arena=(start, end), where="test", ops=NativeSlotOps)
 
 
 def _one_stored(shm_dir, ops):

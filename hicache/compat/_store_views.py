@@ -86,13 +86,14 @@ class PoolView:
                                     f"its {size} slots")
         return starts
 
-    def segments(self, starts) -> PageSegments:
-        """The pages' segments, flat, every one checked to lie inside one of the pool's buffers:
+    def segments(self, starts, host_indices) -> PageSegments:
+        """The segments of the pages at ``starts`` (``host_indices``: the caller's indices they were
+        read from by `starts`, 1-D - a pool's meta takes each page's first), flat, every one checked to lie inside one of the pool's buffers:
         at once where the batch's lowest and highest byte share one buffer (a pool's pages lie in
         one tensor: the usual case), else segment by segment. No torch.searchsorted here: it
         wakes torch's OpenMP workers, whose spinning took a core from the copy that follows
         (64 KiB-page batches 1.6x slower on 2 cores)."""
-        ptrs, sizes = self.pool.get_page_buffer_meta(self._indices(starts))
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
         if len(ptrs) != len(starts) * self.per_page or len(sizes) != len(ptrs):
             raise TransferError(f"pool {self.name!r}: {len(ptrs)} segments for {len(starts)} pages")
         try:

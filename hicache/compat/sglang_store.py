@@ -262,8 +262,8 @@ class HiCacheNodeStore(HiCacheStorage):
             return []
         starts = view.starts(host_indices, len(keys))
         began = time.perf_counter()
-        if view.zero_copy:
-            pages = view.segments(starts)
+        if view.zero_copy:  # the caller's indices, checked by starts(): no rebuilt index tensor
+            pages = view.segments(starts, host_indices.reshape(-1))
             ok = (self._put(view, keys, pages, depth) if write else self.store.get(view.namespace, keys, pages))
         else:  # SGLang's flat data pages: one staging copy each way
             if write:

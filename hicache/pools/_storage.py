@@ -325,23 +325,26 @@ class StoragePagesMixin:
         return pages
 
     def _meta_tensor(self, indices, kinds):
-        """`get_page_buffer_meta` for a 1-D integer tensor, in a few vectorized torch ops (the
-        same checks as `_meta_pages`); None where the plain path must answer (DCP, an empty or
-        odd-length tensor, a bad index - it raises the error naming it)."""
+        """`get_page_buffer_meta` for a 1-D integer tensor: its page starts read once, then plain
+        int arithmetic with the same checks as `_meta_pages` (a dozen torch ops per batch were a
+        tenth of a 64 KiB-page L3 read: issue #51); None where the plain path must answer (DCP,
+        an empty or odd-length tensor, a bad index - it raises the error naming it)."""
         import torch
 
         step = self.logical_page_size
         if (self.dcp_size != 1 or indices.dim() != 1 or indices.numel() == 0 or indices.numel() % step
                 or indices.dtype not in (torch.int64, torch.int32) or indices.device.type != "cpu"):
             return None
-        starts = indices[::step].to(torch.int64)
-        pages, offsets = starts.div(self.page_size, rounding_mode="floor"), starts.remainder(self.page_size)
-        if bool(offsets.any()) or int(starts.min()) < 0 or int(starts.max()) >= self.size:
+        starts = indices[::step].tolist()
+        page_size = self.page_size
+        pages = [start // page_size for start in starts]
+        if min(starts) < 0 or max(starts) >= self.size or [page * page_size for page in pages] != starts:
             return None
-        bases = torch.tensor([ptr for ptr, _, _ in kinds], dtype=torch.int64)
-        strides = torch.tensor([stride for _, stride, _ in kinds], dtype=torch.int64)
-        ptrs = (pages.unsqueeze(1) * strides + bases).view(-1).tolist()
-        return ptrs, [size for _, _, size in kinds] * pages.numel()
+        if len(kinds) == 1:
+            ((ptr, stride, size),) = kinds
+            return [ptr + page * stride for page in pages], [size] * len(pages)
+        ptrs = [ptr + page * stride for page in pages for ptr, stride, _ in kinds]
+        return ptrs, [size for _, _, size in kinds] * len(pages)
 
     def get_page_buffer_meta(self, indices):
         """Zero-copy pointers, as SGLang's pools compute them: for every page of ``indices``,

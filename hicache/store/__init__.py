@@ -20,7 +20,7 @@ from hicache.errors import ArenaGeometryError, StoreClosedError
 from hicache.plan import StorePlan, plan_store
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
 from hicache.store._namespaces import BUSY
-from hicache.store._keys import Namespace, shard_of, slot_keys
+from hicache.store._keys import Namespace, SlotKeyMemo, shard_of
 from hicache.store._pages import PageSegments, check_pages
 
 __all__ = ["Census", "Namespace", "NodeStore", "PageSegments", "SlotIndex", "StoreCounts", "StorePlan", "drop_arena", "open_store",
@@ -62,6 +62,7 @@ class NodeStore:
         self.counts = StoreCounts()
         self._counting = threading.Lock()  # SGLang's prefetch and backup threads count at once
         self._digests: dict[Namespace, bytes] = {}
+        self._slot_keys = SlotKeyMemo()
         self._entries: dict[Namespace, int] = {}  # a cache: `_held_entry` checks it on every write
         self._used: set[Namespace] = set()  # what clear() empties by default
         self._calls = threading.Condition()  # the calls in flight, which close() waits for
@@ -119,7 +120,8 @@ class NodeStore:
         """``pages`` as one batch of segments, checked (`check_pages`)."""
         pages = PageSegments.of(pages)
         check_pages(pages, count=len(keys), page_bytes=namespace.page_bytes,
-                    arena=(self.arena.base, self.arena.base + self.arena.plan.total_bytes), where=self.arena.path)
+                    arena=(self.arena.base, self.arena.base + self.arena.plan.total_bytes), where=self.arena.path,
+                    ops=self.arena.ops)
         return pages
 
     def exists(self, namespace: Namespace, keys) -> int:
@@ -127,14 +129,14 @@ class NodeStore:
         with self._open_for("exists"):
             if not keys:
                 return 0
-            return self.index.leading(slot_keys(self._digest(namespace), keys))
+            return self.index.leading(self._slot_keys(self._digest(namespace), keys))
 
     def present(self, namespace: Namespace, keys) -> list[bool]:
         """Whether each of ``keys`` is held."""
         with self._open_for("present"):
             if not keys:
                 return []
-            found, _ = self.index.find(slot_keys(self._digest(namespace), keys))
+            found, _ = self.index.find(self._slot_keys(self._digest(namespace), keys))
             return [slot != _arena.NOT_FOUND for slot in found]
 
     def get(self, namespace: Namespace, keys, pages) -> list[bool]:
@@ -147,7 +149,7 @@ class NodeStore:
             return []
         digest = self._digest(namespace)
         pages = self._pages(namespace, keys, pages)
-        ok, torn, corrupt = self.index.read(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes)
+        ok, torn, corrupt = self.index.read(self._slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes)
         hits = sum(ok)
         with self._counting:
             self.counts.hits += hits
@@ -176,7 +178,7 @@ class NodeStore:
             return [False] * len(keys)
         try:
             depths = [first_depth + i for i in range(len(keys))]
-            result = self.index.write(slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes, depths=depths,
+            result = self.index.write(self._slot_keys(digest, keys), pages, page_bytes=namespace.page_bytes, depths=depths,
                                       namespace=entry)
         finally:
             self.index.release_entry(entry)

@@ -51,6 +51,32 @@ def slot_keys(namespace_digest: bytes, keys) -> bytes:
                      for key in keys])
 
 
+class SlotKeyMemo:
+    """`slot_keys`, each key hashed once per namespace while it is remembered: SGLang asks
+    `batch_exists` for a prefix and then reads (or writes) the same keys, and a hot prefix is read
+    again and again (hashing a 128-key batch was a twentieth of a 64 KiB-page read: issue #51).
+    At most ``limit`` keys are remembered (then it starts afresh); dict reads and writes only, so
+    SGLang's threads may share it."""
+
+    def __init__(self, limit: int = 1 << 15) -> None:
+        self.limit = limit
+        self._known: dict[bytes, dict[str, bytes]] = {}
+
+    def __call__(self, namespace_digest: bytes, keys) -> bytes:
+        known = self._known.get(namespace_digest)
+        if known is not None:
+            try:
+                return b"".join([known[key] for key in keys])
+            except (KeyError, TypeError):  # a new key (or one slot_keys refuses below)
+                pass
+        fresh = slot_keys(namespace_digest, keys)
+        if known is None or len(known) + len(keys) > self.limit:
+            known = self._known[namespace_digest] = {}
+        if len(keys) <= self.limit:
+            known.update(zip(keys, (fresh[i:i + DIGEST_BYTES] for i in range(0, len(fresh), DIGEST_BYTES))))
+        return fresh
+
+
 def shard_of(*, is_mla: bool, pool: str, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1,
              cp_rank: int = 0, cp_size: int = 1, dcp_rank: int = 0, dcp_size: int = 1) -> tuple:
     """The shard a rank's pages of ``pool`` belong to, by SGLang 0.5.23's rules (HiCacheFile's

@@ -5,7 +5,8 @@ to or from it.
 ``sizes[i*k:(i+1)*k]``, k segments per page - in u64 arrays the C helper reads as they are, and
 checks them in one vectorized pass (a per-segment Python loop was a tenth of a 64 KiB-page
 `batch_get_v1`, issue #51). `NodeStore` also takes SGLang-style lists of ``[(ptr, bytes), ...]``
-per page; `PageSegments.of` turns them into one. Imports hicache.errors (and torch, lazily).
+per page; `PageSegments.of` turns them into one. Imports hicache.errors and the arena room (whose
+slot ops run the checks: the C helper, or the fallback's torch).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from array import array
 
 import attrs
 
+from hicache.effects import arena as _arena
 from hicache.errors import TransferError
 
 _TOP = 2**63  # pointers at or above read negative as int64: outside every user address space anyway
@@ -70,36 +72,31 @@ class PageSegments:
         return PageSegments(ptrs, sizes, k)
 
 
-def check_pages(pages: PageSegments, *, count: int, page_bytes: int, arena: tuple[int, int], where: str) -> None:
+def check_pages(pages: PageSegments, *, count: int, page_bytes: int, arena: tuple[int, int], where: str,
+                ops=None) -> None:
     """``count`` pages, each of whole 8-byte words adding up to ``page_bytes``, every segment
     inside the address space and outside ``arena`` (``[start, end)``: the store's own mapping,
-    whose index a stray segment would overwrite for every attached engine). One vectorized pass;
-    the first failure, in page order, is a `TransferError` naming page, segment and ``where``."""
+    whose index a stray segment would overwrite for every attached engine). One pass by the
+    arena's slot ``ops`` (the C helper's, or the fallback's vectorized torch; the fallback's by
+    default); the first failure, in page order, is a `TransferError` naming page, segment and ``where``."""
     if pages.count != count or len(pages.ptrs) != len(pages.sizes):
         raise TransferError(f"{count} keys but {pages.count} pages")
     if not count:
         return
-    import torch
+    first = (ops or _arena.PythonSlotOps).first_bad_page(pages.ptrs, pages.sizes, pages.per_page, page_bytes, *arena)
+    if first >= 0:
+        _first_failure(pages, page_bytes, arena, where, first)
 
-    ptr = torch.frombuffer(pages.ptrs, dtype=torch.int64)
-    size = torch.frombuffer(pages.sizes, dtype=torch.int64)
-    end = ptr + size  # wraps negative past 2**63: caught as end <= ptr
+
+def _first_failure(pages: PageSegments, page_bytes: int, arena: tuple[int, int], where: str, first: int) -> None:
+    """The error of page ``first``, the first failing one (a slow pass, taken only when one fails)."""
     start_arena, end_arena = arena
-    bad = ((size <= 0) | (size % 8 != 0) | (ptr <= 0) | (end <= ptr)
-           | ((ptr < end_arena) & (end > start_arena))).any()
-    if bool(bad) or bool((size.view(count, pages.per_page).sum(1) != page_bytes).any()):
-        _first_failure(pages, page_bytes, arena, where)
-
-
-def _first_failure(pages: PageSegments, page_bytes: int, arena: tuple[int, int], where: str) -> None:
-    """The error of the first failing page (a slow pass, taken only when one fails)."""
-    start_arena, end_arena = arena
-    for i in range(pages.count):
+    for i in range(first, pages.count):
         segments = pages.page(i)
         for ptr, size in segments:
             if size <= 0 or size % 8 or size >= _TOP:
                 raise TransferError(f"page {i}: a segment of {size} bytes is not whole 8-byte words")
-            if ptr <= 0 or ptr >= _TOP or ptr + size > _TOP:
+            if ptr <= 0 or ptr >= _TOP or ptr + size >= _TOP:
                 raise TransferError(f"page {i}: segment {ptr:#x} + {size} bytes is outside the address space")
             if ptr < end_arena and start_arena < ptr + size:
                 raise TransferError(f"page {i}: segment {ptr:#x} + {size} bytes lies in the arena's own mapping "

@@ -492,6 +492,49 @@ static PyObject *victims(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* check_segments(seg_ptrs, seg_lens, per_page, page_bytes, arena_start, arena_end) -> the first
+ * page (in page order) with a segment at address 0, of no bytes or not whole 8-byte words, larger
+ * than a page, reaching 2**63 (negative as int64: outside every user address space) or touching
+ * [arena_start, arena_end) - the store's own mapping - or whose sizes do not add up to page_bytes;
+ * -1 when every page passes. hicache.store._pages.check_pages's rule in one pass without the
+ * GIL's per-op costs (its torch pass, the fallback, was a tenth of a 64 KiB-page read: issue #51). */
+static PyObject *check_segments(PyObject *self, PyObject *args) {
+    Py_ssize_t per_page;
+    unsigned long long page_bytes, arena_start, arena_end;
+    PyObject *o_ptrs, *o_lens;
+    if (!PyArg_ParseTuple(args, "OOnKKK", &o_ptrs, &o_lens, &per_page, &page_bytes, &arena_start, &arena_end))
+        return NULL;
+    if (per_page < 1) {
+        PyErr_SetString(PyExc_ValueError, "check_segments: per_page must be >= 1");
+        return NULL;
+    }
+    Py_buffer ptrs, lens;
+    if (get_u64(o_ptrs, &ptrs, 0, "seg_ptrs") < 0) return NULL;
+    if (get_u64(o_lens, &lens, 0, "seg_lens") < 0) { PyBuffer_Release(&ptrs); return NULL; }
+    Py_ssize_t count = ptrs.len / 8;
+    if (count != lens.len / 8 || count % per_page) {
+        PyBuffer_Release(&ptrs); PyBuffer_Release(&lens);
+        PyErr_SetString(PyExc_ValueError, "check_segments: pointers and sizes differ in count or are not whole pages");
+        return NULL;
+    }
+    const uint64_t top = (uint64_t)1 << 63;
+    const uint64_t *ptr = ptrs.buf, *len = lens.buf;
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t page = 0; bad < 0 && page < count / per_page; page++) {
+        uint64_t total = 0;
+        for (Py_ssize_t s = page * per_page; s < (page + 1) * per_page; s++) {
+            uint64_t p = ptr[s], n = len[s];
+            /* p, n < 2**63 and n <= page_bytes: p + n and the page's total cannot wrap */
+            if (p == 0 || p >= top || n == 0 || n % 8 || n > page_bytes || p + n >= top
+                || (p < arena_end && p + n > arena_start)) { bad = page; break; }
+            total += n;
+        }
+        if (bad < 0 && total != page_bytes) bad = page;
+    }
+    PyBuffer_Release(&ptrs); PyBuffer_Release(&lens);
+    return PyLong_FromSsize_t(bad);
+}
+
 static PyMethodDef methods[] = {
     {"load", slot_load, METH_VARARGS, "load(addr) -> u64, acquire"},
     {"store", slot_store, METH_VARARGS, "store(addr, value), release"},
@@ -500,6 +543,7 @@ static PyMethodDef methods[] = {
     {"lookup", lookup, METH_VARARGS, "each key's slot in its window, or -1"},
     {"victims", victims, METH_VARARGS, "each key's window in the order a writer tries its slots"},
     {"read_pages", read_pages, METH_VARARGS, "the slot protocol's reads: look up, copy, checksum, re-check"},
+    {"check_segments", check_segments, METH_VARARGS, "the first page whose segments fail the store's checks, or -1"},
     {NULL, NULL, 0, NULL},
 };
 

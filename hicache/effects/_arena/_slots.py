@@ -68,11 +68,37 @@ def _u64s(values) -> array:
     return array("Q", values)
 
 
+def _first_bad_page_torch(ptrs, sizes, per_page: int, page_bytes: int, arena_start: int, arena_end: int) -> int:
+    """`check_segments`' rule in vectorized torch (the fallback; the C helper's answers agree):
+    the first page with a segment at 0, of no bytes, not whole 8-byte words, larger than a page,
+    reaching 2**63 or touching ``[arena_start, arena_end)``, or whose sizes miss ``page_bytes``; -1 if none."""
+    import torch
+
+    if not len(ptrs):
+        return -1
+    ptr = torch.frombuffer(ptrs, dtype=torch.int64)
+    size = torch.frombuffer(sizes, dtype=torch.int64)
+    end = ptr + size  # both below 2**63 when good: an end at or past it wraps negative, caught as end <= ptr
+    bad = ((size <= 0) | (size % 8 != 0) | (size > page_bytes) | (ptr <= 0) | (end <= ptr)
+           | ((ptr < arena_end) & (end > arena_start))).view(-1, per_page).any(1)
+    bad |= size.view(-1, per_page).sum(1) != page_bytes  # no wrap: at most per_page x page_bytes
+    failing = bad.nonzero()
+    return int(failing[0, 0]) if failing.numel() else -1
+
+
 class NativeSlotOps:
     """The C helper's operations."""
 
     name = "native"
     atomic_add = True
+
+    @staticmethod
+    def first_bad_page(ptrs, sizes, per_page: int, page_bytes: int, arena_start: int, arena_end: int) -> int:
+        """The store's segment checks in one C pass (`_first_bad_page_torch` where the build predates it)."""
+        check = getattr(_native, "check_segments", None)
+        if check is None:
+            return _first_bad_page_torch(ptrs, sizes, per_page, page_bytes, arena_start, arena_end)
+        return check(ptrs, sizes, per_page, page_bytes, arena_start, arena_end)
 
     load = staticmethod(_native.load) if _native else None
     store = staticmethod(_native.store) if _native else None
@@ -234,6 +260,7 @@ class PythonSlotOps:
 
     name = "python"
     atomic_add = False
+    first_bad_page = staticmethod(_first_bad_page_torch)
 
     @staticmethod
     def load(addr: int) -> int:
