@@ -269,7 +269,9 @@ def test_the_c_helper_reads_records_laid_out_as_the_plan_says():
     assert RECORD.format == "<Q16sQQIIHBxIQ"  # gen, key, sum1, sum2, length, ...: the offsets below
     plan_layout = {"RECORD_BYTES": RECORD_BYTES, "OFF_SUM1": struct.calcsize("<Q16s"),
                    "OFF_SUM2": struct.calcsize("<Q16sQ"), "OFF_LENGTH": struct.calcsize("<Q16sQQ"),
-                   "OFF_DEPTH": struct.calcsize("<Q16sQQI"), "OFF_REF": REF_OFFSET}
+                   "OFF_DEPTH": struct.calcsize("<Q16sQQI"), "OFF_REF": REF_OFFSET,
+                   "OFF_NS": struct.calcsize("<Q16sQQII"), "OFF_WRITER": struct.calcsize("<Q16sQQIIHBx"),
+                   "OFF_STAMP": struct.calcsize("<Q16sQQIIHBxI")}
     assert _slots._RECORD_LAYOUT == plan_layout
     assert {name: getattr(_slots._native, name) for name in plan_layout} == plan_layout
 
@@ -450,3 +452,63 @@ def test_a_slot_another_writer_filled_after_this_one_chose_it_is_not_taken(shm_d
     finally:
         a.close()
         b.close()
+
+
+def test_a_batch_never_claims_one_slot_twice_whatever_its_window_order_says(shm_dir, ops):
+    """Two keys of one batch whose windows both start at one slot, the second's look at it
+    claiming the odd generation the first is about to give it (an order no lookup gives, but
+    the protocol must not trust it): the first keeps its slot - and its lock - and the second
+    goes to its next one; both read back byte-exact."""
+    store = _open(shm_dir, ops, total=ONE_WINDOW)
+    real, window = store.index.ops, store.arena.plan.window
+
+    class Crossed:
+        """The store's ops, with the second key's window ordered to start at the first's slot."""
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def victims(*args):
+            order, seen = (list(part) for part in real.victims(*args))
+            order[window:2 * window] = [order[0]] + [s for s in order[window:2 * window] if s != order[0]]
+            seen[window:2 * window] = [seen[0] + 1] + [g for s, g in zip(order[window + 1:2 * window],
+                                                                        seen[window + 1:2 * window])]
+            return order, seen
+
+    store.index.ops = Crossed()
+    src, out = Pages(2, seed=31), Pages(2, seed=32)
+    try:
+        assert store.put(NS, ["a", "b"], src.segments()) == [True, True]
+        assert store.get(NS, ["a", "b"], out.segments()) == [True, True]
+        assert torch.equal(out.data, src.data)
+        assert store.census().pages == 2
+    finally:
+        store.close()
+
+
+def test_a_written_record_holds_every_field_the_plan_gives_it(shm_dir, ops):
+    """After a put (the C helper's one-call write, or the fallback's steps) each record holds its
+    key, both sums, the page's length, its chain depth, the namespace entry, an unset referenced
+    bit, the writer's pid and the wall clock (ns) of the write - the same fields either way."""
+    import os
+    import time
+
+    from hicache.plan._store import DEPTH, GEN, KEY, LENGTH, REF, STAMP, SUM1, SUM2, WRITER
+    from hicache.plan._store import NS as ENTRY
+
+    store = _open(shm_dir, ops)
+    try:
+        before = time.time_ns()
+        assert store.put(NS, ["a", "b"], Pages(2, seed=41).segments(), first_depth=7) == [True, True]
+        after = time.time_ns()
+        found, _ = store.index.find(slot_keys(NS.digest, ["a", "b"]))
+        entry = store.index.entry_of(NS.digest)
+        for depth, (slot, key) in enumerate(zip(found, (slot_keys(NS.digest, ["a"]), slot_keys(NS.digest, ["b"]))), 7):
+            record = store.index._record(slot)
+            assert record[GEN] % 2 == 0 and record[GEN] > 0 and record[KEY] == key
+            assert record[SUM1] and record[SUM2]
+            assert (record[LENGTH], record[DEPTH], record[ENTRY], record[REF]) == (PAGE, depth, entry, 0)
+            assert record[WRITER] == os.getpid() & 0xFFFFFFFF and before <= record[STAMP] <= after
+    finally:
+        store.close()

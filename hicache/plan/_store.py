@@ -41,13 +41,16 @@ BACKINGS = ("tmpfs", "hugetlbfs")
 #   sum1, sum2   u64 checksum of the payload, seeded by the key (see hicache.effects' arena room)
 #   length u32   payload bytes; depth u32: the page's position in its chain (prefix_keys + i)
 #   ns u16       namespace table entry; ref u8: CLOCK's referenced bit; pad; writer u32 (pid)
-#   stamp u64    the arena's write counter when published (status: oldest/newest)
+#   stamp u64    the wall clock (ns) when the writer claimed the slot (for diagnosis)
 RECORD = struct.Struct("<Q16sQQIIHBxIQ")
 GEN, KEY, SUM1, SUM2, LENGTH, DEPTH, NS, REF, WRITER, STAMP = range(10)
 REF_OFFSET = 8 + 16 + 8 + 8 + 4 + 4 + 2  # byte offset of `ref` inside a record
 #: byte offsets of sum1, sum2, length and depth inside a record (the C helper reads them there)
 SUM1_OFFSET, SUM2_OFFSET, LENGTH_OFFSET, DEPTH_OFFSET = (struct.calcsize(prefix) for prefix in
                                                           ("<Q16s", "<Q16sQ", "<Q16sQQ", "<Q16sQQI"))
+#: byte offsets of ns, writer and stamp (the C helper's writes put them there)
+NS_OFFSET, WRITER_OFFSET, STAMP_OFFSET = (struct.calcsize(prefix) for prefix in
+                                          ("<Q16sQQII", "<Q16sQQIIHBx", "<Q16sQQIIHBxI"))
 assert RECORD.size <= RECORD_BYTES
 
 _HEADER = struct.Struct("<8sIIQQQQQIBxxxQQQ64s")  # then a CRC32 of these bytes

@@ -130,9 +130,22 @@ class SlotIndex(NamespaceEntries):
         if not missing:
             return result
         window, index_addr = self.plan.window, self.arena.base + self.plan.index_offset
+        wanted = b"".join([digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)] for i in missing])
         # every missing key's window ordered in one pass (a struct per record was most of a batch)
-        order, seen_gens = self.ops.victims(index_addr, self.plan.slots, window,
-                                            b"".join(digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)] for i in missing))
+        order, seen_gens = self.ops.victims(index_addr, self.plan.slots, window, wanted)
+        if self.fault_hook is None and hasattr(self.ops, "write_pages"):  # the steps below in one C call
+            chosen = pages.take(missing)
+            status = self.ops.write_pages(index_addr, self.arena.base + self.plan.data_offset, self.arena.fd,
+                                          self.plan.index_offset, self.plan.slots, window, self.plan.slot_stride,
+                                          page_bytes, wanted, chosen.ptrs, chosen.sizes, chosen.per_page, order,
+                                          seen_gens, [depths[i] & 0xFFFFFFFF for i in missing], namespace, self._pid,
+                                          time.time_ns())
+            for i, state in zip(missing, status):
+                if state:
+                    result.stored[i] = True
+                    result.written += 1
+                    result.evictions += state == 2
+            return result
         claimed = []  # (i, slot, odd generation)
         taken: set[int] = set()  # slots this batch claimed: a later key of it skips them
         stamp = time.time_ns()

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <fcntl.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -492,6 +493,179 @@ static PyObject *victims(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#define OFF_NS 48
+#define OFF_WRITER 52
+#define OFF_STAMP 56
+
+/* an OFD lock (F_WRLCK) or unlock (F_UNLCK) of one record's bytes of the arena file, never waiting:
+ * whether it was taken (hicache.effects._arena._slots.try_lock's lock, so either side sees the other's) */
+static int record_lock(int fd, uint64_t offset, short type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)offset;
+    fl.l_len = RECORD_BYTES;
+    return fcntl(fd, F_OFD_SETLK, &fl) == 0;
+}
+
+/* write_pages(index_addr, data_addr, fd, index_offset, nslots, window, slot_stride, page_bytes, keys,
+ *             seg_ptrs, seg_lens, per_page, order, seen, depths, namespace, pid, stamp, status[, threads])
+ * The write side of the slot protocol in one call, without the GIL (per-page Python around the
+ * copy was most of a 64 KiB-page batch_set_v1: issue #51) - hicache.store._index's `_write`, step
+ * for step, which the fallback and the tests' fault hooks run. For each 16-byte key (one not held)
+ * the slots of its window in `order` (from victims; `seen`: the generation each was seen with) are
+ * tried in turn: a slot this batch took already is skipped; one whose record lock another writer
+ * holds is skipped; one whose generation moved on since it was seen is let go. The first taken
+ * becomes odd (being written), gets its record (key, zero sums, length, depth, namespace, writer,
+ * stamp); then every claimed page is copied in and checksummed, its sums stored, its generation
+ * published even, and every lock let go. status[i]: 0 not stored (every slot of its window
+ * busy), 1 stored, 2 stored in place of a live page (an eviction). Every page's segments are whole
+ * words adding up to page_bytes <= slot_stride, checked before anything is locked; where the
+ * segments point is the caller's check. */
+static PyObject *write_pages(PyObject *self, PyObject *args) {
+    unsigned long long index_addr, data_addr, index_offset, slot_stride, page_bytes, stamp;
+    unsigned int namespace_entry, pid;
+    int fd, threads = 1;
+    Py_ssize_t nslots, window, per_page;
+    Py_buffer keys;
+    PyObject *o_ptrs, *o_lens, *o_order, *o_seen, *o_depths, *o_status;
+    if (!PyArg_ParseTuple(args, "KKiKnnKKy*OOnOOOIIKO|i", &index_addr, &data_addr, &fd, &index_offset, &nslots,
+                          &window, &slot_stride, &page_bytes, &keys, &o_ptrs, &o_lens, &per_page, &o_order, &o_seen,
+                          &o_depths, &namespace_entry, &pid, &stamp, &o_status, &threads))
+        return NULL;
+    Py_ssize_t n = keys.len / 16;
+    if (nslots < 1 || window < 1 || per_page < 1 || keys.len % 16 || page_bytes % 8 || page_bytes > slot_stride
+        || namespace_entry > 0xFFFF) {
+        PyBuffer_Release(&keys);
+        PyErr_SetString(PyExc_ValueError, "write_pages: bad slot count, window, segment count, key bytes, page bytes "
+                        "or namespace entry");
+        return NULL;
+    }
+    Py_buffer ptrs, lens, order, seen, depths, status;
+    int got = 0;
+    if (get_u64(o_ptrs, &ptrs, n * per_page, "seg_ptrs") == 0) got = 1;
+    if (got == 1 && get_u64(o_lens, &lens, n * per_page, "seg_lens") == 0) got = 2;
+    if (got == 2 && get_u64(o_order, &order, n * window, "order") == 0) got = 3;
+    if (got == 3 && get_u64(o_seen, &seen, n * window, "seen") == 0) got = 4;
+    if (got == 4 && get_u64(o_depths, &depths, n, "depths") == 0) got = 5;
+    if (got == 5 && PyObject_GetBuffer(o_status, &status, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) {
+        got = 6;
+        if (status.len < n) {
+            PyErr_Format(PyExc_ValueError, "status holds %zd bytes, %zd needed", status.len, n);
+            got = 7;
+        }
+    }
+    const uint64_t *len = got >= 2 ? lens.buf : NULL, *slots_in = got >= 3 ? order.buf : NULL;
+    for (Py_ssize_t i = 0; got == 6 && i < n; i++) {
+        uint64_t total = 0;
+        for (Py_ssize_t s = 0; s < per_page; s++) {
+            uint64_t size = len[i * per_page + s];
+            if (size == 0 || size % 8 || size > page_bytes) { total = UINT64_MAX; break; }
+            total += size;
+        }
+        if (total != page_bytes) {
+            PyErr_Format(PyExc_ValueError, "write_pages: page %zd's segments are not whole words adding up to %llu "
+                         "bytes", i, page_bytes);
+            got = 7;
+        }
+    }
+    for (Py_ssize_t k = 0; got == 6 && k < n * window; k++) {
+        if (slots_in[k] >= (uint64_t)nslots) {
+            PyErr_Format(PyExc_ValueError, "write_pages: slot %llu is past the arena's %zd", slots_in[k], nslots);
+            got = 7;
+        }
+    }
+    uint64_t *slot_addrs = NULL, *sums = NULL, *claimed_slot = NULL, *claimed_odd = NULL;
+    Py_ssize_t *picked = NULL;
+    unsigned char *taken = NULL, *evicted = NULL;
+    if (got == 6) {
+        Py_ssize_t m = n ? n : 1;
+        slot_addrs = malloc(sizeof(uint64_t) * m);
+        sums = malloc(2 * sizeof(uint64_t) * m);
+        claimed_slot = malloc(sizeof(uint64_t) * m);
+        claimed_odd = malloc(sizeof(uint64_t) * m);
+        picked = malloc(sizeof(Py_ssize_t) * m);
+        evicted = calloc((size_t)m, 1);
+        taken = calloc((size_t)(nslots + 7) / 8, 1); /* a bit per slot: the ones this batch claimed */
+        if (!slot_addrs || !sums || !claimed_slot || !claimed_odd || !picked || !evicted || !taken) {
+            PyErr_NoMemory();
+            got = 7;
+        }
+    }
+    if (got != 6) {
+        free(slot_addrs); free(sums); free(claimed_slot); free(claimed_odd); free(picked); free(evicted); free(taken);
+        if (got >= 6) PyBuffer_Release(&status);
+        if (got >= 5) PyBuffer_Release(&depths);
+        if (got >= 4) PyBuffer_Release(&seen);
+        if (got >= 3) PyBuffer_Release(&order);
+        if (got >= 2) PyBuffer_Release(&lens);
+        if (got >= 1) PyBuffer_Release(&ptrs);
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    const unsigned char *key = keys.buf;
+    const uint64_t *seen_gen = seen.buf, *depth = depths.buf;
+    unsigned char *state = status.buf;
+    static const unsigned char zero_key[16] = {0};
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t claimed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        state[i] = 0;
+        for (Py_ssize_t j = 0; j < window; j++) {
+            uint64_t slot = slots_in[i * window + j];
+            if (taken[slot / 8] & (1u << (slot % 8))) continue;
+            if (!record_lock(fd, index_offset + slot * RECORD_BYTES, F_WRLCK)) continue;
+            unsigned char *rec = (unsigned char *)(uintptr_t)(index_addr + slot * RECORD_BYTES);
+            uint64_t gen = __atomic_load_n((uint64_t *)rec, __ATOMIC_ACQUIRE);
+            if (gen != seen_gen[i * window + j]) { /* another writer filled or changed it since: not ours */
+                record_lock(fd, index_offset + slot * RECORD_BYTES, F_UNLCK);
+                continue;
+            }
+            evicted[i] = gen && !(gen & 1) && memcmp(rec + 8, zero_key, 16) != 0;
+            uint64_t odd = gen % 2 == 0 ? gen + 1 : gen + 2;
+            __atomic_store_n((uint64_t *)rec, odd, __ATOMIC_RELAXED);
+            __atomic_thread_fence(__ATOMIC_RELEASE); /* odd before any byte of the record or payload */
+            uint64_t zero = 0, dep = depth[i] & 0xFFFFFFFFu, when = stamp;
+            uint32_t length = (uint32_t)page_bytes, depth32 = (uint32_t)dep, writer = pid;
+            uint16_t ns = (uint16_t)namespace_entry;
+            unsigned char ref_pad[2] = {0, 0};
+            memcpy(rec + 8, key + 16 * i, 16);
+            memcpy(rec + OFF_SUM1, &zero, 8);
+            memcpy(rec + OFF_SUM2, &zero, 8);
+            memcpy(rec + OFF_LENGTH, &length, 4);
+            memcpy(rec + OFF_DEPTH, &depth32, 4);
+            memcpy(rec + OFF_NS, &ns, 2);
+            memcpy(rec + OFF_REF, ref_pad, 2);
+            memcpy(rec + OFF_WRITER, &writer, 4);
+            memcpy(rec + OFF_STAMP, &when, 8);
+            taken[slot / 8] |= (unsigned char)(1u << (slot % 8));
+            slot_addrs[claimed] = data_addr + slot * slot_stride;
+            memcpy(sums + 2 * claimed, key + 16 * i, 16); /* the seeds: the key's two little-endian words */
+            claimed_slot[claimed] = slot;
+            claimed_odd[claimed] = odd;
+            picked[claimed++] = i;
+            break;
+        }
+    }
+    job_t job = {0, per_page, slot_addrs, ptrs.buf, lens.buf, sums, picked};
+    run_job(&job, claimed, threads); /* its sfence: every payload byte visible before a publish */
+    for (Py_ssize_t c = 0; c < claimed; c++) {
+        unsigned char *rec = (unsigned char *)(uintptr_t)(index_addr + claimed_slot[c] * RECORD_BYTES);
+        __atomic_store_n((uint64_t *)(rec + OFF_SUM1), sums[2 * c], __ATOMIC_RELEASE);
+        __atomic_store_n((uint64_t *)(rec + OFF_SUM2), sums[2 * c + 1], __ATOMIC_RELEASE);
+        __atomic_store_n((uint64_t *)rec, claimed_odd[c] + 1, __ATOMIC_RELEASE); /* publish */
+        state[picked[c]] = evicted[picked[c]] ? 2 : 1;
+    }
+    for (Py_ssize_t c = 0; c < claimed; c++)
+        record_lock(fd, index_offset + claimed_slot[c] * RECORD_BYTES, F_UNLCK);
+    Py_END_ALLOW_THREADS
+    free(slot_addrs); free(sums); free(claimed_slot); free(claimed_odd); free(picked); free(evicted); free(taken);
+    PyBuffer_Release(&status); PyBuffer_Release(&depths); PyBuffer_Release(&seen); PyBuffer_Release(&order);
+    PyBuffer_Release(&lens); PyBuffer_Release(&ptrs); PyBuffer_Release(&keys);
+    Py_RETURN_NONE;
+}
+
 /* check_segments(seg_ptrs, seg_lens, per_page, page_bytes, arena_start, arena_end) -> the first
  * page (in page order) with a segment at address 0, of no bytes or not whole 8-byte words, larger
  * than a page, reaching 2**63 (negative as int64: outside every user address space) or touching
@@ -543,6 +717,7 @@ static PyMethodDef methods[] = {
     {"lookup", lookup, METH_VARARGS, "each key's slot in its window, or -1"},
     {"victims", victims, METH_VARARGS, "each key's window in the order a writer tries its slots"},
     {"read_pages", read_pages, METH_VARARGS, "the slot protocol's reads: look up, copy, checksum, re-check"},
+    {"write_pages", write_pages, METH_VARARGS, "the slot protocol's writes: claim, copy, checksum, publish"},
     {"check_segments", check_segments, METH_VARARGS, "the first page whose segments fail the store's checks, or -1"},
     {NULL, NULL, 0, NULL},
 };
@@ -555,7 +730,9 @@ PyMODINIT_FUNC PyInit__slotops(void) {
     /* the record layout this build reads: _slots refuses the helper if hicache.plan's differs */
     if (PyModule_AddIntConstant(m, "RECORD_BYTES", RECORD_BYTES) < 0 || PyModule_AddIntConstant(m, "OFF_SUM1", OFF_SUM1) < 0
         || PyModule_AddIntConstant(m, "OFF_SUM2", OFF_SUM2) < 0 || PyModule_AddIntConstant(m, "OFF_LENGTH", OFF_LENGTH) < 0
-        || PyModule_AddIntConstant(m, "OFF_REF", OFF_REF) < 0 || PyModule_AddIntConstant(m, "OFF_DEPTH", OFF_DEPTH) < 0) {
+        || PyModule_AddIntConstant(m, "OFF_REF", OFF_REF) < 0 || PyModule_AddIntConstant(m, "OFF_DEPTH", OFF_DEPTH) < 0
+        || PyModule_AddIntConstant(m, "OFF_NS", OFF_NS) < 0 || PyModule_AddIntConstant(m, "OFF_WRITER", OFF_WRITER) < 0
+        || PyModule_AddIntConstant(m, "OFF_STAMP", OFF_STAMP) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -19,7 +19,7 @@ from array import array
 
 from hicache.plan._store import DEPTH_OFFSET as _DEPTH
 from hicache.plan._store import LENGTH_OFFSET as _LENGTH
-from hicache.plan._store import RECORD_BYTES, REF_OFFSET
+from hicache.plan._store import NS_OFFSET, RECORD_BYTES, REF_OFFSET, STAMP_OFFSET, WRITER_OFFSET
 from hicache.plan._store import SUM1_OFFSET as _SUM1
 from hicache.plan._store import SUM2_OFFSET as _SUM2
 
@@ -34,7 +34,8 @@ NOT_FOUND = MASK
 #: the slot on meanwhile (those bytes are not the key's), or length/checksum wrong while it stood still.
 MISS, HIT, TORN, CORRUPT = range(4)
 _RECORD_LAYOUT = {"RECORD_BYTES": RECORD_BYTES, "OFF_SUM1": _SUM1, "OFF_SUM2": _SUM2, "OFF_LENGTH": _LENGTH,
-                  "OFF_DEPTH": _DEPTH, "OFF_REF": REF_OFFSET}
+                  "OFF_DEPTH": _DEPTH, "OFF_REF": REF_OFFSET, "OFF_NS": NS_OFFSET, "OFF_WRITER": WRITER_OFFSET,
+                  "OFF_STAMP": STAMP_OFFSET}
 if _native is not None and any(getattr(_native, name, None) != value for name, value in _RECORD_LAYOUT.items()):
     _native = None  # a stale build of another record layout: never read records through it (the fallback is right)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock (x86-64 / aarch64): type, whence, start, len, pid
@@ -130,6 +131,21 @@ class NativeSlotOps:
         slots, gens = array("Q", bytes(8 * n * window)), array("Q", bytes(8 * n * window))
         _native.victims(index_addr, nslots, window, keys, slots, gens)
         return slots.tolist(), gens.tolist()
+
+    @staticmethod
+    def write_pages(index_addr: int, data_addr: int, fd: int, index_offset: int, nslots: int, window: int,
+                    slot_stride: int, page_bytes: int, keys: bytes, seg_ptrs, seg_lens, per_page: int, order, seen,
+                    depths, namespace: int, pid: int, stamp: int) -> list[int]:
+        """The slot protocol's writes in one call (hicache.store._index's `_write`, which the
+        fallback runs): each key's status, 0 not stored, 1 stored, 2 stored over a live page."""
+        from hicache.effects._copy._host_copy import copy_workers
+
+        n = len(keys) // 16
+        status = bytearray(n)
+        _native.write_pages(index_addr, data_addr, fd, index_offset, nslots, window, slot_stride, page_bytes, keys,
+                            seg_ptrs, seg_lens, per_page, array("Q", order), array("Q", seen),
+                            array("Q", depths), namespace, pid, stamp, status, copy_workers(n * page_bytes))
+        return list(status)
 
     @staticmethod
     def read_pages(index_addr: int, data_addr: int, nslots: int, window: int, slot_stride: int, page_bytes: int,
