@@ -41,6 +41,8 @@ def test_a_known_batch_is_not_hashed_again(monkeypatch):
     assert len(hashed) == 1
     assert memo(DIGESTS[0], keys + ["new"]) == slot_keys(DIGESTS[0], keys + ["new"]) and len(hashed) == 2
     assert memo(DIGESTS[1], keys) == slot_keys(DIGESTS[1], keys) and len(hashed) == 3  # another namespace
+    memo.forget()
+    assert memo(DIGESTS[0], keys) == slot_keys(DIGESTS[0], keys) and len(hashed) == 4  # forgotten: hashed again
 
 
 def test_a_key_slot_keys_refuses_is_refused_alike():

@@ -62,6 +62,10 @@ class SlotKeyMemo:
         self.limit = limit
         self._known: dict[bytes, dict[str, bytes]] = {}
 
+    def forget(self) -> None:
+        """Remember nothing (the next batch of every namespace is hashed afresh)."""
+        self._known = {}
+
     def __call__(self, namespace_digest: bytes, keys) -> bytes:
         known = self._known.get(namespace_digest)
         if known is not None:
