@@ -41,7 +41,7 @@ ROUNDS = int(os.environ.get("HICACHE_BENCH_ROUNDS", "5"))
 
 #: tokens per page of each case: the small one is a 16-token page of a small model (64 KiB)
 PAGE_TOKENS = {"mla": 64, "mha": 64, "small": 16}
-KINDS = os.environ.get("HICACHE_BENCH_STORE_KINDS", "small,mla,mha").split(",")
+KINDS = [k for k in os.environ.get("HICACHE_BENCH_STORE_KINDS", "small,mla,mha").split(",") if k]
 
 
 def _pool(kind: str):
@@ -203,26 +203,26 @@ def _restart(shm: str) -> str:
     """Seconds from a fresh controller to its first L3 hit, over an arena and over HiCacheFile."""
     from store_support import Zygote
 
-    figures = {}
+    figures: dict = {"dynamic": [], "file": []}
+    paths = {backend: f"{shm}/restart-{backend}" for backend in figures}
     with Zygote(sglang=True) as zygote:
-        for backend in ("dynamic", "file"):
-            path = f"{shm}/restart-{backend}"
-            args = dict(path=path, size_gb=0.2, kind="mha", layout="page_first_direct", pools="hicache", seed=3,
-                        pages=64, backend=backend)
-            zygote.start(f"{backend}-old", "controller", mode="write", **args)
+        common = dict(size_gb=0.2, kind="mha", layout="page_first_direct", pools="hicache", seed=3, pages=64)
+        for backend, path in paths.items():  # each back end's pages written by an engine that then dies
+            zygote.start(f"{backend}-old", "controller", mode="write", path=path, backend=backend, **common)
             zygote.wait_for(f"{backend}-old", "stored")
             zygote.kill(f"{backend}-old")
-            runs = []
-            for r in range(3):
-                zygote.start(f"{backend}-{r}", "controller", mode="prefetch", **args)
+        for r in range(max(ROUNDS, 3)):  # interleaved, the order swapped every other round
+            for backend in (("dynamic", "file") if r % 2 == 0 else ("file", "dynamic")):
+                zygote.start(f"{backend}-{r}", "controller", mode="prefetch", path=paths[backend], backend=backend,
+                             **common)
                 report = zygote.result(f"{backend}-{r}")
                 assert report["byte_exact"], report
-                runs.append(report["first_hit_s"])
-            figures[backend] = runs
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.unlink(path)
+                figures[backend].append(report["first_hit_s"])
+    for path in paths.values():
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.unlink(path)
     return median_line("restart: a fresh HybridCacheController to its first L3 hit (64 pages, arena)",
                        figures["dynamic"], "HiCacheFile on /dev/shm", figures["file"])
 
