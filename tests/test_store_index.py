@@ -505,7 +505,7 @@ def test_a_written_record_holds_every_field_the_plan_gives_it(shm_dir, ops):
         found, _ = store.index.find(slot_keys(NS.digest, ["a", "b"]))
         entry = store.index.entry_of(NS.digest)
         for depth, (slot, key) in enumerate(zip(found, (slot_keys(NS.digest, ["a"]), slot_keys(NS.digest, ["b"]))), 7):
-            record = store.index._record(slot)
+            record = store.arena.records.record(slot)
             assert record[GEN] % 2 == 0 and record[GEN] > 0 and record[KEY] == key
             assert record[SUM1] and record[SUM2]
             assert (record[LENGTH], record[DEPTH], record[ENTRY], record[REF]) == (PAGE, depth, entry, 0)

@@ -31,6 +31,10 @@ _HOMES = {
     **dict.fromkeys(("Range",), "hicache.plan._range"),
     **dict.fromkeys(("StorePlan", "plan_store"), "hicache.plan._store"),
     **dict.fromkeys((
+        "SlotView", "claimed_generation", "home_slot", "published_generation", "reclaimed_generation", "victim_order",
+        "window_of"
+    ), "hicache.plan._slot_policy"),
+    **dict.fromkeys((
         "DEFAULT_HUGEPAGE_BYTES", "HUGEPAGE_MODES", "HUGETLBFS_MODES", "SETTINGS_ENV", "SGLANG_CHUNK_ENV",
         "ResolvedLimits", "env_size", "resolve_limits"
     ), "hicache.plan._settings"),

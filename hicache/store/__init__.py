@@ -9,7 +9,6 @@ hicache.effects' arena room, the slot protocol is `_index`.
 
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager
 
@@ -239,7 +238,7 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
         return _arena.create_arena(path, plan, label=label, threads=threads, progress=progress, page_bytes=slot_bytes,
                                    total_bytes=size_bytes, ops=ops, root=root, backing=backing)
 
-    if not budget or os.path.lexists(path):  # attaching (or racing a creator: its lock orders us)
+    if not budget or _arena.arena_present(path):  # attaching (or racing a creator: its lock orders us)
         return NodeStore(create(), fault_hook=fault_hook)
     from hicache.effects import admission, probe_machine
     from hicache.plan import check_budget
@@ -247,7 +246,7 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     lock = admission.budget_lock() if lock is None else lock
     _arena.check_room(path, plan, backing)  # the mount's own limit first: the more telling error
     with lock:  # held until the arena is resident: peers then see it as used
-        if not os.path.lexists(path):
+        if not _arena.arena_present(path):
             facts = probe_machine(root=root) if machine is None else machine
             # ranks admitted before us may still be pre-faulting (their claims decide, not their fill:
             # issue #35): what they have yet to fault in is not gone from the sample yet

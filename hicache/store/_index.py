@@ -15,16 +15,14 @@ first, so leading-prefix hits survive).
 
 from __future__ import annotations
 
-import ctypes
-import os
 import struct
 import threading
-import time
 
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.plan._store import GEN, KEY, RECORD, RECORD_BYTES, SUM1_OFFSET, SUM2_OFFSET
+from hicache.plan._slot_policy import claimed_generation, published_generation, reclaimed_generation
+from hicache.plan._store import GEN, KEY, RECORD_BYTES, SUM1_OFFSET, SUM2_OFFSET
 from hicache.store._keys import DIGEST_BYTES
 from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
 from hicache.store._pages import PageSegments
@@ -60,7 +58,7 @@ class SlotIndex(NamespaceEntries):
         self.plan = arena.plan
         self.ops = arena.ops
         self.fault_hook = fault_hook
-        self._pid = os.getpid() & 0xFFFFFFFF
+        self.records = arena.records  # every word of the index and table this reads or writes
         # OFD locks exclude other open files, not this one's threads (SGLang backs up on one
         # thread while another prefetches): writers and reclaimers here take this first
         self._writing = threading.Lock()
@@ -68,13 +66,6 @@ class SlotIndex(NamespaceEntries):
         self._held: dict[int, int] = {}
 
     # -- records ---------------------------------------------------------------------------------
-    def _record(self, slot: int) -> tuple:
-        return RECORD.unpack(ctypes.string_at(self.arena.record_addr(slot), RECORD.size))
-
-    def _put_fields(self, slot: int, fields: tuple) -> None:
-        raw = RECORD.pack(*fields)
-        ctypes.memmove(self.arena.record_addr(slot) + 8, raw[8:], len(raw) - 8)
-
     def _lock(self, slot: int) -> bool:
         return _arena.try_lock(self.arena.fd, self.plan.record_offset(slot), RECORD_BYTES)
 
@@ -138,8 +129,8 @@ class SlotIndex(NamespaceEntries):
             status = self.ops.write_pages(index_addr, self.arena.base + self.plan.data_offset, self.arena.fd,
                                           self.plan.index_offset, self.plan.slots, window, self.plan.slot_stride,
                                           page_bytes, wanted, chosen.ptrs, chosen.sizes, chosen.per_page, order,
-                                          seen_gens, [depths[i] & 0xFFFFFFFF for i in missing], namespace, self._pid,
-                                          time.time_ns())
+                                          seen_gens, [depths[i] & 0xFFFFFFFF for i in missing], namespace,
+                                          self.records.writer(), self.records.now_ns())
             for i, state in zip(missing, status):
                 if state:
                     result.stored[i] = True
@@ -148,23 +139,23 @@ class SlotIndex(NamespaceEntries):
             return result
         claimed = []  # (i, slot, odd generation)
         taken: set[int] = set()  # slots this batch claimed: a later key of it skips them
-        stamp = time.time_ns()
+        writer, stamp = self.records.writer(), self.records.now_ns()
         try:
             for m, i in enumerate(missing):
                 key = digests[DIGEST_BYTES * i:DIGEST_BYTES * (i + 1)]
                 for slot, seen in zip(order[m * window:(m + 1) * window], seen_gens[m * window:(m + 1) * window]):
                     if slot in taken or not self._lock(slot):
                         continue
-                    gen, old_key = self._record(slot)[GEN:KEY + 1]
+                    gen, old_key = self.records.record(slot)[GEN:KEY + 1]
                     if gen != seen:  # another writer filled or changed it since we looked (it was
                         self._unlock(slot)  # empty then, say): not ours to evict - the next one
                         continue
                     if gen and not gen & 1 and old_key != ZERO_KEY:
                         result.evictions += 1
-                    odd = gen + 1 if gen % 2 == 0 else gen + 2
+                    odd = claimed_generation(gen)
                     self.ops.store(self.arena.record_addr(slot), odd)
-                    self._put_fields(slot, (odd, key, 0, 0, page_bytes, depths[i] & 0xFFFFFFFF, namespace, 0,
-                                            self._pid, stamp))
+                    self.records.write_fields(slot, (odd, key, 0, 0, page_bytes, depths[i] & 0xFFFFFFFF, namespace, 0,
+                                                     writer, stamp))
                     claimed.append((i, slot, odd))
                     taken.add(slot)
                     self._hook("claimed", i)
@@ -194,7 +185,7 @@ class SlotIndex(NamespaceEntries):
                 self.ops.store(record + SUM1_OFFSET, s1)
                 self.ops.store(record + SUM2_OFFSET, s2)
                 self._hook("summed", i)
-                self.ops.store(record, odd + 1)  # publish
+                self.ops.store(record, published_generation(odd))  # publish
                 result.stored[i] = True
                 result.written += 1
                 self._hook("published", i)
@@ -223,27 +214,19 @@ class SlotIndex(NamespaceEntries):
                 return False
             if seen_gen is None and not gen & 1:
                 return False
-            odd = gen + 1 if gen % 2 == 0 else gen
+            odd = reclaimed_generation(gen)
             self.ops.store(self.arena.record_addr(slot), odd)
-            self._put_fields(slot, (odd, ZERO_KEY, 0, 0, 0, 0, NO_NAMESPACE, 0, 0, 0))
-            self.ops.store(self.arena.record_addr(slot), odd + 1)
+            self.records.write_fields(slot, (odd, ZERO_KEY, 0, 0, 0, 0, NO_NAMESPACE, 0, 0, 0))
+            self.ops.store(self.arena.record_addr(slot), published_generation(odd))
             return True
         finally:
             self._unlock(slot)
-
-    def _index_view(self, dtype):
-        """The index records as a [slots, record] tensor over the arena (valid while it is attached:
-        NodeStore refuses every call after close)."""
-        import torch
-
-        view = (ctypes.c_char * self.plan.index_bytes).from_address(self.arena.base + self.plan.index_offset)
-        return torch.frombuffer(view, dtype=dtype).view(self.plan.slots, -1)
 
     def _columns(self):
         """The records as int64 words (an unsigned field above 2**63 reads negative: mask with _U64)."""
         import torch
 
-        return self._index_view(torch.int64)
+        return self.records.index_words(torch.int64)
 
     def reclaim_torn(self) -> int:
         """Reclaim every torn slot whose writer is gone; returns how many."""

@@ -1,7 +1,7 @@
 """The node store's namespace table (256 entries in the arena): claiming an entry for a
 namespace, holding it while pages go under it, freeing it when its last page has gone. Part of
-`SlotIndex` (whose arena, plan, columns and writer mutex it uses); its record format is
-hicache.plan's, its locks hicache.effects' arena room's.
+`SlotIndex` (whose arena, records, plan, columns and writer mutex it uses); its record format
+is hicache.plan's, its memory and locks hicache.effects' arena room's.
 
 An entry is held while its namespace has pages: a writer holds it shared (an OFD read lock,
 counted across this process's threads) from its check of the entry's digest to its last
@@ -10,8 +10,6 @@ page is never filed under a freed entry (issue #51).
 """
 
 from __future__ import annotations
-
-import ctypes
 
 from hicache.effects import arena as _arena
 from hicache.errors import NamespaceTableFullError
@@ -32,7 +30,7 @@ class NamespaceEntries:
     def entry_of(self, digest: bytes) -> int:
         """The table entry holding ``digest`` now, or `NO_NAMESPACE` (a lookup: claims nothing)."""
         for entry in range(NAMESPACE_ENTRIES):
-            if ctypes.string_at(self.arena.namespace_addr(entry), DIGEST_BYTES) == digest:
+            if self.records.namespace_digest(entry) == digest:
                 return entry
         return NO_NAMESPACE
 
@@ -45,7 +43,7 @@ class NamespaceEntries:
             if not self._held.get(entry) and not _arena.try_read_lock(self.arena.fd, *self._namespace_range(entry)):
                 return False  # another process is freeing it right now
             self._held[entry] = self._held.get(entry, 0) + 1
-        if ctypes.string_at(self.arena.namespace_addr(entry), DIGEST_BYTES) == digest:
+        if self.records.namespace_digest(entry) == digest:
             return True
         self.release_entry(entry)
         return False
@@ -93,7 +91,7 @@ class NamespaceEntries:
         """Free the table entries (default: all) that no slot names and no writer holds; returns
         how many. Each is re-counted under its exclusive lock, then its digest zeroed first."""
         held = [e for e in (range(NAMESPACE_ENTRIES) if entries is None else entries) if e != NO_NAMESPACE
-                and ctypes.string_at(self.arena.namespace_addr(e), DIGEST_BYTES) != ZERO_KEY]
+                and self.records.namespace_digest(e) != ZERO_KEY]
         if not held:
             return 0
         empty = [e for e, count in zip(sorted(held), self._slots_of(held).tolist()) if not count]
@@ -105,9 +103,7 @@ class NamespaceEntries:
                 try:
                     if int(self._slots_of([entry])[0]):
                         continue  # pages landed under it since the count
-                    addr = self.arena.namespace_addr(entry)
-                    ctypes.memset(addr, 0, DIGEST_BYTES)  # the digest first: no lookup finds it half-cleared
-                    ctypes.memset(addr + DIGEST_BYTES, 0, NAMESPACE_BYTES - DIGEST_BYTES)
+                    self.records.erase_namespace(entry)  # its digest first: no lookup finds it half-cleared
                     freed += 1
                 finally:
                     _arena.unlock(self.arena.fd, *self._namespace_range(entry))
@@ -126,8 +122,7 @@ class NamespaceEntries:
 
     def _scan(self, digest: bytes, raw: bytes) -> tuple[int, bool]:
         for entry in range(NAMESPACE_ENTRIES):
-            addr = self.arena.namespace_addr(entry)
-            held = ctypes.string_at(addr, DIGEST_BYTES)
+            held = self.records.namespace_digest(entry)
             if held == digest:
                 return (entry, False) if self.hold_entry(entry, digest) else (NO_NAMESPACE, True)
             if held != ZERO_KEY:
@@ -137,14 +132,12 @@ class NamespaceEntries:
                 continue
             kept = False
             try:
-                if ctypes.string_at(addr, DIGEST_BYTES) != ZERO_KEY:
+                if self.records.namespace_digest(entry) != ZERO_KEY:
                     continue
                 claimed = self.entry_of(digest)
                 if claimed != NO_NAMESPACE:  # another process claimed it in a later entry meanwhile
                     return (claimed, False) if self.hold_entry(claimed, digest) else (NO_NAMESPACE, True)
-                ctypes.memmove(addr + DIGEST_BYTES, raw.ljust(NAMESPACE_BYTES - DIGEST_BYTES, b"\0"),
-                               NAMESPACE_BYTES - DIGEST_BYTES)
-                ctypes.memmove(addr, digest, DIGEST_BYTES)  # the digest last: a reader sees it whole
+                self.records.write_namespace(entry, digest, raw)  # its digest last: a reader sees it whole
                 with self._holding:  # the exclusive lock becomes the shared hold in one step (a lock
                     kept = _arena.try_read_lock(self.arena.fd, offset, length)  # conversion: never unlocked)
                     if kept:
@@ -158,8 +151,7 @@ class NamespaceEntries:
     def namespaces(self) -> dict[int, str]:
         out = {}
         for entry in range(NAMESPACE_ENTRIES):
-            addr = self.arena.namespace_addr(entry)
-            if ctypes.string_at(addr, DIGEST_BYTES) != ZERO_KEY:
-                raw = ctypes.string_at(addr + DIGEST_BYTES, NAMESPACE_BYTES - DIGEST_BYTES)
+            if self.records.namespace_digest(entry) != ZERO_KEY:
+                raw = self.records.namespace_body(entry)
                 out[entry] = raw.rstrip(b"\0").decode(errors="replace")
         return out

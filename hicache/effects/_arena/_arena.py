@@ -28,6 +28,7 @@ import attrs
 from hicache.errors import ArenaError, HostOutOfMemoryError
 from hicache.effects._arena._creators import CreatorsLock
 from hicache.effects._arena._mounts import Backing, backing_of
+from hicache.effects._arena._records import Records
 from hicache.effects._arena._slots import slot_ops, try_lock, unlock
 from hicache.plan._store import (
     COUNTERS,
@@ -48,7 +49,8 @@ CREATE_WAIT_S = 600.0  # hang guard for the directory lock while another process
 @attrs.define(eq=False)
 class Arena:
     """One mapped arena. ``base`` is the mapping's address; ``created``: this process made it;
-    ``attach_s``: seconds the open/check/map took (or the creation's). `close` is idempotent."""
+    ``attach_s``: seconds the open/check/map took (or the creation's); ``records``: its index
+    records and namespace table (`Records`). `close` is idempotent."""
 
     path: str
     plan: StorePlan
@@ -62,9 +64,11 @@ class Arena:
     base: int = 0
     _pending: dict = attrs.Factory(dict)
     _counting: threading.Lock = attrs.Factory(threading.Lock)  # this process's threads: OFD locks do not part them
+    records: Records | None = attrs.field(init=False, default=None)  # the index and table words, where they lie
 
     def __attrs_post_init__(self) -> None:
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.records = Records(self.base, self.plan)
 
     @property
     def fd(self) -> int:
@@ -127,6 +131,11 @@ class Arena:
         except BufferError:  # a view of it is still alive somewhere: the GC unmaps it later
             pass
         os.close(self._fd)
+
+
+def arena_present(path: str) -> bool:
+    """Whether anything is at ``path`` (a dangling link included): a creator there, or an arena."""
+    return os.path.lexists(path)
 
 
 _KINDS = ((stat.S_ISLNK, "a symbolic link (give the arena's own path)"), (stat.S_ISDIR, "a directory"),

@@ -17,6 +17,7 @@ import fcntl
 import struct
 from array import array
 
+from hicache.plan._slot_policy import SlotView, victim_order, window_of
 from hicache.plan._store import DEPTH_OFFSET as _DEPTH
 from hicache.plan._store import LENGTH_OFFSET as _LENGTH
 from hicache.plan._store import NS_OFFSET, RECORD_BYTES, REF_OFFSET, STAMP_OFFSET, WRITER_OFFSET
@@ -201,25 +202,17 @@ def _python_victims(index_addr: int, nslots: int, window: int, keys: bytes) -> t
     is spent). Read without locks: the writer re-checks a slot under its lock before taking it."""
     slots, gens = [], []
     for i in range(len(keys) // 16):
-        home = int.from_bytes(keys[16 * i:16 * i + 8], "little") % nslots
-        empty, torn, cold, warm = [], [], [], []
-        for j in range(window):
-            slot = (home + j) % nslots
+        views = []
+        for slot in window_of(keys[16 * i:16 * i + 16], nslots, window):
             record = index_addr + slot * RECORD_BYTES
             gen = PythonSlotOps.load(record)
-            if gen == 0 or ctypes.string_at(record + 8, 16) == bytes(16):
-                empty.append((slot, gen))
-            elif gen & 1:
-                torn.append((slot, gen))
-            else:
-                depth = ctypes.c_uint32.from_address(record + _DEPTH).value
-                chosen = warm if ctypes.c_uint8.from_address(record + REF_OFFSET).value else cold
-                chosen.append((depth, slot, gen))
-        if len(warm) == window:
-            for _, slot, _ in warm:
-                ctypes.c_uint8.from_address(index_addr + slot * RECORD_BYTES + REF_OFFSET).value = 0
-        order = empty + torn + [(slot, gen) for _, slot, gen in sorted(cold, key=lambda t: (-t[0], t[1]))]
-        order += [(slot, gen) for _, slot, gen in sorted(warm, key=lambda t: (-t[0], t[1]))]
+            views.append(SlotView(slot, gen, ctypes.string_at(record + 8, 16) == bytes(16),
+                                  bool(ctypes.c_uint8.from_address(record + REF_OFFSET).value),
+                                  ctypes.c_uint32.from_address(record + _DEPTH).value))
+        order, spent = victim_order(views)
+        if spent:  # CLOCK's hand passes: every page of the window loses its second chance
+            for view in views:
+                ctypes.c_uint8.from_address(index_addr + view.slot * RECORD_BYTES + REF_OFFSET).value = 0
         slots += [slot for slot, _ in order]
         gens += [gen for _, gen in order]
     return slots, gens
