@@ -27,6 +27,7 @@ import torch  # noqa: E402,F401  (the state users run in)
 from hicache.effects._hostwide._lock import BudgetLock  # noqa: E402
 from hicache.effects._cuda._ledger import HostLedger  # noqa: E402
 from hicache.effects import MachineFacts, bring_up  # noqa: E402
+from hicache.effects import HostSetup
 from hicache.plan import Limits, MHALayout, plan_pool  # noqa: E402
 from hicache.testing import FakeRuntime  # noqa: E402
 
@@ -51,8 +52,10 @@ def main() -> None:
 
     def run(pipelined: bool) -> None:
         start = time.perf_counter()
-        handle = bring_up(plan, runtime=FakeRuntime(register_bytes_per_s=rate), machine=machine, lock=lock,
-                          ledger=HostLedger(), mode="pipelined" if pipelined else "blocking")
+        handle = bring_up(plan,
+                          host=HostSetup(runtime=FakeRuntime(register_bytes_per_s=rate), machine=machine, lock=lock,
+                                         ledger=HostLedger()),
+                          mode="pipelined" if pipelined else "blocking")
         bring["pipelined" if pipelined else "sequential"].append(time.perf_counter() - start)
         if not pipelined:
             split["prefault"].append(handle.timings["allocate_prefault_s"])

@@ -31,6 +31,7 @@ from _timing import interleaved, median_line  # noqa: E402
 from hicache.effects._hostwide._lock import BudgetLock  # noqa: E402
 from hicache.effects._cuda._ledger import HostLedger  # noqa: E402
 from hicache.effects import MachineFacts, bring_up  # noqa: E402
+from hicache.effects import HostSetup
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost  # noqa: E402
 from hicache.testing import FakeRuntime, MHADevicePool, MLADevicePool  # noqa: E402
 
@@ -56,8 +57,10 @@ def measure(name: str, make, rate: float, rounds: int, lock: BudgetLock) -> None
         blocking.append(time.perf_counter() - start)
         plan = pool.pool_plan
         pool.destroy()
-        handle = bring_up(plan, runtime=FakeRuntime(register_bytes_per_s=rate), machine=MACHINE, lock=lock,
-                          ledger=HostLedger(), mode="blocking")
+        handle = bring_up(plan,
+                          host=HostSetup(runtime=FakeRuntime(register_bytes_per_s=rate), machine=MACHINE, lock=lock,
+                                         ledger=HostLedger()),
+                          mode="blocking")
         ideal.append(max(handle.timings["allocate_prefault_s"], handle.timings["register_s"]))
         handle.release()
 

@@ -107,6 +107,7 @@ def child(rule: str, barrier: str, ranks: int) -> None:
     import torch  # noqa: F401 - a serving rank has torch imported long before its pool (as SGLang's child does)
 
     from hicache.effects import BufferRequest, HostTensorAllocator, bring_up
+    from hicache.effects import HostSetup
     from hicache.plan import Limits, plan_registration
     from hicache.testing import FakeCudart, FakeRuntime
 
@@ -121,9 +122,9 @@ def child(rule: str, barrier: str, ranks: int) -> None:
         # the new rule: the host's ranks each pre-fault on an equal share of the CPUs; the old: one
         # rank at a time, each on all of them (its default then: the CPUs, at most 16)
         allocator = HostTensorAllocator(prefault_threads=min(os.cpu_count() or 1, 16)) if rule == "old" else None
-        handle = bring_up([BufferRequest("kv", (total,), None, plan)], runtime=runtime, machine=_machine(),
-                          mode=os.environ.get("HICACHE_BENCH_MODE"), allocator=allocator,
-                          ranks_per_host=ranks, reserve_bytes=0)
+        handle = bring_up([BufferRequest("kv", (total,), None, plan)],
+                          host=HostSetup(runtime=runtime, machine=_machine(), ranks_per_host=ranks, reserve_bytes=0),
+                          mode=os.environ.get("HICACHE_BENCH_MODE"), allocator=allocator)
         end = time.monotonic()
     finally:
         os.close(old_rule)

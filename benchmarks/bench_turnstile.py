@@ -70,6 +70,7 @@ def child(role: str, barrier: str) -> None:
     import torch  # noqa: F401  (before the barrier)
 
     from hicache.effects import BufferRequest, bring_up
+    from hicache.effects import HostSetup
     from hicache.plan import Limits, plan_registration
     from hicache.testing import FakeCudart, FakeRuntime
 
@@ -83,7 +84,8 @@ def child(role: str, barrier: str) -> None:
     plan = plan_registration(total, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=total))
     runtime = FakeRuntime(FakeCudart(register_bytes_per_s=RATE, driver_lock=driver))
     _ready(barrier)
-    handle = bring_up([BufferRequest("kv", (total,), None, plan)], mode="blocking", runtime=runtime, machine=_machine())
+    handle = bring_up([BufferRequest("kv", (total,), None, plan)], mode="blocking",
+                      host=HostSetup(runtime=runtime, machine=_machine()))
     end = time.monotonic()
     _result(barrier, {"end": end, "calls": len(handle.calls)})
     handle.release()

@@ -29,6 +29,7 @@ ROOM = 1.2
 def _ours(nbytes: int, runtime) -> tuple[float, float, dict]:
     """hicache's defaults: seconds to usable, seconds to release, and what its report says."""
     from hicache.effects import BufferRequest, HostTensorAllocator, bring_up
+    from hicache.effects import HostSetup
     from hicache.effects._host._probes import probe_resolved_limits
     from hicache.plan import plan_registration
 
@@ -38,7 +39,7 @@ def _ours(nbytes: int, runtime) -> tuple[float, float, dict]:
     plan = plan_registration(nbytes, granularity_bytes=unit, limits=limits)
     start = time.perf_counter()
     handle = bring_up([BufferRequest("kv", (nbytes,), None, plan)], allocator=HostTensorAllocator(),
-                      runtime=runtime, budget=False)
+                      host=HostSetup(runtime=runtime), budget=False)
     usable = time.perf_counter() - start
     facts = {"calls": plan.call_count, "page_rules": [list(r) for r in handle.page_rules()],
              "thp_brake": handle.thp_brake, "tiers": {n: t.as_dict() for n, t in handle.tiers()}}

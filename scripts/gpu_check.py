@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import longest_mmap_wait  # noqa: E402
 
 from hicache.effects import CudaPythonRuntime, Progressive, apply_pool_plan, bring_up, probe_cuda  # noqa: E402
+from hicache.effects import HostSetup
 from hicache.effects._host._memory import allocate_host, free_hugepages, prefault  # noqa: E402
 from hicache.effects._copy._device import memcpy_batch  # noqa: E402
 from hicache.plan import Limits, MHALayout, plan_pool  # noqa: E402
@@ -49,7 +50,7 @@ def progressive_figures(pool, runtime, blocking_s: float) -> dict:
     pacing budget (#11). Errors are reported, not raised: the page-copy check stays the verdict."""
     try:
         start = time.perf_counter()
-        bringup = bring_up([pool], mode=Progressive(), runtime=runtime)
+        bringup = bring_up([pool], mode=Progressive(), host=HostSetup(runtime=runtime))
         try:
             bringup.wait()
             total_s = time.perf_counter() - start

@@ -13,6 +13,7 @@ from machine import GB, ROOMY, facts
 
 from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up, probe_cuda
+from hicache.effects import HostSetup
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import CapacityError, ReleaseError, RollbackError
 from hicache.plan import Limits, MHALayout, plan_pool, plan_registration
@@ -48,7 +49,7 @@ def test_bring_up_registers_everything_and_release_undoes_it_in_order(lock):
     ledger; release undoes all three."""
     runtime, ledger = FakeRuntime(), HostLedger()
     plan = _pool_plan()
-    handle = bring_up(plan, runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger)
+    handle = bring_up(plan, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger))
     assert handle.state == "active" and handle.registration.status().call_count == plan.call_count
     assert _entries(lock) == {os.getpid(): plan.total_bytes}
     assert len(runtime.held()) == plan.call_count and len(ledger.held()) == 1
@@ -91,7 +92,7 @@ def test_the_budget_lock_decides_and_the_claim_fills_outside_it(lock, mode, monk
 
     monkeypatch.setattr(_pipeline, "prefault", watched)
     plan = _pool_plan()
-    handle = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger(),
+    handle = bring_up(plan, host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger()),
                       mode=mode)
     try:
         assert seen and all(claimed == plan.total_bytes and 0 < pending <= plan.total_bytes for pending, claimed in seen)
@@ -111,7 +112,9 @@ def test_the_budget_divides_by_ranks_and_counts_peers_that_allocated(lock):
     tight = facts(available_bytes=reserve + 4 * size - 1, ranks_per_host=4)  # < size per rank of 4
 
     def attempt():
-        handle = bring_up(plan, runtime=FakeRuntime(), machine=tight, lock=lock, reserve_bytes=reserve, ledger=HostLedger())
+        handle = bring_up(plan,
+                          host=HostSetup(runtime=FakeRuntime(), machine=tight, lock=lock, reserve_bytes=reserve,
+                                         ledger=HostLedger()))
         handle.release()
 
     with pytest.raises(CapacityError, match="4 rank"):
@@ -127,7 +130,8 @@ def test_a_refused_budget_allocates_and_registers_nothing(lock):
     runtime = FakeRuntime()
     allocator = HostTensorAllocator()
     with pytest.raises(CapacityError):
-        bring_up(_pool_plan(), runtime=runtime, machine=facts(available_bytes=GB), lock=lock, allocator=allocator)
+        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=facts(available_bytes=GB), lock=lock),
+                 allocator=allocator)
     assert runtime.cudart.log == [] and allocator.owned() == [] and _entries(lock) == {}
 
 
@@ -140,7 +144,8 @@ def test_a_rollback_that_leaks_quarantines_the_buffers_and_drops_the_budget(lock
     allocator = HostTensorAllocator()
     before = len(QUARANTINE)
     with pytest.raises(RollbackError) as info:
-        bring_up(_pool_plan(), runtime=runtime, machine=ROOMY, lock=lock, allocator=allocator, ledger=ledger)
+        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
+                 allocator=allocator)
     leaked = set(info.value.leaked)
     assert leaked and runtime.held() == leaked and set(ledger.held()) == leaked
     kept = QUARANTINE[before:]
@@ -160,7 +165,8 @@ def test_a_ctrl_c_whose_rollback_leaks_quarantines_the_buffers_too(lock):
     allocator = HostTensorAllocator()
     before = len(QUARANTINE)
     with pytest.raises(BaseException) as info:
-        bring_up(_pool_plan(), runtime=runtime, machine=ROOMY, lock=lock, allocator=allocator, ledger=ledger)
+        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
+                 allocator=allocator)
     assert caused_by_interrupt(info.value)
     chain, rollback = info.value, None
     while chain is not None and rollback is None:
@@ -182,7 +188,8 @@ def test_a_quarantine_stays_while_the_memory_is_still_registered_elsewhere(lock)
 
     runtime, ledger = FakeRuntime(fail_unregister={0: 1}), HostLedger()
     allocator = HostTensorAllocator()
-    handle = bring_up(_pool_plan(), runtime=runtime, machine=ROOMY, lock=lock, allocator=allocator, ledger=ledger)
+    handle = bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
+                      allocator=allocator)
     with pytest.raises(ReleaseError):
         handle.release()  # the newest range stays registered: quarantined
     buffers = allocator.owned()
@@ -217,8 +224,8 @@ def test_a_base_less_aligned_than_planned_is_replanned_not_refused():
             self.keep = []
 
     runtime = FakeRuntime()
-    handle = bring_up([BufferRequest("b", (plan.total_bytes,), None, plan)], runtime=runtime,
-                              allocator=Offset(), budget=False, ledger=HostLedger())
+    handle = bring_up([BufferRequest("b", (plan.total_bytes,), None, plan)],
+                      host=HostSetup(runtime=runtime, ledger=HostLedger()), allocator=Offset(), budget=False)
     (used,) = handle.plans
     assert handle.tensors[0].data_ptr() % 128 == 64
     assert used.limits.base_alignment_bytes == 64 and used.step_bytes % unit == 0
@@ -281,8 +288,7 @@ PLAN_ARGS = ["--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.02"]
         ({"HICACHE_KERNEL_PIN_CAP": "1MiB"}, ["--chunk-limit", "4MiB"], 2**20),  # the kernel cap holds
         ({"HICACHE_DRIVER_CEILING": "3MiB", "HICACHE_REGISTER_CHUNK": "8MiB"}, [], 3 * 2**20),
     ],
-    ids=["kernel-env", "chunk-env", "flag-beats-env", "kernel-cap-holds", "driver-ceiling-env"],
-)
+    ids=["kernel-env", "chunk-env", "flag-beats-env", "kernel-cap-holds", "driver-ceiling-env"])
 def test_apply_never_calls_above_the_cap_that_wins_and_plan_agrees(monkeypatch, capsys, env, flags, cap):
     """For each cap source (flag or variable) apply's largest register call is within the winning
     cap and plan reports the same calls."""
@@ -388,7 +394,8 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
     monkeypatch.setattr(_pipeline, "prefault", slow_prefault)
     monkeypatch.setattr(_pipeline, "PIECE_BYTES", 32 * 1024)
     plan = _pool_plan(pages=64)  # 4 chunks of 64 KiB: 8 pieces
-    handle = bring_up(plan, runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger(), mode="pipelined")
+    handle = bring_up(plan, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger()),
+                      mode="pipelined")
     calls = runtime.cudart.timeline
     handle.release()
     assert len(calls) == plan.call_count >= 3 and len(pieces) >= 2 * plan.call_count
@@ -416,7 +423,7 @@ def test_a_failing_pre_fault_rolls_the_pipelined_bring_up_back(monkeypatch, lock
     monkeypatch.setattr(_pipeline, "PIECE_BYTES", 32 * 1024)
     runtime, ledger, allocator = FakeRuntime(), HostLedger(), HostTensorAllocator()
     with pytest.raises(ApplyError) as info:
-        bring_up(_pool_plan(pages=64), runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
+        bring_up(_pool_plan(pages=64), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
                  allocator=allocator, mode="pipelined")
     assert isinstance(info.value.__cause__, HostOutOfMemoryError)
     assert runtime.held() == set() and ledger.held() == () and allocator.owned() == []
@@ -474,7 +481,7 @@ def test_an_interrupt_at_the_budget_locks_exit_lets_the_host_wide_lock_go(lock, 
     monkeypatch.setattr(_lock.BudgetLock, "__exit__", interrupted_exit)
     runtime = FakeRuntime()
     with pytest.raises(KeyboardInterrupt):
-        bring_up(_pool_plan(), runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger())
+        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=HostLedger()))
     monkeypatch.undo()
     assert not lock.held and runtime.held() == set()
     with BudgetLock(lock.path.parent, timeout_s=5) as peer:  # free at once (5 s: a hang guard)

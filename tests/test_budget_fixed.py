@@ -17,6 +17,7 @@ import pytest
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, bring_up
+from hicache.effects import HostSetup
 from hicache.effects._hostwide._lock import BudgetLock
 from hicache.errors import CapacityError
 from hicache.plan import Limits, plan_registration
@@ -42,8 +43,9 @@ def _with_claims(directory, claims: dict) -> None:
 
 def _bring_up(directory, *, host_memory: int | None, ranks: int):
     plan = plan_registration(POOL, granularity_bytes=2**20, limits=Limits(chunk_limit_bytes=2**20))
-    return bring_up([BufferRequest("kv", (POOL,), None, plan)], runtime=FakeRuntime(), machine=ROOMY,
-                    lock=BudgetLock(directory), reserve_bytes=0, host_memory_bytes=host_memory, ranks_per_host=ranks)
+    return bring_up([BufferRequest("kv", (POOL,), None, plan)],
+                    host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, lock=BudgetLock(directory), reserve_bytes=0,
+                                   host_memory_bytes=host_memory, ranks_per_host=ranks))
 
 
 def test_a_peer_filling_the_stated_ranks_is_refused_by_name(tmp_path, peer):

@@ -13,8 +13,7 @@ from hicache.errors import (
     HostAlreadyRegisteredError,
     PlanError,
     ReleaseError,
-    RollbackError,
-)
+    RollbackError)
 from hicache.plan import Limits, MambaLayout, plan_pool, plan_registration
 from hicache.testing import FakeRuntime
 
@@ -34,8 +33,7 @@ def apply(plan=SGLANG_PLAN, **kwargs):
 def three_buffer_pool():
     layout = MambaLayout(
         "page_first", layer_num=2, slots=64, temporal_shape=(4, 8), temporal_itemsize=4,
-        conv_shapes=((4, 4), (2, 8)), conv_itemsize=2,
-    )
+        conv_shapes=((4, 4), (2, 8)), conv_itemsize=2)
     pool = plan_pool(layout, Limits(chunk_limit_bytes=4096, os_page_bytes=64))
     bases = [BASE, BASE + 2**30, BASE + 2**31]
     return pool, bases
@@ -247,6 +245,7 @@ def test_several_pools_are_one_transaction():
     """bring_up of a model's pools (MLA ``kv`` beside Mamba state, say) is one transaction: the
     second pool failing rolls the first back; the error names which pool's buffer."""
     from hicache.effects import bring_up
+    from hicache.effects import HostSetup
     from hicache.plan import Limits, MHALayout, MLALayout, plan_pool
 
     limits = Limits(chunk_limit_bytes=16384, os_page_bytes=4096)  # several calls per buffer
@@ -257,9 +256,11 @@ def test_several_pools_are_one_transaction():
     calls = sum(b.plan.call_count for b in first.buffers)
     runtime = FakeRuntime(fail_register={calls + 1: 2})  # 0-based: the second pool's second call
     with pytest.raises(ApplyError, match="buffer '1/kv' chunk 2"):
-        bring_up([first, second], runtime=runtime, ledger=HostLedger(), budget=False, mode="blocking", turnstile=None)
+        bring_up([first, second], host=HostSetup(runtime=runtime, ledger=HostLedger(), turnstile=None), budget=False,
+                 mode="blocking")
     assert runtime.held() == set() and sum(1 for entry in runtime.cudart.log if entry[0] == "register") == calls + 2
-    handle = bring_up([first, second], runtime=FakeRuntime(), ledger=HostLedger(), budget=False, turnstile=None)
+    handle = bring_up([first, second], host=HostSetup(runtime=FakeRuntime(), ledger=HostLedger(), turnstile=None),
+                      budget=False)
     try:
         assert handle.registration.status().call_count == calls + sum(b.plan.call_count for b in second.buffers)
     finally:

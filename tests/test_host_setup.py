@@ -72,29 +72,23 @@ def test_a_piece_given_both_ways_is_a_type_error_naming_it(tmp_path, keyword, va
     assert setup.runtime.held() == set()
 
 
-def test_bring_up_takes_the_setup_or_its_keywords_alike(tmp_path):
-    """`bring_up(host=setup)` and `bring_up(runtime=..., machine=..., lock=..., ledger=...,
-    turnstile=None)` bring the same plan up the same way; both ways at once, or an unknown
-    keyword, is a TypeError."""
+@pytest.mark.parametrize("keyword", ["runtime", "machine", "lock", "ledger", "turnstile", "host_memory_bytes",
+                                     "ranks_per_host", "reserve_bytes", "progress", "prefault_progress", "trace"])
+def test_bring_up_takes_the_host_and_the_report_as_one_value_each(tmp_path, keyword):
+    """`bring_up(host=setup)` brings a plan up with the setup's pieces; each of the eleven
+    keywords that once spelt a piece of the host or the report is now Python's TypeError naming
+    it (issue #55: one door per concern), before any memory is taken."""
     plan = plan_pool(_device_layout(), Limits(chunk_limit_bytes=1 << 20, os_page_bytes=4096))
     setup = fake_host_setup(tmp_path)
-    by_setup = bring_up(plan, host=setup)
+    handle = bring_up(plan, host=setup)
     try:
-        calls = list(setup.runtime.cudart.log)
+        assert setup.runtime.cudart.log and handle.total_bytes == plan.total_bytes
     finally:
-        by_setup.release()
+        handle.release()
     other = fake_host_setup(tmp_path)
-    by_keywords = bring_up(plan, runtime=other.runtime, machine=other.machine, lock=other.lock, ledger=other.ledger,
-                           turnstile=None)
-    try:
-        assert [c[0] for c in other.runtime.cudart.log] == [c[0] for c in calls] and calls
-        assert by_keywords.total_bytes == by_setup.total_bytes == plan.total_bytes
-    finally:
-        by_keywords.release()
-    with pytest.raises(TypeError, match="'runtime' both in host= and as a keyword"):
-        bring_up(plan, host=setup, runtime=FakeRuntime())
-    with pytest.raises(TypeError, match="unexpected keyword argument 'runtimes'"):
-        bring_up(plan, runtimes=FakeRuntime())
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        bring_up(plan, host=other, **{keyword: None})
+    assert other.runtime.cudart.log == []
 
 
 def _device_layout():
@@ -113,22 +107,19 @@ def test_probe_fills_every_piece_it_can_make():
     assert setup.ledger is None and setup.turnstile == "auto"
 
 
-def test_the_reporting_concern_is_one_report_and_its_old_keywords_still_work(tmp_path):
-    """``report=Report(progress=...)`` and the old ``progress=`` keyword both hear every call;
-    ``report=None`` with ``progress=`` still reports progress (not the metrics); both ways at once
-    is a TypeError naming it."""
+def test_the_reporting_concern_is_one_report(tmp_path):
+    """``report=Report(progress=...)`` hears every call and shows the pool to the metrics;
+    ``Report(metrics=False, progress=...)`` hears every call without showing it; ``report=None``
+    shows nothing."""
     from hicache.effects import Report
 
     plan = plan_pool(_device_layout(), Limits(chunk_limit_bytes=1 << 12, os_page_bytes=4096))
-    heard = {"report": [], "keyword": [], "none": []}
-    for way, kwargs in (("report", dict(report=Report("grouped", progress=heard["report"].append))),
-                        ("keyword", dict(progress=heard["keyword"].append)),
-                        ("none", dict(report=None, progress=heard["none"].append))):
-        handle = bring_up(plan, host=fake_host_setup(tmp_path), mode="blocking", **kwargs)
+    heard = {"shown": [], "hidden": []}
+    for way, report in (("shown", Report("grouped", progress=heard["shown"].append)),
+                        ("hidden", Report(metrics=False, progress=heard["hidden"].append)), ("none", None)):
+        handle = bring_up(plan, host=fake_host_setup(tmp_path), mode="blocking", report=report)
         try:
-            assert len(heard[way]) == plan.buffers[0].plan.call_count > 1
-            assert handle.report.metrics is (way != "none")
+            assert len(heard.get(way, [0, 0])) == plan.buffers[0].plan.call_count > 1 or way == "none"
+            assert handle.report.metrics is (way == "shown")
         finally:
             handle.release()
-    with pytest.raises(TypeError, match="'progress' both in report= and as a keyword"):
-        bring_up(plan, host=fake_host_setup(tmp_path), report=Report(progress=print), progress=print)

@@ -20,6 +20,7 @@ from machine import ROOMY
 
 from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects import HostTensorAllocator, Registration, apply_plan, bring_up
+from hicache.effects import HostSetup
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.effects._bringup import _bring_up as _bringup
@@ -48,8 +49,7 @@ LOCK_FILES = {_lock.__file__, _claim.__file__}
 # line count would vary run to run; an interrupt there is a held Ctrl-C checked by the executor
 PLAN = plan_pool(
     MHALayout("page_first_direct", layer_num=2, head_num=2, head_dim=64, page_size=4, page_num=32, itemsize=2),
-    Limits(chunk_limit_bytes=64 * 1024),
-)
+    Limits(chunk_limit_bytes=64 * 1024))
 
 
 def _return_line(owner, function: str, statement: str) -> tuple[str, int]:
@@ -136,7 +136,8 @@ def _deferring_caller(runtime, ledger, lock, allocator, holder: list):
     """A caller that stores the handle with Ctrl-C held, then releases in finally."""
     try:
         with deferred_interrupts():
-            holder.append(bring_up(PLAN, runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger, allocator=allocator))
+            holder.append(bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
+                                   allocator=allocator))
     finally:
         if holder:
             holder[0].release()
@@ -146,7 +147,8 @@ def _plain_caller(runtime, ledger, lock, allocator, holder: list):
     """How pools and `hicache apply` hold a bring-up: no deferral of their own (Ctrl-C stays
     prompt during a long pre-fault), release in finally."""
     try:
-        holder.append(bring_up(PLAN, runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger, allocator=allocator))
+        holder.append(bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
+                               allocator=allocator))
     finally:
         if holder:
             holder[0].release()

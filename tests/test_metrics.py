@@ -247,15 +247,16 @@ def test_every_bring_up_is_shown_by_the_bring_up_itself_and_a_replaced_one_never
     name: releasing the earlier leaves the later one's registered bytes shown, releasing the later
     shows 0 - and a bring-up with report=None is not shown at all."""
     from hicache.effects import Report, bring_up
+    from hicache.effects import HostSetup
     from hicache.effects._hostwide._lock import BudgetLock
     from hicache.plan import MHALayout, plan_pool
 
     plan = plan_pool(MHALayout("page_first_direct", layer_num=2, head_num=2, head_dim=64, page_size=4, page_num=8,
                                itemsize=2), Limits(chunk_limit_bytes=64 * 1024))
     lock, name = BudgetLock(tmp_path), "plain-bring-up"
-    first = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, report=Report(name, page_num=8))
-    second = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, report=Report(name, page_num=8))
-    hidden = bring_up(plan, runtime=FakeRuntime(), machine=ROOMY, lock=lock, report=None)
+    first = bring_up(plan, host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, lock=lock), report=Report(name, page_num=8))
+    second = bring_up(plan, host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, lock=lock), report=Report(name, page_num=8))
+    hidden = bring_up(plan, host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, lock=lock), report=None)
     try:
         assert _value("hicache_pages", pool=name) == 8
         first.release()

@@ -478,13 +478,15 @@ def test_release_unregisters_the_calls_newest_first():
     """A progressive registration is torn down as any journal is: its calls unregistered in
     the reverse of the order they were made (the fake's log), every one of them."""
     from hicache.effects import BufferRequest, HostTensorAllocator, Progressive, bring_up
+    from hicache.effects import HostSetup
     from hicache.plan import plan_registration
     from hicache.testing import FakeCudart
 
     plan = plan_registration(8 * 2**20, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=2 * 2**20))
     cudart = FakeCudart()
     handle = bring_up([BufferRequest("kv", (plan.total_bytes,), None, plan)], mode=Progressive(max_stall_s=None),
-                      runtime=FakeRuntime(cudart), allocator=HostTensorAllocator(), machine=ROOMY, turnstile=None)
+                      host=HostSetup(runtime=FakeRuntime(cudart), machine=ROOMY, turnstile=None),
+                                     allocator=HostTensorAllocator())
     try:
         assert handle.wait(120)
     finally:

@@ -15,6 +15,7 @@ import pytest
 from machine import ROOMY
 
 from hicache.effects import HostTensorAllocator, Progressive, bring_up
+from hicache.effects import HostSetup
 from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import RegistrationStateError, ReleaseError
@@ -115,13 +116,14 @@ def test_a_finalizer_never_waits_on_a_budget_lock_held_in_this_process(tmp_path)
 
 
 def _blocking(runtime, ledger, tmp_path):
-    return bring_up(PLAN, runtime=runtime, machine=ROOMY, lock=BudgetLock(tmp_path), ledger=ledger,
+    return bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=BudgetLock(tmp_path), ledger=ledger),
                     allocator=HostTensorAllocator())
 
 
 def _progressive(runtime, ledger, tmp_path):
-    return bring_up(PLAN, mode=Progressive(max_stall_s=None), runtime=runtime, machine=ROOMY,
-                    lock=BudgetLock(tmp_path), ledger=ledger, allocator=HostTensorAllocator())
+    return bring_up(PLAN, mode=Progressive(max_stall_s=None),
+                    host=HostSetup(runtime=runtime, machine=ROOMY, lock=BudgetLock(tmp_path), ledger=ledger),
+                    allocator=HostTensorAllocator())
 
 
 MODES = {"blocking": _blocking, "progressive": _progressive}

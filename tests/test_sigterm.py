@@ -88,6 +88,7 @@ def test_a_bring_up_on_the_main_thread_handles_sigterm_only_where_nobody_else_do
     runs) and puts the default back after; a server's own handler, or SIG_IGN, is left in
     place throughout - observed from inside the bring-up (its allocator)."""
     from hicache.effects import bring_up
+    from hicache.effects import HostSetup
     from hicache.effects._interrupts import _raise_termination
     from hicache.plan import Limits, MHALayout, plan_pool
     from hicache.testing import fake_cuda
@@ -117,7 +118,8 @@ def test_a_bring_up_on_the_main_thread_handles_sigterm_only_where_nobody_else_do
         previous = signal.signal(signal.SIGTERM, installed)
         try:
             with fake_cuda():
-                handle = bring_up(plan, allocator=Watching(), budget=False, turnstile=None, owns_memory=False)
+                handle = bring_up(plan, allocator=Watching(), budget=False, host=HostSetup(turnstile=None),
+                                  owns_memory=False)
                 handle.release()
             assert signal.getsignal(signal.SIGTERM) is installed  # put back as it was
         finally:

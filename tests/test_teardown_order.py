@@ -16,6 +16,7 @@ import pytest
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, HostTensorAllocator, Progressive, bring_up
+from hicache.effects import HostSetup
 from hicache.effects._bringup import _faulting
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.effects._cuda._progressive import Chunk, ProgressiveRegistration
@@ -97,7 +98,8 @@ def test_releasing_a_progressive_bring_up_waits_for_its_pre_fault_before_freeing
     """Releasing a progressive bring-up waits for its pre-fault thread before freeing: no piece runs
     on freed memory."""
     runtime = FakeRuntime(register_bytes_per_s=MiB / 0.005)
-    handle = bring_up(_requests(64), mode=Progressive(), runtime=runtime, ledger=HostLedger(), budget=False,
+    handle = bring_up(_requests(64), mode=Progressive(), host=HostSetup(runtime=runtime, ledger=HostLedger()),
+                      budget=False,
                       allocator=HostTensorAllocator(prefault_threads=1))
     assert _threads("hicache-prefault-pipeline")  # still faulting in the background
     handle.release()
@@ -113,7 +115,7 @@ def test_a_failed_pipelined_bring_up_waits_for_its_pre_fault_before_freeing(slow
     allocator = HostTensorAllocator(prefault_threads=1)
     runtime = FakeRuntime(fail_register={1: 2})  # refused while pieces 1-4 of 5 (32 MiB each) are to come
     with pytest.raises(ApplyError):
-        bring_up(_requests(160), mode="pipelined", runtime=runtime, ledger=HostLedger(), budget=False,
+        bring_up(_requests(160), mode="pipelined", host=HostSetup(runtime=runtime, ledger=HostLedger()), budget=False,
                  allocator=allocator)
     assert not _threads("hicache-prefault-pipeline")
     time.sleep(0.1)
@@ -125,7 +127,8 @@ def test_a_progressive_release_that_leaks_keeps_the_memory_mapped_and_quarantine
     """A progressive release that cannot unregister leaves the handle leaked with its memory mapped
     and quarantined."""
     runtime = FakeRuntime(fail_unregister={0: 1})  # the first unregister is refused (not sticky)
-    handle = bring_up(_requests(4), mode=Progressive(), runtime=runtime, ledger=HostLedger(), budget=False)
+    handle = bring_up(_requests(4), mode=Progressive(), host=HostSetup(runtime=runtime, ledger=HostLedger()),
+                      budget=False)
     assert handle.wait(10)
     with pytest.raises(ReleaseError):
         handle.release()
@@ -143,7 +146,7 @@ def test_release_unregisters_every_range_before_it_frees_the_memory(frees_logged
     runtime = FakeRuntime(register_bytes_per_s=MiB / 0.002)
     frees_logged.append(runtime.cudart.log)
     handle = bring_up(_requests(8, buffers=2), mode=Progressive() if mode == "progressive" else mode,
-                      runtime=runtime, ledger=HostLedger(), budget=False)
+                      host=HostSetup(runtime=runtime, ledger=HostLedger()), budget=False)
     handle.release()  # progressive: while its background calls are still going
     log = runtime.cudart.log
     frees = [(i, ptr, size) for i, (op, ptr, *rest) in enumerate(log) if op == "free" for size in rest[:1]]

@@ -154,6 +154,7 @@ def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reache
     from machine import ROOMY
 
     from hicache.effects import BufferRequest, HostTensorAllocator, bring_up
+    from hicache.effects import HostSetup
     from hicache.effects._bringup import _faulting
     from hicache.effects._cuda._ledger import HostLedger
     from hicache.effects._host import _thp
@@ -189,7 +190,7 @@ def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reache
     plan = plan_registration(2 * MiB, granularity_bytes=64 * 1024, limits=Limits(chunk_limit_bytes=MiB))
     request = BufferRequest("kv", (2 * MiB,), None, plan)
     handle = bring_up([request], mode="pipelined", allocator=HostTensorAllocator(prefault_threads=1),
-                      runtime=FakeRuntime(), machine=ROOMY, ledger=HostLedger(), budget=False)
+                      host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, ledger=HostLedger()), budget=False)
     try:
         advised = [e for e in events if e[0] == "advise"]
         faulted = [e for e in events if e[0] == "fault"]

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up
+from hicache.effects import HostSetup
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.effects._host._tiers import page_tiers
 from hicache.plan import Limits, plan_registration
@@ -159,7 +160,8 @@ def test_a_bring_up_reports_the_pages_the_kernel_shows(hugepages):
     size = 16 * MiB
     plan = plan_registration(size, granularity_bytes=2 * MiB, limits=Limits(chunk_limit_bytes=4 * MiB))
     allocator = HostTensorAllocator(prefault_threads=1, hugepages=hugepages)
-    with bring_up([BufferRequest("kv", (size,), None, plan)], runtime=FakeRuntime(), ledger=HostLedger(),
+    with bring_up([BufferRequest("kv", (size,), None, plan)], host=HostSetup(runtime=FakeRuntime(),
+                                                                             ledger=HostLedger()),
                   budget=False, allocator=allocator) as handle:
         ((name, tiers),) = handle.tiers()
         ptr = handle.tensors[0].data_ptr()

@@ -73,13 +73,14 @@ def test_a_librarys_bring_up_with_a_bad_trace_path_warns_and_goes_on(tmp_path, c
     """bring_up(trace=FIFO): a warning naming it, the pool comes up and is released, the FIFO
     is still a FIFO."""
     from hicache.effects import BufferRequest, bring_up
+    from hicache.effects import Report
     from hicache.plan import Limits, plan_registration
     from hicache.testing import fake_cuda
 
     fifo = _targets(tmp_path)["fifo"][0]
     plan = plan_registration(4 << 20, granularity_bytes=1 << 20, limits=Limits(chunk_limit_bytes=2 << 20))
     with caplog.at_level(logging.WARNING, logger="hicache.trace"), fake_cuda() as fake:
-        handle = bring_up([BufferRequest("kv", (4 << 20,), None, plan)], budget=False, trace=str(fifo))
+        handle = bring_up([BufferRequest("kv", (4 << 20,), None, plan)], budget=False, report=Report(trace=str(fifo)))
         assert fake.held()
         handle.release()
     assert any("not tracing" in r.getMessage() and "a FIFO" in r.getMessage() for r in caplog.records)
@@ -162,14 +163,14 @@ def test_two_processes_traces_merge_in_the_drivers_order(tmp_path, capsys, fork_
     log = tmp_path / "calls.jsonl"
     code = (
         "import sys\n"
-        "from hicache.effects import BufferRequest, bring_up\n"
+        "from hicache.effects import BufferRequest, HostSetup, Report, bring_up\n"
         "from hicache.plan import Limits, plan_registration\n"
         "from hicache.testing import FakeRuntime, FakeCudart\n"
         f"runtime = FakeRuntime(FakeCudart(register_bytes_per_s=2e9, driver_lock={str(tmp_path / 'driver')!r},"
         f" shared_log={str(log)!r}))\n"
         "plan = plan_registration(16 << 20, granularity_bytes=1 << 20, limits=Limits(chunk_limit_bytes=2 << 20))\n"
-        "bring_up([BufferRequest('kv', (16 << 20,), None, plan)], budget=False, runtime=runtime,\n"
-        "         trace=sys.argv[1]).release()\n"
+        "bring_up([BufferRequest('kv', (16 << 20,), None, plan)], budget=False, host=HostSetup(runtime=runtime),\n"
+        "         report=Report(trace=sys.argv[1])).release()\n"
     )
     paths = [tmp_path / f"rank{i}.json" for i in range(2)]
     children = [fork_server.spawn([sys.executable, "-c", code, str(p)]) for p in paths]  # tests/forked.py

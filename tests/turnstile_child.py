@@ -23,6 +23,7 @@ import torch  # noqa: F401  (imported before the barrier)
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, bring_up
+from hicache.effects import HostSetup
 from hicache.effects._hostwide._turnstile import from_env
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeCudart, FakeRuntime
@@ -59,8 +60,8 @@ def register(barrier: str, pool_mib: str, rate: str, chunk_mib: str, together: s
     if turnstile is not None:
         turnstile.join()
     _barrier(barrier)
-    handle = bring_up([BufferRequest("kv", (total,), None, plan)], mode="blocking", runtime=FakeRuntime(cudart),
-                      machine=ROOMY)
+    handle = bring_up([BufferRequest("kv", (total,), None, plan)], mode="blocking",
+                      host=HostSetup(runtime=FakeRuntime(cudart), machine=ROOMY))
     try:
         _write(barrier, {"calls": len(handle.calls), "sizes": [size for _, size in handle.registered_ranges()],
                          "waits": handle.turnstile_waits()["count"]})

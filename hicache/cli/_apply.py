@@ -242,7 +242,9 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
     from hicache._extras import require
 
     require("torch", "hicache apply")
-    from hicache.effects import HostTensorAllocator, Progressive, bring_up, probe_cuda, resolve_numa_node
+    import attrs
+
+    from hicache.effects import HostSetup, HostTensorAllocator, Progressive, bring_up, probe_cuda, resolve_numa_node
     from hicache.errors import PlanError
 
     hold = _hold_seconds(args.hold)
@@ -277,10 +279,12 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
         if progress is not None:
             progress.start()
         try:
-            handle = bring_up(pools, mode=Progressive() if args.progressive else None, runtime=runtime,
-                              allocator=allocator, machine=machine, lock=lock, ledger=ledger, progress=progress,
-                              prefault_progress=progress, reserve_bytes=reserve, host_memory_bytes=host_memory,
-                              ranks_per_host=ranks, trace=getattr(args, "trace", None), report=report)
+            host = HostSetup(runtime=runtime, machine=machine, lock=lock, ledger=ledger, reserve_bytes=reserve,
+                             host_memory_bytes=host_memory, ranks_per_host=ranks)
+            shown = attrs.evolve(report, progress=progress, prefault_progress=progress,
+                                 trace=getattr(args, "trace", None))
+            handle = bring_up(pools, mode=Progressive() if args.progressive else None, host=host,
+                              allocator=allocator, report=shown)
             up.append(handle)
         finally:
             if progress is not None:

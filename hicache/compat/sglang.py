@@ -23,6 +23,7 @@ import attrs
 
 from hicache.effects import (
     BufferRequest,
+    HostSetup,
     HostTensorAllocator,
     Report,
     apply_plan,
@@ -306,9 +307,9 @@ def alloc_with_host_register(
         # hicache's own allocator (SGLang's default swapped out) is this call's: a failed bring-up
         # unmaps what it mapped. A back end's allocator keeps its memory whatever happens.
         handle = bring_up(
-            [BufferRequest("host buffer", dims, dtype, plan)], runtime=for_sglang.torch_runtime(_cudart),
+            [BufferRequest("host buffer", dims, dtype, plan)], host=HostSetup(runtime=for_sglang.torch_runtime(_cudart)),
             allocator=chosen, budget=False, owns_memory=chosen is not allocator, device=device,
-            progress=_sglang_log.CallProgress(log), report=Report(name),  # detach() hands the metrics on too
+            report=Report(name, progress=_sglang_log.CallProgress(log)),  # detach() hands the metrics on too
         )
     except BaseException as error:
         admission.abandon()  # an admitted request that failed drops its claim now

@@ -219,7 +219,6 @@ def bring_up(
     retry_halvings: int = 0,
     owns_memory: bool = True,
     device: str = "cpu",
-    **keywords,
 ) -> HostPools:
     """Bring ``pools`` up - one `PoolPlan`, several (a model's pools on one rank; buffers named
     ``index/buffer``) or `BufferRequest`s - and return the `HostPools` handle that owns them.
@@ -241,17 +240,15 @@ def bring_up(
     (`Report`: the metrics' ``pool`` label, pages and ready pages, default the label
     ``bring_up``, None: not shown - shown once it is up, counted when it fails, released with
     its handle; ``progress(ProgressEvent)``, ``prefault_progress(PrefaultEvent)`` and the
-    ``trace`` file). Each of their fields is also taken as a keyword of its own name, as before
-    these values existed; one given both ways is a TypeError.
+    ``trace`` file). Their fields are theirs alone: the keywords each once had here are gone
+    (issue #55: one door per concern).
     Both phases also go to the library's log (INFO, at most a line a second). Raises `CapacityError`
     before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
     """
-    setup = (HostSetup() if host is None else host).with_keywords("bring_up", keywords)
-    report = _report.of(report, keywords)  # the reporting concern: metrics, progress, trace
+    setup = HostSetup() if host is None else host
+    report = Report(metrics=False) if report is None else report  # None: not shown to the metrics
     progress, prefault_progress, trace = report.progress, report.prefault_progress, report.trace
-    if keywords:
-        raise TypeError(f"bring_up() got an unexpected keyword argument {next(iter(keywords))!r}")
     runtime, machine, lock, ledger = setup.runtime, setup.machine, setup.lock, setup.ledger
     host_memory_bytes, ranks_per_host, reserve_bytes = setup.host_memory_bytes, setup.ranks_per_host, setup.reserve_bytes
     _trace.start(trace) if trace else _trace.from_env()  # record this process's bring-ups (HICACHE_TRACE=FILE)

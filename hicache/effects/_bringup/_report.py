@@ -43,22 +43,6 @@ class Report:
     trace: str | None = None
 
 
-#: bring_up's keywords of before `Report` held them: the Report field each fills
-REPORT_KEYWORDS = ("progress", "prefault_progress", "trace")
-
-
-def of(report: "Report | None", keywords: dict, owner: str = "bring_up") -> Report:
-    """``report`` (None: not shown to the metrics) with the legacy keywords among ``keywords``
-    (popped) applied; one given both ways is a TypeError naming it."""
-    report = Report(metrics=False) if report is None else report
-    given = {name: keywords.pop(name) for name in REPORT_KEYWORDS if name in keywords}
-    given = {name: value for name, value in given.items() if value is not None}
-    for name in given:
-        if getattr(report, name) is not None:
-            raise TypeError(f"{owner}() got {name!r} both in report= and as a keyword")
-    return attrs.evolve(report, **given) if given else report
-
-
 def _shown(report) -> bool:
     return report is not None and report.metrics
 

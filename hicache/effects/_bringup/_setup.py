@@ -15,12 +15,6 @@ import attrs
 
 from hicache.plan import DEFAULT_RESERVE_BYTES
 
-#: the legacy keywords of `bring_up` that are fields of `HostSetup` (its name for each)
-SETUP_KEYWORDS = {"runtime": "runtime", "machine": "machine", "lock": "lock", "ledger": "ledger",
-                  "turnstile": "turnstile", "host_memory_bytes": "host_memory_bytes",
-                  "ranks_per_host": "ranks_per_host", "reserve_bytes": "reserve_bytes"}
-
-
 @attrs.frozen(kw_only=True)
 class HostSetup:
     """The host's pieces: ``runtime`` (a `HostRuntime`; None: `default_runtime()`), ``machine``
@@ -57,22 +51,3 @@ class HostSetup:
         made = {"runtime": default_runtime, "machine": probe_machine, "limits": probe_limits, "lock": budget_lock,
                 "copy_engine": CopyEngine}
         return attrs.evolve(setup, **{name: make() for name, make in made.items() if getattr(setup, name) is None})
-
-    def with_keywords(self, owner: str, keywords: dict) -> "HostSetup":
-        """This setup with the legacy keywords among ``keywords`` (popped) applied; a piece given
-        both here and by keyword is a TypeError naming it."""
-        changes = {}
-        for name in [k for k in keywords if k in SETUP_KEYWORDS]:
-            field, value = SETUP_KEYWORDS[name], keywords.pop(name)
-            if not _is_default(field, getattr(self, field)) and not _is_default(field, value):
-                raise TypeError(f"{owner}() got {name!r} both in host= and as a keyword")
-            changes[field] = value
-        return attrs.evolve(self, **changes) if changes else self
-
-
-_DEFAULT = HostSetup()
-
-
-def _is_default(field: str, value) -> bool:
-    default = getattr(_DEFAULT, field)
-    return value is default or (isinstance(value, (int, str)) and type(value) is type(default) and value == default)
