@@ -26,6 +26,7 @@ from hicache.effects import apply_pool_plan  # noqa: E402
 from hicache.plan import Limits  # noqa: E402
 from hicache.pools import MHATokenToKVPoolHost  # noqa: E402
 from hicache.testing import FakeRuntime, MHADevicePool  # noqa: E402
+from hicache.effects import HostSetup
 
 LIMITS = Limits(chunk_limit_bytes=256 * 2**20)
 
@@ -40,11 +41,11 @@ def main() -> None:
 
     def ours():
         pool = MHATokenToKVPoolHost(device, 1.0, host_gb, 64, "page_first_direct", True, "cpu",
-                                    runtime=FakeRuntime(), limits=LIMITS, host_memory_bytes=10**15)
+                                    host=HostSetup(runtime=FakeRuntime(), limits=LIMITS, host_memory_bytes=10**15))
         pool.destroy()
 
     probe = MHATokenToKVPoolHost(device, 1.0, host_gb, 64, "page_first_direct", False, "cpu",
-                                 limits=LIMITS, host_memory_bytes=10**15)
+                                 host=HostSetup(limits=LIMITS, host_memory_bytes=10**15))
     plan = probe.pool_plan
     probe.destroy()
 

@@ -30,9 +30,8 @@ from _timing import interleaved, median_line  # noqa: E402
 
 from hicache.effects._hostwide._lock import BudgetLock  # noqa: E402
 from hicache.effects._cuda._ledger import HostLedger  # noqa: E402
-from hicache.effects import MachineFacts, bring_up  # noqa: E402
-from hicache.effects import HostSetup
-from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost  # noqa: E402
+from hicache.effects import HostSetup, MachineFacts, bring_up  # noqa: E402
+from hicache.pools import HostPoolOptions, MHATokenToKVPoolHost, MLATokenToKVPoolHost  # noqa: E402
 from hicache.testing import FakeRuntime, MHADevicePool, MLADevicePool  # noqa: E402
 
 MACHINE = MachineFacts("6.8.0", None, 4096, "madvise", "madvise", (), None, None, 65530,
@@ -83,15 +82,16 @@ def main() -> None:
     host_gb = gib * 2**30 / 1e9
     mla = MLADevicePool(size=64, layer_num=61, kv_lora_rank=512, qk_rope_head_dim=64, page_size=64)
     mha = MHADevicePool(size=64, layer_num=32, head_num=8, head_dim=128, page_size=64)
-    common = dict(ledger=None, machine=MACHINE, budget_lock=lock)
+    def doors(progressive, runtime) -> dict:
+        return dict(host=HostSetup(runtime=runtime, ledger=HostLedger(), machine=MACHINE, lock=lock),
+                    options=HostPoolOptions(progressive=progressive))
 
     def make_mla(progressive, runtime):
-        return MLATokenToKVPoolHost(mla, 1.0, host_gb, 64, "page_first_direct", True, "cpu", runtime=runtime,
-                                    progressive=progressive, **{**common, "ledger": HostLedger()})
+        return MLATokenToKVPoolHost(mla, 1.0, host_gb, 64, "page_first_direct", True, "cpu",
+                                    **doors(progressive, runtime))
 
     def make_mha(progressive, runtime):
-        return MHATokenToKVPoolHost(mha, 1.0, host_gb, 64, "page_first", True, "cpu", runtime=runtime,
-                                    progressive=progressive, **{**common, "ledger": HostLedger()})
+        return MHATokenToKVPoolHost(mha, 1.0, host_gb, 64, "page_first", True, "cpu", **doors(progressive, runtime))
 
     label = f"{gib:g} GiB, fake driver at {rate / 1e9:g} GB/s"
     measure(f"MLA pool {label}", make_mla, rate, rounds, lock)

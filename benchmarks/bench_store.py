@@ -49,6 +49,7 @@ def _pool(kind: str):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     import hicache.pools as pools
+    from hicache.effects import HostSetup
 
     page = PAGE_TOKENS[kind]
     tokens = 2 * PAGES * page
@@ -65,7 +66,7 @@ def _pool(kind: str):
     info = device.get_device_pool_infos()[0].buffer_info
     extra = dict(target_layer_num=layers) if kind == "mla" else {}
     host = cls(info, 1.0, 0, page, "page_first_direct", device_capacity_tokens=tokens, start_layer=0,
-               end_layer=layers - 1, host_memory_bytes=10**12, **extra)
+               end_layer=layers - 1, host=HostSetup(host_memory_bytes=10**12), **extra)
     del device
     for buffer in (host.kv_buffer if isinstance(host.kv_buffer, list) else [host.kv_buffer]):
         buffer.view(torch.int16).random_(-30000, 30000)

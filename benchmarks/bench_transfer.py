@@ -27,7 +27,7 @@ from _timing import interleaved, median_line  # noqa: E402
 
 import torch  # noqa: E402
 
-from hicache.effects import CopyEngine  # noqa: E402
+from hicache.effects import CopyEngine, HostSetup  # noqa: E402
 from hicache.effects._copy import _host_copy  # noqa: E402
 from hicache.plan import Limits  # noqa: E402
 from hicache.pools import MHATokenToKVPoolHost  # noqa: E402
@@ -41,15 +41,15 @@ LAYOUTS = ("page_first_direct", "layer_first", "page_first", "page_head")
 class StubEngine(CopyEngine):
     """Prepares (checks) every batch as usual and then copies nothing: the overhead alone."""
 
-    def prepare_parts(self, parts, *, device=None, direction=None):
-        prepared = super().prepare_parts(parts, device=device)
+    def prepare_parts(self, parts, *, device=None, direction=None, registered=None):
+        prepared = super().prepare_parts(parts, device=device, direction=direction, registered=registered)
         prepared.run = lambda: "stub"
         return prepared
 
 
-def make_pool(device, page_size, layout, **kw):
-    return MHATokenToKVPoolHost(device, 1.0, 0, page_size, layout, False, "cpu", limits=Limits(chunk_limit_bytes=2**30),
-                                host_memory_bytes=10**15, **kw)
+def make_pool(device, page_size, layout, copy_engine=None):
+    host = HostSetup(limits=Limits(chunk_limit_bytes=2**30), host_memory_bytes=10**15, copy_engine=copy_engine)
+    return MHATokenToKVPoolHost(device, 1.0, 0, page_size, layout, False, "cpu", host=host)
 
 
 def bench_page_size(page_size: int, rounds: int) -> None:

@@ -46,7 +46,7 @@ def link(torch, nbytes: int) -> dict:
 
 
 def one(torch, layout: str, engine: str, programs: int | None = None) -> dict:
-    from hicache.effects import CopyEngine
+    from hicache.effects import CopyEngine, HostSetup
     from hicache.pools import MHATokenToKVPoolHost
     from hicache.testing import MHADevicePool
 
@@ -55,7 +55,7 @@ def one(torch, layout: str, engine: str, programs: int | None = None) -> dict:
     device.v_buffer = [torch.randn(t.shape, device="cuda").to(t.dtype) for t in device.v_buffer]
     device.device = "cuda"
     pool = MHATokenToKVPoolHost(device, 1.0, 0, PAGE, layout, True, "cpu",
-                                copy_engine=CopyEngine(transfer=engine, programs=programs))
+                                host=HostSetup(copy_engine=CopyEngine(transfer=engine, programs=programs)))
     try:
         pages = torch.randperm(PAGES - 1, generator=torch.Generator().manual_seed(3))[:MOVED] + 1
         didx = (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).cuda()
@@ -111,7 +111,7 @@ def _family_devices():
 def family_row(torch, family: str, layout: str, engine: str, target: str = "cuda") -> dict:
     """One family x layout x engine: backup then per-layer load of random pages, timed (median of
     ROUNDS), bit-exact against the rows before (compared as bytes: a NaN pattern is still equal)."""
-    from hicache.effects import CopyEngine
+    from hicache.effects import CopyEngine, HostSetup
     from hicache.pools import MambaPoolHost
 
     cls, make_device, moved = _family_devices()[family]
@@ -123,7 +123,7 @@ def family_row(torch, family: str, layout: str, engine: str, target: str = "cuda
     device.device = target
     for t in device.tensors():
         t.view(torch.uint8).random_(0, 256) if t.dtype != torch.uint8 else t.random_(0, 256)
-    engine_kw = {"copy_engine": CopyEngine(transfer=engine)}
+    engine_kw = {"host": HostSetup(copy_engine=CopyEngine(transfer=engine))}
     if cls is MambaPoolHost:
         pool = cls(device, 1.0, 0, True, "cpu", layout=layout, **engine_kw)
     else:

@@ -247,7 +247,7 @@ def test_fake_cuda_is_what_pools_compat_apply_and_probes_use_by_default(lock, ca
         assert probe_cuda().available and probe_cuda().device_count == 1
         device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=8, page_size=4)
         pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu",
-                                    limits=LIMITS, machine=ROOMY, budget_lock=lock)
+                                    host=HostSetup(limits=LIMITS, machine=ROOMY, lock=lock))
         assert fake.held() and fake.held() == {(r.ptr, r.size) for r in pool.registration.ranges}
         pool.destroy()
         buffer = alloc_with_host_register((4096,), torch.uint8, "cpu", True, CompatAllocator())
@@ -515,8 +515,7 @@ def test_a_pool_planned_with_the_call_cap_registers_while_it_still_faults(monkey
     monkeypatch.setenv("HICACHE_CALL_CAP", "256KiB")
     monkeypatch.delenv("HICACHE_REGISTER_CHUNK", raising=False)
     device = MHADevicePool(size=512, layer_num=2, head_num=2, head_dim=64, page_size=4)
-    pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", machine=ROOMY, runtime=runtime,
-                                ledger=HostLedger(), budget_lock=lock)
+    pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", host=HostSetup(machine=ROOMY, runtime=runtime, ledger=HostLedger(), lock=lock))
     try:
         assert pool._limits.call_cap_bytes == 256 * 1024 and pool._limits.binding_caps() == ("call_cap",)
         calls = runtime.cudart.timeline

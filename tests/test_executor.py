@@ -16,6 +16,7 @@ from hicache.errors import (
     RollbackError)
 from hicache.plan import Limits, MambaLayout, plan_pool, plan_registration
 from hicache.testing import FakeRuntime
+from hicache.effects import HostSetup
 
 pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 

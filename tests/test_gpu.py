@@ -14,6 +14,8 @@ from hicache.effects import CudaPythonRuntime, apply_plan, probe_cuda
 from hicache.effects._host._memory import allocate_host
 from hicache.plan import Limits, plan_registration
 from hicache.testing import check_runtime_conformance
+from hicache.pools import HostPoolOptions
+from hicache.effects import HostSetup
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
@@ -95,8 +97,7 @@ def test_pool_round_trip_on_cuda(layout, side_stream, transfer, backend):
     from hicache.effects import CopyEngine
     from hicache.pools import MHATokenToKVPoolHost
 
-    pool = MHATokenToKVPoolHost(device, 1.0, 0, 64, layout, True, "cpu", limits=Limits(chunk_limit_bytes=4 * 2**20),
-                                copy_engine=CopyEngine(transfer=transfer))
+    pool = MHATokenToKVPoolHost(device, 1.0, 0, 64, layout, True, "cpu", host=HostSetup(limits=Limits(chunk_limit_bytes=4 * 2**20), copy_engine=CopyEngine(transfer=transfer)))
     try:
         pages = torch.randperm(4096 // 64 - 1, generator=torch.Generator().manual_seed(1))[:16] + 1
         device_idx = (pages[:, None] * 64 + torch.arange(64)).reshape(-1).cuda()
@@ -123,7 +124,7 @@ def test_progressive_pool_serves_pages_while_it_registers_on_cuda():
     torch, device = _cuda_device_pool(seed=7)
     from hicache.pools import MHATokenToKVPoolHost
 
-    pool = MHATokenToKVPoolHost(device, 1.0, 1, 64, "page_first_direct", True, "cpu", progressive=True)
+    pool = MHATokenToKVPoolHost(device, 1.0, 1, 64, "page_first_direct", True, "cpu", options=HostPoolOptions(progressive=True))
     try:
         assert 0 < pool.ready_pages() <= pool.page_num
         host_idx = pool.alloc(16 * 64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from doors import doors
 from machine import facts
 
 import hicache.compat.sglang as sg
@@ -24,6 +25,7 @@ from hicache.plan import Limits, plan_registration
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda
 from hicache.testing import FakeHostBuffer as FakeBuffer
+from hicache.effects import HostSetup
 
 pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 
@@ -73,8 +75,8 @@ def test_memory_with_a_leaked_interior_chunk_is_never_unmapped():
 def _pool(lock, machine, **kw):
     device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=64)
     return MHATokenToKVPoolHost(device, 1.0, 0, 64, "page_first_direct", True, "cpu",
-                                limits=Limits(chunk_limit_bytes=MiB), runtime=FakeRuntime(),
-                                ledger=HostLedger(), machine=machine, budget_lock=lock, **kw)
+                                **doors(limits=Limits(chunk_limit_bytes=MiB), runtime=FakeRuntime(),
+                                        ledger=HostLedger(), machine=machine, budget_lock=lock, **kw))
 
 
 def test_pool_bring_up_divides_the_budget_by_ranks_and_counts_peers(tmp_path):
@@ -112,8 +114,7 @@ def test_a_rollback_that_leaks_during_pool_construction_raises_and_quarantines(t
     before = len(QUARANTINE)
     with pytest.raises(RollbackError) as info:
         MHATokenToKVPoolHost(device, 8.0, 0, 64, "page_first_direct", True, "cpu",
-                             limits=limits, runtime=runtime, ledger=ledger,
-                             machine=facts(), budget_lock=BudgetLock(directory))
+                             host=HostSetup(limits=limits, runtime=runtime, ledger=ledger, machine=facts(), lock=BudgetLock(directory)))
     assert runtime.cudart.register_calls == 3  # two registered, the third failed
     leaked = set(info.value.leaked)
     assert leaked and runtime.held() == leaked == set(ledger.held())

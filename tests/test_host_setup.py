@@ -13,6 +13,7 @@ from hicache.errors import CapacityError
 from hicache.plan import Limits, plan_pool
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, fake_host_setup, fake_machine
+from hicache.pools import HostPoolOptions
 
 torch = pytest.importorskip("torch")
 GB = 10**9
@@ -46,13 +47,13 @@ def test_the_setups_budget_figures_decide_before_any_memory(tmp_path):
     assert setup.runtime.held() == set() and setup.runtime.cudart.log == []
 
 
-def test_the_old_keywords_land_in_the_same_fields():
-    """A pool's ``runtime=``, ``machine=``, ``budget_lock=``, ``ledger=``, ``limits=`` are its
-    setup's runtime, machine, lock, ledger and limits."""
+def test_the_host_door_lands_in_the_pools_setup():
+    """A pool's ``host=HostSetup(runtime=, machine=, lock=, ledger=, limits=)`` is its setup:
+    the same runtime, machine, lock, ledger and limits."""
     runtime, machine, ledger = FakeRuntime(), fake_machine(available_bytes=100 * GB), HostLedger()
     lock, limits = BudgetLock(), Limits(chunk_limit_bytes=1 << 20, os_page_bytes=4096)
-    pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", runtime=runtime, machine=machine,
-                                budget_lock=lock, ledger=ledger, limits=limits)
+    pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first",
+                                host=HostSetup(runtime=runtime, machine=machine, lock=lock, ledger=ledger, limits=limits))
     try:
         setup = pool.host_setup
         assert (setup.runtime, setup.machine, setup.lock, setup.ledger, setup.limits) == (runtime, machine, lock, ledger,
@@ -62,14 +63,38 @@ def test_the_old_keywords_land_in_the_same_fields():
         pool.destroy()
 
 
-@pytest.mark.parametrize("keyword, value", [("runtime", FakeRuntime), ("budget_lock", BudgetLock),
-                                            ("machine", fake_machine)])
-def test_a_piece_given_both_ways_is_a_type_error_naming_it(tmp_path, keyword, value):
-    """``host=`` and a keyword for the same piece: Python's TypeError naming it, before any memory."""
+@pytest.mark.parametrize("keyword", ["runtime", "limits", "machine", "host_memory_bytes", "budget_lock", "ledger",
+                                     "copy_engine", "strict_allocator", "allocator_fallback", "numa_node",
+                                     "progressive", "max_stall_s", "hugepages"])
+def test_a_pool_takes_its_host_and_its_settings_through_one_door_each(tmp_path, keyword):
+    """The thirteen keywords that once spelt a piece of the host or a bring-up setting beside
+    ``host=`` are Python's TypeError naming the pool and the word (issue #55: one door per
+    concern), before any memory; ``options=`` takes a `HostPoolOptions` and ``host=`` a
+    `HostSetup`, and anything else there is a TypeError naming the door."""
     setup = fake_host_setup(tmp_path)
-    with pytest.raises(TypeError, match="both in host= and as a keyword"):
-        MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup, **{keyword: value()})
-    assert setup.runtime.held() == set()
+    with pytest.raises(TypeError, match=f"MHATokenToKVPoolHost.. got an unexpected keyword argument '{keyword}'"):
+        MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup, **{keyword: None})
+    with pytest.raises(TypeError, match="options= takes a hicache.pools.HostPoolOptions"):
+        MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup, options={"progressive": True})
+    with pytest.raises(TypeError, match="host= takes a hicache.effects.HostSetup"):
+        MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host={"runtime": setup.runtime})
+    assert setup.runtime.held() == set() and setup.runtime.cudart.log == []
+
+
+def test_a_pools_settings_come_in_one_value():
+    """``options=HostPoolOptions(progressive=True, max_stall_s=None, hugepages="off")`` reaches
+    the pool's bring-up: it is progressive, with one call per planned chunk, on 4 KiB pages."""
+    from hicache.pools import HostPoolOptions
+
+    runtime = FakeRuntime()
+    pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first",
+                                host=HostSetup(runtime=runtime, machine=fake_machine(available_bytes=100 * GB)),
+                                options=HostPoolOptions(progressive=True, max_stall_s=None, hugepages="off"))
+    try:
+        assert pool.progressive is True and pool.max_stall_s is None and pool.hugepages == "off"
+        assert pool.wait_ready(timeout=60) is True
+    finally:
+        pool.destroy()
 
 
 @pytest.mark.parametrize("keyword", ["runtime", "machine", "lock", "ledger", "turnstile", "host_memory_bytes",

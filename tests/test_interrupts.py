@@ -38,6 +38,7 @@ from hicache.testing import FakeRuntime
 pytest.importorskip("torch")
 from hicache.effects._bringup import _claim
 from hicache.effects._hostwide import _lock
+from hicache.pools import HostPoolOptions
 
 FILES = {m.__file__ for m in (_bringup, _steps, _executor, _host_pools, _registration, _interrupts, _progressive,
                               _lock, _claim)}  # the budget lock's lines too: a Ctrl-C inside it lets it go
@@ -189,9 +190,7 @@ def _progressive_caller(runtime, ledger, lock, allocator, holder: list):
     # the metrics read its calls on the way - five traced lines more in some runs than in others.
     label = f"ctrl-c-{next(_RUNS)}"
     try:
-        holder.append(MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", runtime=runtime,
-                                           ledger=ledger, machine=ROOMY, budget_lock=lock, progressive=True,
-                                           limits=Limits(chunk_limit_bytes=64 * 1024), pool_label=label))
+        holder.append(MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", host=HostSetup(runtime=runtime, ledger=ledger, machine=ROOMY, lock=lock, limits=Limits(chunk_limit_bytes=64 * 1024)), options=HostPoolOptions(progressive=True), pool_label=label))
     finally:
         if holder:
             try:  # the background's calls all made first: how many there are to release must not

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from doors import doors
 from machine import ROOMY
 
 from hicache.plan import Limits
@@ -24,6 +25,7 @@ torch = pytest.importorskip("torch")
 from prometheus_client import REGISTRY  # noqa: E402
 
 from hicache import metrics  # noqa: E402
+from hicache.effects import HostSetup
 
 pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 
@@ -42,9 +44,9 @@ def _pool(label: str, runtime, tmp_path, *, tokens: int = 64, chunk: int = 64 * 
     from hicache.pools import MHATokenToKVPoolHost
 
     device = MHADevicePool(size=tokens, layer_num=2, head_num=2, head_dim=64, page_size=P)
-    return MHATokenToKVPoolHost(device, 2.0, 0, P, "page_first_direct", True, "cpu", runtime=runtime, machine=ROOMY,
-                                budget_lock=BudgetLock(tmp_path), pool_label=label,
-                                limits=Limits(chunk_limit_bytes=chunk), **kw)
+    return MHATokenToKVPoolHost(device, 2.0, 0, P, "page_first_direct", True, "cpu", pool_label=label,
+                                **doors(runtime=runtime, machine=ROOMY, budget_lock=BudgetLock(tmp_path),
+                                        limits=Limits(chunk_limit_bytes=chunk), **kw))
 
 
 def test_a_bring_up_shows_every_documented_name_with_the_handles_values(tmp_path):

@@ -11,6 +11,8 @@ from hicache.effects._host._numa import bound_node, online_nodes
 from hicache.effects import resolve_numa_node
 from hicache.errors import HostOutOfMemoryError, PlanError
 from hicache.testing import FakeCudaBinding
+from hicache.pools import HostPoolOptions
+from hicache.effects import HostSetup
 
 pytest.importorskip("torch")
 
@@ -84,8 +86,7 @@ def test_a_pool_binds_its_buffers_to_the_node_asked():
 
     _bound_or_skip(2**20, 0).free()
     device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=8, page_size=4)
-    pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first", False, "cpu", limits=Limits(chunk_limit_bytes=8192),
-                                machine=ROOMY, numa_node=0)
+    pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first", False, "cpu", host=HostSetup(limits=Limits(chunk_limit_bytes=8192), machine=ROOMY), options=HostPoolOptions(numa_node=0))
     assert pool.numa_node == 0 and bound_node(pool.kv_buffer.data_ptr()) == 0
     pool.destroy()
 

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, PageAllocator
 from hicache.testing import MHADevicePool
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 
@@ -146,7 +147,7 @@ def test_eight_threads_at_high_occupancy_never_share_a_page(native):
 def test_threads_never_share_a_slot():
     """Several threads allocating and freeing at once never hold the same slot."""
     device = MHADevicePool(size=512, layer_num=1, head_num=1, head_dim=4, page_size=PAGE)
-    pool = MHATokenToKVPoolHost(device, 1.0, 0, PAGE, "page_first", False, "cpu", limits=Limits(chunk_limit_bytes=2**20), machine=ROOMY)
+    pool = MHATokenToKVPoolHost(device, 1.0, 0, PAGE, "page_first", False, "cpu", host=HostSetup(limits=Limits(chunk_limit_bytes=2**20), machine=ROOMY))
     owner = torch.full((pool.size,), -1, dtype=torch.int64)
     errors = []
     guard = threading.Lock()

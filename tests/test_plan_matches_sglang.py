@@ -12,6 +12,7 @@ from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.cli._main import main
 from hicache.testing import fake_cuda
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 
@@ -53,7 +54,7 @@ def test_the_plan_of_a_pool_is_what_sglangs_constructor_allocates(sglang, tmp_pa
     with host_memory_budget_scope(10**12):
         theirs = Theirs(info, 2.0, sizing["host_size"], PAGE, "page_first_direct", pin_memory=False, **kw)
     with fake_cuda():
-        ours = Ours(info, 2.0, sizing["host_size"], PAGE, "page_first_direct", host_memory_bytes=10**12, **kw)
+        ours = Ours(info, 2.0, sizing["host_size"], PAGE, "page_first_direct", host=HostSetup(host_memory_bytes=10**12), **kw)
         try:
             assert plan["size"]["page_num"] == theirs.page_num == ours.page_num, (plan["size"], theirs.page_num)
             assert plan["size"]["tokens"] == theirs.size == ours.size
@@ -118,8 +119,8 @@ def _dsa_indexers(page: int):
         their_anchor = TheirAnchor(info, 2.0, 0, page, "page_first", False, "cpu", **kw)
         theirs = measured(TheirIndexer(make_dsa_indexer_pool_decl(device), their_anchor, pin_memory=False))
     with fake_cuda():
-        our_anchor = OurAnchor(info, 2.0, 0, page, "page_first", True, "cpu", host_memory_bytes=10**12, **kw)
-        indexer = OurIndexer(make_dsa_indexer_pool_decl(device), our_anchor, host_memory_bytes=10**12)
+        our_anchor = OurAnchor(info, 2.0, 0, page, "page_first", True, "cpu", host=HostSetup(host_memory_bytes=10**12), **kw)
+        indexer = OurIndexer(make_dsa_indexer_pool_decl(device), our_anchor, host=HostSetup(host_memory_bytes=10**12))
         try:
             ours = measured(indexer)
         finally:

@@ -37,10 +37,11 @@ from hicache.testing import (
 )
 
 from machine import ROOMY
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 P = 4
-ROOM = dict(limits=Limits(chunk_limit_bytes=1 << 20, os_page_bytes=64), machine=ROOMY)
+ROOM = dict(host=HostSetup(limits=Limits(chunk_limit_bytes=1 << 20, os_page_bytes=64), machine=ROOMY))
 
 
 def _mha(**kw):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from hicache.testing import MHADevicePool, MLADevicePool
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 LIMITS = Limits(chunk_limit_bytes=2**20, os_page_bytes=64)
@@ -36,13 +37,12 @@ def mha_host_element(kv_buffer, layout, kv, layer, slot, page_size):
     layout=st.sampled_from(["layer_first", "page_first", "page_first_direct", "page_head"]),
     page_size=st.sampled_from([1, 2, 4]),
     seed=st.integers(0, 2**16),
-    aligned=st.booleans(),
-)
+    aligned=st.booleans())
 def test_mha_backup_puts_each_token_where_the_layout_says(layout, page_size, seed, aligned):
     """After backup, host element (K/V, layer, slot) equals the device token it came from."""
     device = MHADevicePool(size=32, layer_num=3, head_num=2, head_dim=4, page_size=page_size)
     device.randomize(seed)
-    pool = MHATokenToKVPoolHost(device, 1.0, 0, page_size, layout, False, "cpu", limits=LIMITS, machine=ROOMY)
+    pool = MHATokenToKVPoolHost(device, 1.0, 0, page_size, layout, False, "cpu", host=HostSetup(limits=LIMITS, machine=ROOMY))
     try:
         generator = torch.Generator().manual_seed(seed)
         host_idx = pool.alloc(4 * page_size)
@@ -66,7 +66,7 @@ def test_mla_backup_puts_each_token_where_the_layout_says(layout):
     """MLA: host (layer, slot) holds the device latent vector of that token."""
     device = MLADevicePool(size=32, layer_num=2, kv_lora_rank=6, qk_rope_head_dim=2, page_size=4)
     device.randomize(5)
-    pool = MLATokenToKVPoolHost(device, 1.0, 0, 4, layout, False, "cpu", limits=LIMITS, machine=ROOMY)
+    pool = MLATokenToKVPoolHost(device, 1.0, 0, 4, layout, False, "cpu", host=HostSetup(limits=LIMITS, machine=ROOMY))
     host_idx = pool.alloc(8)
     device_idx = torch.arange(12, 20)
     pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")

@@ -12,8 +12,7 @@ from hicache.errors import (
     LayoutError,
     PlanError,
     RegistrationStateError,
-    TransferError,
-)
+    TransferError)
 from hicache.plan import Limits
 from hicache.pools import (
     AsymmetricMHATokenToKVPoolHost,
@@ -24,8 +23,7 @@ from hicache.pools import (
     MambaPoolHost,
     MHATokenToKOnlyPoolHost,
     MHATokenToKVPoolHost,
-    MLATokenToKVPoolHost,
-)
+    MLATokenToKVPoolHost)
 from hicache.testing import (
     AsymmetricMHADevicePool,
     DeepSeekV4DevicePool,
@@ -33,10 +31,11 @@ from hicache.testing import (
     FakeRuntime,
     MambaDevicePool,
     MHADevicePool,
-    MLADevicePool,
-)
+    MLADevicePool)
 
+from doors import doors
 from machine import ROOMY
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 P = 4
@@ -66,6 +65,7 @@ def make(name, layout, **kw):
     device_pool = device()
     kw.setdefault("limits", LIMITS)
     kw.setdefault("machine", ROOMY)
+    kw = doors(**kw)
     if cls is MambaPoolHost:  # SGLang's signature: no page size, layout a keyword
         pool = cls(device_pool, 2.0, 0, kw.pop("pin_memory", False), "cpu", layout=layout, **kw)
     else:
@@ -83,8 +83,7 @@ def _slots(pool, pages):
 @pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-{l}" for n, l in CASES])
 @pytest.mark.parametrize(
     "seed, copy_mode, threshold",  # host copies: native as shipped, native threaded+streamed, fallback
-    [(0, "auto", None), (1, "auto", 0), (2, "python", 0)],
-)
+    [(0, "auto", None), (1, "auto", 0), (2, "python", 0)])
 def test_backup_then_load_round_trips_random_pages(name, layout, seed, copy_mode, threshold, monkeypatch):
     """Back up random device pages, clear the device, load them back layer by layer: same bytes."""
     monkeypatch.setenv(_host_copy.ENV_VAR, copy_mode)
@@ -184,7 +183,7 @@ def test_sizing_uses_ceil_pages_and_decimal_gb():
     sized, _ = make("mha", "page_first", page_num=None)
     sized.destroy()
     per_token = 2 * 3 * 2 * 8 * 2
-    gb_pool = MHATokenToKVPoolHost(_mha(), 0, 0.001, P, "page_first", False, "cpu", limits=LIMITS, machine=ROOMY)
+    gb_pool = MHATokenToKVPoolHost(_mha(), 0, 0.001, P, "page_first", False, "cpu", host=HostSetup(limits=LIMITS, machine=ROOMY))
     assert gb_pool.page_num == -(-(10**6 // per_token) // P)
     gb_pool.destroy()
 
@@ -192,7 +191,7 @@ def test_sizing_uses_ceil_pages_and_decimal_gb():
 def test_host_smaller_than_device_is_a_warning(caplog):
     """A ratio below 1 logs a warning and builds the pool anyway."""
     device = _mha()
-    pool = MHATokenToKVPoolHost(device, 0.5, 0, P, "page_first", False, "cpu", limits=LIMITS, machine=ROOMY)
+    pool = MHATokenToKVPoolHost(device, 0.5, 0, P, "page_first", False, "cpu", host=HostSetup(limits=LIMITS, machine=ROOMY))
     assert "smaller than the device pool" in caplog.text
     pool.destroy()
 
@@ -200,7 +199,7 @@ def test_host_smaller_than_device_is_a_warning(caplog):
 def test_refused_budget_is_a_capacity_error_before_allocating():
     """A pool bigger than the host's memory fails with GB figures; nothing is mapped."""
     with pytest.raises(CapacityError, match=r"GB"):
-        MHATokenToKVPoolHost(_mha(), 2.0, 0, P, "page_first", False, "cpu", limits=LIMITS, host_memory_bytes=10)
+        MHATokenToKVPoolHost(_mha(), 2.0, 0, P, "page_first", False, "cpu", host=HostSetup(limits=LIMITS, host_memory_bytes=10))
 
 
 def test_pinning_registers_every_buffer_as_one_transaction():
@@ -232,14 +231,14 @@ def test_a_failing_third_buffer_leaves_nothing_registered_or_mapped(monkeypatch)
     monkeypatch.setattr(HostTensorAllocator, "allocate", tracking)
     monkeypatch.setattr(HostTensorAllocator, "allocate_unfaulted", tracking_unfaulted)
     device = MambaDevicePool(size=16, layer_num=3, temporal_shape=(2, 4), conv_shapes=((3, 2), (5,)), page_size=1)
-    probe = MambaPoolHost(device, 2.0, 0, False, "cpu", layout="page_first", limits=LIMITS, machine=ROOMY)
+    probe = MambaPoolHost(device, 2.0, 0, False, "cpu", layout="page_first", host=HostSetup(limits=LIMITS, machine=ROOMY))
     counts = [b.plan.call_count for b in probe.pool_plan.buffers]
     assert len(counts) == 3
     probe.destroy()
     made.clear()
     runtime, ledger = FakeRuntime(fail_register={counts[0] + counts[1]: 2}), HostLedger()
     with pytest.raises(ApplyError, match="conv1"):
-        MambaPoolHost(device, 2.0, 0, True, "cpu", layout="page_first", limits=LIMITS, runtime=runtime, ledger=ledger, machine=ROOMY)
+        MambaPoolHost(device, 2.0, 0, True, "cpu", layout="page_first", host=HostSetup(limits=LIMITS, runtime=runtime, ledger=ledger, machine=ROOMY))
     assert runtime.held() == set() and ledger.held() == ()
     assert made and all(allocator.buffers == [] for allocator in made)  # every buffer unmapped
 
@@ -279,8 +278,7 @@ def test_destroy_keeps_memory_a_failed_release_left_registered():
         (lambda p, d: p.set_from_flat_data_page(torch.tensor(p.size), p.get_dummy_flat_data_page()), "out of range"),
         (lambda p, d: p.alloc(3), "not a multiple of the page size"),
         (lambda p, d: p.free(torch.tensor([1, 2, 3, 4])), "page-aligned runs"),
-    ],
-)
+    ])
 def test_bad_input_is_a_clear_error(call, pattern):
     """Wrong dtypes, lengths, layers, backends, ranges and unaligned sizes are named."""
     pool, device = make("mha", "layer_first")
@@ -621,7 +619,7 @@ def test_sglangs_numbers_of_any_real_type_are_read_and_others_named():
     from hicache.compat import sglang as compat
 
     device = MHADevicePool(size=64, layer_num=3, head_num=2, head_dim=8, page_size=P)
-    pool = MHATokenToKVPoolHost(device, np.float32(2.0), 0, P, "layer_first", False, "cpu", limits=LIMITS, machine=ROOMY)
+    pool = MHATokenToKVPoolHost(device, np.float32(2.0), 0, P, "layer_first", False, "cpu", host=HostSetup(limits=LIMITS, machine=ROOMY))
     try:
         plain, _ = make("mha", "layer_first")
         assert pool.size == plain.size
@@ -633,7 +631,7 @@ def test_sglangs_numbers_of_any_real_type_are_read_and_others_named():
     finally:
         pool.destroy()
     with pytest.raises(PlanError, match=r"host_size must be a finite number of GB .* got '2'"):
-        MHATokenToKVPoolHost(device, 2.0, "2", P, "layer_first", False, "cpu", limits=LIMITS, machine=ROOMY)
+        MHATokenToKVPoolHost(device, 2.0, "2", P, "layer_first", False, "cpu", host=HostSetup(limits=LIMITS, machine=ROOMY))
     with pytest.raises(TypeError, match=r"dims must be integers, got \(2.5, 1024\)"):
         compat.alloc_with_host_register((2.5, 1024), torch.uint8, "cpu", False, compat.HostTensorAllocator())
 

@@ -9,6 +9,7 @@ import threading
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from doors import doors
 from machine import ROOMY
 
 from hicache.effects._cuda._ledger import HostLedger
@@ -16,6 +17,8 @@ from hicache.errors import ApplyError
 from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, MLADevicePool
+from hicache.pools import HostPoolOptions
+from hicache.effects import HostSetup
 
 pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 
@@ -30,8 +33,8 @@ def _pool(runtime, ledger, *, family="mla", layout="page_first_direct", chunk=16
     else:
         device = MHADevicePool(size=256, layer_num=2, head_num=2, head_dim=8, page_size=P)
         cls = MHATokenToKVPoolHost
-    return cls(device, 2.0, 0, P, layout, True, "cpu", limits=Limits(chunk_limit_bytes=chunk),
-               runtime=runtime, ledger=ledger, machine=ROOMY, progressive=True, **kw)
+    return cls(device, 2.0, 0, P, layout, True, "cpu", **doors(limits=Limits(chunk_limit_bytes=chunk), runtime=runtime,
+                                                        ledger=ledger, machine=ROOMY, progressive=True, **kw))
 
 
 def _inside(held, ptr, size):
@@ -238,8 +241,7 @@ def test_any_page_first_pool_registers_its_plan_exactly_and_hands_out_only_regis
     family, layout, page, device, ratio, chunk, stall = shape
     cls = MLATokenToKVPoolHost if family == "mla" else MHATokenToKVPoolHost
     runtime, ledger = FakeRuntime(register_bytes_per_s=5e8), HostLedger()
-    pool = cls(device, ratio, 0, page, layout, True, "cpu", limits=Limits(chunk_limit_bytes=chunk), runtime=runtime,
-               ledger=ledger, machine=ROOMY, progressive=True, max_stall_s=stall)
+    pool = cls(device, ratio, 0, page, layout, True, "cpu", host=HostSetup(limits=Limits(chunk_limit_bytes=chunk), runtime=runtime, ledger=ledger, machine=ROOMY), options=HostPoolOptions(progressive=True, max_stall_s=stall))
     try:
         while pool.available_size() or not pool.wait_ready(timeout=0):
             slots = pool.alloc(page)
@@ -269,8 +271,7 @@ def _mamba_pool(runtime, ledger, layout):
 
     cache = SimpleNamespace(temporal=torch.randn(3, 65, 2, 4), conv=[torch.randn(3, 65, 3, 2).to(torch.bfloat16)])
     device = SimpleNamespace(num_mamba_layers=3, mamba_cache=cache, size=64, device="cpu")
-    return MambaPoolHost(device, 40.0, 0, layout=layout, runtime=runtime, ledger=ledger, machine=ROOMY,
-                         limits=Limits(chunk_limit_bytes=4096), progressive=True)
+    return MambaPoolHost(device, 40.0, 0, layout=layout, host=HostSetup(runtime=runtime, ledger=ledger, machine=ROOMY, limits=Limits(chunk_limit_bytes=4096)), options=HostPoolOptions(progressive=True))
 
 
 def _deepseek_v4_pool(runtime, ledger, layout):
@@ -278,8 +279,7 @@ def _deepseek_v4_pool(runtime, ledger, layout):
 
     buffers = [torch.randint(0, 256, (12, 48), dtype=torch.uint8) for _ in range(3)]
     return DeepSeekV4PagedHostPool(pool_name="c4", device_buffers=buffers, item_bytes=48, num_host_pages=400,
-                                   slot_page_size=4, layout=layout, runtime=runtime, ledger=ledger, machine=ROOMY,
-                                   limits=Limits(chunk_limit_bytes=8192), progressive=True)
+                                   slot_page_size=4, layout=layout, host=HostSetup(runtime=runtime, ledger=ledger, machine=ROOMY, limits=Limits(chunk_limit_bytes=8192)), options=HostPoolOptions(progressive=True))
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
@@ -305,8 +305,8 @@ def _sglang_style_pool(**kw):
     """As HiRadixCache builds it: five positional arguments, SGLang's defaults, nothing else
     (hicache's test-only keywords aside)."""
     device = MHADevicePool(size=256, layer_num=2, head_num=2, head_dim=8, page_size=P)
-    return MHATokenToKVPoolHost(device, 2.0, 0, P, "page_first_direct", machine=ROOMY,
-                                limits=Limits(chunk_limit_bytes=4096), **kw)
+    return MHATokenToKVPoolHost(device, 2.0, 0, P, "page_first_direct",
+                                **doors(machine=ROOMY, limits=Limits(chunk_limit_bytes=4096), **kw))
 
 
 def test_hicache_progressive_turns_it_on_for_a_pool_built_as_sglang_builds_it(monkeypatch):
@@ -367,8 +367,7 @@ def test_hugetlbfs_pools_keep_their_plan_on_the_huge_page(monkeypatch):
     monkeypatch.setenv("HICACHE_HUGEPAGES", "prefer")
     device = MHADevicePool(size=4096, layer_num=2, head_num=4, head_dim=64, page_size=64)
     with fake_cuda() as cuda:
-        pool = MHATokenToKVPoolHost(device, 4.0, 0, 64, "page_first_direct", machine=ROOMY,
-                                    limits=Limits(chunk_limit_bytes=4 * 2**20))
+        pool = MHATokenToKVPoolHost(device, 4.0, 0, 64, "page_first_direct", host=HostSetup(machine=ROOMY, limits=Limits(chunk_limit_bytes=4 * 2**20)))
         assert pool.allocator.hugepages == "prefer" and pool.allocator.hugepage_bytes == 2 * 2**20
         plan = pool.pool_plan.buffers[0].plan
         assert plan.call_count > 1 and all(r.offset % (2 * 2**20) == 0 for r in plan.ranges)

@@ -21,6 +21,7 @@ from hicache.effects._cuda._ledger import HostLedger
 from hicache.errors import RegistrationStateError, ReleaseError
 from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda
+from hicache.pools import HostPoolOptions
 
 pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`
 
@@ -34,7 +35,7 @@ _CHILD = r"""
 import gc, os, sys, warnings, weakref
 sys.path.insert(0, {tests!r})
 from machine import ROOMY
-from hicache.effects import HostTensorAllocator
+from hicache.effects import HostSetup, HostTensorAllocator
 from hicache.effects._hostwide._lock import budget_lock
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import MHADevicePool, fake_cuda
@@ -55,7 +56,7 @@ HostTensorAllocator.allocate_unfaulted = allocate_unfaulted
 
 def pool():
     device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=4)
-    return MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", machine=ROOMY)
+    return MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", host=HostSetup(machine=ROOMY))
 
 with fake_cuda() as fake:
     first = pool()
@@ -167,9 +168,7 @@ def _pool(runtime, ledger, tmp_path, progressive):
     from hicache.pools import MHATokenToKVPoolHost
 
     device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=4)
-    return MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", runtime=runtime, ledger=ledger,
-                                machine=ROOMY, budget_lock=BudgetLock(tmp_path), progressive=progressive,
-                                max_stall_s=None, limits=Limits(chunk_limit_bytes=64 * 1024))
+    return MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", host=HostSetup(runtime=runtime, ledger=ledger, machine=ROOMY, lock=BudgetLock(tmp_path), limits=Limits(chunk_limit_bytes=64 * 1024)), options=HostPoolOptions(progressive=progressive, max_stall_s=None))
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))

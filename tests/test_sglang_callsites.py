@@ -5,6 +5,7 @@ zero-copy meta for L3 back ends, HiSparse helpers, and a destroyed pool refusing
 from __future__ import annotations
 
 import pytest
+from doors import doors
 from machine import ROOMY, roomy_psutil  # noqa: F401 - roomy_psutil: a fixture
 
 from hicache.errors import RegistrationStateError, TransferError
@@ -14,9 +15,9 @@ from hicache.pools import (
     AsymmetricMHATokenToKVPoolHost,
     MHATokenToKVPoolHost,
     MLATokenToKVPoolHost,
-    get_mha_host_pool_cls,
-)
+    get_mha_host_pool_cls)
 from hicache.testing import AsymmetricMHADevicePool, MHADevicePool, MLADevicePool, fake_cuda
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 P = 4
@@ -69,7 +70,7 @@ def test_hisparse_builds_mla_with_keywords_and_an_overridden_dim(roomy_psutil):
 
 
 def _pool(device, layout, cls=MHATokenToKVPoolHost, **kw):
-    return cls(device, 2.0, 0, P, layout, False, "cpu", limits=Limits(chunk_limit_bytes=8192), machine=ROOMY, **kw)
+    return cls(device, 2.0, 0, P, layout, False, "cpu", **doors(limits=Limits(chunk_limit_bytes=8192), machine=ROOMY, **kw))
 
 
 @pytest.mark.parametrize("end_layer", ["exclusive", "inclusive"])
@@ -171,7 +172,7 @@ def test_an_index_equal_to_the_slot_count_is_refused(page_size):
     copy."""
     device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=8, page_size=page_size)
     host = MHATokenToKVPoolHost(device, 2.0, 0, page_size, "page_first", False, "cpu",
-                                limits=Limits(chunk_limit_bytes=8192), machine=ROOMY)
+                                host=HostSetup(limits=Limits(chunk_limit_bytes=8192), machine=ROOMY))
     slots = torch.arange(host.size - page_size, host.size)  # the last page: fine
     host.backup_from_device_all_layer(device, slots, torch.arange(page_size), "direct")
     with pytest.raises(TransferError, match="host_indices out of range"):
@@ -192,8 +193,7 @@ def test_the_assembler_builds_the_mamba_pool_as_sglang_does(roomy_psutil):
     layers, slots = 3, 16
     cache = SimpleNamespace(
         temporal=torch.randn(layers, slots + 1, 2, 4),
-        conv=[torch.randn(layers, slots + 1, 3, 2).to(torch.bfloat16)],
-    )
+        conv=[torch.randn(layers, slots + 1, 3, 2).to(torch.bfloat16)])
     mamba_pool = SimpleNamespace(num_mamba_layers=layers, mamba_cache=cache, size=slots, device="cpu")
     with fake_cuda() as cuda:
         host = MambaPoolHost(mamba_pool, 2.0, 0, allocator_type="file", layout="page_first")
@@ -225,7 +225,7 @@ def test_deepseek_v4_paged_pool_as_sglang_builds_it(layout):
     buffers = [torch.randint(0, 256, (rows, item), dtype=torch.uint8) for _ in range(layers)]
     host = DeepSeekV4PagedHostPool(pool_name="c4", device_buffers=buffers, item_bytes=item, num_host_pages=8,
                                    slot_page_size=slot_page, layout=layout, pin_memory=False,
-                                   machine=ROOMY, limits=Limits(chunk_limit_bytes=8192))
+                                   host=HostSetup(machine=ROOMY, limits=Limits(chunk_limit_bytes=8192)))
     assert host.layer_num == layers and host.size == 8 * slot_page and host.get_ksize_per_token() == item
     slots = host.alloc(5)  # rounded up to two slot pages
     assert slots.numel() == 2 * slot_page
@@ -255,7 +255,7 @@ def test_deepseek_v4_state_pool_as_sglang_builds_it():
     states = [SimpleNamespace(kv_score_buffer=SimpleNamespace(kv_score=torch.randn(9, 3, 2)), ring_size=ring)
               for _ in range(2)]
     host = DeepSeekV4StateHostPool("state", states, 6, swa_page, layout="page_first", pin_memory=False,
-                                   machine=ROOMY, limits=Limits(chunk_limit_bytes=8192))
+                                   host=HostSetup(machine=ROOMY, limits=Limits(chunk_limit_bytes=8192)))
     assert host.size_per_token == ring * 3 * 2 * 4  # ring_size x slot bytes
     with pytest.raises(NotImplementedError):
         host.alloc(swa_page)

@@ -12,12 +12,13 @@ import pytest
 from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 
 PAGE, LAYERS, TOKENS = 16, 3, 256
 KW = dict(device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS - 1)
-ROOM = dict(host_memory_bytes=10**12)  # hicache's budget, injected (no machine dependence)
+ROOM = dict(host=HostSetup(host_memory_bytes=10**12))  # hicache's budget, injected (no machine dependence)
 
 CASES = [
     ("mha", "layer_first"), ("mha", "page_first"), ("mha", "page_first_direct"), ("mha", "page_head"),
@@ -817,7 +818,7 @@ def test_a_pool_inside_sglangs_budget_scope_is_admitted_by_it_as_sglangs(sglang)
 
     _, ours_cls = _classes("mha")
     info = _device("mha").get_device_pool_infos()[0].buffer_info
-    tiny = dict(host_memory_bytes=10**6)  # hicache's own figure: room for none of it
+    tiny = dict(host=HostSetup(host_memory_bytes=10**6))  # hicache's own figure: room for none of it
 
     def build():
         return ours_cls(info, 2.0, 0, PAGE, "page_first", **KW, **tiny)

@@ -17,6 +17,7 @@ import pytest
 from sglang_support import cuda_at_destroy, published, recording_allocators, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 
@@ -218,7 +219,7 @@ def test_hicache_pools_inside_sglangs_budget_scope_leave_no_claim_once_up(plugge
     info = device.get_device_pool_infos()[0].buffer_info
     with fake_cuda(), host_memory_budget_scope(10**9):
         pool = MHATokenToKVPoolHost(info, 2.0, 0, 16, "page_first", device_capacity_tokens=256, start_layer=0,
-                                    end_layer=1, host_memory_bytes=10**6)
+                                    end_layer=1, host=HostSetup(host_memory_bytes=10**6))
         try:
             with budget_lock() as lock:
                 assert lock.pending_bytes() == 0 and os.getpid() not in lock.claims()

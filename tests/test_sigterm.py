@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from store_support import shm_dir  # noqa: F401 - a fixture
+from hicache.effects import HostSetup
 
 CHILD = Path(__file__).with_name("signal_child.py")
 APPLY = ["apply", "--fake-cuda", "--model", "llama-3.1-8b", "--tp", "8", "--host-gb", "0.05", "--chunk-limit",

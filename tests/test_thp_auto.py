@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.plan._thp import RULES, THP_BYTES, PieceFault, ThpSnapshot, base_rate, brake_reason, decide_piece
+from hicache.effects import HostSetup
 
 MiB = 2**20
 PIECE = 64 * MiB

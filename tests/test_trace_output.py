@@ -21,6 +21,7 @@ from machine import ROOMY
 from hicache.cli import main
 from hicache.effects import trace
 from hicache.errors import TraceOutputError
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 
@@ -91,12 +92,13 @@ def test_a_bad_hicache_trace_never_fails_a_pool_constructor(tmp_path, fork_serve
     """HICACHE_TRACE naming a directory: hicache's pool still builds and round-trips in a process
     of its own (it failed every constructor before), with the warning on stderr."""
     code = (
+        "from hicache.effects import HostSetup\n"
         "from hicache.pools import MHATokenToKVPoolHost\n"
         "from hicache.testing import MHADevicePool, fake_cuda\n"
         "with fake_cuda():\n"
         "    device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=16)\n"
         "    pool = MHATokenToKVPoolHost(device, 2.0, 0, 16, 'page_first_direct', True, 'cpu',\n"
-        "                                host_memory_bytes=10**12)\n"
+        "                                host=HostSetup(host_memory_bytes=10**12))\n"
         "    pool.destroy()\n"
         "print('built')\n"
     )

@@ -20,6 +20,7 @@ from test_pools import CASES, FAMILIES, _slots, make
 
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import MHADevicePool
+from hicache.effects import HostSetup
 
 torch = pytest.importorskip("torch")
 RUNNERS = ["triton", "torch"]
@@ -285,8 +286,7 @@ def test_the_gather_puts_every_token_where_the_layout_says_both_ways(runner, lay
                            page_size=page_size, dtype=getattr(torch, dtype))
     device.randomize(seed)
     engine = CopyEngine(transfer="gather", programs=3, gather_runner=_runner(runner))
-    pool = MHATokenToKVPoolHost(device, 2.0, 0, page_size, layout, False, "cpu", limits=LIMITS, machine=ROOMY,
-                                copy_engine=engine)
+    pool = MHATokenToKVPoolHost(device, 2.0, 0, page_size, layout, False, "cpu", host=HostSetup(limits=LIMITS, machine=ROOMY, copy_engine=engine))
     try:
         generator = torch.Generator().manual_seed(seed)
         host_pages = _index_set(index_set, pool.page_num, page_size, generator)

@@ -19,6 +19,7 @@ from hicache.errors import TransferError  # noqa: E402
 from hicache.plan import Limits  # noqa: E402
 from hicache.pools import MHATokenToKVPoolHost  # noqa: E402
 from hicache.testing import MHADevicePool  # noqa: E402
+from hicache.effects import HostSetup
 
 P, LAYERS = 4, 3
 EXAMPLES = int(os.environ.get("HICACHE_FUZZ_EXAMPLES", "60"))
@@ -43,14 +44,12 @@ def _device(lengths, seed):
 
     pages=st.lists(st.integers(0, 16), min_size=1, max_size=6, unique=True),
     whole_pages=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+    seed=st.integers(0, 2**16))
 def check(layout, lengths, pages, whole_pages, seed):
     source = _device(lengths, seed)
     target = _device(lengths, seed + 1)
     target.zero()
-    host = MHATokenToKVPoolHost(source, 4.0, 0, P, layout, False, "cpu", limits=Limits(chunk_limit_bytes=8192),
-                                machine=ROOMY)
+    host = MHATokenToKVPoolHost(source, 4.0, 0, P, layout, False, "cpu", host=HostSetup(limits=Limits(chunk_limit_bytes=8192), machine=ROOMY))
     try:
         host_idx = host.alloc(len(pages) * P)
         device_idx = (torch.tensor(pages)[:, None] * P + torch.arange(P)).reshape(-1)

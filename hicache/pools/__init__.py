@@ -20,6 +20,7 @@ from hicache.pools._forms import Form
 from hicache.pools._geometry import PoolGeometry
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._logical import LogicalHostPool
+from hicache.pools._options import HostPoolOptions
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._server import NO_SERVER, NoServer, serve_in, server
 from hicache.pools._storage import HICACHE_HOST_MEMORY_RESERVE_BYTES
@@ -34,6 +35,7 @@ __all__ = [
     "Form",
     "HiSparseHostPoolMixin",
     "HostKVCache",
+    "HostPoolOptions",
     "HostTensorAllocator",
     "LogicalHostPool",
     "PageAllocator",

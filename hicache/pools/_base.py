@@ -83,23 +83,16 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
     ``host_to_device_ratio``). SGLang's defaults: ``pin_memory=True``, ``device="cpu"``,
     ``allocator_type="default"`` (any storage back end's name, ``None`` included: names
     without an allocator of their own get the default one), ``pool_label="kv"``. Layer ids are
-    pool-local (``0..layer_num-1``), as SGLang's controller passes them. Keywords beyond
-    SGLang's (keyword-only): ``strict_allocator`` (an unknown ``allocator_type`` is an error), ``runtime`` (a `HostRuntime`;
-    default cuda-python, or `hicache.testing.fake_cuda`'s), ``limits`` (default
-    `probe_limits()`), ``machine`` (`MachineFacts` for the budget; default `probe_machine()`),
-    ``host_memory_bytes`` (overrides the machine's available memory), ``budget_lock`` (default:
-    the host-wide lock), ``allocator_fallback`` (an allocator type for unknown ones),
-    ``page_num`` (size like an anchor pool instead), ``ledger`` (default: the process's),
-    ``copy_engine`` (a `CopyEngine`; default: one with the host copy mode the probes resolve),
-    ``numa_node`` (``"auto"``: the current GPU's node where there are several; ``"off"``; N),
-    ``progressive`` (return once the first page of every buffer is registered and register
-    the rest in the background; `alloc` hands out ready pages only - see `ready_pages`,
-    `wait_ready`; page-first layouts only, layer_first registers everything first; None, the
-    default: ``HICACHE_PROGRESSIVE``, else False - SGLang's call sites pass no keywords),
-    ``max_stall_s`` (progressive: no call holds the driver longer, by the measured rate; the
-    first call is at most 16 MiB; None: one call per planned chunk), ``hugepages`` (``"auto"``,
-    ``"off"``, ``"thp"``, ``"prefer"``, ``"required"`` as `allocate_host`; None: ``HICACHE_HUGEPAGES``,
-    else ``"auto"``).
+    pool-local (``0..layer_num-1``), as SGLang's controller passes them. Beyond SGLang's
+    signature (``page_num`` sizes like an anchor pool instead), two keyword-only values, one door
+    each: ``options`` (a `HostPoolOptions`: ``strict_allocator``, ``allocator_fallback``,
+    ``numa_node``, ``progressive`` - `alloc` then hands out ready pages only, see `ready_pages`,
+    `wait_ready`; page-first layouts only - ``max_stall_s``, ``hugepages``; SGLang's call sites
+    pass none: every default) and ``host`` (a `hicache.effects.HostSetup`: the ``runtime``,
+    default cuda-python or `hicache.testing.fake_cuda`'s; ``limits``, default `probe_limits()`;
+    the ``machine`` the budget reads, default `probe_machine()`; ``host_memory_bytes`` instead of
+    its available memory; the budget ``lock``, default the host-wide one; the ``ledger``; the
+    ``copy_engine``, default one with the host copy mode the probes resolve).
     Bring-up and teardown go through `hicache.effects.bring_up`.
     """
 

@@ -2,8 +2,9 @@
 
 A constructor call's keywords part into a `Sizing` (what SGLang's arguments say of the pool's
 size: `_geometry`) and these options - SGLang's own (``pin_memory``, ``device``,
-``allocator_type``, ``pool_label``, ``is_dummy``) and hicache's keyword-only ones (the host's
-pieces and the bring-up's settings, documented on `HostKVCache`). One table of the names, so a
+``allocator_type``, ``pool_label``, ``is_dummy``) and hicache's two keyword-only values: its
+settings (``options=``, a `HostPoolOptions`) and the host's pieces (``host=``, a `HostSetup`) -
+one door each (issue #55 item 2). One table of the names, so a
 misspelt keyword is Python's TypeError naming the pool and the word. Pure data: no import
 beyond attrs and the geometry's `Sizing`.
 """
@@ -21,48 +22,54 @@ SIZING_KEYWORDS = ("page_num", "device_capacity_tokens", "start_layer", "end_lay
 
 
 @attrs.frozen(kw_only=True)
-class PoolOptions:
-    """SGLang's options of a host pool and hicache's keyword-only ones (see `HostKVCache`)."""
+class HostPoolOptions:
+    """hicache's settings of a host pool's bring-up, one value (a pool constructor's keyword-only
+    ``options=``; the host's pieces are its ``host=``, a `HostSetup`): ``strict_allocator`` (an
+    unknown ``allocator_type`` is an error), ``allocator_fallback`` (an allocator type for unknown
+    ones), ``numa_node`` (``"auto"``: the current GPU's node where there are several; ``"off"``;
+    N), ``progressive`` (return once the first page of every buffer is registered and register
+    the rest in the background; None: ``HICACHE_PROGRESSIVE``, else False), ``max_stall_s``
+    (progressive: no call holds the driver longer, by the measured rate; None: one call per
+    planned chunk), ``hugepages`` (``"auto"``, ``"off"``, ``"thp"``, ``"prefer"``,
+    ``"required"``; None: ``HICACHE_HUGEPAGES``, else ``"auto"``)."""
 
-    pin_memory: bool = True
-    device: str = "cpu"
-    allocator_type: str | None = "default"
-    pool_label: str = "kv"
-    is_dummy: bool = False
     strict_allocator: bool = False
     allocator_fallback: str | None = None
-    # the host's pieces (None: probed, or the process's own): one HostSetup, or a keyword each
-    host: HostSetup | None = None
-    runtime: object = None
-    limits: object = None
-    machine: object = None
-    host_memory_bytes: int | None = None
-    budget_lock: object = None
-    ledger: object = None
-    copy_engine: object = None
-    # the bring-up's settings
     numa_node: object = "auto"
     progressive: bool | None = None
     max_stall_s: float | None = 0.25
     hugepages: str | None = None
 
 
+@attrs.frozen(kw_only=True)
+class PoolOptions:
+    """SGLang's options of a host pool, the host's pieces (``host``) and hicache's settings
+    (a `HostPoolOptions`' fields, flattened here for the pool's build)."""
+
+    pin_memory: bool = True
+    device: str = "cpu"
+    allocator_type: str | None = "default"
+    pool_label: str = "kv"
+    is_dummy: bool = False
+    host: HostSetup | None = None
+    strict_allocator: bool = False
+    allocator_fallback: str | None = None
+    numa_node: object = "auto"
+    progressive: bool | None = None
+    max_stall_s: float | None = 0.25
+    hugepages: str | None = None
+
     def host_setup(self, owner: str) -> HostSetup:
-        """The pool's `HostSetup`: ``host`` with the pieces given by keyword applied (a piece
-        given both ways is a TypeError naming it); the device the bring-up pins for is the pool's."""
-        pieces = {name: getattr(self, name) for name in _PIECES if getattr(self, name) is not None}
-        pieces = {_PIECES[name]: value for name, value in pieces.items()}
-        host = self.host if self.host is not None else HostSetup()
-        clashes = [name for name in pieces if getattr(host, name) is not None]
-        if self.host is not None and clashes:
-            raise TypeError(f"{owner}() got {clashes[0]!r} both in host= and as a keyword")
-        return attrs.evolve(host, **pieces)
+        """The pool's `HostSetup` (None given: every piece the process's own, probed or default)."""
+        if self.host is not None and not isinstance(self.host, HostSetup):
+            raise TypeError(f"{owner}() host= takes a hicache.effects.HostSetup, got {type(self.host).__name__}")
+        return self.host if self.host is not None else HostSetup()
 
 
-#: the keywords that are pieces of the pool's HostSetup (the pool's name -> the setup's)
-_PIECES = {"runtime": "runtime", "limits": "limits", "machine": "machine", "host_memory_bytes": "host_memory_bytes",
-           "budget_lock": "lock", "ledger": "ledger", "copy_engine": "copy_engine"}
-_OPTION_NAMES = frozenset(field.name for field in attrs.fields(PoolOptions))
+#: the keywords a pool constructor takes beyond its positional ones: SGLang's own options, and
+#: hicache's two values (its settings, the host's pieces)
+_SGLANG_OPTIONS = ("pin_memory", "device", "allocator_type", "pool_label", "is_dummy")
+_OPTION_NAMES = frozenset((*_SGLANG_OPTIONS, "options", "host"))
 
 
 def split_keywords(owner: str, keywords: dict, **sizing) -> tuple[Sizing, PoolOptions]:
@@ -73,4 +80,10 @@ def split_keywords(owner: str, keywords: dict, **sizing) -> tuple[Sizing, PoolOp
             raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
     given = {name: keywords[name] for name in SIZING_KEYWORDS if name in keywords}
     sized = Sizing(**{**given, **sizing})  # the form's own facts win over a keyword
-    return sized, PoolOptions(**{name: value for name, value in keywords.items() if name in _OPTION_NAMES})
+    settings = keywords.get("options")
+    if settings is None:
+        settings = HostPoolOptions()
+    elif not isinstance(settings, HostPoolOptions):
+        raise TypeError(f"{owner}() options= takes a hicache.pools.HostPoolOptions, got {type(settings).__name__}")
+    chosen = {name: keywords[name] for name in _SGLANG_OPTIONS if name in keywords}
+    return sized, PoolOptions(**chosen, host=keywords.get("host"), **attrs.asdict(settings, recurse=False))

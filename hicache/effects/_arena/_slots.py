@@ -17,7 +17,7 @@ import fcntl
 import struct
 from array import array
 
-from hicache.plan._slot_policy import SlotView, victim_order, window_of
+from hicache.plan import SlotView, victim_order, window_of
 from hicache.plan._store import DEPTH_OFFSET as _DEPTH
 from hicache.plan._store import LENGTH_OFFSET as _LENGTH
 from hicache.plan._store import NS_OFFSET, RECORD_BYTES, REF_OFFSET, STAMP_OFFSET, WRITER_OFFSET

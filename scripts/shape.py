@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""The house's shape in numbers (issue #55's "Measure"): the keywords `bring_up` and a pool
+constructor take, the public names of each face, the private imports across packages, the
+largest modules. Reads ROOT's source (ast) and imports its faces in a child; prints one JSON line.
+
+    python scripts/shape.py [ROOT] [--list]   # ROOT: a checkout (default: this one); --list: the crossings
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+ROOT = Path(ARGS[0] if ARGS else Path(__file__).resolve().parents[1]).resolve()
+PACKAGE = ROOT / "hicache"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def private_cross_package_imports() -> list[str]:
+    """``from hicache.<a>._x import ...`` in a module of another package."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("hicache."):
+                parts = node.module.split(".")
+                if any(part.startswith("_") for part in parts[2:]) and _package(node.module) != _package(module):
+                    found.append(f"{module} -> {node.module}")
+    return found
+
+
+def face_names() -> dict:
+    """Each face's public names (its ``__all__``, imported from ROOT in a child process)."""
+    code = ("import importlib, json; print(json.dumps({f'hicache.{face}': len(importlib.import_module("
+            "f'hicache.{face}').__all__) for face in ('effects', 'plan', 'pools', 'store', 'testing')}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr[-300:]}
+
+
+def bring_up_keywords() -> list[str]:
+    tree = ast.parse((PACKAGE / "effects" / "_bringup" / "_bring_up.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "bring_up":
+            return [a.arg for a in node.args.kwonlyargs] + (["**" + node.args.kwarg.arg] if node.args.kwarg else [])
+    return []
+
+
+def pool_keywords() -> list[str]:
+    """The keywords a pool constructor takes beyond its positional ones (the options table of
+    `hicache.pools._options`: the sizing names, and the options' names or doors)."""
+    source = (PACKAGE / "pools" / "_options.py").read_text()
+    names = []
+    for node in ast.parse(source).body:
+        targets = [getattr(t, "id", None) for t in getattr(node, "targets", [])]
+        if "SIZING_KEYWORDS" in targets or "_SGLANG_OPTIONS" in targets:
+            names += list(ast.literal_eval(node.value))
+        if isinstance(node, ast.ClassDef) and node.name == "PoolOptions" and "_SGLANG_OPTIONS" not in source:
+            names += [n.target.id for n in node.body if isinstance(n, ast.AnnAssign)]  # before: each field one
+    return names + (["options", "host"] if "_SGLANG_OPTIONS" in source else [])
+
+
+def largest_modules(count: int = 3) -> list:
+    sizes = [(_module(p), len(p.read_text().splitlines())) for p in PACKAGE.rglob("*.py")]
+    return sorted(sizes, key=lambda item: -item[1])[:count]
+
+
+def main() -> int:
+    crossing = private_cross_package_imports()
+    report = {"bring_up_keywords": len(bring_up_keywords()), "pool_keywords": len(pool_keywords()),
+              "faces": face_names(), "private_cross_package_imports": len(crossing),
+              "largest_modules": largest_modules()}
+    if "--list" in sys.argv:
+        report.update(bring_up=bring_up_keywords(), pool=pool_keywords(), crossings=crossing)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
