@@ -57,17 +57,26 @@ def _imports(path: Path):
 
 
 def _room(module: str) -> str | None:
-    """The room of a module of hicache.effects (None: the face, or outside effects)."""
+    """The room of a module of hicache.effects (None: the face or one of its sub-faces - a module
+    directly under effects without a leading underscore - or outside effects)."""
     if not module.startswith(FACE + "."):
         return None
-    return module.split(".")[2]
+    room = module.split(".")[2]
+    return room if room.startswith("_") else None
+
+
+#: the face's sub-faces, one per audience (issue #55 item 5): real modules with their own __all__
+SUB_FACES = {"admission", "arena", "cuda_codes", "for_cli", "for_sglang", "trace"}
 
 
 def test_the_rooms_are_what_the_table_names():
-    """Not vacuous: every room exists and holds modules, and every module of effects is in one."""
-    rooms = {_room(m) for m in MODULES if m.startswith(FACE + ".")}
+    """Not vacuous: every room exists and holds modules, and every module of effects is in one
+    or is the face or one of its sub-faces."""
+    rooms = {_room(m) for m in MODULES if m.startswith(FACE + ".")} - {None}
     assert rooms == set(ALLOWED)
     assert all(any(_room(m) == room for m in MODULES) for room in ALLOWED)
+    faces = {m.split(".")[2] for m in MODULES if m.startswith(FACE + ".") and _room(m) is None}
+    assert faces == SUB_FACES
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m)), ids=str)
@@ -91,6 +100,46 @@ def test_nothing_outside_effects_imports_a_room(module):
     """Code outside hicache.effects reaches effects only through its face."""
     bad = [(line, target) for line, target, _ in _imports(MODULES[module]) if target.startswith(FACE + "._")]
     assert not bad, f"{module} reaches into hicache.effects' rooms: {bad} - use the face"
+
+
+REACH_LIMIT = 85  # the face's names and its sub-faces': 35 + 49 (six modules exported as names reached 110)
+
+
+def _public(module) -> set[str]:
+    """What a caller can reach through ``module``: its attributes without a leading underscore
+    (submodules included), ``__future__``'s `annotations` aside."""
+    return {name for name in vars(module) if not name.startswith("_") and name != "annotations"}
+
+
+def test_each_sub_face_reaches_exactly_its_all_and_the_face_counts_what_is_reached():
+    """A sub-face (`hicache.effects.arena`, ...) is a real module whose public attributes are
+    exactly its ``__all__``, each used outside effects; a caller reaches at most REACH_LIMIT
+    names through the face and its sub-faces together (a room exported as a name reached every
+    module-level name it had)."""
+    import importlib
+
+    import hicache.effects as face
+
+    reach = set(face.__all__)
+    outside = "\n".join(p.read_text() for m, p in MODULES.items() if not m.startswith(FACE))
+    tests = "\n".join(p.read_text() for p in (ROOT.parent / "tests").glob("*.py"))
+    for name in sorted(SUB_FACES):
+        sub = importlib.import_module(f"{FACE}.{name}")
+        assert getattr(face, name) is sub and name in face.__all__
+        assert _public(sub) == set(sub.__all__), (name, _public(sub) ^ set(sub.__all__))
+        unused = [n for n in sub.__all__ if f".{n}" not in outside and f".{n}" not in tests and f" {n}" not in tests]
+        assert not unused, f"{name} exports what nothing outside effects uses: {unused}"
+        reach |= {f"{name}.{n}" for n in sub.__all__}
+    assert len(reach) <= REACH_LIMIT, len(reach)
+
+
+def test_the_reach_rule_sees_a_room_exported_as_a_name():
+    """Not vacuous: the admission room's module, which the face once exported as a name, reaches
+    more than the sub-face that replaced it (its own helpers and imports)."""
+    from hicache.effects import admission
+    from hicache.effects._bringup import _admission
+
+    assert _public(_admission) - _public(admission) and len(_public(_admission)) > len(admission.__all__)
 
 
 def test_the_face_is_small_and_exports_what_it_imports():
@@ -402,3 +451,21 @@ def test_the_layout_classes_table_names_each_family_by_its_own_class():
     plan_pool(MHALayout("page_first", **fields), Limits(chunk_limit_bytes=2**30))
     with pytest.raises(LayoutError, match="layout must be one of"):
         plan_pool(Imitation("page_first", **fields), Limits(chunk_limit_bytes=2**30))
+
+
+def _catch_alls(path: Path, names: set[str]) -> list[str]:
+    """The functions of ``path`` named in ``names`` that take ``**keywords``."""
+    return [node.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef) and node.name in names and node.args.kwarg is not None]
+
+
+def test_bring_up_has_one_door_per_concern_and_no_catch_all():
+    """`bring_up` names every keyword it takes (issue #55 item 6): the host's pieces come in
+    ``host=``, the report's in ``report=``, and a ``**keywords`` that once took both spellings
+    is gone."""
+    assert not _catch_alls(MODULES["hicache.effects._bringup._bring_up"], {"bring_up"})
+
+
+def test_the_catch_all_rule_sees_one():
+    """Not vacuous: the pools' family constructors still take ``**kwargs`` (SGLang's forms)."""
+    assert _catch_alls(MODULES["hicache.pools._mha"], {"__init__"})

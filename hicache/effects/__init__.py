@@ -10,7 +10,10 @@ claims, the registration turnstile) <- ``_cuda`` (codes, runtimes, ledger, execu
 registrations) <- ``_host`` (mapping, pre-fault, NUMA, probes, allocators) and ``_copy`` (the
 copy engine) <- ``_bringup`` (faulting, admission, the one handle, `bring_up`) and ``_arena``
 (the node store's file) <- this face. Nothing outside ``effects`` imports a room; this face is
-ARCHITECTURE's stable API plus what pools, the CLI, compat and hicache.testing use.
+ARCHITECTURE's stable API plus what pools, the CLI, compat and hicache.testing use, and six
+sub-faces, one per audience (issue #55 item 5): ``admission``, ``arena``, ``cuda_codes``,
+``for_cli``, ``for_sglang``, ``trace`` - real modules whose public names are exactly their
+``__all__`` (a room exported as a name reached everything it held).
 """
 
 from hicache.effects._bringup._bring_up import BufferRequest, Progressive, bring_up
@@ -19,11 +22,7 @@ from hicache.effects._bringup._setup import HostSetup
 from hicache.effects._cuda._ledger import HostLedger
 from hicache.effects._hostwide._lock import BudgetLock
 from hicache.effects._bringup._handle import HostPools
-from hicache.effects._bringup import _admission as admission
-from hicache.effects import _arena as arena
-from hicache.effects import _trace as trace
 from hicache.effects._copy._engine import CopyEngine
-from hicache.effects._cuda import _codes as cuda_codes
 from hicache.effects._cuda._executor import apply_plan, apply_pool_plan
 from hicache.effects._cuda._registration import Registration
 from hicache.effects._cuda._runtime import CudaPythonRuntime, TorchCudartRuntime, stand_in_runtime
@@ -35,8 +34,6 @@ from hicache.effects._host._allocators import (
     TorchHostTensorAllocator,
 )
 from hicache.effects._host._memory import os_page_bytes
-from hicache.effects._host import _for_sglang as for_sglang
-from hicache.effects._bringup import _for_cli as for_cli
 from hicache.effects._host._environment import pool_settings
 from hicache.effects._host._probes import (
     MachineFacts,
@@ -47,6 +44,7 @@ from hicache.effects._host._probes import (
     probe_resolved_limits,
     resolve_numa_node,
 )
+from hicache.effects import admission, arena, cuda_codes, for_cli, for_sglang, trace  # sub-faces, one per audience
 
 __all__ = [
     # ARCHITECTURE's stable API

@@ -1,9 +1,7 @@
-"""What only the CLI's `doctor`, `plan` and `apply` ask of the shell (issue #34 item 6: CLI-only
-helpers leave effects' face): the check of every HICACHE_* variable, the host copy's mode and
+"""hicache.effects.for_cli: a sub-face for one audience, the CLI's `doctor`, `plan` and `apply`
+(issue #34 item 6, #55 item 5): the check of every HICACHE_* variable, the host copy's mode and
 helper, the GPUs and their NUMA nodes, a node's free memory and each rank's pre-fault share of
-its node's CPUs, the kernel release. The face
-exports this module as ``hicache.effects.for_cli``; each name lives in its own room's module
-(this room may import every other, which is why the list sits here)."""
+its node's CPUs, the kernel release. Each name lives in its own room; this module names them."""
 
 from hicache.effects._copy._host_copy import host_copy_info
 from hicache.effects._host._environment import environment_problems
