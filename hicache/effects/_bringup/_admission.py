@@ -16,9 +16,8 @@ when all of it is resident the claim is dropped (the kernel counts those bytes n
 its allocation) is dropped after `HOLD_LIMIT_S`; a rank killed mid-fill leaves none (dead
 processes' claims are pruned). Imports this room's budget lock only.
 
-Admission to the host's driver lives beside it: `Turnstile` (and `turnstile_from_env`) is the
-host's registration turnstile (`hicache.effects._hostwide._turnstile`), re-exported here so that
-callers can pass their own to ``bring_up(turnstile=)`` through the face's ``admission``.
+Callers outside effects reach these through the `hicache.effects.admission` sub-face, which also
+names the host-wide budget lock and the registration turnstile's type (for ``HostSetup(turnstile=)``).
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from hicache.effects._hostwide._lock import budget_lock  # noqa: F401 - also re-exported: the node store's creation takes it
-from hicache.effects._hostwide._turnstile import Turnstile, from_env as turnstile_from_env  # noqa: F401 - re-exported
+from hicache.effects._hostwide._lock import budget_lock
 
 logger = logging.getLogger(__name__)
 
