@@ -3,7 +3,7 @@
 0.5.23 builds a host pool from a description of the device buffers (`MHABufferInfo`,
 `MLABufferInfo`, `MLAHostAllocation`; sglang/srt/mem_cache/device_pool_info.py) instead of the
 device pool itself. This module recognizes them by their fields (no SGLang import: hicache runs
-without SGLang) and turns one, with its packed draft descriptions, into a `BufferDevice`: the
+without SGLang) and turns one, with its packed draft descriptions, into a typed `DeviceView` of its family: the
 device side a pool copies to and from, indexed by *host* layer (targets first, then drafts, as
 SGLang's pools order ``device_k_buffers``), plus the controller-layer -> host-layer map SGLang's
 pools use. Bad descriptions get SGLang's own ValueError messages' facts, naming the field.
@@ -42,14 +42,13 @@ def is_mla_allocation(obj) -> bool:
 
 
 @attrs.define
-class BufferDevice:
-    """The device side of a 0.5.23 host pool: what hicache's families read on a device pool.
-
-    MHA: ``k_buffer``/``v_buffer`` (per host layer), ``head_num``, ``head_dim`` (K),
-    ``v_head_dim``; MLA: ``kv_buffer``, ``kv_lora_rank``, ``qk_rope_head_dim``. ``size`` is the
-    device capacity in tokens, ``layer_num`` the host layers (targets + drafts).
-    ``host_layer``: controller layer id -> host layer for target layers; ``draft_base``: the
-    controller id of the first draft layer (drafts come with ``is_draft=True``)."""
+class DeviceView:
+    """The device side of a 0.5.23 host pool, as hicache's families read a device pool: one typed
+    view per family (`MHADeviceView`, `MLADeviceView`, `MambaDeviceView`, `DSADeviceView`), each
+    with only its family's fields. ``size`` is the device capacity in tokens, ``layer_num`` the
+    host layers (targets + drafts); ``host_layer``: controller layer id -> host layer for target
+    layers; ``draft_base``: the controller id of the first draft layer (drafts come with
+    ``is_draft=True``)."""
 
     dtype: object
     device: object
@@ -59,39 +58,70 @@ class BufferDevice:
     host_layer: dict
     draft_base: int
     start_layer: int = 0
-    k_buffer: tuple = ()
-    v_buffer: tuple = ()
-    kv_buffer: tuple = ()
-    head_num: int | None = None
-    head_dim: int | None = None
-    v_head_dim: int | None = None
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-    mamba_cache: object = None  # Mamba: ``.temporal`` (per layer) and ``.conv`` (per conv state, per layer)
-    mamba_facts: tuple = ()  # Mamba: ((state shape, dtype), ...) temporal first
-    index_k_with_scale_buffer: tuple = ()  # DSA: per host layer, page rows
-    index_head_dim: int | None = None
-    quant_block_size: int | None = None
-
-    @property
-    def num_mamba_layers(self):
-        return self.layer_num if self.mamba_cache is not None else None
 
     @property
     def store_dtype(self):
         return self.dtype
 
+    def resolve(self, layer_id, *, is_draft: bool) -> int | None:
+        """The host layer of a controller layer id, or None where SGLang's pool copies nothing
+        (a target call for a layer this pool does not hold)."""
+        if is_draft:
+            host = self.target_layer_num + (layer_id - self.draft_base)
+            return host if self.target_layer_num <= host < self.layer_num else None
+        return self.host_layer.get(layer_id)
+
+
+@attrs.define
+class MHADeviceView(DeviceView):
+    """MHA: ``k_buffer``/``v_buffer`` (per host layer), ``head_num``, ``head_dim`` (K), ``v_head_dim``."""
+
+    k_buffer: tuple = ()
+    v_buffer: tuple = ()
+    head_num: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+
     @property
     def k_head_dim(self):
         return self.head_dim
 
+
+@attrs.define
+class MLADeviceView(DeviceView):
+    """MLA: ``kv_buffer`` (per host layer; none for an allocator-only pool), ``kv_lora_rank``,
+    ``qk_rope_head_dim``."""
+
+    kv_buffer: tuple = ()
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+
+
+@attrs.define
+class MambaDeviceView(DeviceView):
+    """Mamba: ``mamba_cache`` (``.temporal`` per layer, ``.conv`` per conv state, per layer) and
+    ``mamba_facts`` (``((state shape, dtype), ...)``, temporal first)."""
+
+    mamba_cache: object = None
+    mamba_facts: tuple = ()
+
+    @property
+    def num_mamba_layers(self):
+        return self.layer_num
+
     def resolve(self, layer_id, *, is_draft: bool) -> int | None:
-        """The host layer of a controller layer id, or None where SGLang's pool copies nothing
-        (a target call for a layer this pool does not hold)."""
-        if is_draft and self.mamba_cache is None:  # Mamba's drafts are plain layer ids (SGLang's too)
-            host = self.target_layer_num + (layer_id - self.draft_base)
-            return host if self.target_layer_num <= host < self.layer_num else None
+        """Mamba's drafts are plain layer ids (SGLang's too)."""
         return self.host_layer.get(layer_id)
+
+
+@attrs.define
+class DSADeviceView(DeviceView):
+    """The DSA indexer: ``index_k_with_scale_buffer`` (per host layer, page rows), ``index_head_dim``,
+    ``quant_block_size``."""
+
+    index_k_with_scale_buffer: tuple = ()
+    index_head_dim: int | None = None
+    quant_block_size: int | None = None
 
 
 def _checked(owner: str, infos, drafts_field: str, kind: str, is_kind):
@@ -114,8 +144,8 @@ def _check_token_rows(owner: str, info, name: str) -> None:
                           f"(KVBufferLayout {', '.join(_TOKEN_ROW_LAYOUTS)})")
 
 
-def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_layer: int) -> BufferDevice:
-    """A `BufferDevice` from an `MHABufferInfo` and its packed drafts (one layer each, same
+def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_layer: int) -> DeviceView:
+    """A device view from an `MHABufferInfo` and its packed drafts (one layer each, same
     heads, widths, dtype and device), checked as SGLang's MHA host pool checks them."""
     infos = (info, *drafts)
     for index, name, item in _checked(owner, infos, "draft_buffer_infos", "an MHABufferInfo", is_mha_info):
@@ -135,7 +165,7 @@ def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
         raise LayoutError(f"{owner}: buffer_info.transfer_buffers (a relocatable device pool) is not supported; "
                           "hicache copies the per-layer buffers")
     targets = len(info.buffers.k)
-    return BufferDevice(
+    return MHADeviceView(
         dtype=info.dtype, device=info.device, size=int(device_capacity_tokens), start_layer=start_layer,
         layer_num=targets + len(drafts), target_layer_num=targets, host_layer={i: i for i in range(targets)},
         draft_base=targets, k_buffer=tuple(t for item in infos for t in item.buffers.k),
@@ -145,8 +175,8 @@ def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
 
 
 def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_layer: int, target_layer_num: int,
-               layer_shard_enabled: bool) -> BufferDevice:
-    """A `BufferDevice` from an `MLABufferInfo` (or `MLAHostAllocation`: no buffers) and its
+               layer_shard_enabled: bool) -> DeviceView:
+    """A device view from an `MLABufferInfo` (or `MLAHostAllocation`: no buffers) and its
     packed drafts: host layer i holds the device slot ``layer_indices[i]``; drafts follow every
     device layer (controller ids ``device_layer_num + i``), as SGLang's MLA host pool maps them."""
     if layer_shard_enabled:
@@ -156,7 +186,7 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
         if drafts:
             raise LayoutError(f"{owner}: an allocator-only MLAHostAllocation takes no draft_buffer_infos")
         layers = target_layer_num + int(getattr(info, "draft_layer_num", 0))
-        return BufferDevice(dtype=info.dtype, device=None, size=int(device_capacity_tokens), start_layer=start_layer,
+        return MLADeviceView(dtype=info.dtype, device=None, size=int(device_capacity_tokens), start_layer=start_layer,
                             layer_num=layers, target_layer_num=target_layer_num, host_layer={}, draft_base=0,
                             kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim)
     infos = (info, *drafts)
@@ -174,7 +204,7 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
         raise LayoutError(f"{owner}: buffer_info has {len(info.layer_indices)} layer slots but target_layer_num="
                           f"{target_layer_num}; without layer sharding they must match")
     host_layer = {slot: i for i, slot in enumerate(info.layer_indices)}
-    return BufferDevice(
+    return MLADeviceView(
         dtype=info.dtype, device=info.device, size=int(device_capacity_tokens), start_layer=start_layer,
         layer_num=target_layer_num + len(drafts), target_layer_num=target_layer_num, host_layer=host_layer,
         draft_base=int(info.device_layer_num), kv_buffer=tuple(t for item in infos for t in item.buffers),
@@ -188,8 +218,8 @@ class _MambaLayers:
     conv: tuple
 
 
-def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> BufferDevice:
-    """A `BufferDevice` from a `MambaStateBufferInfo` and its MTP drafts (one layer each, same
+def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> DeviceView:
+    """A device view from a `MambaStateBufferInfo` and its MTP drafts (one layer each, same
     state shapes and dtypes): per-layer views of the device tensors, targets then drafts, as
     SGLang's Mamba host pool copies them."""
     infos = (info, *drafts)
@@ -208,15 +238,15 @@ def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> BufferDev
     facts = ((tuple(info.temporal.shape[2:]), info.temporal.dtype),
              *[(tuple(c.shape[2:]), c.dtype) for c in info.conv])
     layers = len(temporal)
-    return BufferDevice(
+    return MambaDeviceView(
         dtype=info.conv[0].dtype, device=info.temporal.device, size=int(device_capacity), layer_num=layers,
         target_layer_num=layers, host_layer={i: i for i in range(layers)}, draft_base=layers,
         mamba_cache=_MambaLayers(temporal, conv), mamba_facts=facts,
     )
 
 
-def dsa_device(owner: str, decl, drafts, anchor_host) -> BufferDevice:
-    """A `BufferDevice` from a DSA `HostPoolDecl` (its device pool's ``index_k_with_scale_buffer``
+def dsa_device(owner: str, decl, drafts, anchor_host) -> DeviceView:
+    """A device view from a DSA `HostPoolDecl` (its device pool's ``index_k_with_scale_buffer``
     for the owned layers, then layer 0 of each packed draft pool), as SGLang's DSA indexer host
     pool maps them (drafts come as ``device layer_num + depth``)."""
     device_pool = decl.device_pool
@@ -228,7 +258,7 @@ def dsa_device(owner: str, decl, drafts, anchor_host) -> BufferDevice:
     targets = [layer for layer in range(device_pool.layer_num) if declared is None or layer in declared]
     buffers = [device_pool.index_k_with_scale_buffer[layer] for layer in targets]
     buffers += [draft.index_k_with_scale_buffer[0] for draft in drafts]
-    return BufferDevice(
+    return DSADeviceView(
         dtype=decl.storage_info.dtype, device=getattr(device_pool, "device", "cpu"), size=int(anchor_host.size),
         start_layer=getattr(device_pool, "start_layer", 0) or 0, layer_num=len(buffers), target_layer_num=len(targets),
         host_layer={layer: i for i, layer in enumerate(targets)}, draft_base=int(device_pool.layer_num),
