@@ -305,10 +305,13 @@ class RecordingLock:
         self.events: list = []
         self.pending = pending
 
-    def pending_bytes(self) -> int:
-        """What the host's claims have yet to fault in (asked only while held)."""
-        assert self.held, "pending bytes read outside the lock"
-        return self.pending
+    def claims(self) -> dict:
+        """The host's claims (asked only while held): another process's, with ``pending`` bytes
+        still to fault in."""
+        from types import SimpleNamespace
+
+        assert self.held, "claims read outside the lock"
+        return {0: SimpleNamespace(claimed=self.pending, pending=self.pending)} if self.pending else {}
 
     def __enter__(self):
         self.held = True

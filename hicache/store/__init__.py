@@ -241,17 +241,13 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     if not budget or _arena.arena_present(path):  # attaching (or racing a creator: its lock orders us)
         return NodeStore(create(), fault_hook=fault_hook)
     from hicache.effects import admission, probe_machine
-    from hicache.plan import check_budget
 
     lock = admission.budget_lock() if lock is None else lock
     _arena.check_room(path, plan, backing)  # the mount's own limit first: the more telling error
     with lock:  # held until the arena is resident: peers then see it as used
         if not _arena.arena_present(path):
             facts = probe_machine(root=root) if machine is None else machine
-            # ranks admitted before us may still be pre-faulting (their claims decide, not their fill:
-            # issue #35): what they have yet to fault in is not gone from the sample yet
-            pending = lock.pending_bytes()
-            check_budget(plan.total_bytes, available_bytes=max(0, facts.available_bytes - pending), ranks_per_host=1,
-                         reserve_bytes=0, cgroup_limit_bytes=facts.cgroup_limit_bytes,
-                         cgroup_usage_bytes=(facts.cgroup_usage_bytes or 0) + pending if facts.cgroup_limit_bytes else 0)
+            # the bring-up's own answer (ranks admitted before us may still be pre-faulting: their
+            # claims decide, not their fill, issue #35), as a node claim: one rank, no reserve
+            admission.check_admission(lock, plan.total_bytes, facts, ranks_per_host=1, reserve_bytes=0)
         return NodeStore(create(), fault_hook=fault_hook)

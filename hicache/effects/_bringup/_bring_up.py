@@ -154,10 +154,16 @@ def fixed_room(host_memory_bytes: int, peers: dict, ranks: int) -> int:
     return max(host_memory_bytes - claimed, 0)
 
 
-def _admit(lock, total: int, facts, host_memory_bytes, ranks_per_host, reserve_bytes) -> ClaimedFill:
-    """Under ``lock``: the budget's answer for ``total`` bytes (`CapacityError` when it refuses)
-    and, admitted, the claim recorded - none of it resident yet. ``facts``: the machine, sampled
-    under the lock."""
+def check_admission(lock, total: int, facts, *, host_memory_bytes: int | None = None, ranks_per_host: int | None = None,
+                    reserve_bytes: int = 0) -> None:
+    """Under ``lock`` (held by the caller): the host budget's answer for ``total`` bytes - a
+    `CapacityError` when it refuses - from ``facts``, the machine sampled under the lock, and the
+    host's claims: what peers claimed, what every claim still has to fault in (the kernel does not
+    count it yet), the cgroup's limit. ``host_memory_bytes``: a stated figure for the host's room
+    instead of the machine's available memory; ``ranks_per_host`` (default the machine's) share it,
+    ``reserve_bytes`` stays the OS's. The one home of this arithmetic: a pool's bring-up asks it
+    (then records its claim), and so does the node store's creation (a node claim: one rank, no
+    reserve)."""
     ranks = facts.ranks_per_host if ranks_per_host is None else ranks_per_host
     claims = lock.claims()
     me = os.getpid()
@@ -173,6 +179,13 @@ def _admit(lock, total: int, facts, host_memory_bytes, ranks_per_host, reserve_b
         ranks_already_allocated=min(len(peers), ranks - 1), cgroup_limit_bytes=facts.cgroup_limit_bytes,
         cgroup_usage_bytes=(facts.cgroup_usage_bytes or 0) + pending if facts.cgroup_limit_bytes else 0,
     )
+
+
+def _admit(lock, total: int, facts, host_memory_bytes, ranks_per_host, reserve_bytes) -> ClaimedFill:
+    """Under ``lock``: `check_admission`'s answer and, admitted, the claim recorded - none of it
+    resident yet."""
+    check_admission(lock, total, facts, host_memory_bytes=host_memory_bytes, ranks_per_host=ranks_per_host,
+                    reserve_bytes=reserve_bytes)
     return ClaimedFill(lock, total)
 
 
