@@ -157,6 +157,7 @@ def test_calls_on_a_big_chunk_wait_only_for_their_own_bytes(monkeypatch, family)
     driver is fast (a 0.25 s budget is the whole buffer): the first page is served - the
     constructor returns, for MHA after a call on K and one on V - before the last piece is
     faulted, and every call starts only once all of its bytes are (order, not timing)."""
+    import threading
     import time as _time
 
     from hicache.effects._bringup import _faulting as _pipeline
@@ -164,9 +165,14 @@ def test_calls_on_a_big_chunk_wait_only_for_their_own_bytes(monkeypatch, family)
     from hicache.effects._cuda import _progressive
     pieces = []
     real = _pipeline.prefault
+    served = threading.Event()  # the constructor returned: the order is made, not hoped for under load
+    held_back = []
 
     def slow_prefault(buffer, **kw):
         _time.sleep(0.005)
+        if kw["start"] + kw["length"] >= buffer.nbytes:  # a buffer's last piece: no first call needs it
+            assert served.wait(60), "hang guard: the constructor never returned"
+            held_back.append(kw["start"])
         report = real(buffer, **kw)
         pieces.append((buffer.ptr + kw["start"], kw["length"], _time.perf_counter()))
         return report
@@ -178,8 +184,10 @@ def test_calls_on_a_big_chunk_wait_only_for_their_own_bytes(monkeypatch, family)
     runtime, ledger = FakeRuntime(register_bytes_per_s=1e9), HostLedger()
     pool = _pool(runtime, ledger, family=family, chunk=2**40)
     returned = _time.perf_counter()
+    served.set()
     assert all(b.plan.call_count == 1 for b in pool.pool_plan.buffers)  # one chunk: the whole buffer
     assert pool.wait_ready() is True
+    assert held_back  # each buffer's last piece waited for the constructor
     assert returned < max(p[2] for p in pieces)  # served before the buffer was wholly faulted
     for _, ptr, size, start, _ in runtime.cudart.timeline:
         covering = [p for p in pieces if p[0] < ptr + size and ptr < p[0] + p[1]]
