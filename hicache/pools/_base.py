@@ -139,10 +139,11 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         self._transfers = None
         self.geometry = make_geometry(self, form, view, sizing, layout)
         self._adopt(self.geometry)
-        self._settings(self.host_setup.limits, options.progressive, options.hugepages, options.max_stall_s,
-                       options.numa_node)
+        settings = options.settings
+        self._settings(self.host_setup.limits, settings.progressive, settings.hugepages, settings.max_stall_s,
+                       settings.numa_node)
         self.pool_plan = plan_pool(self.descriptor, self._limits)
-        self.allocator = self._allocator(options.allocator_type, options.allocator_fallback, options.strict_allocator)
+        self.allocator = self._allocator(options.allocator_type, settings.allocator_fallback, settings.strict_allocator)
         if self.host_setup.copy_engine is None:
             self.host_setup = attrs.evolve(self.host_setup, copy_engine=CopyEngine())
         self.copy_engine = self.host_setup.copy_engine

@@ -44,7 +44,7 @@ class HostPoolOptions:
 @attrs.frozen(kw_only=True)
 class PoolOptions:
     """SGLang's options of a host pool, the host's pieces (``host``) and hicache's settings
-    (a `HostPoolOptions`' fields, flattened here for the pool's build)."""
+    (``settings``, the `HostPoolOptions` given as ``options=``)."""
 
     pin_memory: bool = True
     device: str = "cpu"
@@ -52,12 +52,7 @@ class PoolOptions:
     pool_label: str = "kv"
     is_dummy: bool = False
     host: HostSetup | None = None
-    strict_allocator: bool = False
-    allocator_fallback: str | None = None
-    numa_node: object = "auto"
-    progressive: bool | None = None
-    max_stall_s: float | None = 0.25
-    hugepages: str | None = None
+    settings: HostPoolOptions = attrs.Factory(HostPoolOptions)
 
     def host_setup(self, owner: str) -> HostSetup:
         """The pool's `HostSetup` (None given: every piece the process's own, probed or default)."""
@@ -86,4 +81,4 @@ def split_keywords(owner: str, keywords: dict, **sizing) -> tuple[Sizing, PoolOp
     elif not isinstance(settings, HostPoolOptions):
         raise TypeError(f"{owner}() options= takes a hicache.pools.HostPoolOptions, got {type(settings).__name__}")
     chosen = {name: keywords[name] for name in _SGLANG_OPTIONS if name in keywords}
-    return sized, PoolOptions(**chosen, host=keywords.get("host"), **attrs.asdict(settings, recurse=False))
+    return sized, PoolOptions(**chosen, host=keywords.get("host"), settings=settings)
