@@ -469,3 +469,28 @@ def test_bring_up_has_one_door_per_concern_and_no_catch_all():
 def test_the_catch_all_rule_sees_one():
     """Not vacuous: the pools' family constructors still take ``**kwargs`` (SGLang's forms)."""
     assert _catch_alls(MODULES["hicache.pools._mha"], {"__init__"})
+
+
+def _budget_calls(path: Path) -> list[str]:
+    """The functions of ``path`` that call hicache.plan's `check_budget` (the budget's verdict)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) == "check_budget":
+                    found.append(node.name)
+    return found
+
+
+def test_the_host_budget_admits_in_one_place():
+    """One admission entry (issue #55 items 3 and 6): outside hicache.plan only `check_admission`
+    asks the budget's verdict - a pool's bring-up and the node store's creation both go through
+    it (the store re-did the arithmetic before)."""
+    callers = {(module, function) for module, path in MODULES.items() if not module.startswith("hicache.plan")
+               for function in _budget_calls(path)}
+    assert callers == {("hicache.effects._bringup._bring_up", "check_admission")}, callers
+
+
+def test_the_admission_rule_sees_a_call():
+    """Not vacuous: the rule finds the call in check_admission itself."""
+    assert _budget_calls(MODULES["hicache.effects._bringup._bring_up"]) == ["check_admission"]
