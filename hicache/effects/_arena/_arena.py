@@ -84,9 +84,6 @@ class Arena:
     def slot_addr(self, slot: int) -> int:
         return self.base + self.plan.slot_offset(slot)
 
-    def namespace_addr(self, entry: int) -> int:
-        return self.base + self.plan.namespace_offset + entry * NAMESPACE_BYTES
-
     def add_counters(self, **deltas: int) -> None:
         """Add to the arena-wide counters. Never waits and never fails the work it counts: with
         the fallback ops a busy counters lock keeps the deltas for the next call."""

@@ -308,6 +308,22 @@ static inline int still(const unsigned char *rec, uint64_t seen) {
     return __atomic_load_n((const uint64_t *)rec, __ATOMIC_RELAXED) == seen;
 }
 
+/* the first page whose segments are not whole 8-byte words of at most a page each adding up to
+ * page_bytes, or -1: the size rule read_pages, write_pages and check_segments check before
+ * anything moves (no total can wrap: it stops at the first segment past a page) */
+static Py_ssize_t uneven_page(const uint64_t *len, Py_ssize_t pages, Py_ssize_t per_page, uint64_t page_bytes) {
+    for (Py_ssize_t i = 0; i < pages; i++) {
+        uint64_t total = 0;
+        for (Py_ssize_t s = 0; s < per_page; s++) {
+            uint64_t size = len[i * per_page + s];
+            if (size == 0 || size % 8 || size > page_bytes) { total = UINT64_MAX; break; }
+            total += size;
+        }
+        if (total != page_bytes) return i;
+    }
+    return -1;
+}
+
 /* read_pages(index_addr, data_addr, nslots, window, slot_stride, page_bytes, keys, seg_ptrs, seg_lens,
  *            per_page, status, found, gens[, threads[, given]])
  * The read side of the slot protocol in one call, without the GIL (a 64 KiB-page batch spent
@@ -350,19 +366,11 @@ static PyObject *read_pages(PyObject *self, PyObject *args) {
     }
     if (got == 3 && status.len >= n && get_u64(o_found, &found, n, "found") == 0) got = 4;
     if (got == 4 && get_u64(o_gens, &gens, n, "gens") == 0) got = 5;
-    const uint64_t *len = got >= 3 ? lens.buf : NULL;
-    for (Py_ssize_t i = 0; got == 5 && i < n; i++) {
-        uint64_t total = 0;
-        for (Py_ssize_t s = 0; s < per_page; s++) {
-            uint64_t size = len[i * per_page + s];
-            if (size == 0 || size % 8 || size > page_bytes) { total = UINT64_MAX; break; }
-            total += size;
-        }
-        if (total != page_bytes) {
-            PyErr_Format(PyExc_ValueError, "read_pages: page %zd's segments are not whole words adding up to %llu bytes",
-                         i, page_bytes);
-            got = 6;
-        }
+    Py_ssize_t uneven = got == 5 ? uneven_page(lens.buf, n, per_page, page_bytes) : -1;
+    if (uneven >= 0) {
+        PyErr_Format(PyExc_ValueError, "read_pages: page %zd's segments are not whole words adding up to %llu bytes",
+                     uneven, page_bytes);
+        got = 6;
     }
     uint64_t *slot_addrs = NULL, *sums = NULL;
     Py_ssize_t *picked = NULL;
@@ -556,19 +564,12 @@ static PyObject *write_pages(PyObject *self, PyObject *args) {
             got = 7;
         }
     }
-    const uint64_t *len = got >= 2 ? lens.buf : NULL, *slots_in = got >= 3 ? order.buf : NULL;
-    for (Py_ssize_t i = 0; got == 6 && i < n; i++) {
-        uint64_t total = 0;
-        for (Py_ssize_t s = 0; s < per_page; s++) {
-            uint64_t size = len[i * per_page + s];
-            if (size == 0 || size % 8 || size > page_bytes) { total = UINT64_MAX; break; }
-            total += size;
-        }
-        if (total != page_bytes) {
-            PyErr_Format(PyExc_ValueError, "write_pages: page %zd's segments are not whole words adding up to %llu "
-                         "bytes", i, page_bytes);
-            got = 7;
-        }
+    const uint64_t *slots_in = got >= 3 ? order.buf : NULL;
+    Py_ssize_t uneven = got == 6 ? uneven_page(lens.buf, n, per_page, page_bytes) : -1;
+    if (uneven >= 0) {
+        PyErr_Format(PyExc_ValueError, "write_pages: page %zd's segments are not whole words adding up to %llu bytes",
+                     uneven, page_bytes);
+        got = 7;
     }
     for (Py_ssize_t k = 0; got == 6 && k < n * window; k++) {
         if (slots_in[k] >= (uint64_t)nslots) {
@@ -693,17 +694,15 @@ static PyObject *check_segments(PyObject *self, PyObject *args) {
     }
     const uint64_t top = (uint64_t)1 << 63;
     const uint64_t *ptr = ptrs.buf, *len = lens.buf;
-    Py_ssize_t bad = -1;
-    for (Py_ssize_t page = 0; bad < 0 && page < count / per_page; page++) {
-        uint64_t total = 0;
-        for (Py_ssize_t s = page * per_page; s < (page + 1) * per_page; s++) {
-            uint64_t p = ptr[s], n = len[s];
-            /* p, n < 2**63 and n <= page_bytes: p + n and the page's total cannot wrap */
-            if (p == 0 || p >= top || n == 0 || n % 8 || n > page_bytes || p + n >= top
-                || (p < arena_end && p + n > arena_start)) { bad = page; break; }
-            total += n;
+    Py_ssize_t bad = uneven_page(len, count / per_page, per_page, page_bytes);
+    Py_ssize_t checked = bad < 0 ? count / per_page : bad; /* pages before it: their pointers */
+    for (Py_ssize_t s = 0; s < checked * per_page; s++) {
+        uint64_t p = ptr[s], n = len[s];
+        /* p, n < 2**63: p + n cannot wrap */
+        if (p == 0 || p >= top || n >= top || p + n >= top || (p < arena_end && p + n > arena_start)) {
+            bad = s / per_page;
+            break;
         }
-        if (bad < 0 && total != page_bytes) bad = page;
     }
     PyBuffer_Release(&ptrs); PyBuffer_Release(&lens);
     return PyLong_FromSsize_t(bad);
