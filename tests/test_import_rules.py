@@ -318,11 +318,11 @@ def test_the_gate_rule_sees_the_gate():
     assert _turnstile_calls(MODULES["hicache.effects._cuda._gate"])
 
 
-#: what a pool adopts from its geometry, once (`_adopt_facts`, `_adopt`; `_build` sets the geometry)
+#: what a pool adopts from its geometry, once (`_adopt`, which `_build` calls)
 ADOPTED = {"size", "page_num", "size_per_token", "descriptor", "dtype", "layer_num", "target_layer_num", "start_layer",
            "end_layer", "page_size", "dcp_size", "dcp_rank", "device_capacity_tokens", "device_pool", "layout",
            "geometry", "_pages"}
-ADOPTERS = {"_adopt", "_adopt_facts", "_build", "_progressive_mode"}  # _pages: the allocator, made at the bring-up
+ADOPTERS = {"_adopt", "_build", "_progressive_mode"}  # _pages: the allocator, made at the bring-up
 
 
 def _pool_classes() -> set[str]:
@@ -494,3 +494,73 @@ def test_the_host_budget_admits_in_one_place():
 def test_the_admission_rule_sees_a_call():
     """Not vacuous: the rule finds the call in check_admission itself."""
     assert _budget_calls(MODULES["hicache.effects._bringup._bring_up"]) == ["check_admission"]
+
+
+def _pool_parameters(source: str) -> list[str]:
+    """Functions of ``source`` that take a pool (a parameter named ``pool`` or ``self``) or read a
+    name ``pool``: what a pure geometry builder may not do."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == "make_geometry":
+            names = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
+            found += [f"{node.name}({name})" for name in names if name in ("pool", "self")]
+            found += [f"{node.name}: reads {n.id}" for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == "pool"]
+    return found
+
+
+def test_the_geometry_is_made_without_the_pool():
+    """`make_geometry` takes no pool and reads none (issue #55 items 1 and 6): the family's
+    `Shape` over its device view says everything the geometry needs, so nothing is asked of a
+    half-built pool (it once called 7-9 hooks on it and wrote 11 fields first)."""
+    source = MODULES["hicache.pools._geometry"].read_text()
+    assert "def make_geometry(" in source
+    assert not _pool_parameters(source), _pool_parameters(source)
+
+
+def test_the_no_pool_rule_sees_a_pool():
+    """Not vacuous: the old signature, and a pool read from a closure, are both found."""
+    assert _pool_parameters("def make_geometry(pool, form, view, sizing, layout):\n    return pool.x\n")
+    assert _pool_parameters("def make_geometry(owner, shape):\n    return pool.layout_descriptor(1)\n")
+
+
+def _writes_around_build(path: Path) -> list[int]:
+    """Lines, in a function that calls ``_build`` (a family's constructor), that assign an
+    attribute of ``self`` or ``pool`` or ``setattr`` one - before or after the call: the pool
+    takes every field from its geometry (`Shape.fields`), in `_adopt`."""
+    lines = []
+    for function in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(function, ast.FunctionDef) or function.name in ADOPTERS:
+            continue
+        calls = [n for n in ast.walk(function) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "_build"]
+        if not calls:
+            continue
+        for node in ast.walk(function):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for each in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(each, ast.Attribute) and isinstance(each.value, ast.Name) \
+                            and each.value.id in ("self", "pool"):
+                        lines.append(node.lineno)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args \
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "pool"):
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("hicache.pools")), ids=str)
+def test_a_family_constructor_writes_no_pool_field(module):
+    """No pool field is assigned around ``_build`` (issue #55 items 1 and 6): a family's
+    constructor binds SGLang's call into a shape and a sizing and builds; its SGLang-facing
+    fields (MHA's ``head_num``, DSA's ``indexer_layout_dim``, V4's ``pool_name``) come in the
+    geometry (MLA, DSA, Mamba and V4 once set them after the bring-up)."""
+    assert not _writes_around_build(MODULES[module]), f"{module}: lines {_writes_around_build(MODULES[module])}"
+
+
+def test_the_constructor_write_rule_sees_a_write(tmp_path):
+    """Not vacuous: a write after ``_build``, one before it and a ``setattr`` are all found."""
+    path = tmp_path / "family.py"
+    path.write_text("class P:\n    def __init__(self, v):\n        self.a = 1\n        self._build(v)\n"
+                    "        setattr(self, 'b', 2)\n\n"
+                    "def _init_from(pool, v):\n    pool._build(v)\n    pool.c = 3\n")
+    assert sorted(_writes_around_build(path)) == [3, 5, 9]

@@ -26,6 +26,7 @@ from hicache.pools import (
     MLATokenToKVPoolHost,
 )
 from hicache.pools._forms import FORMS
+from hicache.pools._geometry import make_geometry
 from hicache.testing import (
     AsymmetricMHADevicePool,
     DeepSeekV4DevicePool,
@@ -82,6 +83,12 @@ def _reports_what_it_brought_up(pool, fake, others=()) -> None:
     assert (pool.layer_num, pool.dtype, pool.page_size) == (geometry.facts.layer_num, geometry.facts.dtype,
                                                             geometry.facts.page_size)
     assert pool.descriptor is geometry.descriptor == pool.layout_descriptor(geometry.buffer_page_num)
+    # a value of its shape and sizing alone (issue #55 item 1): made again with no pool, it is equal,
+    # and every SGLang-facing field the pool carries is the geometry's own object
+    again = make_geometry(type(pool).__name__, geometry.shape, geometry.form, geometry.sizing, geometry.layout,
+                          pool_label=pool.pool_label)
+    assert again == geometry and dict(again.fields).keys() == dict(geometry.fields).keys()
+    assert all(getattr(pool, name) is value for name, value in geometry.fields.items())
     specs = geometry.descriptor.buffers()
     assert pool.pool_plan.total_bytes == sum(spec.nbytes for spec in specs)
     if pool.is_dummy:  # SGLang's allocator-only pool: the slots, no memory

@@ -109,19 +109,21 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
                  pin_memory: bool = True, device: str = "cpu", allocator_type: str | None = "default",
                  **keywords) -> None:
         """SGLang's base signature: the older form (a device pool first); the families' other
-        forms build through `_build` with their own geometry inputs (`_forms.FORMS`)."""
+        forms build through `_build` with their own shapes (`_forms.FORMS`)."""
         sizing, options = split_keywords(type(self).__name__, dict(
             keywords, pin_memory=pin_memory, device=device, allocator_type=allocator_type),
             host_to_device_ratio=host_to_device_ratio, host_size=host_size, page_size=page_size)
-        self._build(DEVICE_POOL, device_pool, sizing, layout, options)
+        self._build(DEVICE_POOL, type(self).shape_class(device_pool), sizing, layout, options)
 
-    def _build(self, form, view, sizing, layout: str, options) -> None:
-        """The one constructor body: geometry (adopted whole, never changed after), settings,
-        plan, allocator, then the bring-up, copy lanes and pages."""
+    def _build(self, form, shape, sizing, layout: str, options) -> None:
+        """The one constructor body: the geometry, made outside the pool from ``shape`` (the
+        family's builder over its device view) and adopted whole, never changed after; then
+        settings, plan, allocator, the bring-up, copy lanes and pages."""
         name = type(self).__name__
         if options.is_dummy and not form.mapped_layers:
             raise LayoutError(f"{name}: dcp_size, is_dummy and host_token_capacity come with SGLang 0.5.23's "
                               "constructor (a device-buffer description first), not a device pool")
+        geometry = make_geometry(name, shape, form, sizing, layout, pool_label=options.pool_label)
         self.can_use_write_back_jit = False  # SGLang's staged write-back JIT kernel is CUDA-only
         self.is_dummy = bool(options.is_dummy)
         self.pin_memory, self.device, self.pool_label = options.pin_memory, options.device, options.pool_label
@@ -137,8 +139,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         self._pages = None
         self._readiness = None
         self._transfers = None
-        self.geometry = make_geometry(self, form, view, sizing, layout)
-        self._adopt(self.geometry)
+        self._adopt(geometry)
         settings = options.settings
         self._settings(self.host_setup.limits, settings.progressive, settings.hugepages, settings.max_stall_s,
                        settings.numa_node)
@@ -173,18 +174,19 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         return self.geometry.form.sglang
 
     # -- the geometry, adopted once (nothing below writes these fields again) ---------------
-    def _adopt_facts(self, view, layout: str, facts) -> None:
-        """The device view and the facts a family's hooks read while the geometry is made."""
-        self.device_pool, self.layout = view, layout
+    def _adopt(self, geometry) -> None:
+        """Everything the pool reports of what it is: the device view, layout, facts, size,
+        descriptor and the family's SGLang-facing fields (`Shape.fields`)."""
+        facts = geometry.facts
+        self.geometry, self.device_pool, self.layout = geometry, geometry.device, geometry.layout
         self.dtype, self.layer_num, self.target_layer_num = facts.dtype, facts.layer_num, facts.target_layer_num
         self.start_layer, self.end_layer, self.page_size = facts.start_layer, facts.end_layer, facts.page_size
         self.dcp_size, self.dcp_rank = facts.dcp_size, facts.dcp_rank
         self.device_capacity_tokens = facts.device_capacity_tokens
-
-    def _adopt(self, geometry) -> None:
-        """The size as the pool reports it and the descriptor that is brought up."""
         self.size_per_token, self.page_num, self.size = geometry.size_per_token, geometry.page_num, geometry.size
         self.descriptor = geometry.descriptor
+        for name, value in geometry.fields.items():
+            setattr(self, name, value)
 
     def _settings(self, limits, progressive, hugepages, max_stall_s, numa_node) -> None:
         """Progressive, page size (keywords beat HICACHE_*), limits, stall budget, NUMA node."""
@@ -216,33 +218,30 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
             )
         return allocator
 
-    # -- what subclasses say ---------------------------------------------------------------
+    # -- what the family says, through its shape (read from the geometry, never recomputed) ----
+    #: the family's `Shape` (its pure builder); the older form builds it from the device pool
+    shape_class: type = None
+
     @classmethod
-    @abc.abstractmethod
     def descriptor_class(cls):
         """The hicache.plan layout descriptor class of this family."""
+        return cls.shape_class.descriptor_class
 
-    @abc.abstractmethod
     def layout_descriptor(self, page_num: int):
         """This pool's layout descriptor for ``page_num`` pages."""
+        return self.geometry.shape.descriptor(self.layout, self.geometry.facts, page_num)
 
-    @abc.abstractmethod
     def streams(self) -> list[Stream]:
         """The copy streams between host buffers and the device pool."""
-
-    def _layer_count(self, device_pool) -> int:
-        return device_pool.layer_num
-
-    def _store_dtype(self, device_pool):
-        return getattr(device_pool, "store_dtype", None) or device_pool.dtype
+        return list(self.geometry.streams)
 
     def buffer_dtypes(self) -> list:
-        """The torch dtype of each buffer (default: the device pool's store dtype)."""
-        return [self.dtype] * len(self.layout_descriptor(1).buffers())
+        """The torch dtype of each buffer."""
+        return list(self.geometry.buffer_dtypes)
 
     def get_size_per_token(self) -> int:
         """Bytes one token (or slot) takes across all layers and buffers."""
-        return self.layout_descriptor(1).size_per_token_bytes()
+        return self.geometry.token_bytes
 
     # -- bring-up ---------------------------------------------------------------------------
     def _reserve(self) -> None:

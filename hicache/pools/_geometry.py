@@ -1,10 +1,12 @@
-"""`PoolGeometry`: what a host pool is, decided once before any memory (issue #34 item 1).
+"""`PoolGeometry`: what a host pool is, decided once before any memory (issues #34 item 1, #55 item 1).
 
-A family's named constructor reads its SGLang form (`_forms`) into a device view and a `Sizing`
-(what the caller asked for); `make_geometry` turns them into one frozen value - the form, layers
-and the layer map's basis, dtypes, page size and DCP, device capacity, the sizing rule and its
-page count, the layout descriptor that is brought up and the copy lanes. The base adopts it
-whole before the bring-up and never changes it after: what a pool reports (`size`, `page_num`,
+A family's constructor reads its SGLang form (`_forms`) into a `Shape` (its device view and what
+the family makes of it: descriptor, copy lanes, dtypes, SGLang-facing fields - pure, no pool) and
+a `Sizing` (what the caller asked for); `make_geometry` turns them into one frozen value - the
+form, layers and the layer map's basis, dtypes, page size and DCP, device capacity, the sizing
+rule and its page count, the layout descriptor that is brought up, the copy lanes and the
+family's fields. It never sees the pool (built outside in): the base adopts the value whole
+before the bring-up and never changes it after, so what a pool reports (`size`, `page_num`,
 `size_per_token`) is what its plan brought up. Pages are counted by `hicache.plan`'s one sizing
 rule (`_sglang_sizing` for 0.5.23's form). May import plan, errors and the pools' inputs.
 """
@@ -12,6 +14,8 @@ rule (`_sglang_sizing` for 0.5.23's form). May import plan, errors and the pools
 from __future__ import annotations
 
 import logging
+import types
+from typing import ClassVar
 
 import attrs
 
@@ -65,25 +69,75 @@ class Facts:
     device_capacity_tokens: int = 0
 
 
+@attrs.frozen(eq=False)
+class Shape:
+    """A family's pure builder over its device view (issue #55 item 1): what the geometry is
+    made of, asked with the facts `make_geometry` reads - never the pool. Each family subclasses
+    it (`descriptor_class`, `descriptor`, `streams`, and `fields`: the SGLang-facing attributes
+    its pool carries, e.g. MHA's ``head_num``); ``view``: the device side (a typed `DeviceView`
+    of SGLang 0.5.23's form, or the older form's device pool); ``given``: attributes SGLang's
+    constructor arguments set as passed (MHA's ``head_group_num``, V4's ``pool_name``)."""
+
+    view: object
+    given: dict = attrs.field(factory=dict, kw_only=True)
+    descriptor_class: ClassVar[type]
+
+    def layer_count(self) -> int:
+        """The layers an older-form device pool holds."""
+        return self.view.layer_num
+
+    def store_dtype(self):
+        """The dtype the host buffers store (an older device pool's ``store_dtype`` if it says one)."""
+        return getattr(self.view, "store_dtype", None) or self.view.dtype
+
+    def descriptor(self, layout: str, facts: Facts, page_num: int):
+        """The layout descriptor of ``page_num`` pages."""
+        raise NotImplementedError
+
+    def streams(self) -> tuple:
+        """The copy lanes (`Stream`s) between host buffers and the device tensors."""
+        raise NotImplementedError
+
+    def buffer_dtypes(self, layout: str, facts: Facts) -> tuple:
+        """The torch dtype of each buffer (default: the stored dtype for every one)."""
+        return (facts.dtype,) * len(self.descriptor(layout, facts, 1).buffers())
+
+    def token_bytes(self, layout: str, facts: Facts) -> int:
+        """Bytes one token (or slot) takes across all layers and buffers (`get_size_per_token`)."""
+        return self.descriptor(layout, facts, 1).size_per_token_bytes()
+
+    def fields(self, layout: str, facts: Facts) -> dict:
+        """The family's SGLang-facing attributes of the pool, by name (``given`` among them)."""
+        return dict(self.given)
+
+
 @attrs.frozen(kw_only=True)
 class PoolGeometry:
     """One host pool's geometry: its `Facts`, then its size as it reports it and the buffers'
     descriptor that is brought up (``buffer_page_num`` pages: DSA's differ from the slots it
     hands out, as SGLang's). ``streams``: the copy lanes (`Stream`: host buffer, K/V half,
     device tensor per layer); ``device``: the device view transfers copy with when the form
-    says so (`Form.own_device`), and whose layer map resolves controller ids."""
+    says so (`Form.own_device`), and whose layer map resolves controller ids; ``token_bytes``:
+    the layout's bytes per token (`get_size_per_token`; ``size_per_token`` is what the pool
+    reports, which SGLang's V4 pools set to one row's bytes); ``fields``: the family's
+    SGLang-facing attributes (`Shape.fields`), read-only; ``shape`` and ``sizing``: what it was
+    made from (`make_geometry` of the two gives it again)."""
 
     form: object
     family: str
     layout: str
     facts: Facts
     size_per_token: int
+    token_bytes: int
     page_num: int
     buffer_page_num: int
     buffer_dtypes: tuple
     descriptor: object = attrs.field(repr=False)
     streams: tuple = attrs.field(repr=False, eq=False)
     device: object = attrs.field(repr=False, eq=False)
+    fields: types.MappingProxyType = attrs.field(repr=False, eq=False, factory=lambda: types.MappingProxyType({}))
+    shape: Shape | None = attrs.field(repr=False, eq=False, default=None)
+    sizing: Sizing | None = attrs.field(repr=False, eq=False, default=None)
 
     @property
     def size(self) -> int:
@@ -135,17 +189,18 @@ def _described_facts(owner: str, view, sizing: Sizing) -> Facts:
                  device_capacity_tokens=_integer(owner, "device_capacity_tokens", sizing.device_capacity_tokens))
 
 
-def _pool_facts(owner: str, pool, view, sizing: Sizing) -> Facts:
+def _pool_facts(owner: str, shape: Shape, sizing: Sizing) -> Facts:
     """A device pool (the older form, DeepSeek-V4's view, a K-only pool's): its dtype and layers.
     Never its end_layer unless the form says so: SGLang sets it inclusive when the caller gave
     none and exclusive when ModelRunner passes one; layer ids here are pool-local anyway."""
     if sizing.dcp_size != 1 or sizing.host_token_capacity is not None:
         raise LayoutError(f"{owner}: dcp_size, is_dummy and host_token_capacity come with SGLang 0.5.23's "
                           "constructor (a device-buffer description first), not a device pool")
+    view = shape.view
     start = getattr(view, "start_layer", 0) or 0
-    layers = pool._layer_count(view)
+    layers = shape.layer_count()
     end = start + layers if sizing.end_layer is None else sizing.end_layer
-    return Facts(dtype=pool._store_dtype(view), layer_num=layers, target_layer_num=layers, start_layer=start,
+    return Facts(dtype=shape.store_dtype(), layer_num=layers, target_layer_num=layers, start_layer=start,
                  end_layer=end, page_size=sizing.page_size, device_capacity_tokens=getattr(view, "size", 0) or 0)
 
 
@@ -168,26 +223,27 @@ def _page_num(owner: str, form, sizing: Sizing, facts: Facts, size_per_token: in
     return sized.page_num
 
 
-def make_geometry(pool, form, view, sizing: Sizing, layout: str) -> PoolGeometry:
-    """The geometry of ``pool`` (a `HostKVCache` of some family) built by ``form`` from ``view``
-    (its device side) and ``sizing``; the facts are adopted first, as the family's hooks
-    (`layout_descriptor`, `get_size_per_token`, `streams`) read them."""
-    owner = type(pool).__name__
-    supported = pool.descriptor_class().supported()
+def make_geometry(owner: str, shape: Shape, form, sizing: Sizing, layout: str, *,
+                  pool_label: str = "kv") -> PoolGeometry:
+    """The geometry of ``owner``'s pool (its class name, for errors), built by ``form`` from
+    ``shape`` (its family's builder over the device view) and ``sizing``: pure over its
+    arguments and the server's stated backend, before any memory."""
+    supported = shape.descriptor_class.supported()
     if layout not in supported:
         raise LayoutError(f"{owner}: layout {layout!r} is not supported; supported: {', '.join(supported)}")
     backend = server().io_backend()
     if backend is not None:  # a pair we cannot serve fails the server's start, not its first write-back
         check_backend(backend, layout, supported, error=LayoutError, owner=owner)
-    facts = (_described_facts if form.mapped_layers else lambda o, v, s: _pool_facts(o, pool, v, s))(owner, view, sizing)
-    pool._adopt_facts(view, layout, facts)
-    per_token = pool.get_size_per_token()
-    page_num = _page_num(owner, form, sizing, facts, per_token, pool.pool_label)
+    facts = _described_facts(owner, shape.view, sizing) if form.mapped_layers else _pool_facts(owner, shape, sizing)
+    per_token = shape.token_bytes(layout, facts)
+    page_num = _page_num(owner, form, sizing, facts, per_token, pool_label)
     if page_num < 1:
         raise PlanError(f"{owner}: page_num must be at least 1, got {page_num}")
     buffer_page_num = sizing.buffer_page_num or page_num
-    descriptor = pool.layout_descriptor(buffer_page_num)
+    descriptor = shape.descriptor(layout, facts, buffer_page_num)
     return PoolGeometry(form=form, family=descriptor.family, layout=layout, facts=facts,
                         size_per_token=per_token if sizing.size_per_token is None else sizing.size_per_token,
-                        page_num=page_num, buffer_page_num=buffer_page_num,
-                        buffer_dtypes=tuple(pool.buffer_dtypes()), descriptor=descriptor, streams=tuple(pool.streams()), device=view)
+                        token_bytes=per_token, page_num=page_num, buffer_page_num=buffer_page_num,
+                        buffer_dtypes=tuple(shape.buffer_dtypes(layout, facts)), descriptor=descriptor,
+                        streams=tuple(shape.streams()), device=shape.view,
+                        fields=types.MappingProxyType(dict(shape.fields(layout, facts))), shape=shape, sizing=sizing)

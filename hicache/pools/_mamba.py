@@ -6,16 +6,67 @@ from __future__ import annotations
 
 import math
 
+import attrs
+
 from hicache.plan import (
     MambaLayout,
 )
 from hicache.errors import LayoutError, TransferError
 from hicache.pools._base import HostKVCache, Stream
+from hicache.pools._geometry import Shape
 from hicache.pools._forms import STATE_DESCRIPTION, NamedConstructors, form_of
 from hicache.pools._options import split_keywords
 from hicache.pools._sglang_inputs import mamba_device
 
 from hicache.pools._family_base import _first, _itemsize
+
+
+@attrs.frozen(eq=False)
+class MambaShape(Shape):
+    """Mamba's builder: one slot per request, the temporal state then each conv state
+    (``states``: ``((state shape, dtype), ...)``; a state of no elements has no buffer)."""
+
+    descriptor_class = MambaLayout
+    states: tuple = attrs.field(kw_only=True)
+
+    @classmethod
+    def of(cls, view, form, given=None):
+        """The shape of a 0.5.23 description's adapter (`mamba_device`) or an older `MambaPool`."""
+        if form is STATE_DESCRIPTION:
+            states = tuple(view.mamba_facts)
+        else:
+            cache = view.mamba_cache
+            states = ((tuple(cache.temporal.shape[2:]), cache.temporal.dtype),
+                      *((tuple(conv.shape[2:]), conv.dtype) for conv in cache.conv))
+        return cls(view, given=dict(given or {}), states=states)
+
+    def layer_count(self) -> int:
+        layers = getattr(self.view, "num_mamba_layers", None)
+        return layers if layers is not None else self.view.mamba_cache.temporal.shape[0]
+
+    def store_dtype(self):
+        return self.states[1][1] if len(self.states) > 1 else self.states[0][1]
+
+    def buffer_dtypes(self, layout, facts):
+        return tuple(dtype for shape, dtype in self.states if math.prod(shape))
+
+    def descriptor(self, layout, facts, page_num):
+        (temporal_shape, temporal_dtype), *convs = self.states
+        return MambaLayout(layout, layer_num=facts.layer_num, slots=page_num,
+                           temporal_shape=tuple(temporal_shape), temporal_itemsize=_itemsize(temporal_dtype),
+                           conv_shapes=tuple(tuple(shape) for shape, _ in convs),
+                           conv_itemsize=_itemsize(convs[0][1]) if convs else 1)
+
+    def streams(self):
+        held = [i for i, (shape, _) in enumerate(self.states) if math.prod(shape)]
+        return tuple(Stream(buffer, None,
+                            lambda pool, layer, i=i: ([pool.mamba_cache.temporal, *pool.mamba_cache.conv][i])[layer])
+                     for buffer, i in enumerate(held))
+
+    @property
+    def has_temporal(self) -> bool:
+        """Whether the temporal state holds anything (a conv-only model's does not)."""
+        return bool(math.prod(self.states[0][0]))
 
 
 class MambaPoolHost(NamedConstructors, HostKVCache):
@@ -32,6 +83,7 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
     """
 
     pool_family = "mamba"
+    shape_class = MambaShape
 
     def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, pin_memory=True, device="cpu",
                  allocator_type="default", layout="layer_first", *, device_capacity=None, mtp_draft_buffer_infos=(),
@@ -40,53 +92,20 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
         first = _first(self, buffer_info, device_pool)
         form = form_of(self.pool_family, (first,), {})
         keywords = dict(kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type)
+        given = {}
         if form is STATE_DESCRIPTION:
             first = mamba_device(name, first, tuple(mtp_draft_buffer_infos), device_capacity=device_capacity or 0)
-            self.mtp_draft_buffer_infos = tuple(mtp_draft_buffer_infos)
+            # SGLang's Mamba pool says True (can_use_write_back_jit) so HostPoolGroup's AND keeps its
+            # MLA sibling's staged write-back; its own backup routes by layout and backend, as this one does
+            given = dict(mtp_draft_buffer_infos=tuple(mtp_draft_buffer_infos), num_mamba_layers=first.layer_num,
+                         can_use_write_back_jit=True)
             keywords.update(device_capacity_tokens=device_capacity, start_layer=0, end_layer=first.layer_num)
         elif mtp_draft_buffer_infos or device_capacity is not None:
             raise LayoutError(f"{name}: device_capacity and mtp_draft_buffer_infos come with SGLang "
                               "0.5.23's constructor (a MambaStateBufferInfo first)")
-        self._states_facts = _mamba_states(first, form)
         sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
                                          host_size=host_size, page_size=1)
-        self._build(form, first, sizing, layout, options)
-        if form is STATE_DESCRIPTION:
-            self.num_mamba_layers = self.layer_num
-            # SGLang's Mamba pool says True so HostPoolGroup's AND keeps its MLA sibling's
-            # staged write-back; its own backup routes by layout and backend, as this one does
-            self.can_use_write_back_jit = True
-
-    @classmethod
-    def descriptor_class(cls):
-        return MambaLayout
-
-    def _layer_count(self, device_pool) -> int:
-        layers = getattr(device_pool, "num_mamba_layers", None)
-        return layers if layers is not None else device_pool.mamba_cache.temporal.shape[0]
-
-    def _store_dtype(self, device_pool):
-        facts = self._states_facts
-        return facts[1][1] if len(facts) > 1 else facts[0][1]
-
-    def buffer_dtypes(self):
-        return [dtype for shape, dtype in self._states_facts if math.prod(shape)]
-
-    def layout_descriptor(self, page_num: int):
-        (temporal_shape, temporal_dtype), *convs = self._states_facts
-        return MambaLayout(
-            self.layout, layer_num=self.layer_num, slots=page_num,
-            temporal_shape=tuple(temporal_shape), temporal_itemsize=_itemsize(temporal_dtype),
-            conv_shapes=tuple(tuple(shape) for shape, _ in convs),
-            conv_itemsize=_itemsize(convs[0][1]) if convs else 1,
-        )
-
-    def streams(self):
-        states = [i for i, (shape, _) in enumerate(self._states_facts) if math.prod(shape)]
-        return [
-            Stream(buffer, None, lambda pool, layer, i=i: ([pool.mamba_cache.temporal, *pool.mamba_cache.conv][i])[layer])
-            for buffer, i in enumerate(states)
-        ]
+        self._build(form, MambaShape.of(first, form, given), sizing, layout, options)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend="kernel", *,
                                  is_draft: bool = False) -> None:
@@ -101,12 +120,12 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
     @property
     def temporal_buffer(self):
         """The temporal state's host tensor (SGLang's name; None for a conv-only model)."""
-        return self.buffers[0] if math.prod(self._states_facts[0][0]) else None
+        return self.buffers[0] if self.geometry.shape.has_temporal else None
 
     @property
     def conv_buffer(self) -> list:
         """The conv states' host tensors (SGLang's name)."""
-        return self.buffers[1:] if math.prod(self._states_facts[0][0]) else list(self.buffers)
+        return self.buffers[1:] if self.geometry.shape.has_temporal else list(self.buffers)
 
     def get_data_page(self, index, flat: bool = True):
         """0.5.23: the slot's bytes, state by state (SGLang's L3 format for Mamba)."""
@@ -144,13 +163,3 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
                 piece = piece.clone()  # start where its dtype cannot be viewed: re-based at 0 (as SGLang)
             part.copy_(piece.view(part.dtype).reshape(part.shape))  # else no copy but the one into the slot
             offset += size
-
-
-def _mamba_states(view, form) -> list:
-    """``[(state shape, dtype)]``: temporal, then each conv state - from a 0.5.23 description's
-    adapter (`mamba_device`) or an older `MambaPool`'s ``mamba_cache``."""
-    if form is STATE_DESCRIPTION:
-        return list(view.mamba_facts)
-    cache = view.mamba_cache
-    return [(tuple(cache.temporal.shape[2:]), cache.temporal.dtype),
-            *[(tuple(conv.shape[2:]), conv.dtype) for conv in cache.conv]]

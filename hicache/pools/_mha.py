@@ -17,6 +17,7 @@ from hicache.errors import LayoutError, TransferError
 from hicache.plan.checks import check_int, is_integer
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._forms import ANCHOR, DESCRIPTION, NamedConstructors, form_of
+from hicache.pools._geometry import Shape
 from hicache.pools._options import split_keywords
 from hicache.pools._sglang_inputs import mha_device
 
@@ -42,10 +43,70 @@ def _k_only_args(owner: str, args, kwargs) -> tuple:
         values.get("allocator_type", "default")
 
 
+class MHAShape(Shape):
+    """MHA's builder: K and V of one head dim in one buffer (a leading axis of 2); the view
+    says ``head_num`` and ``head_dim`` (the older device pools: ``k_head_dim`` too)."""
+
+    descriptor_class = MHALayout
+
+    def _heads(self) -> tuple[int, int]:
+        view = self.view
+        return view.head_num, getattr(view, "head_dim", None) or view.k_head_dim
+
+    def descriptor(self, layout, facts, page_num):
+        head_num, head_dim = self._heads()
+        return self.descriptor_class(layout, page_num=page_num, layer_num=facts.layer_num, head_num=head_num,
+                                     head_dim=head_dim, page_size=facts.page_size, itemsize=_itemsize(facts.dtype))
+
+    def streams(self):
+        return (Stream(0, 0, lambda pool, layer: pool.k_buffer[layer]),
+                Stream(0, 1, lambda pool, layer: pool.v_buffer[layer]))
+
+    def fields(self, layout, facts):
+        """SGLang's MHA fields: heads, widths, bytes of one token row and of one token's layers."""
+        head_num, head_dim = self._heads()
+        element_dim = head_num * head_dim
+        token_stride_size = element_dim * _itemsize(facts.dtype)
+        return {**super().fields(layout, facts), "head_num": head_num, "head_dim": head_dim,
+                "v_head_dim": getattr(self.view, "v_head_dim", None) or head_dim, "element_dim": element_dim,
+                "token_stride_size": token_stride_size, "layout_dim": token_stride_size * facts.layer_num}
+
+
+class MHAKOnlyShape(MHAShape):
+    """K only: one buffer of keys (the MHA fields as SGLang's K-only pool keeps them)."""
+
+    descriptor_class = MHAKOnlyLayout
+
+    def streams(self):
+        return (Stream(0, None, lambda pool, layer: pool.k_buffer[layer]),)
+
+
+class AsymmetricMHAShape(MHAShape):
+    """K and V of different head dims: buffers ``k`` and ``v``. No ``token_stride_size`` or
+    ``layout_dim``: K and V rows differ, and SGLang's pool leaves them unset on purpose so a
+    caller reaching for one shared stride fails loudly."""
+
+    descriptor_class = AsymmetricMHALayout
+
+    def descriptor(self, layout, facts, page_num):
+        view = self.view
+        return AsymmetricMHALayout(layout, layer_num=facts.layer_num, head_num=view.head_num,
+                                   k_head_dim=view.k_head_dim, v_head_dim=view.v_head_dim, page_size=facts.page_size,
+                                   page_num=page_num, itemsize=_itemsize(facts.dtype))
+
+    def streams(self):
+        return (Stream(0, None, lambda pool, layer: pool.k_buffer[layer]),
+                Stream(1, None, lambda pool, layer: pool.v_buffer[layer]))
+
+    def fields(self, layout, facts):
+        head_num, head_dim = self._heads()
+        return {**self.given, "head_num": head_num, "head_dim": head_dim, "v_head_dim": self.view.v_head_dim}
+
+
 class _MHAForms(NamedConstructors):
     """The MHA families' constructors: SGLang 0.5.23's (an `MHABufferInfo` first, its packed
     drafts, staging and head groups) or the older one (a device pool first), told apart by
-    `_forms.FORMS`; then the family's geometry fields (`_mha_geometry`)."""
+    `_forms.FORMS`, read into the family's shape (`shape_class`)."""
 
     pool_family = "mha"
 
@@ -55,8 +116,8 @@ class _MHAForms(NamedConstructors):
         name = type(self).__name__
         first = _first(self, buffer_info, device_pool)
         form = form_of(self.pool_family, (first,), {})
-        self.head_group_num = check_int(LayoutError, name, "head_group_num", head_group_num)  # page_unified only
-        self.write_back_staging = write_back_staging  # SGLang's CUDA write-back kernel's staging; unused here
+        given = dict(head_group_num=check_int(LayoutError, name, "head_group_num", head_group_num),  # page_unified
+                     write_back_staging=write_back_staging)  # SGLang's CUDA write-back kernel's staging; unused
         sizing, options = split_keywords(name, dict(kwargs, pin_memory=pin_memory, device=device,
                                                     allocator_type=allocator_type),
                                          host_to_device_ratio=host_to_device_ratio, host_size=host_size,
@@ -70,8 +131,7 @@ class _MHAForms(NamedConstructors):
                               "first)")
         else:
             view = first
-        self._build(form, view, sizing, layout, options)
-        self._mha_geometry()
+        self._build(form, type(self).shape_class(view, given=given), sizing, layout, options)
 
 
 class MHATokenToKVPoolHost(_MHAForms, HostKVCache):
@@ -85,15 +145,7 @@ class MHATokenToKVPoolHost(_MHAForms, HostKVCache):
     (``from_buffer_info`` / ``from_device_pool`` build one form only).
     """
 
-    def _mha_geometry(self) -> None:
-        """SGLang's MHA fields: heads, widths, bytes of one token row and of one token's layers."""
-        pool = self.device_pool
-        self.head_num = pool.head_num
-        self.head_dim = getattr(pool, "head_dim", None) or pool.k_head_dim
-        self.v_head_dim = getattr(pool, "v_head_dim", None) or self.head_dim
-        self.element_dim = self.head_num * self.head_dim
-        self.token_stride_size = self.element_dim * _itemsize(self.dtype)
-        self.layout_dim = self.token_stride_size * self.layer_num
+    shape_class = MHAShape
 
     def get_hybrid_pool_buffer(self) -> list:
         """The K and V host tensors a zero-copy back end registers."""
@@ -103,24 +155,6 @@ class MHATokenToKVPoolHost(_MHAForms, HostKVCache):
         """Zero-copy pointers for heterogeneous TP (mooncake, umbp): per page, per group of
         ``head_num // split_factor`` heads, a K and a V block - layout page_head only, as SGLang's."""
         return _split_heads_meta(self, indices, split_factor)
-
-    @classmethod
-    def descriptor_class(cls):
-        return MHALayout
-
-    def _dims(self):
-        pool = self.device_pool
-        return dict(layer_num=self.layer_num, head_num=pool.head_num, head_dim=pool.head_dim,
-                    page_size=self.page_size, itemsize=_itemsize(self.dtype))
-
-    def layout_descriptor(self, page_num: int):
-        return self.descriptor_class()(self.layout, page_num=page_num, **self._dims())
-
-    def streams(self):
-        return [
-            Stream(0, 0, lambda pool, layer: pool.k_buffer[layer]),
-            Stream(0, 1, lambda pool, layer: pool.v_buffer[layer]),
-        ]
 
     @property
     def k_buffer(self):
@@ -152,6 +186,7 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
     told apart by `_forms.FORMS` (the second argument: a host pool, not a number)."""
 
     pool_family = "mha_k_only"
+    shape_class = MHAKOnlyShape
 
     def __init__(self, device_pool=None, *args, **kwargs):
         if form_of(self.pool_family, (device_pool, *args), kwargs) is not ANCHOR:
@@ -162,9 +197,8 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
             kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type),
             host_to_device_ratio=1.0, host_size=0, page_size=anchor.page_size, page_num=anchor.page_num,
             end_layer=getattr(device_pool, "end_layer", None))  # SGLang's: the device pool's end layer
-        self.head_group_num, self.write_back_staging = 1, None
-        self._build(ANCHOR, device_pool, sizing, layout, options)
-        self._mha_geometry()
+        self._build(ANCHOR, MHAKOnlyShape(device_pool, given=dict(head_group_num=1, write_back_staging=None)),
+                    sizing, layout, options)
 
     @property
     def k_buffer(self):
@@ -178,25 +212,12 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
     def get_hybrid_pool_buffer(self) -> list:
         return [self.k_buffer]
 
-    @classmethod
-    def descriptor_class(cls):
-        return MHAKOnlyLayout
-
-    def streams(self):
-        return [Stream(0, None, lambda pool, layer: pool.k_buffer[layer])]
-
 
 class AsymmetricMHATokenToKVPoolHost(_MHAForms, HostKVCache):
     """MHA with different K and V head dims: buffers ``k`` and ``v``. Constructors as
     `MHATokenToKVPoolHost` (0.5.23's with an `MHABufferInfo` whose ``v_head_dim`` differs)."""
 
-    def _mha_geometry(self) -> None:
-        pool = self.device_pool
-        self.head_num = pool.head_num
-        self.head_dim = getattr(pool, "head_dim", None) or pool.k_head_dim
-        self.v_head_dim = pool.v_head_dim
-        # no token_stride_size / layout_dim: K and V rows differ, and SGLang's pool leaves them
-        # unset on purpose so a caller reaching for one shared stride fails loudly
+    shape_class = AsymmetricMHAShape
 
     def get_ksize_per_token(self) -> int:
         """Bytes of one token's K over all layers (its V is narrower or wider)."""
@@ -209,24 +230,6 @@ class AsymmetricMHATokenToKVPoolHost(_MHAForms, HostKVCache):
     @property
     def v_buffer(self):
         return self.buffers[1]
-
-    @classmethod
-    def descriptor_class(cls):
-        return AsymmetricMHALayout
-
-    def layout_descriptor(self, page_num: int):
-        pool = self.device_pool
-        return AsymmetricMHALayout(
-            self.layout, layer_num=self.layer_num, head_num=pool.head_num, k_head_dim=pool.k_head_dim,
-            v_head_dim=pool.v_head_dim, page_size=self.page_size, page_num=page_num,
-            itemsize=_itemsize(self.dtype),
-        )
-
-    def streams(self):
-        return [
-            Stream(0, None, lambda pool, layer: pool.k_buffer[layer]),
-            Stream(1, None, lambda pool, layer: pool.v_buffer[layer]),
-        ]
 
 
 def _split_heads_meta(pool, indices, split_factor: int):

@@ -6,6 +6,7 @@ registration and transfers are the base's.
 
 from __future__ import annotations
 
+import attrs
 
 from hicache.plan import (
     DSAIndexerLayout,
@@ -15,11 +16,67 @@ from hicache.errors import LayoutError
 from hicache.plan import dsa_indexer_pages
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
+from hicache.pools._geometry import Shape
 from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, form_of
 from hicache.pools._options import split_keywords
 from hicache.pools._sglang_inputs import dsa_device, mla_device
 
 from hicache.pools._family_base import _first, _itemsize
+
+
+@attrs.frozen(eq=False)
+class MLAShape(Shape):
+    """MLA's builder: one ``kv_cache_dim`` latent row per token and layer (``token_bytes``:
+    what an `MLAHostAllocation` says a token takes, where it says it)."""
+
+    descriptor_class = MLALayout
+    kv_cache_dim: int = attrs.field(kw_only=True)
+    allocation_token_bytes: int | None = attrs.field(kw_only=True, default=None)
+
+    def descriptor(self, layout, facts, page_num):
+        return MLALayout(layout, layer_num=facts.layer_num, kv_cache_dim=self.kv_cache_dim,
+                         page_size=facts.page_size, page_num=page_num, itemsize=_itemsize(facts.dtype))
+
+    def streams(self):
+        return (Stream(0, None, lambda pool, layer: pool.kv_buffer[layer]),)
+
+    def token_bytes(self, layout, facts):
+        if self.allocation_token_bytes is not None:  # MLAHostAllocation says it
+            return self.allocation_token_bytes
+        return super().token_bytes(layout, facts)
+
+    def fields(self, layout, facts):
+        token_stride_size = self.kv_cache_dim * _itemsize(facts.dtype)
+        return {**super().fields(layout, facts), "kv_cache_dim": self.kv_cache_dim,
+                "kv_lora_rank": self.view.kv_lora_rank, "qk_rope_head_dim": self.view.qk_rope_head_dim,
+                "token_stride_size": token_stride_size, "layout_dim": token_stride_size * facts.layer_num}
+
+
+class DSAShape(Shape):
+    """The DSA indexer's builder: page rows of FP8 keys and fp32 scales, uint8 (``given``: the
+    declaration form's SGLang fields, `_dsa_fields`)."""
+
+    descriptor_class = DSAIndexerLayout
+
+    def descriptor(self, layout, facts, page_num):
+        view = self.view
+        return DSAIndexerLayout(layout, layer_num=facts.layer_num, index_head_dim=view.index_head_dim,
+                                page_size=facts.page_size, page_num=page_num,
+                                quant_block_size=getattr(view, "quant_block_size", 128))
+
+    def buffer_dtypes(self, layout, facts):
+        import torch
+
+        return (torch.uint8,)
+
+    def streams(self):
+        return (Stream(0, None, lambda pool, layer: pool.index_k_with_scale_buffer[layer], rows=True),)
+
+    def fields(self, layout, facts):
+        fields = super().fields(layout, facts)
+        if "indexer_page_stride_size" in fields:  # the declaration form's
+            fields["indexer_layout_dim"] = fields["indexer_page_stride_size"] * facts.layer_num
+        return fields
 
 
 class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache):
@@ -38,6 +95,7 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
     """
 
     pool_family = "mla"
+    shape_class = MLAShape
 
     def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
                  pin_memory=True, device="cpu", allocator_type="default", override_kv_cache_dim=None,
@@ -46,43 +104,35 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
         name = type(self).__name__
         first = _first(self, buffer_info, device_pool)
         form = form_of(self.pool_family, (first,), {})
-        self.override_kv_cache_dim = override_kv_cache_dim
-        self._allocation_size_per_token = None
+        given = dict(override_kv_cache_dim=override_kv_cache_dim)
+        allocation_token_bytes = None
         keywords = dict(kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type)
         if form is DEVICE_POOL:
             if draft_buffer_infos or dcp_size != 1 or target_layer_num is not None or layer_shard_enabled:
                 raise LayoutError(f"{name}: draft_buffer_infos, dcp_size, target_layer_num and layer_shard_enabled "
                                   "come with SGLang 0.5.23's constructor (an MLABufferInfo first)")
-            self.dsa_kv_cache_store_fp8 = False
-            self.kv_cache_dim = override_kv_cache_dim or first.kv_lora_rank + first.qk_rope_head_dim
+            given["dsa_kv_cache_store_fp8"] = False
+            kv_cache_dim = override_kv_cache_dim or first.kv_lora_rank + first.qk_rope_head_dim
             view = first
         else:
             if target_layer_num is None:
                 raise LayoutError(f"{name}: SGLang 0.5.23's constructor needs the keyword target_layer_num")
-            self.dsa_kv_cache_store_fp8 = bool(getattr(first, "packed_fp8", False))
+            given["dsa_kv_cache_store_fp8"] = bool(getattr(first, "packed_fp8", False))
             dummy = form is ALLOCATION  # SGLang's allocator-only pool: its geometry says the token size
-            self.kv_cache_dim = override_kv_cache_dim or (
+            kv_cache_dim = override_kv_cache_dim or (
                 first.kv_cache_dim if dummy else first.kv_lora_rank + first.qk_rope_head_dim)
             if dummy:
-                self._allocation_size_per_token = int(first.size_per_token)
+                allocation_token_bytes = int(first.size_per_token)
                 keywords["is_dummy"] = True
             view = mla_device(name, first, tuple(draft_buffer_infos),
                               device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
                               start_layer=kwargs.get("start_layer") or 0, target_layer_num=target_layer_num,
                               layer_shard_enabled=layer_shard_enabled)
             keywords.update(dcp_size=dcp_size, dcp_rank=dcp_rank)
-        self.kv_lora_rank = view.kv_lora_rank
-        self.qk_rope_head_dim = view.qk_rope_head_dim
         sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
                                          host_size=host_size, page_size=page_size)
-        self._build(form, view, sizing, layout, options)
-        self.token_stride_size = self.kv_cache_dim * _itemsize(self.dtype)
-        self.layout_dim = self.token_stride_size * self.layer_num
-
-    def get_size_per_token(self) -> int:
-        if self._allocation_size_per_token is not None:  # MLAHostAllocation says it
-            return self._allocation_size_per_token
-        return super().get_size_per_token()
+        shape = MLAShape(view, given=given, kv_cache_dim=kv_cache_dim, allocation_token_bytes=allocation_token_bytes)
+        self._build(form, shape, sizing, layout, options)
 
     def get_contiguous_buf_infos(self):
         """``(data_ptrs, data_lens, item_lens)`` per layer, as SGLang's MLA host pool reports them
@@ -95,18 +145,6 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
         data_lens = [buffer[i].nbytes for i in range(self.layer_num)]
         return data_ptrs, data_lens, [self.token_stride_size * self.page_size] * self.layer_num
 
-    @classmethod
-    def descriptor_class(cls):
-        return MLALayout
-
-    def layout_descriptor(self, page_num: int):
-        return MLALayout(
-            self.layout, layer_num=self.layer_num, kv_cache_dim=self.kv_cache_dim,
-            page_size=self.page_size, page_num=page_num, itemsize=_itemsize(self.dtype),
-        )
-
-    def streams(self):
-        return [Stream(0, None, lambda pool, layer: pool.kv_buffer[layer])]
 
 
 class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
@@ -123,6 +161,7 @@ class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
     """
 
     pool_family = "dsa"
+    shape_class = DSAShape
 
     def __init__(self, *args, anchor_pool=None, **kwargs):
         if form_of(self.pool_family, args, kwargs) is DECLARATION:
@@ -140,25 +179,6 @@ class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
         """The host index buffer (SGLang's name)."""
         return self.buffers[0]
 
-    @classmethod
-    def descriptor_class(cls):
-        return DSAIndexerLayout
-
-    def buffer_dtypes(self):
-        import torch
-
-        return [torch.uint8]
-
-    def layout_descriptor(self, page_num: int):
-        pool = self.device_pool
-        return DSAIndexerLayout(
-            self.layout, layer_num=self.layer_num, index_head_dim=pool.index_head_dim,
-            page_size=self.page_size, page_num=page_num,
-            quant_block_size=getattr(pool, "quant_block_size", 128),
-        )
-
-    def streams(self):
-        return [Stream(0, None, lambda pool, layer: pool.index_k_with_scale_buffer[layer], rows=True)]
 
 
 def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=(), pin_memory=True, device="cpu",
@@ -173,18 +193,14 @@ def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=()
     if geometry.bytes_per_token_per_layer() != storage.bytes_per_token_per_layer:  # before any memory
         raise LayoutError(f"{name}: the declaration stores {storage.bytes_per_token_per_layer} bytes per token and "
                           f"layer, the device pool's index geometry {geometry.bytes_per_token_per_layer()}")
-    pool.decl = decl
-    pool.mtp_draft_device_pools = tuple(packed_draft_device_pools)
     indexer_page_num = dsa_indexer_pages(anchor_host.size, page_size)
     # SGLang's fields: the anchor's slots and pages; the buffer holds indexer_page_num pages
-    pool.indexer_page_num = indexer_page_num
-    pool.indexer_dtype = storage.dtype
-    pool.indexer_page_stride_size = storage.page_bytes(page_size)
+    given = dict(decl=decl, mtp_draft_device_pools=tuple(packed_draft_device_pools), indexer_page_num=indexer_page_num,
+                 indexer_dtype=storage.dtype, indexer_page_stride_size=storage.page_bytes(page_size))
     sizing, options = split_keywords(name, dict(kwargs, pin_memory=pin_memory, device=device,
                                                 allocator_type=allocator_type, is_dummy=is_dummy),
                                      host_to_device_ratio=1.0, host_size=0, page_size=page_size,
                                      page_num=anchor_host.page_num, buffer_page_num=indexer_page_num,
                                      device_capacity_tokens=anchor_host.size, start_layer=view.start_layer,
                                      end_layer=getattr(decl.device_pool, "end_layer", view.layer_num))
-    pool._build(DECLARATION, view, sizing, anchor_host.layout, options)
-    pool.indexer_layout_dim = pool.indexer_page_stride_size * pool.layer_num
+    pool._build(DECLARATION, DSAShape(view, given=given), sizing, anchor_host.layout, options)

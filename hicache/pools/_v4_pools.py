@@ -11,9 +11,50 @@ from hicache.plan import (
 )
 from hicache.plan.checks import is_integer
 from hicache.pools._base import HostKVCache, Stream
+from hicache.pools._geometry import Shape
 from hicache.pools._forms import POOL_NAME, NamedConstructors, form_of
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._options import split_keywords
+
+
+class V4PagedShape(Shape):
+    """DeepSeek-V4 paged builder: ``item_bytes`` per page row per layer (device ``kv_buffer``),
+    raw bytes; the older form's pool has no ``pool_name``."""
+
+    descriptor_class = DeepSeekV4PagedLayout
+    row_attribute = "item_bytes"
+    device_attribute = "kv_buffer"
+
+    @property
+    def row_bytes(self) -> int:
+        return getattr(self.view, self.row_attribute)
+
+    def token_bytes(self, layout, facts):
+        return facts.layer_num * self.row_bytes // facts.page_size or 1
+
+    def buffer_dtypes(self, layout, facts):
+        import torch
+
+        return (torch.uint8,) * len(self.descriptor(layout, facts, 1).buffers())
+
+    def descriptor(self, layout, facts, page_num):
+        return self.descriptor_class(layout, layer_num=facts.layer_num, page_num=page_num,
+                                     **{self.row_attribute: self.row_bytes})
+
+    def streams(self):
+        attribute = self.device_attribute
+        return (Stream(0, None, lambda pool, layer: getattr(pool, attribute)[layer], rows=True),)
+
+    def fields(self, layout, facts):
+        return {"pool_name": None, **super().fields(layout, facts)}
+
+
+class V4StateShape(V4PagedShape):
+    """DeepSeek-V4 state builder: a page row is ``ring_size`` slots of each state pool."""
+
+    descriptor_class = DeepSeekV4StateLayout
+    row_attribute = "state_page_bytes"
+    device_attribute = "state_buffer"
 
 
 class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCache):
@@ -27,44 +68,19 @@ class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCa
     ``kv_buffer`` and ``item_bytes``).
     """
 
-    row_attribute = "item_bytes"
-    device_attribute = "kv_buffer"
-
     pool_family = "deepseek_v4"
+    shape_class = V4PagedShape
 
     def __init__(self, *args, **kwargs):
         if form_of(self.pool_family, args, kwargs) is POOL_NAME:
             _init_v4_from_sglang(self, *args, **kwargs)
         else:
-            self.pool_name = None
             super().__init__(*args, **kwargs)
-
-    @classmethod
-    def descriptor_class(cls):
-        return DeepSeekV4PagedLayout
-
-    def get_size_per_token(self) -> int:
-        return self.layer_num * getattr(self.device_pool, self.row_attribute) // self.page_size or 1
-
-    def buffer_dtypes(self):
-        import torch
-
-        return [torch.uint8] * len(self.layout_descriptor(1).buffers())
-
-    def layout_descriptor(self, page_num: int):
-        return self.descriptor_class()(
-            self.layout, layer_num=self.layer_num, page_num=page_num,
-            **{self.row_attribute: getattr(self.device_pool, self.row_attribute)},
-        )
 
     def _host_view(self, stream, layer):
         if self.layout == "layer_first":  # one buffer per layer
             return self.buffers[layer]
         return super()._host_view(stream, layer)
-
-    def streams(self):
-        attribute = self.device_attribute
-        return [Stream(0, None, lambda pool, layer: getattr(pool, attribute)[layer], rows=True)]
 
     def alloc(self, need_size: int):
         """SGLang's V4 pools round ``need_size`` up to whole slot pages."""
@@ -83,16 +99,11 @@ class DeepSeekV4StateHostPool(DeepSeekV4PagedHostPool):
     ``kv_score_buffer.kv_score`` (all pools share ring size and slot bytes).
     """
 
-    row_attribute = "state_page_bytes"
-    device_attribute = "state_buffer"
+    shape_class = V4StateShape
     has_allocator = False
 
     def alloc(self, need_size: int):
         return HostKVCache.alloc(self, need_size)
-
-    @classmethod
-    def descriptor_class(cls):
-        return DeepSeekV4StateLayout
 
 
 def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
@@ -103,14 +114,14 @@ def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
     else:
         device_pool, num_host_pages, page_size, rest, kwargs = paged_device(pool_name, *args, **kwargs)
     layout, device, pin_memory, allocator_type = rest
-    pool.pool_name = pool_name
-    row_bytes = getattr(device_pool, pool.row_attribute)
+    shape_class = type(pool).shape_class
+    row_bytes = getattr(device_pool, shape_class.row_attribute)
+    given = {"pool_name": pool_name, "page_aligned_only": getattr(device_pool, "page_aligned_only", False),
+             shape_class.row_attribute: row_bytes,  # item_bytes / state_page_bytes
+             "device_buffers": getattr(device_pool, "kv_buffer", None) if shape_class is V4PagedShape else None,
+             "num_host_pages": num_host_pages, "slot_page_size": page_size}
     sizing, options = split_keywords(type(pool).__name__, dict(kwargs, pin_memory=pin_memory, device=device,
                                                                 allocator_type=allocator_type),
                                      host_to_device_ratio=1.0, host_size=0, page_size=page_size,
                                      page_num=num_host_pages, size_per_token=row_bytes)  # SGLang's: one row's bytes
-    pool._build(POOL_NAME, device_pool, sizing, layout, options)
-    pool.page_aligned_only = getattr(device_pool, "page_aligned_only", False)
-    setattr(pool, pool.row_attribute, row_bytes)  # item_bytes / state_page_bytes
-    pool.device_buffers = getattr(device_pool, "kv_buffer", None) if pool.row_attribute == "item_bytes" else None
-    pool.num_host_pages, pool.slot_page_size = num_host_pages, page_size
+    pool._build(POOL_NAME, shape_class(device_pool, given=given), sizing, layout, options)
