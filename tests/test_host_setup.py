@@ -72,7 +72,8 @@ def test_a_pool_takes_its_host_and_its_settings_through_one_door_each(tmp_path, 
     concern), before any memory; ``options=`` takes a `HostPoolOptions` and ``host=`` a
     `HostSetup`, and anything else there is a TypeError naming the door."""
     setup = fake_host_setup(tmp_path)
-    with pytest.raises(TypeError, match=f"MHATokenToKVPoolHost.. got an unexpected keyword argument '{keyword}'"):
+    with pytest.raises(TypeError, match=rf"^MHATokenToKVPoolHost\.__init__\(\) got an unexpected keyword argument "
+                                        f"'{keyword}'"):
         MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup, **{keyword: None})
     with pytest.raises(TypeError, match="options= takes a hicache.pools.HostPoolOptions"):
         MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup, options={"progressive": True})

@@ -467,8 +467,44 @@ def test_bring_up_has_one_door_per_concern_and_no_catch_all():
 
 
 def test_the_catch_all_rule_sees_one():
-    """Not vacuous: the pools' family constructors still take ``**kwargs`` (SGLang's forms)."""
-    assert _catch_alls(MODULES["hicache.pools._mha"], {"__init__"})
+    """Not vacuous: the constructors that tell two SGLang signatures apart by their arguments
+    (K-only's anchor or device pool, DSA's declaration, V4's pool name) still take ``**kwargs``."""
+    assert _catch_alls(MODULES["hicache.pools._v4_pools"], {"__init__"})
+
+
+#: the constructors that name every keyword they take (SGLang's signature, then hicache's
+#: ``device_pool=``, ``page_num=``, ``options=``, ``host=``): the base's older form, the MHA pair's,
+#: MLA's and Mamba's. K-only, DSA and V4 serve two SGLang signatures that differ in their
+#: positional arguments, so they tell the form apart first and bind to one of these, or to a
+#: form's own function that names its keywords.
+EXACT = {"hicache.pools._base": "HostKVCache", "hicache.pools._mha": "_MHAForms",
+         "hicache.pools._mla": "MLATokenToKVPoolHost", "hicache.pools._mamba": "MambaPoolHost"}
+
+
+def _catch_all_inits(path: Path, owner: str) -> list[str]:
+    """``owner.__init__`` in ``path`` if it takes ``**keywords``."""
+    return [f"{owner}.__init__" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.name == owner
+            for item in node.body if isinstance(item, ast.FunctionDef) and item.name == "__init__"
+            and item.args.kwarg is not None]
+
+
+@pytest.mark.parametrize("module", sorted(EXACT), ids=str)
+def test_a_pool_constructor_names_every_keyword_it_takes(module):
+    """No ``**keywords`` on `HostKVCache` or a family with one SGLang signature (issue #55 items 2
+    and 6): the signature says every name (31 once went through a catch-all), so a misspelt one
+    is Python's own TypeError and tools read the real parameters."""
+    assert "def __init__(" in MODULES[module].read_text()
+    assert not _catch_all_inits(MODULES[module], EXACT[module])
+
+
+def test_the_named_keywords_rule_sees_a_catch_all(tmp_path):
+    """Not vacuous: a ``**kwargs`` on the named class's constructor is found, another class's is not."""
+    path = tmp_path / "pool.py"
+    path.write_text("class HostKVCache:\n    def __init__(self, a, **keywords):\n        pass\n\n"
+                    "class Other:\n    def __init__(self, **kw):\n        pass\n")
+    assert _catch_all_inits(path, "HostKVCache") == ["HostKVCache.__init__"]
+    assert _catch_all_inits(path, "Missing") == []
 
 
 def _budget_calls(path: Path) -> list[str]:

@@ -240,10 +240,20 @@ def test_a_named_constructor_refuses_another_form():
 
 
 def test_a_misspelt_keyword_is_a_type_error_naming_the_pool():
-    """An unknown keyword is Python's TypeError naming the pool and the word, before any memory."""
+    """An unknown keyword is Python's TypeError naming the pool and the word, before any memory -
+    the pool the caller built, also where its constructor's code is shared (the MHA pair's) or is
+    the older form's behind a dispatch (K-only, DSA)."""
     with fake_cuda() as fake:
-        with pytest.raises(TypeError, match=r"MHATokenToKVPoolHost\(\) got an unexpected keyword argument 'pagenum'"):
+        with pytest.raises(TypeError, match=r"^MHATokenToKVPoolHost\.__init__\(\) got an unexpected keyword argument "
+                                            "'pagenum'"):
             MHATokenToKVPoolHost(_mha(), 2.0, 0, P, "page_first", pagenum=3, **ROOM)
+        with pytest.raises(TypeError, match=r"^AsymmetricMHATokenToKVPoolHost\.__init__\(\) got an unexpected "):
+            AsymmetricMHATokenToKVPoolHost(OLDER[AsymmetricMHATokenToKVPoolHost](), 2.0, 0, P, "page_first",
+                                           pagenum=3, **ROOM)
+        with pytest.raises(TypeError, match=r"^MHATokenToKOnlyPoolHost\.__init__\(\) got an unexpected keyword "):
+            MHATokenToKOnlyPoolHost(OLDER[MHATokenToKOnlyPoolHost](), 2.0, 0, P, "page_first", pagenum=3, **ROOM)
+        with pytest.raises(TypeError, match=r"^DSAIndexerPoolHost\.__init__\(\) got an unexpected keyword argument "):
+            DSAIndexerPoolHost(OLDER[DSAIndexerPoolHost](), 2.0, 0, P, "page_first", pagenum=3, **ROOM)
         assert fake.held() == set()
 
 

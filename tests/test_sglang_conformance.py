@@ -836,3 +836,38 @@ def test_a_pool_inside_sglangs_budget_scope_is_admitted_by_it_as_sglangs(sglang)
             with pytest.raises(CapacityError, match="budget in force has"):
                 build()
         assert fake.held() == set()
+
+
+#: what hicache's constructors add to SGLang 0.5.23's signature: the older form's first argument
+#: by keyword, an anchor-like page count, and its two keyword-only values
+HICACHE_KEYWORDS = {"device_pool", "page_num", "options", "host"}
+
+
+@pytest.mark.parametrize("kind", ["mha", "asym", "mla", "mamba"])
+def test_a_pools_signature_is_sglangs_plus_hicaches_own_keywords(sglang, kind):
+    """hicache's constructor takes SGLang 0.5.23's parameters by the same names, in the same
+    order and kind, with SGLang's defaults (a parameter SGLang requires defaults to None here:
+    the older form does without it), and adds only hicache's own keywords (issue #55 item 2)."""
+    import inspect
+
+    if kind == "mamba":
+        import sglang.srt.mem_cache.pool_host.mamba as smamba
+
+        import hicache.pools as ours
+
+        theirs_cls, ours_cls = smamba.MambaPoolHost, ours.MambaPoolHost
+    else:
+        theirs_cls, ours_cls = _classes(kind)
+    theirs = inspect.signature(theirs_cls.__init__).parameters
+    ours_params = inspect.signature(ours_cls.__init__).parameters
+    assert all(p.kind is not p.VAR_KEYWORD for p in ours_params.values()), "no **keywords"
+    assert set(ours_params) - set(theirs) == HICACHE_KEYWORDS, set(ours_params) - set(theirs)
+    positional = [n for n, p in theirs.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [n for n, p in ours_params.items() if p.kind is p.POSITIONAL_OR_KEYWORD][:len(positional)] == positional
+    for name, param in theirs.items():
+        mine = ours_params[name]
+        if param.kind is param.KEYWORD_ONLY:  # ours may take it by position only where SGLang's older form did
+            assert mine.kind in (mine.KEYWORD_ONLY, mine.POSITIONAL_OR_KEYWORD), name
+        expected = None if param.default is param.empty and name != "self" else param.default
+        if name != "self":
+            assert mine.default == expected, (name, mine.default, expected)

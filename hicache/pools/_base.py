@@ -36,7 +36,7 @@ from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
 from hicache.pools._device_copies import DeviceCopiesMixin, Stream
 from hicache.pools._forms import DEVICE_POOL
 from hicache.pools._geometry import make_geometry
-from hicache.pools._options import split_keywords
+from hicache.pools._options import given, split_keywords
 from hicache.pools._transfer import Transfers
 from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._server import server
@@ -106,14 +106,21 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
     storage_format_tag = None
 
     def __init__(self, device_pool, host_to_device_ratio: float, host_size: float, page_size: int, layout: str,
-                 pin_memory: bool = True, device: str = "cpu", allocator_type: str | None = "default",
-                 **keywords) -> None:
+                 pin_memory: bool = True, device: str = "cpu", allocator_type: str | None = "default", *,
+                 page_num: int | None = None, end_layer: int | None = None, pool_label: str = "kv",
+                 options=None, host=None) -> None:
         """SGLang's base signature: the older form (a device pool first); the families' other
-        forms build through `_build` with their own shapes (`_forms.FORMS`)."""
+        forms build through `_build` with their own shapes (`_forms.FORMS`). ``page_num`` sizes
+        like an anchor pool (DSA's beside its anchor); ``end_layer`` as SGLang's caller passes it."""
         sizing, options = split_keywords(type(self).__name__, dict(
-            keywords, pin_memory=pin_memory, device=device, allocator_type=allocator_type),
+            given(page_num=page_num, end_layer=end_layer), pin_memory=pin_memory, device=device,
+            allocator_type=allocator_type, pool_label=pool_label, options=options, host=host),
             host_to_device_ratio=host_to_device_ratio, host_size=host_size, page_size=page_size)
         self._build(DEVICE_POOL, type(self).shape_class(device_pool), sizing, layout, options)
+
+    #: the older form's constructor, for a family whose ``__init__`` tells its forms apart first
+    #: (`_forms.NamedConstructors` names it for the family, as its errors do)
+    _older_form = __init__
 
     def _build(self, form, shape, sizing, layout: str, options) -> None:
         """The one constructor body: the geometry, made outside the pool from ``shape`` (the

@@ -14,6 +14,7 @@ table and chunk setting apply - is a field of `Form`, read by the base; nothing 
 
 from __future__ import annotations
 
+import types
 from typing import Callable
 
 import attrs
@@ -128,6 +129,25 @@ class NamedConstructors:
         for form in forms_of(cls.pool_family) if cls.pool_family else ():
             if form.constructor not in cls.__dict__:
                 setattr(cls, form.constructor, classmethod(_named(form.constructor)))
+        cls.__init__ = _named_for(cls, cls.__init__)
+        if getattr(cls, "_older_form", None) is not None:  # the device-pool form a dispatching __init__ calls
+            cls._older_form = _named_for(cls, cls._older_form)
+
+
+def _named_for(cls, init):
+    """``init`` under ``cls``'s own name: a constructor shared by several families (the MHA
+    pair's, a base's) then fails a misspelt keyword with Python's TypeError naming the pool the
+    caller built (``AsymmetricMHATokenToKVPoolHost.__init__() got an unexpected keyword
+    argument``), not the class that holds the code. The same code, defaults and closure."""
+    qualname = f"{cls.__qualname__}.__init__"
+    code = getattr(init, "__code__", None)
+    if code is None or not hasattr(code, "co_qualname") or code.co_qualname == qualname:
+        return init
+    named = types.FunctionType(code.replace(co_qualname=qualname), init.__globals__, "__init__", init.__defaults__,
+                               init.__closure__)
+    named.__kwdefaults__, named.__doc__, named.__qualname__ = init.__kwdefaults__, init.__doc__, qualname
+    named.__dict__.update(init.__dict__)
+    return named
 
 
 def _named(wanted: str):

@@ -15,7 +15,7 @@ from hicache.errors import LayoutError, TransferError
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._geometry import Shape
 from hicache.pools._forms import STATE_DESCRIPTION, NamedConstructors, form_of
-from hicache.pools._options import split_keywords
+from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import mamba_device
 
 from hicache.pools._family_base import _first, _itemsize
@@ -87,17 +87,18 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
 
     def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, pin_memory=True, device="cpu",
                  allocator_type="default", layout="layer_first", *, device_capacity=None, mtp_draft_buffer_infos=(),
-                 device_pool=None, **kwargs):
+                 device_pool=None, page_num=None, options=None, host=None):
         name = type(self).__name__
         first = _first(self, buffer_info, device_pool)
         form = form_of(self.pool_family, (first,), {})
-        keywords = dict(kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type)
-        given = {}
+        keywords = dict(given(page_num=page_num), pin_memory=pin_memory, device=device, allocator_type=allocator_type,
+                        options=options, host=host)
+        fields = {}
         if form is STATE_DESCRIPTION:
             first = mamba_device(name, first, tuple(mtp_draft_buffer_infos), device_capacity=device_capacity or 0)
             # SGLang's Mamba pool says True (can_use_write_back_jit) so HostPoolGroup's AND keeps its
             # MLA sibling's staged write-back; its own backup routes by layout and backend, as this one does
-            given = dict(mtp_draft_buffer_infos=tuple(mtp_draft_buffer_infos), num_mamba_layers=first.layer_num,
+            fields = dict(mtp_draft_buffer_infos=tuple(mtp_draft_buffer_infos), num_mamba_layers=first.layer_num,
                          can_use_write_back_jit=True)
             keywords.update(device_capacity_tokens=device_capacity, start_layer=0, end_layer=first.layer_num)
         elif mtp_draft_buffer_infos or device_capacity is not None:
@@ -105,7 +106,7 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
                               "0.5.23's constructor (a MambaStateBufferInfo first)")
         sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
                                          host_size=host_size, page_size=1)
-        self._build(form, MambaShape.of(first, form, given), sizing, layout, options)
+        self._build(form, MambaShape.of(first, form, fields), sizing, layout, options)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend="kernel", *,
                                  is_draft: bool = False) -> None:

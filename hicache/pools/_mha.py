@@ -18,7 +18,7 @@ from hicache.plan.checks import check_int, is_integer
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._forms import ANCHOR, DESCRIPTION, NamedConstructors, form_of
 from hicache.pools._geometry import Shape
-from hicache.pools._options import split_keywords
+from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import mha_device
 
 from hicache.pools._family_base import _first, _itemsize
@@ -111,15 +111,20 @@ class _MHAForms(NamedConstructors):
     pool_family = "mha"
 
     def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
-                 pin_memory=True, device="cpu", allocator_type="default", *, draft_buffer_infos=(),
-                 write_back_staging=None, head_group_num=1, device_pool=None, **kwargs):
+                 pin_memory=True, device="cpu", allocator_type="default", *, device_capacity_tokens=None,
+                 start_layer=None, end_layer=None, draft_buffer_infos=(), write_back_staging=None, pool_label="kv",
+                 head_group_num=1, host_token_capacity=None, device_pool=None, page_num=None, options=None,
+                 host=None):
         name = type(self).__name__
         first = _first(self, buffer_info, device_pool)
         form = form_of(self.pool_family, (first,), {})
-        given = dict(head_group_num=check_int(LayoutError, name, "head_group_num", head_group_num),  # page_unified
-                     write_back_staging=write_back_staging)  # SGLang's CUDA write-back kernel's staging; unused
-        sizing, options = split_keywords(name, dict(kwargs, pin_memory=pin_memory, device=device,
-                                                    allocator_type=allocator_type),
+        fields = dict(head_group_num=check_int(LayoutError, name, "head_group_num", head_group_num),  # page_unified
+                      write_back_staging=write_back_staging)  # SGLang's CUDA write-back kernel's staging; unused
+        keywords = given(device_capacity_tokens=device_capacity_tokens, start_layer=start_layer, end_layer=end_layer,
+                         host_token_capacity=host_token_capacity, page_num=page_num)
+        sizing, options = split_keywords(name, dict(keywords, pin_memory=pin_memory, device=device,
+                                                    allocator_type=allocator_type, pool_label=pool_label,
+                                                    options=options, host=host),
                                          host_to_device_ratio=host_to_device_ratio, host_size=host_size,
                                          page_size=page_size)
         if form is DESCRIPTION:
@@ -131,7 +136,9 @@ class _MHAForms(NamedConstructors):
                               "first)")
         else:
             view = first
-        self._build(form, type(self).shape_class(view, given=given), sizing, layout, options)
+        self._build(form, type(self).shape_class(view, given=fields), sizing, layout, options)
+
+    _older_form = __init__  # K-only's device-pool form is this one
 
 
 class MHATokenToKVPoolHost(_MHAForms, HostKVCache):
@@ -190,7 +197,7 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
 
     def __init__(self, device_pool=None, *args, **kwargs):
         if form_of(self.pool_family, (device_pool, *args), kwargs) is not ANCHOR:
-            return super().__init__(device_pool, *args, **kwargs)  # the older form: the MHA base's
+            return self._older_form(device_pool, *args, **kwargs)  # the older form: the MHA base's
         anchor = args[0] if args else kwargs["anchor_host"]
         layout, pin_memory, device, allocator_type = _k_only_args(type(self).__name__, args[1:], kwargs)
         sizing, options = split_keywords(type(self).__name__, dict(

@@ -18,7 +18,7 @@ from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._geometry import Shape
 from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, form_of
-from hicache.pools._options import split_keywords
+from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import dsa_device, mla_device
 
 from hicache.pools._family_base import _first, _itemsize
@@ -99,25 +99,29 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
 
     def __init__(self, buffer_info=None, host_to_device_ratio=None, host_size=None, page_size=None, layout=None,
                  pin_memory=True, device="cpu", allocator_type="default", override_kv_cache_dim=None,
-                 draft_buffer_infos=(), dcp_size=1, dcp_rank=0, *, target_layer_num=None, layer_shard_enabled=False,
-                 device_pool=None, **kwargs):
+                 draft_buffer_infos=(), dcp_size=1, dcp_rank=0, *, device_capacity_tokens=None, start_layer=None,
+                 end_layer=None, target_layer_num=None, layer_shard_enabled=False, pool_label="kv",
+                 host_token_capacity=None, device_pool=None, page_num=None, options=None, host=None):
         name = type(self).__name__
         first = _first(self, buffer_info, device_pool)
         form = form_of(self.pool_family, (first,), {})
-        given = dict(override_kv_cache_dim=override_kv_cache_dim)
+        fields = dict(override_kv_cache_dim=override_kv_cache_dim)
         allocation_token_bytes = None
-        keywords = dict(kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type)
+        keywords = dict(given(device_capacity_tokens=device_capacity_tokens, start_layer=start_layer,
+                              end_layer=end_layer, host_token_capacity=host_token_capacity, page_num=page_num),
+                        pin_memory=pin_memory, device=device, allocator_type=allocator_type, pool_label=pool_label,
+                        options=options, host=host)
         if form is DEVICE_POOL:
             if draft_buffer_infos or dcp_size != 1 or target_layer_num is not None or layer_shard_enabled:
                 raise LayoutError(f"{name}: draft_buffer_infos, dcp_size, target_layer_num and layer_shard_enabled "
                                   "come with SGLang 0.5.23's constructor (an MLABufferInfo first)")
-            given["dsa_kv_cache_store_fp8"] = False
+            fields["dsa_kv_cache_store_fp8"] = False
             kv_cache_dim = override_kv_cache_dim or first.kv_lora_rank + first.qk_rope_head_dim
             view = first
         else:
             if target_layer_num is None:
                 raise LayoutError(f"{name}: SGLang 0.5.23's constructor needs the keyword target_layer_num")
-            given["dsa_kv_cache_store_fp8"] = bool(getattr(first, "packed_fp8", False))
+            fields["dsa_kv_cache_store_fp8"] = bool(getattr(first, "packed_fp8", False))
             dummy = form is ALLOCATION  # SGLang's allocator-only pool: its geometry says the token size
             kv_cache_dim = override_kv_cache_dim or (
                 first.kv_cache_dim if dummy else first.kv_lora_rank + first.qk_rope_head_dim)
@@ -125,13 +129,13 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
                 allocation_token_bytes = int(first.size_per_token)
                 keywords["is_dummy"] = True
             view = mla_device(name, first, tuple(draft_buffer_infos),
-                              device_capacity_tokens=kwargs.get("device_capacity_tokens") or 0,
-                              start_layer=kwargs.get("start_layer") or 0, target_layer_num=target_layer_num,
+                              device_capacity_tokens=device_capacity_tokens or 0,
+                              start_layer=start_layer or 0, target_layer_num=target_layer_num,
                               layer_shard_enabled=layer_shard_enabled)
             keywords.update(dcp_size=dcp_size, dcp_rank=dcp_rank)
         sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
                                          host_size=host_size, page_size=page_size)
-        shape = MLAShape(view, given=given, kv_cache_dim=kv_cache_dim, allocation_token_bytes=allocation_token_bytes)
+        shape = MLAShape(view, given=fields, kv_cache_dim=kv_cache_dim, allocation_token_bytes=allocation_token_bytes)
         self._build(form, shape, sizing, layout, options)
 
     def get_contiguous_buf_infos(self):
@@ -169,7 +173,7 @@ class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
         if anchor_pool is not None:
             page_size = args[3] if len(args) > 3 else kwargs["page_size"]
             kwargs.setdefault("page_num", dsa_indexer_pages(anchor_pool.size, page_size))
-        super().__init__(*args, **kwargs)
+        self._older_form(*args, **kwargs)
 
     def get_hybrid_pool_buffer(self) -> list:
         return [self.index_k_with_scale_buffer]
@@ -195,7 +199,7 @@ def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=()
                           f"layer, the device pool's index geometry {geometry.bytes_per_token_per_layer()}")
     indexer_page_num = dsa_indexer_pages(anchor_host.size, page_size)
     # SGLang's fields: the anchor's slots and pages; the buffer holds indexer_page_num pages
-    given = dict(decl=decl, mtp_draft_device_pools=tuple(packed_draft_device_pools), indexer_page_num=indexer_page_num,
+    fields = dict(decl=decl, mtp_draft_device_pools=tuple(packed_draft_device_pools), indexer_page_num=indexer_page_num,
                  indexer_dtype=storage.dtype, indexer_page_stride_size=storage.page_bytes(page_size))
     sizing, options = split_keywords(name, dict(kwargs, pin_memory=pin_memory, device=device,
                                                 allocator_type=allocator_type, is_dummy=is_dummy),
@@ -203,4 +207,4 @@ def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=()
                                      page_num=anchor_host.page_num, buffer_page_num=indexer_page_num,
                                      device_capacity_tokens=anchor_host.size, start_layer=view.start_layer,
                                      end_layer=getattr(decl.device_pool, "end_layer", view.layer_num))
-    pool._build(DECLARATION, DSAShape(view, given=given), sizing, anchor_host.layout, options)
+    pool._build(DECLARATION, DSAShape(view, given=fields), sizing, anchor_host.layout, options)

@@ -67,6 +67,12 @@ _SGLANG_OPTIONS = ("pin_memory", "device", "allocator_type", "pool_label", "is_d
 _OPTION_NAMES = frozenset((*_SGLANG_OPTIONS, "options", "host"))
 
 
+def given(**values) -> dict:
+    """The keywords a caller gave, from a signature whose default for them is None (None: not
+    given, so `Sizing`'s and `PoolOptions`' own defaults stand)."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def split_keywords(owner: str, keywords: dict, **sizing) -> tuple[Sizing, PoolOptions]:
     """``keywords`` (a constructor's ``**kwargs`` plus its named options) as a `Sizing` (with
     ``sizing``: the positional facts) and `PoolOptions`; an unknown name is a TypeError."""

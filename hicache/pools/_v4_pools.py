@@ -75,7 +75,7 @@ class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCa
         if form_of(self.pool_family, args, kwargs) is POOL_NAME:
             _init_v4_from_sglang(self, *args, **kwargs)
         else:
-            super().__init__(*args, **kwargs)
+            self._older_form(*args, **kwargs)
 
     def _host_view(self, stream, layer):
         if self.layout == "layer_first":  # one buffer per layer
@@ -116,7 +116,7 @@ def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
     layout, device, pin_memory, allocator_type = rest
     shape_class = type(pool).shape_class
     row_bytes = getattr(device_pool, shape_class.row_attribute)
-    given = {"pool_name": pool_name, "page_aligned_only": getattr(device_pool, "page_aligned_only", False),
+    fields = {"pool_name": pool_name, "page_aligned_only": getattr(device_pool, "page_aligned_only", False),
              shape_class.row_attribute: row_bytes,  # item_bytes / state_page_bytes
              "device_buffers": getattr(device_pool, "kv_buffer", None) if shape_class is V4PagedShape else None,
              "num_host_pages": num_host_pages, "slot_page_size": page_size}
@@ -124,4 +124,4 @@ def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
                                                                 allocator_type=allocator_type),
                                      host_to_device_ratio=1.0, host_size=0, page_size=page_size,
                                      page_num=num_host_pages, size_per_token=row_bytes)  # SGLang's: one row's bytes
-    pool._build(POOL_NAME, shape_class(device_pool, given=given), sizing, layout, options)
+    pool._build(POOL_NAME, shape_class(device_pool, given=fields), sizing, layout, options)
