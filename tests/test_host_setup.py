@@ -6,6 +6,7 @@ pool up with nothing of this machine's."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from hicache.effects import BudgetLock, HostLedger, HostSetup, bring_up
@@ -13,7 +14,7 @@ from hicache.errors import CapacityError
 from hicache.plan import Limits, plan_pool
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, fake_host_setup, fake_machine
-from hicache.pools import HostPoolOptions
+from hicache.pools import HostPoolOptions, NoServer
 
 torch = pytest.importorskip("torch")
 GB = 10**9
@@ -149,3 +150,51 @@ def test_the_reporting_concern_is_one_report(tmp_path):
             assert handle.report.metrics is (way == "shown")
         finally:
             handle.release()
+
+
+class _Server(NoServer):
+    """A serving process with a stated io backend and a host-memory budget in force."""
+
+    name = "test-server"
+
+    def __init__(self, *, backend=None, allowance=None) -> None:
+        self.backend, self.allowance, self.settled = backend, allowance, []
+
+    def io_backend(self):
+        return self.backend
+
+    def book_host_memory(self, nbytes):
+        return self.allowance
+
+    def host_memory_settled(self, nbytes, *, up):
+        self.settled.append((nbytes, up))
+
+
+def test_a_pool_asks_its_own_setups_server_not_the_process_wide_one(tmp_path):
+    """The server's scope comes with the pool's `HostSetup` (issue #55 item 3): a pool given
+    ``HostSetup(server=...)`` asks that server - its io backend refused at build, its budget in
+    force - whatever `serve_in` holds, and a pool given `NO_SERVER` ignores a process-wide one;
+    without one, the pool takes the one handed in when it is built."""
+    from hicache.errors import LayoutError
+    from hicache.pools import NO_SERVER, serve_in
+
+    setup = fake_host_setup(tmp_path)
+    refusing = _Server(backend="npu-kernel")
+    previous = serve_in(refusing)
+    try:
+        pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, server=NO_SERVER))
+        pool.destroy()
+        with pytest.raises(LayoutError, match="io_backend 'npu-kernel'"):  # none given: the one handed in
+            MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup)
+    finally:
+        serve_in(previous)
+    short = _Server(allowance=1000)
+    with pytest.raises(CapacityError, match="the test-server process's budget in force has"):
+        MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, server=short))
+    roomy = _Server(allowance=10**9)
+    pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, server=roomy))
+    try:
+        assert pool.host_setup.server is roomy and roomy.settled == [(pool.pool_plan.total_bytes, True)]
+    finally:
+        pool.destroy()
+    assert setup.runtime.held() == set()

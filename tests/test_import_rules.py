@@ -250,6 +250,37 @@ def test_the_sys_modules_rule_sees_a_read():
     assert _reads_sys_modules(MODULES["hicache.compat.sglang_process"])
 
 
+def _server_reads(source: str) -> list[str]:
+    """The functions of ``source`` that call the process-wide ``server()`` (under any name it is
+    imported as)."""
+    tree = ast.parse(source)
+    names = {"server"} | {alias.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                          for alias in node.names if alias.name == "server" and alias.asname}
+    return sorted({function.name for function in ast.walk(tree) if isinstance(function, ast.FunctionDef)
+                   for call in ast.walk(function) if isinstance(call, ast.Call)
+                   and isinstance(call.func, ast.Name) and call.func.id in names})
+
+
+#: where the pools read the server handed in: a pool's setup resolves it once when it is built,
+#: and SGLang's public `get_allocator_from_storage` asks it when a caller outside a pool gives none
+SERVER_READERS = {("hicache.pools._options", "host_setup"), ("hicache.pools._allocator", "get_allocator_from_storage")}
+
+
+def test_a_pool_asks_the_server_of_its_own_setup():
+    """The server's scope comes with `HostSetup` (issue #55 item 3): inside pools/ only the setup's
+    resolution (and the public allocator lookup's default) read the process-wide ``server()``;
+    the geometry, the chunk setting, the size sync and the budget scope ask the pool's own."""
+    readers = {(module, function) for module, path in MODULES.items() if module.startswith("hicache.pools")
+               and module != "hicache.pools._server" for function in _server_reads(path.read_text())}
+    assert readers == SERVER_READERS, readers
+
+
+def test_the_server_rule_sees_a_read():
+    """Not vacuous: a call of ``server()``, also under another name, is found."""
+    assert _server_reads("from x import server\ndef f():\n    return server().io_backend()\n") == ["f"]
+    assert _server_reads("from x import server as s\ndef g():\n    return s()\n") == ["g"]
+
+
 #: the one place a host pool's constructor form is told apart (and the field tests it uses)
 FORM_TABLE = {"hicache.pools._forms", "hicache.pools._sglang_inputs"}
 _DETECTORS = {"is_mha_info", "is_mla_info", "is_mamba_info", "is_mla_allocation"}

@@ -12,7 +12,7 @@ import threading
 
 from hicache.effects import HostTensorAllocator, TorchHostTensorAllocator
 from hicache.errors import PlanError
-from hicache.pools._server import server
+from hicache.pools._server import server as current_server
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +34,21 @@ def known_allocators() -> tuple[str, ...]:
 
 
 def get_allocator_from_storage(allocator_type: str | None = "default", *, fallback: str | None = "default",
-                               strict: bool = False, sglangs: bool = False):
+                               strict: bool = False, sglangs: bool = False, server=None):
     """A new allocator for a storage back end, as SGLang's does: ``allocator_type`` is the
     ``--hicache-storage-backend`` name (``None``, ``"file"``, ``"mooncake"``, ...). A registered
     name gets its factory's; with ``sglangs=True`` (a pool built by SGLang 0.5.23's constructor)
     and a server handed in (`hicache.pools.serve_in`: the plug-in's SGLang process), a name the
     server has an allocator of its own for (SGLang: mooncake, mori, shm, tensorcast) gets that; every other name gets the ``fallback`` (the default allocator),
     with a log line naming the fallback. ``strict=True`` (hicache's stricter check) makes an unknown
-    name an error listing the known ones instead."""
+    name an error listing the known ones instead. ``server``: the one to ask (a pool's
+    `HostSetup.server`; None: the one handed in now)."""
     name = "default" if allocator_type is None else allocator_type
     with _REGISTRY_LOCK:
         factory = _REGISTRY.get(name)
     if factory is None and sglangs:
-        theirs = server().storage_allocator(name)  # the serving process's own (compat: SGLang's)
+        asked = current_server() if server is None else server
+        theirs = asked.storage_allocator(name)  # the serving process's own (compat: SGLang's)
         if theirs is not None:
             return theirs
     with _REGISTRY_LOCK:

@@ -39,7 +39,6 @@ from hicache.pools._geometry import make_geometry
 from hicache.pools._options import given, split_keywords
 from hicache.pools._transfer import Transfers
 from hicache.pools._storage import StoragePagesMixin
-from hicache.pools._server import server
 from hicache.pools._server_budget import server_budget
 from hicache.pools._slots import SlotsMixin
 
@@ -61,11 +60,11 @@ def synchronized(func):
     return wrapper
 
 
-def _under_sglang_chunk_setting(limits):
-    """In a server (`hicache.pools.server()`: SGLang's process, handed in by the plug-in), a pool
-    built by SGLang 0.5.23's constructor also keeps each call within the server's own chunk
+def _under_sglang_chunk_setting(limits, server):
+    """In a server (the pool's `HostSetup.server`: SGLang's process, handed in by the plug-in), a
+    pool built by SGLang 0.5.23's constructor also keeps each call within the server's own chunk
     setting (SGLang: SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through its `envs`): the smaller wins."""
-    chunk = server().chunk_limit_bytes()
+    chunk = server.chunk_limit_bytes()
     if chunk is None:
         return limits
     return attrs.evolve(limits, chunk_limit_bytes=chunk) if chunk < limits.chunk_limit_bytes else limits
@@ -130,11 +129,13 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         if options.is_dummy and not form.mapped_layers:
             raise LayoutError(f"{name}: dcp_size, is_dummy and host_token_capacity come with SGLang 0.5.23's "
                               "constructor (a device-buffer description first), not a device pool")
-        geometry = make_geometry(name, shape, form, sizing, layout, pool_label=options.pool_label)
+        host_setup = options.host_setup(name)  # the host's pieces: runtime, limits, budget lock, server, ...
+        geometry = make_geometry(name, shape, form, sizing, layout, pool_label=options.pool_label,
+                                 server=host_setup.server)
         self.can_use_write_back_jit = False  # SGLang's staged write-back JIT kernel is CUDA-only
         self.is_dummy = bool(options.is_dummy)
         self.pin_memory, self.device, self.pool_label = options.pin_memory, options.device, options.pool_label
-        self.host_setup = options.host_setup(name)  # the host's pieces: runtime, limits, budget lock, ...
+        self.host_setup = host_setup
         self.runtime = self.host_setup.runtime
         self.ledger = self.host_setup.ledger  # None: the process ledger (what CUDA holds for this process)
         self.lock = threading.RLock()
@@ -203,7 +204,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         check_hugepages(LayoutError, type(self).__name__, self.hugepages)
         self._limits = limits if limits is not None else probe_limits()
         if limits is None and self.geometry.form.server_chunk:
-            self._limits = _under_sglang_chunk_setting(self._limits)
+            self._limits = _under_sglang_chunk_setting(self._limits, self.host_setup.server)
         if self.hugepages in HUGETLBFS_MODES and self._limits.hugepage_bytes is None:
             # hugetlbfs: boundaries on the huge page, so no two calls share one (vLLM PR #51081);
             # the base is then hugepage aligned (or, if "prefer" falls back, page aligned: finer)
@@ -217,7 +218,8 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
     def _allocator(self, allocator_type, fallback, strict: bool):
         """The storage back end's allocator, configured with this pool's NUMA node and pages."""
         allocator = get_allocator_from_storage(allocator_type, fallback=fallback or "default", strict=strict,
-                                               sglangs=self.geometry.form.sglang_allocators)
+                                               sglangs=self.geometry.form.sglang_allocators,
+                                               server=self.host_setup.server)
         if isinstance(allocator, HostAllocator):  # hicache's: settings at construction
             allocator = allocator.configure(
                 numa_node=self.numa_node, hugepages=self.hugepages,
@@ -274,7 +276,8 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         mode = self._progressive_mode() if progressive else None
         report = Report(self.metrics_name, page_num=self.page_num, ready_pages=self.ready_pages,
                         numa_node=self.numa_node)  # the metrics see it from the bring-up itself
-        with server_budget(self.pool_plan.total_bytes, type(self).__name__) as ours:  # SGLang's scope, if one
+        with server_budget(self.pool_plan.total_bytes, type(self).__name__,
+                           self.host_setup.server) as ours:  # SGLang's scope, if one
             self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.geometry.buffer_dtypes, register=register,
                                   allocator=allocator, report=report, host=self.host_setup, device=self.device,
                                   budget=ours)

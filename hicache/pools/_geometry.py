@@ -23,7 +23,7 @@ from hicache.errors import LayoutError, TransferError
 from hicache.plan import size_pool
 from hicache.plan.checks import check_int, check_real
 from hicache.errors import PlanError
-from hicache.pools._server import server
+from hicache.pools._server import NO_SERVER
 from hicache.pools._sglang_sizing import sglang_page_num
 from hicache.pools._transfer import check_backend
 
@@ -204,7 +204,7 @@ def _pool_facts(owner: str, shape: Shape, sizing: Sizing) -> Facts:
                  end_layer=end, page_size=sizing.page_size, device_capacity_tokens=getattr(view, "size", 0) or 0)
 
 
-def _page_num(owner: str, form, sizing: Sizing, facts: Facts, size_per_token: int, label: str) -> int:
+def _page_num(owner: str, form, sizing: Sizing, facts: Facts, size_per_token: int, label: str, server) -> int:
     """The pages the pool hands out, by its form's rule."""
     if form.sizing in ("anchor", "given"):
         return _integer(owner, "page_num", sizing.page_num, minimum=1)
@@ -212,7 +212,7 @@ def _page_num(owner: str, form, sizing: Sizing, facts: Facts, size_per_token: in
         return _integer(owner, "page_num", sizing.page_num, minimum=1)
     if form.sizing == "sglang-0.5.23":
         return sglang_page_num(owner, size_per_token=size_per_token, page_size=facts.page_size, sizing=sizing,
-                               device_capacity_tokens=facts.device_capacity_tokens, label=label)
+                               device_capacity_tokens=facts.device_capacity_tokens, label=label, server=server)
     host_gb = 0.0 if sizing.host_size is None else check_real(
         PlanError, owner, "host_size", sizing.host_size, what="a finite number of GB (0: size by the ratio)")
     sized = size_pool(size_per_token_bytes=size_per_token, page_size=facts.page_size,
@@ -224,19 +224,20 @@ def _page_num(owner: str, form, sizing: Sizing, facts: Facts, size_per_token: in
 
 
 def make_geometry(owner: str, shape: Shape, form, sizing: Sizing, layout: str, *,
-                  pool_label: str = "kv") -> PoolGeometry:
+                  pool_label: str = "kv", server=NO_SERVER) -> PoolGeometry:
     """The geometry of ``owner``'s pool (its class name, for errors), built by ``form`` from
     ``shape`` (its family's builder over the device view) and ``sizing``: pure over its
-    arguments and the server's stated backend, before any memory."""
+    arguments and what ``server`` (the pool's `HostSetup.server`) says - its io backend, its
+    pipeline group's agreement on a fixed size - before any memory."""
     supported = shape.descriptor_class.supported()
     if layout not in supported:
         raise LayoutError(f"{owner}: layout {layout!r} is not supported; supported: {', '.join(supported)}")
-    backend = server().io_backend()
+    backend = server.io_backend()
     if backend is not None:  # a pair we cannot serve fails the server's start, not its first write-back
         check_backend(backend, layout, supported, error=LayoutError, owner=owner)
     facts = _described_facts(owner, shape.view, sizing) if form.mapped_layers else _pool_facts(owner, shape, sizing)
     per_token = shape.token_bytes(layout, facts)
-    page_num = _page_num(owner, form, sizing, facts, per_token, pool_label)
+    page_num = _page_num(owner, form, sizing, facts, per_token, pool_label, server)
     if page_num < 1:
         raise PlanError(f"{owner}: page_num must be at least 1, got {page_num}")
     buffer_page_num = sizing.buffer_page_num or page_num

@@ -15,6 +15,7 @@ import attrs
 
 from hicache.effects import HostSetup
 from hicache.pools._geometry import Sizing
+from hicache.pools._server import server
 
 #: the `Sizing` fields a constructor may take by keyword (the rest are its positional arguments)
 SIZING_KEYWORDS = ("page_num", "device_capacity_tokens", "start_layer", "end_layer", "host_token_capacity",
@@ -55,10 +56,14 @@ class PoolOptions:
     settings: HostPoolOptions = attrs.Factory(HostPoolOptions)
 
     def host_setup(self, owner: str) -> HostSetup:
-        """The pool's `HostSetup` (None given: every piece the process's own, probed or default)."""
+        """The pool's `HostSetup` (None given: every piece the process's own, probed or default),
+        with its ``server`` resolved: the one given, else the one handed in by `serve_in` now -
+        the only place the pools read it (a pool then asks its own setup's server, never the
+        process-wide one: tests/test_import_rules.py)."""
         if self.host is not None and not isinstance(self.host, HostSetup):
             raise TypeError(f"{owner}() host= takes a hicache.effects.HostSetup, got {type(self.host).__name__}")
-        return self.host if self.host is not None else HostSetup()
+        setup = self.host if self.host is not None else HostSetup()
+        return setup if setup.server is not None else attrs.evolve(setup, server=server())
 
 
 #: the keywords a pool constructor takes beyond its positional ones: SGLang's own options, and

@@ -12,26 +12,25 @@ import contextlib
 
 from hicache.errors import CapacityError
 from hicache.plan import format_gb
-from hicache.pools._server import server
 
 
 @contextlib.contextmanager
-def server_budget(nbytes: int, owner: str):
+def server_budget(nbytes: int, owner: str, server):
     """Yields whether the bring-up of ``nbytes`` checks hicache's own budget (True: the server
-    has none in force). Otherwise the bytes are booked against the server's budget first -
+    has none in force; ``server``: the pool's, `HostSetup.server`). Otherwise the bytes are booked against the server's budget first -
     `CapacityError` before any memory when they do not fit - and what the server keeps for the
     admitted request is settled when the bring-up returns or fails."""
-    allowance = server().book_host_memory(nbytes)
+    allowance = server.book_host_memory(nbytes)
     if allowance is None:
         yield True
         return
     if nbytes > allowance:
-        raise CapacityError(f"host memory budget refused: {owner} needs {format_gb(nbytes)}; the {server().name} "
+        raise CapacityError(f"host memory budget refused: {owner} needs {format_gb(nbytes)}; the {server.name} "
                             f"process's budget in force has {format_gb(allowance)} left (SGLang's "
                             "host_memory_budget_scope). Hint: lower the host pool size (--hicache-size / --hicache-ratio)")
     try:
         yield False
     except BaseException:
-        server().host_memory_settled(nbytes, up=False)
+        server.host_memory_settled(nbytes, up=False)
         raise
-    server().host_memory_settled(nbytes, up=True)
+    server.host_memory_settled(nbytes, up=True)

@@ -16,7 +16,6 @@ import logging
 
 from hicache.errors import LayoutError, PlanError
 from hicache.plan.checks import check_int, check_real
-from hicache.pools._server import server
 from hicache.plan._capacity import SGLANG_0_5_23
 from hicache.plan import host_tokens, pages_for
 
@@ -27,17 +26,13 @@ def _real(owner: str, field: str, value) -> float:
     return check_real(PlanError, owner, field, value)
 
 
-def _synced(size: int, host_size: float) -> int:
-    """The server's PP-group agreement on a fixed --hicache-size (`hicache.pools.server()`; SGLang's
-    acts only under an initialized torch.distributed with a pipeline group)."""
-    return server().synced_size(size, host_size)
-
-
-def _tokens(owner: str, size_per_token: int, sizing, device_capacity_tokens: int) -> int:
+def _tokens(owner: str, size_per_token: int, sizing, device_capacity_tokens: int, server) -> int:
     host_size, ratio = sizing.host_size, sizing.host_to_device_ratio
     gb = _real(owner, "host_size", host_size if host_size is not None else 0)
     if gb > 0:  # plan.host_tokens: SGLang's float arithmetic, then the server's PP-group agreement
-        size = _synced(host_tokens(size_per_token_bytes=size_per_token, host_gb=gb, rule=SGLANG_0_5_23), gb)
+        # the server's PP-group agreement on a fixed --hicache-size (SGLang's acts only under an
+        # initialized torch.distributed with a pipeline group)
+        size = server.synced_size(host_tokens(size_per_token_bytes=size_per_token, host_gb=gb, rule=SGLANG_0_5_23), gb)
     else:
         ratio = _real(owner, "host_to_device_ratio", ratio)
         tokens = device_capacity_tokens
@@ -51,9 +46,10 @@ def _tokens(owner: str, size_per_token: int, sizing, device_capacity_tokens: int
 
 
 def sglang_page_num(owner: str, *, size_per_token: int, page_size: int, sizing, device_capacity_tokens: int,
-                    label: str) -> int:
+                    label: str, server) -> int:
     """The pages SGLang 0.5.23's constructor gives a pool of ``size_per_token`` bytes a token
-    for ``sizing`` (a `_geometry.Sizing`: ratio, host_size, host_token_capacity)."""
+    for ``sizing`` (a `_geometry.Sizing`: ratio, host_size, host_token_capacity); ``server``: the
+    pool's (`HostSetup.server`), whose pipeline group agrees on a fixed size."""
     if sizing.host_token_capacity is not None:
         size = check_int(LayoutError, owner, "host_token_capacity", sizing.host_token_capacity, minimum=1)
         if size % page_size:
@@ -61,7 +57,8 @@ def sglang_page_num(owner: str, *, size_per_token: int, page_size: int, sizing, 
                               f"page_size={page_size}")
         page_num = size // page_size  # SGLang's: no padding page
     else:
-        page_num = pages_for(_tokens(owner, size_per_token, sizing, device_capacity_tokens), page_size, SGLANG_0_5_23)
+        page_num = pages_for(_tokens(owner, size_per_token, sizing, device_capacity_tokens, server), page_size,
+                             SGLANG_0_5_23)
     if page_num * page_size <= device_capacity_tokens:
         logger.warning("HiCache %s host pool (%d tokens) is smaller than the device pool (%d tokens); L2 cache "
                        "effectiveness is reduced. Consider increasing --hicache-ratio (or --hicache-size).",

@@ -24,7 +24,10 @@ class HostSetup:
     None: off; a `Turnstile`), ``copy_engine`` (a `CopyEngine`; None: one with the probed host
     copy mode), and the budget's figures: ``host_memory_bytes`` (a stated figure instead of the
     machine's available memory), ``ranks_per_host`` (instead of the machine's), ``reserve_bytes``
-    (left to the OS)."""
+    (left to the OS). ``server``: the serving process a host pool asks - its own chunk setting,
+    io backend, pipeline-parallel size sync, storage allocators and host-memory budget scope
+    (`hicache.pools.NoServer`'s questions; the bring-up itself never asks it); None: the one the
+    plug-in handed in (`hicache.pools.serve_in`) when the pool is built, else none."""
 
     runtime: object = None
     machine: object = None
@@ -36,6 +39,7 @@ class HostSetup:
     host_memory_bytes: int | None = None
     ranks_per_host: int | None = None
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    server: object = None
 
     @classmethod
     def probe(cls, **given) -> "HostSetup":
