@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hicache.effects._bringup._claim import ClaimedFill
-from hicache.effects._hostwide._lock import BudgetLock, Claim
+from hicache.effects._hostwide._claim import AdmissionPolicy, Claim as HostClaim, claim
+from hicache.effects._hostwide._lock import BudgetLock, Entry as Claim
 
 
 @pytest.fixture
@@ -28,10 +28,16 @@ def _peer_view(lock) -> Claim:
         return peer.claims().get(os.getpid(), Claim(0, 0))
 
 
-def _claimed(lock, total: int, step: int) -> ClaimedFill:
-    with lock:
-        lock.record(total)
-    return ClaimedFill(lock, total, step=step)
+def _claimed(lock, total: int, step: int) -> HostClaim:
+    """A claim of ``total`` bytes admitted by the one admission (a stated room that fits)."""
+    return claim(total, AdmissionPolicy(host_memory_bytes=10**15, ranks_per_host=1), lock=lock,
+                 sample=lambda: _facts(), step=step)
+
+
+def _facts(**machine):
+    from machine import facts
+
+    return facts(**machine)
 
 
 def _faulted(done: int):
@@ -114,7 +120,7 @@ def test_a_released_bring_up_gives_back_exactly_what_its_fill_counted(lock):
     second.settle()
     first(_faulted(300))
     books = _Books(allocator=None, ledger=None, owns_memory=False)
-    books.budget, books.claim = (lock, 1000), first
+    books.claim = first
     books.forget_budget()
     books.forget_budget()
     assert _peer_view(lock) == Claim(400, 400)
@@ -124,12 +130,7 @@ GB = 10**9
 
 
 def _admit(lock, total, **machine):
-    from machine import facts
-
-    from hicache.effects._bringup._bring_up import _admit as admit
-
-    with lock:
-        return admit(lock, total, facts(**machine), None, 1, 0)
+    return claim(total, AdmissionPolicy(ranks_per_host=1), lock=lock, sample=lambda: _facts(**machine))
 
 
 def test_this_processs_own_claim_still_filling_is_counted_like_a_peers(lock):
@@ -154,3 +155,92 @@ def test_pending_claims_count_against_the_cgroup_as_against_available_memory(loc
     with pytest.raises(CapacityError):
         _admit(lock, 5 * GB, **room)
     _admit(lock, 3 * GB, **room)
+
+
+class _Scope:
+    """A server's budget scope: books requests against ``room``, hears how each ended."""
+
+    name = "test-server"
+
+    def __init__(self, room) -> None:
+        self.room, self.settled = room, []
+
+    def book_host_memory(self, nbytes):
+        return self.room
+
+    def host_memory_settled(self, nbytes, *, up):
+        self.settled.append((nbytes, up))
+
+
+@pytest.mark.concurrency
+def test_a_scope_in_force_books_the_request_and_hears_once_how_it_ended(lock):
+    """The one admission with a server's scope (issue #55 item 3): the scope books the request and
+    the host file records nothing; a fill reported from another thread settles nothing; `up`
+    settles it as up once, and a later give-back says nothing more; a failed one is settled as
+    failed; a request past the scope's room is refused naming the requester and the server."""
+    import threading
+
+    from hicache.errors import CapacityError
+
+    scope = _Scope(10_000)
+    served = claim(4000, AdmissionPolicy(scope=scope), lock=lock, owner="pool A")
+    worker = threading.Thread(target=served.filled, args=(4000,))
+    worker.start()
+    worker.join(30)  # a hang guard
+    assert scope.settled == [] and _peer_view(lock) == Claim(0, 0)
+    served.up()
+    served.release()
+    assert scope.settled == [(4000, True)]
+    failed = claim(4000, AdmissionPolicy(scope=scope), lock=lock)
+    failed.settle()  # a scope's booking waits for up: a failure after the fill is still a failure
+    failed.abandon()
+    failed.abandon()
+    assert scope.settled == [(4000, True), (4000, False)]
+    with pytest.raises(CapacityError, match="pool B needs .*the test-server process's budget"):
+        claim(20_000, AdmissionPolicy(scope=scope), lock=lock, owner="pool B")
+    assert len(scope.settled) == 2
+
+
+def test_a_servers_own_arithmetic_decides_and_a_refusal_carries_its_allowance(lock):
+    """``allowance``: the server's answer, asked under the lock with the pending claims; admitted
+    only when ``0 < nbytes <= allowance``; a refusal records nothing and carries the answer; a
+    request of 0 bytes is answered, not recorded."""
+    from hicache.effects._hostwide._claim import Refused
+
+    asked = []
+
+    def allowance(nbytes, pending):
+        asked.append((nbytes, pending, lock.held))
+        return 5000
+
+    assert claim(0, AdmissionPolicy(allowance=allowance), lock=lock).allowance == 5000
+    with pytest.raises(Refused) as refused:
+        claim(6000, AdmissionPolicy(allowance=allowance), lock=lock)
+    assert refused.value.allowance == 5000 and _peer_view(lock) == Claim(0, 0)
+    kept = claim(5000, AdmissionPolicy(allowance=allowance, until="resident"), lock=lock)
+    assert _peer_view(lock) == Claim(5000, 0) and all(held for _, _, held in asked)
+    kept.settle()  # kept only until resident: settling gives it back
+    assert _peer_view(lock) == Claim(0, 0) and kept.pending == 0
+
+
+@pytest.mark.concurrency
+def test_joined_claims_go_together_and_an_unsettled_one_expires(lock):
+    """Two requests of one constructor joined are one claim (given back together, once); a claim
+    with ``expire_s`` that nobody settles is dropped by itself (the test waits for the event)."""
+    import time
+
+    policy = AdmissionPolicy(host_memory_bytes=10**15, ranks_per_host=1, until="resident", expire_s=0.05)
+    first = claim(1000, policy, lock=lock, sample=_facts)
+    second = claim(500, attrs_evolve(policy, expire_s=None), lock=lock, sample=_facts)
+    assert first.join(second) and first.nbytes == 1500 and second.pending == 0
+    deadline = time.monotonic() + 60  # a hang guard
+    while _peer_view(lock) != Claim(0, 0):
+        assert time.monotonic() < deadline, "the claim never expired"
+        time.sleep(0.01)
+    assert first.closed and not first.join(claim(10, attrs_evolve(policy, expire_s=None), lock=lock, sample=_facts))
+
+
+def attrs_evolve(value, **changes):
+    import attrs
+
+    return attrs.evolve(value, **changes)

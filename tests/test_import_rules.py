@@ -551,16 +551,38 @@ def _budget_calls(path: Path) -> list[str]:
 
 def test_the_host_budget_admits_in_one_place():
     """One admission entry (issue #55 items 3 and 6): outside hicache.plan only `check_admission`
-    asks the budget's verdict - a pool's bring-up and the node store's creation both go through
-    it (the store re-did the arithmetic before)."""
+    asks the budget's verdict, and only the one admission (`_hostwide._claim.claim`) asks it - a
+    pool's bring-up, the node store's creation and SGLang's hooks all claim through it (the
+    store re-did the arithmetic before, the pools booked a server's scope on their own)."""
     callers = {(module, function) for module, path in MODULES.items() if not module.startswith("hicache.plan")
                for function in _budget_calls(path)}
-    assert callers == {("hicache.effects._bringup._bring_up", "check_admission")}, callers
+    assert callers == {("hicache.effects._hostwide._claim", "check_admission")}, callers
+    askers = {(module, function) for module, path in MODULES.items()
+              for function in _calls_of(path, "check_admission")}
+    assert askers == {("hicache.effects._hostwide._claim", "claim")}, askers
+    recorders = {(module, function) for module, path in MODULES.items() if module != "hicache.effects._hostwide._lock"
+                 for function in _calls_of(path, "record", on="lock")}
+    assert recorders == {("hicache.effects._hostwide._claim", "claim")}, recorders
+
+
+def _calls_of(path: Path, name: str, *, on: str | None = None) -> list[str]:
+    """The functions of ``path`` that call ``name`` (a plain or an attribute call; ``on``: only
+    as an attribute of something whose source mentions it, e.g. ``lock.record``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) == name \
+                        and (on is None or isinstance(call.func, ast.Attribute) and on in ast.unparse(call.func.value)):
+                    found.append(node.name)
+    return found
 
 
 def test_the_admission_rule_sees_a_call():
-    """Not vacuous: the rule finds the call in check_admission itself."""
-    assert _budget_calls(MODULES["hicache.effects._bringup._bring_up"]) == ["check_admission"]
+    """Not vacuous: the rule finds the verdict in check_admission and the claim's record in claim."""
+    assert _budget_calls(MODULES["hicache.effects._hostwide._claim"]) == ["check_admission"]
+    assert "claim" in _calls_of(MODULES["hicache.effects._hostwide._claim"], "record", on="lock")
+    assert not _calls_of(MODULES["hicache.effects._hostwide._claim"], "record", on="ledger")
 
 
 def _pool_parameters(source: str) -> list[str]:

@@ -36,7 +36,7 @@ from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime
 
 pytest.importorskip("torch")
-from hicache.effects._bringup import _claim
+from hicache.effects._hostwide import _claim
 from hicache.effects._hostwide import _lock
 from hicache.pools import HostPoolOptions
 

@@ -141,6 +141,11 @@ def _fresh_env(tmp_path: Path, requirements: list[str]) -> tuple[Path, dict]:
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "checkout.pth").write_text(f"{ROOT}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HICACHE_REQUIRE_SGLANG")}
+    # its own host-wide runtime directory: a pool of another test worker claims memory in the
+    # shared one, and a stated room for one rank (--ranks-per-host 1) then refuses this run
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    env["HICACHE_RUNTIME_DIR"] = str(runtime)
     return python, env
 
 

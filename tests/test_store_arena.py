@@ -314,13 +314,26 @@ class RecordingLock:
         return {0: SimpleNamespace(claimed=self.pending, pending=self.pending)} if self.pending else {}
 
     def __enter__(self):
+        self.depth = getattr(self, "depth", 0) + 1  # re-entrant, as the real one
         self.held = True
         self.events.append("enter")
         return self
 
     def __exit__(self, *exc) -> None:
-        self.held = False
+        self.depth -= 1
+        self.held = self.depth > 0
         self.events.append("exit")
+
+    def reopen(self):
+        """The claim's own open file: the same stand-in (its events in one list)."""
+        return self
+
+    def record(self, nbytes: int) -> None:
+        assert self.held, "a claim recorded outside the lock"
+        self.events.append("record")
+
+    def forget_soon(self, nbytes: int, *, resident=None, wait=True) -> None:
+        self.events.append("forget" if self.held else "forget outside the lock")
 
 
 def test_creating_an_arena_is_a_node_claim_held_until_it_is_pre_faulted(shm_dir):
@@ -336,7 +349,9 @@ def test_creating_an_arena_is_a_node_claim_held_until_it_is_pre_faulted(shm_dir)
     store = open_store(str(shm_dir / "a"), size_bytes=ARENA_BYTES, slot_bytes=8192, lock=lock,
                        machine=facts(available_bytes=ARENA_BYTES + 1), progress=lambda d, t: seen.append(lock.held))
     store.close()
-    assert lock.events == ["enter", "exit"] and seen and all(seen)
+    # one claim, recorded and given back (resident: the kernel counts the arena) inside the hold
+    assert lock.events[0] == "enter" and lock.events[-1] == "exit" and seen and all(seen)
+    assert [e for e in lock.events if e not in ("enter", "exit")] == ["record", "forget"]
 
     class Untouchable(RecordingLock):
         def __enter__(self):

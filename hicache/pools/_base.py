@@ -39,7 +39,6 @@ from hicache.pools._geometry import make_geometry
 from hicache.pools._options import given, split_keywords
 from hicache.pools._transfer import Transfers
 from hicache.pools._storage import StoragePagesMixin
-from hicache.pools._server_budget import server_budget
 from hicache.pools._slots import SlotsMixin
 
 logger = logging.getLogger(__name__)
@@ -276,11 +275,10 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         mode = self._progressive_mode() if progressive else None
         report = Report(self.metrics_name, page_num=self.page_num, ready_pages=self.ready_pages,
                         numa_node=self.numa_node)  # the metrics see it from the bring-up itself
-        with server_budget(self.pool_plan.total_bytes, type(self).__name__,
-                           self.host_setup.server) as ours:  # SGLang's scope, if one
-            self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.geometry.buffer_dtypes, register=register,
-                                  allocator=allocator, report=report, host=self.host_setup, device=self.device,
-                                  budget=ours)
+        # one admission: hicache's host-wide budget, or the server's scope where one is in force
+        # (its HostSetup's server: SGLang's host_memory_budget_scope books it instead)
+        self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.geometry.buffer_dtypes, register=register,
+                              allocator=allocator, report=report, host=self.host_setup, device=self.device)
         # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration
         tensors = self._host.tensors

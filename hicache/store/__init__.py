@@ -245,9 +245,14 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     lock = admission.budget_lock() if lock is None else lock
     _arena.check_room(path, plan, backing)  # the mount's own limit first: the more telling error
     with lock:  # held until the arena is resident: peers then see it as used
-        if not _arena.arena_present(path):
-            facts = probe_machine(root=root) if machine is None else machine
-            # the bring-up's own answer (ranks admitted before us may still be pre-faulting: their
-            # claims decide, not their fill, issue #35), as a node claim: one rank, no reserve
-            admission.check_admission(lock, plan.total_bytes, facts, ranks_per_host=1, reserve_bytes=0)
-        return NodeStore(create(), fault_hook=fault_hook)
+        if _arena.arena_present(path):
+            return NodeStore(create(), fault_hook=fault_hook)
+        # the one admission (ranks admitted before us may still be pre-faulting: their claims
+        # decide, not their fill, issue #35), as a node claim: one rank, no reserve
+        node = admission.AdmissionPolicy(ranks_per_host=1, reserve_bytes=0)
+        claimed = admission.claim(plan.total_bytes, node, lock=lock, owner=f"the node store {path}",
+                                  sample=lambda: probe_machine(root=root) if machine is None else machine)
+        try:
+            return NodeStore(create(), fault_hook=fault_hook)
+        finally:  # resident (the kernel counts the arena now) or failed: the claim goes either way
+            claimed.release()

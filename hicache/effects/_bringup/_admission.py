@@ -9,12 +9,14 @@ available memory (its `available_host_memory_bytes`, wrapped too) comes back les
 host's claims still have to fault in (`BudgetLock.pending_bytes`): SGLang's own arithmetic (its
 reserve, its ranks-per-host split) decides against the claim-aware figure. An admitted request
 records its claim before the lock goes, and the lock goes at once: the next rank samples while
-this one fills, and counts this one's pending bytes. `resident(nbytes)` (compat's
-``alloc_with_host_register``, once a buffer is pre-faulted and registered) pays the claim off;
-when all of it is resident the claim is dropped (the kernel counts those bytes now).
+this one fills, and counts this one's pending bytes. The verdict and the claim are the one admission's
+(`hicache.effects._hostwide._claim.claim`, with SGLang's arithmetic as the policy's
+``allowance`` and a claim that goes once resident). `resident(nbytes)` (compat's
+``alloc_with_host_register``, once a buffer is pre-faulted and registered) pays this thread's
+claim off; when all of it is resident the claim is dropped (the kernel counts those bytes now).
 `abandon()` drops what is left; a claim nobody finishes (a pool failing between its check and
 its allocation) is dropped after `HOLD_LIMIT_S`; a rank killed mid-fill leaves none (dead
-processes' claims are pruned). Imports this room's budget lock only.
+processes' claims are pruned). Imports the host-wide room only.
 
 Callers outside effects reach these through the `hicache.effects.admission` sub-face, which also
 names the host-wide budget lock and the registration turnstile's type (for ``HostSetup(turnstile=)``).
@@ -22,49 +24,24 @@ names the host-wide budget lock and the registration turnstile's type (for ``Hos
 
 from __future__ import annotations
 
-import logging
 import threading
 
+from hicache.effects._hostwide._claim import RESIDENT, AdmissionPolicy, Refused, claim
 from hicache.effects._hostwide._lock import budget_lock
-
-logger = logging.getLogger(__name__)
 
 #: The longest an admitted request's claim waits for its buffers (seconds): a pool whose
 #: constructor fails between the check and the allocation must not shrink the host's room.
 HOLD_LIMIT_S = 600.0
 
-_STATE = threading.local()  # .sampling, .pending (while SGLang samples), .claim (this thread's open claim)
+_STATE = threading.local()  # .sampling, .pending (while SGLang samples), .claim (this thread's open claim), .paid
 
 
-class _Open:
-    """This thread's admitted, not yet resident requests: one claim in the claims file."""
-
-    def __init__(self, lock) -> None:
-        self.lock, self.claimed, self.resident = lock, 0, 0
-        self.closed = False
-        self.timer = threading.Timer(HOLD_LIMIT_S, self.close, args=("expired",))
-        self.timer.daemon = True
-        self.timer.start()
-
-    def close(self, reason: str) -> None:
-        """Drop the claim (all of it; the file counted none of it resident)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.timer.cancel()
-        if reason == "expired":
-            logger.warning("hicache: an admitted host pool did not come up within %.0f s; dropping its claim",
-                           HOLD_LIMIT_S)
-        with type(self.lock)(self.lock.path.parent) as lock:  # its own file: the timer's thread may close it
-            lock.forget(self.claimed, resident=0)
-        logger.debug("hicache: budget claim of %d bytes dropped (%s)", self.claimed, reason)
-
-
-def _open_claim() -> _Open | None:
-    claim = getattr(_STATE, "claim", None)
-    if claim is not None and claim.closed:  # it expired meanwhile
-        _STATE.claim = claim = None
-    return claim
+def _open_claim():
+    """This thread's admitted, not yet resident requests: one `Claim` (None once it is given back)."""
+    open_claim = getattr(_STATE, "claim", None)
+    if open_claim is not None and open_claim.closed:  # it expired meanwhile
+        _STATE.claim = open_claim = None
+    return open_claim
 
 
 def host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
@@ -90,33 +67,35 @@ def available_host_memory_bytes(original, *args, **kwargs) -> int:
 
 
 def _sample(original, requested_bytes: int, auto_size: bool) -> int:
-    claim = _open_claim()
-    lock = claim.lock if claim is not None else budget_lock()
-    with lock:
-        _STATE.pending = lock.pending_bytes()  # this thread's open claim too: its bytes are not resident yet
-        allowance = original(requested_bytes, auto_size=auto_size)
-        if 0 < requested_bytes <= allowance:
-            lock.record(requested_bytes)
-            if claim is None:
-                _STATE.claim = claim = _Open(lock)
-            claim.claimed += requested_bytes
-    return allowance
+    def allowance(nbytes: int, pending: int) -> int:  # this thread's open claim counts as pending too
+        _STATE.pending = pending
+        return original(nbytes, auto_size=auto_size)
+
+    policy = AdmissionPolicy(allowance=allowance, until=RESIDENT, expire_s=HOLD_LIMIT_S)
+    try:
+        admitted = claim(requested_bytes, policy, lock=budget_lock(), owner="SGLang's host pool")
+    except Refused as refused:  # SGLang's own arithmetic said no: its answer, as it is, claims nothing
+        return refused.allowance
+    open_claim = _open_claim()
+    if admitted.nbytes and not (open_claim is not None and open_claim.join(admitted)):
+        _STATE.claim, _STATE.paid = admitted, 0  # else pool after pool in one constructor: one claim
+    return admitted.allowance
 
 
 def resident(nbytes: int) -> None:
     """``nbytes`` of an admitted request are resident (or failed): once all are, its claim goes."""
-    claim = _open_claim()
-    if claim is None:
+    open_claim = _open_claim()
+    if open_claim is None:
         return
-    claim.resident += nbytes
-    if claim.resident >= claim.claimed:
+    _STATE.paid = getattr(_STATE, "paid", 0) + nbytes
+    if _STATE.paid >= open_claim.nbytes:
         _STATE.claim = None
-        claim.close("resident")
+        open_claim.settle()  # a claim kept until resident: settling gives it back
 
 
 def abandon() -> None:
     """The request's allocation failed: drop its claim now."""
-    claim = _open_claim()
-    if claim is not None:
+    open_claim = _open_claim()
+    if open_claim is not None:
         _STATE.claim = None
-        claim.close("failed")
+        open_claim.abandon()

@@ -25,10 +25,10 @@ from typing import Callable
 
 import attrs
 
-from hicache.effects._bringup._claim import ClaimedFill
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup._steps import _allocate, _map, _pipelined, _progressive, _register, _Run
 from hicache.effects._bringup._progress import ProgressLog, tee
+from hicache.effects._hostwide._claim import AdmissionPolicy, claim as admit
 from hicache.effects._hostwide._lock import budget_lock
 from hicache.effects._cuda._progressive import MAX_STALL_S, check_max_stall
 from hicache.effects._hostwide import _turnstile
@@ -42,7 +42,7 @@ from hicache.effects._bringup import _report
 from hicache.effects._bringup._report import Report
 from hicache.effects._bringup._setup import HostSetup
 from hicache.errors import CapacityError, PlanError
-from hicache.plan import PoolPlan, RegistrationPlan, check_budget
+from hicache.plan import PoolPlan, RegistrationPlan
 
 BLOCKING, PIPELINED, MAP_ONLY = "blocking", "pipelined", "map-only"
 MODES = (BLOCKING, PIPELINED, MAP_ONLY, "Progressive(...)")
@@ -136,59 +136,6 @@ def _mode(mode, requests, allocator, device) -> str | Progressive:
     return mode
 
 
-def fixed_room(host_memory_bytes: int, peers: dict, ranks: int) -> int:
-    """The room left of a stated host figure (``--host-memory``, ``host_memory_bytes=``): the
-    live peers' claims on this host subtracted, as a measured figure has them subtracted by the
-    kernel. `CapacityError` when the peers already fill the stated rank count: N claims never
-    exceed what the operator said the host holds."""
-    claimed = sum(peers.values())
-    if len(peers) >= ranks:
-        from hicache.plan import format_gb
-
-        raise CapacityError(
-            f"host memory budget refused: {len(peers)} other process(es) on this host (pids "
-            f"{', '.join(map(str, sorted(peers)))}) already claim {format_gb(claimed)} of the stated "
-            f"{format_gb(host_memory_bytes)} for {ranks} rank(s). Hint: wait for them, or state more ranks or memory "
-            "(--ranks-per-host / --host-memory)"
-        )
-    return max(host_memory_bytes - claimed, 0)
-
-
-def check_admission(lock, total: int, facts, *, host_memory_bytes: int | None = None, ranks_per_host: int | None = None,
-                    reserve_bytes: int = 0) -> None:
-    """Under ``lock`` (held by the caller): the host budget's answer for ``total`` bytes - a
-    `CapacityError` when it refuses - from ``facts``, the machine sampled under the lock, and the
-    host's claims: what peers claimed, what every claim still has to fault in (the kernel does not
-    count it yet), the cgroup's limit. ``host_memory_bytes``: a stated figure for the host's room
-    instead of the machine's available memory; ``ranks_per_host`` (default the machine's) share it,
-    ``reserve_bytes`` stays the OS's. The one home of this arithmetic: a pool's bring-up asks it
-    (then records its claim), and so does the node store's creation (a node claim: one rank, no
-    reserve)."""
-    ranks = facts.ranks_per_host if ranks_per_host is None else ranks_per_host
-    claims = lock.claims()
-    me = os.getpid()
-    peers = {pid: claim.claimed for pid, claim in claims.items() if pid != me}
-    # what the kernel does not count yet: the claims still filling (this process's other pools too)
-    pending = sum(claim.pending for claim in claims.values())
-    if host_memory_bytes is None:  # measured: resident memory is gone from it already, pending is not
-        available = max(0, facts.available_bytes - pending)
-    else:  # a stated figure stands for the host's room: peers' live claims come off it, resident or not
-        available = fixed_room(host_memory_bytes, peers, ranks)
-    check_budget(
-        total, available_bytes=available, ranks_per_host=ranks, reserve_bytes=reserve_bytes,
-        ranks_already_allocated=min(len(peers), ranks - 1), cgroup_limit_bytes=facts.cgroup_limit_bytes,
-        cgroup_usage_bytes=(facts.cgroup_usage_bytes or 0) + pending if facts.cgroup_limit_bytes else 0,
-    )
-
-
-def _admit(lock, total: int, facts, host_memory_bytes, ranks_per_host, reserve_bytes) -> ClaimedFill:
-    """Under ``lock``: `check_admission`'s answer and, admitted, the claim recorded - none of it
-    resident yet."""
-    check_admission(lock, total, facts, host_memory_bytes=host_memory_bytes, ranks_per_host=ranks_per_host,
-                    reserve_bytes=reserve_bytes)
-    return ClaimedFill(lock, total)
-
-
 def _share(allocator, machine, ranks_per_host) -> FaultShare:
     """Where this rank's background pre-fault runs (issue #35 item 2, `_numa.fault_share`): on
     its pool's NUMA node's CPUs (the allocator's ``numa_node``), an equal share of them per rank
@@ -241,7 +188,9 @@ def bring_up(
     ``dtypes``: per pool, one torch dtype per buffer (default: flat uint8 buffers);
     ``register=False`` allocates only. ``allocator``: a `HostAllocator` (default
     `HostTensorAllocator()`); ``budget=False`` skips the budget (memory someone else already
-    budgeted); ``owns_memory=False`` leaves freeing to the tensors' owner.
+    budgeted; otherwise the one admission, `hicache.effects.admission.claim`, decides by the
+    setup's figures - or books it in the setup's ``server``'s budget scope where one is in force);
+    ``owns_memory=False`` leaves freeing to the tensors' owner.
 
     Two concerns come as one value each, so a new feature adds a field, not a keyword here:
     ``host`` - the host's pieces (`HostSetup`: ``runtime``, a `HostRuntime`, default
@@ -296,10 +245,17 @@ def bring_up(
         claim = None
         if budget:  # held to decide, not to fill (issue #35): ranks that start together fill side by side
             lock = budget_lock() if lock is None else lock
-            with lock:
-                machine = probe_machine() if machine is None else machine  # sampled under the lock, once
-                claim = _admit(lock, handle.total_bytes, machine, host_memory_bytes, ranks_per_host, reserve_bytes)
-                handle._hold_budget(lock, handle.total_bytes, claim)
+            sampled = []
+
+            def sample():  # the machine, sampled under the lock, once
+                sampled.append(probe_machine() if machine is None else machine)
+                return sampled[-1]
+
+            policy = AdmissionPolicy(host_memory_bytes=host_memory_bytes, ranks_per_host=ranks_per_host,
+                                     reserve_bytes=reserve_bytes, scope=setup.server)  # a server's budget in force books it instead
+            claim = admit(handle.total_bytes, policy, lock=lock, sample=sample, owner=report.name,
+                          hold=handle._hold_budget)
+            machine = sampled[-1] if sampled else machine
         faults_here = mode == PIPELINED or isinstance(mode, Progressive) or (
             mode == BLOCKING and str(device) == "cpu" and allocator.can_map_unfaulted)  # else the allocator faults
         share = _share(allocator, machine, ranks_per_host) if faults_here else None
@@ -322,6 +278,8 @@ def bring_up(
             member = False
             turnstile.leave()
         handle._activate()
+        if claim is not None:
+            claim.up()  # a server's scope hears the pool is up, on this (the admitting) thread
         _report.shown(report, handle)  # inside the try, as the flush: a Ctrl-C here still undoes everything
         _trace.flush()
     except BaseException as error:

@@ -38,8 +38,7 @@ class _Books:
         self.registration = None  # the blocking / pipelined transaction's Registration
         self.progressive = None  # the progressive mode's ProgressiveRegistration
         self.faulting = None  # its background pre-fault (ProgressiveFaulting)
-        self.budget = None  # (lock, bytes) while this process's budget entry holds them
-        self.claim = None  # its `_claim.ClaimedFill`: how much of it the claims file counts resident
+        self.claim = None  # the bring-up's `Claim` on the host's memory (`_hostwide._claim`), until given back
         self.state = "bringing-up"
         self.leaked: tuple = ()  # (ptr, size) still registered after a failed undo
         self.orphans: tuple = ()  # leaked by a rollback: no Registration left to retry them
@@ -51,7 +50,7 @@ class _Books:
 
     def holds_anything(self) -> bool:
         return bool(self.registration is not None or self.progressive is not None or self.tensors
-                    or self.budget is not None or self.owned())
+                    or (self.claim is not None and not self.claim.closed) or self.owned())
 
     def stop(self) -> None:
         """End the background threads (registration after its call in flight, pre-fault after
@@ -64,12 +63,12 @@ class _Books:
             if self.faulting is not None:
                 self.faulting.stop()
 
-    def forget_budget(self, *, wait: bool = True) -> None:
-        if self.budget is not None:
-            lock, nbytes = self.budget
-            self.budget = None  # first: forgetting twice would take a peer's bytes
-            resident = None if self.claim is None else self.claim.written  # what the file counts of it
-            lock.forget_soon(nbytes, resident=resident, wait=wait)  # never waits on a holder in this process
+    def forget_budget(self, *, wait: bool = True, failed: bool = False) -> None:
+        """Give the claim back with the resident bytes it counted (idempotent; ``wait=False``,
+        a finalizer's, never waits for the lock; ``failed``: the bring-up failed - a server's
+        scope hears it was not admitted after all)."""
+        if self.claim is not None:
+            (self.claim.abandon if failed else self.claim.release)(wait=wait)
 
     def keep_mapped(self) -> None:
         """Some of the memory stays registered: keep all of it mapped until the process exits."""
@@ -96,7 +95,7 @@ def _unregister(books: _Books) -> tuple[list, BaseException | None]:
     return sorted(set(leaked) | set(books.orphans)), interrupt
 
 
-def _release(books: _Books, *, finalizing: bool = False) -> None:
+def _release(books: _Books, *, finalizing: bool = False, failed: bool = False) -> None:
     """The one teardown: stop the threads, unregister, free, give the budget back."""
     with books.lock, deferred_interrupts():  # a Ctrl-C waits until the books are straight
         if books.state == "released":
@@ -107,7 +106,7 @@ def _release(books: _Books, *, finalizing: bool = False) -> None:
         if leaked:
             books.keep_mapped()
             books.state, books.leaked = "leaked", tuple(leaked)
-            books.forget_budget(wait=not finalizing)  # the handle no longer counts as a pool
+            books.forget_budget(wait=not finalizing, failed=failed)  # the handle no longer counts as a pool
             if interrupt is not None:
                 raise interrupt
             raise ReleaseError(_leak_message("release", books.leaked) + " (release again to retry)", leaked=books.leaked)
@@ -120,7 +119,7 @@ def _release(books: _Books, *, finalizing: bool = False) -> None:
         if books.quarantined and not books.owned():  # an earlier leak was undone after all
             unquarantine(*books.quarantined)
             books.quarantined = []
-        books.forget_budget(wait=not finalizing)
+        books.forget_budget(wait=not finalizing, failed=failed)
         books.registration = books.progressive = books.faulting = None
         books.state, books.leaked, books.orphans = "released", (), ()
         books.release_s = time.perf_counter() - start
@@ -179,12 +178,9 @@ class HostPools:
         self._finalizer = weakref.finalize(self, _finalize, self._books)
 
     # -- what the bring-up records (hicache.effects._bringup._bring_up only) -----------------
-    def _hold_budget(self, lock, nbytes: int, claim=None) -> None:
-        """The claim of ``nbytes`` recorded under ``lock`` (held); ``claim``: its `ClaimedFill`,
-        which says how much of it the claims file counts resident when it is forgotten."""
-        self._books.budget = (lock, nbytes)  # set first: forgetting more than recorded is harmless
+    def _hold_budget(self, claim) -> None:
+        """The bring-up's admitted `Claim`, given back with the handle's memory."""
         self._books.claim = claim
-        lock.record(nbytes)
 
     def _hold_registration(self, registration) -> None:
         self._books.registration = registration
@@ -202,7 +198,7 @@ class HostPools:
         if isinstance(rollback, RollbackError):
             books.orphans = tuple(rollback.leaked) + tuple(rollback.uncertain)
         try:
-            _release(books)
+            _release(books, failed=True)
         except ReleaseError as release:
             if not set(release.leaked) <= set(books.orphans):
                 raise  # more stays registered than the bring-up's error says: this names it all
@@ -268,8 +264,8 @@ class HostPools:
     def budget_claims(self) -> dict[int, int]:
         """This host's budget claims (pid -> bytes, this process's included) as the host-wide
         budget file says now; {} when this bring-up took no budget."""
-        budget = self._books.budget
-        snapshot = getattr(budget[0], "snapshot", None) if budget is not None else None
+        claim = self._books.claim
+        snapshot = getattr(claim.lock, "snapshot", None) if claim is not None else None
         return snapshot() if snapshot is not None else {}
 
     @staticmethod

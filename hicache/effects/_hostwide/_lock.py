@@ -75,8 +75,9 @@ class _process_held:
         self._held.__exit__(*exc_info)
 
 
-class Claim(NamedTuple):
-    """One process's claim on the host's memory: bytes claimed, and how many are resident."""
+class Entry(NamedTuple):
+    """One process's entry in the claims file: bytes claimed, and how many are resident (its
+    `_claim.Claim`s together)."""
 
     claimed: int
     resident: int = 0
@@ -87,11 +88,11 @@ class Claim(NamedTuple):
         return max(0, self.claimed - self.resident)
 
 
-def _claim(value) -> Claim:
+def _claim(value) -> Entry:
     if isinstance(value, dict):
         claimed = int(value["claimed"])
-        return Claim(claimed, min(claimed, max(0, int(value.get("resident", claimed)))))
-    return Claim(int(value), int(value))  # the format before claims counted resident bytes
+        return Entry(claimed, min(claimed, max(0, int(value.get("resident", claimed)))))
+    return Entry(int(value), int(value))  # the format before claims counted resident bytes
 
 
 def _alive(pid: int) -> bool:
@@ -116,6 +117,12 @@ class BudgetLock:
         self._clock, self._sleep = clock, sleep  # the wait's time: injected by tests, never judged by seconds
         self._fd: int | None = None
         self._depth = 0  # re-entrant: teardown may run inside a with-block an interrupt cut short
+
+    def reopen(self) -> "BudgetLock":
+        """Another open file of the same lock (its own descriptor: a claim's faulting threads
+        never share the admitting thread's, which an interrupt there may close under them)."""
+        return type(self)(self.path.parent, timeout_s=self.timeout_s, report_every_s=self.report_every_s,
+                          clock=self._clock, sleep=self._sleep)
 
     @property
     def held(self) -> bool:
@@ -291,7 +298,7 @@ class BudgetLock:
                 os.close(fd)
             return taken
 
-    def _entries(self) -> dict[int, Claim]:
+    def _entries(self) -> dict[int, Entry]:
         if self._fd is None:
             raise RegistrationStateError("BudgetLock used outside its with-block")
         os.lseek(self._fd, 0, os.SEEK_SET)
@@ -308,12 +315,12 @@ class BudgetLock:
         """pid -> bytes claimed, as the file says (dead processes too; what tests compare)."""
         return {pid: claim.claimed for pid, claim in self._entries().items()}
 
-    def _live(self) -> dict[int, Claim]:
+    def _live(self) -> dict[int, Entry]:
         return {p: c for p, c in self._entries().items() if _alive(p)}
 
     def _write(self, entries: dict) -> None:
-        """``entries``: pid -> `Claim` (a bare byte count: a claim all resident, as before)."""
-        claims = {p: c if isinstance(c, Claim) else _claim(c) for p, c in entries.items()}
+        """``entries``: pid -> `Entry` (a bare byte count: a claim all resident, as before)."""
+        claims = {p: c if isinstance(c, Entry) else _claim(c) for p, c in entries.items()}
         payload = json.dumps({str(p): {"claimed": c.claimed, "resident": c.resident}
                               for p, c in sorted(claims.items()) if c.claimed > 0}).encode()
         os.ftruncate(self._fd, 0)
@@ -334,8 +341,8 @@ class BudgetLock:
         me = os.getpid()
         return {p: c.claimed for p, c in self._live().items() if p != me}
 
-    def claims(self) -> dict[int, Claim]:
-        """Every live process's claim, this one's included: pid -> `Claim`."""
+    def claims(self) -> dict[int, Entry]:
+        """Every live process's claim, this one's included: pid -> `Entry`."""
         return self._live()
 
     def pending_bytes(self) -> int:
@@ -347,8 +354,8 @@ class BudgetLock:
         """Add a claim of ``nbytes`` (``resident`` of them already) to this process's entry
         (dead processes' entries are pruned: a rank killed mid-fill leaves no claim)."""
         entries = self._live()
-        mine = entries.get(os.getpid(), Claim(0, 0))
-        entries[os.getpid()] = Claim(mine.claimed + nbytes, mine.resident + min(resident, nbytes))
+        mine = entries.get(os.getpid(), Entry(0, 0))
+        entries[os.getpid()] = Entry(mine.claimed + nbytes, mine.resident + min(resident, nbytes))
         self._write(entries)
 
     def add_resident(self, nbytes: int) -> None:
@@ -356,19 +363,19 @@ class BudgetLock:
         entries = self._live()
         mine = entries.get(os.getpid())
         if mine is not None:
-            entries[os.getpid()] = Claim(mine.claimed, min(mine.claimed, mine.resident + nbytes))
+            entries[os.getpid()] = Entry(mine.claimed, min(mine.claimed, mine.resident + nbytes))
             self._write(entries)
 
     def forget(self, nbytes: int | None = None, *, resident: int | None = None) -> None:
         """Remove a claim of ``nbytes`` (None: all of this process's), ``resident`` of which
         were counted resident (None: all of them)."""
         entries = self._live()
-        mine = entries.get(os.getpid(), Claim(0, 0))
+        mine = entries.get(os.getpid(), Entry(0, 0))
         if nbytes is None:
             entries.pop(os.getpid(), None)
         else:
             gone = nbytes if resident is None else min(resident, nbytes)
-            left = Claim(mine.claimed - nbytes, min(max(0, mine.resident - gone), max(0, mine.claimed - nbytes)))
+            left = Entry(mine.claimed - nbytes, min(max(0, mine.resident - gone), max(0, mine.claimed - nbytes)))
             if left.claimed > 0:
                 entries[os.getpid()] = left
             else:
