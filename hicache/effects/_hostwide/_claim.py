@@ -124,8 +124,9 @@ class Claim:
         self.written = 0
         self.settled = False
         self.closed = nbytes == 0 and scope is None  # nothing recorded: nothing to give back
-        # one writer of this claim at a time; re-entrant: a bring-up's undo may give the claim back
-        # from inside one of its own calls on the same thread (a Ctrl-C walk found it deadlocked)
+        # one writer of this claim at a time; re-entrant: a Ctrl-C landing in a with-block's
+        # cleanup before its __exit__ (CPython bpo-29988) leaves it held by this thread, whose
+        # undo then gives the claim back (tests/test_interrupts.py's walk deadlocked on a Lock)
         self._mutex = threading.RLock()
         self._timer = None
         if policy.expire_s is not None and not self.closed:
