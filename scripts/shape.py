@@ -71,6 +71,60 @@ def pool_keywords() -> list[str]:
     return names + (["options", "host"] if "_SGLANG_OPTIONS" in source else [])
 
 
+def _functions(path: Path):
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)]
+
+
+def pool_catch_alls() -> list[str]:
+    """Pool constructors (``__init__`` in pools/) that take ``**keywords``."""
+    return sorted(f"{_module(p)}:{f.lineno}" for p in (PACKAGE / "pools").glob("*.py") for f in _functions(p)
+                  if f.name == "__init__" and f.args.kwarg is not None)
+
+
+def geometry_reads_the_pool() -> bool:
+    """Whether `make_geometry` takes (or reads) a pool."""
+    for f in _functions(PACKAGE / "pools" / "_geometry.py"):
+        if f.name == "make_geometry":
+            names = {a.arg for a in f.args.args} | {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
+            return "pool" in names
+    return False
+
+
+def writes_around_build() -> int:
+    """Pool fields assigned (``self.x =``/``pool.x =``/``setattr``) in functions that call ``_build``."""
+    count = 0
+    for path in (PACKAGE / "pools").glob("*.py"):
+        for f in _functions(path):
+            if f.name in ("_build", "_adopt") or not any(isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "_build"
+                                                          for c in ast.walk(f)):
+                continue
+            for node in ast.walk(f):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                count += sum(1 for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])
+                             if isinstance(e, ast.Attribute) and getattr(e.value, "id", None) in ("self", "pool"))
+                count += isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+    return count
+
+
+def admission_doors() -> list[str]:
+    """Functions outside plan/ and the lock that judge (``check_budget``) or record a claim
+    (``lock.record``), or book a server's scope (``book_host_memory``) - the doors of admission."""
+    doors = []
+    for path in PACKAGE.rglob("*.py"):
+        module = _module(path)
+        if module.startswith("hicache.plan") or module.endswith("_hostwide._lock") or module.endswith("_server"):
+            continue
+        for f in _functions(path):
+            for c in ast.walk(f):
+                if not isinstance(c, ast.Call):
+                    continue
+                name = getattr(c.func, "id", getattr(c.func, "attr", None))
+                on = ast.unparse(c.func.value) if isinstance(c.func, ast.Attribute) else ""
+                if name in ("check_budget", "book_host_memory") or (name == "record" and "lock" in on):
+                    doors.append(f"{module}.{f.name}")
+    return sorted(set(doors))
+
+
 def largest_modules(count: int = 3) -> list:
     sizes = [(_module(p), len(p.read_text().splitlines())) for p in PACKAGE.rglob("*.py")]
     return sorted(sizes, key=lambda item: -item[1])[:count]
@@ -80,7 +134,9 @@ def main() -> int:
     crossing = private_cross_package_imports()
     report = {"bring_up_keywords": len(bring_up_keywords()), "pool_keywords": len(pool_keywords()),
               "faces": face_names(), "private_cross_package_imports": len(crossing),
-              "largest_modules": largest_modules()}
+              "largest_modules": largest_modules(), "pool_constructors_with_catch_all": len(pool_catch_alls()),
+              "make_geometry_reads_the_pool": geometry_reads_the_pool(),
+              "pool_fields_written_around_build": writes_around_build(), "admission_doors": admission_doors()}
     if "--list" in sys.argv:
         report.update(bring_up=bring_up_keywords(), pool=pool_keywords(), crossings=crossing)
     print(json.dumps(report))
