@@ -10,9 +10,9 @@ from hicache.effects._bringup._admission import (
     host_memory_budget_bytes,
     resident,
 )
-from hicache.effects._hostwide._claim import AdmissionPolicy, Claim, claim
+from hicache.effects._hostwide._claim import AdmissionPolicy, claim
 from hicache.effects._hostwide._lock import budget_lock
 from hicache.effects._hostwide._turnstile import Turnstile
 
-__all__ = ["AdmissionPolicy", "Claim", "Turnstile", "abandon", "available_host_memory_bytes", "budget_lock", "claim",
+__all__ = ["AdmissionPolicy", "Turnstile", "abandon", "available_host_memory_bytes", "budget_lock", "claim",
            "host_memory_budget_bytes", "resident"]
