@@ -125,6 +125,41 @@ def admission_doors() -> list[str]:
     return sorted(set(doors))
 
 
+_CALLS = r"""
+import sys, json
+from hicache.testing import MHADevicePool, fake_cuda
+from hicache.pools import MHATokenToKVPoolHost
+from hicache.effects import HostSetup
+calls, distinct, done = [0], set(), [False]
+def profile(frame, event, arg):
+    if done[0] or event != "call":
+        return
+    code = frame.f_code
+    if code.co_name == "cudaHostRegister":
+        done[0] = True
+    elif "/hicache/" in code.co_filename and "/testing" not in code.co_filename:
+        calls[0] += 1
+        distinct.add((code.co_filename, code.co_name))
+device = MHADevicePool(size=1024, layer_num=2, head_num=2, head_dim=64, page_size=16)
+with fake_cuda():
+    import hicache.pools._base  # imports outside the count
+    sys.setprofile(profile)
+    try:
+        pool = MHATokenToKVPoolHost(device, 2.0, 0, 16, "page_first", host=HostSetup(host_memory_bytes=10**12))
+    finally:
+        sys.setprofile(None)
+    pool.destroy()
+print(json.dumps([calls[0], len(distinct)]))
+"""
+
+
+def calls_to_register() -> list:
+    """hicache's Python calls (all, and distinct functions) from a pool constructor (the older
+    form over hicache's fake device pool) to its first ``cudaHostRegister`` (fake CUDA)."""
+    out = subprocess.run([sys.executable, "-c", _CALLS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return json.loads(out.stdout) if out.returncode == 0 else ["error", out.stderr[-300:]]
+
+
 def largest_modules(count: int = 3) -> list:
     sizes = [(_module(p), len(p.read_text().splitlines())) for p in PACKAGE.rglob("*.py")]
     return sorted(sizes, key=lambda item: -item[1])[:count]
@@ -136,7 +171,8 @@ def main() -> int:
               "faces": face_names(), "private_cross_package_imports": len(crossing),
               "largest_modules": largest_modules(), "pool_constructors_with_catch_all": len(pool_catch_alls()),
               "make_geometry_reads_the_pool": geometry_reads_the_pool(),
-              "pool_fields_written_around_build": writes_around_build(), "admission_doors": admission_doors()}
+              "pool_fields_written_around_build": writes_around_build(), "admission_doors": admission_doors(),
+              "calls_to_first_register": calls_to_register()}
     if "--list" in sys.argv:
         report.update(bring_up=bring_up_keywords(), pool=pool_keywords(), crossings=crossing)
     print(json.dumps(report))
