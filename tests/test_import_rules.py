@@ -506,8 +506,9 @@ def test_the_catch_all_rule_sees_one():
 #: the constructors that name every keyword they take (SGLang's signature, then hicache's
 #: ``device_pool=``, ``page_num=``, ``options=``, ``host=``): the base's older form, the MHA pair's,
 #: MLA's and Mamba's. K-only, DSA and V4 serve two SGLang signatures that differ in their
-#: positional arguments, so they tell the form apart first and bind to one of these, or to a
-#: form's own function that names its keywords.
+#: positional arguments, so they tell the form apart first and bind the call once to one of
+#: these, or through `_forms.build_form` to a form's own builder that names every argument
+#: (`test_a_forms_builder_names_every_argument`).
 EXACT = {"hicache.pools._base": "HostKVCache", "hicache.pools._mha": "_MHAForms",
          "hicache.pools._mla": "MLATokenToKVPoolHost", "hicache.pools._mamba": "MambaPoolHost"}
 
@@ -653,3 +654,30 @@ def test_the_constructor_write_rule_sees_a_write(tmp_path):
                     "        setattr(self, 'b', 2)\n\n"
                     "def _init_from(pool, v):\n    pool._build(v)\n    pool.c = 3\n")
     assert sorted(_writes_around_build(path)) == [3, 5, 9]
+
+
+def _form_builders(source: str) -> dict[str, bool]:
+    """The builders ``source`` hands to ``build_form`` (its third argument, a function or a
+    ``self.<name>``), each with whether its definition takes ``**keywords``."""
+    tree = ast.parse(source)
+    defined = {node.name: node.args.kwarg is not None for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    handed = {getattr(call.args[2], "id", getattr(call.args[2], "attr", None)) for call in ast.walk(tree)
+              if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "build_form" and len(call.args) > 2}
+    return {name: defined.get(name, True) for name in handed}
+
+
+@pytest.mark.parametrize("module", ["hicache.pools._mha", "hicache.pools._mla", "hicache.pools._v4_pools"], ids=str)
+def test_a_forms_builder_names_every_argument(module):
+    """SGLang's call is bound once against its form's own signature (issue #55 item 1): every
+    builder a dispatching constructor hands to `build_form` is defined here and names every
+    argument - no ``**keywords`` to sort by hand (K-only's once was a hand-written parser)."""
+    builders = _form_builders(MODULES[module].read_text())
+    assert builders and not [name for name, catch_all in builders.items() if catch_all], builders
+
+
+def test_the_form_builder_rule_sees_a_catch_all():
+    """Not vacuous: a builder with ``**kwargs`` is found, and so is one not defined in the module."""
+    source = ("def _a(pool, x, **kw):\n    pass\n\n"
+              "class P:\n    def __init__(self, *args, **kwargs):\n"
+              "        build_form(self, F, _a, args, kwargs)\n        build_form(self, F, self._elsewhere, args, kwargs)\n")
+    assert _form_builders(source) == {"_a": True, "_elsewhere": True}

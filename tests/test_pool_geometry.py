@@ -268,3 +268,33 @@ def test_the_geometry_is_frozen():
                 pool.geometry.page_num = 1
         finally:
             pool.destroy()
+
+
+def test_a_dispatched_forms_bad_call_names_the_pool_and_the_form(sglang):
+    """K-only's anchor form, DSA's declaration and V4's pool-name forms are bound once against
+    their own SGLang signatures (issue #55 item 1): a misspelt keyword, a missing argument or
+    one too many is Python's TypeError naming the pool and the form's constructor - before any
+    memory, the anchor's excepted."""
+    with fake_cuda() as fake:
+        info = _sglang_device("mha").get_device_pool_infos()[0].buffer_info
+        anchor = MHATokenToKVPoolHost(info, 2.0, 0, 16, "page_first", **KW, **ROOM)
+        try:
+            held = fake.held()
+            k_only = _sglang_device("k_only")
+            with pytest.raises(TypeError, match=r"^MHATokenToKOnlyPoolHost\.from_anchor\(\): got an unexpected keyword "
+                                                "argument 'pagenum'"):
+                MHATokenToKOnlyPoolHost(k_only, anchor, "page_first", pagenum=3, **ROOM)
+            with pytest.raises(TypeError, match=r"^MHATokenToKOnlyPoolHost\.from_anchor\(\): .*'layout'"):
+                MHATokenToKOnlyPoolHost(k_only, anchor, **ROOM)
+            with pytest.raises(TypeError, match=r"^MHATokenToKOnlyPoolHost\.from_anchor\(\): multiple values .*'layout'"):
+                MHATokenToKOnlyPoolHost(k_only, anchor, "page_first", layout="page_first", **ROOM)
+            assert fake.held() == held
+        finally:
+            anchor.destroy()
+        buffers = [torch.zeros(16, 512, dtype=torch.uint8) for _ in range(3)]
+        with pytest.raises(TypeError, match=r"^DeepSeekV4PagedHostPool\.from_pool_name\(\): too many positional"):
+            DeepSeekV4PagedHostPool("c4", buffers, 512, 24, 64, "layer_first", "cpu", True, "default", False, 1, **ROOM)
+        with pytest.raises(TypeError, match=r"^DeepSeekV4StateHostPool\.from_pool_name\(\): got an unexpected keyword "
+                                            "argument 'item_bytes'"):
+            DeepSeekV4StateHostPool("state", [], 48, 16, item_bytes=3, **ROOM)
+        assert fake.held() == set()

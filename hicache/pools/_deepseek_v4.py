@@ -27,12 +27,8 @@ def _rows(tensor, row_bytes: int, what: str):
     return raw
 
 
-def _options(layout="layer_first", device="cpu", pin_memory=True, allocator_type="default", **kwargs):
-    return (layout, device, pin_memory, allocator_type), kwargs
-
-
-def paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_page_size, *args, **kwargs):
-    """(device-pool view, pages, page size, (layout, device, pin_memory, allocator_type), extras)."""
+def paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_page_size, page_aligned_only=False):
+    """(device-pool view, pages, page size) of SGLang's paged pool's arguments."""
     import torch
 
     import operator
@@ -40,8 +36,7 @@ def paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_pag
     item_bytes, num_host_pages, slot_page_size = (operator.index(v) for v in (item_bytes, num_host_pages, slot_page_size))
     # 0.5.23's tenth argument: SGLang's pool then refuses token-granular copies; hicache's V4
     # pools move whole page rows only, whatever it says (kept for SGLang's readers)
-    page_aligned_only = bool(args[4] if len(args) > 4 else kwargs.pop("page_aligned_only", False))
-    args = args[:4]
+    page_aligned_only = bool(page_aligned_only)
     buffers = list(device_buffers)
     if not buffers:
         raise LayoutError(f"{pool_name}: device_buffers is empty")
@@ -51,11 +46,10 @@ def paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_pag
         size=rows[0].shape[0] * slot_page_size, device=str(buffers[0].device), page_size=slot_page_size,
         page_aligned_only=page_aligned_only,
     )
-    options, extras = _options(*args, **kwargs)
-    return view, num_host_pages, slot_page_size, options, extras
+    return view, num_host_pages, slot_page_size
 
 
-def state_device(pool_name, state_pools, num_host_pages, swa_page_size, *args, **kwargs):
+def state_device(pool_name, state_pools, num_host_pages, swa_page_size):
     """As `paged_device`, for the state pool: page rows of ``ring_size`` state slots."""
     import operator
 
@@ -83,5 +77,4 @@ def state_device(pool_name, state_pools, num_host_pages, swa_page_size, *args, *
         layer_num=len(views), start_layer=0, size=views[0].shape[0] * swa_page_size,
         device=str(pools[0].kv_score_buffer.kv_score.device), page_size=swa_page_size, ring_size=ring_size,
     )
-    options, extras = _options(*args, **kwargs)
-    return view, num_host_pages, swa_page_size, options, extras
+    return view, num_host_pages, swa_page_size

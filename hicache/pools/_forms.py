@@ -14,6 +14,7 @@ table and chunk setting apply - is a field of `Form`, read by the base; nothing 
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Callable
 
@@ -107,6 +108,20 @@ def form_of(family: str, args: tuple, kwargs: dict) -> Form:
 def forms_of(family: str) -> tuple[Form, ...]:
     """Every form ``family`` serves, in the order `form_of` tries them."""
     return tuple(form for form, _ in FORMS[family])
+
+
+def build_form(pool, form: Form, builder, args: tuple, kwargs: dict) -> None:
+    """SGLang's call of ``pool``'s class in ``form``, bound once against that form's own signature
+    - ``builder``'s after its first parameter (the pool), which names every argument - then
+    built by ``builder(pool, *args, **kwargs)``. A call the signature refuses is Python's
+    TypeError naming the pool and its form's constructor, before anything is built."""
+    signature = inspect.signature(builder)
+    own = signature.replace(parameters=list(signature.parameters.values())[1:])
+    try:
+        own.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"{type(pool).__name__}.{form.constructor}(): {error}") from None
+    builder(pool, *args, **kwargs)
 
 
 def check_named(cls, wanted: str, args: tuple, kwargs: dict) -> None:

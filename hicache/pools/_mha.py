@@ -16,31 +16,12 @@ from hicache.plan import (
 from hicache.errors import LayoutError, TransferError
 from hicache.plan.checks import check_int, is_integer
 from hicache.pools._base import HostKVCache, Stream
-from hicache.pools._forms import ANCHOR, DESCRIPTION, NamedConstructors, form_of
+from hicache.pools._forms import ANCHOR, DESCRIPTION, NamedConstructors, build_form, form_of
 from hicache.pools._geometry import Shape
 from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import mha_device
 
 from hicache.pools._family_base import _first, _itemsize
-
-
-def _k_only_args(owner: str, args, kwargs) -> tuple:
-    """``layout, pin_memory=True, device="cpu", allocator_type="default"`` after the anchor (by
-    position or keyword); hicache's own keywords stay in ``kwargs``."""
-    kwargs.pop("anchor_host", None)
-    names = ("layout", "pin_memory", "device", "allocator_type")
-    values = dict(zip(names, args))
-    if len(args) > len(names):
-        raise TypeError(f"{owner}() takes at most {2 + len(names)} positional arguments")
-    for name in names:
-        if name in kwargs:
-            if name in values:
-                raise TypeError(f"{owner}() got multiple values for argument {name!r}")
-            values[name] = kwargs.pop(name)
-    if "layout" not in values:
-        raise TypeError(f"{owner}() missing the argument 'layout'")
-    return values["layout"], values.get("pin_memory", True), values.get("device", "cpu"), \
-        values.get("allocator_type", "default")
 
 
 class MHAShape(Shape):
@@ -195,17 +176,12 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
     pool_family = "mha_k_only"
     shape_class = MHAKOnlyShape
 
-    def __init__(self, device_pool=None, *args, **kwargs):
-        if form_of(self.pool_family, (device_pool, *args), kwargs) is not ANCHOR:
-            return self._older_form(device_pool, *args, **kwargs)  # the older form: the MHA base's
-        anchor = args[0] if args else kwargs["anchor_host"]
-        layout, pin_memory, device, allocator_type = _k_only_args(type(self).__name__, args[1:], kwargs)
-        sizing, options = split_keywords(type(self).__name__, dict(
-            kwargs, pin_memory=pin_memory, device=device, allocator_type=allocator_type),
-            host_to_device_ratio=1.0, host_size=0, page_size=anchor.page_size, page_num=anchor.page_num,
-            end_layer=getattr(device_pool, "end_layer", None))  # SGLang's: the device pool's end layer
-        self._build(ANCHOR, MHAKOnlyShape(device_pool, given=dict(head_group_num=1, write_back_staging=None)),
-                    sizing, layout, options)
+    def __init__(self, *args, **kwargs):
+        """Tells SGLang's two signatures apart (`_forms.FORMS`) and binds the call to one: the
+        older form's (`_older_form`, the MHA pair's) or the anchor form's (`_k_only_from_anchor`)."""
+        if form_of(self.pool_family, args, kwargs) is not ANCHOR:
+            return self._older_form(*args, **kwargs)
+        build_form(self, ANCHOR, _k_only_from_anchor, args, kwargs)
 
     @property
     def k_buffer(self):
@@ -237,6 +213,18 @@ class AsymmetricMHATokenToKVPoolHost(_MHAForms, HostKVCache):
     @property
     def v_buffer(self):
         return self.buffers[1]
+
+
+def _k_only_from_anchor(pool, device_pool, anchor_host, layout, pin_memory=True, device="cpu",
+                        allocator_type="default", *, options=None, host=None) -> None:
+    """SGLang 0.5.23's K-only pool beside ``anchor_host``: its page size and page count, the
+    device pool's layers and end layer (SGLang's)."""
+    sizing, settings = split_keywords(type(pool).__name__, dict(
+        pin_memory=pin_memory, device=device, allocator_type=allocator_type, options=options, host=host),
+        host_to_device_ratio=1.0, host_size=0, page_size=anchor_host.page_size, page_num=anchor_host.page_num,
+        end_layer=getattr(device_pool, "end_layer", None))
+    pool._build(ANCHOR, MHAKOnlyShape(device_pool, given=dict(head_group_num=1, write_back_staging=None)),
+                sizing, layout, settings)
 
 
 def _split_heads_meta(pool, indices, split_factor: int):

@@ -17,6 +17,7 @@ from hicache.plan import dsa_indexer_pages
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._geometry import Shape
+from hicache.pools._forms import build_form
 from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, form_of
 from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import dsa_device, mla_device
@@ -169,7 +170,7 @@ class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
 
     def __init__(self, *args, anchor_pool=None, **kwargs):
         if form_of(self.pool_family, args, kwargs) is DECLARATION:
-            return _init_dsa_from_decl(self, *args, **kwargs)
+            return build_form(self, DECLARATION, _init_dsa_from_decl, args, kwargs)
         if anchor_pool is not None:
             page_size = args[3] if len(args) > 3 else kwargs["page_size"]
             kwargs.setdefault("page_num", dsa_indexer_pages(anchor_pool.size, page_size))
@@ -186,7 +187,7 @@ class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
 
 
 def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=(), pin_memory=True, device="cpu",
-                        allocator_type="default", is_dummy=False, **kwargs):
+                        allocator_type="default", is_dummy=False, options=None, host=None):
     """SGLang 0.5.23's DSA indexer host pool from its `HostPoolDecl`, beside ``anchor_host``."""
     name = type(pool).__name__
     view = dsa_device(name, decl, tuple(packed_draft_device_pools), anchor_host)
@@ -201,8 +202,8 @@ def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=()
     # SGLang's fields: the anchor's slots and pages; the buffer holds indexer_page_num pages
     fields = dict(decl=decl, mtp_draft_device_pools=tuple(packed_draft_device_pools), indexer_page_num=indexer_page_num,
                  indexer_dtype=storage.dtype, indexer_page_stride_size=storage.page_bytes(page_size))
-    sizing, options = split_keywords(name, dict(kwargs, pin_memory=pin_memory, device=device,
-                                                allocator_type=allocator_type, is_dummy=is_dummy),
+    sizing, options = split_keywords(name, dict(pin_memory=pin_memory, device=device, allocator_type=allocator_type,
+                                                is_dummy=is_dummy, options=options, host=host),
                                      host_to_device_ratio=1.0, host_size=0, page_size=page_size,
                                      page_num=anchor_host.page_num, buffer_page_num=indexer_page_num,
                                      device_capacity_tokens=anchor_host.size, start_layer=view.start_layer,

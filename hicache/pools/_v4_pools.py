@@ -12,7 +12,7 @@ from hicache.plan import (
 from hicache.plan.checks import is_integer
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._geometry import Shape
-from hicache.pools._forms import POOL_NAME, NamedConstructors, form_of
+from hicache.pools._forms import POOL_NAME, NamedConstructors, build_form, form_of
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._options import split_keywords
 
@@ -71,9 +71,20 @@ class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCa
     pool_family = "deepseek_v4"
     shape_class = V4PagedShape
 
+    @staticmethod
+    def _pool_name_form(pool, pool_name, device_buffers, item_bytes, num_host_pages, slot_page_size,
+                        layout="layer_first", device="cpu", pin_memory=True, allocator_type="default",
+                        page_aligned_only=False, *, options=None, host=None) -> None:
+        """SGLang's paged constructor, every argument named."""
+        from hicache.pools._deepseek_v4 import paged_device
+
+        view, pages, page_size = paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_page_size,
+                                              page_aligned_only)
+        _build_v4(pool, pool_name, view, pages, page_size, layout, device, pin_memory, allocator_type, options, host)
+
     def __init__(self, *args, **kwargs):
         if form_of(self.pool_family, args, kwargs) is POOL_NAME:
-            _init_v4_from_sglang(self, *args, **kwargs)
+            build_form(self, POOL_NAME, self._pool_name_form, args, kwargs)
         else:
             self._older_form(*args, **kwargs)
 
@@ -102,26 +113,31 @@ class DeepSeekV4StateHostPool(DeepSeekV4PagedHostPool):
     shape_class = V4StateShape
     has_allocator = False
 
+    @staticmethod
+    def _pool_name_form(pool, pool_name, state_pools, num_host_pages, swa_page_size, layout="layer_first",
+                        device="cpu", pin_memory=True, allocator_type="default", *, options=None, host=None) -> None:
+        """SGLang's state constructor, every argument named."""
+        from hicache.pools._deepseek_v4 import state_device
+
+        view, pages, page_size = state_device(pool_name, state_pools, num_host_pages, swa_page_size)
+        _build_v4(pool, pool_name, view, pages, page_size, layout, device, pin_memory, allocator_type, options, host)
+
     def alloc(self, need_size: int):
         return HostKVCache.alloc(self, need_size)
 
 
-def _init_v4_from_sglang(pool, pool_name, *args, **kwargs):
-    from hicache.pools._deepseek_v4 import paged_device, state_device
-
-    if isinstance(pool, DeepSeekV4StateHostPool):
-        device_pool, num_host_pages, page_size, rest, kwargs = state_device(pool_name, *args, **kwargs)
-    else:
-        device_pool, num_host_pages, page_size, rest, kwargs = paged_device(pool_name, *args, **kwargs)
-    layout, device, pin_memory, allocator_type = rest
+def _build_v4(pool, pool_name, device_pool, num_host_pages, page_size, layout, device, pin_memory, allocator_type,
+              options, host) -> None:
+    """A V4 pool of SGLang's ``pool_name`` form from its device view (`_deepseek_v4`)."""
     shape_class = type(pool).shape_class
     row_bytes = getattr(device_pool, shape_class.row_attribute)
     fields = {"pool_name": pool_name, "page_aligned_only": getattr(device_pool, "page_aligned_only", False),
-             shape_class.row_attribute: row_bytes,  # item_bytes / state_page_bytes
-             "device_buffers": getattr(device_pool, "kv_buffer", None) if shape_class is V4PagedShape else None,
-             "num_host_pages": num_host_pages, "slot_page_size": page_size}
-    sizing, options = split_keywords(type(pool).__name__, dict(kwargs, pin_memory=pin_memory, device=device,
-                                                                allocator_type=allocator_type),
-                                     host_to_device_ratio=1.0, host_size=0, page_size=page_size,
-                                     page_num=num_host_pages, size_per_token=row_bytes)  # SGLang's: one row's bytes
-    pool._build(POOL_NAME, shape_class(device_pool, given=fields), sizing, layout, options)
+              shape_class.row_attribute: row_bytes,  # item_bytes / state_page_bytes
+              "device_buffers": getattr(device_pool, "kv_buffer", None) if shape_class is V4PagedShape else None,
+              "num_host_pages": num_host_pages, "slot_page_size": page_size}
+    sizing, settings = split_keywords(type(pool).__name__, dict(pin_memory=pin_memory, device=device,
+                                                                 allocator_type=allocator_type, options=options,
+                                                                 host=host),
+                                      host_to_device_ratio=1.0, host_size=0, page_size=page_size,
+                                      page_num=num_host_pages, size_per_token=row_bytes)  # SGLang's: one row's bytes
+    pool._build(POOL_NAME, shape_class(device_pool, given=fields), sizing, layout, settings)
