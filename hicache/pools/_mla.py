@@ -17,8 +17,7 @@ from hicache.plan import dsa_indexer_pages
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._geometry import Shape
-from hicache.pools._forms import build_form
-from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, form_of
+from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, build_form, form_of
 from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import dsa_device, mla_device
 
@@ -183,7 +182,6 @@ class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
     def index_k_with_scale_buffer(self):
         """The host index buffer (SGLang's name)."""
         return self.buffers[0]
-
 
 
 def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=(), pin_memory=True, device="cpu",

@@ -19,7 +19,6 @@ per rank it hosts (`_share`). Machine facts, the lock, the allocator and the run
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import Callable
 
@@ -41,7 +40,7 @@ from hicache.effects._interrupts import terminate_as_interrupt
 from hicache.effects._bringup import _report
 from hicache.effects._bringup._report import Report
 from hicache.effects._bringup._setup import HostSetup
-from hicache.errors import CapacityError, PlanError
+from hicache.errors import PlanError
 from hicache.plan import PoolPlan, RegistrationPlan
 
 BLOCKING, PIPELINED, MAP_ONLY = "blocking", "pipelined", "map-only"
