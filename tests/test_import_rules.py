@@ -367,6 +367,20 @@ def _pool_classes() -> set[str]:
     return descendants | {b for name in descendants for b in bases[name] if b in classes}  # and their mixins
 
 
+def _attribute_writes(function, owners: set[str]) -> list[tuple[int, str]]:
+    """``(line, attribute)`` of each assignment in ``function`` to an attribute of a name in
+    ``owners`` (``self.x =``, ``pool.x +=``, ``self.a, self.b = ...``)."""
+    writes = []
+    for node in ast.walk(function):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for each in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(each, ast.Attribute) and isinstance(each.value, ast.Name) and each.value.id in owners:
+                    writes.append((node.lineno, each.attr))
+    return writes
+
+
 def _overwrites(path: Path, pool_classes: set[str]) -> list[int]:
     """Lines outside the adopters that assign an adopted field on a pool (``self.`` in a pool
     class, ``pool.`` in a module function taking the pool)."""
@@ -375,14 +389,7 @@ def _overwrites(path: Path, pool_classes: set[str]) -> list[int]:
     def scan(function, owner: str) -> None:
         if function.name in ADOPTERS:
             return
-        for node in ast.walk(function):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, (ast.AugAssign, ast.AnnAssign)) else []
-            for target in targets:
-                for each in target.elts if isinstance(target, ast.Tuple) else [target]:
-                    if isinstance(each, ast.Attribute) and each.attr in ADOPTED and isinstance(each.value, ast.Name) \
-                            and each.value.id == owner:
-                        lines.append(node.lineno)
+        lines.extend(line for line, attr in _attribute_writes(function, {owner}) if attr in ADOPTED)
 
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.ClassDef) and node.name in pool_classes:
@@ -624,14 +631,8 @@ def _writes_around_build(path: Path) -> list[int]:
         calls = [n for n in ast.walk(function) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "_build"]
         if not calls:
             continue
+        lines.extend(line for line, _ in _attribute_writes(function, {"self", "pool"}))
         for node in ast.walk(function):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, (ast.AugAssign, ast.AnnAssign)) else []
-            for target in targets:
-                for each in target.elts if isinstance(target, ast.Tuple) else [target]:
-                    if isinstance(each, ast.Attribute) and isinstance(each.value, ast.Name) \
-                            and each.value.id in ("self", "pool"):
-                        lines.append(node.lineno)
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args \
                     and isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "pool"):
                 lines.append(node.lineno)

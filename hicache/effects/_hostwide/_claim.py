@@ -146,9 +146,7 @@ class Claim:
         """``done`` bytes are resident: counted when a step has filled since the last update (or
         all of it), if the lock is free now - never waiting, never ahead of ``done``."""
         done = min(int(done), self.nbytes)
-        if self.scope is not None:  # a scope's booking is settled by its admitting thread (`up`)
-            return
-        with self._mutex:
+        with self._mutex:  # a scope's booking (no lock) is settled by its admitting thread (`up`)
             if self.closed or self.lock is None or (done - self.written < self.step and done < self.nbytes):
                 return
             if done > self.written and self.lock.try_add_resident(done - self.written):
