@@ -123,8 +123,9 @@ def child(rule: str, barrier: str, ranks: int) -> None:
         # rank at a time, each on all of them (its default then: the CPUs, at most 16)
         allocator = HostTensorAllocator(prefault_threads=min(os.cpu_count() or 1, 16)) if rule == "old" else None
         handle = bring_up([BufferRequest("kv", (total,), None, plan)],
-                          host=HostSetup(runtime=runtime, machine=_machine(), ranks_per_host=ranks, reserve_bytes=0),
-                          mode=os.environ.get("HICACHE_BENCH_MODE"), allocator=allocator)
+                          host=HostSetup(runtime=runtime, machine=_machine(), ranks_per_host=ranks, reserve_bytes=0,
+                                         allocator=allocator),
+                          mode=os.environ.get("HICACHE_BENCH_MODE"))
         end = time.monotonic()
     finally:
         os.close(old_rule)

@@ -38,8 +38,8 @@ def _ours(nbytes: int, runtime) -> tuple[float, float, dict]:
     nbytes = nbytes // unit * unit
     plan = plan_registration(nbytes, granularity_bytes=unit, limits=limits)
     start = time.perf_counter()
-    handle = bring_up([BufferRequest("kv", (nbytes,), None, plan)], allocator=HostTensorAllocator(),
-                      host=HostSetup(runtime=runtime), budget=False)
+    handle = bring_up([BufferRequest("kv", (nbytes,), None, plan)],
+                      host=HostSetup(runtime=runtime, allocator=HostTensorAllocator()), budget=False)
     usable = time.perf_counter() - start
     facts = {"calls": plan.call_count, "page_rules": [list(r) for r in handle.page_rules()],
              "thp_brake": handle.thp_brake, "tiers": {n: t.as_dict() for n, t in handle.tiers()}}

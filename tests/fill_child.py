@@ -87,7 +87,8 @@ def main(mode: str, barrier: str, ranks: int, pool_mib: int, *numa: str) -> int:
                                itemsize=2), Limits(chunk_limit_bytes=16 << 20))
     cudart = FakeCudart(driver_lock=os.path.join(barrier, "driver.lock"), shared_log=os.path.join(barrier, "calls.log"))
     try:
-        handle = bring_up(plan, host=HostSetup(runtime=FakeRuntime(cudart), ranks_per_host=ranks if allocator else 1, reserve_bytes=0, turnstile="auto"), allocator=allocator, mode="blocking" if blocking else None,
+        handle = bring_up(plan, host=HostSetup(runtime=FakeRuntime(cudart), ranks_per_host=ranks if allocator else 1, reserve_bytes=0, turnstile="auto",
+                                               allocator=allocator), mode="blocking" if blocking else None,
                           report=Report("fill", prefault_progress=_at_first_piece(barrier, ranks, mode == "stall"),
                                         trace=trace))
     except CapacityError as error:

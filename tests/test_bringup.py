@@ -130,8 +130,8 @@ def test_a_refused_budget_allocates_and_registers_nothing(lock):
     runtime = FakeRuntime()
     allocator = HostTensorAllocator()
     with pytest.raises(CapacityError):
-        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=facts(available_bytes=GB), lock=lock),
-                 allocator=allocator)
+        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=facts(available_bytes=GB), lock=lock,
+                                              allocator=allocator))
     assert runtime.cudart.log == [] and allocator.owned() == [] and _entries(lock) == {}
 
 
@@ -144,8 +144,8 @@ def test_a_rollback_that_leaks_quarantines_the_buffers_and_drops_the_budget(lock
     allocator = HostTensorAllocator()
     before = len(QUARANTINE)
     with pytest.raises(RollbackError) as info:
-        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
-                 allocator=allocator)
+        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
+                                              allocator=allocator))
     leaked = set(info.value.leaked)
     assert leaked and runtime.held() == leaked and set(ledger.held()) == leaked
     kept = QUARANTINE[before:]
@@ -165,8 +165,8 @@ def test_a_ctrl_c_whose_rollback_leaks_quarantines_the_buffers_too(lock):
     allocator = HostTensorAllocator()
     before = len(QUARANTINE)
     with pytest.raises(BaseException) as info:
-        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
-                 allocator=allocator)
+        bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
+                                              allocator=allocator))
     assert caused_by_interrupt(info.value)
     chain, rollback = info.value, None
     while chain is not None and rollback is None:
@@ -188,8 +188,8 @@ def test_a_quarantine_stays_while_the_memory_is_still_registered_elsewhere(lock)
 
     runtime, ledger = FakeRuntime(fail_unregister={0: 1}), HostLedger()
     allocator = HostTensorAllocator()
-    handle = bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
-                      allocator=allocator)
+    handle = bring_up(_pool_plan(), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
+                                                   allocator=allocator))
     with pytest.raises(ReleaseError):
         handle.release()  # the newest range stays registered: quarantined
     buffers = allocator.owned()
@@ -225,7 +225,7 @@ def test_a_base_less_aligned_than_planned_is_replanned_not_refused():
 
     runtime = FakeRuntime()
     handle = bring_up([BufferRequest("b", (plan.total_bytes,), None, plan)],
-                      host=HostSetup(runtime=runtime, ledger=HostLedger()), allocator=Offset(), budget=False)
+                      host=HostSetup(runtime=runtime, ledger=HostLedger(), allocator=Offset()), budget=False)
     (used,) = handle.plans
     assert handle.tensors[0].data_ptr() % 128 == 64
     assert used.limits.base_alignment_bytes == 64 and used.step_bytes % unit == 0
@@ -423,8 +423,8 @@ def test_a_failing_pre_fault_rolls_the_pipelined_bring_up_back(monkeypatch, lock
     monkeypatch.setattr(_pipeline, "PIECE_BYTES", 32 * 1024)
     runtime, ledger, allocator = FakeRuntime(), HostLedger(), HostTensorAllocator()
     with pytest.raises(ApplyError) as info:
-        bring_up(_pool_plan(pages=64), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
-                 allocator=allocator, mode="pipelined")
+        bring_up(_pool_plan(pages=64), host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
+                                                      allocator=allocator), mode="pipelined")
     assert isinstance(info.value.__cause__, HostOutOfMemoryError)
     assert runtime.held() == set() and ledger.held() == () and allocator.owned() == []
     assert _entries(lock) == {}

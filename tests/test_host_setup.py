@@ -1,16 +1,16 @@
-"""The host set-up bundle (issue #34 item 5): `HostSetup` carries the host's pieces - runtime,
-machine facts, limits, budget lock and figures, ledger, turnstile, copy engine - into
-`bring_up(host=)` and every pool (``host=``); the old keywords still work and land in the same
-fields, a piece given both ways is a TypeError, and `hicache.testing.fake_host_setup()` brings a
-pool up with nothing of this machine's."""
+"""The host set-up bundle (issue #34 item 5, #55 item 2): `HostSetup` carries the host's pieces -
+runtime, machine facts, limits, budget lock and figures, ledger, turnstile, copy engine, the
+allocator the memory comes from - into `bring_up(host=)` and every pool (``host=``); the keywords
+that once spelt them one by one are Python's TypeError naming the word, and
+`hicache.testing.fake_host_setup()` brings a pool up with nothing of this machine's."""
 
 from __future__ import annotations
 
 import attrs
 import pytest
 
-from hicache.effects import BudgetLock, HostLedger, HostSetup, bring_up
-from hicache.errors import CapacityError
+from hicache.effects import BudgetLock, BufferRequest, HostLedger, HostSetup, HostTensorAllocator, bring_up
+from hicache.errors import CapacityError, PlanError
 from hicache.plan import Limits, plan_pool
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, fake_host_setup, fake_machine
@@ -71,7 +71,9 @@ def test_a_pool_takes_its_host_and_its_settings_through_one_door_each(tmp_path, 
     """The thirteen keywords that once spelt a piece of the host or a bring-up setting beside
     ``host=`` are Python's TypeError naming the pool and the word (issue #55: one door per
     concern), before any memory; ``options=`` takes a `HostPoolOptions` and ``host=`` a
-    `HostSetup`, and anything else there is a TypeError naming the door."""
+    `HostSetup`, and anything else there is a TypeError naming the door; a setup whose
+    allocator, device or ownership a pool would replace with its own (SGLang's
+    ``allocator_type=``, ``device=``) is a ValueError naming the field."""
     setup = fake_host_setup(tmp_path)
     with pytest.raises(TypeError, match=rf"^MHATokenToKVPoolHost\.__init__\(\) got an unexpected keyword argument "
                                         f"'{keyword}'"):
@@ -80,6 +82,9 @@ def test_a_pool_takes_its_host_and_its_settings_through_one_door_each(tmp_path, 
         MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup, options={"progressive": True})
     with pytest.raises(TypeError, match="host= takes a hicache.effects.HostSetup"):
         MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host={"runtime": setup.runtime})
+    for field, value in (("allocator", HostTensorAllocator()), ("device", "cuda"), ("owns_memory", False)):
+        with pytest.raises(ValueError, match=rf"host=HostSetup\({field}=.*leave HostSetup\.{field} at"):
+            MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, **{field: value}))
     assert setup.runtime.held() == set() and setup.runtime.cudart.log == []
 
 
@@ -100,11 +105,13 @@ def test_a_pools_settings_come_in_one_value():
 
 
 @pytest.mark.parametrize("keyword", ["runtime", "machine", "lock", "ledger", "turnstile", "host_memory_bytes",
-                                     "ranks_per_host", "reserve_bytes", "progress", "prefault_progress", "trace"])
+                                     "ranks_per_host", "reserve_bytes", "progress", "prefault_progress", "trace",
+                                     "allocator", "owns_memory", "device", "dtypes", "register", "flags",
+                                     "retry_halvings", "pools"])
 def test_bring_up_takes_the_host_and_the_report_as_one_value_each(tmp_path, keyword):
-    """`bring_up(host=setup)` brings a plan up with the setup's pieces; each of the eleven
-    keywords that once spelt a piece of the host or the report is now Python's TypeError naming
-    it (issue #55: one door per concern), before any memory is taken."""
+    """`bring_up(host=setup)` brings a plan up with the setup's pieces; each of the eighteen
+    keywords that once spelt a piece of the host, the memory, the requests or the report is now
+    Python's TypeError naming it (issue #55: one door per concern), before any memory is taken."""
     plan = plan_pool(_device_layout(), Limits(chunk_limit_bytes=1 << 20, os_page_bytes=4096))
     setup = fake_host_setup(tmp_path)
     handle = bring_up(plan, host=setup)
@@ -116,6 +123,41 @@ def test_bring_up_takes_the_host_and_the_report_as_one_value_each(tmp_path, keyw
     with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
         bring_up(plan, host=other, **{keyword: None})
     assert other.runtime.cudart.log == []
+
+
+def test_bring_up_takes_its_memory_from_the_setups_allocator(tmp_path):
+    """``HostSetup(allocator=)`` is where the buffers come from: they are that allocator's while
+    the handle holds them and freed at release; with ``owns_memory=False`` release leaves them to
+    their owner."""
+    plan = plan_pool(_device_layout(), Limits(chunk_limit_bytes=1 << 20, os_page_bytes=4096))
+    for owns in (True, False):
+        allocator = HostTensorAllocator()
+        handle = bring_up(plan, host=fake_host_setup(tmp_path, allocator=allocator, owns_memory=owns))
+        assert [t.data_ptr() for t in handle.tensors] == [buffer.ptr for buffer in allocator.owned()]
+        handle.release()
+        assert bool(allocator.owned()) is not owns, owns
+        allocator.free_all()
+
+
+def test_the_requests_say_the_dtypes_and_what_is_registered(tmp_path):
+    """`BufferRequest.of_pool(plan, dtypes, register=False)` is a plan's buffers as typed tensors,
+    brought up unregistered; a request list mixing BufferRequests and PoolPlans is a PlanError
+    naming the item, before any memory."""
+    plan = plan_pool(_device_layout(), Limits(chunk_limit_bytes=1 << 20, os_page_bytes=4096))
+    requests = BufferRequest.of_pool(plan, [torch.float16] * len(plan.buffers), register=False)
+    setup = fake_host_setup(tmp_path)
+    handle = bring_up(requests, host=setup)
+    try:
+        assert [t.dtype for t in handle.tensors] == [torch.float16] * len(plan.buffers)
+        assert [tuple(t.shape) for t in handle.tensors] == [b.spec.shape for b in plan.buffers]
+        assert setup.runtime.cudart.log == []  # nothing registered
+    finally:
+        handle.release()
+    with pytest.raises(PlanError, match="dtypes for"):
+        BufferRequest.of_pool(plan, [torch.float16] * (len(plan.buffers) + 1))
+    with pytest.raises(PlanError, match="not both: item 1"):
+        bring_up([plan, requests[0]], host=setup)
+    assert setup.runtime.cudart.log == []
 
 
 def _device_layout():

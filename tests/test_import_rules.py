@@ -497,11 +497,33 @@ def _catch_alls(path: Path, names: set[str]) -> list[str]:
             if isinstance(node, ast.FunctionDef) and node.name in names and node.args.kwarg is not None]
 
 
+def _parameters(path: Path, name: str) -> tuple[list[str], list[str]]:
+    """The positional and the keyword-only parameters of function ``name`` in ``path``."""
+    node = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef) and n.name == name)
+    return [a.arg for a in node.args.posonlyargs + node.args.args], [a.arg for a in node.args.kwonlyargs]
+
+
+#: `bring_up`'s one door per concern (issue #55 item 2): the requests, then how (``mode``), the
+#: host's pieces (``host``, allocator included), how it is reported (``report``) and whether it is
+#: budgeted (``budget``) - each a value with its own fields, so a new feature adds a field there
+BRING_UP_DOORS = (["requests"], ["mode", "host", "report", "budget"])
+
+
 def test_bring_up_has_one_door_per_concern_and_no_catch_all():
-    """`bring_up` names every keyword it takes (issue #55 item 6): the host's pieces come in
-    ``host=``, the report's in ``report=``, and a ``**keywords`` that once took both spellings
-    is gone."""
-    assert not _catch_alls(MODULES["hicache.effects._bringup._bring_up"], {"bring_up"})
+    """`bring_up` names every keyword it takes and takes no other (issue #55 items 2 and 6): the
+    host's pieces come in ``host=``, the report's in ``report=``, dtypes and registration in the
+    requests; no ``**keywords`` and none of the legacy keywords that spelt them one by one."""
+    path = MODULES["hicache.effects._bringup._bring_up"]
+    assert not _catch_alls(path, {"bring_up"})
+    assert _parameters(path, "bring_up") == BRING_UP_DOORS
+
+
+def test_the_bring_up_doors_rule_sees_a_legacy_keyword(tmp_path):
+    """Not vacuous: a `bring_up` with one of its old keywords beside the four doors fails the rule."""
+    legacy = tmp_path / "legacy.py"
+    legacy.write_text("def bring_up(requests, /, *, mode=None, host=None, report=None, budget=True,\n"
+                      "             allocator=None):\n    pass\n")
+    assert _parameters(legacy, "bring_up") != BRING_UP_DOORS
 
 
 def test_the_catch_all_rule_sees_one():

@@ -137,8 +137,8 @@ def _deferring_caller(runtime, ledger, lock, allocator, holder: list):
     """A caller that stores the handle with Ctrl-C held, then releases in finally."""
     try:
         with deferred_interrupts():
-            holder.append(bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
-                                   allocator=allocator))
+            holder.append(bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
+                                                        allocator=allocator)))
     finally:
         if holder:
             holder[0].release()
@@ -148,8 +148,8 @@ def _plain_caller(runtime, ledger, lock, allocator, holder: list):
     """How pools and `hicache apply` hold a bring-up: no deferral of their own (Ctrl-C stays
     prompt during a long pre-fault), release in finally."""
     try:
-        holder.append(bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger),
-                               allocator=allocator))
+        holder.append(bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
+                                                    allocator=allocator)))
     finally:
         if holder:
             holder[0].release()

@@ -200,8 +200,8 @@ def test_a_pipelined_bring_up_pre_faults_on_its_nodes_cpus(tmp_path, monkeypatch
     plan = plan_pool(MHALayout("page_first", layer_num=2, head_num=2, head_dim=64, page_size=16, page_num=1024,
                                itemsize=2), Limits(chunk_limit_bytes=1 << 20))
     trace = tmp_path / "trace.json"
-    handle = bring_up(plan, host=HostSetup(runtime=FakeRuntime(FakeCudart()), machine=machine, ranks_per_host=2), budget=False,
-                      allocator=HostTensorAllocator(numa_node=1, prefault_threads=2),
+    handle = bring_up(plan, host=HostSetup(runtime=FakeRuntime(FakeCudart()), machine=machine, ranks_per_host=2,
+                                           allocator=HostTensorAllocator(numa_node=1, prefault_threads=2)), budget=False,
                       report=Report("numa", trace=str(trace)))
     handle.release()
     pieces = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "pre-fault"]

@@ -32,9 +32,9 @@ def test_a_pipelined_bring_up_reports_every_pre_fault_piece_and_every_call():
     register call's running bytes."""
     prefault, calls = [], []
     handle = bring_up([_request(64 * MiB, 16 * MiB)], mode="pipelined",
-                      host=HostSetup(runtime=FakeRuntime(), machine=ROOMY),
-                      report=Report(progress=calls.append, prefault_progress=prefault.append),
-                      allocator=HostTensorAllocator(prefault_threads=2))
+                      host=HostSetup(runtime=FakeRuntime(), machine=ROOMY,
+                                     allocator=HostTensorAllocator(prefault_threads=2)),
+                      report=Report(progress=calls.append, prefault_progress=prefault.append))
     handle.release()
     done = [e.bytes_done for e in prefault]
     assert len(prefault) >= 2 and done == sorted(done) and done[-1] == 64 * MiB
@@ -46,8 +46,8 @@ def test_the_library_logs_both_phases_with_rate_and_eta(caplog):
     """The library's log shows the pre-fault and registration phases to 100 % with their rate and
     ETA."""
     with caplog.at_level(logging.INFO, logger="hicache.effects._bringup._progress"):
-        bring_up([_request(32 * MiB, 8 * MiB)], mode="pipelined", host=HostSetup(runtime=FakeRuntime(), machine=ROOMY),
-                 allocator=HostTensorAllocator()).release()
+        bring_up([_request(32 * MiB, 8 * MiB)], mode="pipelined", host=HostSetup(runtime=FakeRuntime(), machine=ROOMY,
+                                                                                 allocator=HostTensorAllocator())).release()
     lines = [r.getMessage() for r in caplog.records if r.name == "hicache.effects._bringup._progress"]
     assert any("pre-faulted 32 MiB / 32 MiB (100 %)" in line for line in lines), lines
     assert any("registered 32 MiB / 32 MiB (100 %)" in line and "GB/s" in line and "ETA" in line for line in lines)
@@ -58,7 +58,7 @@ def test_a_progressive_bring_up_logs_its_background_calls(caplog):
     with caplog.at_level(logging.INFO, logger="hicache.effects._bringup._progress"):
         handle = bring_up([_request(32 * MiB, 32 * MiB)], mode=Progressive(max_stall_s=0.001),
                           host=HostSetup(runtime=FakeRuntime(FakeCudart(register_bytes_per_s=4e9)), machine=ROOMY,
-                                         turnstile=None), allocator=HostTensorAllocator())
+                                         turnstile=None, allocator=HostTensorAllocator()))
         try:
             assert handle.wait(30)
         finally:
@@ -116,7 +116,7 @@ def test_a_progressive_apply_reports_while_it_waits_for_the_background():
     stream = io.StringIO()
     handle = bring_up([_request(64 * MiB, 64 * MiB)], mode=Progressive(max_stall_s=0.005),
                       host=HostSetup(runtime=FakeRuntime(FakeCudart(register_bytes_per_s=0.5e9)), machine=ROOMY,
-                                     turnstile=None), allocator=HostTensorAllocator())
+                                     turnstile=None, allocator=HostTensorAllocator()))
     try:
         wait_progressive(handle, handle.total_bytes, stream=stream, every_s=0.02)
     finally:
@@ -141,7 +141,7 @@ def test_the_library_says_it_is_still_working_during_a_long_call(caplog):
 
     with caplog.at_level(logging.INFO, logger="hicache.effects._bringup._progress"):
         bring_up([_request(48 * MiB, 48 * MiB)], mode="blocking",
-                 host=HostSetup(runtime=FakeRuntime(LongCall()), machine=ROOMY, turnstile=None),
-                 allocator=HostTensorAllocator()).release()
+                 host=HostSetup(runtime=FakeRuntime(LongCall()), machine=ROOMY, turnstile=None,
+                                allocator=HostTensorAllocator())).release()
     beats = [r.getMessage() for r in caplog.records if "still working" in r.getMessage()]
     assert beats and all("s since the last register call" in line for line in beats), beats

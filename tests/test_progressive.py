@@ -492,8 +492,8 @@ def test_release_unregisters_the_calls_newest_first():
     plan = plan_registration(8 * 2**20, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=2 * 2**20))
     cudart = FakeCudart()
     handle = bring_up([BufferRequest("kv", (plan.total_bytes,), None, plan)], mode=Progressive(max_stall_s=None),
-                      host=HostSetup(runtime=FakeRuntime(cudart), machine=ROOMY, turnstile=None),
-                                     allocator=HostTensorAllocator())
+                      host=HostSetup(runtime=FakeRuntime(cudart), machine=ROOMY, turnstile=None,
+                                     allocator=HostTensorAllocator()))
     try:
         assert handle.wait(120)
     finally:

@@ -117,14 +117,14 @@ def test_a_finalizer_never_waits_on_a_budget_lock_held_in_this_process(tmp_path)
 
 
 def _blocking(runtime, ledger, tmp_path):
-    return bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=BudgetLock(tmp_path), ledger=ledger),
-                    allocator=HostTensorAllocator())
+    return bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=BudgetLock(tmp_path), ledger=ledger,
+                                         allocator=HostTensorAllocator()))
 
 
 def _progressive(runtime, ledger, tmp_path):
     return bring_up(PLAN, mode=Progressive(max_stall_s=None),
-                    host=HostSetup(runtime=runtime, machine=ROOMY, lock=BudgetLock(tmp_path), ledger=ledger),
-                    allocator=HostTensorAllocator())
+                    host=HostSetup(runtime=runtime, machine=ROOMY, lock=BudgetLock(tmp_path), ledger=ledger,
+                                   allocator=HostTensorAllocator()))
 
 
 MODES = {"blocking": _blocking, "progressive": _progressive}

@@ -119,8 +119,8 @@ def test_a_bring_up_on_the_main_thread_handles_sigterm_only_where_nobody_else_do
         previous = signal.signal(signal.SIGTERM, installed)
         try:
             with fake_cuda():
-                handle = bring_up(plan, allocator=Watching(), budget=False, host=HostSetup(turnstile=None),
-                                  owns_memory=False)
+                handle = bring_up(plan, budget=False, host=HostSetup(turnstile=None,
+                                                                     allocator=Watching(), owns_memory=False))
                 handle.release()
             assert signal.getsignal(signal.SIGTERM) is installed  # put back as it was
         finally:

@@ -98,9 +98,9 @@ def test_releasing_a_progressive_bring_up_waits_for_its_pre_fault_before_freeing
     """Releasing a progressive bring-up waits for its pre-fault thread before freeing: no piece runs
     on freed memory."""
     runtime = FakeRuntime(register_bytes_per_s=MiB / 0.005)
-    handle = bring_up(_requests(64), mode=Progressive(), host=HostSetup(runtime=runtime, ledger=HostLedger()),
-                      budget=False,
-                      allocator=HostTensorAllocator(prefault_threads=1))
+    handle = bring_up(_requests(64), mode=Progressive(), host=HostSetup(runtime=runtime, ledger=HostLedger(),
+                                                                        allocator=HostTensorAllocator(prefault_threads=1)),
+                      budget=False)
     assert _threads("hicache-prefault-pipeline")  # still faulting in the background
     handle.release()
     assert not _threads("hicache-prefault-pipeline") and not _threads("hicache-progressive")
@@ -115,8 +115,8 @@ def test_a_failed_pipelined_bring_up_waits_for_its_pre_fault_before_freeing(slow
     allocator = HostTensorAllocator(prefault_threads=1)
     runtime = FakeRuntime(fail_register={1: 2})  # refused while pieces 1-4 of 5 (32 MiB each) are to come
     with pytest.raises(ApplyError):
-        bring_up(_requests(160), mode="pipelined", host=HostSetup(runtime=runtime, ledger=HostLedger()), budget=False,
-                 allocator=allocator)
+        bring_up(_requests(160), mode="pipelined", host=HostSetup(runtime=runtime, ledger=HostLedger(),
+                                                                  allocator=allocator), budget=False)
     assert not _threads("hicache-prefault-pipeline")
     time.sleep(0.1)
     assert slow_prefault == []

@@ -190,8 +190,9 @@ def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reache
 
     plan = plan_registration(2 * MiB, granularity_bytes=64 * 1024, limits=Limits(chunk_limit_bytes=MiB))
     request = BufferRequest("kv", (2 * MiB,), None, plan)
-    handle = bring_up([request], mode="pipelined", allocator=HostTensorAllocator(prefault_threads=1),
-                      host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, ledger=HostLedger()), budget=False)
+    handle = bring_up([request], mode="pipelined",
+                      host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, ledger=HostLedger(),
+                                     allocator=HostTensorAllocator(prefault_threads=1)), budget=False)
     try:
         advised = [e for e in events if e[0] == "advise"]
         faulted = [e for e in events if e[0] == "fault"]

@@ -161,8 +161,8 @@ def test_a_bring_up_reports_the_pages_the_kernel_shows(hugepages):
     plan = plan_registration(size, granularity_bytes=2 * MiB, limits=Limits(chunk_limit_bytes=4 * MiB))
     allocator = HostTensorAllocator(prefault_threads=1, hugepages=hugepages)
     with bring_up([BufferRequest("kv", (size,), None, plan)], host=HostSetup(runtime=FakeRuntime(),
-                                                                             ledger=HostLedger()),
-                  budget=False, allocator=allocator) as handle:
+                                                                             ledger=HostLedger(), allocator=allocator),
+                  budget=False) as handle:
         ((name, tiers),) = handle.tiers()
         ptr = handle.tensors[0].data_ptr()
         start, end, kernel = _kernel_says(ptr)

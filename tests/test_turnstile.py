@@ -91,7 +91,7 @@ def test_a_bad_setting_is_an_error_naming_it_before_anything_is_held(monkeypatch
     with pytest.raises(EnvError, match=f"{name}={value!r}"):
         bring_up([BufferRequest("kv", (4096,), None, plan_registration(4096, granularity_bytes=4096,
                                                                          limits=Limits(chunk_limit_bytes=4096)))],
-                 host=HostSetup(runtime=FakeRuntime(), machine=ROOMY), allocator=Refusing())
+                 host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, allocator=Refusing()))
     assert allocations == []
 
 
@@ -329,8 +329,8 @@ def test_a_progressive_bring_up_takes_turns_and_is_paced_by_the_host_budget(dire
     cudart = FakeCudart(register_bytes_per_s=2e9)
     turnstile = _forced(directory, max_stall_s=0.005)  # 10 MB a call at the fake's rate
     handle = bring_up([BufferRequest("kv", (plan.total_bytes,), None, plan)], mode=Progressive(max_stall_s=None),
-                      host=HostSetup(runtime=FakeRuntime(cudart), machine=ROOMY, turnstile=turnstile),
-                                     allocator=HostTensorAllocator())
+                      host=HostSetup(runtime=FakeRuntime(cudart), machine=ROOMY, turnstile=turnstile,
+                                     allocator=HostTensorAllocator()))
     try:
         assert handle.wait(30)
         sizes = [size for _, size, _ in handle.calls]
@@ -350,7 +350,7 @@ def test_a_progressive_call_keeps_to_the_smaller_of_its_own_and_the_hosts_stall_
     plan = plan_registration(64 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=64 * MiB))
     handle = bring_up([BufferRequest("kv", (plan.total_bytes,), None, plan)], mode=Progressive(max_stall_s=own_s),
                       host=HostSetup(runtime=FakeRuntime(FakeCudart(register_bytes_per_s=rate)), machine=ROOMY,
-                                     turnstile=_forced(directory, max_stall_s=host_s)), allocator=HostTensorAllocator())
+                                     turnstile=_forced(directory, max_stall_s=host_s), allocator=HostTensorAllocator()))
     try:
         assert handle.wait(120)
         sizes = [size for _, size, _ in handle.calls]
@@ -386,9 +386,9 @@ def test_a_bring_up_is_a_member_from_its_first_call_to_its_last_and_no_longer(di
 
     plan = plan_registration(8 * MiB, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=4 * MiB))
     how = "blocking" if mode == "blocking" else Progressive(max_stall_s=None)
-    handle = bring_up([BufferRequest("kv", (plan.total_bytes,), None, plan)], mode=how, allocator=HostTensorAllocator(),
+    handle = bring_up([BufferRequest("kv", (plan.total_bytes,), None, plan)], mode=how,
                       host=HostSetup(runtime=FakeRuntime(Watching()), machine=ROOMY, turnstile=Turnstile(directory,
-                                     auto=True)))
+                                     auto=True), allocator=HostTensorAllocator()))
     try:
         assert handle.wait(120)
         _wait_for(lambda: not announced(), [], "leaving once the registration ended", 60)  # its thread leaves as it ends

@@ -280,11 +280,10 @@ def run(args, *, runtime=None, cuda_binding=None, ledger=None, machine=None, loc
             progress.start()
         try:
             host = HostSetup(runtime=runtime, machine=machine, lock=lock, ledger=ledger, reserve_bytes=reserve,
-                             host_memory_bytes=host_memory, ranks_per_host=ranks)
+                             host_memory_bytes=host_memory, ranks_per_host=ranks, allocator=allocator)
             shown = attrs.evolve(report, progress=progress, prefault_progress=progress,
                                  trace=getattr(args, "trace", None))
-            handle = bring_up(pools, mode=Progressive() if args.progressive else None, host=host,
-                              allocator=allocator, report=shown)
+            handle = bring_up(pools, mode=Progressive() if args.progressive else None, host=host, report=shown)
             up.append(handle)
         finally:
             if progress is not None:

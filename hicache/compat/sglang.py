@@ -306,11 +306,10 @@ def alloc_with_host_register(
         name = _metrics_name()  # SGLang's pool class and the buffer's number: the metrics' pool label
         # hicache's own allocator (SGLang's default swapped out) is this call's: a failed bring-up
         # unmaps what it mapped. A back end's allocator keeps its memory whatever happens.
-        handle = bring_up(
-            [BufferRequest("host buffer", dims, dtype, plan)], host=HostSetup(runtime=for_sglang.torch_runtime(_cudart)),
-            allocator=chosen, budget=False, owns_memory=chosen is not allocator, device=device,
-            report=Report(name, progress=_sglang_log.CallProgress(log)),  # detach() hands the metrics on too
-        )
+        host = HostSetup(runtime=for_sglang.torch_runtime(_cudart), allocator=chosen, device=device,
+                         owns_memory=chosen is not allocator)
+        handle = bring_up([BufferRequest("host buffer", dims, dtype, plan)], host=host, budget=False,
+                          report=Report(name, progress=_sglang_log.CallProgress(log)))  # detach() hands the metrics on too
     except BaseException as error:
         admission.abandon()  # an admitted request that failed drops its claim now
         if isinstance(error, (ApplyError, HostAlreadyRegisteredError)):

@@ -4,7 +4,7 @@ are lazy: importing this package costs little.
 
 Rooms imported downward only (a test checks it), over two leaves every room may use -
 ``_interrupts`` (Ctrl-C, SIGTERM and SIGHUP held while books change) and ``_trace`` (the
-bring-up trace, HICACHE_TRACE / ``bring_up(trace=)``): the leaves <- ``_hostwide`` (what the
+bring-up trace, HICACHE_TRACE / ``Report(trace=)``): the leaves <- ``_hostwide`` (what the
 processes of a host agree through: the private runtime directory, the budget lock and its
 claims, the registration turnstile) <- ``_cuda`` (codes, runtimes, ledger, executor,
 registrations) <- ``_host`` (mapping, pre-fault, NUMA, probes, allocators) and ``_copy`` (the

@@ -17,6 +17,7 @@ from functools import wraps
 import attrs
 
 from hicache.effects import (
+    BufferRequest,
     CopyEngine,
     FrameworkPinnedAllocator,
     HostAllocator,
@@ -277,8 +278,9 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
                         numa_node=self.numa_node)  # the metrics see it from the bring-up itself
         # one admission: hicache's host-wide budget, or the server's scope where one is in force
         # (its HostSetup's server: SGLang's host_memory_budget_scope books it instead)
-        self._host = bring_up(self.pool_plan, mode=mode, dtypes=self.geometry.buffer_dtypes, register=register,
-                              allocator=allocator, report=report, host=self.host_setup, device=self.device)
+        requests = BufferRequest.of_pool(self.pool_plan, self.geometry.buffer_dtypes, register=register)
+        host = attrs.evolve(self.host_setup, allocator=allocator, device=self.device)  # the pool's own allocator
+        self._host = bring_up(requests, mode=mode, host=host, report=report)
         # a handle dropped by a Ctrl-C right after this returns is released by its finalizer
         self.registration = self._host.registration
         tensors = self._host.tensors

@@ -63,7 +63,15 @@ class PoolOptions:
         if self.host is not None and not isinstance(self.host, HostSetup):
             raise TypeError(f"{owner}() host= takes a hicache.effects.HostSetup, got {type(self.host).__name__}")
         setup = self.host if self.host is not None else HostSetup()
+        for name, default in _POOLS_OWN_MEMORY.items():  # not silently replaced by the pool's own
+            if getattr(setup, name) != default:
+                raise ValueError(f"{owner}() host=HostSetup({name}={getattr(setup, name)!r}): a pool's memory comes "
+                                 f"from its own allocator_type= and device=; leave HostSetup.{name} at {default!r}")
         return setup if setup.server is not None else attrs.evolve(setup, server=server())
+
+
+#: the `HostSetup` fields a pool sets itself, from SGLang's ``allocator_type`` and ``device``
+_POOLS_OWN_MEMORY = {"allocator": None, "device": "cpu", "owns_memory": True}
 
 
 #: the keywords a pool constructor takes beyond its positional ones: SGLang's own options, and

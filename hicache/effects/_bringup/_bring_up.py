@@ -77,36 +77,36 @@ class BufferRequest:
     dtype: object = None
     plan: RegistrationPlan | None = None
 
+    @classmethod
+    def of_pool(cls, pool_plan: PoolPlan, dtypes=None, *, register: bool = True,
+                prefix: str = "") -> list["BufferRequest"]:
+        """The requests of every buffer of ``pool_plan``: ``dtypes``, one torch dtype per buffer
+        (None: flat uint8 buffers); ``register=False``: allocate only; names after ``prefix``."""
+        if not isinstance(pool_plan, PoolPlan):
+            raise PlanError(f"expected a PoolPlan, got {pool_plan!r}")
+        buffers = pool_plan.buffers
+        dtypes = [None] * len(buffers) if dtypes is None else list(dtypes)
+        if len(dtypes) != len(buffers):
+            raise PlanError(f"{len(dtypes)} dtypes for {len(buffers)} buffers")
+        return [cls(prefix + buffer.spec.name, buffer.spec.shape if dtype is not None else (buffer.spec.nbytes,),
+                    dtype, buffer.plan if register else None) for buffer, dtype in zip(buffers, dtypes)]
 
-def pool_requests(pool_plan: PoolPlan, dtypes=None, *, register: bool = True, prefix: str = "") -> list[BufferRequest]:
-    """The requests of every buffer of ``pool_plan`` (``dtypes``: one torch dtype per buffer)."""
-    if not isinstance(pool_plan, PoolPlan):
-        raise PlanError(f"expected a PoolPlan, got {pool_plan!r}")
-    buffers = pool_plan.buffers
-    dtypes = [None] * len(buffers) if dtypes is None else list(dtypes)
-    if len(dtypes) != len(buffers):
-        raise PlanError(f"{len(dtypes)} dtypes for {len(buffers)} buffers")
-    requests = []
-    for buffer, dtype in zip(buffers, dtypes):
-        shape = buffer.spec.shape if dtype is not None else (buffer.spec.nbytes,)
-        requests.append(BufferRequest(prefix + buffer.spec.name, shape, dtype, buffer.plan if register else None))
-    return requests
 
-
-def _requests(pools, dtypes, register: bool) -> list[BufferRequest]:
-    """`BufferRequest`s of one `PoolPlan`, several (named ``index/buffer``), or requests as given."""
-    if isinstance(pools, PoolPlan):
-        return pool_requests(pools, dtypes, register=register)
-    pools = list(pools)
-    if pools and all(isinstance(p, BufferRequest) for p in pools):
-        if dtypes is not None:
-            raise PlanError("bring_up(dtypes=) is for pool plans; a BufferRequest carries its own dtype")
-        return pools if register else [attrs.evolve(r, plan=None) for r in pools]
-    dtypes = [None] * len(pools) if dtypes is None else list(dtypes)
-    requests = []
-    for index, (pool, pool_dtypes) in enumerate(zip(pools, dtypes, strict=True)):
-        requests += pool_requests(pool, pool_dtypes, register=register, prefix=f"{index}/")
-    return requests
+def _requests(requests) -> list[BufferRequest]:
+    """`BufferRequest`s as given, or those of one `PoolPlan` or several (named ``index/buffer``):
+    flat uint8 buffers, each registered by its plan (`BufferRequest.of_pool` for dtypes, or none)."""
+    if isinstance(requests, PoolPlan):
+        return BufferRequest.of_pool(requests)
+    requests = list(requests)
+    if all(isinstance(r, BufferRequest) for r in requests):
+        return requests
+    made = []
+    for index, pool in enumerate(requests):
+        if isinstance(pool, BufferRequest):
+            raise PlanError(f"bring_up(requests) takes BufferRequests or PoolPlans, not both: item {index} "
+                            f"is {pool!r}")
+        made += BufferRequest.of_pool(pool, prefix=f"{index}/")
+    return made
 
 
 def _nbytes(request: BufferRequest) -> int:
@@ -165,34 +165,28 @@ def _owning_signals(function):
 
 @_owning_signals
 def bring_up(
-    pools,
+    requests,
+    /,
     *,
+    mode=None,
     host: HostSetup | None = None,
     report: Report | None = Report(),
-    mode=None,
-    dtypes=None,
-    register: bool = True,
-    allocator=None,
     budget: bool = True,
-    flags: int = 0,
-    retry_halvings: int = 0,
-    owns_memory: bool = True,
-    device: str = "cpu",
 ) -> HostPools:
-    """Bring ``pools`` up - one `PoolPlan`, several (a model's pools on one rank; buffers named
-    ``index/buffer``) or `BufferRequest`s - and return the `HostPools` handle that owns them.
+    """Bring ``requests`` up - `BufferRequest`s, or one `PoolPlan` or several (a model's pools
+    on one rank: flat uint8 buffers named ``index/buffer``; `BufferRequest.of_pool` gives a plan's with
+    dtypes, or unregistered) - and return the `HostPools` handle that owns them.
 
     ``mode``: ``"blocking"``, ``"pipelined"``, ``"map-only"`` or `Progressive(...)` (see the
     module charter; None: pipelined where the allocator can map unfaulted, else blocking).
-    ``dtypes``: per pool, one torch dtype per buffer (default: flat uint8 buffers);
-    ``register=False`` allocates only. ``allocator``: a `HostAllocator` (default
-    `HostTensorAllocator()`); ``budget=False`` skips the budget (memory someone else already
-    budgeted; otherwise the one admission, `hicache.effects.admission.claim`, decides by the
-    setup's figures - or books it in the setup's ``server``'s budget scope where one is in force);
-    ``owns_memory=False`` leaves freeing to the tensors' owner.
+    ``budget=False`` skips the budget (memory someone else already budgeted; otherwise the one
+    admission, `hicache.effects.admission.claim`, decides by the setup's figures - or books it in
+    the setup's ``server``'s budget scope where one is in force).
 
     Two concerns come as one value each, so a new feature adds a field, not a keyword here:
-    ``host`` - the host's pieces (`HostSetup`: ``runtime``, a `HostRuntime`, default
+    ``host`` - the host's pieces (`HostSetup`: the ``allocator`` the memory comes from, default
+    `HostTensorAllocator()`, its ``device``, whether the handle ``owns_memory``; ``runtime``, a
+    `HostRuntime`, default
     `default_runtime()`, cuda-python unless `hicache.testing.fake_cuda` is active; ``machine``,
     `MachineFacts`, default `probe_machine()`; the budget's ``lock``, a `BudgetLock`, default
     `budget_lock()`, ``host_memory_bytes`` and ``ranks_per_host`` instead of the machine's,
@@ -202,7 +196,9 @@ def bring_up(
     ``bring_up``, None: not shown - shown once it is up, counted when it fails, released with
     its handle; ``progress(ProgressEvent)``, ``prefault_progress(PrefaultEvent)`` and the
     ``trace`` file). Their fields are theirs alone: the keywords each once had here are gone
-    (issue #55: one door per concern).
+    (issue #55: one door per concern), and so are ``dtypes=``/``register=`` (the requests say
+    both) and ``flags=``/``retry_halvings=`` (no caller set them: calls register with flags 0 and
+    a failed call is undone, not retried smaller).
     Both phases also go to the library's log (INFO, at most a line a second). Raises `CapacityError`
     before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
@@ -217,10 +213,10 @@ def bring_up(
     log = ProgressLog()
     listening = log if log.enabled() else None  # no events made for a log nobody reads
     progress, prefault_progress = tee(listening, progress), tee(listening, prefault_progress)
-    requests = _requests(pools, dtypes, register)
-    allocator = host_allocator(allocator)
+    requests = _requests(requests)
+    allocator, device = host_allocator(setup.allocator), setup.device
     mode = _mode(mode, requests, allocator, device)
-    handle = HostPools(requests, allocator, ledger, owns_memory=owns_memory, nbytes=[_nbytes(r) for r in requests],
+    handle = HostPools(requests, allocator, ledger, owns_memory=setup.owns_memory, nbytes=[_nbytes(r) for r in requests],
                        mode=mode if isinstance(mode, str) else "progressive", report=report)
 
     def fill(run: _Run) -> None:  # until the memory is resident (progressive: mapped), outside the lock
@@ -258,7 +254,7 @@ def bring_up(
         faults_here = mode == PIPELINED or isinstance(mode, Progressive) or (
             mode == BLOCKING and str(device) == "cpu" and allocator.can_map_unfaulted)  # else the allocator faults
         share = _share(allocator, machine, ranks_per_host) if faults_here else None
-        run = _Run(handle, requests, runtime, ledger, turnstile, flags, retry_halvings, progress,
+        run = _Run(handle, requests, runtime, ledger, turnstile, progress,
                    prefault_progress if claim is None else tee(prefault_progress, claim), listening, device, start,
                    share)
         fill(run)

@@ -2,7 +2,7 @@
 
 A bring-up needs a runtime (the CUDA calls), the machine's facts and limits, the host-wide budget
 lock and the room it grants (a stated host figure, ranks, the reserve), the ledger of what this
-process holds, the registration turnstile and a copy engine. They travel together: pools,
+process holds, the registration turnstile, a copy engine and the allocator the memory comes from. They travel together: pools,
 `hicache apply` and the SGLang seam hand one `HostSetup` to `bring_up(host=)` instead of one
 keyword each, so a new piece adds a field here, not a keyword to every signature. ``None``
 means "the process's own" (probed, or the default) when the bring-up runs; `HostSetup.probe()`
@@ -24,7 +24,11 @@ class HostSetup:
     None: off; a `Turnstile`), ``copy_engine`` (a `CopyEngine`; None: one with the probed host
     copy mode), and the budget's figures: ``host_memory_bytes`` (a stated figure instead of the
     machine's available memory), ``ranks_per_host`` (instead of the machine's), ``reserve_bytes``
-    (left to the OS). ``server``: the serving process a host pool asks - its own chunk setting,
+    (left to the OS). Where the buffers' memory comes from: ``allocator`` (a `HostAllocator`, or
+    any object with SGLang's ``allocate(dims, dtype, device)``; None: a new `HostTensorAllocator()`;
+    a pool's is its own ``allocator_type``'s), ``device`` (where it places them, ``"cpu"``) and
+    ``owns_memory`` (False: the tensors' owner frees the memory, after a failed bring-up too).
+    ``server``: the serving process a host pool asks - its own chunk setting,
     io backend, pipeline-parallel size sync, storage allocators and host-memory budget scope
     (`hicache.pools.NoServer`'s questions; the bring-up itself never asks it); None: the one the
     plug-in handed in (`hicache.pools.serve_in`) when the pool is built, else none."""
@@ -39,6 +43,9 @@ class HostSetup:
     host_memory_bytes: int | None = None
     ranks_per_host: int | None = None
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    allocator: object = None
+    device: str = "cpu"
+    owns_memory: bool = True
     server: object = None
 
     @classmethod

@@ -67,7 +67,7 @@ def _aligned_plan(plan: RegistrationPlan, ptr: int) -> RegistrationPlan:
 class _Run:
     """One bring-up as its steps need it (issue #34 item 5: the mode functions take this one
     record, not nine positional arguments): the handle that owns what they make, the requests,
-    CUDA's runtime and ledger, the turnstile, the call options, who hears of progress, the device
+    CUDA's runtime and ledger, the turnstile, who hears of progress, the device
     and when it started."""
 
     handle: HostPools
@@ -75,8 +75,6 @@ class _Run:
     runtime: object
     ledger: object
     turnstile: object
-    flags: int
-    retry_halvings: int
     progress: object
     prefault_progress: object
     log: object  # the library's progress log (None: nobody reads it)
@@ -99,8 +97,9 @@ def _register(run: _Run, before_call=None) -> None:
     runtime = default_runtime() if run.runtime is None else run.runtime
     with deferred_interrupts():  # a Ctrl-C after the last call lands once it is stored
         registration = _apply(
-            items, runtime=runtime, flags=run.flags, progress=run.progress,
-            retry_halvings=run.retry_halvings, ledger=run.ledger, gate=Gate(run.turnstile, ready=before_call),
+            # flags 0 (cudaHostRegisterDefault); a failed call is undone, not retried smaller
+            items, runtime=runtime, flags=0, progress=run.progress, retry_halvings=0, ledger=run.ledger,
+            gate=Gate(run.turnstile, ready=before_call),
         )
         handle._hold_registration(registration)
     handle.timings["register_s"] = registration.status().register_seconds
