@@ -420,6 +420,59 @@ def test_the_overwrite_rule_sees_the_adopters_and_every_family():
         ADOPTERS.update(saved)
 
 
+#: the parts a `HostKVCache` is made of (issue #55 item 1): each reads every fact of the pool
+#: from its ``geometry`` and otherwise only the live state it declares in its ``NEEDS``
+PARTS = {"hicache.pools._slots": "SlotsMixin", "hicache.pools._device_copies": "DeviceCopiesMixin",
+         "hicache.pools._progressive": "ProgressiveMixin", "hicache.pools._storage": "StoragePagesMixin",
+         "hicache.pools._hisparse": "HiSparseHostPoolMixin"}
+#: a pool's facts: what it adopts from its geometry, and what the base derives from them
+FACTS = ADOPTED - {"geometry", "_pages"} | {"logical_page_size", "logical_size", "descriptor_class", "family"}
+
+
+def _part_reads(path: Path, name: str) -> tuple[set[str], tuple]:
+    """What class ``name`` of ``path`` reads of ``self`` (``self.x``, ``getattr(self, "x")``)
+    beyond its own methods, class attributes and writes - and the ``NEEDS`` it declares."""
+    node = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == name)
+    own, needs = set(), ()
+    for item in node.body:
+        if isinstance(item, ast.FunctionDef):
+            own.add(item.name)
+        for target in item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(item, ast.AnnAssign) else []:
+            if isinstance(target, ast.Name):
+                own.add(target.id)
+                if target.id == "NEEDS":
+                    needs = ast.literal_eval(item.value)
+    reads = set()
+    for each in ast.walk(node):
+        if isinstance(each, ast.Attribute) and isinstance(each.value, ast.Name) and each.value.id == "self":
+            (own.add if isinstance(each.ctx, ast.Store) else reads.add)(each.attr)
+        elif (isinstance(each, ast.Call) and getattr(each.func, "id", None) == "getattr" and len(each.args) > 1
+              and getattr(each.args[0], "id", None) == "self" and isinstance(each.args[1], ast.Constant)):
+            reads.add(each.args[1].value)
+    return reads - own, needs
+
+
+@pytest.mark.parametrize("module", sorted(PARTS), ids=str)
+def test_each_pool_part_takes_its_facts_from_the_geometry(module):
+    """A pool's part (slots, device copies, progressive, L3 pages, HiSparse rows) reads every fact
+    of the pool - page, layers, layout, sizes, DCP, device - from its ``geometry``, and of the rest
+    only the live state its ``NEEDS`` declares: no implicit attribute shared between parts."""
+    reads, needs = _part_reads(MODULES[module], PARTS[module])
+    assert reads - {"geometry"} <= set(needs), f"{PARTS[module]} reads undeclared {sorted(reads - {'geometry'} - set(needs))}"
+    assert not set(needs) & FACTS, f"{PARTS[module]} declares facts {sorted(set(needs) & FACTS)}: read them from the geometry"
+    assert set(needs) <= reads, f"{PARTS[module]} declares {sorted(set(needs) - reads)} it never reads"
+
+
+def test_the_parts_rule_sees_an_implicit_fact(tmp_path):
+    """Not vacuous: a part that reads ``self.page_size``, or declares it, fails the rule."""
+    part = tmp_path / "part.py"
+    part.write_text("class P:\n    NEEDS = ('lock',)\n    def f(self):\n        return self.lock, self.page_size\n")
+    reads, needs = _part_reads(part, "P")
+    assert reads - {"geometry"} - set(needs) == {"page_size"}
+    part.write_text("class P:\n    NEEDS = ('page_size',)\n    def f(self):\n        return self.page_size\n")
+    assert set(_part_reads(part, "P")[1]) & FACTS == {"page_size"}
+
+
 MAX_LINES = 400  # a module past this holds more than one charter (issue #34)
 #: The modules still past it, and why (each shrinks with the item of #34 named; none may grow).
 OVER_MAX = {

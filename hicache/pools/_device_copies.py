@@ -33,12 +33,17 @@ def _layer_id(layer_id) -> int:
 
 
 class DeviceCopiesMixin:
-    """Mixed into `HostKVCache`: SGLang's transfer calls over the pool's geometry."""
+    """A part of `HostKVCache`: SGLang's transfer calls over the pool's ``geometry`` (every
+    fact read from it) and the live state in `NEEDS`."""
+
+    #: the pool's live state this part reads beyond its ``geometry`` (tests/test_import_rules.py)
+    NEEDS = ("buffers", "_transfers", "_copy_gate", "_alive")
 
     # -- transfers --------------------------------------------------------------------------
     def _host_view(self, stream: Stream, layer: int):
         tensor = self.buffers[stream.buffer]
-        return layer_token_view(tensor, self.descriptor.family, self.layout, layer, stream.kv, self.page_size)
+        geometry = self.geometry
+        return layer_token_view(tensor, geometry.family, geometry.layout, layer, stream.kv, geometry.page_size)
 
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
         with self._copy_gate:  # counted in flight, so destroy() waits for it before letting memory go
@@ -67,20 +72,21 @@ class DeviceCopiesMixin:
         if self._transfers is None:
             raise RegistrationStateError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no memory to copy")
         if io_backend not in ("direct", "kernel"):  # the layout was checked when the pool was built
-            check_backend(io_backend, self.layout, self.descriptor_class().supported())
+            check_backend(io_backend, self.geometry.layout, self.geometry.descriptor.supported())
         if self.geometry.form.own_device:
             # the device buffers given at construction, whatever pool the caller passes (SGLang's
             # own pools copy to the captured tensors too); this rank's rows under DCP
-            device_pool = self.device_pool
+            device_pool = self.geometry.device
             host_indices, device_indices = (self._dcp_rows(host_indices), self._dcp_rows(device_indices))
         self._transfers.run(device_pool, host_indices, device_indices, layers, to_host=to_host)
 
     def _dcp_rows(self, indices):
         """SGLang's `maybe_dcp_kernel_indices`: widened logical slots -> this rank's rows (slot %
         dcp_size == dcp_rank owns row slot // dcp_size)."""
-        if self.dcp_size == 1:
+        size = self.geometry.dcp_size
+        if size == 1:
             return indices
-        return indices[self.dcp_rank :: self.dcp_size] // self.dcp_size
+        return indices[self.geometry.dcp_rank :: size] // size
 
     def _layers_for(self, layer_id, is_draft: bool) -> list[int]:
         """The host layer a controller's ``layer_id`` loads (`PoolGeometry.host_layer`), or none."""
@@ -97,7 +103,7 @@ class DeviceCopiesMixin:
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
         """Copy the given slots of every layer device -> host."""
-        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), io_backend, to_host=True)
+        self._transfer(device_pool, host_indices, device_indices, range(self.geometry.layer_num), io_backend, to_host=True)
 
     # -- SGLang 0.5.23's L2 hooks (pool_host/base.py; called by mem_cache/l2_transfer.py) ---
     def prepare_transfer_indices(self, host_indices, device_indices, io_backend):

@@ -144,6 +144,32 @@ class PoolGeometry:
         """Token slots the pool hands out (``page_num * page_size``)."""
         return self.page_num * self.facts.page_size
 
+    # the facts a pool's parts read most, by the names SGLang's pool fields have
+    @property
+    def page_size(self) -> int:
+        """Token slots of one (physical) page."""
+        return self.facts.page_size
+
+    @property
+    def layer_num(self) -> int:
+        """Layers the pool holds."""
+        return self.facts.layer_num
+
+    @property
+    def dcp_size(self) -> int:
+        """Decode-context-parallel ranks that share a logical page (1: none)."""
+        return self.facts.dcp_size
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank among them."""
+        return self.facts.dcp_rank
+
+    @property
+    def logical_page_size(self) -> int:
+        """The page in the controllers' logical space (the widened DCP page)."""
+        return self.facts.page_size * self.facts.dcp_size
+
     def host_layer(self, layer_id: int, *, is_draft: bool = False) -> int | None:
         """The host layer a controller's ``layer_id`` copies: through the description's map where
         the form has one (targets by id, packed drafts with ``is_draft``; None for a layer the

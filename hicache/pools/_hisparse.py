@@ -14,15 +14,18 @@ from hicache.errors import HostPagesExhaustedError, TransferError
 
 
 class HiSparseHostPoolMixin:
-    """Mix into a `HostKVCache` (needs ``page_size``, ``alloc`` and ``available_size``)."""
+    """A part of a `HostKVCache`: over the pool's ``geometry`` (its page) and its slot calls."""
+
+    #: the pool's calls this part makes beyond its ``geometry`` (tests/test_import_rules.py)
+    NEEDS = ("alloc", "available_size")
 
     def _round_up_to_page_size(self, n: int) -> int:
         """``n`` rounded up to whole pages."""
-        return -(-n // self.page_size) * self.page_size
+        return -(-n // self.geometry.page_size) * self.geometry.page_size
 
     def alloc_page(self, num_pages: int):
         """``num_pages`` whole pages of token slots, or None when the pool is short."""
-        return self.alloc(num_pages * self.page_size)
+        return self.alloc(num_pages * self.geometry.page_size)
 
     def alloc_paged_token_slots(self, req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, start_pos,
                                 num_tokens):
@@ -48,12 +51,12 @@ class HiSparseHostPoolMixin:
         if want > held:
             if want > width:
                 raise TransferError(f"growing request {int(req_pool_idx)} to {want} slots passes its row of {width}")
-            pages = (want - held) // self.page_size
+            pages = (want - held) // self.geometry.page_size
             slots = self.alloc_page(pages)
             if slots is None:
                 raise HostPagesExhaustedError(
                     f"{type(self).__name__}: out of host pages: request {int(req_pool_idx)} needs {pages}, "
-                    f"{self.available_size() // self.page_size} free"
+                    f"{self.available_size() // self.geometry.page_size} free"
                 )
             req_to_host_pool[req_pool_idx, held:want] = slots.to(req_to_host_pool.device)
             req_to_host_pool_allocated_len[req_pool_idx] = want

@@ -23,15 +23,16 @@ PROGRESSIVE_LAYOUTS = ("page_first", "page_first_direct")
 class PageReadiness:
     """Tracks registered byte ranges per buffer and how many leading pages are ready."""
 
-    def __init__(self, pool) -> None:
-        self.page_num = pool.page_num
+    def __init__(self, geometry) -> None:
+        """From the pool's `PoolGeometry`: its pages, and each buffer's K/V halves."""
+        self.page_num = geometry.page_num
         self.streams = []  # (buffer index, start offset of its page 0, page bytes)
-        halves = 2 if "2" in buffer_symbols(pool.descriptor.family, pool.layout) else 1
-        for index, spec in enumerate(pool.descriptor.buffers()):
+        halves = 2 if "2" in buffer_symbols(geometry.family, geometry.layout) else 1
+        for index, spec in enumerate(geometry.descriptor.buffers()):
             part = spec.nbytes // halves
             for half in range(halves):
                 self.streams.append((index, half * part, part // self.page_num))
-        self.covered = [IntervalSet() for _ in pool.descriptor.buffers()]  # registered bytes per buffer
+        self.covered = [IntervalSet() for _ in geometry.descriptor.buffers()]  # registered bytes per buffer
         self.ready = 0
 
     def registered(self, buffer: int, offset: int, size: int) -> range:
@@ -69,13 +70,13 @@ class Part:
         return max(0, self.offset + done - self.stream_start) // self.page_bytes
 
 
-def ordered_parts(pool, readiness: PageReadiness) -> list[Part]:
-    """Every range of the pool's plan, cut where a K/V half starts (rounded down to the plan's
+def ordered_parts(pool_plan, readiness: PageReadiness) -> list[Part]:
+    """Every range of the pool's plan (``pool_plan``), cut where a K/V half starts (rounded down to the plan's
     boundary alignment, so each part is still a legal range), ordered by the page each part
     starts at (then buffer, then offset): a single 64 GiB range holding both halves must not
     register all of K before V's first page."""
     parts = []
-    for index, buffer in enumerate(pool.pool_plan.buffers):
+    for index, buffer in enumerate(pool_plan.buffers):
         plan = buffer.plan
         alignment = plan.alignment_bytes or plan.granularity_bytes or 1
         starts = [start for b, start, _ in readiness.streams if b == index and start > 0]
@@ -91,7 +92,11 @@ def ordered_parts(pool, readiness: PageReadiness) -> list[Part]:
 
 
 class ProgressiveMixin:
-    """Mixed into `HostKVCache`: the progressive mode's settings, `ready_pages`, `wait_ready`."""
+    """A part of `HostKVCache`: the progressive mode's settings, `ready_pages`, `wait_ready`,
+    over the pool's ``geometry`` and the live state in `NEEDS`."""
+
+    #: the pool's live state this part reads beyond its ``geometry`` (tests/test_import_rules.py)
+    NEEDS = ("pool_plan", "max_stall_s", "lock", "_host", "_destroyed", "_range_records")
 
     def _progressive_mode(self) -> Progressive:
         """Every page starts handed out (to the pool itself) and is freed into the allocator
@@ -99,11 +104,11 @@ class ProgressiveMixin:
         every buffer. Calls go by the page they reach (K and V halves and all buffers
         together); effects faults the memory in the same order, each call waiting for its own
         bytes."""
-        self._pages = PageAllocator(self.page_num, self.logical_page_size)
-        self._pages.alloc(self.page_num * self.logical_page_size)
-        self._readiness = PageReadiness(self)
+        self._pages = PageAllocator(self.geometry.page_num, self.geometry.logical_page_size)
+        self._pages.alloc(self.geometry.page_num * self.geometry.logical_page_size)
+        self._readiness = PageReadiness(self.geometry)
         self._early_ranges = []  # (buffer, offset, size) registered before the tensors are known
-        parts = ordered_parts(self, self._readiness)
+        parts = ordered_parts(self.pool_plan, self._readiness)
 
         def on_chunk(position: int, done: int, size: int) -> None:
             part = parts[position]
@@ -122,8 +127,8 @@ class ProgressiveMixin:
     def _slots(self, pages: range):
         import torch
 
-        first = pages.start * self.logical_page_size
-        return torch.arange(first, pages.stop * self.logical_page_size, dtype=torch.int64)
+        first = pages.start * self.geometry.logical_page_size
+        return torch.arange(first, pages.stop * self.geometry.logical_page_size, dtype=torch.int64)
 
     def _note_registered(self, buffer: int, offset: int, size: int) -> None:
         """Note a registered chunk for the buffer's SGLang record of registered ranges: by
@@ -139,7 +144,7 @@ class ProgressiveMixin:
     def ready_pages(self) -> int:
         """Pages whose bytes are registered in every buffer (all of them unless progressive)."""
         if self._readiness is None:
-            return self.page_num
+            return self.geometry.page_num
         with self.lock:
             return self._readiness.ready
 
@@ -148,7 +153,8 @@ class ProgressiveMixin:
         so an unlocked read may refuse a page that just became ready, never admit one that is not)."""
         readiness = self._readiness
         ready = readiness.ready
-        return self.size if ready >= readiness.page_num else ready * (self.size // readiness.page_num)
+        size = self.geometry.size
+        return size if ready >= readiness.page_num else ready * (size // readiness.page_num)
 
     def _registered_now(self) -> tuple:
         """The ``(ptr, size)`` ranges this pool's handle holds registered now (none once released)."""

@@ -13,6 +13,9 @@ from hicache.pools._page_allocator import PageAllocator
 class SlotsMixin:
     """SGLang's slot calls over ``self._slot_allocator()`` under ``self.lock`` (an RLock)."""
 
+    #: the pool's live state this part reads (tests/test_import_rules.py)
+    NEEDS = ("_pages", "lock")
+
     def _slot_allocator(self) -> PageAllocator:
         return self._pages
 

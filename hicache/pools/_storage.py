@@ -49,18 +49,22 @@ class _PageGeometry(NamedTuple):
 
 
 class StoragePagesMixin:
-    """Mixed into `HostKVCache` (needs ``buffers``, ``descriptor``, ``layout``, ``page_size``,
-    ``size``, ``dtype``, ``size_per_token`` and ``_alive()``; its ``destroy`` calls
-    `_close_pages` before releasing anything)."""
+    """A part of `HostKVCache`: the L3 pages over the pool's ``geometry`` (every fact read from
+    it) and the live state in `NEEDS`; the pool's ``destroy`` calls `_close_pages` before
+    releasing anything."""
 
-    _page_geometry: _PageGeometry | None = None  # set by _geometry() on a live pool only
+    #: the pool's live state this part reads beyond its ``geometry`` (tests/test_import_rules.py);
+    #: ``get_split_heads_page_buffer_meta``: MHA's, for a split factor other than 1
+    NEEDS = ("buffers", "kv_buffer", "copy_engine", "_alive", "get_split_heads_page_buffer_meta")
+
+    _page_geometry: _PageGeometry | None = None  # set by _derive_page_geometry() on a live pool only
 
     def get_page_buffer_element_size(self, split_factor: int = 1):
         """Bytes of one storage element (SGLang's: the first size of the page meta of page 0),
         or None when the pool has no zero-copy elements."""
         import torch
 
-        indices = torch.zeros(self.logical_page_size, dtype=torch.int64)
+        indices = torch.zeros(self.geometry.logical_page_size, dtype=torch.int64)
         meta = (self.get_split_heads_page_buffer_meta(indices, split_factor) if split_factor != 1
                 else self.get_page_buffer_meta(indices))
         sizes = meta[1] if meta else None
@@ -75,17 +79,17 @@ class StoragePagesMixin:
         (SGLang's DCP rule: a logical page start / ``dcp_size``), checked against the pool."""
         if type(index) is not int:
             index = as_index(index, "page index")
-        dcp = self.dcp_size
+        dcp = self.geometry.dcp_size
         if dcp > 1:
-            if index < 0 or index % self.logical_page_size:
+            if index < 0 or index % self.geometry.logical_page_size:
                 raise TransferError(f"page index {index} is not a logical page start (DCP pages of "
-                                    f"{self.logical_page_size})")
+                                    f"{self.geometry.logical_page_size})")
             index //= dcp
-        if not 0 <= index < self.size:
-            raise TransferError(f"page index {index!r} out of range [0, {self.size})")
+        if not 0 <= index < self.geometry.size:
+            raise TransferError(f"page index {index!r} out of range [0, {self.geometry.size})")
         return index
 
-    def _geometry(self) -> _PageGeometry:
+    def _derive_page_geometry(self) -> _PageGeometry:
         """How a page sits in each buffer and what its flat form is, derived once per set of
         buffers (a page is read and written per L3 page: this is on the hot path)."""
         cached = self._page_geometry
@@ -94,9 +98,10 @@ class StoragePagesMixin:
         self._alive()  # the one check of the pool's state: a destroyed or leaked pool has no geometry
         if self.kv_buffer is None:
             raise TransferError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no pages")
-        family, layout = self.descriptor.family, self.layout
+        pool = self.geometry
+        family, layout, page_size = pool.family, pool.layout, pool.page_size
         axes = [page_axis(t, family, layout) for t in self.buffers]
-        parts = [page_slice(t, family, layout, 0, self.page_size) for t in self.buffers]
+        parts = [page_slice(t, family, layout, 0, page_size) for t in self.buffers]
         mixed = len({p.dtype for p in parts}) > 1
         sizes = tuple(p.numel() * (p.element_size() if mixed else 1) for p in parts)
         if len(set(axes)) != 1:
@@ -104,19 +109,19 @@ class StoragePagesMixin:
         (axis, by_page), = set(axes)
         writer = reader = None
         engine = getattr(self, "copy_engine", None)
-        pages, tail = divmod(self.size, self.page_size)
+        pages, tail = divmod(pool.size, page_size)
         if engine is not None and pages and not tail:  # every index in range is in a whole page
             import torch
 
-            lasts = [page_slice(t, family, layout, pages - 1, self.page_size) for t in self.buffers]
-            last_start = pages - 1 if by_page else (pages - 1) * self.page_size
+            lasts = [page_slice(t, family, layout, pages - 1, page_size) for t in self.buffers]
+            last_start = pages - 1 if by_page else (pages - 1) * page_size
             writer = page_writer(self.buffers, parts, lasts, last_start, axis, engine,
                                  dtype=torch.uint8 if mixed else parts[0].dtype, numel=sum(sizes))
             if len(self.buffers) == 1:
                 reader = page_reader(self.buffers[0], parts[0], lasts[0], last_start, axis, engine)
         made = _PageGeometry(self.kv_buffer, tuple(self.buffers), (slice(None),) * axis, by_page, mixed, sizes,
                              sum(sizes), None if mixed else parts[0].dtype, tuple(tuple(p.shape) for p in parts),
-                             self.page_size, self.size, self.dcp_size == 1, writer, reader)
+                             page_size, pool.size, pool.dcp_size == 1, writer, reader)
         self._page_geometry = made
         return made
 
@@ -129,12 +134,12 @@ class StoragePagesMixin:
         """(geometry, key) of the page holding token ``index`` - the key is the index into each
         buffer that selects it: the L3 page path's one entry, called per page (one function, no
         further calls in the common case). A cached geometry exists only while the pool is live
-        (`_geometry` checks, `_close_pages` drops it), so the common case - a live pool, an int
+        (`_derive_page_geometry` checks, `_close_pages` drops it), so the common case - a live pool, an int
         index in range - is two tests; a refused pool or a bad index takes the long way, which
         raises naming why."""
         geometry = self._page_geometry
         if geometry is None or geometry.key is not self.kv_buffer:
-            geometry = self._geometry()
+            geometry = self._derive_page_geometry()
         page_size = geometry.page_size
         if type(index) is int and 0 <= index < geometry.size and geometry.direct:  # the common case
             page = index // page_size
@@ -173,7 +178,7 @@ class StoragePagesMixin:
         into a buffer before `set_from_flat_data_page`."""
         import torch
 
-        geometry = self._geometry()
+        geometry = self._derive_page_geometry()
         return torch.zeros(geometry.total, dtype=torch.uint8 if geometry.mixed else geometry.dtype)
 
     def set_from_flat_data_page(self, index, data_page) -> None:
@@ -247,10 +252,10 @@ class StoragePagesMixin:
     # -- zero-copy --------------------------------------------------------------------------
     def get_ksize_per_token(self) -> int:
         """Bytes of one token's K (MHA: half of ``size_per_token``; others: all of it)."""
-        return self.size_per_token // 2 if self._kv_axis() is not None else self.size_per_token
+        return self.geometry.size_per_token // 2 if self._kv_axis() is not None else self.geometry.size_per_token
 
     def _kv_axis(self):
-        symbols = buffer_symbols(self.descriptor.family, self.layout)
+        symbols = buffer_symbols(self.geometry.family, self.geometry.layout)
         return symbols.index("2") if "2" in symbols else None
 
     def _page_blocks(self, index) -> list:
@@ -262,7 +267,7 @@ class StoragePagesMixin:
             for half in halves:
                 if not half.is_contiguous():
                     raise TransferError(
-                        f"{type(self).__name__} ({self.layout}): a page is not one contiguous block per "
+                        f"{type(self).__name__} ({self.geometry.layout}): a page is not one contiguous block per "
                         "K/V; zero-copy page pointers need layout page_first or page_first_direct"
                     )
                 blocks.append(half)
@@ -279,25 +284,25 @@ class StoragePagesMixin:
         if kinds is not None and kinds[0] == key:
             return kinds[1]
         first = self._layer_blocks(0)
-        second = self._layer_blocks(1) if self.page_num > 1 else first
+        second = self._layer_blocks(1) if self.geometry.page_num > 1 else first
         made = [(a.data_ptr(), b.data_ptr() - a.data_ptr(), a.numel() * a.element_size()) for a, b in zip(first, second)]
         self._kinds = (key, made)
         return made
 
     def _layer_blocks(self, page: int) -> list:
-        family, layout = self.descriptor.family, self.layout
+        family, layout = self.geometry.family, self.geometry.layout
         symbols = buffer_symbols(family, layout)
         token = min(symbols.index(s) for s in ("S", "N") if s in symbols)
         blocks = []
         for tensor in self.buffers:
-            part = page_slice(tensor, family, layout, page, self.page_size)
+            part = page_slice(tensor, family, layout, page, self.geometry.page_size)
             halves = [part.select(0, 0), part.select(0, 1)] if symbols[0] == "2" else [part]
             axis_l = symbols.index("L") if "L" in symbols and symbols.index("L") < token else None
             if axis_l is None:
                 blocks += halves
             else:  # layer_first: layer outer, K/V inner
                 axis = axis_l - (1 if symbols[0] == "2" else 0)
-                blocks += [half.select(axis, layer) for layer in range(self.layer_num) for half in halves]
+                blocks += [half.select(axis, layer) for layer in range(self.geometry.layer_num) for half in halves]
         for block in blocks:
             if not block.is_contiguous():
                 raise TransferError(f"{type(self).__name__} ({layout}): a page block is not contiguous; "
@@ -312,10 +317,10 @@ class StoragePagesMixin:
         values = indices.tolist() if hasattr(indices, "tolist") else list(indices)
         if isinstance(values, int):
             values = [values]
-        step = self.logical_page_size
+        step = self.geometry.logical_page_size
         if len(values) % step:
             raise TransferError(f"{len(values)} indices are not whole pages of {step}")
-        page_size = self.page_size
+        page_size = self.geometry.page_size
         pages = []
         for value in values[::step]:  # index tensors take `_meta_tensor`; this is lists and bad indices
             index = self._storage_index(value)
@@ -331,14 +336,14 @@ class StoragePagesMixin:
         an empty or odd-length tensor, a bad index - it raises the error naming it)."""
         import torch
 
-        step = self.logical_page_size
-        if (self.dcp_size != 1 or indices.dim() != 1 or indices.numel() == 0 or indices.numel() % step
+        step = self.geometry.logical_page_size
+        if (self.geometry.dcp_size != 1 or indices.dim() != 1 or indices.numel() == 0 or indices.numel() % step
                 or indices.dtype not in (torch.int64, torch.int32) or indices.device.type != "cpu"):
             return None
         starts = indices[::step].tolist()
-        page_size = self.page_size
+        page_size = self.geometry.page_size
         pages = [start // page_size for start in starts]
-        if min(starts) < 0 or max(starts) >= self.size or [page * page_size for page in pages] != starts:
+        if min(starts) < 0 or max(starts) >= self.geometry.size or [page * page_size for page in pages] != starts:
             return None
         if len(kinds) == 1:
             ((ptr, stride, size),) = kinds
@@ -370,7 +375,7 @@ class StoragePagesMixin:
         SGLang's. ``alignment``: the older keyword for the same number."""
         if alignment is not None:
             page_size_bytes = alignment
-        if self.layout not in ("page_first", "page_first_direct", "page_head") or self.kv_buffer is None:
+        if self.geometry.layout not in ("page_first", "page_first_direct", "page_head") or self.kv_buffer is None:
             return False
         try:
             kinds = self._meta_kinds()
