@@ -733,27 +733,40 @@ def test_the_constructor_write_rule_sees_a_write(tmp_path):
 
 
 def _form_builders(source: str) -> dict[str, bool]:
-    """The builders ``source`` hands to ``build_form`` (its third argument, a function or a
-    ``self.<name>``), each with whether its definition takes ``**keywords``."""
+    """The builders a family's ``builders = {form: builder}`` lists in ``source``, each with
+    whether it takes ``**keywords``: a function defined there, or ``Class.__init__`` of an exact
+    constructor (`EXACT`); anything else counts as a catch-all (its signature is unchecked)."""
     tree = ast.parse(source)
     defined = {node.name: node.args.kwarg is not None for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
-    handed = {getattr(call.args[2], "id", getattr(call.args[2], "attr", None)) for call in ast.walk(tree)
-              if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "build_form" and len(call.args) > 2}
-    return {name: defined.get(name, True) for name in handed}
+    exact = set(EXACT.values())
+    listed = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["builders"]:
+            for value in node.value.values if isinstance(node.value, ast.Dict) else [node.value]:
+                if isinstance(value, ast.Name):
+                    listed[value.id] = defined.get(value.id, True)
+                elif isinstance(value, ast.Attribute) and value.attr == "__init__" and isinstance(value.value, ast.Name):
+                    listed[f"{value.value.id}.__init__"] = value.value.id not in exact
+                else:
+                    listed[ast.unparse(value)] = True
+    return listed
 
 
 @pytest.mark.parametrize("module", ["hicache.pools._mha", "hicache.pools._mla", "hicache.pools._v4_pools"], ids=str)
 def test_a_forms_builder_names_every_argument(module):
     """SGLang's call is bound once against its form's own signature (issue #55 item 1): every
-    builder a dispatching constructor hands to `build_form` is defined here and names every
-    argument - no ``**keywords`` to sort by hand (K-only's once was a hand-written parser)."""
+    builder a dispatching family lists (`_forms.dispatch` binds the call to it) is defined in
+    its module and names every argument, or is an exact constructor's ``__init__`` - no
+    ``**keywords`` to sort by hand (K-only's once was a hand-written parser)."""
     builders = _form_builders(MODULES[module].read_text())
     assert builders and not [name for name, catch_all in builders.items() if catch_all], builders
 
 
 def test_the_form_builder_rule_sees_a_catch_all():
-    """Not vacuous: a builder with ``**kwargs`` is found, and so is one not defined in the module."""
+    """Not vacuous: a builder with ``**kwargs``, one not defined in the module, a lambda and the
+    ``__init__`` of a class that is not an exact constructor are all found."""
     source = ("def _a(pool, x, **kw):\n    pass\n\n"
-              "class P:\n    def __init__(self, *args, **kwargs):\n"
-              "        build_form(self, F, _a, args, kwargs)\n        build_form(self, F, self._elsewhere, args, kwargs)\n")
-    assert _form_builders(source) == {"_a": True, "_elsewhere": True}
+              "class P:\n    builders = {F: _a, G: _elsewhere, H: lambda *a: None, I: Other.__init__,\n"
+              "                J: HostKVCache.__init__}\n")
+    assert _form_builders(source) == {"_a": True, "_elsewhere": True, "lambda *a: None": True,
+                                      "Other.__init__": True, "HostKVCache.__init__": False}

@@ -241,8 +241,8 @@ def test_a_named_constructor_refuses_another_form():
 
 def test_a_misspelt_keyword_is_a_type_error_naming_the_pool():
     """An unknown keyword is Python's TypeError naming the pool and the word, before any memory -
-    the pool the caller built, also where its constructor's code is shared (the MHA pair's) or is
-    the older form's behind a dispatch (K-only, DSA)."""
+    the pool the caller built, also where its constructor's code is shared (the MHA pair's); behind
+    a dispatch (K-only, DSA) it names the form's constructor too (`_forms.dispatch`)."""
     with fake_cuda() as fake:
         with pytest.raises(TypeError, match=r"^MHATokenToKVPoolHost\.__init__\(\) got an unexpected keyword argument "
                                             "'pagenum'"):
@@ -250,9 +250,11 @@ def test_a_misspelt_keyword_is_a_type_error_naming_the_pool():
         with pytest.raises(TypeError, match=r"^AsymmetricMHATokenToKVPoolHost\.__init__\(\) got an unexpected "):
             AsymmetricMHATokenToKVPoolHost(OLDER[AsymmetricMHATokenToKVPoolHost](), 2.0, 0, P, "page_first",
                                            pagenum=3, **ROOM)
-        with pytest.raises(TypeError, match=r"^MHATokenToKOnlyPoolHost\.__init__\(\) got an unexpected keyword "):
+        with pytest.raises(TypeError, match=r"^MHATokenToKOnlyPoolHost\.from_device_pool\(\): got an unexpected "
+                                            "keyword argument 'pagenum'"):
             MHATokenToKOnlyPoolHost(OLDER[MHATokenToKOnlyPoolHost](), 2.0, 0, P, "page_first", pagenum=3, **ROOM)
-        with pytest.raises(TypeError, match=r"^DSAIndexerPoolHost\.__init__\(\) got an unexpected keyword argument "):
+        with pytest.raises(TypeError, match=r"^DSAIndexerPoolHost\.from_device_pool\(\): got an unexpected keyword "
+                                            "argument "):
             DSAIndexerPoolHost(OLDER[DSAIndexerPoolHost](), 2.0, 0, P, "page_first", pagenum=3, **ROOM)
         assert fake.held() == set()
 
@@ -298,3 +300,14 @@ def test_a_dispatched_forms_bad_call_names_the_pool_and_the_form(sglang):
                                             "argument 'item_bytes'"):
             DeepSeekV4StateHostPool("state", [], 48, 16, item_bytes=3, **ROOM)
         assert fake.held() == set()
+
+
+def test_a_dispatching_family_lists_a_builder_for_every_form():
+    """A family whose ``builders`` leaves out one of its forms is refused when its class is made,
+    naming the form (`_forms.dispatch` would otherwise fail at a caller's first call)."""
+    from hicache.pools._forms import ANCHOR, NamedConstructors
+
+    with pytest.raises(TypeError, match=r"Partial\.builders has no builder for its forms \['device pool'\]"):
+        class Partial(NamedConstructors):
+            pool_family = "mha_k_only"
+            builders = {ANCHOR: lambda pool: None}

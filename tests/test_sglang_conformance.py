@@ -838,6 +838,37 @@ def test_a_pool_inside_sglangs_budget_scope_is_admitted_by_it_as_sglangs(sglang)
         assert fake.held() == set()
 
 
+#: the families whose SGLang 0.5.23 form differs from their older one in its positional
+#: arguments: SGLang's class, and the named constructor of that form (bound to the form's builder)
+DISPATCHED = {
+    "k_only": ("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKOnlyPoolHost", "from_anchor"),
+    "dsa": ("sglang.srt.mem_cache.pool_host.dsa", "DSAIndexerPoolHost", "from_decl"),
+    "v4_paged": ("sglang.srt.mem_cache.memory_pool_host", "DeepSeekV4PagedHostPool", "from_pool_name"),
+    "v4_state": ("sglang.srt.mem_cache.memory_pool_host", "DeepSeekV4StateHostPool", "from_pool_name"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DISPATCHED))
+def test_a_dispatched_forms_signature_is_sglangs_exactly(sglang, kind):
+    """Where one ``__init__`` serves two SGLang signatures that differ in their positional
+    arguments (K-only, DSA, DeepSeek-V4), the call is bound once against the builder of its form
+    (issue #55 item 1): that builder's signature, which the form's named constructor shows, is
+    SGLang 0.5.23's own - names, order, kinds and defaults - plus hicache's ``options``/``host``."""
+    import importlib
+    import inspect
+
+    import hicache.pools as ours
+
+    module, name, constructor = DISPATCHED[kind]
+    theirs = dict(inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters)
+    theirs.pop("self")
+    mine = dict(inspect.signature(getattr(getattr(ours, name), constructor)).parameters)
+    assert [(n, p.kind, p.default) for n, p in mine.items() if n not in ("options", "host")] == \
+        [(n, p.kind, p.default) for n, p in theirs.items()]
+    assert [(n, p.kind) for n, p in mine.items() if n in ("options", "host")] == \
+        [("options", inspect.Parameter.KEYWORD_ONLY), ("host", inspect.Parameter.KEYWORD_ONLY)]
+
+
 #: what hicache's constructors add to SGLang 0.5.23's signature: the older form's first argument
 #: by keyword, an anchor-like page count, and its two keyword-only values
 HICACHE_KEYWORDS = {"device_pool", "page_num", "options", "host"}

@@ -117,10 +117,6 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
             host_to_device_ratio=host_to_device_ratio, host_size=host_size, page_size=page_size)
         self._build(DEVICE_POOL, type(self).shape_class(device_pool), sizing, layout, options)
 
-    #: the older form's constructor, for a family whose ``__init__`` tells its forms apart first
-    #: (`_forms.NamedConstructors` names it for the family, as its errors do)
-    _older_form = __init__
-
     def _build(self, form, shape, sizing, layout: str, options) -> None:
         """The one constructor body: the geometry, made outside the pool from ``shape`` (the
         family's builder over its device view) and adopted whole, never changed after; then

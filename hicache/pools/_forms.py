@@ -5,7 +5,10 @@ SGLang has called its host pools several ways: 0.5.23's device-buffer descriptio
 `HostPoolDecl`, a K-only pool's anchor host pool second), DeepSeek-V4's ``pool_name`` first, and
 the older SGLang's device pool first. `FORMS` lists each family's forms in the order they are
 tried, each with its detector and its named constructor; a family's SGLang-facing ``__init__``
-asks `form_of` once and the pool records the `Form` in its geometry. What differs by form - which
+asks `form_of` once and the pool records the `Form` in its geometry. A family whose forms differ
+in their positional arguments (K-only, DSA, DeepSeek-V4) lists a builder per form in its
+``builders``, each naming every argument of that form's signature; its ``__init__`` is `dispatch`,
+which binds the call once against the builder of the form it is. What differs by form - which
 device tensors a transfer copies, how layer ids map, how the pool is sized, which allocator
 table and chunk setting apply - is a field of `Form`, read by the base; nothing else in
 `hicache.pools` tests what the first argument is (tests/test_import_rules.py). May import
@@ -124,6 +127,14 @@ def build_form(pool, form: Form, builder, args: tuple, kwargs: dict) -> None:
     builder(pool, *args, **kwargs)
 
 
+def dispatch(pool, args: tuple, kwargs: dict) -> None:
+    """The ``__init__`` of a family whose forms differ in their positional arguments: the call's
+    form (`form_of`), then bound once against that form's builder (``builders``) and built."""
+    cls = type(pool)
+    form = form_of(cls.pool_family, args, kwargs)
+    build_form(pool, form, cls.builders[form], args, kwargs)
+
+
 def check_named(cls, wanted: str, args: tuple, kwargs: dict) -> None:
     """A named constructor (``cls.from_X(...)``) refuses a call of another form, naming both."""
     form = form_of(cls.pool_family, args, kwargs)
@@ -135,18 +146,25 @@ def check_named(cls, wanted: str, args: tuple, kwargs: dict) -> None:
 
 class NamedConstructors:
     """Mixed into every family: ``cls.from_<form>(...)`` for each form in `FORMS`, each the
-    SGLang-facing constructor restricted to that one form (same arguments)."""
+    SGLang-facing constructor restricted to that one form, with that form's signature (its
+    builder's where the family dispatches, else the family's ``__init__``'s).
+
+    ``builders``: form -> a builder ``(pool, <that form's arguments, every one named>)``, for a
+    family whose ``__init__`` is `dispatch`; empty where one ``__init__`` names every argument of
+    every form (the first one tells them apart)."""
 
     pool_family: str = ""
+    builders: dict = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        missing = [f.name for f in forms_of(cls.pool_family) if f not in cls.builders] if cls.builders else []
+        if missing:
+            raise TypeError(f"{cls.__name__}.builders has no builder for its forms {missing}")
         for form in forms_of(cls.pool_family) if cls.pool_family else ():
             if form.constructor not in cls.__dict__:
-                setattr(cls, form.constructor, classmethod(_named(form.constructor)))
+                setattr(cls, form.constructor, classmethod(_named(cls, form)))
         cls.__init__ = _named_for(cls, cls.__init__)
-        if getattr(cls, "_older_form", None) is not None:  # the device-pool form a dispatching __init__ calls
-            cls._older_form = _named_for(cls, cls._older_form)
 
 
 def _named_for(cls, init):
@@ -165,11 +183,18 @@ def _named_for(cls, init):
     return named
 
 
-def _named(wanted: str):
+def _named(cls, form: Form):
+    """``cls.<form's constructor>``: the pool from that form only (another is a LayoutError
+    naming both), its signature the form's own."""
+    wanted = form.constructor
+
     def construct(cls, *args, **kwargs):
         check_named(cls, wanted, args, kwargs)
         return cls(*args, **kwargs)
 
-    construct.__name__ = wanted
-    construct.__doc__ = f"The pool from SGLang's {wanted[5:].replace('_', ' ')} form only (else LayoutError)."
+    construct.__name__, construct.__qualname__ = wanted, f"{cls.__qualname__}.{wanted}"
+    construct.__doc__ = f"The pool from SGLang's {form.name} form only (else LayoutError)."
+    signature = inspect.signature(cls.builders.get(form, cls.__init__))  # (pool or self, the form's arguments)
+    first, *rest = signature.parameters.values()
+    construct.__signature__ = signature.replace(parameters=[first.replace(name="cls"), *rest])  # bound: cls drops
     return construct

@@ -16,7 +16,7 @@ from hicache.plan import (
 from hicache.errors import LayoutError, TransferError
 from hicache.plan.checks import check_int, is_integer
 from hicache.pools._base import HostKVCache, Stream
-from hicache.pools._forms import ANCHOR, DESCRIPTION, NamedConstructors, build_form, form_of
+from hicache.pools._forms import ANCHOR, DESCRIPTION, DEVICE_POOL, NamedConstructors, dispatch, form_of
 from hicache.pools._geometry import Shape
 from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import mha_device
@@ -119,8 +119,6 @@ class _MHAForms(NamedConstructors):
             view = first
         self._build(form, type(self).shape_class(view, given=fields), sizing, layout, options)
 
-    _older_form = __init__  # K-only's device-pool form is this one
-
 
 class MHATokenToKVPoolHost(_MHAForms, HostKVCache):
     """Multi-head attention: K and V in one buffer with a leading axis of 2.
@@ -164,6 +162,18 @@ def get_mha_host_pool_cls(device_pool):
     return AsymmetricMHATokenToKVPoolHost if v_head_dim != head_dim else MHATokenToKVPoolHost
 
 
+def _k_only_from_anchor(pool, device_pool, anchor_host, layout, pin_memory=True, device="cpu",
+                        allocator_type="default", *, options=None, host=None) -> None:
+    """SGLang 0.5.23's K-only pool beside ``anchor_host``: its page size and page count, the
+    device pool's layers and end layer (SGLang's)."""
+    sizing, settings = split_keywords(type(pool).__name__, dict(
+        pin_memory=pin_memory, device=device, allocator_type=allocator_type, options=options, host=host),
+        host_to_device_ratio=1.0, host_size=0, page_size=anchor_host.page_size, page_num=anchor_host.page_num,
+        end_layer=getattr(device_pool, "end_layer", None))
+    pool._build(ANCHOR, MHAKOnlyShape(device_pool, given=dict(head_group_num=1, write_back_staging=None)),
+                sizing, layout, settings)
+
+
 class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
     """MHA keys only (the index-K of sparse-attention models); sized like its anchor pool.
 
@@ -175,13 +185,12 @@ class MHATokenToKOnlyPoolHost(MHATokenToKVPoolHost):
 
     pool_family = "mha_k_only"
     shape_class = MHAKOnlyShape
+    builders = {ANCHOR: _k_only_from_anchor, DEVICE_POOL: _MHAForms.__init__}
 
     def __init__(self, *args, **kwargs):
-        """Tells SGLang's two signatures apart (`_forms.FORMS`) and binds the call to one: the
-        older form's (`_older_form`, the MHA pair's) or the anchor form's (`_k_only_from_anchor`)."""
-        if form_of(self.pool_family, args, kwargs) is not ANCHOR:
-            return self._older_form(*args, **kwargs)
-        build_form(self, ANCHOR, _k_only_from_anchor, args, kwargs)
+        """SGLang 0.5.23's anchor form or the older device-pool one (the MHA pair's signature),
+        told apart and bound once by `_forms.dispatch`."""
+        dispatch(self, args, kwargs)
 
     @property
     def k_buffer(self):
@@ -213,18 +222,6 @@ class AsymmetricMHATokenToKVPoolHost(_MHAForms, HostKVCache):
     @property
     def v_buffer(self):
         return self.buffers[1]
-
-
-def _k_only_from_anchor(pool, device_pool, anchor_host, layout, pin_memory=True, device="cpu",
-                        allocator_type="default", *, options=None, host=None) -> None:
-    """SGLang 0.5.23's K-only pool beside ``anchor_host``: its page size and page count, the
-    device pool's layers and end layer (SGLang's)."""
-    sizing, settings = split_keywords(type(pool).__name__, dict(
-        pin_memory=pin_memory, device=device, allocator_type=allocator_type, options=options, host=host),
-        host_to_device_ratio=1.0, host_size=0, page_size=anchor_host.page_size, page_num=anchor_host.page_num,
-        end_layer=getattr(device_pool, "end_layer", None))
-    pool._build(ANCHOR, MHAKOnlyShape(device_pool, given=dict(head_group_num=1, write_back_staging=None)),
-                sizing, layout, settings)
 
 
 def _split_heads_meta(pool, indices, split_factor: int):

@@ -13,11 +13,12 @@ from hicache.plan import (
     MLALayout,
 )
 from hicache.errors import LayoutError
+from hicache.plan.checks import check_int
 from hicache.plan import dsa_indexer_pages
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._geometry import Shape
-from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, build_form, form_of
+from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, dispatch, form_of
 from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import dsa_device, mla_device
 
@@ -150,42 +151,8 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
         return data_ptrs, data_lens, [self.token_stride_size * self.page_size] * self.layer_num
 
 
-
-class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
-    """DeepSeek sparse-attention index keys (FP8 + fp32 scales, uint8), in whole page rows.
-
-    SGLang 0.5.23's constructor: ``(decl: HostPoolDecl, anchor_host, *,
-    packed_draft_device_pools=(), pin_memory=True, device="cpu", allocator_type="default",
-    is_dummy=False)`` - the declaration's device pool and owned layers (then one host layer per
-    packed draft pool), the anchor's page size, layout and size, `hicache.plan.dsa_indexer_pages`
-    of its size; copies to the declared device tensors. The older form
-    ``(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *,
-    anchor_pool=None)`` still works, told apart by `_forms.FORMS` (``from_decl`` /
-    ``from_device_pool``).
-    """
-
-    pool_family = "dsa"
-    shape_class = DSAShape
-
-    def __init__(self, *args, anchor_pool=None, **kwargs):
-        if form_of(self.pool_family, args, kwargs) is DECLARATION:
-            return build_form(self, DECLARATION, _init_dsa_from_decl, args, kwargs)
-        if anchor_pool is not None:
-            page_size = args[3] if len(args) > 3 else kwargs["page_size"]
-            kwargs.setdefault("page_num", dsa_indexer_pages(anchor_pool.size, page_size))
-        self._older_form(*args, **kwargs)
-
-    def get_hybrid_pool_buffer(self) -> list:
-        return [self.index_k_with_scale_buffer]
-
-    @property
-    def index_k_with_scale_buffer(self):
-        """The host index buffer (SGLang's name)."""
-        return self.buffers[0]
-
-
-def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=(), pin_memory=True, device="cpu",
-                        allocator_type="default", is_dummy=False, options=None, host=None):
+def _dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=(), pin_memory=True, device="cpu",
+                   allocator_type="default", is_dummy=False, options=None, host=None) -> None:
     """SGLang 0.5.23's DSA indexer host pool from its `HostPoolDecl`, beside ``anchor_host``."""
     name = type(pool).__name__
     view = dsa_device(name, decl, tuple(packed_draft_device_pools), anchor_host)
@@ -207,3 +174,46 @@ def _init_dsa_from_decl(pool, decl, anchor_host, *, packed_draft_device_pools=()
                                      device_capacity_tokens=anchor_host.size, start_layer=view.start_layer,
                                      end_layer=getattr(decl.device_pool, "end_layer", view.layer_num))
     pool._build(DECLARATION, DSAShape(view, given=fields), sizing, anchor_host.layout, options)
+
+
+def _dsa_from_device_pool(pool, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory=True,
+                          device="cpu", allocator_type="default", *, anchor_pool=None, page_num=None,
+                          end_layer=None, pool_label="kv", options=None, host=None) -> None:
+    """The older SGLang's DSA indexer pool (`HostKVCache`'s older form); beside ``anchor_pool``,
+    sized like SGLang's: the index pages of the anchor's slots (`dsa_indexer_pages`)."""
+    if anchor_pool is not None and page_num is None:
+        page_num = dsa_indexer_pages(anchor_pool.size, check_int(LayoutError, type(pool).__name__, "page_size",
+                                                                 page_size, minimum=1))
+    HostKVCache.__init__(pool, device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory, device,
+                         allocator_type, page_num=page_num, end_layer=end_layer, pool_label=pool_label,
+                         options=options, host=host)
+
+
+class DSAIndexerPoolHost(NamedConstructors, HostKVCache):
+    """DeepSeek sparse-attention index keys (FP8 + fp32 scales, uint8), in whole page rows.
+
+    SGLang 0.5.23's constructor: ``(decl: HostPoolDecl, anchor_host, *,
+    packed_draft_device_pools=(), pin_memory=True, device="cpu", allocator_type="default",
+    is_dummy=False)`` - the declaration's device pool and owned layers (then one host layer per
+    packed draft pool), the anchor's page size, layout and size, `hicache.plan.dsa_indexer_pages`
+    of its size; copies to the declared device tensors. The older form
+    ``(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *,
+    anchor_pool=None)`` still works, told apart by `_forms.FORMS` (``from_decl`` /
+    ``from_device_pool``).
+    """
+
+    pool_family = "dsa"
+    shape_class = DSAShape
+    builders = {DECLARATION: _dsa_from_decl, DEVICE_POOL: _dsa_from_device_pool}
+
+    def __init__(self, *args, **kwargs):
+        """SGLang 0.5.23's declaration form or the older device-pool one (`_forms.dispatch`)."""
+        dispatch(self, args, kwargs)
+
+    def get_hybrid_pool_buffer(self) -> list:
+        return [self.index_k_with_scale_buffer]
+
+    @property
+    def index_k_with_scale_buffer(self):
+        """The host index buffer (SGLang's name)."""
+        return self.buffers[0]

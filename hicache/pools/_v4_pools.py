@@ -12,7 +12,7 @@ from hicache.plan import (
 from hicache.plan.checks import is_integer
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._geometry import Shape
-from hicache.pools._forms import POOL_NAME, NamedConstructors, build_form, form_of
+from hicache.pools._forms import DEVICE_POOL, POOL_NAME, NamedConstructors, dispatch
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._options import split_keywords
 
@@ -57,6 +57,27 @@ class V4StateShape(V4PagedShape):
     device_attribute = "state_buffer"
 
 
+def _paged_from_pool_name(pool, pool_name, device_buffers, item_bytes, num_host_pages, slot_page_size,
+                          layout="layer_first", device="cpu", pin_memory=True, allocator_type="default",
+                          page_aligned_only=False, *, options=None, host=None) -> None:
+    """SGLang's paged constructor, every argument named."""
+    from hicache.pools._deepseek_v4 import paged_device
+
+    view, pages, page_size = paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_page_size,
+                                          page_aligned_only)
+    _build_v4(pool, pool_name, view, pages, page_size, layout, device, pin_memory, allocator_type, options, host)
+
+
+def _state_from_pool_name(pool, pool_name, state_pools, num_host_pages, swa_page_size, layout="layer_first",
+                          device="cpu", pin_memory=True, allocator_type="default", *, options=None,
+                          host=None) -> None:
+    """SGLang's state constructor, every argument named."""
+    from hicache.pools._deepseek_v4 import state_device
+
+    view, pages, page_size = state_device(pool_name, state_pools, num_host_pages, swa_page_size)
+    _build_v4(pool, pool_name, view, pages, page_size, layout, device, pin_memory, allocator_type, options, host)
+
+
 class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCache):
     """DeepSeek-V4 paged pool: ``item_bytes`` per page row per layer (device ``kv_buffer``).
 
@@ -70,23 +91,11 @@ class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCa
 
     pool_family = "deepseek_v4"
     shape_class = V4PagedShape
-
-    @staticmethod
-    def _pool_name_form(pool, pool_name, device_buffers, item_bytes, num_host_pages, slot_page_size,
-                        layout="layer_first", device="cpu", pin_memory=True, allocator_type="default",
-                        page_aligned_only=False, *, options=None, host=None) -> None:
-        """SGLang's paged constructor, every argument named."""
-        from hicache.pools._deepseek_v4 import paged_device
-
-        view, pages, page_size = paged_device(pool_name, device_buffers, item_bytes, num_host_pages, slot_page_size,
-                                              page_aligned_only)
-        _build_v4(pool, pool_name, view, pages, page_size, layout, device, pin_memory, allocator_type, options, host)
+    builders = {POOL_NAME: _paged_from_pool_name, DEVICE_POOL: HostKVCache.__init__}
 
     def __init__(self, *args, **kwargs):
-        if form_of(self.pool_family, args, kwargs) is POOL_NAME:
-            build_form(self, POOL_NAME, self._pool_name_form, args, kwargs)
-        else:
-            self._older_form(*args, **kwargs)
+        """SGLang's ``pool_name`` form, or the family-uniform device-pool one (`_forms.dispatch`)."""
+        dispatch(self, args, kwargs)
 
     def _host_view(self, stream, layer):
         if self.layout == "layer_first":  # one buffer per layer
@@ -112,15 +121,7 @@ class DeepSeekV4StateHostPool(DeepSeekV4PagedHostPool):
 
     shape_class = V4StateShape
     has_allocator = False
-
-    @staticmethod
-    def _pool_name_form(pool, pool_name, state_pools, num_host_pages, swa_page_size, layout="layer_first",
-                        device="cpu", pin_memory=True, allocator_type="default", *, options=None, host=None) -> None:
-        """SGLang's state constructor, every argument named."""
-        from hicache.pools._deepseek_v4 import state_device
-
-        view, pages, page_size = state_device(pool_name, state_pools, num_host_pages, swa_page_size)
-        _build_v4(pool, pool_name, view, pages, page_size, layout, device, pin_memory, allocator_type, options, host)
+    builders = {POOL_NAME: _state_from_pool_name, DEVICE_POOL: HostKVCache.__init__}
 
     def alloc(self, need_size: int):
         return HostKVCache.alloc(self, need_size)
