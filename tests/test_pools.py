@@ -444,11 +444,15 @@ def test_storage_backend_names_get_the_default_allocator_unless_strict():
 
 
 def test_dsa_indexer_follows_its_anchor():
-    """With an anchor pool the indexer has SGLang's (tokens + page + 1) // page pages."""
+    """With an anchor pool the indexer has SGLang's (tokens + page + 1) // page pages; a page size
+    that cannot size it is a LayoutError naming it, before any memory."""
     anchor, _ = make("mla", "page_first")
     pool, _ = make("dsa", "page_first", anchor_pool=anchor)
     assert pool.page_num == (anchor.size + P + 1) // P
     pool.destroy()
+    cls, device = FAMILIES["dsa"]
+    with pytest.raises(LayoutError, match=r"DSAIndexerPoolHost.*page_size.*0"):  # sized by it: checked first
+        cls(device(), 2.0, 0, 0, "page_first", anchor_pool=anchor, **doors(limits=LIMITS, machine=ROOMY))
     anchor.destroy()
 
 
