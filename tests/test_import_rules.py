@@ -473,6 +473,46 @@ def test_the_parts_rule_sees_an_implicit_fact(tmp_path):
     assert set(_part_reads(part, "P")[1]) & FACTS == {"page_size"}
 
 
+def _face_only(source: str) -> list[str]:
+    """What a face module holds beyond its docstring, imports and ``__all__``: each statement's
+    kind and name (an empty list: it is only a face)."""
+    extra = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue  # the docstring
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
+            continue
+        name = getattr(node, "name", None) or (ast.unparse(node.targets[0]) if isinstance(node, ast.Assign)
+                                               else ast.unparse(node))
+        extra.append(f"{type(node).__name__} {name}")
+    return extra
+
+
+#: package faces that hold more than imports, and why (each statement is named: none may be added)
+FACE_EXTRAS = {
+    "hicache": (["Assign __version__"], "the version, which the build reads"),
+    "hicache.plan": (["Assign _HOMES", "FunctionDef __getattr__", "FunctionDef __dir__"],
+                     "PEP 562 lazy names: `hicache plan` imports only the modules it runs (issue #35 item 4)"),
+    "hicache.pools": (["Expr require('torch', 'hicache.pools')"], "the torch requirement, named before anything imports it"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(m for m, p in MODULES.items() if p.name == "__init__.py"), ids=str)
+def test_every_packages_init_is_only_a_face(package):
+    """A package's ``__init__`` only imports and names what callers reach (issue #55 items 4 and
+    5: the store and the test support included); code lives in the package's modules. The three
+    exceptions are named, with why."""
+    assert _face_only(MODULES[package].read_text()) == FACE_EXTRAS.get(package, ([], ""))[0]
+
+
+def test_the_face_rule_sees_code():
+    """Not vacuous: a class, a function or an alias assignment in a face is found."""
+    source = '"""doc."""\nimport x\n__all__ = ["a"]\na = x.a\ndef f():\n    pass\nclass C:\n    pass\n'
+    assert _face_only(source) == ["Assign a", "FunctionDef f", "ClassDef C"]
+
+
 MAX_LINES = 400  # a module past this holds more than one charter (issue #34)
 #: The modules still past it, and why (each shrinks with the item of #34 named; none may grow).
 OVER_MAX = {

@@ -1,4 +1,4 @@
-"""The CPU versions of sgl-kernel's "direct" io_backend copies (hicache/_sglang_cpu.py) that let
+"""The CPU versions of sgl-kernel's "direct" io_backend copies (hicache/testing/_sglang_cpu.py) that let
 SGLang's own backup/load paths run on a CPU box, against an independent oracle: the per-page
 reference loops sgl-kernel's tests state, written out here element by element. Bad input is an
 error, never a wild copy. Needs no SGLang."""
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from hicache import _sglang_cpu as cpu  # noqa: E402
+from hicache.testing import _sglang_cpu as cpu  # noqa: E402
 
 PAGE = 4
 

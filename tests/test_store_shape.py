@@ -51,33 +51,6 @@ def test_the_store_rule_sees_an_effect():
     assert {name for _, name in _effects_used(records.read_text())} >= {"ctypes", "os", "time"}
 
 
-def _face_only(source: str) -> list[str]:
-    """What a face module holds beyond its docstring, imports and ``__all__``: each statement's
-    kind and line (an empty list: it is only a face)."""
-    extra = []
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            continue  # the docstring
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
-            continue
-        extra.append(f"{type(node).__name__} at line {node.lineno}")
-    return extra
-
-
-def test_the_stores_init_is_only_a_face():
-    """hicache.store's ``__init__`` holds no code (issue #55 item 4): the store's classes and
-    `open_store` live in its modules, and the package only names what callers reach."""
-    assert not _face_only((STORE / "__init__.py").read_text())
-
-
-def test_the_face_rule_sees_code():
-    """Not vacuous: a class, a function or an alias assignment in a face is found."""
-    source = '"""doc."""\nimport x\n__all__ = ["a"]\na = x.a\ndef f():\n    pass\nclass C:\n    pass\n'
-    assert _face_only(source) == ["Assign at line 4", "FunctionDef at line 5", "ClassDef at line 7"]
-
-
 @given(st.integers(0, 2**62))
 def test_a_generation_only_grows_and_is_odd_exactly_while_a_writer_has_the_slot(gen):
     """A claim makes any generation odd and larger; its publish even and larger still; a

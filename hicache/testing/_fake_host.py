@@ -1,6 +1,5 @@
 """`hicache.testing`'s fake host: machine facts of no real machine and a `HostSetup` with nothing
-of this machine's or this host's (issue #34 item 5) - re-exported there; kept apart so the
-testing module stays one charter (the fake CUDA driver)."""
+of this machine's or this host's (issue #34 item 5), over the fake CUDA driver by default."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import attrs
 
 from hicache.effects import BudgetLock, CopyEngine, HostLedger, HostSetup, MachineFacts
 from hicache.plan import Limits
+from hicache.testing._fake_cuda import FakeRuntime
 
 
 def fake_machine(**changes) -> MachineFacts:
@@ -23,14 +23,14 @@ def fake_machine(**changes) -> MachineFacts:
     return MachineFacts(**{**facts, **changes})
 
 
-def fake_host_setup(directory=None, *, runtime, machine=None, **changes) -> HostSetup:
+def fake_host_setup(directory=None, *, runtime=None, machine=None, **changes) -> HostSetup:
     """A `HostSetup` with nothing of this machine's or this host's: a `FakeRuntime` (or
     ``runtime``), `fake_machine()` (or ``machine``), 1 GiB chunks on 4 KiB pages, a budget lock in
     ``directory`` (None: a new private temporary directory - peers elsewhere never see it), a
     ledger of its own, no turnstile, the python host copy (no C helper); ``changes`` replace any
     field (``host_memory_bytes=``, ``ranks_per_host=``, ...)."""
     lock = BudgetLock(Path(directory if directory is not None else tempfile.mkdtemp(prefix="hicache-fake-host-")))
-    setup = HostSetup(runtime=runtime,
+    setup = HostSetup(runtime=FakeRuntime() if runtime is None else runtime,
                       machine=fake_machine() if machine is None else machine,
                       limits=Limits(chunk_limit_bytes=1 << 30, os_page_bytes=4096), lock=lock, ledger=HostLedger(),
                       turnstile=None, copy_engine=CopyEngine(host_copy_mode="python"))

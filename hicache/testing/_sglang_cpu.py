@@ -8,7 +8,8 @@ transformers' own "is torchvision installed" answer is settled (cached False) be
 stand-in exists, so it never takes the stand-in for the real package. Second, sgl-kernel's
 "direct" io_backend copies and its "kernel" backend's kvcacheio ops, which SGLang binds only on
 CUDA (`bind_transfers`). CUDA itself is
-stood in for by `hicache.testing.fake_cuda`. Imports nothing of hicache.
+stood in for by `hicache.testing.fake_cuda`. `sglang_on_cpu` is the door (hicache.testing's).
+Imports nothing of hicache.
 """
 
 from __future__ import annotations
@@ -317,3 +318,19 @@ def bind_transfers() -> tuple[str, ...]:
                 setattr(module, attribute, function)
                 bound.append(f"{name}.{attribute}")
     return tuple(bound)
+
+
+def sglang_on_cpu(*, transfers: bool = True) -> bool:
+    """Let SGLang's real code (0.5.23) import and copy on a CPU box: installs a `torchvision`
+    stand-in (see hicache/testing/_sglang_cpu.py) unless a working torchvision imports, and -
+    with ``transfers`` and SGLang installed - gives its MHA, MLA, Mamba, DSA and DeepSeek-V4 host
+    pools CPU versions of sgl-kernel's ``io_backend="direct"`` copies and of its ``kernel``
+    backend's kvcacheio ops (page_head's and Mamba's JIT ones included; bound there only on
+    CUDA), so SGLang's own backup/load paths run with either backend. Idempotent; returns True
+    when the torchvision stand-in is in place. With `fake_cuda()` around the code under test,
+    SGLang's pools then build and run on CPU with hicache's plug-in loaded (its registration
+    goes through the fake)."""
+    stood_in = install()
+    if transfers:
+        bind_transfers()
+    return stood_in

@@ -1,12 +1,11 @@
-"""Public test doubles: a fault-injecting fake CUDA, and a conformance check for runtimes.
+"""`hicache.testing`'s fake CUDA: a fault-injecting driver and a conformance check for runtimes.
 
 `FakeCudart` models what the executor relies on from the CUDA runtime - overlap is 712, an
 unregister of a non-base pointer is 713, a failed call leaves an error pending until
 `cudaGetLastError`, a sticky code poisons every later call - and fails on a script (the k-th
 register, chosen unregisters, a sticky code, a KeyboardInterrupt before or after a call).
 `FakeRuntime` is the real torch-cudart adapter over it; `FakeCudaBinding` gives it
-cuda-python's tuple convention. CPU stand-ins for SGLang's device pools (`MHADevicePool`, ...)
-come from hicache._stand_ins. Used by hicache's tests and by anyone testing code on top.
+cuda-python's tuple convention; `fake_cuda()` puts one behind every default runtime.
 """
 
 from __future__ import annotations
@@ -19,37 +18,8 @@ import os
 import threading
 import time
 
-from hicache._stand_ins import (
-    AsymmetricMHADevicePool,
-    DeepSeekV4DevicePool,
-    DSAIndexerDevicePool,
-    MambaDevicePool,
-    MHADevicePool,
-    MLADevicePool,
-)
-from hicache import _fake_host
-from hicache._fake_host import fake_machine
 from hicache.effects import TorchCudartRuntime, cuda_codes, stand_in_runtime
 from hicache.errors import CudaCallError, HostAlreadyRegisteredError, HostNotRegisteredError
-
-__all__ = [
-    "AsymmetricMHADevicePool",
-    "DSAIndexerDevicePool",
-    "DeepSeekV4DevicePool",
-    "MLADevicePool",
-    "MHADevicePool",
-    "MambaDevicePool",
-    "FakeCudart",
-    "FakeCudaBinding",
-    "FakeRuntime",
-    "FakeInvariantError",
-    "check_runtime_conformance",
-    "fake_cuda",
-    "fake_host_setup",
-    "fake_machine",
-    "FakeHostBuffer",
-    "sglang_on_cpu",
-]
 
 SUCCESS, ALREADY_REGISTERED, NOT_REGISTERED = cuda_codes.SUCCESS, cuda_codes.ALREADY_REGISTERED, cuda_codes.NOT_REGISTERED
 STICKY, NAMES = cuda_codes.STICKY, cuda_codes.NAMES
@@ -367,28 +337,3 @@ def fake_cuda(**faults):
     runtime = FakeRuntime(**faults)
     with stand_in_runtime(runtime, FakeCudaBinding(runtime.cudart)):
         yield runtime
-
-
-def sglang_on_cpu(*, transfers: bool = True) -> bool:
-    """Let SGLang's real code (0.5.23) import and copy on a CPU box: installs a `torchvision`
-    stand-in (see hicache/_sglang_cpu.py) unless a working torchvision imports, and - with
-    ``transfers`` and SGLang installed - gives its MHA, MLA, Mamba, DSA and DeepSeek-V4 host
-    pools CPU versions of sgl-kernel's ``io_backend="direct"`` copies and of its ``kernel``
-    backend's kvcacheio ops (page_head's and Mamba's JIT ones included; bound there only on
-    CUDA), so SGLang's own backup/load paths run with either backend. Idempotent; returns True when the torchvision stand-in is in place.
-    With `fake_cuda()` around the code under test, SGLang's pools then build and run on CPU with
-    hicache's plug-in loaded (its registration goes through the fake)."""
-    from hicache import _sglang_cpu
-
-    stood_in = _sglang_cpu.install()
-    if transfers:
-        _sglang_cpu.bind_transfers()
-    return stood_in
-
-
-def fake_host_setup(directory=None, *, runtime=None, machine=None, **changes):
-    return _fake_host.fake_host_setup(directory, runtime=FakeRuntime() if runtime is None else runtime,
-                                      machine=machine, **changes)
-
-
-fake_host_setup.__doc__ = _fake_host.fake_host_setup.__doc__
