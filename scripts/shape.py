@@ -130,7 +130,7 @@ import sys, json
 from hicache.testing import MHADevicePool, fake_cuda
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.effects import HostSetup
-calls, distinct, done = [0], set(), [False]
+calls, distinct, done, made, plans = [0], set(), [False], set(), [0]
 def profile(frame, event, arg):
     if done[0] or event != "call":
         return
@@ -140,6 +140,11 @@ def profile(frame, event, arg):
     elif "/hicache/" in code.co_filename and "/testing" not in code.co_filename:
         calls[0] += 1
         distinct.add((code.co_filename, code.co_name))
+        plans[0] += code.co_name in ("plan_pool", "plan_registration")  # the size planned (again)
+    if code.co_name == "__init__" and "self" in frame.f_locals:  # a value made on the way (attrs' too)
+        kind = type(frame.f_locals["self"])
+        if kind.__module__.startswith("hicache.") and not kind.__module__.startswith("hicache.testing"):
+            made.add(f"{kind.__module__}.{kind.__qualname__}")
 device = MHADevicePool(size=1024, layer_num=2, head_num=2, head_dim=64, page_size=16)
 with fake_cuda():
     import hicache.pools._base  # imports outside the count
@@ -149,15 +154,64 @@ with fake_cuda():
     finally:
         sys.setprofile(None)
     pool.destroy()
-print(json.dumps([calls[0], len(distinct)]))
+print(json.dumps([calls[0], len(distinct), sorted(made), plans[0]]))
 """
 
 
 def calls_to_register() -> list:
     """hicache's Python calls (all, and distinct functions) from a pool constructor (the older
-    form over hicache's fake device pool) to its first ``cudaHostRegister`` (fake CUDA)."""
+    form over hicache's fake device pool) to its first ``cudaHostRegister`` (fake CUDA), and the
+    hicache classes whose values are made on the way (the changes of form the call goes through)."""
     out = subprocess.run([sys.executable, "-c", _CALLS], cwd=ROOT, capture_output=True, text=True, timeout=300)
     return json.loads(out.stdout) if out.returncode == 0 else ["error", out.stderr[-300:]]
+
+
+#: the parts a pool is made of (its mixins), and the pool facts a part may read only from ``geometry``
+PARTS = {"_slots.py": "SlotsMixin", "_device_copies.py": "DeviceCopiesMixin", "_progressive.py": "ProgressiveMixin",
+         "_storage.py": "StoragePagesMixin", "_hisparse.py": "HiSparseHostPoolMixin"}
+FACTS = {"size", "page_num", "size_per_token", "descriptor", "dtype", "layer_num", "target_layer_num", "start_layer",
+         "end_layer", "page_size", "dcp_size", "dcp_rank", "device_capacity_tokens", "device_pool", "layout",
+         "logical_page_size", "logical_size", "descriptor_class"}
+
+
+def parts_reads() -> dict:
+    """Per part: the pool attributes it reads of ``self`` beyond its own (implicit, shared with
+    the other parts), and how many of them are pool facts rather than the ``geometry``."""
+    found = {}
+    for name, cls in PARTS.items():
+        path = PACKAGE / "pools" / name
+        if not path.exists():
+            continue
+        node = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == cls)
+        own = {i.name for i in node.body if isinstance(i, ast.FunctionDef)}
+        reads = set()
+        for each in ast.walk(node):
+            if isinstance(each, ast.Attribute) and getattr(each.value, "id", None) == "self":
+                (own.add if isinstance(each.ctx, ast.Store) else reads.add)(each.attr)
+        found[cls] = sorted(reads - own)
+    return {"implicit": sum(len(r) for r in found.values()), "facts": sum(len(set(r) & FACTS) for r in found.values())}
+
+
+def files_naming_a_family(pattern: str = r"DeepSeekV4|deepseek_v4|V4Paged|V4State") -> int:
+    """Modules of hicache that name DeepSeek-V4, the newest family (what a new family touches)."""
+    import re
+
+    return sum(1 for p in PACKAGE.rglob("*.py") if re.search(pattern, p.read_text()))
+
+
+#: the values that carry a pool's size from SGLang's call to ``cudaHostRegister`` (its forms)
+SIZE_FORMS = ("Sizing", "Facts", "PoolSize", "PoolGeometry", "MHALayout", "BufferSpec", "PoolPlan", "BufferPlan",
+              "RegistrationPlan", "BufferRequest", "HostPools")
+
+
+def size_path() -> dict:
+    """From `calls_to_register`'s run: the size's forms made on the way, and its plans."""
+    calls = calls_to_register()
+    if calls and calls[0] == "error":
+        return {"error": calls[1]}
+    made = {name.rsplit(".", 1)[-1] for name in calls[2]}
+    return {"calls": calls[0], "distinct_functions": calls[1], "values_made": len(calls[2]),
+            "size_forms": [form for form in SIZE_FORMS if form in made], "plans": calls[3]}
 
 
 def largest_modules(count: int = 3) -> list:
@@ -172,7 +226,8 @@ def main() -> int:
               "largest_modules": largest_modules(), "pool_constructors_with_catch_all": len(pool_catch_alls()),
               "make_geometry_reads_the_pool": geometry_reads_the_pool(),
               "pool_fields_written_around_build": writes_around_build(), "admission_doors": admission_doors(),
-              "calls_to_first_register": calls_to_register()}
+              "to_first_register": size_path(), "parts_reads": parts_reads(),
+              "modules_naming_deepseek_v4": files_naming_a_family()}
     if "--list" in sys.argv:
         report.update(bring_up=bring_up_keywords(), pool=pool_keywords(), crossings=crossing)
     print(json.dumps(report))
