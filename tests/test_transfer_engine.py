@@ -367,10 +367,10 @@ def test_destroy_waits_for_a_copy_in_flight_and_no_transfer_starts_after(transfe
     destroyer.start()
     try:
         for _ in range(6000):  # until destroy() waits on the copy (its flag: events, not seconds)
-            if pool._closing:
+            if pool._in_flight.closing:
                 break
             threading.Event().wait(0.01)
-        assert pool._closing and log == ["copy-start"]
+        assert pool._in_flight.closing and log == ["copy-start"]
         with pytest.raises(RegistrationStateError, match="being destroyed"):
             pool.load_to_device_per_layer(device, host_idx, device_idx, 0, "kernel")
     finally:

@@ -34,7 +34,7 @@ from hicache.plan._settings import check_hugepages
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
-from hicache.pools._device_copies import DeviceCopiesMixin, Stream
+from hicache.pools._device_copies import CopiesInFlight, DeviceCopiesMixin, Stream
 from hicache.pools._forms import DEVICE_POOL
 from hicache.pools._geometry import make_geometry
 from hicache.pools._options import given, split_keywords
@@ -135,7 +135,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         self.runtime = self.host_setup.runtime
         self.ledger = self.host_setup.ledger  # None: the process ledger (what CUDA holds for this process)
         self.lock = threading.RLock()
-        self._copy_gate, self._copies, self._closing = threading.Condition(), 0, False  # transfers in flight
+        self._in_flight = CopiesInFlight(name)  # transfers running: destroy() waits for them
         self.registration = None
         self.kv_buffer = None
         self._destroyed = False
@@ -362,7 +362,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
             if self._destroyed:
                 return
             self._close_pages()  # the page path checks the pool's state again from here on
-            self._drain_copies()  # no launch may follow the release below
+            self._in_flight.drain()  # no launch may follow the release below
             self._wait_for_device_copies()
             try:
                 if host is not None:

@@ -8,6 +8,7 @@ The copying itself is `_transfer.Transfers`' (bounds-checked batches through the
 from __future__ import annotations
 
 import operator
+import threading
 from typing import NamedTuple
 
 from hicache.errors import RegistrationStateError, TransferError
@@ -32,12 +33,45 @@ def _layer_id(layer_id) -> int:
     return operator.index(layer_id)
 
 
+class CopiesInFlight:
+    """The transfers a pool has running, so that its destroy() lets no memory go under one:
+    `enter` counts a transfer in (refused once closing), `leave` counts it out, `drain` refuses
+    new ones and waits for those in flight."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.count, self.closing = name, 0, False
+        self._gate = threading.Condition()
+
+    def enter(self, alive) -> None:
+        """Count one transfer in, after ``alive()`` (the pool's state check) passes."""
+        with self._gate:
+            alive()
+            if self.closing:
+                raise RegistrationStateError(f"{self.name} is being destroyed: no new transfer starts")
+            self.count += 1
+
+    def leave(self) -> None:
+        with self._gate:
+            self.count -= 1
+            if not self.count:
+                self._gate.notify_all()
+
+    def drain(self) -> None:
+        """Refuse new transfers and wait for those in flight: a host copy still running, or a
+        launch about to enqueue work on memory about to be unregistered (interruptible; a
+        second destroy() waits again)."""
+        with self._gate:
+            self.closing = True
+            while self.count:
+                self._gate.wait(0.1)
+
+
 class DeviceCopiesMixin:
     """A part of `HostKVCache`: SGLang's transfer calls over the pool's ``geometry`` (every
     fact read from it) and the live state in `NEEDS`."""
 
     #: the pool's live state this part reads beyond its ``geometry`` (tests/test_import_rules.py)
-    NEEDS = ("buffers", "_transfers", "_copy_gate", "_alive")
+    NEEDS = ("buffers", "_transfers", "_in_flight", "_alive")
 
     # -- transfers --------------------------------------------------------------------------
     def _host_view(self, stream: Stream, layer: int):
@@ -46,27 +80,12 @@ class DeviceCopiesMixin:
         return layer_token_view(tensor, geometry.family, geometry.layout, layer, stream.kv, geometry.page_size)
 
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
-        with self._copy_gate:  # counted in flight, so destroy() waits for it before letting memory go
-            self._alive()
-            if self._closing:
-                raise RegistrationStateError(f"{type(self).__name__} is being destroyed: no new transfer starts")
-            self._copies += 1
+        in_flight = self._in_flight
+        in_flight.enter(self._alive)  # counted, so destroy() waits for it before letting memory go
         try:
             self._transfer_now(device_pool, host_indices, device_indices, layers, io_backend, to_host=to_host)
         finally:
-            with self._copy_gate:
-                self._copies -= 1
-                if not self._copies:
-                    self._copy_gate.notify_all()
-
-    def _drain_copies(self) -> None:
-        """Refuse new transfers and wait for those in flight: a host copy still running, or a
-        launch about to enqueue work on memory about to be unregistered (interruptible; a
-        second destroy() waits again)."""
-        with self._copy_gate:
-            self._closing = True
-            while self._copies:
-                self._copy_gate.wait(0.1)
+            in_flight.leave()
 
     def _transfer_now(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
         if self._transfers is None:
