@@ -513,6 +513,45 @@ def test_the_face_rule_sees_code():
     assert _face_only(source) == ["Assign a", "FunctionDef f", "ClassDef C"]
 
 
+def _package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def _private_crossings(path: Path, module: str) -> list[str]:
+    """``from hicache.<a>._x import ...`` in ``module`` of another package: a reach past a face."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("hicache."):
+            parts = node.module.split(".")
+            if any(part.startswith("_") for part in parts[2:]) and _package_of(node.module) != _package_of(module):
+                found.append(f"{module} -> {node.module}")
+    return found
+
+
+#: the reaches past another package's face that remain, and why (issue #55 item 5: 30 before the
+#: plan's sub-faces; none may be added)
+CROSSINGS = {
+    "hicache.compat.sglang -> hicache.pools._base": "RANGES_ATTR: SGLang's own attribute name, which the pools "
+                                                     "write and its helpers read; not a name for hicache's callers",
+}
+
+
+def test_packages_reach_each_other_through_faces():
+    """A package imports another's public face or sub-faces (`hicache.plan.settings`,
+    `store_format`, `transfer`, `thp`; effects' own), never its private modules - the one
+    exception named, with why."""
+    found = [c for m, p in MODULES.items() for c in _private_crossings(p, m)]
+    assert sorted(found) == sorted(CROSSINGS), sorted(set(found) ^ set(CROSSINGS))
+
+
+def test_the_crossing_rule_sees_a_reach(tmp_path):
+    """Not vacuous: a module of the CLI importing plan's private ``_env`` is found; its own
+    package's private module is not a crossing."""
+    path = tmp_path / "cli.py"
+    path.write_text("from hicache.plan._env import env_value\nfrom hicache.cli._render import table\n")
+    assert _private_crossings(path, "hicache.cli._x") == ["hicache.cli._x -> hicache.plan._env"]
+
+
 MAX_LINES = 400  # a module past this holds more than one charter (issue #34)
 #: The modules still past it, and why (each shrinks with the item of #34 named; none may grow).
 OVER_MAX = {

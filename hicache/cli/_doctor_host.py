@@ -232,8 +232,8 @@ def transfer_check(env) -> Check:
     import importlib.util
 
     from hicache.errors import EnvError
-    from hicache.plan._env import env_value
-    from hicache.plan._transfer import DEFAULT_PROGRAMS, choose_engine
+    from hicache.plan.settings import env_value
+    from hicache.plan.transfer import DEFAULT_PROGRAMS, choose_engine
 
     try:
         setting = env_value(env, "HICACHE_TRANSFER") or "auto"

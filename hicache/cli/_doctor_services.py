@@ -16,7 +16,7 @@ def _environment(c: Context) -> list[Check]:
     read it: one FAIL line per bad value, named by the variable; a set HICACHE_* variable the
     table does not know is a warning (a typo reads as unset)."""
     from hicache.effects import for_cli
-    from hicache.plan._env import SETTINGS, unknown_variables
+    from hicache.plan.settings import SETTINGS, unknown_variables
 
     problems = for_cli.environment_problems(c.env)
     unknown = unknown_variables(c.env)

@@ -12,8 +12,8 @@ import os
 
 from hicache.cli._common import CONFIG_LIMIT_BYTES, CliError, positive_decimal, positive_int, read_json_file, size
 from hicache.errors import LayoutError
-from hicache.plan._env import BY_NAME, size_in_range
-from hicache.plan._limits import DEFAULT_CALL_CAP_BYTES
+from hicache.plan.settings import BY_NAME, size_in_range
+from hicache.plan import DEFAULT_CALL_CAP_BYTES
 from hicache.plan import (
     CAPACITY_DEFAULTS,
     DEFAULT_CHUNK_LIMIT_BYTES,

@@ -12,7 +12,7 @@ import operator
 from array import array
 
 from hicache.errors import ArenaError, TransferError
-from hicache.store._pages import PageSegments
+from hicache.store import PageSegments
 
 
 def _buffers(pool) -> list[tuple[int, int]]:

@@ -36,7 +36,7 @@ from hicache.plan import SGLANG_CHUNK_ENV
 from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, ReleaseError
 from hicache.plan import plan_registration
 from hicache.compat import _sglang_log
-from hicache.pools._allocator import get_allocator_from_storage
+from hicache.pools import get_allocator_from_storage
 from hicache.pools._base import RANGES_ATTR
 from hicache.plan.checks import is_integer
 

@@ -28,7 +28,7 @@ import threading
 import time
 
 from hicache.errors import TraceOutputError
-from hicache.plan._env import env_value
+from hicache.plan.settings import env_value
 
 TRACE_ENV = "HICACHE_TRACE"
 CLOCK = "CLOCK_MONOTONIC"  # time.monotonic: one clock for every process of a host

@@ -1,14 +1,17 @@
 """hicache.plan: the pure core. Layouts and limits in, frozen registration plans out.
 
 No I/O, environment, clocks, randomness, torch or CUDA here (ARCHITECTURE.md, "The one rule");
-tests/test_purity.py enforces it.
+tests/test_purity.py enforces it. Beside this face, four sub-faces by audience, for the layers
+that act on them: `hicache.plan.settings` (the ``HICACHE_*`` table and its readers),
+`store_format` (the node store's arena format), `transfer` (which engine moves a batch) and
+`thp` (the ``hugepages="auto"`` decision).
 """
 
 #: Where each public name lives. Its module is imported on first use (PEP 562): `hicache plan`
 #: starts in the time of the modules it runs (issue #35 item 4: <= 1.5x `import attrs`), not of all.
 _HOMES = {
     **dict.fromkeys((
-        "DEFAULT_RESERVE_BYTES", "SIZING_RULES", "host_tokens", "pages_for", "PoolSize", "size_pool"
+        "DEFAULT_RESERVE_BYTES", "SGLANG_0_5_23", "SIZING_RULES", "host_tokens", "pages_for", "PoolSize", "size_pool"
     ), "hicache.plan._capacity"),
     **dict.fromkeys(("BudgetVerdict", "assess_budget", "check_budget"), "hicache.plan._budget"),
     **dict.fromkeys(("CAPACITY_DEFAULTS", "CapacityPlan", "NamedPool", "plan_capacity"), "hicache.plan._capacity_plan"),
@@ -19,7 +22,8 @@ _HOMES = {
         "dsa_indexer_pages"
     ), "hicache.plan._layouts"),
     **dict.fromkeys((
-        "DEFAULT_CHUNK_LIMIT_BYTES", "DRIVER_CEILING_BYTES", "KERNEL_PIN_CAP_BYTES", "Limits", "kernel_pin_cap",
+        "DEFAULT_CALL_CAP_BYTES", "DEFAULT_CHUNK_LIMIT_BYTES", "DRIVER_CEILING_BYTES", "KERNEL_PIN_CAP_BYTES", "Limits",
+        "kernel_pin_cap",
         "parse_kernel_release"
     ), "hicache.plan._limits"),
     **dict.fromkeys(("RegistrationPlan", "pace", "pace_head", "plan_registration", "replan"), "hicache.plan._planner"),

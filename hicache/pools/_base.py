@@ -30,7 +30,7 @@ from hicache.effects import (
 )
 from hicache.errors import LayoutError, NoAllocatorError, RegistrationStateError
 from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, format_gb, plan_pool
-from hicache.plan._settings import check_hugepages
+from hicache.plan.settings import check_hugepages
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin

@@ -16,7 +16,7 @@ import logging
 
 from hicache.errors import LayoutError, PlanError
 from hicache.plan.checks import check_int, check_real
-from hicache.plan._capacity import SGLANG_0_5_23
+from hicache.plan import SGLANG_0_5_23
 from hicache.plan import host_tokens, pages_for
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import attrs
 
 from hicache.effects import arena as _arena
 from hicache.plan import claimed_generation, published_generation, reclaimed_generation
-from hicache.plan._store import GEN, KEY, RECORD_BYTES, SUM1_OFFSET, SUM2_OFFSET
+from hicache.plan.store_format import GEN, KEY, RECORD_BYTES, SUM1_OFFSET, SUM2_OFFSET
 from hicache.store._keys import DIGEST_BYTES
 from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
 from hicache.store._pages import PageSegments

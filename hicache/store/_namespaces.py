@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from hicache.effects import arena as _arena
 from hicache.errors import NamespaceTableFullError
-from hicache.plan._store import NAMESPACE_BYTES, NAMESPACE_ENTRIES
+from hicache.plan.store_format import NAMESPACE_BYTES, NAMESPACE_ENTRIES
 from hicache.store._keys import DIGEST_BYTES
 
 ZERO_KEY = bytes(DIGEST_BYTES)

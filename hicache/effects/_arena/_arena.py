@@ -30,7 +30,7 @@ from hicache.effects._arena._creators import CreatorsLock
 from hicache.effects._arena._mounts import Backing, backing_of
 from hicache.effects._arena._records import Records
 from hicache.effects._arena._slots import slot_ops, try_lock, unlock
-from hicache.plan._store import (
+from hicache.plan.store_format import (
     COUNTERS,
     COUNTERS_OFFSET,
     HEADER_LENGTH,

@@ -16,7 +16,7 @@ import ctypes
 import os
 import time
 
-from hicache.plan._store import NAMESPACE_BYTES, RECORD, RECORD_BYTES
+from hicache.plan.store_format import NAMESPACE_BYTES, RECORD, RECORD_BYTES
 
 _DIGEST = 16  # a namespace entry starts with its digest; the rest is its description
 

@@ -18,11 +18,11 @@ import struct
 from array import array
 
 from hicache.plan import SlotView, victim_order, window_of
-from hicache.plan._store import DEPTH_OFFSET as _DEPTH
-from hicache.plan._store import LENGTH_OFFSET as _LENGTH
-from hicache.plan._store import NS_OFFSET, RECORD_BYTES, REF_OFFSET, STAMP_OFFSET, WRITER_OFFSET
-from hicache.plan._store import SUM1_OFFSET as _SUM1
-from hicache.plan._store import SUM2_OFFSET as _SUM2
+from hicache.plan.store_format import DEPTH_OFFSET as _DEPTH
+from hicache.plan.store_format import LENGTH_OFFSET as _LENGTH
+from hicache.plan.store_format import NS_OFFSET, RECORD_BYTES, REF_OFFSET, STAMP_OFFSET, WRITER_OFFSET
+from hicache.plan.store_format import SUM1_OFFSET as _SUM1
+from hicache.plan.store_format import SUM2_OFFSET as _SUM2
 
 try:
     from hicache.effects._arena import _slotops as _native

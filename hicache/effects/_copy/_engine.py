@@ -15,7 +15,7 @@ from hicache.effects._copy._host_copy import (
 )
 from hicache.effects._copy._gather import GatherCopy, triton_ready
 from hicache.errors import CudaCallError, TransferError
-from hicache.plan._transfer import TRANSFER_MODES, choose_engine
+from hicache.plan.transfer import TRANSFER_MODES, choose_engine
 
 
 def cuda_copy(dsts, srcs, sizes, *, stream: int, binding=None) -> str:
@@ -237,8 +237,8 @@ def transfer_settings(env=None) -> tuple[str, int]:
     bad value, naming it."""
     import os
 
-    from hicache.plan._env import env_value
-    from hicache.plan._transfer import DEFAULT_PROGRAMS
+    from hicache.plan.settings import env_value
+    from hicache.plan.transfer import DEFAULT_PROGRAMS
 
     env = os.environ if env is None else env
     return env_value(env, "HICACHE_TRANSFER") or "auto", env_value(env, "HICACHE_TRANSFER_PROGRAMS") or DEFAULT_PROGRAMS

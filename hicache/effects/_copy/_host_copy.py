@@ -45,7 +45,7 @@ def copy_threads() -> int:
 def host_copy_mode(env=None) -> str:
     """``"native"`` or ``"python"``: what `copy_host_blocks` will use, after ``HICACHE_HOST_COPY``."""
     from hicache.errors import EnvError
-    from hicache.plan._env import env_value
+    from hicache.plan.settings import env_value
 
     wanted = env_value(os.environ if env is None else env, ENV_VAR) or "auto"
     if wanted == "native" and _native is None:

@@ -15,7 +15,7 @@ import attrs
 
 from hicache.errors import EnvError
 from hicache.plan import SGLANG_CHUNK_ENV
-from hicache.plan._env import SETTINGS, env_value
+from hicache.plan.settings import SETTINGS, env_value
 
 
 

@@ -26,7 +26,7 @@ from hicache.effects._host._threads import lower_priority, pin_thread
 from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
 from hicache.plan.checks import check_int
 from hicache.effects._host._libc import madvise_function as _madvise
-from hicache.plan._settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, check_hugepages  # noqa: F401 - used here and re-exported
+from hicache.plan.settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, check_hugepages  # noqa: F401 - used here and re-exported
 
 MAP_HUGETLB = 0x40000  # linux/mman.h
 MAP_HUGE_SHIFT = 26

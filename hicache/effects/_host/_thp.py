@@ -16,7 +16,7 @@ import threading
 import time
 
 from hicache.effects._host._libc import madvise_function
-from hicache.plan._thp import PieceFault, ThpSnapshot, base_rate, brake_reason, decide_piece
+from hicache.plan.thp import PieceFault, ThpSnapshot, base_rate, brake_reason, decide_piece
 
 MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15

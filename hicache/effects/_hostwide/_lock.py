@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from hicache.effects._hostwide._rundir import private_dir as _private_dir, runtime_dir
-from hicache.plan._env import env_value
+from hicache.plan.settings import env_value
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._trace import span
 from hicache.errors import LockTimeoutError, RegistrationStateError

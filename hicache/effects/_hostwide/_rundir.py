@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from hicache.errors import LockDirectoryError
-from hicache.plan._env import env_value
+from hicache.plan.settings import env_value
 
 
 def runtime_dir(env=None) -> Path:

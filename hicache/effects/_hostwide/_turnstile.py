@@ -42,7 +42,7 @@ from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._hostwide._rundir import private_dir, runtime_dir
 from hicache.effects._trace import span
 from hicache.errors import PlanError
-from hicache.plan._env import env_value
+from hicache.plan.settings import env_value
 from hicache.plan.checks import check_int, check_real
 
 logger = logging.getLogger(__name__)
