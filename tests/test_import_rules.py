@@ -531,7 +531,7 @@ def _private_crossings(path: Path, module: str) -> list[str]:
 #: the reaches past another package's face that remain, and why (issue #55 item 5: 30 before the
 #: plan's sub-faces; none may be added)
 CROSSINGS = {
-    "hicache.compat.sglang -> hicache.pools._base": "RANGES_ATTR: SGLang's own attribute name, which the pools "
+    "hicache.compat.sglang -> hicache.pools._range_records": "RANGES_ATTR: SGLang's own attribute name, which the pools "
                                                      "write and its helpers read; not a name for hicache's callers",
 }
 

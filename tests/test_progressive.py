@@ -537,3 +537,28 @@ def test_a_transfer_touching_a_page_not_yet_registered_is_refused_and_copies_not
         assert all(torch.equal(a, b) for a, b in zip(device_before, device.kv_buffer))
     pool.destroy()
     assert runtime.held() == set() and ledger.held() == ()
+
+
+def test_sglangs_range_records_take_chunks_before_and_after_the_tensors_exist():
+    """`RangeRecords`: chunks noted before `attach` land on their buffer's record by offset,
+    those after on the record itself, pointers from the tensor's base; `clear` empties every
+    record and drops later notes; without `expect_chunks` the handle's ranges inside each
+    tensor are its record."""
+    from hicache.pools._range_records import RANGES_ATTR, RangeRecords
+
+    tensors = [torch.zeros(64, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)]
+    records = RangeRecords()
+    records.expect_chunks()
+    records.note(1, 0, 16)
+    records.attach(tensors, held=lambda: pytest.fail("progressive records come from the chunks"))
+    records.note(0, 32, 32)
+    records.note(1, 16, 16)
+    base0, base1 = (t.data_ptr() for t in tensors)
+    assert getattr(tensors[0], RANGES_ATTR) == [(base0 + 32, 32)]
+    assert getattr(tensors[1], RANGES_ATTR) == [(base1, 16), (base1 + 16, 16)]
+    records.clear(tensors)
+    records.note(0, 0, 32)  # a chunk after the memory went: nothing to record
+    assert [getattr(t, RANGES_ATTR) for t in tensors] == [[], []]
+    whole = RangeRecords()
+    whole.attach(tensors, held=lambda: [(base0, 64), (base1, 32), (1, 8)])
+    assert [getattr(t, RANGES_ATTR) for t in tensors] == [[(base0, 64)], [(base1, 32)]]

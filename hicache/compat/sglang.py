@@ -37,7 +37,7 @@ from hicache.errors import ApplyError, HostAlreadyRegisteredError, PlanError, Re
 from hicache.plan import plan_registration
 from hicache.compat import _sglang_log
 from hicache.pools import get_allocator_from_storage
-from hicache.pools._base import RANGES_ATTR
+from hicache.pools._range_records import RANGES_ATTR
 from hicache.plan.checks import is_integer
 
 __all__ = [

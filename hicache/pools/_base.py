@@ -34,6 +34,7 @@ from hicache.plan.settings import check_hugepages
 from hicache.pools._allocator import get_allocator_from_storage
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
+from hicache.pools._range_records import RangeRecords
 from hicache.pools._device_copies import CopiesInFlight, DeviceCopiesMixin, Stream
 from hicache.pools._forms import DEVICE_POOL
 from hicache.pools._geometry import make_geometry
@@ -45,8 +46,6 @@ from hicache.pools._slots import SlotsMixin
 logger = logging.getLogger(__name__)
 
 _FRAMEWORK_PINNED = ("npu", "musa")  # devices whose framework pins host memory itself
-#: SGLang's record of registered ranges on a host tensor (pool_host/common.py)
-RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
 
 
 def synchronized(func):
@@ -142,6 +141,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         self._host = None  # the effects.HostPools handle: memory, registration, budget entry
         self._pages = None
         self._readiness = None
+        self._ranges = RangeRecords()  # SGLang's record of what is registered, on each buffer
         self._transfers = None
         self._adopt(geometry)
         settings = options.settings
@@ -285,26 +285,10 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         return tensors[0] if len(tensors) == 1 else list(tensors)
 
     def _record_ranges(self, tensors) -> None:
-        """Each buffer carries SGLang's record of what is registered in it,
-        ``_sglang_cuda_host_registered_ranges`` = ``[(ptr, size), ...]`` (SGLang's own unregister
-        reads it; without it, it would treat the buffer as one range). Progressive pools extend
-        it as chunks register (`_progressive_mode`)."""
-        with self.lock:  # a progressive pool's background chunks append under it
-            records = []
-            early = getattr(self, "_early_ranges", None)
-            # progressive: what its chunks reported (no walk over the handle's registrations,
-            # whose length depends on how far the background thread got)
-            held = None if early is not None else self._host.registered_ranges()
-            for index, tensor in enumerate(tensors):
-                low = tensor.data_ptr()
-                high = low + tensor.numel() * tensor.element_size()
-                if early is not None:
-                    record = [(low + offset, size) for buffer, offset, size in early if buffer == index]
-                else:
-                    record = [(ptr, size) for ptr, size in held if low <= ptr < high]
-                setattr(tensor, RANGES_ATTR, record)
-                records.append((tensor, record))
-            self._range_records = records
+        """Each buffer carries SGLang's record of what is registered in it (`RangeRecords`);
+        progressive pools extend it as chunks register (`_progressive_mode`)."""
+        with self.lock:  # a progressive pool's background chunks note theirs under it
+            self._ranges.attach(tensors, self._host.registered_ranges)
 
     @property
     def buffers(self) -> list:
@@ -369,11 +353,10 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
                     host.release()  # one teardown, whatever the mode; a leak keeps the memory
             finally:
                 if host is None or host.state == "released":
-                    for tensor in self.buffers if self.kv_buffer is not None else ():
-                        setattr(tensor, RANGES_ATTR, [])  # nothing of it is registered any more
+                    self._ranges.clear(self.buffers if self.kv_buffer is not None else ())
                     # no view of the memory may outlive this: a kept tensor defers the unmap to
                     # the pool object's death (a reference cycle: the next garbage collection)
-                    self.kv_buffer, self._range_records = None, []
+                    self.kv_buffer = None
                     if self._transfers is not None:
                         self._transfers.forget()
                     self._destroyed = True

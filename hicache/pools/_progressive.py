@@ -96,7 +96,7 @@ class ProgressiveMixin:
     over the pool's ``geometry`` and the live state in `NEEDS`."""
 
     #: the pool's live state this part reads beyond its ``geometry`` (tests/test_import_rules.py)
-    NEEDS = ("pool_plan", "max_stall_s", "lock", "_host", "_destroyed", "_range_records")
+    NEEDS = ("pool_plan", "max_stall_s", "lock", "_host", "_destroyed", "_ranges")
 
     def _progressive_mode(self) -> Progressive:
         """Every page starts handed out (to the pool itself) and is freed into the allocator
@@ -107,13 +107,13 @@ class ProgressiveMixin:
         self._pages = PageAllocator(self.geometry.page_num, self.geometry.logical_page_size)
         self._pages.alloc(self.geometry.page_num * self.geometry.logical_page_size)
         self._readiness = PageReadiness(self.geometry)
-        self._early_ranges = []  # (buffer, offset, size) registered before the tensors are known
+        self._ranges.expect_chunks()  # SGLang's records take the chunks as they register
         parts = ordered_parts(self.pool_plan, self._readiness)
 
         def on_chunk(position: int, done: int, size: int) -> None:
             part = parts[position]
             with self.lock:
-                self._note_registered(part.buffer, part.offset + done, size)
+                self._ranges.note(part.buffer, part.offset + done, size)
                 ready = self._readiness.registered(part.buffer, part.offset + done, size)
                 if len(ready) and not self._destroyed:
                     self._pages.free(self._slots(ready))
@@ -129,17 +129,6 @@ class ProgressiveMixin:
 
         first = pages.start * self.geometry.logical_page_size
         return torch.arange(first, pages.stop * self.geometry.logical_page_size, dtype=torch.int64)
-
-    def _note_registered(self, buffer: int, offset: int, size: int) -> None:
-        """Note a registered chunk for the buffer's SGLang record of registered ranges: by
-        offset until the bring-up returns (the tensors exist then), on the record itself after
-        (under ``self.lock``, as `_record_ranges` reads it)."""
-        records = getattr(self, "_range_records", None)
-        if records is None:
-            self._early_ranges.append((buffer, offset, size))
-            return
-        tensor, record = records[buffer]
-        record.append((tensor.data_ptr() + offset, size))
 
     def ready_pages(self) -> int:
         """Pages whose bytes are registered in every buffer (all of them unless progressive)."""
