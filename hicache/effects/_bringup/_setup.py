@@ -52,7 +52,8 @@ class HostSetup:
     def probe(cls, **given) -> "HostSetup":
         """A setup with every piece not ``given`` made now: the default runtime, the machine's
         facts and limits, the host-wide budget lock, a copy engine (the ledger stays the
-        process's, the turnstile ``"auto"``)."""
+        process's, the turnstile ``"auto"``, the allocator None: a new `HostTensorAllocator` per
+        bring-up, as a handle frees what its allocator holds)."""
         from hicache.effects._copy._engine import CopyEngine
         from hicache.effects._cuda._runtime import default_runtime
         from hicache.effects._host._probes import probe_limits, probe_machine
