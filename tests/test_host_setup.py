@@ -240,3 +240,25 @@ def test_a_pool_asks_its_own_setups_server_not_the_process_wide_one(tmp_path):
     finally:
         pool.destroy()
     assert setup.runtime.held() == set()
+
+
+def test_an_allocator_still_holding_another_bring_ups_memory_is_refused(tmp_path):
+    """A handle frees everything its allocator holds, so an allocator still holding a live
+    handle's buffers is refused for a second bring-up (a PlanError naming the field), before
+    any memory; once the first is released it serves again, and ``owns_memory=False`` (memory
+    someone else frees) may share it."""
+    plan = plan_pool(_device_layout(), Limits(chunk_limit_bytes=1 << 20, os_page_bytes=4096))
+    allocator = HostTensorAllocator()
+    first = bring_up(plan, host=fake_host_setup(tmp_path, allocator=allocator))
+    held = allocator.owned()
+    try:
+        other = fake_host_setup(tmp_path, allocator=allocator)
+        with pytest.raises(PlanError, match=r"HostSetup\.allocator=.* already holds 1 buffer"):
+            bring_up(plan, host=other)
+        assert other.runtime.cudart.log == [] and allocator.owned() == held
+        shared = bring_up(plan, host=fake_host_setup(tmp_path, allocator=allocator, owns_memory=False))
+        shared.release()
+    finally:
+        first.release()
+    assert allocator.owned() == []
+    bring_up(plan, host=fake_host_setup(tmp_path, allocator=allocator)).release()

@@ -215,6 +215,10 @@ def bring_up(
     progress, prefault_progress = tee(listening, progress), tee(listening, prefault_progress)
     requests = _requests(requests)
     allocator, device = host_allocator(setup.allocator), setup.device
+    if setup.owns_memory and allocator.owned():  # its handle frees everything the allocator holds
+        raise PlanError(f"HostSetup.allocator={allocator!r} already holds {len(allocator.owned())} buffer(s) of "
+                        "another bring-up, which this one's release would free: give each bring-up its own "
+                        "allocator (or owns_memory=False where the memory is someone else's)")
     mode = _mode(mode, requests, allocator, device)
     handle = HostPools(requests, allocator, ledger, owns_memory=setup.owns_memory, nbytes=[_nbytes(r) for r in requests],
                        mode=mode if isinstance(mode, str) else "progressive", report=report)
