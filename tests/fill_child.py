@@ -63,7 +63,7 @@ def _on_node(root: str, node: int):
     """An allocator binding to ``node`` of the fake topology under ``root``."""
     import hicache.effects._host._memory as memory
     import hicache.effects._host._probes as probes
-    from hicache.effects._host._allocators import HostTensorAllocator
+    from hicache.effects import HostTensorAllocator
     from hicache.effects._host._numa import node_cpus
 
     # what the budget's machine sample reads (probe_machine passes its own root: this one wins)

@@ -57,7 +57,7 @@ def main() -> int:
 
         after(effects, "probe_cuda")
     elif phase == "budget":  # the claim just written under the host-wide lock
-        from hicache.effects._hostwide._lock import BudgetLock
+        from hicache.effects import BudgetLock
 
         after(BudgetLock, "record")
     elif phase == "prefault":  # a pre-fault piece done (from a faulting thread)

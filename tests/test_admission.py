@@ -16,7 +16,7 @@ import time
 import pytest
 
 from hicache.effects._bringup import _admission
-from hicache.effects._hostwide._lock import BudgetLock
+from hicache.effects import BudgetLock
 from hicache.effects._hostwide._rundir import runtime_dir
 
 pytestmark = pytest.mark.concurrency  # a timer thread drops an abandoned claim

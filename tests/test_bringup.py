@@ -11,10 +11,10 @@ import os
 import pytest
 from machine import GB, ROOMY, facts
 
-from hicache.effects._hostwide._lock import BudgetLock
+from hicache.effects import BudgetLock
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up, probe_cuda
 from hicache.effects import HostSetup
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.errors import CapacityError, ReleaseError, RollbackError
 from hicache.plan import Limits, MHALayout, plan_pool, plan_registration
 from hicache.pools import MHATokenToKVPoolHost

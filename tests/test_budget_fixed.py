@@ -18,7 +18,7 @@ from machine import ROOMY
 
 from hicache.effects import BufferRequest, bring_up
 from hicache.effects import HostSetup
-from hicache.effects._hostwide._lock import BudgetLock
+from hicache.effects import BudgetLock
 from hicache.errors import CapacityError
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeRuntime

@@ -238,7 +238,7 @@ def _apply_args(*extra):
 def test_apply_brings_a_plan_up_and_down(capsys):
     """apply on a (fake) CUDA machine: allocate, pre-fault, register, release, print timings."""
     from hicache.cli import _apply
-    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.effects import HostLedger
     from hicache.testing import FakeCudaBinding, FakeRuntime
 
     runtime, ledger = FakeRuntime(), HostLedger()
@@ -254,7 +254,7 @@ def test_apply_brings_a_plan_up_and_down(capsys):
 def test_apply_interrupted_leaves_nothing_registered(capsys):
     """Ctrl-C in the middle of registering: everything rolled back, memory freed."""
     from hicache.cli import _apply
-    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.effects import HostLedger
     from hicache.errors import ApplyError
     from hicache.testing import FakeCudaBinding, FakeRuntime
 
@@ -295,7 +295,7 @@ def test_apply_honours_host_memory_and_ranks_per_host_in_its_budget(capsys):
     count in apply's budget check (they were ignored): a 20 MB pool fits a roomy machine, but not
     100 MB shared by 8 ranks with no reserve - refused before anything is registered."""
     from hicache.cli import _apply
-    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.effects import HostLedger
     from hicache.errors import CapacityError
     from hicache.testing import FakeCudaBinding, FakeRuntime
 

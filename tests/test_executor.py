@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.effects import apply_plan, apply_pool_plan
 from hicache.errors import (
     ApplyError,

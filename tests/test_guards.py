@@ -18,8 +18,8 @@ from machine import facts
 
 import hicache.compat.sglang as sg
 from hicache.effects._host._memory import QUARANTINE, allocate_host
-from hicache.effects._hostwide._lock import BudgetLock
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import BudgetLock
+from hicache.effects import HostLedger
 from hicache.errors import CapacityError, RegistrationStateError, RollbackError
 from hicache.plan import Limits, plan_registration
 from hicache.pools import MHATokenToKVPoolHost

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.effects._host._memory import allocate_host, prefault
 from hicache.effects import apply_plan, os_page_bytes
 from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
@@ -487,7 +487,7 @@ def test_free_all_keeps_a_buffer_whose_unmap_was_refused_and_frees_it_later():
     garbage collector never unmaps pinned memory - while every other buffer is freed; once it is
     unregistered a second `free_all` frees it."""
     from hicache.effects import HostTensorAllocator
-    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.effects import HostLedger
     from hicache.errors import RegistrationStateError
 
     allocator, ledger = HostTensorAllocator(prefault_threads=1), HostLedger()

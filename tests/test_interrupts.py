@@ -18,11 +18,11 @@ import warnings
 import pytest
 from machine import ROOMY
 
-from hicache.effects._hostwide._lock import BudgetLock
+from hicache.effects import BudgetLock
 from hicache.effects import HostTensorAllocator, Registration, apply_plan, bring_up
 from hicache.effects import HostSetup
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.effects._bringup import _bring_up as _bringup
 from hicache.effects._bringup import _steps
 from hicache.effects._cuda import _executor

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hicache.effects._hostwide._lock import budget_lock
+from hicache.effects.admission import budget_lock
 from hicache.errors import RegistrationStateError
 
 pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `make test-loaded`

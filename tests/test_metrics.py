@@ -40,7 +40,7 @@ def _value(name: str, **labels):
 
 
 def _pool(label: str, runtime, tmp_path, *, tokens: int = 64, chunk: int = 64 * 1024, **kw):
-    from hicache.effects._hostwide._lock import BudgetLock
+    from hicache.effects import BudgetLock
     from hicache.pools import MHATokenToKVPoolHost
 
     device = MHADevicePool(size=tokens, layer_num=2, head_num=2, head_dim=64, page_size=P)
@@ -250,7 +250,7 @@ def test_every_bring_up_is_shown_by_the_bring_up_itself_and_a_replaced_one_never
     shows 0 - and a bring-up with report=None is not shown at all."""
     from hicache.effects import Report, bring_up
     from hicache.effects import HostSetup
-    from hicache.effects._hostwide._lock import BudgetLock
+    from hicache.effects import BudgetLock
     from hicache.plan import MHALayout, plan_pool
 
     plan = plan_pool(MHALayout("page_first_direct", layer_num=2, head_num=2, head_dim=64, page_size=4, page_num=8,

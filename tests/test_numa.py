@@ -161,7 +161,7 @@ def test_a_ranks_pre_fault_runs_on_its_nodes_cpus_an_equal_share_per_rank(node, 
     CPUs, each of the ceil(ranks / nodes with CPUs) ranks it hosts taking an equal share (1 to
     16 threads); unbound or on a memory-only node, unpinned with a share of the process's CPUs;
     prefault_threads sets the count, never the placement."""
-    from hicache.effects._host._numa import fault_share
+    from hicache.effects.for_cli import fault_share
 
     share = fault_share(node, node_cpus=pairs, all_cpus=tuple(all_cpus), ranks_per_host=ranks, threads=threads)
     assert (share.threads, share.cpus, share.ranks_on_node) == expected and share.node == node
@@ -189,7 +189,7 @@ def test_a_pipelined_bring_up_pre_faults_on_its_nodes_cpus(tmp_path, monkeypatch
     import hicache.effects._host._memory as memory
     from hicache.effects import Report, bring_up
     from hicache.effects import HostSetup
-    from hicache.effects._host._allocators import HostTensorAllocator
+    from hicache.effects import HostTensorAllocator
     from hicache.plan import Limits, MHALayout, plan_pool
     from hicache.testing import FakeCudart, FakeRuntime
 

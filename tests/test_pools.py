@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.effects._copy import _host_copy
 from hicache.errors import (
     ApplyError,

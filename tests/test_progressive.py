@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from doors import doors
 from machine import ROOMY
 
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.errors import ApplyError
 from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost

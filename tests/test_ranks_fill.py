@@ -103,7 +103,7 @@ def test_ranks_with_room_for_one_admit_one_while_it_is_mid_pre_fault(tmp_path, f
 def test_a_rank_killed_mid_fill_leaves_nothing_the_next_rank_counts(tmp_path, fork_server):
     """A rank SIGKILLed while mid-pre-fault: its claim is pruned, and the next rank, against room
     for one, is admitted (it counted none of the dead rank's bytes)."""
-    from hicache.effects._hostwide._lock import BudgetLock
+    from hicache.effects import BudgetLock
 
     env = _env(tmp_path, POOL * 3 // 2)
     first = _barrier(tmp_path, "first")

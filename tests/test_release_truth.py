@@ -16,8 +16,8 @@ from machine import ROOMY
 
 from hicache.effects import HostTensorAllocator, Progressive, bring_up
 from hicache.effects import HostSetup
-from hicache.effects._hostwide._lock import BudgetLock
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import BudgetLock
+from hicache.effects import HostLedger
 from hicache.errors import RegistrationStateError, ReleaseError
 from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime, MHADevicePool, fake_cuda

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.effects import CudaPythonRuntime, TorchCudartRuntime, apply_plan, probe_cuda
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.errors import (
     ApplyError,
     CudaCallError,

@@ -211,7 +211,7 @@ def test_hicache_pools_inside_sglangs_budget_scope_leave_no_claim_once_up(plugge
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
-    from hicache.effects._hostwide._lock import budget_lock
+    from hicache.effects.admission import budget_lock
     from hicache.pools import MHATokenToKVPoolHost
 
     device = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=2,

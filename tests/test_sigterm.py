@@ -133,7 +133,7 @@ def test_a_bring_up_off_the_main_thread_touches_no_handler():
     """Only the main thread may set handlers: a bring-up in another thread leaves them as they are."""
     import threading
 
-    from hicache.effects._interrupts import terminate_as_interrupt
+    from hicache.effects import terminate_as_interrupt
 
     seen = []
 

@@ -23,7 +23,7 @@ from test_store_index import NS, OPS, PAGE, Pages, _open
 
 from hicache.errors import StoreClosedError, TransferError
 from hicache.plan._store import LENGTH, RECORD
-from hicache.effects._arena._slots import NativeSlotOps, PythonSlotOps
+from hicache.effects.arena import NativeSlotOps, PythonSlotOps
 from hicache.effects._arena._slots import _native as _slot_native
 from hicache.store._keys import slot_keys
 from hicache.store._pages import PageSegments, check_pages

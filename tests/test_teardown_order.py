@@ -18,7 +18,7 @@ from machine import ROOMY
 from hicache.effects import BufferRequest, HostTensorAllocator, Progressive, bring_up
 from hicache.effects import HostSetup
 from hicache.effects._bringup import _faulting
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.effects._cuda._progressive import Chunk, ProgressiveRegistration
 from hicache.effects._host import _memory
 from hicache.errors import ApplyError, ReleaseError

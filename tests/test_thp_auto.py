@@ -157,7 +157,7 @@ def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reache
     from hicache.effects import BufferRequest, HostTensorAllocator, bring_up
     from hicache.effects import HostSetup
     from hicache.effects._bringup import _faulting
-    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.effects import HostLedger
     from hicache.effects._host import _thp
     from hicache.testing import FakeRuntime
 

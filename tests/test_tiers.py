@@ -11,7 +11,7 @@ import pytest
 
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up
 from hicache.effects import HostSetup
-from hicache.effects._cuda._ledger import HostLedger
+from hicache.effects import HostLedger
 from hicache.effects._host._tiers import page_tiers
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeRuntime

@@ -40,7 +40,7 @@ def test_apply_trace_is_valid_and_its_register_spans_are_the_drivers_calls(tmp_p
     """apply --trace writes valid trace events whose register spans are the fake driver's calls, in
     order, with their rates."""
     from hicache.cli import _apply, make_parser
-    from hicache.effects._cuda._ledger import HostLedger
+    from hicache.effects import HostLedger
     from hicache.testing import FakeCudaBinding, FakeRuntime
 
     path = tmp_path / "bring-up.json"
