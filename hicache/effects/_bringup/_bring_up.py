@@ -10,7 +10,7 @@ four modes, always into one `HostPools` handle that owns what came up and releas
 - ``"map-only"``: map unfaulted, register nothing (the caller faults and registers).
 The budget lock is held to decide, not to fill (issue #35): a rank samples the machine, takes
 off what the host's claims still have to fault in, records its claim and lets go; its pre-fault
-then raises the claim's resident count (`_claim.ClaimedFill`), so ranks that start together
+then raises the claim's resident count (its `Claim` follows the fill), so ranks that start together
 pre-fault side by side, register in turns at the turnstile, and never overcommit (sglang #38156).
 Each rank's pre-fault threads run on its pool's NUMA node, an equal share of that node's CPUs
 per rank it hosts (`_share`). Machine facts, the lock, the allocator and the runtime are parameters.
