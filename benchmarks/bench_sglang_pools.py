@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import interleaved, median_line  # noqa: E402
 from bench_allocator import _pairs_per_second, _script  # noqa: E402
 
-from hicache.effects import package_version  # noqa: E402
+from hicache.effects import HostSetup, package_version  # noqa: E402
 from hicache.testing import fake_cuda, sglang_on_cpu  # noqa: E402
 
-ROOM = dict(host_memory_bytes=10**13)
+ROOM = dict(host=HostSetup(host_memory_bytes=10**13))
 PAGES_IO = 256
 
 
