@@ -43,12 +43,18 @@ def _imported(tree: ast.Module) -> dict[str, str]:
 
 
 def _resolve(path: str):
-    """The object at dotted ``path`` (a module, or a name in one), or None."""
-    module, _, name = path.rpartition(".")
+    """The object at dotted ``path`` (a module, or a name in one), or None - also where a module
+    it needs is not installed here (SGLang, for compat's: CI installs it and judges them)."""
     try:
         return importlib.import_module(path)
-    except ImportError:
+    except ModuleNotFoundError as error:
+        if error.name != path:
+            return None
+    module, _, name = path.rpartition(".")
+    try:
         return getattr(importlib.import_module(module), name, None)
+    except ModuleNotFoundError:
+        return None
 
 
 def _callee(func, names: dict[str, str]) -> str | None:
