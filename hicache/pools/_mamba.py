@@ -29,16 +29,12 @@ class MambaShape(Shape):
     descriptor_class = MambaLayout
     states: tuple = attrs.field(kw_only=True)
 
-    @classmethod
-    def of(cls, view, form, given=None):
-        """The shape of a 0.5.23 description's adapter (`mamba_device`) or an older `MambaPool`."""
-        if form is STATE_DESCRIPTION:
-            states = tuple(view.mamba_facts)
-        else:
-            cache = view.mamba_cache
-            states = ((tuple(cache.temporal.shape[2:]), cache.temporal.dtype),
-                      *((tuple(conv.shape[2:]), conv.dtype) for conv in cache.conv))
-        return cls(view, given=dict(given or {}), states=states)
+    @staticmethod
+    def older_states(device_pool) -> tuple:
+        """``states`` of an older SGLang `MambaPool` (its ``mamba_cache``: temporal, then each conv)."""
+        cache = device_pool.mamba_cache
+        return ((tuple(cache.temporal.shape[2:]), cache.temporal.dtype),
+                *((tuple(conv.shape[2:]), conv.dtype) for conv in cache.conv))
 
     def layer_count(self) -> int:
         layers = getattr(self.view, "num_mamba_layers", None)
@@ -101,12 +97,15 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
             fields = dict(mtp_draft_buffer_infos=tuple(mtp_draft_buffer_infos), num_mamba_layers=first.layer_num,
                          can_use_write_back_jit=True)
             keywords.update(device_capacity_tokens=device_capacity, start_layer=0, end_layer=first.layer_num)
+            states = tuple(first.mamba_facts)
         elif mtp_draft_buffer_infos or device_capacity is not None:
             raise LayoutError(f"{name}: device_capacity and mtp_draft_buffer_infos come with SGLang "
                               "0.5.23's constructor (a MambaStateBufferInfo first)")
+        else:
+            states = MambaShape.older_states(first)
         sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
                                          host_size=host_size, page_size=1)
-        self._build(form, MambaShape.of(first, form, fields), sizing, layout, options)
+        self._build(form, MambaShape(first, given=fields, states=states), sizing, layout, options)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend="kernel", *,
                                  is_draft: bool = False) -> None:
