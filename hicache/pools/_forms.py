@@ -183,8 +183,8 @@ def _named_for(cls, init):
     return named
 
 
-def _named(cls, form: Form):
-    """``cls.<form's constructor>``: the pool from that form only (another is a LayoutError
+def _named(owner, form: Form):
+    """``owner.<form's constructor>``: the pool from that form only (another is a LayoutError
     naming both), its signature the form's own."""
     wanted = form.constructor
 
@@ -192,9 +192,9 @@ def _named(cls, form: Form):
         check_named(cls, wanted, args, kwargs)
         return cls(*args, **kwargs)
 
-    construct.__name__, construct.__qualname__ = wanted, f"{cls.__qualname__}.{wanted}"
+    construct.__name__, construct.__qualname__ = wanted, f"{owner.__qualname__}.{wanted}"
     construct.__doc__ = f"The pool from SGLang's {form.name} form only (else LayoutError)."
-    signature = inspect.signature(cls.builders.get(form, cls.__init__))  # (pool or self, the form's arguments)
+    signature = inspect.signature(owner.builders.get(form, owner.__init__))  # (pool or self, the form's arguments)
     first, *rest = signature.parameters.values()
     construct.__signature__ = signature.replace(parameters=[first.replace(name="cls"), *rest])  # bound: cls drops
     return construct
