@@ -90,9 +90,6 @@ def restore(common) -> None:
             del common.ALLOC_MEMORY_FUNCS[key]  # a resolved entry of the patched function
     hook_registry.HookRegistry.reset()
     plugins._plugins_loaded = False
-    from hicache.pools import serve_in
-
-    serve_in(None)  # the plug-in's load handed SGLang's process to the pools: back to none
 
 
 @pytest.fixture
@@ -104,12 +101,6 @@ def sglang(monkeypatch):
     restore(common)
     for name in ("HICACHE_SGLANG", "SGLANG_PLUGINS", "HICACHE_SGLANG_POOLS", "HICACHE_PROGRESSIVE"):
         monkeypatch.delenv(name, raising=False)
-    # an SGLang process where hicache is installed: the plug-in's entry point, which SGLang runs
-    # in every process, hands SGLang's process to the pools (hicache.pools.server())
-    from hicache.compat.sglang_process import SGLangProcess
-    from hicache.pools import serve_in
-
-    serve_in(SGLangProcess())
     # SGLang's destroy() unregisters only where it thinks CUDA is (`base._is_cuda`): this CPU box
     # stands in for a CUDA node, as fake_cuda stands in for its driver. (Only base's: the pool
     # modules' own flags also switch CUDA-only set-up on; see `cuda_at_destroy`.)

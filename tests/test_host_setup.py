@@ -212,24 +212,15 @@ class _Server(NoServer):
         self.settled.append((nbytes, up))
 
 
-def test_a_pool_asks_its_own_setups_server_not_the_process_wide_one(tmp_path):
+def test_a_pool_asks_its_own_setups_server(tmp_path):
     """The server's scope comes with the pool's `HostSetup` (issue #55 item 3): a pool given
     ``HostSetup(server=...)`` asks that server - its io backend refused at build, its budget in
-    force - whatever `serve_in` holds, and a pool given `NO_SERVER` ignores a process-wide one;
-    without one, the pool takes the one handed in when it is built."""
+    force and settled - and a pool given none asks none."""
     from hicache.errors import LayoutError
-    from hicache.pools import NO_SERVER, serve_in
 
     setup = fake_host_setup(tmp_path)
-    refusing = _Server(backend="npu-kernel")
-    previous = serve_in(refusing)
-    try:
-        pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, server=NO_SERVER))
-        pool.destroy()
-        with pytest.raises(LayoutError, match="io_backend 'npu-kernel'"):  # none given: the one handed in
-            MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup)
-    finally:
-        serve_in(previous)
+    with pytest.raises(LayoutError, match="io_backend 'npu-kernel'"):
+        MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, server=_Server(backend="npu-kernel")))
     short = _Server(allowance=1000)
     with pytest.raises(CapacityError, match="the test-server process's budget in force has"):
         MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, server=short))
@@ -239,6 +230,73 @@ def test_a_pool_asks_its_own_setups_server_not_the_process_wide_one(tmp_path):
         assert pool.host_setup.server is roomy and roomy.settled == [(pool.pool_plan.total_bytes, True)]
     finally:
         pool.destroy()
+    pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup)
+    try:
+        assert isinstance(pool.host_setup.server, NoServer) and pool.host_setup.server.name == "none"
+    finally:
+        pool.destroy()
+    assert setup.runtime.held() == set()
+
+
+def test_a_class_made_by_with_host_scopes_its_pools_to_its_setup(tmp_path):
+    """`with_host(cls, setup)` - what the plug-in gives SGLang, which cannot pass ``host=`` - is
+    ``cls`` under its own name whose pools take ``setup`` where their call names no ``host=``
+    and its server where the one named has none; ``NO_SERVER`` named still wins. No
+    process-wide setting is read or written."""
+    from hicache.errors import LayoutError
+    from hicache.pools import NO_SERVER, server, with_host
+
+    setup = fake_host_setup(tmp_path)
+    roomy = _Server(allowance=10**9)
+    served = with_host(MHATokenToKVPoolHost, attrs.evolve(setup, server=roomy))
+    assert issubclass(served, MHATokenToKVPoolHost) and served is not MHATokenToKVPoolHost
+    assert (served.__name__, served.__module__) == ("MHATokenToKVPoolHost", MHATokenToKVPoolHost.__module__)
+    pool = served(_device(), 2.0, 0, 4, "page_first")  # no host=: the class's whole setup (its fake runtime)
+    try:
+        assert pool.host_setup.server is roomy and pool.runtime is setup.runtime
+        assert roomy.settled == [(pool.pool_plan.total_bytes, True)]
+    finally:
+        pool.destroy()
+    refusing = with_host(MHATokenToKVPoolHost, HostSetup(server=_Server(backend="npu-kernel")))
+    with pytest.raises(LayoutError, match="io_backend 'npu-kernel'"):  # host= without a server: the class's
+        refusing(_device(), 2.0, 0, 4, "page_first", host=setup)
+    pool = refusing(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, server=NO_SERVER))
+    pool.destroy()
+    assert server() is NO_SERVER and setup.runtime.held() == set()
+
+
+def test_with_host_refuses_what_is_not_a_pool_class_or_a_pools_setup():
+    """`with_host` names what it refuses, before any class is made: a class that is not a host
+    pool, a setup that is not a `HostSetup`, and a setup that names its own memory source (a
+    pool's comes from its ``allocator_type=`` and ``device=``)."""
+    from hicache.pools import with_host
+
+    with pytest.raises(TypeError, match="takes a hicache host pool class, got <class 'int'>"):
+        with_host(int, HostSetup())
+    with pytest.raises(TypeError, match="takes a hicache.effects.HostSetup, got dict"):
+        with_host(MHATokenToKVPoolHost, {})
+    with pytest.raises(ValueError, match=r"with_host\(MHATokenToKVPoolHost\) HostSetup\(device='cuda'\)"):
+        with_host(MHATokenToKVPoolHost, HostSetup(device="cuda"))
+
+
+def test_serve_in_is_a_deprecated_shim_that_still_serves(tmp_path):
+    """`serve_in` (the plug-in's process-wide setting before issue #55 item 3) warns that it is
+    deprecated and still does what it did for an outside caller: a pool whose ``host=`` and
+    class name no server asks the one it handed in; one that names a server asks that."""
+    from hicache.errors import LayoutError
+    from hicache.pools import NO_SERVER, serve_in
+
+    setup = fake_host_setup(tmp_path)
+    with pytest.warns(DeprecationWarning, match=r"serve_in\(\) is deprecated"):
+        previous = serve_in(_Server(backend="npu-kernel"))
+    try:
+        with pytest.raises(LayoutError, match="io_backend 'npu-kernel'"):
+            MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup)
+        pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=attrs.evolve(setup, server=NO_SERVER))
+        pool.destroy()
+    finally:
+        with pytest.warns(DeprecationWarning):
+            serve_in(previous)
     assert setup.runtime.held() == set()
 
 

@@ -275,6 +275,23 @@ def test_a_pool_asks_the_server_of_its_own_setup():
     assert readers == SERVER_READERS, readers
 
 
+def test_nothing_in_hicache_sets_a_process_wide_server():
+    """No process-wide server (issue #55 item 3): no module of hicache calls the deprecated
+    `serve_in` - the plug-in scopes the classes it gives SGLang instead (`with_host`)."""
+    setters = {(module, function) for module, path in MODULES.items() if module != "hicache.pools._server"
+               for function in _calls_of(path, "serve_in")}
+    assert not setters, setters
+
+
+def test_the_process_wide_server_rule_sees_a_call(tmp_path):
+    """Not vacuous: ``serve_in(...)`` and ``pools.serve_in(...)`` are found, a mention is not."""
+    path = tmp_path / "plugin.py"
+    for source, found in (("def load():\n    serve_in(p)\n", ["load"]), ("def load():\n    pools.serve_in(p)\n", ["load"]),
+                          ("def load():\n    return serve_in\n", [])):
+        path.write_text(source)
+        assert _calls_of(path, "serve_in") == found
+
+
 def test_the_server_rule_sees_a_read():
     """Not vacuous: a call of ``server()``, also under another name, is found."""
     assert _server_reads("from x import server\ndef f():\n    return server().io_backend()\n") == ["f"]

@@ -49,15 +49,18 @@ def _device(kind: str, layers: int = LAYERS):
 
 
 def _classes(kind: str):
+    """SGLang's class of ``kind`` and hicache's as the plug-in gives it to SGLang (scoped to
+    SGLang's process: `served_pool_classes`)."""
     import sglang.srt.mem_cache.pool_host.mha as smha
     import sglang.srt.mem_cache.pool_host.mla as smla
 
-    import hicache.pools as ours
+    from hicache.compat.sglang_plugin import served_pool_classes
 
+    served = served_pool_classes()
     return {
-        "mha": (smha.MHATokenToKVPoolHost, ours.MHATokenToKVPoolHost),
-        "asym": (smha.AsymmetricMHATokenToKVPoolHost, ours.AsymmetricMHATokenToKVPoolHost),
-        "mla": (smla.MLATokenToKVPoolHost, ours.MLATokenToKVPoolHost),
+        "mha": (smha.MHATokenToKVPoolHost, served[f"{smha.__name__}.MHATokenToKVPoolHost"]),
+        "asym": (smha.AsymmetricMHATokenToKVPoolHost, served[f"{smha.__name__}.AsymmetricMHATokenToKVPoolHost"]),
+        "mla": (smla.MLATokenToKVPoolHost, served[f"{smla.__name__}.MLATokenToKVPoolHost"]),
     }[kind]
 
 

@@ -45,7 +45,8 @@ def test_load_plugins_discovers_the_entry_point_and_replaces_the_seam(sglang):
 def test_hicache_sglang_pools_replaces_sglangs_pool_classes_everywhere_and_only_when_asked(sglang, monkeypatch):
     """HICACHE_SGLANG_POOLS=1: SGLang's registry puts hicache's classes where SGLang's were -
     their modules and every module that imported them by name (the assembler's chooser
-    resolves them at call time); unset: SGLang's own classes stay."""
+    resolves them at call time), each a pool class scoped to SGLang's process (`with_host`:
+    same name and module); unset: SGLang's own classes stay."""
     import importlib
     import sys
 
@@ -65,16 +66,23 @@ def test_hicache_sglang_pools_replaces_sglangs_pool_classes_everywhere_and_only_
     restore(sglang)
     monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
     plugins.load_plugins()
+    from hicache.compat.sglang_process import SGLangProcess
+
     for target, name in POOL_CLASSES.items():
         module, attribute = target.rsplit(".", 1)
-        assert getattr(sys.modules[module], attribute) is getattr(hicache.pools, name)
+        placed = getattr(sys.modules[module], attribute)
+        assert issubclass(placed, getattr(hicache.pools, name)) and placed.__name__ == name
+        if issubclass(placed, hicache.pools.HostKVCache):
+            assert placed is not getattr(hicache.pools, name)
+            assert isinstance(placed.default_host.server, SGLangProcess)
         holders = [m for n, m in sys.modules.copy().items() if n.startswith("sglang") and m is not None
                    and getattr(m, attribute, None) is originals[target]]
         assert holders == [], f"{attribute} is still SGLang's in {[m.__name__ for m in holders]}"
     from sglang.srt.mem_cache.pool_host import mha
 
     info = _device_pool().get_device_pool_infos()[0].buffer_info
-    assert mha.get_mha_host_pool_cls(info) is hicache.pools.MHATokenToKVPoolHost
+    assert mha.get_mha_host_pool_cls(info) is mha.MHATokenToKVPoolHost
+    assert issubclass(mha.MHATokenToKVPoolHost, hicache.pools.MHATokenToKVPoolHost)
 
 
 def test_a_bad_hicache_sglang_pools_value_registers_nothing_and_names_the_variable(sglang, monkeypatch):
@@ -243,26 +251,32 @@ def test_the_chunk_setting_is_read_through_sglangs_envs(sglang, monkeypatch):
         compat.host_register_chunk_bytes(env={"SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB": "junk"})
 
 
-def test_the_plug_in_hands_sglangs_process_to_the_pools(sglang, monkeypatch):
-    """Loading the plug-in makes `hicache.pools.server()` SGLang's process - the chunk setting
-    through SGLang's envs, its PP sync, its back ends' allocators - and HICACHE_SGLANG=off hands
-    nothing in (the pools then ask no server)."""
+def test_the_plug_in_scopes_its_pool_classes_to_sglangs_process_not_the_process(sglang, monkeypatch):
+    """The pool classes the plug-in gives SGLang ask SGLang's process - the chunk setting through
+    SGLang's envs, its PP sync, its back ends' allocators - through their default `HostSetup`
+    (issue #55 item 3); loading it sets no process-wide server, so a hicache pool built outside
+    those classes asks none; HICACHE_SGLANG=off registers nothing."""
     from sglang.srt.environ import envs
 
     import hicache.pools as pools
     from hicache.compat import sglang_plugin
     from hicache.compat.sglang_process import SGLangProcess
 
-    pools.serve_in(None)
     monkeypatch.setenv("HICACHE_SGLANG", "off")
-    assert sglang_plugin.load() == [] and pools.server() is pools.NO_SERVER
+    assert sglang_plugin.load() == []
     monkeypatch.delenv("HICACHE_SGLANG")
     assert sglang_plugin.load()
-    assert isinstance(pools.server(), SGLangProcess)
+    assert pools.server() is pools.NO_SERVER  # nothing process-wide
+    served = sglang_plugin.served_pool_classes()
+    mla = served["sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost"]
+    process = mla.default_host.server
+    assert isinstance(process, SGLangProcess) and mla.__name__ == "MLATokenToKVPoolHost"
     with envs.SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB.override(3):
-        assert pools.server().chunk_limit_bytes() == 3 * 2**30
-    assert pools.server().synced_size(4096, 2.0) == 4096  # no PP group here: SGLang keeps the size
-    assert pools.server().storage_allocator("file") is None  # SGLang's plain default: hicache's serves
+        assert process.chunk_limit_bytes() == 3 * 2**30
+    assert process.synced_size(4096, 2.0) == 4096  # no PP group here: SGLang keeps the size
+    assert process.storage_allocator("file") is None  # SGLang's plain default: hicache's serves
+    logical = served["sglang.srt.mem_cache.memory_pool_host.LogicalHostPool"]
+    assert logical is pools.LogicalHostPool  # holds no memory: no server to ask
 
 
 def test_the_bring_up_is_told_through_sglangs_own_logger(sglang, monkeypatch, caplog):

@@ -207,12 +207,15 @@ def test_a_ctrl_c_at_each_register_call_leaves_sglangs_constructor_holding_nothi
 def test_hicache_pools_inside_sglangs_budget_scope_leave_no_claim_once_up(plugged):
     """With the plug-in loaded, SGLang's admission check (wrapped: it claims an admitted request
     on the host-wide lock) admits hicache's pool inside SGLang's budget scope; once the pool is
-    up its claim is paid off - none left to shrink the host's room for the next rank."""
+    up its claim is paid off - none left to shrink the host's room for the next rank. (The pool
+    class the plug-in gives SGLang: it asks SGLang's process.)"""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
+    from hicache.compat.sglang_plugin import served_pool_classes
     from hicache.effects.admission import budget_lock
-    from hicache.pools import MHATokenToKVPoolHost
+
+    MHATokenToKVPoolHost = served_pool_classes()["sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"]
 
     device = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=2,
                               device="cpu", enable_memory_saver=False)

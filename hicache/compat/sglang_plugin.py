@@ -134,24 +134,32 @@ def load() -> list[str]:
     HookRegistry.register(BUDGET_TARGET, admission.host_memory_budget_bytes, HookType.AROUND)
     HookRegistry.register(AVAILABLE_TARGET, admission.available_host_memory_bytes, HookType.AROUND)
     classes = _register_pool_classes(HookRegistry, HookType, settings)
-    from hicache.compat.sglang_process import SGLangProcess
-    from hicache.pools import serve_in
-
-    serve_in(SGLangProcess())  # hicache's pools in this process ask SGLang's settings through it
     logger.info("hicache: SGLang %s host memory goes through hicache's bring-up: %s; its admission check "
                 "runs under the host-wide budget lock", version, ", ".join(target.rsplit(".", 1)[1] for target in TARGETS))
     return [*TARGETS, BUDGET_TARGET, AVAILABLE_TARGET, *classes]
 
 
+def served_pool_classes() -> dict[str, type]:
+    """SGLang's dotted name -> the hicache pool class SGLang builds there: `POOL_CLASSES`' own,
+    each pool class through `hicache.pools.with_host` with SGLang's process as its setup's
+    server (the chunk setting, PP sync, back ends' allocators and budget in force it asks); the
+    server's scope comes with the class, not a process-wide setting (issue #55 item 3)."""
+    import hicache.pools as pools
+    from hicache.compat.sglang_process import SGLangProcess
+    from hicache.effects import HostSetup
+
+    setup = HostSetup(server=SGLangProcess())
+    return {target: pools.with_host(getattr(pools, name), setup) if issubclass(getattr(pools, name), pools.HostKVCache)
+            else getattr(pools, name) for target, name in POOL_CLASSES.items()}
+
+
 def _register_pool_classes(registry, hook_type, settings) -> list[str]:
     """HICACHE_SGLANG_POOLS=1: REPLACE SGLang's host-pool classes in `POOL_CLASSES` with hicache's
-    (their 0.5.23 constructors); [] otherwise."""
+    (their 0.5.23 constructors, scoped to SGLang's process: `served_pool_classes`); [] otherwise."""
     if not settings.sglang_pools:
         return []
-    import hicache.pools as pools
-
-    for target, name in POOL_CLASSES.items():
-        registry.register(target, getattr(pools, name), hook_type.REPLACE)
+    for target, cls in served_pool_classes().items():
+        registry.register(target, cls, hook_type.REPLACE)
     logger.info("hicache: HICACHE_SGLANG_POOLS=1: SGLang builds hicache's host pools (%s)%s",
                 ", ".join(POOL_CLASSES.values()),
                 "; progressive (HICACHE_PROGRESSIVE=1): serving from the first registered page" if settings.progressive

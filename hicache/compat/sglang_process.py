@@ -1,6 +1,6 @@
 """The live SGLang process as hicache's pools need it (issue #34 item 3): the one place outside
 the plug-in's hooks that reads SGLang's loaded modules. `SGLangProcess` answers the pools'
-questions (`hicache.pools.server()`): SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through
+questions (`hicache.pools.NoServer`'s, as their `HostSetup.server`): SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through
 SGLang's own `envs` accessor (what its tests patch, its handling of a bad value), its PP-group
 sync of a fixed --hicache-size, the allocator SGLang's `get_allocator_from_storage` gives a
 storage back end that brings its own memory, and the budget of SGLang's
@@ -22,7 +22,8 @@ _RUNTIME = "sglang.srt.runtime_context"
 
 
 class SGLangProcess:
-    """SGLang 0.5.23 as the pools see it; handed to them by the plug-in (`hicache.pools.serve_in`)."""
+    """SGLang 0.5.23 as the pools see it; the server of the pool classes the plug-in gives
+    SGLang (`sglang_plugin.served_pool_classes`, through `hicache.pools.with_host`)."""
 
     name = "sglang"
 

@@ -20,18 +20,20 @@ from hicache.pools._forms import Form
 from hicache.pools._geometry import PoolGeometry
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._logical import LogicalHostPool
-from hicache.pools._options import HostPoolOptions
+from hicache.pools._options import HostPoolOptions, with_host
 from hicache.pools._page_allocator import PageAllocator
 from hicache.pools._server import NO_SERVER, NoServer, serve_in, server
 from hicache.pools._storage import HICACHE_HOST_MEMORY_RESERVE_BYTES
 
 __all__ = [
     "HICACHE_HOST_MEMORY_RESERVE_BYTES",
-    # the serving process the pools ask (hicache.compat hands SGLang's in)
+    # the serving process the pools ask: it comes with their HostSetup, or their class's
+    # (with_host; hicache.compat's plug-in registers SGLang's); serve_in/server: deprecated
     "NO_SERVER",
     "NoServer",
     "serve_in",
     "server",
+    "with_host",
     "Form",
     "HiSparseHostPoolMixin",
     "HostKVCache",

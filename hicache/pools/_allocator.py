@@ -38,11 +38,12 @@ def get_allocator_from_storage(allocator_type: str | None = "default", *, fallba
     """A new allocator for a storage back end, as SGLang's does: ``allocator_type`` is the
     ``--hicache-storage-backend`` name (``None``, ``"file"``, ``"mooncake"``, ...). A registered
     name gets its factory's; with ``sglangs=True`` (a pool built by SGLang 0.5.23's constructor)
-    and a server handed in (`hicache.pools.serve_in`: the plug-in's SGLang process), a name the
-    server has an allocator of its own for (SGLang: mooncake, mori, shm, tensorcast) gets that; every other name gets the ``fallback`` (the default allocator),
+    and a server (a pool's: the plug-in's SGLang process), a name the server has an allocator of
+    its own for (SGLang: mooncake, mori, shm, tensorcast) gets that; every other name gets the
+    ``fallback`` (the default allocator),
     with a log line naming the fallback. ``strict=True`` (hicache's stricter check) makes an unknown
     name an error listing the known ones instead. ``server``: the one to ask (a pool's
-    `HostSetup.server`; None: the one handed in now)."""
+    `HostSetup.server`; None: the one the deprecated `hicache.pools.serve_in` handed in, if any)."""
     name = "default" if allocator_type is None else allocator_type
     with _REGISTRY_LOCK:
         factory = _REGISTRY.get(name)

@@ -102,6 +102,9 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
     shared_allocation_domain = None
     stores_page_envelope = False
     storage_format_tag = None
+    #: the `HostSetup` a pool of this class takes where its call names no ``host=`` (None: the
+    #: process's own pieces); a class made by `hicache.pools.with_host` sets it
+    default_host = None
 
     def __init__(self, device_pool, host_to_device_ratio: float, host_size: float, page_size: int, layout: str,
                  pin_memory: bool = True, device: str = "cpu", allocator_type: str | None = "default", *,
@@ -124,7 +127,8 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         if options.is_dummy and not form.mapped_layers:
             raise LayoutError(f"{name}: dcp_size, is_dummy and host_token_capacity come with SGLang 0.5.23's "
                               "constructor (a device-buffer description first), not a device pool")
-        host_setup = options.host_setup(name)  # the host's pieces: runtime, limits, budget lock, server, ...
+        # the host's pieces: runtime, limits, budget lock, server, ... (host=, else the class's)
+        host_setup = options.host_setup(name, type(self).default_host)
         geometry = make_geometry(name, shape, form, sizing, layout, pool_label=options.pool_label,
                                  server=host_setup.server)
         self.can_use_write_back_jit = False  # SGLang's staged write-back JIT kernel is CUDA-only

@@ -55,19 +55,46 @@ class PoolOptions:
     host: HostSetup | None = None
     settings: HostPoolOptions = attrs.Factory(HostPoolOptions)
 
-    def host_setup(self, owner: str) -> HostSetup:
-        """The pool's `HostSetup` (None given: every piece the process's own, probed or default),
-        with its ``server`` resolved: the one given, else the one handed in by `serve_in` now -
-        the only place the pools read it (a pool then asks its own setup's server, never the
-        process-wide one: tests/test_import_rules.py)."""
+    def host_setup(self, owner: str, default: HostSetup | None = None) -> HostSetup:
+        """The pool's `HostSetup`: the one given as ``host=``, else its class's ``default`` (a
+        class made by `with_host`: the plug-in's, for the server SGLang runs in), else every piece
+        the process's own, probed or default. Its ``server``: that setup's, else the class's
+        default's, else - deprecated - the one `serve_in` handed in: the only place the pools read
+        the process-wide one (a pool then asks its own setup's server: tests/test_import_rules.py)."""
         if self.host is not None and not isinstance(self.host, HostSetup):
             raise TypeError(f"{owner}() host= takes a hicache.effects.HostSetup, got {type(self.host).__name__}")
-        setup = self.host if self.host is not None else HostSetup()
-        for name, default in _POOLS_OWN_MEMORY.items():  # not silently replaced by the pool's own
-            if getattr(setup, name) != default:
-                raise ValueError(f"{owner}() host=HostSetup({name}={getattr(setup, name)!r}): a pool's memory comes "
-                                 f"from its own allocator_type= and device=; leave HostSetup.{name} at {default!r}")
-        return setup if setup.server is not None else attrs.evolve(setup, server=server())
+        setup = self.host if self.host is not None else default if default is not None else HostSetup()
+        check_pool_host(f"{owner}() host=", setup)
+        if setup.server is not None:
+            return setup
+        return attrs.evolve(setup, server=default.server if default is not None and default.server is not None
+                            else server())
+
+
+def check_pool_host(where: str, setup: HostSetup) -> None:
+    """A pool's `HostSetup` leaves its memory source alone: a pool's memory comes from its own
+    ``allocator_type=`` and ``device=``, so the setup's would otherwise be replaced silently
+    (``where``: the message's head, naming who was given it)."""
+    for name, default in _POOLS_OWN_MEMORY.items():
+        if getattr(setup, name) != default:
+            raise ValueError(f"{where}HostSetup({name}={getattr(setup, name)!r}): a pool's memory comes "
+                             f"from its own allocator_type= and device=; leave HostSetup.{name} at {default!r}")
+
+
+def with_host(cls: type, host: HostSetup) -> type:
+    """``cls`` (a host pool class) whose pools take ``host`` where their call names no ``host=``,
+    and its ``server`` where the one named has none: a subclass of the same name, module and
+    signature, so that a caller that cannot pass ``host=`` - SGLang, which builds its pools with
+    its own signature - builds pools scoped to ``host``'s server without a process-wide setting.
+    The plug-in registers these with SGLang (hicache.compat.sglang_plugin)."""
+    if not isinstance(cls, type) or not hasattr(cls, "default_host"):
+        raise TypeError(f"with_host() takes a hicache host pool class, got {cls!r}")
+    if not isinstance(host, HostSetup):
+        raise TypeError(f"with_host() host takes a hicache.effects.HostSetup, got {type(host).__name__}")
+    check_pool_host(f"with_host({cls.__name__}) ", host)
+    namespace = {"default_host": host, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "__doc__": cls.__doc__}
+    return type(cls)(cls.__name__, (cls,), namespace)
 
 
 #: the `HostSetup` fields a pool sets itself, from SGLang's ``allocator_type`` and ``device``

@@ -1,17 +1,19 @@
 """The server process as the host pools see it (issue #34 item 3): the serving engine's own
 chunk setting, its pipeline-parallel size sync, a storage back end's own allocator and the host
-memory budget it has in force, asked of one object handed in from outside (`serve_in`) - a null
-one where no server handed one.
+memory budget it has in force, asked of one object that comes with the pool's `HostSetup`
+(``server``) - a null one where none does.
 
 The pools never look the live server up themselves (no ``sys.modules`` read in pools/, which
-once gave an import-order bug): ``hicache.compat`` knows the SGLang process and its plug-in
-hands a `hicache.compat.sglang_process.SGLangProcess` in when SGLang loads it (in every SGLang
-process). Imports nothing.
-"""
+once gave an import-order bug): ``hicache.compat`` knows the SGLang process, and its plug-in
+registers with SGLang the pool classes of `hicache.pools.with_host`, whose default setup names a
+`hicache.compat.sglang_process.SGLangProcess` (issue #55 item 3: no process-wide setting).
+`serve_in` - the process-wide one the plug-in used before - stays as a deprecated shim for
+outside callers. Imports nothing."""
 
 from __future__ import annotations
 
 import threading
+import warnings
 
 
 class NoServer:
@@ -53,8 +55,12 @@ _current = NO_SERVER
 
 
 def serve_in(server) -> object:
-    """Make ``server`` (None: `NO_SERVER`) what every pool built from now on asks; returns the
-    one before (for a caller that puts it back)."""
+    """Deprecated (a shim kept for outside callers; CHANGELOG says when it goes): make ``server``
+    (None: `NO_SERVER`) what every pool built from now on asks where neither its ``host=`` nor
+    its class (`hicache.pools.with_host`) names one; returns the one before. A pool's server comes
+    with its `HostSetup` instead: ``host=HostSetup(server=...)``, or the classes of `with_host`."""
+    warnings.warn("hicache.pools.serve_in() is deprecated: give a pool host=HostSetup(server=...) or build it "
+                  "from hicache.pools.with_host(cls, HostSetup(server=...))", DeprecationWarning, stacklevel=2)
     global _current
     with _LOCK:
         previous, _current = _current, NO_SERVER if server is None else server
@@ -62,5 +68,6 @@ def serve_in(server) -> object:
 
 
 def server():
-    """What the pools ask now."""
+    """What `serve_in` handed in (deprecated with it): what a pool asks whose ``host=`` and class
+    name no server."""
     return _current

@@ -30,8 +30,8 @@ class HostSetup:
     ``owns_memory`` (False: the tensors' owner frees the memory, after a failed bring-up too).
     ``server``: the serving process a host pool asks - its own chunk setting,
     io backend, pipeline-parallel size sync, storage allocators and host-memory budget scope
-    (`hicache.pools.NoServer`'s questions; the bring-up itself never asks it); None: the one the
-    plug-in handed in (`hicache.pools.serve_in`) when the pool is built, else none."""
+    (`hicache.pools.NoServer`'s questions; the bring-up itself never asks it); None: the pool
+    class's (`hicache.pools.with_host`: the plug-in's, SGLang's process), else none."""
 
     runtime: object = None
     machine: object = None
