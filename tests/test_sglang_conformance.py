@@ -856,7 +856,8 @@ def test_a_dispatched_forms_signature_is_sglangs_exactly(sglang, kind):
     """Where one ``__init__`` serves two SGLang signatures that differ in their positional
     arguments (K-only, DSA, DeepSeek-V4), the call is bound once against the builder of its form
     (issue #55 item 1): that builder's signature, which the form's named constructor shows, is
-    SGLang 0.5.23's own - names, order, kinds and defaults - plus hicache's ``options``/``host``."""
+    SGLang 0.5.23's own - names, order, kinds and defaults - plus hicache's ``options``/``host``;
+    the class's signature, as tools read it, is that form's too (not ``*args, **kwargs``)."""
     import importlib
     import inspect
 
@@ -870,6 +871,7 @@ def test_a_dispatched_forms_signature_is_sglangs_exactly(sglang, kind):
         [(n, p.kind, p.default) for n, p in theirs.items()]
     assert [(n, p.kind) for n, p in mine.items() if n in ("options", "host")] == \
         [("options", inspect.Parameter.KEYWORD_ONLY), ("host", inspect.Parameter.KEYWORD_ONLY)]
+    assert inspect.signature(getattr(ours, name)) == inspect.signature(getattr(getattr(ours, name), constructor))
 
 
 #: what hicache's constructors add to SGLang 0.5.23's signature: the older form's first argument

@@ -165,6 +165,22 @@ class NamedConstructors:
             if form.constructor not in cls.__dict__:
                 setattr(cls, form.constructor, classmethod(_named(cls, form)))
         cls.__init__ = _named_for(cls, cls.__init__)
+        if cls.builders:  # `dispatch`: what tools read is SGLang 0.5.23's form (the first), not *args
+            cls.__init__ = _shown_as(cls.__init__, cls.builders[forms_of(cls.pool_family)[0]])
+
+
+def _shown_as(init, builder):
+    """A copy of ``init`` (a `dispatch` ``__init__``) whose signature, as `inspect` and tools
+    read it, is ``builder``'s - the first form's, SGLang 0.5.23's, every argument named: one
+    signature where Python has no overloads; the older form binds too, and its named
+    constructor shows its own. A copy, so a class that inherits the function keeps its own."""
+    shown = types.FunctionType(init.__code__, init.__globals__, init.__name__, init.__defaults__, init.__closure__)
+    shown.__kwdefaults__, shown.__doc__, shown.__qualname__ = init.__kwdefaults__, init.__doc__, init.__qualname__
+    shown.__dict__.update(init.__dict__)
+    signature = inspect.signature(builder)
+    first, *rest = signature.parameters.values()
+    shown.__signature__ = signature.replace(parameters=[first.replace(name="self"), *rest])
+    return shown
 
 
 def _named_for(cls, init):
