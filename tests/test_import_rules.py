@@ -366,11 +366,12 @@ def test_the_gate_rule_sees_the_gate():
     assert _turnstile_calls(MODULES["hicache.effects._cuda._gate"])
 
 
-#: what a pool adopts from its geometry, once (`_adopt`, which `_build` calls)
+#: what a pool adopts from its geometry, once (`_adopt`, which `_come_up` calls: after `_build` made
+#: the geometry, or `from_geometry` was handed one)
 ADOPTED = {"size", "page_num", "size_per_token", "descriptor", "dtype", "layer_num", "target_layer_num", "start_layer",
            "end_layer", "page_size", "dcp_size", "dcp_rank", "device_capacity_tokens", "device_pool", "layout",
            "geometry", "_pages"}
-ADOPTERS = {"_adopt", "_build", "_progressive_mode"}  # _pages: the allocator, made at the bring-up
+ADOPTERS = {"_adopt", "_come_up", "_progressive_mode"}  # _pages: the allocator, made at the bring-up
 
 
 def _pool_classes() -> set[str]:

@@ -203,12 +203,20 @@ SGLANG_FORMS = [
 @pytest.mark.parametrize("form, layout, constructor", SGLANG_FORMS, ids=lambda v: v.replace(" ", "-"))
 def test_a_pool_of_sglangs_forms_reports_what_it_brought_up(sglang, form, layout, constructor):
     """Built by each SGLang 0.5.23 form (its real descriptions), the pool records that form and
-    reports what its geometry brought up."""
+    reports what its geometry brought up; `from_geometry` of that geometry brings up the same
+    again (MLA's allocation form: allocator-only, as the form says)."""
     with published(), fake_cuda() as fake:
         pools, pool = _built_by_sglangs_forms(form, layout)
         try:
             assert pool.geometry.form.constructor == constructor and pool.sglang_form == "0.5.23"
             _reports_what_it_brought_up(pool, fake, others=pools[1:])
+            if pool.geometry.form.allocator_only:  # MLA's allocation: is_dummy as the form says, never memory
+                with pytest.raises(LayoutError, match=r"is_dummy=False, but the allocation form's pools hold no memory"):
+                    type(pool).from_geometry(pool.geometry, is_dummy=False, **ROOM)
+            twin = type(pool).from_geometry(pool.geometry, **ROOM)  # the same geometry, brought up again
+            pools.append(twin)
+            assert twin.geometry is pool.geometry and twin.sglang_form == "0.5.23"
+            _reports_what_it_brought_up(twin, fake, others=[p for p in pools if p is not twin])
         finally:
             for each in pools:
                 each.destroy()
@@ -311,3 +319,77 @@ def test_a_dispatching_family_lists_a_builder_for_every_form():
         class Partial(NamedConstructors):
             pool_family = "mha_k_only"
             builders = {ANCHOR: lambda pool: None}
+
+
+def _older_geometry(cls, device, layout):
+    if cls is MambaPoolHost:
+        return cls.geometry_of(device, 2.0, 0, layout=layout, **ROOM)
+    return cls.geometry_of(device, 2.0, 0, device.page_size, layout, **ROOM)
+
+
+@pytest.mark.parametrize("cls, layout", [(cls, layout) for cls in OLDER for layout in cls.descriptor_class().supported()],
+                         ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_geometry_of_is_what_the_constructor_adopts_and_from_geometry_brings_it_up(cls, layout):
+    """`geometry_of` - the constructor's own call, stopped where the pool would come up (issue #55
+    item 1) - is the geometry that call adopts, made with no memory registered; `from_geometry`
+    adopts it whole and brings up exactly what it describes, as the constructor does."""
+    with fake_cuda() as fake:
+        device = OLDER[cls]()
+        geometry = _older_geometry(cls, device, layout)
+        assert fake.held() == set() and geometry.owner == cls.__name__
+        built = _older(cls, layout)
+        try:
+            assert geometry == built.geometry
+            pool = cls.from_geometry(geometry, **ROOM)
+            try:
+                assert type(pool) is cls and pool.geometry is geometry
+                _reports_what_it_brought_up(pool, fake, others=[built])
+            finally:
+                pool.destroy()
+        finally:
+            built.destroy()
+        assert fake.held() == set()
+
+
+class _Server:
+    """A serving process whose io backend no layout here serves."""
+
+    name = "test-server"
+
+    def io_backend(self):
+        return "npu-kernel"
+
+    def chunk_limit_bytes(self):
+        return None
+
+    def synced_size(self, size, host_size):
+        return size
+
+
+def test_from_geometry_refuses_what_it_cannot_bring_up_before_any_memory():
+    """`from_geometry` names what it refuses before any memory: not a geometry, another class's
+    (an MHA geometry in an MLA pool, or in its asymmetric sibling), a sizing keyword (the geometry
+    is sized), ``is_dummy`` with the older form, and a layout the server's io backend cannot copy;
+    `geometry_of` fails a bad call as the constructor does."""
+    import attrs
+
+    with fake_cuda() as fake:
+        geometry = _older_geometry(MHATokenToKVPoolHost, _mha(), "page_first")
+        with pytest.raises(TypeError, match=r"from_geometry\(\) takes a hicache.pools.PoolGeometry, got dict"):
+            MHATokenToKVPoolHost.from_geometry({}, **ROOM)
+        for other in (MLATokenToKVPoolHost, AsymmetricMHATokenToKVPoolHost):
+            with pytest.raises(LayoutError, match=rf"^{other.__name__}.from_geometry\(\): the geometry was made for "
+                                                  r"MHATokenToKVPoolHost \(device pool form\)"):
+                other.from_geometry(geometry, **ROOM)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'page_size'"):
+            MHATokenToKVPoolHost.from_geometry(geometry, page_size=P, **ROOM)
+        with pytest.raises(LayoutError, match="is_dummy .* come with SGLang 0.5.23's constructor"):
+            MHATokenToKVPoolHost.from_geometry(geometry, is_dummy=True, **ROOM)
+        with pytest.raises(LayoutError, match="io_backend 'npu-kernel'"):
+            MHATokenToKVPoolHost.from_geometry(geometry, host=attrs.evolve(ROOM["host"], server=_Server()))
+        for call in (MHATokenToKVPoolHost, MHATokenToKVPoolHost.geometry_of):
+            with pytest.raises(LayoutError, match="layout 'bogus' is not supported"):
+                call(_mha(), 2.0, 0, P, "bogus", **ROOM)
+            with pytest.raises(TypeError, match=r"^MHATokenToKVPoolHost\.__init__\(\) got an unexpected keyword"):
+                call(_mha(), 2.0, 0, P, "page_first", pagenum=3, **ROOM)
+        assert fake.held() == set()

@@ -37,8 +37,9 @@ from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
 from hicache.pools._range_records import RangeRecords
 from hicache.pools._device_copies import CopiesInFlight, DeviceCopiesMixin, Stream
 from hicache.pools._forms import DEVICE_POOL
-from hicache.pools._geometry import make_geometry
-from hicache.pools._options import given, split_keywords
+from hicache.pools._geometry import PoolGeometry, make_geometry
+from hicache.pools._sketch import adoption, sketch
+from hicache.pools._options import check_dummy, given, split_keywords, under_server_chunk
 from hicache.pools._transfer import Transfers
 from hicache.pools._storage import StoragePagesMixin
 from hicache.pools._slots import SlotsMixin
@@ -57,16 +58,6 @@ def synchronized(func):
             return func(self, *args, **kwargs)
 
     return wrapper
-
-
-def _under_sglang_chunk_setting(limits, server):
-    """In a server (the pool's `HostSetup.server`: SGLang's process, handed in by the plug-in), a
-    pool built by SGLang 0.5.23's constructor also keeps each call within the server's own chunk
-    setting (SGLang: SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through its `envs`): the smaller wins."""
-    chunk = server.chunk_limit_bytes()
-    if chunk is None:
-        return limits
-    return attrs.evolve(limits, chunk_limit_bytes=chunk) if chunk < limits.chunk_limit_bytes else limits
 
 
 def _device_type(device_pool) -> str:
@@ -119,18 +110,43 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
             host_to_device_ratio=host_to_device_ratio, host_size=host_size, page_size=page_size)
         self._build(DEVICE_POOL, type(self).shape_class(device_pool), sizing, layout, options)
 
+    @classmethod
+    def geometry_of(cls, *args, **kwargs) -> PoolGeometry:
+        """The `PoolGeometry` the same constructor call would adopt - its form, facts, size, the
+        buffers' descriptor and the family's fields - made with no memory, budget or registration:
+        what an engine or a capacity check reads before `from_geometry` brings it up."""
+        return sketch(cls, args, kwargs)
+
+    @classmethod
+    def from_geometry(cls, geometry: PoolGeometry, /, *, pin_memory: bool = True, device: str = "cpu",
+                      allocator_type: str | None = "default", pool_label: str = "kv", is_dummy: bool | None = None,
+                      options=None, host=None):
+        """A pool that adopts ``geometry`` whole - this class's (`geometry_of`, or a pool's
+        ``geometry``) - and brings it up with SGLang's options, ``options`` and ``host`` as the
+        constructor takes them (``is_dummy``: None, as its form says); the geometry is checked
+        against the class, its server's io backend and the options before any memory."""
+        settings, host_setup = adoption(cls, geometry, dict(
+            pin_memory=pin_memory, device=device, allocator_type=allocator_type, pool_label=pool_label,
+            is_dummy=is_dummy, options=options, host=host))
+        pool = cls.__new__(cls)
+        pool._come_up(geometry, settings, host_setup)
+        return pool
+
     def _build(self, form, shape, sizing, layout: str, options) -> None:
         """The one constructor body: the geometry, made outside the pool from ``shape`` (the
-        family's builder over its device view) and adopted whole, never changed after; then
-        settings, plan, allocator, the bring-up, copy lanes and pages."""
+        family's builder over its device view), then brought up (`_come_up`)."""
         name = type(self).__name__
-        if options.is_dummy and not form.mapped_layers:
-            raise LayoutError(f"{name}: dcp_size, is_dummy and host_token_capacity come with SGLang 0.5.23's "
-                              "constructor (a device-buffer description first), not a device pool")
+        check_dummy(name, form, options)
         # the host's pieces: runtime, limits, budget lock, server, ... (host=, else the class's)
         host_setup = options.host_setup(name, type(self).default_host)
         geometry = make_geometry(name, shape, form, sizing, layout, pool_label=options.pool_label,
                                  server=host_setup.server)
+        self._come_up(geometry, options, host_setup)
+
+    def _come_up(self, geometry: PoolGeometry, options, host_setup) -> None:
+        """``geometry`` adopted whole, never changed after; then settings, plan, allocator, the
+        bring-up, copy lanes and pages."""
+        name = type(self).__name__
         self.can_use_write_back_jit = False  # SGLang's staged write-back JIT kernel is CUDA-only
         self.is_dummy = bool(options.is_dummy)
         self.pin_memory, self.device, self.pool_label = options.pin_memory, options.device, options.pool_label
@@ -204,7 +220,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         check_hugepages(LayoutError, type(self).__name__, self.hugepages)
         self._limits = limits if limits is not None else probe_limits()
         if limits is None and self.geometry.form.server_chunk:
-            self._limits = _under_sglang_chunk_setting(self._limits, self.host_setup.server)
+            self._limits = under_server_chunk(self._limits, self.host_setup.server)
         if self.hugepages in HUGETLBFS_MODES and self._limits.hugepage_bytes is None:
             # hugetlbfs: boundaries on the huge page, so no two calls share one (vLLM PR #51081);
             # the base is then hugepage aligned (or, if "prefer" falls back, page aligned: finer)

@@ -40,7 +40,8 @@ class Form:
     the description's map (targets, packed drafts; a layer it lacks copies nothing) instead of
     being pool-local ids checked against the range; ``server_chunk``: the server's own
     host-register chunk setting caps each call; ``sglang_allocators``: allocator names read as
-    SGLang 0.5.23's table; ``byte_pages``: flat pages are raw bytes (0.5.23's Mamba format)."""
+    SGLang 0.5.23's table; ``byte_pages``: flat pages are raw bytes (0.5.23's Mamba format);
+    ``allocator_only``: its pools hold no memory (``is_dummy``: MLA's `MLAHostAllocation`)."""
 
     name: str
     sglang: str
@@ -51,11 +52,13 @@ class Form:
     server_chunk: bool = False
     sglang_allocators: bool = False
     byte_pages: bool = False
+    allocator_only: bool = False
 
 
 _DESCRIBED = dict(sglang="0.5.23", own_device=True, mapped_layers=True, server_chunk=True, sglang_allocators=True)
 DESCRIPTION = Form("description", constructor="from_buffer_info", sizing="sglang-0.5.23", **_DESCRIBED)
-ALLOCATION = Form("allocation", constructor="from_allocation", sizing="sglang-0.5.23", **_DESCRIBED)
+ALLOCATION = Form("allocation", constructor="from_allocation", sizing="sglang-0.5.23", allocator_only=True,
+                  **_DESCRIBED)
 STATE_DESCRIPTION = Form("state description", constructor="from_buffer_info", sizing="sglang-0.5.23",
                          byte_pages=True, **_DESCRIBED)
 DECLARATION = Form("declaration", constructor="from_decl", sizing="anchor", **_DESCRIBED)

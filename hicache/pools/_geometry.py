@@ -121,8 +121,10 @@ class PoolGeometry:
     the layout's bytes per token (`get_size_per_token`; ``size_per_token`` is what the pool
     reports, which SGLang's V4 pools set to one row's bytes); ``fields``: the family's
     SGLang-facing attributes (`Shape.fields`), read-only; ``shape`` and ``sizing``: what it was
-    made from (`make_geometry` of the two gives it again)."""
+    made from (`make_geometry` of the two gives it again); ``owner``: the pool class it was made
+    for (`HostKVCache.from_geometry` brings it up in that class only)."""
 
+    owner: str
     form: object
     family: str
     layout: str
@@ -249,18 +251,23 @@ def _page_num(owner: str, form, sizing: Sizing, facts: Facts, size_per_token: in
     return sized.page_num
 
 
+def check_layout(owner: str, layout: str, supported, server) -> None:
+    """``layout`` is one the family brings up (``supported``) and one ``server``'s io backend can
+    copy: a pair we cannot serve fails the server's start, not its first write-back."""
+    if layout not in supported:
+        raise LayoutError(f"{owner}: layout {layout!r} is not supported; supported: {', '.join(supported)}")
+    backend = server.io_backend()
+    if backend is not None:
+        check_backend(backend, layout, supported, error=LayoutError, owner=owner)
+
+
 def make_geometry(owner: str, shape: Shape, form, sizing: Sizing, layout: str, *,
                   pool_label: str = "kv", server=NO_SERVER) -> PoolGeometry:
     """The geometry of ``owner``'s pool (its class name, for errors), built by ``form`` from
     ``shape`` (its family's builder over the device view) and ``sizing``: pure over its
     arguments and what ``server`` (the pool's `HostSetup.server`) says - its io backend, its
     pipeline group's agreement on a fixed size - before any memory."""
-    supported = shape.descriptor_class.supported()
-    if layout not in supported:
-        raise LayoutError(f"{owner}: layout {layout!r} is not supported; supported: {', '.join(supported)}")
-    backend = server.io_backend()
-    if backend is not None:  # a pair we cannot serve fails the server's start, not its first write-back
-        check_backend(backend, layout, supported, error=LayoutError, owner=owner)
+    check_layout(owner, layout, shape.descriptor_class.supported(), server)
     facts = _described_facts(owner, shape.view, sizing) if form.mapped_layers else _pool_facts(owner, shape, sizing)
     per_token = shape.token_bytes(layout, facts)
     page_num = _page_num(owner, form, sizing, facts, per_token, pool_label, server)
@@ -268,7 +275,7 @@ def make_geometry(owner: str, shape: Shape, form, sizing: Sizing, layout: str, *
         raise PlanError(f"{owner}: page_num must be at least 1, got {page_num}")
     buffer_page_num = sizing.buffer_page_num or page_num
     descriptor = shape.descriptor(layout, facts, buffer_page_num)
-    return PoolGeometry(form=form, family=descriptor.family, layout=layout, facts=facts,
+    return PoolGeometry(owner=owner, form=form, family=descriptor.family, layout=layout, facts=facts,
                         size_per_token=per_token if sizing.size_per_token is None else sizing.size_per_token,
                         token_bytes=per_token, page_num=page_num, buffer_page_num=buffer_page_num,
                         buffer_dtypes=tuple(shape.buffer_dtypes(layout, facts)), descriptor=descriptor,

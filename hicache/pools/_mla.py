@@ -18,7 +18,7 @@ from hicache.plan import dsa_indexer_pages
 from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._geometry import Shape
-from hicache.pools._forms import ALLOCATION, DECLARATION, DEVICE_POOL, NamedConstructors, dispatch, form_of
+from hicache.pools._forms import DECLARATION, DEVICE_POOL, NamedConstructors, dispatch, form_of
 from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import dsa_device, mla_device
 
@@ -123,7 +123,7 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
             if target_layer_num is None:
                 raise LayoutError(f"{name}: SGLang 0.5.23's constructor needs the keyword target_layer_num")
             fields["dsa_kv_cache_store_fp8"] = bool(getattr(first, "packed_fp8", False))
-            dummy = form is ALLOCATION  # SGLang's allocator-only pool: its geometry says the token size
+            dummy = form.allocator_only  # SGLang's allocator-only pool: its geometry says the token size
             kv_cache_dim = override_kv_cache_dim or (
                 first.kv_cache_dim if dummy else first.kv_lora_rank + first.qk_rope_head_dim)
             if dummy:

@@ -5,8 +5,10 @@ size: `_geometry`) and these options - SGLang's own (``pin_memory``, ``device``,
 ``allocator_type``, ``pool_label``, ``is_dummy``) and hicache's two keyword-only values: its
 settings (``options=``, a `HostPoolOptions`) and the host's pieces (``host=``, a `HostSetup`) -
 one door each (issue #55 item 2). One table of the names, so a
-misspelt keyword is Python's TypeError naming the pool and the word. Pure data: no import
-beyond attrs and the geometry's `Sizing`.
+misspelt keyword is Python's TypeError naming the pool and the word. Also what the options say
+of the pool's host: its `HostSetup` resolved (``host=``, else its class's: `with_host`), the
+server's chunk setting over its limits, ``is_dummy`` against its form. No effect of its own:
+imports attrs, the effects' `HostSetup` value, errors and the geometry's `Sizing`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import attrs
 
 from hicache.effects import HostSetup
+from hicache.errors import LayoutError
 from hicache.pools._geometry import Sizing
 from hicache.pools._server import server
 
@@ -95,6 +98,24 @@ def with_host(cls: type, host: HostSetup) -> type:
     namespace = {"default_host": host, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                  "__doc__": cls.__doc__}
     return type(cls)(cls.__name__, (cls,), namespace)
+
+
+def check_dummy(owner: str, form, options: PoolOptions) -> None:
+    """``is_dummy`` (an allocator-only pool) comes with a form that maps layers (SGLang 0.5.23's)."""
+    if options.is_dummy and not form.mapped_layers:
+        raise LayoutError(f"{owner}: dcp_size, is_dummy and host_token_capacity come with SGLang 0.5.23's "
+                          "constructor (a device-buffer description first), not a device pool")
+
+
+def under_server_chunk(limits, server):
+    """In a server (the pool's `HostSetup.server`: SGLang's process, through the plug-in's
+    classes), a pool built by SGLang 0.5.23's constructor also keeps each call within the
+    server's own chunk setting (SGLang: SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB through its `envs`):
+    the smaller wins."""
+    chunk = server.chunk_limit_bytes()
+    if chunk is None:
+        return limits
+    return attrs.evolve(limits, chunk_limit_bytes=chunk) if chunk < limits.chunk_limit_bytes else limits
 
 
 #: the `HostSetup` fields a pool sets itself, from SGLang's ``allocator_type`` and ``device``
