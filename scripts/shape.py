@@ -192,6 +192,19 @@ def parts_reads() -> dict:
     return {"implicit": sum(len(r) for r in found.values()), "facts": sum(len(set(r) & FACTS) for r in found.values())}
 
 
+def parts_made_with_the_geometry() -> list:
+    """The classes of pools/ made with a pool's ``geometry`` given explicitly (its parts, as
+    objects: issue #55 item 1)."""
+    found = []
+    for path in sorted((PACKAGE / "pools").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):  # private: not a part
+                inits = [i for i in node.body if isinstance(i, ast.FunctionDef) and i.name == "__init__"]
+                if inits and "geometry" in [a.arg for a in inits[0].args.args]:
+                    found.append(node.name)
+    return found
+
+
 def files_naming_a_family(pattern: str = r"DeepSeekV4|deepseek_v4|V4Paged|V4State") -> int:
     """Modules of hicache that name DeepSeek-V4, the newest family (what a new family touches)."""
     import re
@@ -227,6 +240,7 @@ def main() -> int:
               "make_geometry_reads_the_pool": geometry_reads_the_pool(),
               "pool_fields_written_around_build": writes_around_build(), "admission_doors": admission_doors(),
               "to_first_register": size_path(), "parts_reads": parts_reads(),
+              "parts_made_with_the_geometry": parts_made_with_the_geometry(),
               "modules_naming_deepseek_v4": files_naming_a_family()}
     if "--list" in sys.argv:
         report.update(bring_up=bring_up_keywords(), pool=pool_keywords(), crossings=crossing)

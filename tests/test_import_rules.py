@@ -371,7 +371,7 @@ def test_the_gate_rule_sees_the_gate():
 ADOPTED = {"size", "page_num", "size_per_token", "descriptor", "dtype", "layer_num", "target_layer_num", "start_layer",
            "end_layer", "page_size", "dcp_size", "dcp_rank", "device_capacity_tokens", "device_pool", "layout",
            "geometry", "_pages"}
-ADOPTERS = {"_adopt", "_come_up", "_progressive_mode"}  # _pages: the allocator, made at the bring-up
+ADOPTERS = {"_adopt", "_come_up", "init_kv_buffer"}  # _pages: the allocator, made at the bring-up
 
 
 def _pool_classes() -> set[str]:
@@ -438,8 +438,9 @@ def test_the_overwrite_rule_sees_the_adopters_and_every_family():
         ADOPTERS.update(saved)
 
 
-#: the parts a `HostKVCache` is made of (issue #55 item 1): each reads every fact of the pool
-#: from its ``geometry`` and otherwise only the live state it declares in its ``NEEDS``
+#: SGLang's calls on a `HostKVCache`, by concern (issue #55 item 1): each reads every fact of the
+#: pool from its ``geometry`` and otherwise only what it declares in its ``NEEDS`` - its part
+#: (`POOL_PARTS`) and the live state handed to it
 PARTS = {"hicache.pools._slots": "SlotsMixin", "hicache.pools._device_copies": "DeviceCopiesMixin",
          "hicache.pools._progressive": "ProgressiveMixin", "hicache.pools._storage": "StoragePagesMixin",
          "hicache.pools._hisparse": "HiSparseHostPoolMixin"}
@@ -479,6 +480,46 @@ def test_each_pool_part_takes_its_facts_from_the_geometry(module):
     assert reads - {"geometry"} <= set(needs), f"{PARTS[module]} reads undeclared {sorted(reads - {'geometry'} - set(needs))}"
     assert not set(needs) & FACTS, f"{PARTS[module]} declares facts {sorted(set(needs) & FACTS)}: read them from the geometry"
     assert set(needs) <= reads, f"{PARTS[module]} declares {sorted(set(needs) - reads)} it never reads"
+
+
+#: the parts a pool is made of (issue #55 item 1): objects made with the pool's geometry given
+#: explicitly (and the rest they use, each by name), holding no pool
+POOL_PARTS = {"hicache.pools._device_copies": "DeviceCopies", "hicache.pools._storage": "L3Pages",
+              "hicache.pools._zero_copy": "PagePointers", "hicache.pools._progressive": "ProgressivePages"}
+#: names a part may not take or keep: the pool itself, under any name
+_POOL_NAMES = {"pool", "owner", "host_pool", "parent"}
+
+
+def _part_shape(path: Path, name: str) -> tuple[list[str], set[str]]:
+    """Class ``name`` of ``path``: its ``__init__``'s parameters, and the pool-like names it
+    takes or reads (a parameter, or ``self.<name>``, in `_POOL_NAMES`)."""
+    node = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == name)
+    init = next(item for item in node.body if isinstance(item, ast.FunctionDef) and item.name == "__init__")
+    params = [a.arg for a in init.args.args[1:] + init.args.kwonlyargs]
+    pools = {p for p in params if p in _POOL_NAMES}
+    pools |= {each.attr for each in ast.walk(node) if isinstance(each, ast.Attribute) and each.attr in _POOL_NAMES
+              and isinstance(each.value, ast.Name) and each.value.id == "self"}
+    return params, pools
+
+
+@pytest.mark.parametrize("module", sorted(POOL_PARTS), ids=str)
+def test_each_part_is_made_with_the_geometry_and_holds_no_pool(module):
+    """A pool's part (its copies, L3 pages, zero-copy pointers, progressive pages) is an object
+    made with the pool's ``geometry`` given explicitly, and with no pool: what else it uses is
+    handed to it by name, so no attribute is shared with the pool behind its back."""
+    params, pools = _part_shape(MODULES[module], POOL_PARTS[module])
+    assert "geometry" in params, f"{POOL_PARTS[module]}.__init__{tuple(params)} takes no geometry"
+    assert not pools, f"{POOL_PARTS[module]} takes or keeps the pool as {sorted(pools)}"
+
+
+def test_the_part_rule_sees_a_pool_and_a_missing_geometry(tmp_path):
+    """Not vacuous: a part made with the pool, or keeping it, or taking no geometry, is found."""
+    part = tmp_path / "part.py"
+    part.write_text("class P:\n    def __init__(self, pool, geometry):\n        self.g = geometry\n")
+    assert _part_shape(part, "P") == (["pool", "geometry"], {"pool"})
+    part.write_text("class P:\n    def __init__(self, name):\n        self.n = name\n    def f(self):\n"
+                    "        return self.owner\n")
+    assert _part_shape(part, "P") == (["name"], {"owner"})
 
 
 def test_the_parts_rule_sees_an_implicit_fact(tmp_path):

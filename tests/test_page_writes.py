@@ -72,8 +72,8 @@ def test_every_layout_writes_the_bytes_torchs_assignment_writes(name, layout):
     first, a middle and the last page, from a flat page and from a 2-D one of its elements;
     the writer is in place exactly where the helper is built."""
     with _helper_and_torch(name, layout) as (streamed, plain):
-        assert (streamed._derive_page_geometry().writer is not None) == (_host_copy._native is not None)
-        assert plain._derive_page_geometry().writer is None
+        assert (streamed._l3.derive(streamed.kv_buffer).writer is not None) == (_host_copy._native is not None)
+        assert plain._l3.derive(plain.kv_buffer).writer is None
         last = (streamed.size // streamed.page_size - 1) * streamed.page_size
         for seed, index in enumerate((0, (streamed.size // 2) // streamed.page_size * streamed.page_size, last)):
             page = streamed.get_dummy_flat_data_page()
@@ -96,8 +96,8 @@ def test_every_layout_reads_the_bytes_torchs_flatten_reads(name, layout):
         view = read.get_data_page(0, flat=False)
         gathers = (_host_copy._native is not None and not isinstance(view, list) and not view.is_contiguous()
                    and view.numel() * view.element_size() <= GATHER_MAX_BYTES)
-        assert (read._derive_page_geometry().reader is not None) == gathers
-        assert plain._derive_page_geometry().reader is None
+        assert (read._l3.derive(read.kv_buffer).reader is not None) == gathers
+        assert plain._l3.derive(plain.kv_buffer).reader is None
         last = (read.size // read.page_size - 1) * read.page_size
         for index in (0, (read.size // 2) // read.page_size * read.page_size, last, last + read.page_size - 1):
             page = read.get_data_page(index, flat=True)

@@ -375,7 +375,7 @@ def test_zero_copy_pointers_follow_a_replaced_kv_buffer(name):
         start = replacement.data_ptr()
         end = start + replacement.untyped_storage().nbytes()
         assert after != before and all(start <= ptr < end for ptr in after)
-        pool._kinds = (id(original), pool._kinds[1])  # the replacement's pointers, under an id() that came back
+        pool._pointers.kinds = (id(original), pool._pointers.kinds[1])  # the replacement's pointers, under an id() that came back
         pool.kv_buffer = original
         again, _ = pool.get_page_buffer_meta(torch.arange(P, 2 * P))
         assert again == before

@@ -42,7 +42,7 @@ def _inside(held, ptr, size):
 
 
 def _page_bytes_registered(pool, runtime, page):
-    for slice_ in pool._page_blocks(page * P):
+    for slice_ in pool._l3.page_blocks(pool.kv_buffer, page * P):
         if not _inside(runtime.held(), slice_.data_ptr(), slice_.numel() * slice_.element_size()):
             return False
     return True
@@ -254,7 +254,7 @@ def test_any_page_first_pool_registers_its_plan_exactly_and_hands_out_only_regis
         while pool.available_size() or not pool.wait_ready(timeout=0):
             slots = pool.alloc(page)
             if slots is not None:
-                for slice_ in pool._page_blocks(int(slots[0])):
+                for slice_ in pool._l3.page_blocks(pool.kv_buffer, int(slots[0])):
                     assert _inside(runtime.held(), slice_.data_ptr(), slice_.numel() * slice_.element_size())
         assert pool.wait_ready() is True and pool.ready_pages() == pool.page_num
         for buffer, tensor in zip(pool.pool_plan.buffers, pool.buffers):
@@ -301,7 +301,7 @@ def test_other_families_come_up_progressively_and_hand_out_only_registered_pages
     while pool.available_size() or not pool.wait_ready(timeout=0):
         slots = pool.alloc(pool.page_size)
         if slots is not None:
-            for slice_ in pool._page_blocks(int(slots[0])):
+            for slice_ in pool._l3.page_blocks(pool.kv_buffer, int(slots[0])):
                 assert _inside(runtime.held(), slice_.data_ptr(), slice_.numel() * slice_.element_size())
     assert pool.wait_ready() is True and pool.ready_pages() == pool.page_num
     pool.destroy()

@@ -63,3 +63,19 @@ def get_allocator_from_storage(allocator_type: str | None = "default", *, fallba
             "(register_allocator adds one; strict=False falls back to the default)"
         )
     return factory()
+
+
+def pool_allocator(allocator_type, *, fallback: str, strict: bool, sglangs: bool, server, numa_node, hugepages,
+                   limits):
+    """A pool's allocator: the storage back end's (`get_allocator_from_storage`), and where it is
+    hicache's own, configured with the pool's NUMA node and page size (``hugepages``; hugetlbfs
+    modes cut on ``limits``' huge page)."""
+    from hicache.effects import HostAllocator
+    from hicache.plan import HUGETLBFS_MODES
+
+    allocator = get_allocator_from_storage(allocator_type, fallback=fallback, strict=strict, sglangs=sglangs,
+                                           server=server)
+    if isinstance(allocator, HostAllocator):  # hicache's: settings at construction
+        allocator = allocator.configure(numa_node=numa_node, hugepages=hugepages,
+                                        hugepage_bytes=limits.hugepage_bytes if hugepages in HUGETLBFS_MODES else None)
+    return allocator

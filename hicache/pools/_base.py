@@ -31,17 +31,18 @@ from hicache.effects import (
 from hicache.errors import LayoutError, NoAllocatorError, RegistrationStateError
 from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, format_gb, plan_pool
 from hicache.plan.settings import check_hugepages
-from hicache.pools._allocator import get_allocator_from_storage
+from hicache.pools._allocator import pool_allocator
 from hicache.pools._page_allocator import PageAllocator
-from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin
+from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin, ProgressivePages
 from hicache.pools._range_records import RangeRecords
-from hicache.pools._device_copies import CopiesInFlight, DeviceCopiesMixin, Stream
+from hicache.pools._device_copies import CopiesInFlight, DeviceCopies, DeviceCopiesMixin, Stream, host_view
 from hicache.pools._forms import DEVICE_POOL
 from hicache.pools._geometry import PoolGeometry, make_geometry
 from hicache.pools._sketch import adoption, sketch
 from hicache.pools._options import check_dummy, given, split_keywords, under_server_chunk
 from hicache.pools._transfer import Transfers
-from hicache.pools._storage import StoragePagesMixin
+from hicache.pools._storage import L3Pages, StoragePagesMixin
+from hicache.pools._zero_copy import PagePointers
 from hicache.pools._slots import SlotsMixin
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         self._destroyed = False
         self._host = None  # the effects.HostPools handle: memory, registration, budget entry
         self._pages = None
-        self._readiness = None
+        self._progress = None  # a progressive pool's `ProgressivePages`
         self._ranges = RangeRecords()  # SGLang's record of what is registered, on each buffer
         self._transfers = None
         self._adopt(geometry)
@@ -168,19 +169,26 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         self._settings(self.host_setup.limits, settings.progressive, settings.hugepages, settings.max_stall_s,
                        settings.numa_node)
         self.pool_plan = plan_pool(self.descriptor, self._limits)
-        self.allocator = self._allocator(options.allocator_type, settings.allocator_fallback, settings.strict_allocator)
+        self.allocator = pool_allocator(  # the storage back end's, with this pool's NUMA node and pages
+            options.allocator_type, fallback=settings.allocator_fallback or "default", strict=settings.strict_allocator,
+            sglangs=geometry.form.sglang_allocators, server=self.host_setup.server, numa_node=self.numa_node,
+            hugepages=self.hugepages, limits=self._limits)
         if self.host_setup.copy_engine is None:
             self.host_setup = attrs.evolve(self.host_setup, copy_engine=CopyEngine())
         self.copy_engine = self.host_setup.copy_engine
+        self._l3 = L3Pages(name, geometry, self.copy_engine, self._alive)  # the parts over the buffers
+        self._pointers = PagePointers(name, geometry, self._alive)
         if self.is_dummy:  # SGLang's allocator-only pool: indices, no memory
             self._pages = PageAllocator(self.page_num, self.logical_page_size)
+            self._copies = DeviceCopies(name, geometry, None, self._in_flight, self._alive)
             return
         self._reserve()
         try:
             self._transfers = Transfers(self._host_view, self.geometry.streams, page_size=self.page_size,
                                         host_slots=self.size, copy_engine=self.copy_engine, name=name,
-                                        ready_slots=None if self._readiness is None else self._ready_slots,
+                                        ready_slots=None if self._progress is None else self._progress.ready_slots,
                                         registered=self._registered_now)
+            self._copies = DeviceCopies(name, geometry, self._transfers, self._in_flight, self._alive)
             if self._pages is None and self.has_allocator:
                 self._pages = PageAllocator(self.page_num, self.logical_page_size)
         except BaseException:  # never leave a half-built pool holding pinned memory
@@ -231,18 +239,6 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         if note:
             logger.info("%s: %s", type(self).__name__, note)
 
-    def _allocator(self, allocator_type, fallback, strict: bool):
-        """The storage back end's allocator, configured with this pool's NUMA node and pages."""
-        allocator = get_allocator_from_storage(allocator_type, fallback=fallback or "default", strict=strict,
-                                               sglangs=self.geometry.form.sglang_allocators,
-                                               server=self.host_setup.server)
-        if isinstance(allocator, HostAllocator):  # hicache's: settings at construction
-            allocator = allocator.configure(
-                numa_node=self.numa_node, hugepages=self.hugepages,
-                hugepage_bytes=self._limits.hugepage_bytes if self.hugepages in HUGETLBFS_MODES else None,
-            )
-        return allocator
-
     # -- what the family says, through its shape (read from the geometry, never recomputed) ----
     #: the family's `Shape` (its pure builder); the older form builds it from the device pool
     shape_class: type = None
@@ -289,7 +285,10 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         if self.progressive and not progressive:
             logger.info("%s: progressive registration needs a pinned pool with page-first layout; "
                         "registering all of it first", type(self).__name__)
-        mode = self._progressive_mode() if progressive else None
+        if progressive:  # its pages come free as they register (`ProgressivePages`)
+            self._progress = ProgressivePages(self.geometry, self.pool_plan, self.max_stall_s, self.lock, self._ranges)
+            self._pages = self._progress.pages
+        mode = None if self._progress is None else self._progress.mode()
         report = Report(self.metrics_name, page_num=self.page_num, ready_pages=self.ready_pages,
                         numa_node=self.numa_node)  # the metrics see it from the bring-up itself
         # one admission: hicache's host-wide budget, or the server's scope where one is in force
@@ -306,7 +305,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
 
     def _record_ranges(self, tensors) -> None:
         """Each buffer carries SGLang's record of what is registered in it (`RangeRecords`);
-        progressive pools extend it as chunks register (`_progressive_mode`)."""
+        progressive pools extend it as chunks register (`ProgressivePages.mode`)."""
         with self.lock:  # a progressive pool's background chunks note theirs under it
             self._ranges.attach(tensors, self._host.registered_ranges)
 
@@ -365,7 +364,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         with self.lock:
             if self._destroyed:
                 return
-            self._close_pages()  # the page path checks the pool's state again from here on
+            self._l3.close()  # the page path checks the pool's state again from here on
             self._in_flight.drain()  # no launch may follow the release below
             self._wait_for_device_copies()
             try:
@@ -380,6 +379,12 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
                     if self._transfers is not None:
                         self._transfers.forget()
                     self._destroyed = True
+                    if self._progress is not None:  # no page goes back into a destroyed pool's allocator
+                        self._progress.close()
+
+    def _host_view(self, stream: Stream, layer: int):
+        """The host tensor one copy lane reads or writes for ``layer`` (a family may override it)."""
+        return host_view(self.buffers, self.geometry, stream, layer)
 
     def _wait_for_device_copies(self) -> None:
         """Transfers run asynchronously on CUDA streams: none may still use memory we unpin or free."""

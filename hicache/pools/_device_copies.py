@@ -1,8 +1,10 @@
 """The host<->device copies of a host pool (issue #34 item 2: the transfer machinery apart from the
-SGLang edge and the pages): `Stream`, one copy lane, and `DeviceCopiesMixin`, SGLang's per-layer
-load and all-layer backup plus 0.5.23's L2 hooks, in the pool's own terms - which device tensors
-(the form's `own_device`), which host layers (the form's `mapped_layers`), this rank's DCP rows.
-The copying itself is `_transfer.Transfers`' (bounds-checked batches through the copy engine).
+SGLang edge and the pages): `Stream`, one copy lane; `DeviceCopies`, the part that does SGLang's
+per-layer load and all-layer backup in the pool's own terms - which device tensors (the form's
+`own_device`), which host layers (the form's `mapped_layers`), this rank's DCP rows - over the
+geometry and lanes it is given; `DeviceCopiesMixin`, SGLang's names for them plus 0.5.23's L2
+hooks, each handed to the part. The copying itself is `_transfer.Transfers`' (bounds-checked
+batches through the copy engine).
 """
 
 from __future__ import annotations
@@ -66,38 +68,48 @@ class CopiesInFlight:
                 self._gate.wait(0.1)
 
 
-class DeviceCopiesMixin:
-    """A part of `HostKVCache`: SGLang's transfer calls over the pool's ``geometry`` (every
-    fact read from it) and the live state in `NEEDS`."""
+class DeviceCopies:
+    """A part of a host pool (issue #55 item 1): SGLang's per-layer load and all-layer backup in
+    the pool's own terms, over what it is given - the pool's ``geometry`` (which device tensors:
+    the form's `own_device`; which host layers: its `mapped_layers`; this rank's DCP rows), its
+    copy lanes (``transfers``, a `_transfer.Transfers`; None: an allocator-only pool), the count
+    of copies in flight (``in_flight``, which destroy() drains) and the pool's state check
+    (``alive``)."""
 
-    #: the pool's live state this part reads beyond its ``geometry`` (tests/test_import_rules.py)
-    NEEDS = ("buffers", "_transfers", "_in_flight", "_alive")
+    def __init__(self, name: str, geometry, transfers, in_flight: CopiesInFlight, alive) -> None:
+        self.name, self.geometry, self.transfers, self.in_flight, self.alive = name, geometry, transfers, in_flight, alive
 
-    # -- transfers --------------------------------------------------------------------------
-    def _host_view(self, stream: Stream, layer: int):
-        tensor = self.buffers[stream.buffer]
-        geometry = self.geometry
-        return layer_token_view(tensor, geometry.family, geometry.layout, layer, stream.kv, geometry.page_size)
+    def load(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft: bool) -> None:
+        """One layer host -> device (the host layer a controller's ``layer_id`` maps to, if any)."""
+        host = self.geometry.host_layer(_layer_id(layer_id), is_draft=is_draft)
+        if host is not None:
+            self._transfer(device_pool, host_indices, device_indices, [host], io_backend, to_host=False)
+
+    def backup(self, device_pool, host_indices, device_indices, io_backend) -> None:
+        """Every layer device -> host."""
+        self._transfer(device_pool, host_indices, device_indices, range(self.geometry.layer_num), io_backend,
+                       to_host=True)
 
     def _transfer(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
-        in_flight = self._in_flight
-        in_flight.enter(self._alive)  # counted, so destroy() waits for it before letting memory go
+        in_flight = self.in_flight
+        in_flight.enter(self.alive)  # counted, so destroy() waits for it before letting memory go
         try:
             self._transfer_now(device_pool, host_indices, device_indices, layers, io_backend, to_host=to_host)
         finally:
             in_flight.leave()
 
     def _transfer_now(self, device_pool, host_indices, device_indices, layers, io_backend, *, to_host: bool) -> None:
-        if self._transfers is None:
-            raise RegistrationStateError(f"{type(self).__name__} is allocator-only (is_dummy): it holds no memory to copy")
+        if self.transfers is None:
+            raise RegistrationStateError(f"{self.name} is allocator-only (is_dummy): it holds no memory to copy")
+        geometry = self.geometry
         if io_backend not in ("direct", "kernel"):  # the layout was checked when the pool was built
-            check_backend(io_backend, self.geometry.layout, self.geometry.descriptor.supported())
-        if self.geometry.form.own_device:
+            check_backend(io_backend, geometry.layout, geometry.descriptor.supported())
+        if geometry.form.own_device:
             # the device buffers given at construction, whatever pool the caller passes (SGLang's
             # own pools copy to the captured tensors too); this rank's rows under DCP
-            device_pool = self.geometry.device
+            device_pool = geometry.device
             host_indices, device_indices = (self._dcp_rows(host_indices), self._dcp_rows(device_indices))
-        self._transfers.run(device_pool, host_indices, device_indices, layers, to_host=to_host)
+        self.transfers.run(device_pool, host_indices, device_indices, layers, to_host=to_host)
 
     def _dcp_rows(self, indices):
         """SGLang's `maybe_dcp_kernel_indices`: widened logical slots -> this rank's rows (slot %
@@ -107,22 +119,28 @@ class DeviceCopiesMixin:
             return indices
         return indices[self.geometry.dcp_rank :: size] // size
 
-    def _layers_for(self, layer_id, is_draft: bool) -> list[int]:
-        """The host layer a controller's ``layer_id`` loads (`PoolGeometry.host_layer`), or none."""
-        host = self.geometry.host_layer(_layer_id(layer_id), is_draft=is_draft)
-        return [] if host is None else [host]
+
+def host_view(buffers: list, geometry, stream: Stream, layer: int):
+    """The host tensor one copy lane reads or writes for ``layer`` (`_views.layer_token_view`)."""
+    return layer_token_view(buffers[stream.buffer], geometry.family, geometry.layout, layer, stream.kv,
+                            geometry.page_size)
+
+
+class DeviceCopiesMixin:
+    """SGLang's transfer calls on a `HostKVCache`, each handed to its `DeviceCopies` part."""
+
+    #: the pool's state these calls read: only the part (tests/test_import_rules.py)
+    NEEDS = ("_copies",)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
                                  is_draft: bool = False) -> None:
         """Copy the given slots of one layer host -> device (``is_draft``: a packed MTP draft
         layer, SGLang 0.5.23)."""
-        layers = self._layers_for(layer_id, is_draft)
-        if layers:
-            self._transfer(device_pool, host_indices, device_indices, layers, io_backend, to_host=False)
+        self._copies.load(device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
         """Copy the given slots of every layer device -> host."""
-        self._transfer(device_pool, host_indices, device_indices, range(self.geometry.layer_num), io_backend, to_host=True)
+        self._copies.backup(device_pool, host_indices, device_indices, io_backend)
 
     # -- SGLang 0.5.23's L2 hooks (pool_host/base.py; called by mem_cache/l2_transfer.py) ---
     def prepare_transfer_indices(self, host_indices, device_indices, io_backend):

@@ -17,6 +17,7 @@ from hicache.pools._geometry import Shape
 from hicache.pools._forms import STATE_DESCRIPTION, NamedConstructors, form_of
 from hicache.pools._options import given, split_keywords
 from hicache.pools._sglang_inputs import mamba_device
+from hicache.pools._storage import written
 
 from hicache.pools._family_base import _first, _itemsize
 
@@ -133,7 +134,7 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
             return super().get_data_page(index, flat)
         import torch
 
-        return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in self._page_parts(index)])
+        return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in self._l3.page_parts(self.kv_buffer, index)])
 
     def get_dummy_flat_data_page(self):
         if not self.geometry.form.byte_pages:
@@ -145,8 +146,8 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
     def set_from_flat_data_page(self, index, data_page) -> None:
         if not self.geometry.form.byte_pages:
             return super().set_from_flat_data_page(index, data_page)
-        geometry, key = self._page_at(index)
-        if geometry.writer is not None and self._written(geometry, key, data_page):
+        geometry, key = self._l3.page_at(self.kv_buffer, index)
+        if geometry.writer is not None and written(geometry, key, data_page):
             return
         import torch
 

@@ -232,7 +232,7 @@ def _split_heads_meta(pool, indices, split_factor: int):
         raise TransferError(f"{type(pool).__name__}: split-heads page meta needs layout page_head, not {pool.layout!r}")
     if not is_integer(split_factor) or split_factor < 1 or pool.head_num % split_factor:
         raise TransferError(f"split_factor must divide head_num={pool.head_num}, got {split_factor!r}")
-    pages = pool._meta_pages(indices)
+    pages = pool._pointers.meta_pages(indices)
     itemsize = _itemsize(pool.dtype)
     base = pool.buffers[0].data_ptr()
     page_bytes = pool.layer_num * pool.head_num * pool.head_dim * itemsize * pool.page_size

@@ -5,7 +5,8 @@ pages become usable front to back) and the count of ready pages: a page is ready
 lie in registered ranges in every buffer. Only page-first layouts gain (a page's bytes are one
 run per buffer and K/V half); layer_first spreads every page over all layers, so a pool asked
 to be progressive there registers all of it before returning. The registering, faulting and
-teardown are hicache.effects' (`bring_up(mode=Progressive(...))` and its handle).
+teardown are hicache.effects' (`bring_up(mode=Progressive(...))` and its handle). `ProgressivePages`
+is the part over the geometry, plan and lock it is given; `ProgressiveMixin` is its calls on the pool.
 """
 
 from __future__ import annotations
@@ -91,37 +92,41 @@ def ordered_parts(pool_plan, readiness: PageReadiness) -> list[Part]:
     return parts
 
 
-class ProgressiveMixin:
-    """A part of `HostKVCache`: the progressive mode's settings, `ready_pages`, `wait_ready`,
-    over the pool's ``geometry`` and the live state in `NEEDS`."""
+class ProgressivePages:
+    """A part of a progressive pool (issue #55 item 1): which of its pages may be handed out while
+    the rest registers, over what it is given - the pool's ``geometry``, its plan
+    (``pool_plan``: the chunks, cut and ordered by `ordered_parts`), ``max_stall_s``, the pool's
+    ``lock`` (its slot calls take it too) and SGLang's range records (``ranges``). ``pages`` is
+    the pool's slot allocator: every page starts handed out (to the pool itself) and is freed
+    into it as it becomes ready."""
 
-    #: the pool's live state this part reads beyond its ``geometry`` (tests/test_import_rules.py)
-    NEEDS = ("pool_plan", "max_stall_s", "lock", "_host", "_destroyed", "_ranges")
+    def __init__(self, geometry, pool_plan, max_stall_s, lock, ranges) -> None:
+        self.geometry, self.pool_plan, self.max_stall_s, self.lock, self.ranges = (
+            geometry, pool_plan, max_stall_s, lock, ranges)
+        self.pages = PageAllocator(geometry.page_num, geometry.logical_page_size)
+        self.pages.alloc(geometry.page_num * geometry.logical_page_size)
+        self.readiness = PageReadiness(geometry)
+        self.closed = False  # the pool was destroyed: no page goes back into its allocator
 
-    def _progressive_mode(self) -> Progressive:
-        """Every page starts handed out (to the pool itself) and is freed into the allocator
-        as it becomes ready; the constructor returns once the first page is registered in
-        every buffer. Calls go by the page they reach (K and V halves and all buffers
+    def mode(self) -> Progressive:
+        """The bring-up's mode: calls go by the page they reach (K and V halves and all buffers
         together); effects faults the memory in the same order, each call waiting for its own
-        bytes."""
-        self._pages = PageAllocator(self.geometry.page_num, self.geometry.logical_page_size)
-        self._pages.alloc(self.geometry.page_num * self.geometry.logical_page_size)
-        self._readiness = PageReadiness(self.geometry)
-        self._ranges.expect_chunks()  # SGLang's records take the chunks as they register
-        parts = ordered_parts(self.pool_plan, self._readiness)
+        bytes, and the constructor returns once the first page is registered in every buffer."""
+        self.ranges.expect_chunks()  # SGLang's records take the chunks as they register
+        parts = ordered_parts(self.pool_plan, self.readiness)
 
         def on_chunk(position: int, done: int, size: int) -> None:
             part = parts[position]
             with self.lock:
-                self._ranges.note(part.buffer, part.offset + done, size)
-                ready = self._readiness.registered(part.buffer, part.offset + done, size)
-                if len(ready) and not self._destroyed:
-                    self._pages.free(self._slots(ready))
+                self.ranges.note(part.buffer, part.offset + done, size)
+                ready = self.readiness.registered(part.buffer, part.offset + done, size)
+                if len(ready) and not self.closed:
+                    self.pages.free(self._slots(ready))
 
         return Progressive(
             order=[(part.buffer, part.offset, part.size) for part in parts],
             key=lambda position, done: parts[position].page_reached(done),
-            on_chunk=on_chunk, ready=lambda: self._readiness.ready > 0, max_stall_s=self.max_stall_s,
+            on_chunk=on_chunk, ready=lambda: self.readiness.ready > 0, max_stall_s=self.max_stall_s,
         )
 
     def _slots(self, pages: range):
@@ -131,19 +136,32 @@ class ProgressiveMixin:
         return torch.arange(first, pages.stop * self.geometry.logical_page_size, dtype=torch.int64)
 
     def ready_pages(self) -> int:
-        """Pages whose bytes are registered in every buffer (all of them unless progressive)."""
-        if self._readiness is None:
-            return self.geometry.page_num
         with self.lock:
-            return self._readiness.ready
+            return self.readiness.ready
 
-    def _ready_slots(self) -> int:
+    def ready_slots(self) -> int:
         """The host slots a transfer may touch now: those of the ready pages (they grow only,
         so an unlocked read may refuse a page that just became ready, never admit one that is not)."""
-        readiness = self._readiness
+        readiness = self.readiness
         ready = readiness.ready
         size = self.geometry.size
         return size if ready >= readiness.page_num else ready * (size // readiness.page_num)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+
+
+class ProgressiveMixin:
+    """`ready_pages` and `wait_ready` on a `HostKVCache`: its `ProgressivePages` part's (None: not
+    progressive, every page ready once built) and its bring-up handle's."""
+
+    #: the pool's state these calls read (tests/test_import_rules.py): the part and the handle
+    NEEDS = ("_progress", "_host")
+
+    def ready_pages(self) -> int:
+        """Pages whose bytes are registered in every buffer (all of them unless progressive)."""
+        return self.geometry.page_num if self._progress is None else self._progress.ready_pages()
 
     def _registered_now(self) -> tuple:
         """The ``(ptr, size)`` ranges this pool's handle holds registered now (none once released)."""
