@@ -5,15 +5,19 @@ middle)."""
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from collections import Counter
 from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _timing import interleaved, round_order  # noqa: E402
+# benchmarks/ is no package: its shared helpers load by path
+_SPEC = importlib.util.spec_from_file_location("bench_timing", Path(__file__).resolve().parents[1] / "benchmarks"
+                                               / "_timing.py")
+_timing = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_timing)
+interleaved, round_order = _timing.interleaved, _timing.round_order
 
 
 @given(st.integers(min_value=1, max_value=6), st.integers(min_value=0, max_value=5))
