@@ -25,6 +25,7 @@ from hicache.pools import (
     MHATokenToKVPoolHost,
     MLATokenToKVPoolHost,
 )
+from hicache.pools import NoServer
 from hicache.pools._forms import FORMS
 from hicache.pools._geometry import make_geometry
 from hicache.testing import (
@@ -351,19 +352,13 @@ def test_geometry_of_is_what_the_constructor_adopts_and_from_geometry_brings_it_
         assert fake.held() == set()
 
 
-class _Server:
+class _Server(NoServer):
     """A serving process whose io backend no layout here serves."""
 
     name = "test-server"
 
     def io_backend(self):
         return "npu-kernel"
-
-    def chunk_limit_bytes(self):
-        return None
-
-    def synced_size(self, size, host_size):
-        return size
 
 
 def test_from_geometry_refuses_what_it_cannot_bring_up_before_any_memory():

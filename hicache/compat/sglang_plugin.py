@@ -149,8 +149,9 @@ def served_pool_classes() -> dict[str, type]:
     from hicache.effects import HostSetup
 
     setup = HostSetup(server=SGLangProcess())
-    return {target: pools.with_host(getattr(pools, name), setup) if issubclass(getattr(pools, name), pools.HostKVCache)
-            else getattr(pools, name) for target, name in POOL_CLASSES.items()}
+    classes = {target: getattr(pools, name) for target, name in POOL_CLASSES.items()}
+    return {target: pools.with_host(cls, setup) if issubclass(cls, pools.HostKVCache) else cls  # memoryless: as is
+            for target, cls in classes.items()}
 
 
 def _register_pool_classes(registry, hook_type, settings) -> list[str]:

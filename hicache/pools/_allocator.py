@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from hicache.effects import HostTensorAllocator, TorchHostTensorAllocator
+from hicache.effects import HostAllocator, HostTensorAllocator, TorchHostTensorAllocator
 from hicache.errors import PlanError
+from hicache.plan import HUGETLBFS_MODES
 from hicache.pools._server import server as current_server
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,6 @@ def pool_allocator(allocator_type, *, fallback: str, strict: bool, sglangs: bool
     """A pool's allocator: the storage back end's (`get_allocator_from_storage`), and where it is
     hicache's own, configured with the pool's NUMA node and page size (``hugepages``; hugetlbfs
     modes cut on ``limits``' huge page)."""
-    from hicache.effects import HostAllocator
-    from hicache.plan import HUGETLBFS_MODES
-
     allocator = get_allocator_from_storage(allocator_type, fallback=fallback, strict=strict, sglangs=sglangs,
                                            server=server)
     if isinstance(allocator, HostAllocator):  # hicache's: settings at construction

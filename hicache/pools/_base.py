@@ -41,7 +41,7 @@ from hicache.pools._geometry import PoolGeometry, make_geometry
 from hicache.pools._sketch import adoption, sketch
 from hicache.pools._options import check_dummy, given, split_keywords, under_server_chunk
 from hicache.pools._transfer import Transfers
-from hicache.pools._storage import L3Pages, StoragePagesMixin
+from hicache.pools._storage import L3Pages, StoragePagesMixin, listed
 from hicache.pools._zero_copy import PagePointers
 from hicache.pools._slots import SlotsMixin
 
@@ -312,9 +312,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
     @property
     def buffers(self) -> list:
         """The host buffers as a list (one per BufferSpec)."""
-        if self.kv_buffer is None:
-            raise RegistrationStateError(f"{type(self).__name__} was destroyed")
-        return self.kv_buffer if isinstance(self.kv_buffer, list) else [self.kv_buffer]
+        return listed(self.kv_buffer, type(self).__name__)
 
     # -- pages ------------------------------------------------------------------------------
     def _alive(self) -> None:

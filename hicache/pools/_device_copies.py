@@ -77,7 +77,8 @@ class DeviceCopies:
     (``alive``)."""
 
     def __init__(self, name: str, geometry, transfers, in_flight: CopiesInFlight, alive) -> None:
-        self.name, self.geometry, self.transfers, self.in_flight, self.alive = name, geometry, transfers, in_flight, alive
+        self.name, self.geometry, self.transfers = name, geometry, transfers
+        self.in_flight, self.alive = in_flight, alive
 
     def load(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft: bool) -> None:
         """One layer host -> device (the host layer a controller's ``layer_id`` maps to, if any)."""

@@ -134,7 +134,8 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
             return super().get_data_page(index, flat)
         import torch
 
-        return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in self._l3.page_parts(self.kv_buffer, index)])
+        parts = self._l3.page_parts(self.kv_buffer, index)
+        return torch.cat([part.contiguous().view(torch.uint8).reshape(-1) for part in parts])
 
     def get_dummy_flat_data_page(self):
         if not self.geometry.form.byte_pages:

@@ -75,6 +75,7 @@ def kv_axis(geometry):
 
 
 def listed(kv_buffer, name: str) -> list:
+    """A pool's ``kv_buffer`` (one tensor or a list) as a list; None: the pool ``name`` was destroyed."""
     if kv_buffer is None:
         raise RegistrationStateError(f"{name} was destroyed")
     return kv_buffer if isinstance(kv_buffer, list) else [kv_buffer]
