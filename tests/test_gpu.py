@@ -144,6 +144,52 @@ def test_progressive_pool_serves_pages_while_it_registers_on_cuda():
         pool.destroy()
 
 
+@pytest.mark.gpu
+def test_a_gather_pool_compiles_its_kernel_at_build_and_no_transfer_compiles():
+    """On a real GPU a page_first pool built for the gather has its kernel compiled, loaded and
+    launched once its warm-up thread ends (the process's record: ready for 8-byte words), and a
+    backup then a load after that compile nothing (Triton's compile calls counted) and move
+    the rows bit for bit."""
+    import threading
+
+    torch, device = _cuda_device_pool(seed=9)
+    from hicache.effects import CopyEngine
+    from hicache.effects._copy import _gather
+    from hicache.pools import MHATokenToKVPoolHost
+
+    kernel = _gather._kernel(False)
+    if not callable(getattr(kernel, "compile", None)):
+        pytest.skip(f"this Triton's JITFunction has no compile hook to count ({type(kernel).__module__})")
+    compiled: list = []
+    original = kernel.compile
+    kernel.compile = lambda *args, **kwargs: (compiled.append(args), original(*args, **kwargs))[1]
+    try:
+        pool = MHATokenToKVPoolHost(device, 1.0, 0, 64, "page_first", True, "cpu", host=HostSetup(
+            limits=Limits(chunk_limit_bytes=4 * 2**20), copy_engine=CopyEngine(transfer="gather")))
+        try:
+            for thread in threading.enumerate():
+                if thread.name == "hicache-gather-warm":
+                    thread.join(120)
+            states = _gather.WARMTH.states()
+            assert states.get((str(device.k_buffer[0].device), 8), "not tried") is None, states
+            built = len(compiled)
+            device_idx = torch.arange(64, 64 * 9).cuda()
+            host_idx = pool.alloc(device_idx.numel())
+            original_rows = [t[device_idx].clone() for t in device.tensors()]
+            pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
+            for t in device.tensors():
+                t.zero_()
+            for layer in range(4):
+                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "kernel")
+            torch.cuda.synchronize()
+            assert len(compiled) == built, "a transfer compiled the kernel"
+            assert all(torch.equal(a, t[device_idx]) for a, t in zip(original_rows, device.tensors()))
+        finally:
+            pool.destroy()
+    finally:
+        kernel.compile = original
+
+
 def _family_cases():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from test_pools import CASES

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.effects import HostLedger
+from hicache.effects._host import _memory as _host_memory
 from hicache.effects._host._memory import allocate_host, prefault
 from hicache.effects import apply_plan, os_page_bytes
 from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
@@ -108,7 +109,6 @@ def test_prefault_falls_back_to_touching_pages(monkeypatch):
     """On a kernel without MADV_POPULATE_WRITE (EINVAL) every page is touched, data kept."""
     import errno
 
-    from hicache.effects._host import _memory as _host_memory
     monkeypatch.setattr(_host_memory, "_madvise", _failing_madvise(errno.EINVAL))
     buffer = allocate_host(4 * 2**20)
     buffer.tensor[4096 * 3] = 9
@@ -121,7 +121,6 @@ def test_prefault_enomem_is_host_out_of_memory(monkeypatch):
     """ENOMEM from MADV_POPULATE_WRITE becomes HostOutOfMemoryError, not the OOM killer."""
     import errno
 
-    from hicache.effects._host import _memory as _host_memory
     monkeypatch.setattr(_host_memory, "_madvise", _failing_madvise(errno.ENOMEM))
     buffer = allocate_host(2 * 2**20)
     with pytest.raises(HostOutOfMemoryError, match="out of memory"):
@@ -168,7 +167,6 @@ def test_prefault_calls_stay_small_and_start_once_every_thread_runs(monkeypatch)
     So no call covers more than PREFAULT_PIECE_BYTES, the calls tile the mapping exactly, and
     none starts before every worker thread exists (a thread started beside a running call
     waits for it: the second of two threads began only when the first's 2 GiB was done)."""
-    from hicache.effects._host import _memory as _host_memory
     from hicache.effects._host._memory import PREFAULT_PIECE_BYTES
 
     calls: list = []
@@ -201,7 +199,6 @@ def test_the_prefault_pool_has_every_thread_running_when_returned():
 def test_a_failing_piece_stops_the_other_threads_after_their_call_in_flight(monkeypatch):
     """ENOMEM on one piece: the error is raised once every thread has ended, and once it is
     known no thread takes a new piece (but the one the other thread may be taking then)."""
-    from hicache.effects._host import _memory as _host_memory
     calls, started, failed = [], [], []
     monkeypatch.setattr(_host_memory, "_madvise",
                         _recording_madvise(calls, fail_at=3, delay=0.002, started=started, failed=failed))
@@ -220,7 +217,6 @@ def test_ctrl_c_while_prefaulting_stops_the_threads_before_it_is_raised(monkeypa
     import threading
     import time
 
-    from hicache.effects._host import _memory as _host_memory
     calls: list = []
     in_flight = [0]
     lock = threading.Lock()
@@ -259,7 +255,6 @@ def test_the_pipelines_prefault_calls_stay_small_too(monkeypatch, threads):
     """The pipelined bring-up's background pre-fault reports progress every PIECE_BYTES
     (256 MiB) but still faults at most PREFAULT_PIECE_BYTES a call, every thread of its pool
     started before the first."""
-    from hicache.effects._host import _memory as _host_memory
     from hicache.effects._host._memory import PREFAULT_PIECE_BYTES
     from hicache.effects._bringup._faulting import PIECE_BYTES, Prefaulter
 
@@ -282,7 +277,6 @@ def test_the_pipelines_threads_do_not_wait_for_each_other_at_piece_ends(monkeypa
     counts as resident before it ends."""
     import time
 
-    from hicache.effects._host import _memory as _host_memory
     from hicache.effects._bringup._faulting import Prefaulter
 
     piece = 2**20
@@ -318,7 +312,6 @@ def test_a_ctrl_c_at_any_step_of_handing_out_the_pieces_is_raised_only_once_no_c
     import threading
     import time
 
-    from hicache.effects._host import _memory as _host_memory
     in_flight, lock, calls = [0], threading.Lock(), []
 
     def madvise(addr, length, advice):
@@ -412,7 +405,6 @@ def test_the_pipelines_prefault_runs_at_background_priority(monkeypatch, threads
     import os
     import threading
 
-    from hicache.effects._host import _memory as _host_memory
     from hicache.effects._bringup._faulting import BACKGROUND_NICE, Prefaulter
 
     seen = set()
@@ -434,7 +426,6 @@ def test_a_small_span_is_shared_by_every_pre_fault_thread(monkeypatch):
     """The first span (what the first register call waits for) is small: it is cut into one
     call per thread, so every thread faults it, rather than one thread while the others run
     ahead."""
-    from hicache.effects._host import _memory as _host_memory
     from hicache.effects._bringup._faulting import Prefaulter
 
     calls: list = []
@@ -513,7 +504,6 @@ def test_a_freed_buffer_gives_its_pages_back_in_parallel_pieces_then_unmaps(monk
     import threading
 
     from hicache.effects._host import _release
-    from hicache.effects._host._memory import allocate_host, prefault
     from hicache.effects._host._tiers import resident_bytes
 
     monkeypatch.setattr(_release, "RELEASE_PIECE_BYTES", 64 * 1024)

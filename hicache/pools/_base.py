@@ -189,6 +189,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
                                         ready_slots=None if self._progress is None else self._progress.ready_slots,
                                         registered=self._registered_now)
             self._copies = DeviceCopies(name, geometry, self._transfers, self._in_flight, self._alive)
+            self._transfers.warm(geometry.device)  # the gather's kernel compiles now, not at a transfer
             if self._pages is None and self.has_allocator:
                 self._pages = PageAllocator(self.page_num, self.logical_page_size)
         except BaseException:  # never leave a half-built pool holding pinned memory

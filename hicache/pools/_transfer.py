@@ -163,6 +163,19 @@ def make_link(host_view, device, page_size: int, *, rows: bool, to_host: bool, s
     return link
 
 
+def piece_numbers(link: Link) -> tuple[int, ...]:
+    """What every piece of ``link``'s copies is a sum or a multiple of - both base addresses, the
+    steps, the piece sizes, per-head offsets - so the widest word dividing them all is the
+    gather's word for any batch over it; () where torch indexing copies it (no gather)."""
+    pieces = link.pieces
+    if pieces is not None:
+        return (link.dst_ptr, link.src_ptr, pieces.host_page, pieces.host_token, pieces.device_row, pieces.piece,
+                *pieces.host_outer.tolist(), *pieces.device_outer.tolist())
+    if link.unit is None:
+        return ()
+    return link.dst_ptr, link.src_ptr, link.dst_step, link.src_step, link.unit
+
+
 class ReadyCopy(NamedTuple):
     """A transfer's checked, prepared copies, and the device tensors they were built from
     (kept alive, so their addresses stay valid; reused only while the pool hands out the very
@@ -243,6 +256,26 @@ class Transfers:
         ready = self._build(checked, layers, device_tensors, to_host=to_host)
         if ready is not None:
             checked.ready[key] = ready
+
+    def warm(self, device_pool):
+        """At the pool's build, with the device pool it was given: the copy engine compiles the
+        gather kernel for the word sizes this pool's batches will use, in the background
+        (`CopyEngine.warm_gather`), so no transfer pays Triton's compile and a kernel that cannot
+        build here shows now. Best effort: a device pool this one cannot copy with warms
+        nothing (its first transfer says why). Returns the engine's thread, or None."""
+        if device_pool is None:
+            return None
+        groups, device = [], None
+        try:
+            for stream in self.streams:  # layer 0 stands for every layer: the same steps and alignment
+                dv = self._device(device_pool, stream, 0)
+                for to_host in (False, True):
+                    link = self._link(stream, 0, dv, to_host=to_host, where=Where(0, stream.buffer, stream.kv))
+                    groups.append(piece_numbers(link))
+                device = dv.device if dv.device.type == "cuda" else device
+            return self.copy_engine.warm_gather(device, groups)
+        except Exception:  # noqa: BLE001 - warming is an optimization; the transfer raises what is wrong
+            return None
 
     def _refuse_unready(self, host_indices, device_indices, ready: int, device_slots: int) -> None:
         """Indices valid in the whole pool but past its registered slots: say so (a GPU must

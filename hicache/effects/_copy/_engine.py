@@ -13,7 +13,7 @@ from __future__ import annotations
 from hicache.effects._copy._host_copy import (
     copy_host_blocks, copy_parts, gathering_copier, host_copy_mode, streaming_copier,
 )
-from hicache.effects._copy._gather import GatherCopy, triton_ready
+from hicache.effects._copy._gather import WARMTH, GatherCopy, triton_ready, word_of
 from hicache.errors import CudaCallError, TransferError
 from hicache.plan.transfer import TRANSFER_MODES, choose_engine
 
@@ -123,6 +123,25 @@ class CopyEngine:
                            host_pointer=host_pointer, runner=self.gather_runner,
                            registered=None if device is None or registered is None else registered())
         return PreparedGather(batch, choice, self, device)
+
+    def warm_gather(self, device, groups):
+        """Compile and load the gather kernel in the background for each word size a pool's
+        batches will use, at its build: each of ``groups`` holds the numbers (base addresses,
+        steps, piece sizes) one stream's pieces are sums and multiples of, so the widest word
+        dividing them all is the word of its every batch. ``device``: the pool's CUDA device
+        (None: host memory, where only HICACHE_TRANSFER=gather runs the kernel, interpreted).
+        A transfer that comes first waits for that word's compile, never runs it twice. Returns
+        the thread (None where no gather will run: ``dma``, the torch runner, nothing to copy)."""
+        import threading
+
+        words = sorted({word_of(group) for group in groups if group})
+        if not words or self.transfer == "dma" or self.gather_runner == "torch" or (
+                device is None and self.transfer != "gather"):
+            return None
+        thread = threading.Thread(target=lambda: [WARMTH.warm(device, word) for word in words],
+                                  name="hicache-gather-warm", daemon=True)
+        thread.start()
+        return thread
 
     def _host_pointer(self, address: int) -> int:
         """The device's address of registered host memory (UVA); a TransferError for memory no

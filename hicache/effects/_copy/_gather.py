@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import operator
+import threading
 
 from hicache.errors import TransferError
 
 ROWS = 16  # pieces in flight per program (8-32 reached the link on the H200)
 CHUNK_BYTES = 1024  # bytes of each piece a program moves per step
+
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,13 +50,92 @@ def _kernel(interpret: bool):
         from triton.runtime.interpreter import InterpretedFunction
 
         return InterpretedFunction(copy_pieces)
-    return triton.jit(copy_pieces)
+    # the piece count and chunk count change with every batch: specialized (==1, divisible by 16)
+    # each value class would be another compile, on the first transfer that meets it
+    return triton.jit(copy_pieces, do_not_specialize=["count", "chunks"])
+
+
+class KernelWarmth:
+    """Which (device, word size) kernels this process has compiled, loaded and launched - over
+    no pieces, so nothing is read or written - and why one could not be: the first transfer of a
+    pool then pays no compile (Triton compiles on the launch that first meets a word size, a
+    second or more on a cold cache), and a Triton that cannot build its kernel here shows when
+    the pool is built, its words moved by torch's index kernels instead, not at a transfer.
+    Process-wide, as Triton's own cache of compiled kernels is; ``launch(device, word)``: the
+    empty launch (`launch_empty`; tests put a stand-in here)."""
+
+    def __init__(self, launch=None) -> None:
+        self.launch = launch if launch is not None else launch_empty
+        self._lock = threading.Lock()
+        self._states: dict[tuple[str, int], str | None] = {}  # (device, word) -> None (ready) or why not
+
+    def warm(self, device, word: int) -> str | None:
+        """None once the kernel for ``word``-byte words runs on ``device`` (None: CPU tensors,
+        Triton's interpreter), else the reason it cannot; tried once per process and pair."""
+        if word not in _WORDS:
+            raise ValueError(f"word must be one of {sorted(_WORDS)}, got {word!r}")
+        key = ("cpu" if device is None else str(device), word)
+        with self._lock:  # one compile per pair, whoever asks first (a pool's build, a transfer)
+            if key not in self._states:
+                self._states[key] = self._try(device, word)
+            return self._states[key]
+
+    def states(self) -> dict[tuple[str, int], str | None]:
+        """Every pair tried so far: None where the kernel runs, else why not."""
+        with self._lock:
+            return dict(self._states)
+
+    def forget(self) -> None:
+        """Try every pair again (a test's clean slate; Triton keeps its own cache)."""
+        with self._lock:
+            self._states.clear()
+
+    def _try(self, device, word: int) -> str | None:
+        if not triton_ready():
+            return "Triton does not import here"
+        try:
+            self.launch(device, word)
+        except Exception as error:  # noqa: BLE001 - any failure to build or launch means: not this runner
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
+            log.warning("hicache: the gather kernel for %d-byte words does not run on %s (%s); torch's index "
+                        "kernels move those pieces instead", word, device or "cpu", reason)
+            return reason
+        return None
+
+
+def launch_empty(device, word: int) -> None:
+    """Launch the kernel over no pieces on ``device`` (None: the interpreter), exactly as a batch
+    of ``word``-byte words launches it, and wait for it: compiled, loaded and launched once."""
+    import torch
+
+    chunk = max(1, CHUNK_BYTES // word)
+    dtype = getattr(torch, _WORDS[word][0])
+    if device is None:
+        tables = [torch.zeros(1, dtype=torch.int64) for _ in range(3)]
+        _kernel(True)[(1,)](*tables, 0, 0, torch.empty(1, dtype=dtype), ROWS=ROWS, CHUNK=chunk)
+        return
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)  # its own: the legacy stream would wait for all other work
+        with torch.cuda.stream(stream):
+            tables = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(3)]
+            _kernel(False)[(1,)](*tables, 0, 0, torch.empty(1, dtype=dtype, device=device), ROWS=ROWS, CHUNK=chunk)
+        stream.synchronize()  # a launch error surfaces here, not at a transfer
+
+
+#: the process's record: one Triton cache per process, one record of what it holds
+WARMTH = KernelWarmth()
 
 
 def word_bytes(dsts, srcs, sizes) -> int:
     """The widest word (8, 4, 2 or 1 bytes) dividing every address and size."""
     merged = dsts | srcs | sizes
     return next((word for word in (8, 4, 2) if not bool((merged % word).any())), 1)
+
+
+def word_of(numbers) -> int:
+    """`word_bytes` of plain integers: the widest word dividing each of ``numbers``."""
+    merged = functools.reduce(operator.or_, (int(number) for number in numbers), 0)
+    return next((word for word in (8, 4, 2) if not merged % word), 1)
 
 
 #: word bytes -> (torch dtype name, __cuda_array_interface__ typestr)
@@ -102,7 +186,9 @@ class GatherCopy:
         sizes = sizes // self.word
         self.chunks = -(-int(sizes.max()) // chunk)
         self.chunk = chunk
-        self.runner = runner if runner != "auto" else ("triton" if triton_ready() else "torch")
+        if runner == "auto":  # Triton where its kernel runs for this word here, else torch's index kernels
+            runner = "triton" if WARMTH.warm(device, self.word) is None else "torch"
+        self.runner = runner
         target = "cpu" if device is None else device
         self.tables = tuple(t.contiguous().to(target) for t in (dsts, srcs, sizes))
         self.like = torch.empty(1, dtype=dtype, device=target)

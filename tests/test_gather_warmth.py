@@ -1,0 +1,250 @@
+"""The gather kernel is compiled when a pool is built, not at its first transfer: a pool's build
+warms, in the background, the word size of every batch its transfers will launch (an oracle:
+the words the transfers then use); each (device, word) compiles once per process, whoever asks
+first; a kernel that cannot build leaves its words to torch's index kernels, the pool serving
+the same bytes. Run on CPU tensors, where the kernel is interpreted: the launch is a stand-in
+that records who asked, so order is proved from events."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache.effects import CopyEngine, HostSetup
+from hicache.effects._copy._gather import WARMTH, GatherCopy, KernelWarmth, launch_empty, word_of
+
+from hicache.pools import MHATokenToKVPoolHost
+from hicache.testing import MHADevicePool
+from machine import ROOMY
+from test_pool_layout_oracle import LIMITS
+from test_pools import CASES, _slots, make
+
+torch = pytest.importorskip("torch")
+WARM_THREAD = "hicache-gather-warm"
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The process's record, cleared, with a launch that logs (device, word, thread) and then
+    runs the real empty launch (the interpreter here); cleared again after."""
+    log: list = []
+
+    def recording(device, word):
+        log.append((device, word, threading.current_thread().name))
+        launch_empty(device, word)
+
+    WARMTH.forget()
+    monkeypatch.setattr(WARMTH, "launch", recording)
+    yield log
+    WARMTH.forget()
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Every gather batch run: (word, runner, what run() returned)."""
+    log: list = []
+    run = GatherCopy.run
+
+    def recording(self):
+        result = run(self)
+        log.append((self.word, self.runner, result))
+        return result
+
+    monkeypatch.setattr(GatherCopy, "run", recording)
+    return log
+
+
+def _join_warming() -> None:
+    for thread in threading.enumerate():
+        if thread.name == WARM_THREAD:
+            thread.join(60)
+            assert not thread.is_alive()
+
+
+def _round_trip(pool, device) -> list:
+    """A backup then a load of every layer of three random pages; the host bytes after it."""
+    device.randomize(3)
+    page = pool.page_size
+    pages = torch.randperm(device.slots // page - 1, generator=torch.Generator().manual_seed(2))[:3] + 1
+    device_idx = (pages[:, None] * page + torch.arange(page)).reshape(-1)
+    host_idx = _slots(pool, 3)
+    original = [t.clone() for t in device.tensors()]
+    pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
+    host = [b.clone() for b in pool.buffers]
+    device.zero()
+    for layer in range(pool.start_layer, pool.end_layer):
+        pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "kernel")
+    rows = pages if any(s.rows for s in pool.streams()) else device_idx
+    axis = 1 if type(pool).__name__ == "MambaPoolHost" else 0
+    for before, after in zip(original, device.tensors()):
+        assert torch.equal(before.index_select(axis, rows), after.index_select(axis, rows))
+    return host
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-{l}" for n, l in CASES])
+def test_a_pool_build_warms_every_word_its_transfers_launch(name, layout, launches, runs):
+    """Built for the gather, a pool compiles - on its warm-up thread, before any transfer - the
+    kernel for each word size its batches then use; the transfers compile nothing more and
+    every batch runs the kernel (not the torch fallback)."""
+    pool, device = make(name, layout, copy_engine=CopyEngine(transfer="gather", programs=2))
+    try:
+        _join_warming()
+        warmed = {word for _, word, thread in launches}
+        assert all(thread == WARM_THREAD for _, _, thread in launches)
+        built = list(launches)
+        _round_trip(pool, device)
+        assert runs, "no batch went through the gather"
+        assert launches == built, f"a transfer compiled: {launches[len(built):]}"
+        assert {word for word, _, _ in runs} <= warmed
+        assert {runner for _, runner, _ in runs} == {"triton"}
+    finally:
+        pool.destroy()
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(["layer_first", "page_first", "page_first_direct", "page_head"]),
+       dtype=st.sampled_from(["bfloat16", "float32", "uint8", "float64"]), head_num=st.sampled_from([1, 2, 3]),
+       head_dim=st.sampled_from([1, 3, 4, 8]), page_size=st.sampled_from([1, 2, 4]))
+def test_any_row_size_warms_exactly_the_words_its_transfers_use(launches, runs, layout, dtype, head_num, head_dim,
+                                                                page_size):
+    """MHA pools of any row size and dtype (words of 1, 2, 4 and 8 bytes): the build warms the
+    word of every batch the transfers then run, and the transfers compile nothing."""
+    WARMTH.forget()
+    launches.clear()
+    runs.clear()
+    device = MHADevicePool(size=8 * page_size, layer_num=2, head_num=head_num, head_dim=head_dim,
+                           page_size=page_size, dtype=getattr(torch, dtype))
+    engine = CopyEngine(transfer="gather", programs=2)
+    pool = MHATokenToKVPoolHost(device, 2.0, 0, page_size, layout, False, "cpu",
+                                host=HostSetup(limits=LIMITS, machine=ROOMY, copy_engine=engine))
+    try:
+        _join_warming()
+        built = list(launches)
+        host_idx = torch.arange(2 * page_size) + page_size
+        device_idx = torch.arange(2 * page_size) + 3 * page_size
+        pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
+        pool.load_to_device_per_layer(device, host_idx, device_idx, 1, "kernel")
+        assert runs and launches == built
+        assert {word for word, _, _ in runs} <= {word for _, word, _ in built}
+    finally:
+        pool.destroy()
+
+
+def test_without_the_gather_a_pool_build_warms_nothing(launches):
+    """HICACHE_TRANSFER=dma (and host memory under auto): no warm-up thread, nothing compiled."""
+    for transfer in ("dma", "auto"):
+        pool, device = make("mha", "page_first", copy_engine=CopyEngine(transfer=transfer))
+        try:
+            _join_warming()
+            _round_trip(pool, device)
+        finally:
+            pool.destroy()
+    assert launches == []
+
+
+@pytest.mark.timeout(120)
+def test_a_kernel_that_cannot_build_leaves_its_words_to_torch_and_the_bytes_are_the_same(
+        monkeypatch, runs, caplog):
+    """A launch that fails (a Triton that cannot compile here) at the build: the pool is built,
+    the failure is logged once naming the word and why, the batches run through torch's index
+    kernels - and the host bytes and device rows equal the working kernel's."""
+    pool, device = make("mha", "page_first", copy_engine=CopyEngine(transfer="gather", programs=2))
+    try:
+        _join_warming()
+        good = _round_trip(pool, device)
+    finally:
+        pool.destroy()
+
+    def failing(device, word):
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_90\nmore lines")
+
+    WARMTH.forget()
+    monkeypatch.setattr(WARMTH, "launch", failing)
+    runs.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hicache.effects._copy._gather"):
+            pool, device = make("mha", "page_first", copy_engine=CopyEngine(transfer="gather", programs=2))
+            try:
+                _join_warming()
+                assert all(torch.equal(a, b) for a, b in zip(_round_trip(pool, device), good))
+            finally:
+                pool.destroy()
+        states = WARMTH.states()
+        assert states and all(reason == "RuntimeError: PTX .version 8.7 does not support .target sm_90"
+                              for reason in states.values())
+        assert {runner for _, runner, _ in runs} == {"torch"}
+        assert {result for _, _, result in runs} == {"gather-torch"}
+        warnings = [r.getMessage() for r in caplog.records if "does not run" in r.getMessage()]
+        assert len(warnings) == len(states) and "8-byte words" in warnings[0] and "sm_90" in warnings[0]
+    finally:
+        WARMTH.forget()
+
+
+def test_each_pair_is_tried_once_and_a_bad_word_is_refused():
+    """warm() launches once per (device, word) - the answer, ready or why not, is kept - and
+    refuses a word the kernel has no type for, naming it."""
+    calls: list = []
+
+    def launch(device, word):
+        calls.append((device, word))
+        if word == 2:
+            raise ValueError("")
+
+    warmth = KernelWarmth(launch=launch)
+    assert [warmth.warm(None, 8), warmth.warm(None, 8), warmth.warm("cuda:1", 8)] == [None, None, None]
+    assert warmth.warm(None, 2) == "ValueError: " and warmth.warm(None, 2) == "ValueError: "
+    assert calls == [(None, 8), ("cuda:1", 8), (None, 2)]
+    assert warmth.states() == {("cpu", 8): None, ("cuda:1", 8): None, ("cpu", 2): "ValueError: "}
+    with pytest.raises(ValueError, match="word must be one of .* got 16"):
+        warmth.warm(None, 16)
+    warmth.forget()
+    warmth.warm(None, 8)
+    assert calls[-1] == (None, 8) and len(calls) == 4
+
+
+@pytest.mark.concurrency
+@pytest.mark.timeout(60)
+def test_a_transfer_that_comes_first_waits_for_the_compile_and_never_runs_it_twice():
+    """Two threads ask for the same pair while its launch is still running: one launch; the
+    second returns only after it ended (events: start, end, then the second's answer)."""
+    events: list = []
+    started, release = threading.Event(), threading.Event()
+
+    def slow(device, word):
+        events.append("launch-start")
+        started.set()
+        assert release.wait(30)
+        events.append("launch-end")
+
+    warmth = KernelWarmth(launch=slow)
+    first = threading.Thread(target=lambda: events.append(("first", warmth.warm(None, 4))))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=lambda: events.append(("second", warmth.warm(None, 4))))
+    second.start()
+    assert events == ["launch-start"]  # nothing answers while the launch runs
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert events[:2] == ["launch-start", "launch-end"]
+    assert sorted(events[2:]) == [("first", None), ("second", None)]
+
+
+def test_the_word_of_plain_numbers_is_the_widest_dividing_them_all():
+    """word_of agrees with the tensor form the batches use (an independent oracle: divisibility
+    checked number by number)."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @given(st.lists(st.integers(0, 2**48), min_size=1, max_size=8))
+    def check(numbers):
+        expected = next((w for w in (8, 4, 2) if all(n % w == 0 for n in numbers)), 1)
+        assert word_of(numbers) == expected
+
+    check()
