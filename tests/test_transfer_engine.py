@@ -201,6 +201,27 @@ def test_the_doctor_names_each_layouts_engine_and_refuses_a_bad_setting():
     assert bad.status == "fail" and "warp" in bad.finding
 
 
+def test_the_doctor_builds_the_kernel_on_a_gpu_and_warns_when_it_cannot():
+    """On a GPU (the probe's facts say one) the transfer rule launches the kernel as a pool's
+    build does: ready is a pass naming cuda:0; a reason is a warning naming it, the torch
+    fallback and the way out; no GPU, or HICACHE_TRANSFER=dma, launches nothing."""
+    from types import SimpleNamespace
+
+    from hicache.cli._doctor import transfer_check
+
+    asked: list = []
+    gpu = SimpleNamespace(available=True)
+    ready = transfer_check({}, cuda=gpu, warm=lambda device, word: asked.append((device, word)))
+    assert ready.status == "pass" and "built and launched on cuda:0" in ready.finding
+    assert asked == [("cuda:0", 8)]
+    broken = transfer_check({}, cuda=gpu, warm=lambda device, word: "RuntimeError: ptxas has no sm_120")
+    assert broken.status == "warn" and "ptxas has no sm_120" in broken.finding
+    assert "torch's index kernels" in broken.finding and "HICACHE_TRANSFER=dma" in broken.hint
+    transfer_check({"HICACHE_TRANSFER": "dma"}, cuda=gpu, warm=lambda device, word: asked.append(device))
+    transfer_check({}, cuda=SimpleNamespace(available=False), warm=lambda device, word: asked.append(device))
+    assert asked == [("cuda:0", 8)]
+
+
 class _Driver:
     """cuda-python's cudaHostGetDevicePointer over a registered range [start, end) mapped at +shift."""
 

@@ -223,12 +223,15 @@ def host_copy_check(env) -> Check:
 
 
 def _transfer(c: Context) -> Check:
-    return transfer_check(c.env)
+    return transfer_check(c.env, cuda=_cuda_facts(c))
 
 
-def transfer_check(env) -> Check:
+def transfer_check(env, *, cuda=None, warm=None) -> Check:
     """Which engine the pools' host<->GPU transfers take, by layout and direction (the engine
-    table, hicache.plan._transfer, for a Llama-8B-like page: 2 KiB rows, 128 KiB page runs)."""
+    table, hicache.plan._transfer, for a Llama-8B-like page: 2 KiB rows, 128 KiB page runs), and
+    what runs the gather: on a GPU (``cuda``: `probe_cuda`'s facts) the kernel is built and
+    launched on device 0 as a pool's build does (``warm(device, word)``: the reason it cannot,
+    or None), so a Triton that cannot build for this GPU shows here, not as slower transfers."""
     import importlib.util
 
     from hicache.errors import EnvError
@@ -246,7 +249,18 @@ def transfer_check(env) -> Check:
         f"{layout} load {choose_engine('load', piece, on_gpu=True, setting=setting).engine}, backup "
         f"{choose_engine('backup', piece, on_gpu=True, setting=setting).engine}" for layout, piece in pieces.items())
     how = f"Triton, {programs} programs at most" if triton else "torch's index kernels (Triton is not installed)"
+    reason = None
+    if triton and setting != "dma" and cuda is not None and cuda.available:
+        if warm is None:
+            from hicache.effects import for_cli
+
+            warm = for_cli.warm_gather_kernel
+        reason = warm("cuda:0", 8)
+        how = (f"Triton, {programs} programs at most (built and launched on cuda:0)" if reason is None else
+               f"torch's index kernels: Triton's kernel does not run on cuda:0 ({reason})")
     detail = f"HICACHE_TRANSFER={setting}: {picks}; the gather runs through {how} (page_head: a piece per head, by the same rules)"
+    if reason is not None:
+        return Check("transfer", "warn", detail, "install the Triton your torch pins (pip show torch), or HICACHE_TRANSFER=dma")
     return Check("transfer", "pass", detail)
 
 
