@@ -29,7 +29,7 @@ WARM_THREAD = "hicache-gather-warm"
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The process's record, cleared, with a launch that logs (device, word, thread) and then
+    """The process's record, cleared once no warm-up runs, with a launch that logs (device, word, thread) and then
     runs the real empty launch (the interpreter here); cleared again after."""
     log: list = []
 
@@ -37,6 +37,7 @@ def launches(monkeypatch):
         log.append((device, word, threading.current_thread().name))
         launch_empty(device, word)
 
+    _join_warming()  # an earlier test's pool may still be warming: its launch is not this test's
     WARMTH.forget()
     monkeypatch.setattr(WARMTH, "launch", recording)
     yield log

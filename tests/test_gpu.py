@@ -190,6 +190,23 @@ def test_a_gather_pool_compiles_its_kernel_at_build_and_no_transfer_compiles():
         kernel.compile = original
 
 
+def test_the_first_transfer_figure_runs_on_cpu(monkeypatch, tmp_path):
+    """scripts/gpu_transfers.py's `first_transfer`, the code the GPU check runs, at a small size
+    on CPU (Triton's interpreter): every figure is there and the gather moved the backups."""
+    import importlib
+
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(SCRIPT.parent))
+    gpu_transfers = importlib.import_module("gpu_transfers")  # a script beside gpu_check.py, not a package
+    for name, value in (("LAYERS", 2), ("PAGES", 16), ("MOVED", 8), ("HEADS", 2), ("DIM", 8)):
+        monkeypatch.setattr(gpu_transfers, name, value)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # the figure sets a fresh one; restored after
+    figures = gpu_transfers.first_transfer(torch, "cpu")
+    assert set(figures) == {"constructor_s", "warm_after_constructor_s", "first_backup_s", "next_backups_median_s",
+                            "engine"}
+    assert figures["engine"] == "gather" and all(v >= 0 for k, v in figures.items() if k.endswith("_s"))
+
+
 def _family_cases():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from test_pools import CASES
