@@ -75,12 +75,8 @@ def _family_devices():
     }
 
 
-def family_row(torch, family: str, layout: str, engine: str, target: str = "cuda", programs: int | None = None) -> dict:
-    """One family x layout x engine: backup then per-layer load of random pages, timed (median of
-    ROUNDS), bit-exact against the rows before (compared as bytes: a NaN pattern is still equal)."""
-    from hicache.effects import CopyEngine, HostSetup
-    from hicache.pools import MambaPoolHost
-
+def _device_pool(torch, family: str, target: str):
+    """``family``'s host pool class, its device pool made on ``target`` and the pages a row moves."""
     cls, make_device, moved = _family_devices()[family]
     torch.set_default_device(target)  # the stand-ins allocate with torch's default device
     try:
@@ -88,6 +84,16 @@ def family_row(torch, family: str, layout: str, engine: str, target: str = "cuda
     finally:
         torch.set_default_device(None)
     device.device = target
+    return cls, device, moved
+
+
+def family_row(torch, family: str, layout: str, engine: str, target: str = "cuda", programs: int | None = None) -> dict:
+    """One family x layout x engine: backup then per-layer load of random pages, timed (median of
+    ROUNDS), bit-exact against the rows before (compared as bytes: a NaN pattern is still equal)."""
+    from hicache.effects import CopyEngine, HostSetup
+    from hicache.pools import MambaPoolHost
+
+    cls, device, moved = _device_pool(torch, family, target)
     for t in device.tensors():
         t.view(torch.uint8).random_(0, 256) if t.dtype != torch.uint8 else t.random_(0, 256)
     engine_kw = {"host": HostSetup(copy_engine=CopyEngine(transfer=engine, programs=programs))}
@@ -149,26 +155,18 @@ def first_transfer(torch, target: str = "cuda") -> dict:
     transfer used to pay), for the first backup after that and for the next ones (median)."""
     import os
     import tempfile
-    import threading
 
     from hicache.effects import CopyEngine, HostSetup
+    from hicache.effects._copy._gather import WARMTH
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="hicache-triton-")
-    cls, make_device, moved = _family_devices()["mha"]
-    torch.set_default_device(target)
-    try:
-        device = make_device()
-    finally:
-        torch.set_default_device(None)
-    device.device = target
+    cls, device, moved = _device_pool(torch, "mha", target)
     start = time.perf_counter()
     pool = cls(device, 1.0, 0, PAGE, "page_first", target == "cuda", "cpu",
                host=HostSetup(copy_engine=CopyEngine(transfer="gather")))
     built = time.perf_counter()
     try:
-        for thread in threading.enumerate():
-            if thread.name == "hicache-gather-warm":
-                thread.join(300)
+        WARMTH.settle(300)
         warmed = time.perf_counter()
         didx = (torch.arange(moved // 8)[:, None] * PAGE + PAGE + torch.arange(PAGE)).reshape(-1).to(target)
         hidx = pool.alloc(didx.numel())

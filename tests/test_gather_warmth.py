@@ -15,16 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache.effects import CopyEngine, HostSetup
-from hicache.effects._copy._gather import WARMTH, GatherCopy, KernelWarmth, launch_empty, word_of
+from hicache.effects._copy._gather import WARM_THREAD, WARMTH, GatherCopy, KernelWarmth, launch_empty, word_of
 
 from hicache.pools import MHATokenToKVPoolHost
 from hicache.testing import MHADevicePool
 from machine import ROOMY
 from test_pool_layout_oracle import LIMITS
-from test_pools import CASES, _slots, make
+from test_pools import CASES, make, round_trip
 
 torch = pytest.importorskip("torch")
-WARM_THREAD = "hicache-gather-warm"
 
 
 @pytest.fixture
@@ -60,30 +59,13 @@ def runs(monkeypatch):
 
 
 def _join_warming() -> None:
-    for thread in threading.enumerate():
-        if thread.name == WARM_THREAD:
-            thread.join(60)
-            assert not thread.is_alive()
+    assert WARMTH.settle(60), "a warm-up thread still runs"
 
 
-def _round_trip(pool, device) -> list:
-    """A backup then a load of every layer of three random pages; the host bytes after it."""
-    device.randomize(3)
-    page = pool.page_size
-    pages = torch.randperm(device.slots // page - 1, generator=torch.Generator().manual_seed(2))[:3] + 1
-    device_idx = (pages[:, None] * page + torch.arange(page)).reshape(-1)
-    host_idx = _slots(pool, 3)
-    original = [t.clone() for t in device.tensors()]
-    pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
-    host = [b.clone() for b in pool.buffers]
-    device.zero()
-    for layer in range(pool.start_layer, pool.end_layer):
-        pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "kernel")
-    rows = pages if any(s.rows for s in pool.streams()) else device_idx
-    axis = 1 if type(pool).__name__ == "MambaPoolHost" else 0
-    for before, after in zip(original, device.tensors()):
-        assert torch.equal(before.index_select(axis, rows), after.index_select(axis, rows))
-    return host
+def _host_bytes(pool, device) -> list:
+    """A write-back then a load of three random pages (`test_pools.round_trip`: the device rows
+    come back); the host bytes after the write-back."""
+    return round_trip(pool, device, seed=3, pages_seed=2, pages=3, backend="kernel")[1]
 
 
 @pytest.mark.timeout(120)
@@ -98,7 +80,7 @@ def test_a_pool_build_warms_every_word_its_transfers_launch(name, layout, launch
         warmed = {word for _, word, thread in launches}
         assert all(thread == WARM_THREAD for _, _, thread in launches)
         built = list(launches)
-        _round_trip(pool, device)
+        _host_bytes(pool, device)
         assert runs, "no batch went through the gather"
         assert launches == built, f"a transfer compiled: {launches[len(built):]}"
         assert {word for word, _, _ in runs} <= warmed
@@ -143,7 +125,7 @@ def test_without_the_gather_a_pool_build_warms_nothing(launches):
         pool, device = make("mha", "page_first", copy_engine=CopyEngine(transfer=transfer))
         try:
             _join_warming()
-            _round_trip(pool, device)
+            _host_bytes(pool, device)
         finally:
             pool.destroy()
     assert launches == []
@@ -158,7 +140,7 @@ def test_a_kernel_that_cannot_build_leaves_its_words_to_torch_and_the_bytes_are_
     pool, device = make("mha", "page_first", copy_engine=CopyEngine(transfer="gather", programs=2))
     try:
         _join_warming()
-        good = _round_trip(pool, device)
+        good = _host_bytes(pool, device)
     finally:
         pool.destroy()
 
@@ -173,7 +155,7 @@ def test_a_kernel_that_cannot_build_leaves_its_words_to_torch_and_the_bytes_are_
             pool, device = make("mha", "page_first", copy_engine=CopyEngine(transfer="gather", programs=2))
             try:
                 _join_warming()
-                assert all(torch.equal(a, b) for a, b in zip(_round_trip(pool, device), good))
+                assert all(torch.equal(a, b) for a, b in zip(_host_bytes(pool, device), good))
             finally:
                 pool.destroy()
         states = WARMTH.states()

@@ -48,6 +48,15 @@ def _cuda_device_pool(seed: int):
     return torch, device
 
 
+def _back_up_zero_load(pool, device, host_idx, device_idx, backend) -> None:
+    """SGLang's write-back of the slots, the device zeroed, then its load of each of the 4 layers."""
+    pool.backup_from_device_all_layer(device, host_idx, device_idx, backend)
+    for t in device.tensors():
+        t.zero_()
+    for layer in range(4):
+        pool.load_to_device_per_layer(device, host_idx, device_idx, layer, backend)
+
+
 @pytest.mark.gpu
 def test_cuda_python_runtime_conforms():
     """The real adapter: 712 on overlap, interior unregister fails, errors drained."""
@@ -105,11 +114,7 @@ def test_pool_round_trip_on_cuda(layout, side_stream, transfer, backend):
         original = [t[device_idx].clone() for t in device.tensors()]
         stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
         with torch.cuda.stream(stream):
-            pool.backup_from_device_all_layer(device, host_idx, device_idx, backend)
-            for t in device.tensors():
-                t.zero_()
-            for layer in range(4):
-                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, backend)
+            _back_up_zero_load(pool, device, host_idx, device_idx, backend)
         stream.synchronize()
         assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
     finally:
@@ -132,11 +137,7 @@ def test_progressive_pool_serves_pages_while_it_registers_on_cuda():
         pages = torch.randperm(4096 // 64 - 1, generator=torch.Generator().manual_seed(2))[:16] + 1
         device_idx = (pages[:, None] * 64 + torch.arange(64)).reshape(-1).cuda()
         original = [t[device_idx].clone() for t in device.tensors()]
-        pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
-        for t in device.tensors():
-            t.zero_()
-        for layer in range(4):
-            pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+        _back_up_zero_load(pool, device, host_idx, device_idx, "direct")
         torch.cuda.synchronize()
         assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
         assert pool.wait_ready(timeout=300) is True and pool.ready_pages() == pool.page_num
@@ -150,8 +151,6 @@ def test_a_gather_pool_compiles_its_kernel_at_build_and_no_transfer_compiles():
     launched once its warm-up thread ends (the process's record: ready for 8-byte words), and a
     backup then a load after that compile nothing (Triton's compile calls counted) and move
     the rows bit for bit."""
-    import threading
-
     torch, device = _cuda_device_pool(seed=9)
     from hicache.effects import CopyEngine
     from hicache.effects._copy import _gather
@@ -167,20 +166,14 @@ def test_a_gather_pool_compiles_its_kernel_at_build_and_no_transfer_compiles():
         pool = MHATokenToKVPoolHost(device, 1.0, 0, 64, "page_first", True, "cpu", host=HostSetup(
             limits=Limits(chunk_limit_bytes=4 * 2**20), copy_engine=CopyEngine(transfer="gather")))
         try:
-            for thread in threading.enumerate():
-                if thread.name == "hicache-gather-warm":
-                    thread.join(120)
+            assert _gather.WARMTH.settle(120)
             states = _gather.WARMTH.states()
             assert states.get((str(device.k_buffer[0].device), 8), "not tried") is None, states
             built = len(compiled)
             device_idx = torch.arange(64, 64 * 9).cuda()
             host_idx = pool.alloc(device_idx.numel())
             original_rows = [t[device_idx].clone() for t in device.tensors()]
-            pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
-            for t in device.tensors():
-                t.zero_()
-            for layer in range(4):
-                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "kernel")
+            _back_up_zero_load(pool, device, host_idx, device_idx, "kernel")
             torch.cuda.synchronize()
             assert len(compiled) == built, "a transfer compiled the kernel"
             assert all(torch.equal(a, t[device_idx]) for a, t in zip(original_rows, device.tensors()))
@@ -230,7 +223,7 @@ def test_every_family_and_layout_round_trips_on_cuda_with_each_engine(name, layo
 def round_trip_each_engine(name, layout, target):
     """The round trip above on ``target`` ("cuda"; "cpu" to try this code without a GPU)."""
     import torch
-    from test_pools import _slots, make
+    from test_pools import make, round_trip
 
     from hicache.effects import CopyEngine
 
@@ -239,34 +232,12 @@ def round_trip_each_engine(name, layout, target):
         pool, device = make(name, layout, pin_memory=True, limits=Limits(chunk_limit_bytes=4 * 2**20),
                             copy_engine=CopyEngine(transfer=transfer))
         try:
-            device.randomize(11)
-            device.to(target)
-            page = pool.page_size
-            generator = torch.Generator().manual_seed(5)
-            device_pages = torch.randperm(device.slots // page - 1, generator=generator)[:3] + 1
-            device_idx = (device_pages[:, None] * page + torch.arange(page)).reshape(-1).to(target)
-            host_idx = _slots(pool, 3)
-            original = [t.clone() for t in device.tensors()]
-            pool.backup_from_device_all_layer(device, host_idx, device_idx, backend)
-            _synchronize(torch, target)
-            host_bytes.append([b.clone() for b in pool.buffers])
-            device.zero()
-            for layer in range(pool.start_layer, pool.end_layer):
-                pool.load_to_device_per_layer(device, host_idx, device_idx, layer, backend)
-            _synchronize(torch, target)
-            rows = (device_pages if any(s.rows for s in pool.streams()) else device_idx.cpu()).to(target)
-            axis = 1 if name == "mamba" else 0
-            for before, after in zip(original, device.tensors()):
-                assert torch.equal(before.index_select(axis, rows), after.index_select(axis, rows)), transfer
+            host_bytes.append(round_trip(pool, device, seed=11, pages_seed=5, pages=3, backend=backend,
+                                         target=target)[1])
         finally:
             pool.destroy()
     assert all(torch.equal(a, b) for a, b in zip(host_bytes[0], host_bytes[1]))
     assert all(torch.equal(a, b) for a, b in zip(host_bytes[0], host_bytes[2]))
-
-
-def _synchronize(torch, target) -> None:
-    if target == "cuda":
-        torch.cuda.synchronize()
 
 
 def test_every_stand_in_moves_all_its_buffers_to_a_device():

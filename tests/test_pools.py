@@ -80,6 +80,39 @@ def _slots(pool, pages):
     return torch.arange(pages * pool.page_size)
 
 
+def round_trip(pool, device, *, seed: int, pages_seed: int, pages: int, backend: str, target: str = "cpu"):
+    """SGLang's write-back of ``pages`` random device pages, then its per-layer load of them into
+    the zeroed device (``device`` randomized with ``seed``, then moved to ``target``): the device
+    rows come back bit for bit (asserted). Returns the host slots, the host bytes after the
+    write-back and the engine the write-back's batch took."""
+    device.randomize(seed)
+    if target != "cpu":
+        device.to(target)
+    page = pool.page_size
+    device_pages = torch.randperm(device.slots // page - 1, generator=torch.Generator().manual_seed(pages_seed))[:pages] + 1
+    device_idx = (device_pages[:, None] * page + torch.arange(page)).reshape(-1).to(target)
+    host_idx = _slots(pool, pages)
+    original = [t.clone() for t in device.tensors()]
+    pool.backup_from_device_all_layer(device, host_idx, device_idx, backend)
+    _synchronize(target)
+    choice = pool.copy_engine.last_choice
+    host_bytes = [b.clone() for b in pool.buffers]
+    device.zero()
+    for layer in range(pool.start_layer, pool.end_layer):
+        pool.load_to_device_per_layer(device, host_idx, device_idx, layer, backend)
+    _synchronize(target)
+    rows = (device_pages if any(s.rows for s in pool.streams()) else device_idx.cpu()).to(target)
+    axis = 1 if isinstance(pool, MambaPoolHost) else 0
+    for before, after in zip(original, device.tensors()):
+        assert torch.equal(before.index_select(axis, rows), after.index_select(axis, rows))
+    return host_idx, host_bytes, choice
+
+
+def _synchronize(target: str) -> None:
+    if target == "cuda":
+        torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("name, layout", CASES, ids=[f"{n}-{l}" for n, l in CASES])
 @pytest.mark.parametrize(
     "seed, copy_mode, threshold",  # host copies: native as shipped, native threaded+streamed, fallback
@@ -92,23 +125,9 @@ def test_backup_then_load_round_trips_random_pages(name, layout, seed, copy_mode
         monkeypatch.setattr(_host_copy, "STREAM_BYTES", threshold)
     pool, device = make(name, layout)
     try:
-        generator = torch.Generator().manual_seed(seed)
-        device.randomize(seed)
-        page = pool.page_size
-        device_pages = torch.randperm(device.slots // page - 1, generator=generator)[:5] + 1
-        device_idx = (device_pages[:, None] * page + torch.arange(page)).reshape(-1)
-        host_idx = _slots(pool, 5)
-        original = [t.clone() for t in device.tensors()]
-        pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
-        device.zero()
-        for layer in range(pool.start_layer, pool.end_layer):
-            pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
-        rows = device_pages if any(s.rows for s in pool.streams()) else device_idx
-        for before, after in zip(original, device.tensors()):
-            axis = 1 if name == "mamba" else 0
-            assert torch.equal(before.index_select(axis, rows), after.index_select(axis, rows))
+        host_idx, _, _ = round_trip(pool, device, seed=seed, pages_seed=seed, pages=5, backend="direct")
         # flat data pages round-trip
-        first, second = int(host_idx[0]), int(host_idx[page])
+        first, second = int(host_idx[0]), int(host_idx[pool.page_size])
         data = pool.get_data_page(first)
         assert data.dim() == 1
         pool.set_from_flat_data_page(second, data)

@@ -132,16 +132,11 @@ class CopyEngine:
         (None: host memory, where only HICACHE_TRANSFER=gather runs the kernel, interpreted).
         A transfer that comes first waits for that word's compile, never runs it twice. Returns
         the thread (None where no gather will run: ``dma``, the torch runner, nothing to copy)."""
-        import threading
-
         words = sorted({word_of(group) for group in groups if group})
         if not words or self.transfer == "dma" or self.gather_runner == "torch" or (
                 device is None and self.transfer != "gather"):
             return None
-        thread = threading.Thread(target=lambda: [WARMTH.warm(device, word) for word in words],
-                                  name="hicache-gather-warm", daemon=True)
-        thread.start()
-        return thread
+        return WARMTH.start(device, words)
 
     def _host_pointer(self, address: int) -> int:
         """The device's address of registered host memory (UVA); a TransferError for memory no

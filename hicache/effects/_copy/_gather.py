@@ -25,6 +25,7 @@ ROWS = 16  # pieces in flight per program (8-32 reached the link on the H200)
 CHUNK_BYTES = 1024  # bytes of each piece a program moves per step
 
 log = logging.getLogger(__name__)
+WARM_THREAD = "hicache-gather-warm"  # the name of a pool build's warm-up thread
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,8 +67,28 @@ class KernelWarmth:
 
     def __init__(self, launch=None) -> None:
         self.launch = launch if launch is not None else launch_empty
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held through a compile: one per pair
         self._states: dict[tuple[str, int], str | None] = {}  # (device, word) -> None (ready) or why not
+        self._started = threading.Lock()  # never held through a compile, so start() does not wait on one
+        self._threads: list[threading.Thread] = []
+
+    def start(self, device, words):
+        """`warm` each of ``words`` on ``device`` in a background thread (a pool's build); returns it."""
+        thread = threading.Thread(target=lambda: [self.warm(device, word) for word in words], name=WARM_THREAD,
+                                  daemon=True)
+        with self._started:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+        return thread
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait for every warm-up started so far (``timeout`` each); True when none still runs - a
+        benchmark's or a test's clean start."""
+        with self._started:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout)
+        return not any(thread.is_alive() for thread in threads)
 
     def warm(self, device, word: int) -> str | None:
         """None once the kernel for ``word``-byte words runs on ``device`` (None: CPU tensors,
