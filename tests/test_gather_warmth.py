@@ -8,6 +8,7 @@ that records who asked, so order is proved from events."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 import pytest
@@ -217,6 +218,44 @@ def test_a_transfer_that_comes_first_waits_for_the_compile_and_never_runs_it_twi
     second.join(30)
     assert events[:2] == ["launch-start", "launch-end"]
     assert sorted(events[2:]) == [("first", None), ("second", None)]
+
+
+@pytest.mark.concurrency
+@pytest.mark.timeout(120)
+def test_a_warm_up_beside_a_transfer_leaves_every_batch_exact():
+    """A warm-up launching on its own thread while another thread's batches run (Triton's
+    interpreter patches triton.language while it runs; threads switched every microsecond): 40 batches, each copying exactly its
+    pieces, while the other thread launches again and again - until both are done."""
+    src = torch.arange(256, dtype=torch.uint8)
+    dst = torch.zeros(256, dtype=torch.uint8)
+    offsets = torch.arange(0, 256, 16, dtype=torch.int64)
+    sizes = torch.full((16,), 3, dtype=torch.int64)
+    batch = GatherCopy([(offsets, offsets, sizes, 48, dst.data_ptr(), src.data_ptr())], None, programs=2,
+                       runner="triton")
+    done, launched = threading.Event(), []
+
+    def warming():
+        while not done.is_set() or len(launched) < 40:
+            launch_empty(None, 1)
+            launched.append(1)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the two threads as finely as the interpreter allows
+    other = threading.Thread(target=warming)
+    other.start()
+    try:
+        for _ in range(40):
+            dst.zero_()
+            assert batch.run() == "gather-interpreted"
+            expected = torch.zeros(256, dtype=torch.uint8)
+            for start in offsets.tolist():
+                expected[start: start + 3] = src[start: start + 3]
+            assert torch.equal(dst, expected)
+    finally:
+        done.set()
+        other.join(60)
+        sys.setswitchinterval(interval)
+    assert not other.is_alive() and len(launched) >= 40
 
 
 def test_the_word_of_plain_numbers_is_the_widest_dividing_them_all():

@@ -26,6 +26,10 @@ CHUNK_BYTES = 1024  # bytes of each piece a program moves per step
 
 log = logging.getLogger(__name__)
 WARM_THREAD = "hicache-gather-warm"  # the name of a pool build's warm-up thread
+#: held around every launch of the kernel: a pool's warm-up launches on its own thread, and neither
+#: Triton's interpreter (it patches triton.language while it runs) nor a compile beside a launch of
+#: the same JIT function is safe from two threads at once
+_LAUNCH = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,13 +137,16 @@ def launch_empty(device, word: int) -> None:
     dtype = getattr(torch, _WORDS[word][0])
     if device is None:
         tables = [torch.zeros(1, dtype=torch.int64) for _ in range(3)]
-        _kernel(True)[(1,)](*tables, 0, 0, torch.empty(1, dtype=dtype), ROWS=ROWS, CHUNK=chunk)
+        with _LAUNCH:
+            _kernel(True)[(1,)](*tables, 0, 0, torch.empty(1, dtype=dtype), ROWS=ROWS, CHUNK=chunk)
         return
     with torch.cuda.device(device):
         stream = torch.cuda.Stream(device)  # its own: the legacy stream would wait for all other work
         with torch.cuda.stream(stream):
             tables = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(3)]
-            _kernel(False)[(1,)](*tables, 0, 0, torch.empty(1, dtype=dtype, device=device), ROWS=ROWS, CHUNK=chunk)
+            like = torch.empty(1, dtype=dtype, device=device)
+            with _LAUNCH:
+                _kernel(False)[(1,)](*tables, 0, 0, like, ROWS=ROWS, CHUNK=chunk)
         stream.synchronize()  # a launch error surfaces here, not at a transfer
 
 
@@ -223,8 +230,9 @@ class GatherCopy:
             _torch_copy(self)
             return "gather-torch"
         grid = (max(1, min(self.programs, -(-self.count // ROWS))),)
-        _kernel(self.device is None)[grid](*self.tables, self.count, self.chunks, self.like,
-                                          ROWS=ROWS, CHUNK=self.chunk)
+        with _LAUNCH:  # asynchronous on a GPU: held for the enqueue only
+            _kernel(self.device is None)[grid](*self.tables, self.count, self.chunks, self.like,
+                                              ROWS=ROWS, CHUNK=self.chunk)
         return "gather-triton" if self.device is not None else "gather-interpreted"
 
 
