@@ -12,6 +12,7 @@ import pytest
 from machine import GB, ROOMY, facts
 
 from hicache.effects import BudgetLock
+from hicache.effects._bringup import _faulting as _pipeline  # the pre-fault pipeline's own internals, under test
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up, probe_cuda
 from hicache.effects import HostSetup
 from hicache.effects import HostLedger
@@ -66,7 +67,6 @@ def test_the_budget_lock_decides_and_the_claim_fills_outside_it(lock, mode, monk
     counts the pool's bytes that are not resident yet as pending - all of them before the first
     byte is faulted - and none once the bring-up is up; released, the claim is gone. (Blocking
     too: with an allocator that maps unfaulted, its pre-fault is the pipelined one's, waited for.)"""
-    from hicache.effects._bringup import _faulting as _pipeline
     seen = []
 
     def lock_state():
@@ -375,7 +375,6 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
     two overlap instead of running one after the other). Order, not wall-clock thresholds."""
     import time as _time
 
-    from hicache.effects._bringup import _faulting as _pipeline
     pieces = []
     real = _pipeline.prefault
 
@@ -408,7 +407,6 @@ def test_the_pipelined_bring_up_registers_chunk_k_while_faulting_later_ones(monk
 def test_a_failing_pre_fault_rolls_the_pipelined_bring_up_back(monkeypatch, lock):
     """An out-of-memory pre-fault piece in a pipelined bring-up is an ApplyError caused by it, with
     nothing registered, claimed or mapped after."""
-    from hicache.effects._bringup import _faulting as _pipeline
     from hicache.errors import ApplyError, HostOutOfMemoryError
 
     calls = []
@@ -495,7 +493,6 @@ def test_a_pool_planned_with_the_call_cap_registers_while_it_still_faults(monkey
     last pre-fault piece ends - registration overlaps the pre-fault. Order from events."""
     import time as _time
 
-    from hicache.effects._bringup import _faulting as _pipeline
 
     pieces = []
     real = _pipeline.prefault

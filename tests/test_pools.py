@@ -688,3 +688,28 @@ def test_destroy_unmaps_the_memory_at_once_while_the_pool_object_lives_on(name, 
         assert not any(_mapped(p) for p in ptrs)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("name, layout", CASES)
+@pytest.mark.parametrize("pinned, progressive", [(False, False), (True, False), (True, True)])
+def test_destroy_gives_every_buffer_back_in_parallel_pieces_not_by_a_late_unmap(name, layout, pinned, progressive,
+                                                                                monkeypatch):
+    """destroy() frees each buffer through the parallel release (`give_back`, issue #53 item 3),
+    even after transfers cached views of it: the pool drops its own views once the memory is
+    unregistered and before it is freed (they once left every pool's unmap to the last view's
+    death - one thread, munmap alone - so a pool never released in parallel)."""
+    from hicache.effects._host import _release
+
+    given = []
+    monkeypatch.setattr(_release, "give_back", lambda ptr, length: given.append(ptr))
+    pool, device = make(name, layout, pin_memory=pinned, progressive=progressive, runtime=FakeRuntime())
+    device.randomize(1)
+    assert not progressive or pool.wait_ready(timeout=30)
+    host_idx = _slots(pool, 2)
+    device_idx = torch.arange(host_idx.numel()) + (0 if name == "mamba" else P)
+    pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+    pool.load_to_device_per_layer(device, host_idx, device_idx, 0, "direct")
+    ptrs = sorted(b.data_ptr() for b in pool.buffers if b.numel())
+    pool.destroy()
+    assert sorted(given) == ptrs
+    assert not any(_mapped(p) for p in ptrs)

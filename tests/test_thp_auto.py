@@ -14,24 +14,27 @@ MiB = 2**20
 PIECE = 64 * MiB
 
 
-@pytest.mark.parametrize("enabled, free, brake, reference, huge, rule", [
-    ("madvise", 100 * PIECE, None, False, True, "free"),  # free blocks cover it
-    ("always", PIECE, None, False, True, "free"),  # exactly covered
-    ("madvise", PIECE - THP_BYTES, None, False, False, "no-free-blocks"),  # fragmented: would compact
-    ("madvise", 0, None, False, False, "no-free-blocks"),
-    ("never", 100 * PIECE, None, False, False, "thp-off"),
-    (None, 100 * PIECE, None, False, False, "thp-off"),  # unreadable setting
-    ("madvise", None, None, False, False, "unknown-free-blocks"),
-    ("madvise", 100 * PIECE, "a THP piece was slow", False, False, "brake"),  # engaged mid-way: sticky
-    ("never", 100 * PIECE, "a THP piece was slow", False, False, "brake"),  # the brake is named first
-    ("madvise", 100 * PIECE, None, True, False, "reference"),  # the first piece: the 4 KiB yardstick
-    ("never", 100 * PIECE, None, True, False, "thp-off"),  # no yardstick needed without THP
+@pytest.mark.parametrize("enabled, free, brake, reference, trial, huge, rule", [
+    ("madvise", 100 * PIECE, None, False, False, True, "free"),  # free blocks cover it
+    ("always", PIECE, None, False, False, True, "free"),  # exactly covered
+    ("madvise", PIECE - THP_BYTES, None, False, False, False, "no-free-blocks"),  # fragmented: would compact
+    ("madvise", 0, None, False, False, False, "no-free-blocks"),
+    ("never", 100 * PIECE, None, False, False, False, "thp-off"),
+    (None, 100 * PIECE, None, False, False, False, "thp-off"),  # unreadable setting
+    ("madvise", None, None, False, False, False, "unknown-free-blocks"),
+    ("madvise", 100 * PIECE, "a THP piece was slow", False, False, False, "brake"),  # engaged mid-way: sticky
+    ("never", 100 * PIECE, "a THP piece was slow", False, False, False, "brake"),  # the brake is named first
+    ("madvise", 100 * PIECE, None, True, False, False, "reference"),  # the first piece: the 4 KiB yardstick
+    ("never", 100 * PIECE, None, True, False, False, "thp-off"),  # no yardstick needed without THP
+    ("madvise", 100 * PIECE, None, False, True, False, "trial"),  # one THP piece awaits its verdict
+    ("madvise", 0, None, False, True, False, "no-free-blocks"),  # no THP to try: the blocks are named
+    ("madvise", 100 * PIECE, None, True, True, False, "reference"),
 ])
-def test_each_rule_decides_its_own_pieces(enabled, free, brake, reference, huge, rule):
+def test_each_rule_decides_its_own_pieces(enabled, free, brake, reference, trial, huge, rule):
     """decide_piece over injected snapshots: THP only where the node's free 2 MiB blocks cover
-    the piece and THP is usable, the brake and the reference before everything else, each
-    decision naming a rule of RULES and its figures."""
-    decision = decide_piece(ThpSnapshot(enabled, free), PIECE, brake=brake, reference=reference)
+    the piece, THP is usable and no untried THP piece is out, the brake and the reference before
+    everything else, each decision naming a rule of RULES and its figures."""
+    decision = decide_piece(ThpSnapshot(enabled, free), PIECE, brake=brake, reference=reference, trial=trial)
     assert (decision.huge, decision.rule) == (huge, rule) and rule in RULES and decision.reason
 
 
@@ -126,11 +129,14 @@ def test_pieces_in_flight_count_against_the_free_blocks():
     one's blocks are promised until it has faulted)."""
     host = _Host(blocks=PIECE // THP_BYTES)
     policy = host.policy()
-    policy.before(0, 0, PIECE)  # the reference
+    reference = policy.before(0, 0, PIECE)
     first = policy.before(0, PIECE, PIECE)
     second = policy.before(0, 2 * PIECE, PIECE)
     assert (first[0].rule, second[0].rule) == ("free", "no-free-blocks")
+    host.now += 0.01
     policy.after(0, PIECE, PIECE, first)
+    host.now += 0.01
+    policy.after(0, 0, PIECE, reference)  # slower than the THP piece: THP is proven, no trial left
     assert policy.before(0, 3 * PIECE, PIECE)[0].rule == "free"  # given back once it faulted
 
 
@@ -266,3 +272,42 @@ def test_an_auto_mapping_starts_as_4k_pages_whole():
         assert flags is not None and "nh" in flags
     finally:
         buffer.free()
+
+
+def test_until_one_thp_piece_is_judged_no_second_one_is_handed_out():
+    """THP on trial: while the first THP piece has no verdict (it is faulting, or it ended
+    before the 4 KiB reference), pieces started beside it get 4 KiB pages (rule "trial");
+    once it is judged healthy THP is proven and pieces started side by side all get it."""
+    host = _Host()
+    policy = host.policy()
+    reference = policy.before(0, 0, PIECE)
+    first = policy.before(0, PIECE, PIECE)
+    beside = policy.before(0, 2 * PIECE, PIECE)
+    assert (reference[0].rule, first[0].rule, beside[0].rule) == ("reference", "free", "trial")
+    host.now += 0.01
+    policy.after(0, PIECE, PIECE, first)  # ended before the reference: no verdict yet
+    assert policy.before(0, 3 * PIECE, PIECE)[0].rule == "trial"
+    host.now += 0.01
+    policy.after(0, 0, PIECE, reference)  # the 4 KiB rate: the THP piece beat it - proven
+    later = [policy.before(0, (4 + i) * PIECE, PIECE)[0].rule for i in range(3)]
+    assert later == ["free"] * 3 and policy.summary()["brake"] is None
+    assert host.advice == [(PIECE, PIECE, True)] + [((4 + i) * PIECE, PIECE, True) for i in range(3)]
+
+
+def test_a_host_where_thp_is_slow_pays_for_one_thp_piece_only():
+    """Pieces started four at a time (four threads) on a host whose THP pieces fault 10x slower
+    than its 4 KiB ones: one piece is tried with THP, every other piece started before its
+    verdict gets 4 KiB pages, and the brake takes every piece after it."""
+    host = _Host()
+    policy = host.policy()
+    out = [policy.before(0, i * PIECE, PIECE) for i in range(4)]
+    assert [token[0].rule for token in out] == ["reference", "free", "trial", "trial"]
+    host.now += 0.01
+    for i in (0, 2, 3):  # the 4 KiB pieces end first
+        policy.after(0, i * PIECE, PIECE, out[i])
+    out += [policy.before(0, i * PIECE, PIECE) for i in range(4, 7)]  # threads take the next pieces
+    host.now += 0.09
+    policy.after(0, PIECE, PIECE, out[1])  # the THP piece: 10x slower
+    rest = [policy.before(0, i * PIECE, PIECE)[0].rule for i in range(7, 12)]
+    assert [token[0].rule for token in out[4:]] == ["trial"] * 3 and rest == ["brake"] * 5
+    assert [advice for advice in host.advice if advice[2]] == [(PIECE, PIECE, True)]

@@ -361,9 +361,9 @@ def test_destroy_waits_for_a_copy_in_flight_and_no_transfer_starts_after(transfe
     handle = pool._host
     release = handle.release
 
-    def logged_release():
+    def logged_release(**kw):
         log.append("release")
-        return release()
+        return release(**kw)
 
     handle.release = logged_release
     copier = threading.Thread(target=pool.backup_from_device_all_layer, args=(device, host_idx, device_idx, "kernel"))

@@ -62,15 +62,19 @@ RULES = {
     "reference": "the bring-up's first piece, faulted with 4 KiB pages: the rate THP pieces are held to",
     "no-free-blocks": "the free 2 MiB blocks on the pool's node do not cover the piece: THP would compact; 4 KiB pages",
     "unknown-free-blocks": "/proc/buddyinfo is unreadable: 4 KiB pages",
+    "trial": "THP on trial: a THP piece awaits its verdict against the 4 KiB rate; 4 KiB pages until it has one",
     "free": "THP: free 2 MiB blocks cover the piece",
 }
 
 
 def decide_piece(snapshot: ThpSnapshot, piece_bytes: int, *, brake: str | None = None,
-                 reference: bool = False) -> ThpDecision:
+                 reference: bool = False, trial: bool = False) -> ThpDecision:
     """The page size for the next piece of ``piece_bytes`` (``brake``: why THP was turned off
     for this bring-up, or None while it is not; ``reference``: no 4 KiB piece has been faulted
-    or started yet, so this one is)."""
+    or started yet, so this one is; ``trial``: no THP piece of this bring-up has been judged yet
+    and one is out - it alone pays if THP is slow here, the others keep 4 KiB pages until its
+    verdict: on a VM whose THP faulted 6x slower than 4 KiB pages, one THP piece per thread
+    before the brake cost a 2 GiB bring-up 10%)."""
     if brake is not None:
         return ThpDecision(False, "brake", brake)
     if snapshot.enabled not in THP_USABLE:
@@ -82,6 +86,8 @@ def decide_piece(snapshot: ThpSnapshot, piece_bytes: int, *, brake: str | None =
     if snapshot.free_huge_bytes < piece_bytes:
         return ThpDecision(False, "no-free-blocks", f"{snapshot.free_huge_bytes // THP_BYTES} free 2 MiB blocks, "
                                                     f"the piece needs {-(-piece_bytes // THP_BYTES)}")
+    if trial:
+        return ThpDecision(False, "trial", "a THP piece awaits its verdict against the 4 KiB rate")
     return ThpDecision(True, "free", f"{snapshot.free_huge_bytes // THP_BYTES} free 2 MiB blocks cover "
                                      f"{-(-piece_bytes // THP_BYTES)}")
 

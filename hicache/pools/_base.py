@@ -329,10 +329,8 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
     def _allocator_or_raise(self) -> PageAllocator:
         self._alive()
         if self._pages is None:
-            raise NoAllocatorError(
-                f"{type(self).__name__} has no allocator of its own: it reuses the indices of "
-                "the pool it shadows (SGLang's SWA pool for DeepSeek-V4 state)"
-            )
+            raise NoAllocatorError(f"{type(self).__name__} has no allocator of its own: it reuses the indices of "
+                                   "the pool it shadows (SGLang's SWA pool for DeepSeek-V4 state)")
         return self._pages
 
     _slot_allocator = _allocator_or_raise  # SGLang's slot calls (`SlotsMixin`) check the pool first
@@ -367,19 +365,23 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
             self._in_flight.drain()  # no launch may follow the release below
             self._wait_for_device_copies()
             try:
-                if host is not None:
-                    host.release()  # one teardown, whatever the mode; a leak keeps the memory
+                if host is not None:  # one teardown, whatever the mode; a leak keeps the memory (and the views)
+                    host.release(before_free=self._drop_views)
             finally:
                 if host is None or host.state == "released":
-                    self._ranges.clear(self.buffers if self.kv_buffer is not None else ())
-                    # no view of the memory may outlive this: a kept tensor defers the unmap to
-                    # the pool object's death (a reference cycle: the next garbage collection)
-                    self.kv_buffer = None
-                    if self._transfers is not None:
-                        self._transfers.forget()
+                    self._drop_views()
                     self._destroyed = True
                     if self._progress is not None:  # no page goes back into a destroyed pool's allocator
                         self._progress.close()
+
+    def _drop_views(self) -> None:
+        """Let go of this pool's views of its memory (idempotent): a kept one leaves the unmap to
+        its own death and one munmap, not the release's parallel pieces (issue #53)."""
+        if self.kv_buffer is not None:
+            self._ranges.clear(self.buffers)
+            self.kv_buffer = None
+        if self._transfers is not None:
+            self._transfers.forget()
 
     def _host_view(self, stream: Stream, layer: int):
         """The host tensor one copy lane reads or writes for ``layer`` (a family may override it)."""

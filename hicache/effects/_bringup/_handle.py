@@ -95,8 +95,8 @@ def _unregister(books: _Books) -> tuple[list, BaseException | None]:
     return sorted(set(leaked) | set(books.orphans)), interrupt
 
 
-def _release(books: _Books, *, finalizing: bool = False, failed: bool = False) -> None:
-    """The one teardown: stop the threads, unregister, free, give the budget back."""
+def _release(books: _Books, *, finalizing: bool = False, failed: bool = False, before_free=None) -> None:
+    """The one teardown: stop the threads, unregister, (``before_free()``,) free, give the budget back."""
     with books.lock, deferred_interrupts():  # a Ctrl-C waits until the books are straight
         if books.state == "released":
             return
@@ -111,11 +111,15 @@ def _release(books: _Books, *, finalizing: bool = False, failed: bool = False) -
                 raise interrupt
             raise ReleaseError(_leak_message("release", books.leaked) + " (release again to retry)", leaked=books.leaked)
         books.tensors = []
-        if books.owns_memory:
-            try:
-                books.allocator.free_all(ledger=books.ledger)
-            except RegistrationStateError:  # part of it is still registered elsewhere
-                books.keep_mapped()
+        try:
+            if before_free is not None:  # the owner's views go now: the free below can give pages back at once
+                before_free()
+        finally:
+            if books.owns_memory:
+                try:
+                    books.allocator.free_all(ledger=books.ledger)
+                except RegistrationStateError:  # part of it is still registered elsewhere
+                    books.keep_mapped()
         if books.quarantined and not books.owned():  # an earlier leak was undone after all
             unquarantine(*books.quarantined)
             books.quarantined = []
@@ -332,12 +336,15 @@ class HostPools:
         does before waiting for copies in flight, then `release()`. Interruptible."""
         self._books.stop()
 
-    def release(self) -> None:
+    def release(self, *, before_free=None) -> None:
         """Stop, unregister, free, give the budget back; safe to call twice (again after a
-        `ReleaseError`: retries what stayed registered)."""
+        `ReleaseError`: retries what stayed registered). ``before_free()``: called once every
+        range is unregistered, just before the memory is freed, and only then - where a pool
+        drops its own views of the buffers: memory another tensor still views is unmapped only
+        with the last view, by one munmap, instead of given back in parallel pieces now."""
         try:
             with _trace.span("release", "phase", bytes=self.total_bytes):
-                _release(self._books)
+                _release(self._books, before_free=before_free)
         finally:
             if self._books.release_s is not None:
                 self.timings["release_s"] = self._books.release_s
