@@ -1,5 +1,6 @@
 """Host bring-up of a multi-GiB buffer: allocate + pre-fault, ours against SGLang's path, one
-run, at HICACHE_BENCH_SIZES_GIB (4,8) GiB. Each round frees its memory after the clock stops
+run, at HICACHE_BENCH_SIZES_GIB (2,4) GiB (the README's figures: 4,8 - 1.8 minutes of
+`make bench`'s 10 minutes). Each round frees its memory after the clock stops
 (the issue times allocate + pre-fault; unmapping costs both paths the same).
 
 - ours: hicache allocate_host + prefault with the default settings (4 KiB pages,
@@ -7,7 +8,7 @@ run, at HICACHE_BENCH_SIZES_GIB (4,8) GiB. Each round frees its memory after the
   where enough 2 MiB pages are reserved (/proc/sys/vm/nr_hugepages) - hugepages="required"
 - baseline: SGLang's path - torch.empty + one madvise(MADV_POPULATE_WRITE) over the tensor
   (one thread; through ctypes, as it must be: the tensor is not an mmap object)
-Medians of HICACHE_BENCH_ROUNDS (7) interleaved rounds with the per-round range; speed =
+Medians of HICACHE_BENCH_ROUNDS (5) interleaved rounds with the per-round range; speed =
 baseline time / ours. Last, at the first size: the longest a 1 MiB mmap + munmap in another
 thread (a serving engine allocating beside a progressive pool's background pre-fault) waits
 while each path pre-faults - each MADV_POPULATE_WRITE call holds the process's mmap lock for
@@ -74,8 +75,8 @@ def machine_line() -> str:
 
 
 def main() -> None:
-    sizes = [float(v) for v in os.environ.get("HICACHE_BENCH_SIZES_GIB", "4,8").split(",")]
-    rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "7"))
+    sizes = [float(v) for v in os.environ.get("HICACHE_BENCH_SIZES_GIB", "2,4").split(",")]
+    rounds = int(os.environ.get("HICACHE_BENCH_ROUNDS", "5"))
     threads = min(os.cpu_count() or 1, 16)
     print(machine_line())
     for gib in sizes:

@@ -8,7 +8,7 @@ driver's hold is host-wide: TensorRT-LLM #17429). Four rank processes bring up a
 pool each at once (blocking mode: the calls of all four land at the driver together), one
 call each unpaced - a 64 GiB call of a TB-scale pool at ~10x the time scale -, and a fifth
 process probes ``cudaMemGetInfo`` every 10 ms. The stall budget is scaled alike (25 ms for
-the default 0.25 s). Figures per configuration, medians of HICACHE_BENCH_ROUNDS (5)
+the default 0.25 s). Figures per configuration, medians of HICACHE_BENCH_ROUNDS (3)
 interleaved rounds (per-round range):
 
 - probe: the longest a probe call waited for the driver in the round;
@@ -37,7 +37,7 @@ from _timing import interleaved, median_line  # noqa: E402
 
 MiB = 2**20
 RATE = float(os.environ.get("HICACHE_BENCH_REGISTER_GBPS", "1")) * 1e9
-ROUNDS = int(os.environ.get("HICACHE_BENCH_ROUNDS", "5"))
+ROUNDS = int(os.environ.get("HICACHE_BENCH_ROUNDS", "3"))  # 5 took 74 s of `make bench`'s 600
 RANKS, POOL_MIB, STALL = 4, 256, "0.025"
 
 
