@@ -695,7 +695,7 @@ def test_destroy_unmaps_the_memory_at_once_while_the_pool_object_lives_on(name, 
 def test_destroy_gives_every_buffer_back_in_parallel_pieces_not_by_a_late_unmap(name, layout, pinned, progressive,
                                                                                 monkeypatch):
     """destroy() frees each buffer through the parallel release (`give_back`, issue #53 item 3),
-    even after transfers cached views of it: the pool drops its own views once the memory is
+    even after transfers, flat L3 pages and zero-copy pointers cached what they use of it: the pool drops its own views once the memory is
     unregistered and before it is freed (they once left every pool's unmap to the last view's
     death - one thread, munmap alone - so a pool never released in parallel)."""
     from hicache.effects._host import _release
@@ -709,6 +709,10 @@ def test_destroy_gives_every_buffer_back_in_parallel_pieces_not_by_a_late_unmap(
     device_idx = torch.arange(host_idx.numel()) + (0 if name == "mamba" else P)
     pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
     pool.load_to_device_per_layer(device, host_idx, device_idx, 0, "direct")
+    first, second = int(host_idx[0]), int(host_idx[pool.page_size])  # the L3 page path caches its patterns
+    pool.set_from_flat_data_page(second, pool.get_data_page(first, flat=True))
+    if name in ("mha", "mla"):  # and the zero-copy pointers theirs
+        pool.get_page_buffer_meta(host_idx[: pool.page_size])
     ptrs = sorted(b.data_ptr() for b in pool.buffers if b.numel())
     pool.destroy()
     assert sorted(given) == ptrs
