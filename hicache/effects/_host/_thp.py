@@ -76,7 +76,7 @@ class ThpAuto:
         self._reference = False  # a 4 KiB reference piece has been handed out
         self._huge_reads = 0  # THP pieces whose huge pages were read
         self._unjudged: list[PieceFault] = []  # THP pieces that ended before the reference: judged by it
-        self._on_trial = 0  # THP pieces out without a verdict while THP is unproven (at most one)
+        self._trying = False  # the one THP piece THP is tried with is out, without a verdict yet
         self._proven = False  # a THP piece was judged against the 4 KiB rate and passed
         self.rules: dict[int, dict[str, int]] = {}  # buffer index -> rule -> bytes it decided
 
@@ -91,17 +91,15 @@ class ThpAuto:
             blocks = self._free_blocks()
             free = None if blocks is None else max(0, blocks * 2 * 2**20 - promised)
         with self._lock:  # decided under the lock: two threads must not both take the one trial piece
-            trial = not self._proven and self._on_trial > 0
             decision = decide_piece(ThpSnapshot(self.enabled, free), length, brake=brake, reference=reference,
-                                    trial=trial)
-            if decision.huge and not self._proven:
-                self._on_trial += 1
+                                    trial=self._trying and not self._proven)
+            self._trying = self._trying or (decision.huge and not self._proven)
         # only a THP piece is advised: an auto mapping is made MADV_NOHUGEPAGE whole, and each
         # piece faults once - advising a 4 KiB piece again took the mmap lock for writing between
         # the other threads' pre-fault calls for nothing (2 GiB bring-up here: 0.58x -> 0.70x of by hand)
         if decision.huge and not self._madvise(ptr, length, huge=True):  # refused: the range stays 4 KiB
             with self._lock:
-                self._on_trial -= not self._proven  # nothing to try: the next piece may
+                self._trying = False  # nothing was tried: the next piece may be
             decision = decision._replace(huge=False, rule="thp-off", reason="madvise(MADV_HUGEPAGE) refused")
         with self._lock:
             if decision.huge:
@@ -128,13 +126,14 @@ class ThpAuto:
             rate = base_rate(self._base)
             if decision.huge and rate is None:  # faulted before the reference: judged once it is
                 self._unjudged.append(fault)
-            for judged in ([fault] if rate is None else [*self._unjudged, fault]):
+            judged = [fault] if rate is None else [*self._unjudged, fault]
+            for piece in judged:
                 if self.brake is None:
-                    self.brake = brake_reason(judged, rate)
+                    self.brake = brake_reason(piece, rate)
             if rate is not None:
-                verdicts = sum(judged.huge for judged in [*self._unjudged, fault])
-                self._on_trial = max(0, self._on_trial - verdicts)
-                self._proven = self._proven or (verdicts > 0 and self.brake is None)
+                if any(piece.huge for piece in judged):  # a THP piece has its verdict: the trial is over
+                    self._trying = False
+                    self._proven = self._proven or self.brake is None
                 self._unjudged = []
 
     def summary(self) -> dict:
