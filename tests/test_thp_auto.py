@@ -6,8 +6,19 @@ to MADV_NOHUGEPAGE and the report naming why; the default everywhere it is promi
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from hicache.plan._thp import RULES, THP_BYTES, PieceFault, ThpSnapshot, base_rate, brake_reason, decide_piece
+from hicache.plan._thp import (
+    RULES,
+    THP_BYTES,
+    PieceFault,
+    ThpSnapshot,
+    base_rate,
+    brake_reason,
+    decide_piece,
+    huge_bytes_from_faults,
+)
 from hicache.effects import HostSetup
 
 MiB = 2**20
@@ -57,6 +68,28 @@ def test_the_brake_engages_on_a_slow_or_mostly_small_thp_piece(fault, rate_4k, e
         assert "GB/s" in reason or "huge pages" in reason
 
 
+@given(st.sampled_from([(4096, THP_BYTES), (16384, 32 * MiB), (65536, 512 * MiB)]),
+       st.integers(min_value=0, max_value=64), st.integers(min_value=0, max_value=5000))
+def test_the_huge_bytes_of_a_piece_follow_from_its_fault_count(sizes, huge, base):
+    """huge_bytes_from_faults: a fresh range faulted as ``huge`` huge pages and ``base`` base pages
+    (one fault each, in any page sizes a kernel pairs) gives back exactly the huge pages' bytes;
+    no fault counted gives None (unknown), never a guess."""
+    page, huge_page = sizes
+    nbytes = huge * huge_page + base * page
+    expected = None if huge + base == 0 else huge * huge_page
+    assert huge_bytes_from_faults(nbytes, huge + base, page_bytes=page, huge_page_bytes=huge_page) == expected
+
+
+@pytest.mark.parametrize("nbytes, faults, expected", [
+    (32 * MiB, 0, None),  # the kernel counted nothing: unknown
+    (32 * MiB, 8192 + 40, 0),  # a few more faults than pages (the thread's own): all 4 KiB, not negative
+    (32 * MiB, 1, 16 * THP_BYTES),  # fewer faults than huge pages (some already resident): at most the range
+])
+def test_a_fault_count_out_of_its_law_is_clamped_or_unknown(nbytes, faults, expected):
+    """huge_bytes_from_faults stays within [0, the range] when the count strays from the law."""
+    assert huge_bytes_from_faults(nbytes, faults, page_bytes=4096) == expected
+
+
 def test_the_4k_rate_is_the_median_of_this_bring_ups_4k_pieces():
     """base_rate: the median of the measured 4 KiB pieces' rates; None before any."""
     assert base_rate([]) is None
@@ -65,11 +98,14 @@ def test_the_4k_rate_is_the_median_of_this_bring_ups_4k_pieces():
 
 
 class _Host:
-    """A fake host for ThpAuto: THP setting, free 2 MiB blocks, a madvise log, huge pages per
-    advised range, and a clock each piece's scripted seconds advance."""
+    """A fake host for ThpAuto: THP setting, free 2 MiB blocks, a madvise log, a page-fault count
+    that a faulted piece advances as the kernel would (``huge_share`` of a THP piece in huge
+    pages, one fault each, the rest one fault per 4 KiB), and a clock each piece's scripted
+    seconds advance."""
 
     def __init__(self, *, enabled="madvise", blocks=10**6, seconds=(), huge_share=1.0):
         self.enabled, self.blocks, self.huge_share = enabled, blocks, huge_share
+        self.count = 0  # page faults taken
         self.advice: list = []  # (ptr, length, huge)
         self.now, self.seconds = 0.0, list(seconds)
         self.started: dict = {}
@@ -81,14 +117,19 @@ class _Host:
     def clock(self):
         return self.now
 
-    def huge_bytes(self, ptr, length):
-        return int(length * self.huge_share)
+    def faults(self):
+        return self.count
+
+    def fault(self, length, *, huge):
+        """A fresh piece of ``length`` faults in: one fault per huge page it gets, one per 4 KiB page."""
+        huge_pages = int(length * self.huge_share) // THP_BYTES if huge else 0
+        self.count += huge_pages + (length - huge_pages * THP_BYTES) // 4096
 
     def policy(self):
         from hicache.effects._host._thp import ThpAuto
 
         return ThpAuto(enabled=lambda: self.enabled, free_blocks=lambda: self.blocks, madvise=self.madvise,
-                       huge_bytes=self.huge_bytes, clock=self.clock)
+                       faults=self.faults, page_bytes=4096, clock=self.clock)
 
 
 def _fault(policy, host, pieces):
@@ -96,6 +137,7 @@ def _fault(policy, host, pieces):
     pass on the host's clock, after."""
     for index, (ptr, length) in enumerate(pieces):
         token = policy.before(0, ptr, length)
+        host.fault(length, huge=token.decision.huge)
         host.now += host.seconds[index] if index < len(host.seconds) else 0.01
         policy.after(0, ptr, length, token)
 
@@ -146,7 +188,7 @@ def test_a_refused_madvise_falls_back_to_4k_and_says_so():
     host.madvise = lambda ptr, length, *, huge: not huge
     policy = host.policy()
     policy.before(0, 0, PIECE)
-    decision, _ = policy.before(0, PIECE, PIECE)
+    decision = policy.before(0, PIECE, PIECE).decision
     assert (decision.huge, decision.rule, decision.reason) == (False, "thp-off", "madvise(MADV_HUGEPAGE) refused")
 
 
@@ -184,7 +226,7 @@ def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reache
     class Injected(_thp.ThpAuto):
         def __init__(self, **kw):
             super().__init__(enabled=lambda: "madvise", free_blocks=lambda: 10**6, madvise=madvise,
-                             huge_bytes=lambda ptr, length: length, clock=host.clock)
+                             clock=host.clock)
 
     monkeypatch.setattr(_thp, "ThpAuto", Injected)
     monkeypatch.setattr(_faulting, "prefault", recording_prefault)
@@ -211,6 +253,50 @@ def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reache
         assert handle.record(tiers=False).page_rules == handle.page_rules()
     finally:
         handle.release()
+
+
+def test_every_thp_piece_is_judged_by_the_huge_pages_its_faults_show():
+    """Every THP piece's share of huge pages comes from its own fault count (not only the first
+    piece's, as when it took an smaps read): THP proven on a healthy piece, a later piece that
+    faults fast but mostly as 4 KiB pages (the kernel could not assemble huge ones) engages the
+    brake and the reason gives the share."""
+    host = _Host(seconds=[0.02, 0.01])
+    policy = host.policy()
+    _fault(policy, host, [(0, PIECE), (PIECE, PIECE)])  # the reference, then a healthy THP piece
+    assert policy.summary()["brake"] is None
+    host.huge_share, host.seconds = 0.25, [0.01, 0.01]  # twice the 4 KiB rate, a quarter huge
+    _fault(policy, host, [(2 * PIECE, PIECE), (3 * PIECE, PIECE)])
+    summary = policy.summary()
+    assert "got 16 MiB of huge pages (under 50%)" in summary["brake"]
+    assert summary["rules"] == {0: {"reference": PIECE, "free": 2 * PIECE, "brake": PIECE}}
+
+
+def test_the_fault_count_reads_the_huge_pages_the_kernel_gave_as_smaps_does():
+    """On this kernel: a piece pre-faulted with MADV_HUGEPAGE and one with 4 KiB pages, each on
+    the calling thread; the huge bytes its thread's fault count gives equal the AnonHugePages
+    /proc/self/smaps reports for it (the independent oracle), whatever THP the host grants."""
+    import mmap
+
+    from hicache.effects._host._memory import allocate_host, prefault
+    from hicache.effects._host._thp import _madvise_range, thread_faults
+    from hicache.effects._host._tiers import page_tiers
+
+    buffer = allocate_host(16 * MiB, hugepages="auto")
+    try:
+        seen = []
+        for offset, huge in ((0, False), (8 * MiB, True)):
+            ptr = buffer.ptr + offset
+            if huge:
+                assert _madvise_range(ptr, 8 * MiB, huge=True)
+            before = thread_faults()
+            prefault(buffer, threads=1, start=offset, length=8 * MiB)
+            faults = thread_faults() - before  # every Linux counts them: populate's since 5.9, the touch's always
+            assert faults >= 8 * MiB // THP_BYTES
+            seen.append((huge_bytes_from_faults(8 * MiB, faults, page_bytes=mmap.PAGESIZE),
+                         page_tiers(ptr, 8 * MiB).thp))
+        assert seen[0] == (0, 0) and seen[1][0] == seen[1][1]
+    finally:
+        buffer.free()
 
 
 def test_auto_is_the_default_of_the_pools_apply_and_the_seam_mode(monkeypatch):
@@ -246,7 +332,7 @@ def test_thp_pieces_that_end_before_the_reference_are_judged_once_it_has():
     policy.after(0, PIECE, PIECE, early)  # 0.67 GB/s, no reference yet: not judged
     assert policy.summary()["brake"] is None
     host.now += 0.0
-    policy.after(0, 0, PIECE, (reference[0], host.now - 0.01))  # the reference: 6.7 GB/s
+    policy.after(0, 0, PIECE, reference._replace(start=host.now - 0.01))  # the reference: 6.7 GB/s
     assert "below the 4 KiB rate" in policy.summary()["brake"]
     assert policy.before(0, 2 * PIECE, PIECE)[0].rule == "brake"
 

@@ -2,8 +2,9 @@
 (THP's `enabled`, the free 2 MiB blocks of the pool's node), ask the pure rule
 (`hicache.plan._thp.decide_piece`), advise a THP piece's range MADV_HUGEPAGE (the mapping is made
 MADV_NOHUGEPAGE whole, so a 4 KiB piece needs no call);
-after it, measure how it faulted in (seconds, huge pages obtained) and engage the brake for the
-rest of the bring-up when THP cost more than it gave. Keeps, per buffer, the bytes each rule
+after it, measure how it faulted in (seconds, and the huge pages obtained - from the faulting
+thread's own page-fault count) and engage the brake for the rest of the bring-up when THP cost
+more than it gave. Keeps, per buffer, the bytes each rule
 decided (the report, `tiers` and metrics say which rule decided).
 
 Every reading and the advice itself are injected (tests give snapshots and a recording
@@ -12,20 +13,47 @@ madvise); the pre-fault threads call `before`/`after` concurrently, so the state
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
+from typing import NamedTuple
 
 from hicache.effects._host._libc import madvise_function
-from hicache.plan.thp import PieceFault, ThpSnapshot, base_rate, brake_reason, decide_piece
+from hicache.plan.thp import (
+    PieceFault,
+    ThpDecision,
+    ThpSnapshot,
+    base_rate,
+    brake_reason,
+    decide_piece,
+    huge_bytes_from_faults,
+)
 
 MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-#: THP pieces whose huge pages are counted (/proc/self/smaps): the first only. Reading smaps walks
-#: every page table of the process - 30-50 ms inside a serving engine - so a read per 32 MiB
-#: piece made an SGLang pool's 2 GiB bring-up 9x slower; later pieces are judged by their rate,
-#: and the report's tiers give the share obtained.
-HUGE_READS = 1
+
+
+class PieceToken(NamedTuple):
+    """What `ThpAuto.before` hands the faulting thread for `ThpAuto.after`: the decision, and the
+    clock and the thread's page-fault count just before the piece faulted."""
+
+    decision: ThpDecision
+    start: float
+    faults: int
+
+
+def thread_faults() -> int:
+    """The page faults the calling thread has taken (minor and major; 0 where the platform does
+    not say). MADV_POPULATE_WRITE's faults count here as the touch fallback's do: Linux counts
+    faults taken for get_user_pages on the thread that takes them (mm_account_fault)."""
+    import resource
+
+    try:
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+    except (AttributeError, OSError):
+        return 0
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def _read_enabled(root: str = "/") -> str | None:
@@ -46,35 +74,29 @@ def _madvise_range(ptr: int, length: int, *, huge: bool) -> bool:
     return madvise_function()(start, end - start, MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE) == 0
 
 
-def _huge_bytes(ptr: int, length: int) -> int | None:
-    from hicache.effects._host._tiers import page_tiers
-
-    tiers = page_tiers(ptr, length)
-    return tiers.thp if tiers.exact or tiers.thp else None
-
-
 class ThpAuto:
     """One bring-up's ``auto`` THP policy. ``node``: the pool's NUMA node (None: all nodes);
     ``enabled()``, ``free_blocks()`` (free 2 MiB blocks), ``madvise(ptr, length, huge=)``,
-    ``huge_bytes(ptr, length)``: the host, read or changed (defaults: the real ones); ``clock``:
-    seconds, for each piece's rate (default `time.perf_counter`)."""
+    ``faults()`` (the calling thread's page faults so far, `thread_faults`): the host, read or
+    changed (defaults: the real ones); ``page_bytes``: the base page (default the OS's);
+    ``clock``: seconds, for each piece's rate (default `time.perf_counter`)."""
 
-    def __init__(self, *, node: int | None = None, enabled=None, free_blocks=None, madvise=None, huge_bytes=None,
-                 root: str = "/", clock=time.perf_counter) -> None:
+    def __init__(self, *, node: int | None = None, enabled=None, free_blocks=None, madvise=None, faults=None,
+                 page_bytes: int = mmap.PAGESIZE, root: str = "/", clock=time.perf_counter) -> None:
         from hicache.effects._host._probes import free_2mib_blocks
 
         self._clock = clock
         self._enabled = enabled if enabled is not None else (lambda: _read_enabled(root))
         self._free_blocks = free_blocks if free_blocks is not None else (lambda: free_2mib_blocks(root=root, node=node))
         self._madvise = madvise if madvise is not None else _madvise_range
-        self._huge_bytes = huge_bytes if huge_bytes is not None else _huge_bytes
+        self._faults = faults if faults is not None else thread_faults
+        self._page_bytes = page_bytes
         self._lock = threading.Lock()
         self.enabled = self._enabled()  # read once: a bring-up does not outlive a sysfs change we act on
         self.brake: str | None = None  # why THP was turned off for the rest of the bring-up
         self._base: list[PieceFault] = []  # this bring-up's 4 KiB pieces: the rate a THP piece is held to
         self._promised = 0  # bytes of THP pieces in flight: free blocks they will take
         self._reference = False  # a 4 KiB reference piece has been handed out
-        self._huge_reads = 0  # THP pieces whose huge pages were read
         self._unjudged: list[PieceFault] = []  # THP pieces that ended before the reference: judged by it
         self._trying = False  # the one THP piece THP is tried with is out, without a verdict yet
         self._proven = False  # a THP piece was judged against the 4 KiB rate and passed
@@ -82,7 +104,8 @@ class ThpAuto:
 
     def before(self, index: int, ptr: int, length: int):
         """Decide and advise the piece ``[ptr, ptr + length)`` of buffer ``index`` just before it
-        faults; returns ``(ThpDecision, start)`` to hand to `after` once it has."""
+        faults, from the thread that will fault it; returns a `PieceToken` to hand to `after`
+        once it has."""
         with self._lock:
             brake, promised, reference = self.brake, self._promised, not self._reference
             self._reference = True  # the first piece asked is the reference, whatever threads race here
@@ -106,17 +129,15 @@ class ThpAuto:
                 self._promised += length
             counts = self.rules.setdefault(index, {})
             counts[decision.rule] = counts.get(decision.rule, 0) + length
-        return decision, self._clock()
+        return PieceToken(decision, self._clock(), self._faults())
 
-    def after(self, index: int, ptr: int, length: int, token) -> None:
-        """Record how the piece faulted in; a THP piece slower than 4 KiB pages or mostly
-        without huge pages engages the brake."""
-        decision, start = token
-        seconds = self._clock() - start
-        with self._lock:  # the share of huge pages: read for the first THP piece only (see HUGE_READS)
-            read = decision.huge and self._huge_reads < HUGE_READS
-            self._huge_reads += read
-        huge_bytes = self._huge_bytes(ptr, length) if read else (None if decision.huge else 0)
+    def after(self, index: int, ptr: int, length: int, token: PieceToken) -> None:
+        """Record how the piece faulted in (from the thread that faulted it: its fault count is
+        the piece's); a THP piece slower than 4 KiB pages or mostly without huge pages engages
+        the brake."""
+        faults, seconds = self._faults() - token.faults, self._clock() - token.start
+        decision = token.decision
+        huge_bytes = huge_bytes_from_faults(length, faults, page_bytes=self._page_bytes) if decision.huge else 0
         fault = PieceFault(length, seconds, decision.huge, huge_bytes)
         with self._lock:
             if decision.huge:
