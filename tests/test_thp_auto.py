@@ -10,16 +10,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.plan._thp import (
+    EARLY_MARGIN,
     RULES,
     THP_BYTES,
+    THP_STEP_BYTES,
     PieceFault,
     ThpSnapshot,
     base_rate,
     brake_reason,
     decide_piece,
+    early_brake_reason,
     huge_bytes_from_faults,
 )
 from hicache.effects import HostSetup
+from hicache.effects._host import _thp
+from hicache.effects._host._memory import allocate_host, prefault
 
 MiB = 2**20
 PIECE = 64 * MiB
@@ -90,6 +95,23 @@ def test_a_fault_count_out_of_its_law_is_clamped_or_unknown(nbytes, faults, expe
     assert huge_bytes_from_faults(nbytes, faults, page_bytes=4096) == expected
 
 
+@pytest.mark.parametrize("seconds, rate_4k, engaged", [
+    (0.0175, 3.4e9, True),  # this VM's slow huge pages: 0.48 GB/s, 7x under the 4 KiB rate
+    (0.0025, 3.4e9, False),  # a healthy THP step
+    (0.008, 3.4e9, False),  # 1.05 GB/s: slower than 4 KiB pages, but within the margin - the whole piece decides
+    (8 * MiB / (3.4e9 / EARLY_MARGIN) * 1.01, 3.4e9, True),  # just past the margin
+    (8 * MiB / (3.4e9 / EARLY_MARGIN) * 0.99, 3.4e9, False),  # just within it
+    (0.0175, None, False),  # no 4 KiB piece measured yet: no early verdict
+])
+def test_the_early_verdict_brakes_only_a_thp_step_far_slower_than_4k(seconds, rate_4k, engaged):
+    """early_brake_reason on a THP piece's first 8 MiB: only more than EARLY_MARGIN times slower
+    than the 4 KiB rate brakes mid-piece (a short step is noisy; milder cases wait for the whole
+    piece), and the reason gives the figures."""
+    reason = early_brake_reason(PieceFault(8 * MiB, seconds, True, None), rate_4k)
+    assert (reason is not None) == engaged
+    assert reason is None or ("GB/s" in reason and "first 8 MiB" in reason)
+
+
 def test_the_4k_rate_is_the_median_of_this_bring_ups_4k_pieces():
     """base_rate: the median of the measured 4 KiB pieces' rates; None before any."""
     assert base_rate([]) is None
@@ -126,9 +148,7 @@ class _Host:
         self.count += huge_pages + (length - huge_pages * THP_BYTES) // 4096
 
     def policy(self):
-        from hicache.effects._host._thp import ThpAuto
-
-        return ThpAuto(enabled=lambda: self.enabled, free_blocks=lambda: self.blocks, madvise=self.madvise,
+        return _thp.ThpAuto(enabled=lambda: self.enabled, free_blocks=lambda: self.blocks, madvise=self.madvise,
                        faults=self.faults, page_bytes=4096, clock=self.clock)
 
 
@@ -206,7 +226,6 @@ def test_the_prefault_advises_each_piece_before_faulting_it_and_the_brake_reache
     from hicache.effects import HostSetup
     from hicache.effects._bringup import _faulting
     from hicache.effects import HostLedger
-    from hicache.effects._host import _thp
     from hicache.testing import FakeRuntime
 
     events: list = []
@@ -277,8 +296,6 @@ def test_the_fault_count_reads_the_huge_pages_the_kernel_gave_as_smaps_does():
     /proc/self/smaps reports for it (the independent oracle), whatever THP the host grants."""
     import mmap
 
-    from hicache.effects._host._memory import allocate_host, prefault
-    from hicache.effects._host._thp import _madvise_range, thread_faults
     from hicache.effects._host._tiers import page_tiers
 
     buffer = allocate_host(16 * MiB, hugepages="auto")
@@ -287,16 +304,91 @@ def test_the_fault_count_reads_the_huge_pages_the_kernel_gave_as_smaps_does():
         for offset, huge in ((0, False), (8 * MiB, True)):
             ptr = buffer.ptr + offset
             if huge:
-                assert _madvise_range(ptr, 8 * MiB, huge=True)
-            before = thread_faults()
+                assert _thp._madvise_range(ptr, 8 * MiB, huge=True)
+            before = _thp.thread_faults()
             prefault(buffer, threads=1, start=offset, length=8 * MiB)
-            faults = thread_faults() - before  # every Linux counts them: populate's since 5.9, the touch's always
+            faults = _thp.thread_faults() - before  # every Linux counts them: populate's since 5.9, the touch's always
             assert faults >= 8 * MiB // THP_BYTES
             seen.append((huge_bytes_from_faults(8 * MiB, faults, page_bytes=mmap.PAGESIZE),
                          page_tiers(ptr, 8 * MiB).thp))
         assert seen[0] == (0, 0) and seen[1][0] == seen[1][1]
     finally:
         buffer.free()
+
+
+def _stepped(host, seconds_per_byte, huge_below=0):
+    """A populate for ThpAuto.fault on the fake host: records each call and advances the clock
+    (``seconds_per_byte(offset)``) and the fault count as that part faulting in would - in huge
+    pages where it starts below ``huge_below``, else 4 KiB ones."""
+    calls: list = []
+
+    def populate(offset, nbytes):
+        calls.append((offset, nbytes))
+        host.now += nbytes * seconds_per_byte(offset)
+        host.count += nbytes // THP_BYTES if offset < huge_below else nbytes // 4096
+
+    return calls, populate
+
+
+def test_a_thp_piece_that_starts_far_slower_than_4k_stops_thp_after_its_first_step():
+    """A 32 MiB THP piece whose huge pages fault 7x slower than this bring-up's 4 KiB pages:
+    it faults one 8 MiB step with THP, the brake engages there, the other 24 MiB are advised
+    back to 4 KiB pages and faulted in one call, and every byte is counted once - 8 MiB under
+    "free", 24 MiB under "brake" - with the early verdict named."""
+    host = _Host(seconds=[0.01])
+    policy = host.policy()
+    _fault(policy, host, [(0, PIECE)])  # the 4 KiB reference: 6.7 GB/s
+    calls, populate = _stepped(host, lambda offset: 7 / 6.7e9 if offset < THP_STEP_BYTES else 1 / 6.7e9,
+                               huge_below=THP_STEP_BYTES)
+    policy.fault(0, PIECE, 32 * MiB, populate)
+    assert calls == [(0, THP_STEP_BYTES), (THP_STEP_BYTES, 32 * MiB - THP_STEP_BYTES)]
+    assert host.advice == [(PIECE, 32 * MiB, True), (PIECE + THP_STEP_BYTES, 32 * MiB - THP_STEP_BYTES, False)]
+    summary = policy.summary()
+    assert summary["rules"] == {0: {"reference": PIECE, "free": THP_STEP_BYTES, "brake": 32 * MiB - THP_STEP_BYTES}}
+    assert "first 8 MiB" in summary["brake"]
+    assert policy.before(0, 2 * PIECE, PIECE).decision.rule == "brake"
+
+
+def test_a_healthy_thp_piece_faults_in_steps_and_keeps_thp():
+    """A THP piece faster than 4 KiB pages faults in four 8 MiB steps, none re-advised; the
+    piece is judged whole (THP proven) and the next pieces get THP."""
+    host = _Host(seconds=[0.01])
+    policy = host.policy()
+    _fault(policy, host, [(0, PIECE)])
+    calls, populate = _stepped(host, lambda offset: 1 / 13e9, huge_below=32 * MiB)
+    policy.fault(0, PIECE, 32 * MiB, populate)
+    assert calls == [(i * THP_STEP_BYTES, THP_STEP_BYTES) for i in range(4)]
+    assert host.advice == [(PIECE, 32 * MiB, True)] and policy.summary()["brake"] is None
+    assert [policy.before(0, (2 + i) * PIECE, PIECE).decision.rule for i in range(2)] == ["free", "free"]
+
+
+def test_a_thp_piece_stops_thp_at_its_next_step_once_another_piece_braked():
+    """Another thread's piece engages the brake while a THP piece is mid-way: the THP piece
+    stops THP at its next step boundary (the brake holds for the rest of the bring-up, pieces
+    in flight included), though its own steps are fast."""
+    host = _Host(seconds=[0.01])
+    policy = host.policy()
+    _fault(policy, host, [(0, PIECE)])
+
+    def populate(offset, nbytes):
+        calls.append((offset, nbytes))
+        host.now += nbytes / 13e9
+        if offset == 0:
+            policy.brake = "another piece braked"
+
+    calls: list = []
+    policy.fault(0, PIECE, 32 * MiB, populate)
+    assert calls == [(0, THP_STEP_BYTES), (THP_STEP_BYTES, 32 * MiB - THP_STEP_BYTES)]
+    assert policy.summary()["rules"][0]["brake"] == 32 * MiB - THP_STEP_BYTES
+
+
+def test_a_4k_piece_faults_in_one_call():
+    """A piece decided 4 KiB pages (here the reference) faults in one populate call, unadvised."""
+    host = _Host()
+    policy = host.policy()
+    calls, populate = _stepped(host, lambda offset: 1 / 6.7e9)
+    policy.fault(0, 0, 32 * MiB, populate)
+    assert calls == [(0, 32 * MiB)] and host.advice == []
 
 
 def test_auto_is_the_default_of_the_pools_apply_and_the_seam_mode(monkeypatch):
@@ -340,8 +432,6 @@ def test_thp_pieces_that_end_before_the_reference_are_judged_once_it_has():
 def test_an_auto_mapping_starts_as_4k_pages_whole():
     """allocate_host(hugepages="auto") maps with MADV_NOHUGEPAGE over the whole buffer (VmFlags
     "nh"): a 4 KiB piece then needs no call of its own, and only THP pieces are advised."""
-    from hicache.effects._host._memory import allocate_host
-
     buffer = allocate_host(8 * MiB, hugepages="auto")
     try:
         flags = None

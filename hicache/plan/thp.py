@@ -3,14 +3,16 @@ setting, free blocks, measured rates) and its brake, for the host room that maps
 a face over `_thp`, pure."""
 
 from hicache.plan._thp import (
+    THP_STEP_BYTES,
     PieceFault,
     ThpDecision,
     ThpSnapshot,
     base_rate,
     brake_reason,
     decide_piece,
+    early_brake_reason,
     huge_bytes_from_faults,
 )
 
-__all__ = ["PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason", "decide_piece",
-           "huge_bytes_from_faults"]
+__all__ = ["THP_STEP_BYTES", "PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason", "decide_piece",
+           "early_brake_reason", "huge_bytes_from_faults"]

@@ -124,10 +124,14 @@ class Prefaulter:
                         if args is not None:  # tracing: where the kernel ran it (issue #35 item 2)
                             args["cpus"] = _cpus_text()
                         buffer = self.buffers[index]
-                        token = None if self.thp is None else self.thp.before(index, buffer.ptr + offset, length)
-                        prefault(buffer, threads=1, start=offset, length=length, piece_bytes=length)
-                        if token is not None:
-                            self.thp.after(index, buffer.ptr + offset, length, token)
+
+                        def populate(start: int, nbytes: int) -> None:
+                            prefault(buffer, threads=1, start=offset + start, length=nbytes, piece_bytes=nbytes)
+
+                        if self.thp is None:
+                            populate(0, length)
+                        else:  # decided, faulted (a THP piece in steps) and judged on this thread
+                            self.thp.fault(index, buffer.ptr + offset, length, populate)
                 with self._changed:  # progress in order: a later call may finish first
                     finished[number] = True
                     while frontier[0] < len(calls) and finished[frontier[0]]:

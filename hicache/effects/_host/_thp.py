@@ -20,12 +20,14 @@ from typing import NamedTuple
 
 from hicache.effects._host._libc import madvise_function
 from hicache.plan.thp import (
+    THP_STEP_BYTES,
     PieceFault,
     ThpDecision,
     ThpSnapshot,
     base_rate,
     brake_reason,
     decide_piece,
+    early_brake_reason,
     huge_bytes_from_faults,
 )
 
@@ -35,12 +37,14 @@ THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 class PieceToken(NamedTuple):
-    """What `ThpAuto.before` hands the faulting thread for `ThpAuto.after`: the decision, and the
-    clock and the thread's page-fault count just before the piece faulted."""
+    """What `ThpAuto.before` hands the faulting thread for `ThpAuto.after`: the decision, the
+    clock and the thread's page-fault count just before the piece faulted, and the bytes it
+    was decided for (a THP piece's: promised free blocks until it ends)."""
 
     decision: ThpDecision
     start: float
     faults: int
+    nbytes: int
 
 
 def thread_faults() -> int:
@@ -129,7 +133,40 @@ class ThpAuto:
                 self._promised += length
             counts = self.rules.setdefault(index, {})
             counts[decision.rule] = counts.get(decision.rule, 0) + length
-        return PieceToken(decision, self._clock(), self._faults())
+        return PieceToken(decision, self._clock(), self._faults(), length)
+
+    def fault(self, index: int, ptr: int, length: int, populate) -> None:
+        """Decide, fault and judge the piece ``[ptr, ptr + length)`` of buffer ``index`` on the
+        calling thread; ``populate(offset, nbytes)`` faults that part of it. A THP piece faults
+        in steps of `THP_STEP_BYTES`: where its steps so far run far slower than 4 KiB pages
+        (`early_brake_reason`), or another piece has engaged the brake meanwhile, the brake
+        holds from there - the rest of the piece is advised back to 4 KiB pages and counted
+        under the rule ``brake``."""
+        token = self.before(index, ptr, length)
+        done = length if not token.decision.huge else min(THP_STEP_BYTES, length)
+        populate(0, done)
+        while done < length and not self._stops_thp(token, done):
+            step = min(THP_STEP_BYTES, length - done)
+            populate(done, step)
+            done += step
+        self.after(index, ptr, done, token)
+        if done == length:
+            return
+        self._madvise(ptr + done, length - done, huge=False)  # best effort: refused, the rest faults as advised
+        with self._lock:
+            self.rules[index][token.decision.rule] -= length - done  # counted again under the brake
+        rest = self.before(index, ptr + done, length - done)
+        populate(done, length - done)
+        self.after(index, ptr + done, length - done, rest)
+
+    def _stops_thp(self, token: PieceToken, done: int) -> bool:
+        """Whether a THP piece stops THP after its first ``done`` bytes: the brake is engaged
+        (by another piece, or now by the early verdict on these bytes)."""
+        seconds = self._clock() - token.start
+        with self._lock:
+            if self.brake is None:
+                self.brake = early_brake_reason(PieceFault(done, seconds, True, None), base_rate(self._base))
+            return self.brake is not None
 
     def after(self, index: int, ptr: int, length: int, token: PieceToken) -> None:
         """Record how the piece faulted in (from the thread that faulted it: its fault count is
@@ -141,7 +178,7 @@ class ThpAuto:
         fault = PieceFault(length, seconds, decision.huge, huge_bytes)
         with self._lock:
             if decision.huge:
-                self._promised -= length
+                self._promised -= token.nbytes
             else:
                 self._base.append(fault)
             rate = base_rate(self._base)
