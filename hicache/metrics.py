@@ -133,14 +133,16 @@ def track(pool: str, handle, *, numa_node=None, page_num=None, ready_pages=None,
 class _Detached:
     """What the collector reads of a bring-up whose registration its handle handed on (the
     plug-in's seam mode: SGLang's own pool owns the tensor and releases it): the registration
-    itself, the handle's timings and the page tiers as obtained at bring-up."""
+    itself, the handle's timings and the page tiers - a list as obtained, or a reader
+    ``tiers(smaps_text)`` called at each scrape while the registration is active (the seam's:
+    a bring-up reads no smaps)."""
 
     mode = "blocking"
 
     def __init__(self, registration, *, timings, allocator, total_bytes: int, tiers) -> None:
         self.registration = registration
         self.timings, self.allocator, self.total_bytes = dict(timings), allocator, total_bytes
-        self._tiers = list(tiers) if tiers is not None else None
+        self._tiers = tiers if callable(tiers) or tiers is None else list(tiers)
 
     @property
     def state(self) -> str:
@@ -155,7 +157,9 @@ class _Detached:
             return ()
         return tuple((r.ptr, r.size) for r in self.registration.status().ranges)
 
-    def tiers(self) -> list:
+    def tiers(self, smaps_text=None) -> list:
+        if callable(self._tiers):  # read now; memory no longer registered may be someone else's
+            return self._tiers(smaps_text) if self.state == "active" else []
         return self._tiers or []
 
     def budget_claims(self) -> dict:
@@ -167,14 +171,16 @@ class _Detached:
 
         return make_record(state=self.state, total_bytes=self.total_bytes,
                            registered_bytes=sum(size for _, size in self.registered_ranges()), calls=self.calls,
-                           timings=self.timings, allocator=self.allocator, tiers=self.tiers() if tiers else ())
+                           timings=self.timings, allocator=self.allocator,
+                           tiers=self.tiers(smaps_text) if tiers else ())
 
 
 def track_registration(pool: str, registration, *, timings=None, allocator=None, total_bytes: int = 0,
                        tiers=None, page_num=None) -> object | None:
     """Report a registration made for a tensor someone else owns (`hicache.compat.sglang`: the
     plug-in's seam mode) as pool ``pool``: registered bytes and calls from ``registration``,
-    phase seconds from ``timings``, ``tiers`` as obtained. Returns the tracked object (keep it
+    phase seconds from ``timings``, ``tiers`` as obtained (a list, or a reader ``tiers(smaps_text)``
+    of them now, called at each scrape). Returns the tracked object (keep it
     while the tensor lives: the entry holds it weakly); None when metrics are off."""
     try:
         if not available():

@@ -269,3 +269,32 @@ def test_every_bring_up_is_shown_by_the_bring_up_itself_and_a_replaced_one_never
     finally:
         for handle in (first, second, hidden):
             handle.release()
+
+
+def test_a_handed_on_registrations_tiers_are_read_at_each_scrape_and_never_once_it_is_released():
+    """The seam's tracked registration (`track_registration` with a tiers reader): each read asks
+    the reader again (the tiers as they are now, not at bring-up), and once the registration is
+    released the reader is not called at all - that memory may be someone else's by then."""
+    from types import SimpleNamespace
+
+    calls: list = []
+
+    def reader(smaps_text=None):
+        calls.append(smaps_text)
+        return [("kv", SimpleNamespace(hugetlb=0, thp=0, base=4096))]
+
+    class Registration:
+        state = "active"
+
+        def status(self):
+            return SimpleNamespace(state=self.state, ranges=[], register_seconds=0.0)
+
+    registration = Registration()
+    tracked = metrics.track_registration("test-reader:buffer0", registration, tiers=reader, total_bytes=4096)
+    try:
+        assert tracked.tiers() == reader() and tracked.tiers("smaps text") == reader()
+        assert calls == [None, None, "smaps text", None]
+        registration.state = "released"
+        assert tracked.tiers() == [] and len(calls) == 4
+    finally:
+        metrics.released("test-reader:buffer0", tracked)

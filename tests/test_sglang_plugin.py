@@ -174,6 +174,48 @@ def test_sglangs_own_mha_pool_comes_up_through_hicache_and_goes_down_clean(sglan
         fake.check_valid()
 
 
+def test_sglangs_own_pool_reads_no_smaps_at_bring_up_and_a_scrape_reads_its_page_tiers(sglang, monkeypatch):
+    """Seam mode with the metrics on (prometheus_client is in every SGLang server): SGLang's own
+    pool's constructor reads no /proc/self/smaps (a read walks every page table of the process:
+    53-60 ms with SGLang loaded); a scrape then reads its buffer's page tiers as obtained - every
+    byte pre-faulted, so the tiers add up to the buffer - and none once SGLang's destroy() has
+    released it."""
+    import builtins
+
+    import sglang.srt.plugins as plugins
+    from prometheus_client import CollectorRegistry
+
+    from hicache import metrics
+
+    def tiers(registry, pool):
+        return {s.labels["tier"]: s.value for family in registry.collect() for s in family.samples
+                if s.name == "hicache_host_pool_bytes" and s.labels["pool"] == pool}
+
+    plugins.load_plugins()
+    registry = CollectorRegistry()
+    assert metrics.install(registry)
+    device = _device_pool()
+    opened: list = []
+    real_open = builtins.open
+
+    def recording_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    with fake_cuda():
+        monkeypatch.setattr(builtins, "open", recording_open)
+        try:
+            host = _host_pool(device, "page_first_direct")
+        finally:
+            monkeypatch.setattr(builtins, "open", real_open)
+        assert not [path for path in opened if path.endswith("smaps")], opened
+        pool = host.kv_buffer._hicache_metrics[0]  # the buffer's series (compat.sglang._METRICS_ATTR)
+        got = tiers(registry, pool)
+        assert sum(got.values()) == host.kv_buffer.numel() * host.kv_buffer.element_size() and set(got) >= {"4k", "thp"}
+        host.destroy()
+        assert sum(tiers(registry, pool).values()) == 0
+
+
 def test_sglangs_default_allocator_gives_way_to_hicaches_and_a_back_ends_is_kept(sglang, monkeypatch):
     """SGLang's default HostTensorAllocator (MAP_POPULATE: one thread faults it all inside
     mmap) is replaced for the bring-up by hicache's (parallel pre-fault pipelined with the

@@ -20,7 +20,7 @@ import weakref
 from hicache.effects._cuda._registration import _leak_message
 from hicache.effects._hostwide._turnstile import wait_histogram
 from hicache.effects._host._memory import quarantine, unquarantine
-from hicache.effects._host._tiers import page_tiers, read_smaps
+from hicache.effects._host._tiers import buffer_tiers, read_smaps
 import hicache.effects._trace as _trace
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._bringup import _report
@@ -284,8 +284,11 @@ class HostPools:
         pages, transparent huge pages and base pages right now (``/proc/self/smaps``) - the tier
         obtained, not the one asked for (a hugepage fallback is a 2-5x bring-up cliff).
         ``smaps_text``: one read of it shared by several handles (`read_smaps`; a scrape of many pools)."""
-        smaps = read_smaps() if smaps_text is None else smaps_text  # one read for every buffer
-        return [(request.name, page_tiers(tensor.data_ptr(), tensor.numel() * tensor.element_size(), smaps_text=smaps))
+        return buffer_tiers(self.buffer_spans(), smaps_text)  # one read for every buffer
+
+    def buffer_spans(self) -> list:
+        """``(buffer name, ptr, bytes)`` of each buffer this handle holds."""
+        return [(request.name, tensor.data_ptr(), tensor.numel() * tensor.element_size())
                 for request, tensor in zip(self.requests, self.tensors)]
 
     def page_rules(self) -> tuple:

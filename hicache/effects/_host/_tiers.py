@@ -161,3 +161,10 @@ def page_tiers(ptr: int, length: int, *, smaps_text: str | None = None, smaps_pa
         thp += huge_part
         base += inside - huge_part
     return PageTiers(hugetlb, thp, base, exact)
+
+
+def buffer_tiers(buffers, smaps_text: str | None = None) -> list:
+    """``(name, PageTiers)`` for each ``(name, ptr, nbytes)`` of ``buffers`` now, from one read
+    of smaps (``smaps_text``: one shared by several callers, a scrape of many pools)."""
+    smaps = read_smaps() if smaps_text is None else smaps_text
+    return [(name, page_tiers(ptr, nbytes, smaps_text=smaps)) for name, ptr, nbytes in buffers]
