@@ -9,8 +9,9 @@ process's value files through ``prometheus_client.values.ValueClass``, the store
 own Gauge and Counter write through: gauges in mode ``all`` (the MultiProcessCollector adds a
 ``pid`` label: one series per process, i.e. per rank), counters and the histogram with a
 ``pid`` label of their own (it would sum them over processes otherwise). Written at each
-tracked event and every `PUBLISH_EVERY_S` by one daemon thread while anything is tracked
-(progressive pools move between events); outside multiprocess mode nothing here runs.
+tracked event (by the caller, without the page tiers: see `hicache.metrics._published`), then
+by one daemon thread - woken by the event, and every `PUBLISH_EVERY_S` while anything is
+tracked (progressive pools move between events); outside multiprocess mode nothing here runs.
 A failure is logged, never raised: a diagnostic never fails the work it observes.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
 logger = logging.getLogger("hicache.metrics")
 
@@ -46,6 +46,9 @@ class Publisher:
         self.slots: dict = {}
         self.pid = os.getpid()
         self._thread = None
+        self._woken = threading.Event()
+        self._tickets = 0  # collects started: a write carries the number its collect began with
+        self._written = -1  # the newest collect written so far
 
     def _slot(self, typ: str, family: str, sample: str, labels: dict, documentation: str):
         key = (typ, family, sample, tuple(labels.items()))
@@ -58,9 +61,21 @@ class Publisher:
             self.slots[key] = slot
         return slot
 
-    def write(self, families) -> None:
-        """Every sample of ``families`` as this process's value now."""
+    def ticket(self) -> int:
+        """The number of a collect about to start (see `write`)."""
         with self.lock:
+            self._tickets += 1
+            return self._tickets
+
+    def write(self, families, ticket: int | None = None) -> None:
+        """Every sample of ``families`` as this process's value now - unless they were collected
+        (``ticket``) before values already written: the thread's collect can start before a
+        bring-up's own write and end after it, and must not put the older values back."""
+        with self.lock:
+            if ticket is not None:
+                if ticket < self._written:
+                    return
+                self._written = ticket
             if os.getpid() != self.pid:  # forked: the parent's slots point at the parent's files
                 self.slots, self.pid = {}, os.getpid()
             pid = str(self.pid)
@@ -99,16 +114,22 @@ class Publisher:
             self._thread = threading.Thread(target=self._run, args=(collect,), name="hicache-metrics", daemon=True)
             self._thread.start()
 
+    def wake(self) -> None:
+        """Have the thread write now rather than at its next `PUBLISH_EVERY_S`."""
+        self._woken.set()
+
     def _run(self, collect) -> None:
         while True:  # a daemon: it ends with the process
-            time.sleep(PUBLISH_EVERY_S)
+            self._woken.wait(PUBLISH_EVERY_S)
+            self._woken.clear()
             publish(self, collect)
 
 
 def publish(publisher: Publisher, collect) -> None:
     """Write what ``collect()`` yields now; a failure is a log line, never the caller's."""
     try:
-        publisher.write(list(collect()))
+        ticket = publisher.ticket()
+        publisher.write(list(collect()), ticket)
     except Exception:
         logger.exception("hicache metrics: could not write the multiprocess values")
 

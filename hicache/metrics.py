@@ -24,6 +24,8 @@ import threading
 import weakref
 
 logger = logging.getLogger(__name__)
+#: the family of page tiers: the one whose values need a read of /proc/self/smaps
+TIERS_FAMILY = "hicache_host_pool_bytes"
 
 from hicache._metrics_rows import (
     POOL_METRICS,
@@ -249,13 +251,17 @@ def untrack_store(arena: str) -> None:
 
 def _published() -> None:
     """Under prometheus multiprocess mode: this process's values written now, and every few
-    seconds from then on (`hicache._metrics_publish`); otherwise nothing."""
+    seconds from then on (`hicache._metrics_publish`); otherwise nothing. Written here without
+    the page tiers - this runs inside the bring-up that was tracked, and reading
+    /proc/self/smaps walks every page table of the process (53-60 ms with SGLang loaded) - and
+    at once again by the publisher's thread, tiers included."""
     try:
         from hicache import _metrics_publish as mp
 
         if mp.active():
-            mp.publish(mp.PUBLISHER, _Collector().collect)
+            mp.publish(mp.PUBLISHER, _Collector(tiers=False).collect)
             mp.PUBLISHER.start(_Collector().collect)
+            mp.PUBLISHER.wake()
     except Exception:  # a diagnostic never fails the work it observes
         logger.exception("hicache metrics: could not publish")
 
@@ -277,9 +283,10 @@ def _store_views() -> list:
     return views
 
 
-def _pool_scrape() -> PoolScrape:
-    """Every tracked bring-up read once: its frozen record (one smaps read for all of them),
-    the calls tallied, the budget claims, the last rates, the turnstile's waits."""
+def _pool_scrape(*, tiers: bool = True) -> PoolScrape:
+    """Every tracked bring-up read once: its frozen record (one smaps read for all of them;
+    none and no tiers with ``tiers=False``), the calls tallied, the budget claims, the last
+    rates, the turnstile's waits."""
     with _STATE.lock:
         entries = list(_STATE.entries.items())
         tally = dict(_STATE.calls)
@@ -291,9 +298,9 @@ def _pool_scrape() -> PoolScrape:
     for pool, entry in entries:
         handle = entry.handle()
         alive = handle is not None and not entry.released and handle.state != "released"
-        if alive and smaps is None and hasattr(handle, "read_smaps"):
+        if tiers and alive and smaps is None and hasattr(handle, "read_smaps"):
             smaps = handle.read_smaps()  # once per scrape, however many pools (it grows with the mappings)
-        record = handle.record(smaps_text=smaps) if alive else None  # the bring-up's own frozen record
+        record = handle.record(tiers=tiers, smaps_text=smaps) if alive else None  # the bring-up's own frozen record
         if record:
             key = (pool, "ok")
             tally[key] = tally.get(key, 0) + record.calls
@@ -309,13 +316,18 @@ def _pool_scrape() -> PoolScrape:
 
 class _Collector:
     """Reads every tracked bring-up and store once when the registry is scraped, then makes each
-    family from its row of the table (`hicache._metrics_rows`)."""
+    family from its row of the table (`hicache._metrics_rows`); ``tiers=False``: without the
+    page tiers' family (no smaps read)."""
+
+    def __init__(self, *, tiers: bool = True) -> None:
+        self.tiers = tiers
 
     def describe(self):
         return []  # families are made at collect time (prometheus_client then skips the dry run)
 
     def collect(self):
-        yield from families(POOL_METRICS, _pool_scrape())
+        rows = POOL_METRICS if self.tiers else [row for row in POOL_METRICS if row.name != TIERS_FAMILY]
+        yield from families(rows, _pool_scrape(tiers=self.tiers))
         yield from families(STORE_METRICS, _store_views())
 
 

@@ -110,6 +110,29 @@ def test_each_family_kind_is_served_as_the_process_collected_it(multiprocess_val
         assert served[("t_wait_seconds_sum", (("pid", pid),))] == pytest.approx(0.02 * scale)
 
 
+def test_values_collected_before_the_last_write_never_replace_it(multiprocess_values):
+    """Two collects overlap (the publisher's thread began one, then a bring-up collected and
+    wrote its own): the older one's write, landing last, is dropped - the served value stays
+    the newer one, and a later collect writes again."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from hicache import _metrics_publish as mp
+
+    def gauge(value):
+        family = GaugeMetricFamily("t_registered", "bytes", labels=("pool",))
+        family.add_metric(["a"], value)
+        return [family]
+
+    key = ("t_registered", (("pid", str(os.getpid())), ("pool", "a")))
+    publisher = mp.Publisher()
+    older, newer = publisher.ticket(), publisher.ticket()
+    publisher.write(gauge(811008.0), newer)
+    publisher.write(gauge(0.0), older)
+    assert _served(multiprocess_values)[key] == 811008.0
+    publisher.write(gauge(4096.0), publisher.ticket())
+    assert _served(multiprocess_values)[key] == 4096.0
+
+
 def test_a_failing_collect_is_a_log_line_never_the_callers(multiprocess_values, caplog):
     """A diagnostic never fails the work it observes: publish() swallows and logs."""
     from hicache import _metrics_publish as mp
@@ -119,3 +142,63 @@ def test_a_failing_collect_is_a_log_line_never_the_callers(multiprocess_values, 
 
     mp.publish(mp.Publisher(), broken)
     assert "could not write the multiprocess values" in caplog.text
+
+
+def test_a_bring_up_writes_its_values_at_once_without_reading_smaps_and_the_thread_adds_the_tiers(
+        multiprocess_values, monkeypatch, tmp_path):
+    """Under multiprocess mode a pool's constructor writes this process's values itself but reads
+    no /proc/self/smaps (53-60 ms a read with SGLang loaded: the page tiers are left out of that
+    write); the publisher's thread, woken by the bring-up, then writes everything, page tiers
+    included - they add up to the pool's bytes, all pre-faulted."""
+    import builtins
+    import threading
+
+    from doors import doors
+    from machine import ROOMY
+
+    from hicache import _metrics_publish as mp
+    from hicache.effects import BudgetLock
+    from hicache.plan import Limits
+    from hicache.pools import MHATokenToKVPoolHost
+    from hicache.testing import FakeRuntime, MHADevicePool
+
+    assert mp.active()
+    monkeypatch.setattr(mp, "PUBLISHER", mp.Publisher())  # its thread starts with this bring-up
+    monkeypatch.setattr(mp, "PUBLISH_EVERY_S", 3600.0)  # so only the bring-up's wake makes it write
+    written = threading.Event()
+    real_publish = mp.publish
+
+    def recording_publish(publisher, collect):
+        real_publish(publisher, collect)
+        if threading.current_thread().name == "hicache-metrics":
+            written.set()
+
+    monkeypatch.setattr(mp, "publish", recording_publish)
+    opened: list = []
+    real_open = builtins.open
+
+    def recording_open(file, *args, **kwargs):
+        if threading.current_thread().name != "hicache-metrics":  # the publisher's own thread may
+            opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    device = MHADevicePool(size=64, layer_num=2, head_num=2, head_dim=64, page_size=4)
+    monkeypatch.setattr(builtins, "open", recording_open)
+    try:
+        pool = MHATokenToKVPoolHost(device, 2.0, 0, 4, "page_first_direct", True, "cpu", pool_label="mp-tiers",
+                                    **doors(runtime=FakeRuntime(), machine=ROOMY, budget_lock=BudgetLock(tmp_path),
+                                            limits=Limits(chunk_limit_bytes=64 * 1024)))
+    finally:
+        monkeypatch.setattr(builtins, "open", real_open)
+    try:
+        assert not [path for path in opened if path.endswith("smaps")], opened
+        pid = str(os.getpid())
+        served = _served(multiprocess_values)
+        assert served[("hicache_registered_bytes", (("pid", pid), ("pool", pool.metrics_name)))] > 0
+        assert written.wait(60), "the publisher's thread never wrote"  # a hang guard, not a timing
+        served = _served(multiprocess_values)
+        tiers = {dict(k[1])["tier"]: v for k, v in served.items()
+                 if k[0] == "hicache_host_pool_bytes" and dict(k[1]).get("pool") == pool.metrics_name}
+        assert set(tiers) == {"hugetlb", "thp", "4k"} and sum(tiers.values()) >= pool._host.total_bytes
+    finally:
+        pool.destroy()
