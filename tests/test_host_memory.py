@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.effects import HostLedger
-from hicache.effects._host import _memory as _host_memory
+from hicache.effects._host import _memory as _host_memory, _release
 from hicache.effects._host._memory import allocate_host, prefault
 from hicache.effects import apply_plan, os_page_bytes
 from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
@@ -503,7 +503,6 @@ def test_a_freed_buffer_gives_its_pages_back_in_parallel_pieces_then_unmaps(monk
     before the unmap, and a range of one piece is left to munmap alone."""
     import threading
 
-    from hicache.effects._host import _release
     from hicache.effects._host._tiers import resident_bytes
 
     monkeypatch.setattr(_release, "RELEASE_PIECE_BYTES", 64 * 1024)
@@ -531,10 +530,39 @@ def test_a_freed_buffer_gives_its_pages_back_in_parallel_pieces_then_unmaps(monk
     assert calls == [(ptr, mapped)] and buffer.freed
 
 
+def _mapped(ptr: int) -> bool:
+    """Some mapping of this process covers ``ptr`` (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return any(low <= ptr < high for low, high in
+                   ((int(x, 16) for x in line.split()[0].split("-")) for line in maps))
+
+
+@pytest.mark.parametrize("pieces, threaded", [(16, True), (1, False)])
+def test_the_last_view_of_a_freed_buffer_gives_its_pages_back_on_the_release_thread(monkeypatch, pieces, threaded):
+    """A mapping that outlives its buffer's free() in a view (the plug-in's seam mode: SGLang keeps
+    the tensor) gives its pages back in parallel pieces when that view dies - on the release
+    thread, then unmapped there; a mapping of fewer than two pieces is unmapped as it dies, as
+    any mmap is."""
+    import threading
+
+
+    monkeypatch.setattr(_release, "RELEASE_PIECE_BYTES", 1024 * 1024 // pieces)
+    calls = []
+    monkeypatch.setattr(_release, "give_back", lambda ptr, length: calls.append(
+        (ptr, length, threading.current_thread().name)))
+    buffer = allocate_host(1024 * 1024)
+    ptr, mapped = buffer.ptr, buffer.mapped_bytes
+    view = buffer.tensor.view(-1)[:4096]
+    buffer.free()
+    assert calls == [] and _mapped(ptr)
+    del view
+    assert _release.wait_for_releases(timeout=60)  # a hang guard: the thread answers in order
+    assert calls == ([(ptr, mapped, "hicache-release")] if threaded else []) and not _mapped(ptr)
+
+
 def test_a_buffer_another_tensor_still_views_is_neither_zapped_nor_unmapped_by_free(monkeypatch):
     """free() while a view of the memory lives elsewhere: no page is given back and nothing is
     unmapped (the view keeps its bytes); the mapping goes with the last view."""
-    from hicache.effects._host import _release
     from hicache.effects._host._memory import allocate_host
 
     calls = []

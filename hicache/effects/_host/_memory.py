@@ -195,7 +195,9 @@ def _sole_user(tensor) -> bool:
 
 
 def _map(length: int, flags: int) -> mmap.mmap:
-    return mmap.mmap(
+    from hicache.effects._host._release import ReleasingMapping
+
+    return ReleasingMapping(
         -1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags,
         prot=mmap.PROT_READ | mmap.PROT_WRITE,
     )
@@ -278,6 +280,7 @@ def allocate_host(
     except (OSError, AttributeError):
         notes.append("madvise(MADV_DONTFORK) refused: a forked child shares these pages copy-on-write")
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+    _release_when_dropped(mapping, tensor.data_ptr())
     if numa_node is not None:
 
         try:
@@ -288,6 +291,16 @@ def allocate_host(
             raise
         notes.append(f"bound to NUMA node {numa_node}")
     return HostBuffer(nbytes, length, page, huge, tuple(notes), mapping, tensor)
+
+
+def _release_when_dropped(mapping, base: int) -> None:
+    """Let ``mapping`` give its pages back in parallel if it dies with its views, past this
+    buffer's `free` (`ReleasingMapping`): its address, and the release thread running."""
+    from hicache.effects._host._release import RELEASE_PIECE_BYTES, RELEASER
+
+    mapping.base = base
+    if len(mapping) >= 2 * RELEASE_PIECE_BYTES:
+        RELEASER.start()
 
 
 @attrs.frozen

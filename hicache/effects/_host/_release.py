@@ -2,12 +2,19 @@
 a mapping from one thread, so 37.5 GiB of 4 KiB pages took 2.3-3.3 s to release on an H200 host;
 MADV_DONTNEED takes the process's mmap lock only for reading, so several threads free pieces side
 by side and the unmap after them has little left to do. Called by `HostBuffer.free` once nothing
-else views the memory and nothing of it is registered.
+else views the memory and nothing of it is registered - and, for a mapping that outlives its
+`HostBuffer` in the tensors viewing it (the plug-in's seam mode: SGLang's own pool keeps the
+tensor and drops it after its destroy(); a free deferred to its views), by this module's release
+thread once the last view is gone (`ReleasingMapping`).
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
 import os
+import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from hicache.effects._host._libc import madvise_function as _libc_madvise  # a name of this module: tests wrap it
@@ -36,3 +43,88 @@ def give_back(ptr: int, length: int, *, threads: int | None = None) -> int:
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hicache-release") as pool:
         list(pool.map(zap, pieces))
     return workers
+
+
+logger = logging.getLogger(__name__)
+
+
+class ReleasingMapping(mmap.mmap):
+    """An anonymous mapping whose pages go back in parallel pieces (`give_back`) when it dies still
+    mapped - when the last tensor viewing it is dropped - rather than by the unmap alone from one
+    thread. ``base``: its address, set once mapped (0: not known, an ordinary unmap). Its
+    finalizer starts nothing and takes no lock (the garbage collector may run it anywhere): it
+    hands the mapping, alive again, to the release thread, which gives its pages back and closes
+    it; where that thread is not running (mappings under two pieces, a forked child, the
+    interpreter's exit) the unmap alone frees it, as for any mmap."""
+
+    base = 0
+
+    def __del__(self) -> None:
+        if self.closed or not self.base or len(self) < 2 * RELEASE_PIECE_BYTES:
+            return
+        RELEASER.take(self)
+
+
+class _Releaser:
+    """The release thread: takes dropped `ReleasingMapping`s in order, gives each one's pages back
+    and closes it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from a finalizer
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def _running(self) -> bool:
+        thread = self._thread
+        return thread is not None and self._pid == os.getpid() and thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread in this process if it is not running (from a mapping's owner, never
+        from a finalizer: starting a thread takes locks)."""
+        with self._lock:
+            if not self._running():
+                self._thread = threading.Thread(target=self._run, name="hicache-release", daemon=True)
+                self._pid = os.getpid()
+                self._thread.start()
+
+    def take(self, mapping: ReleasingMapping) -> bool:
+        """From the mapping's finalizer: queue it for the thread (False: no thread here; it is
+        unmapped as it dies)."""
+        if not self._running():
+            return False
+        self._queue.put(mapping)
+        return True
+
+    def _run(self) -> None:
+        while True:  # a daemon: it ends with the process
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                give_back(item.base, len(item))
+            except Exception:  # the unmap still frees every page, from one thread
+                logger.exception("hicache: giving a dropped mapping's pages back in parallel failed")
+            finally:
+                item.close()  # nothing views it any more: the unmap cannot be refused
+                del item
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Return once every mapping dropped before this call has been released (True), or False
+        on timeout: for a caller that needs the memory back before it maps again."""
+        if not self._running():
+            return True
+        marker = threading.Event()
+        self._queue.put(marker)
+        return marker.wait(timeout)
+
+
+#: This process's release thread.
+RELEASER = _Releaser()
+
+
+def wait_for_releases(timeout: float | None = None) -> bool:
+    """Every mapping dropped so far (its last view gone) has given its pages back and is unmapped:
+    True, or False on timeout."""
+    return RELEASER.wait(timeout)
