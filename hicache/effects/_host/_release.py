@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hicache.effects._host._libc import madvise_function as _libc_madvise  # a name of this module: tests wrap it
 
+logger = logging.getLogger(__name__)
+
 #: Pieces a release gives back from each thread (MADV_DONTNEED takes the mmap lock for reading:
 #: threads free pages side by side, where munmap frees them all from one; 6 GiB of 4 KiB pages
 #: here: 0.20 s munmap alone, 0.13 s with 2 threads first). Below two pieces: munmap alone.
@@ -45,9 +47,6 @@ def give_back(ptr: int, length: int, *, threads: int | None = None) -> int:
     return workers
 
 
-logger = logging.getLogger(__name__)
-
-
 class ReleasingMapping(mmap.mmap):
     """An anonymous mapping whose pages go back in parallel pieces (`give_back`) when it dies still
     mapped - when the last tensor viewing it is dropped - rather than by the unmap alone from one
@@ -60,9 +59,11 @@ class ReleasingMapping(mmap.mmap):
     base = 0
 
     def __del__(self) -> None:
-        if self.closed or not self.base or len(self) < 2 * RELEASE_PIECE_BYTES:
-            return
-        RELEASER.take(self)
+        try:
+            if not self.closed and self.base and len(self) >= 2 * RELEASE_PIECE_BYTES:
+                RELEASER.take(self)
+        except Exception:  # the interpreter's exit may have cleared this module: the unmap alone
+            pass
 
 
 class _Releaser:
