@@ -1,7 +1,8 @@
-"""Flat L3 pages written by the C helper's streaming stores and small ones read by its gather
+"""Small flat L3 pages written by the C helper's streaming stores and read by its gather
 (hicache/pools/_page_writes.py, issue #35 item 3): the blocks it derives are what torch's flatten
-reads, every pool layout writes and reads the same bytes through it as through torch, and a
-source or a buffer it cannot prove is left to torch's path or refused - never a wild copy."""
+reads, every pool layout writes and reads the same bytes through it as through torch, pages over
+HELPER_MAX_BYTES go by torch both ways, and a source or a buffer it cannot prove is left to
+torch's path or refused - never a wild copy."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import example, given
 from hicache.effects import CopyEngine
 from hicache.effects._copy import _host_copy
 from hicache.errors import TransferError
-from hicache.pools._page_writes import GATHER_MAX_BYTES, page_reader, page_writer, runs
+from hicache.pools._page_writes import HELPER_MAX_BYTES, page_reader, page_writer, runs
 
 from strategies import strided_views
 from test_pools import CASES, P, make
@@ -70,9 +71,12 @@ def test_every_layout_writes_the_bytes_torchs_assignment_writes(name, layout):
     """Pages written where the helper is built (the streaming writer) and through torch's
     assignment (``HICACHE_HOST_COPY=python``'s engine) leave every buffer byte-identical: the
     first, a middle and the last page, from a flat page and from a 2-D one of its elements;
-    the writer is in place exactly where the helper is built."""
+    the writer is in place exactly where the helper is built and the page is at most
+    HELPER_MAX_BYTES."""
     with _helper_and_torch(name, layout) as (streamed, plain):
-        assert (streamed._l3.derive(streamed.kv_buffer).writer is not None) == (_host_copy._native is not None)
+        page_bytes = streamed.get_dummy_flat_data_page().numel() * streamed.get_dummy_flat_data_page().element_size()
+        writes = _host_copy._native is not None and page_bytes <= HELPER_MAX_BYTES
+        assert (streamed._l3.derive(streamed.kv_buffer).writer is not None) == writes
         assert plain._l3.derive(plain.kv_buffer).writer is None
         last = (streamed.size // streamed.page_size - 1) * streamed.page_size
         for seed, index in enumerate((0, (streamed.size // 2) // streamed.page_size * streamed.page_size, last)):
@@ -89,13 +93,13 @@ def test_every_layout_writes_the_bytes_torchs_assignment_writes(name, layout):
 def test_every_layout_reads_the_bytes_torchs_flatten_reads(name, layout):
     """``get_data_page(flat=True)`` where the helper is built and through torch (the python
     engine) give the same bytes for the first, a middle and the last page; the gather reads
-    exactly where a page is one buffer's, in several blocks and at most GATHER_MAX_BYTES (else
+    exactly where a page is one buffer's, in several blocks and at most HELPER_MAX_BYTES (else
     torch: a view for a one-block page, as SGLang's); its page is a new contiguous tensor - a
     write to it leaves the pool as it was."""
     with _helper_and_torch(name, layout) as (read, plain):
         view = read.get_data_page(0, flat=False)
         gathers = (_host_copy._native is not None and not isinstance(view, list) and not view.is_contiguous()
-                   and view.numel() * view.element_size() <= GATHER_MAX_BYTES)
+                   and view.numel() * view.element_size() <= HELPER_MAX_BYTES)
         assert (read._l3.derive(read.kv_buffer).reader is not None) == gathers
         assert plain._l3.derive(plain.kv_buffer).reader is None
         last = (read.size // read.page_size - 1) * read.page_size
@@ -155,10 +159,23 @@ def test_the_writer_refuses_pages_that_are_not_page_zero_moved_along_the_buffer(
         page_writer([buffer], [first], [last], 6, 1, engine, dtype=torch.bfloat16, numel=first.numel() + 1)
 
 
+def test_a_page_over_the_helpers_cap_is_written_by_torch():
+    """A page of more than HELPER_MAX_BYTES gets no writer (torch's assignment, on all its
+    threads, writes it: the helper's one thread read a flat page torch had just made on two cores
+    at 0.50-0.57x); one of exactly the cap gets the helper's where it is built."""
+    tokens = HELPER_MAX_BYTES // (2 * 4 * 3 * 2)  # the most tokens of 2 (K/V) x 4 heads x 3 dims of bf16 within the cap
+    for page, writes in ((tokens, _host_copy._native is not None), (tokens + 1, False)):
+        buffer = torch.zeros(2, 4 * page, 4, 3, dtype=torch.bfloat16)
+        first, last = buffer[:, 0:page], buffer[:, 3 * page:4 * page]
+        writer = page_writer([buffer], [first], [last], 3 * page, 1, CopyEngine(), dtype=torch.bfloat16,
+                             numel=first.numel())
+        assert (writer is not None) == writes, page
+
+
 def test_the_reader_proves_its_pattern_and_leaves_one_block_and_large_pages_to_torch():
     """`page_reader` proves its blocks as the writer does (a last page that is not page 0 moved
     along the axis, or that runs past the buffer, is a TransferError naming the addresses); a
-    page in one block (a view) or over GATHER_MAX_BYTES gets no reader; a page it reads is the
+    page in one block (a view) or over HELPER_MAX_BYTES gets no reader; a page it reads is the
     flatten of that page."""
     buffer = torch.arange(2 * 8 * 4 * 3, dtype=torch.float32).view(2, 8, 4, 3)  # K/V x tokens x heads x dims
     first, last = buffer[:, 0:2], buffer[:, 6:8]
@@ -175,5 +192,5 @@ def test_the_reader_proves_its_pattern_and_leaves_one_block_and_large_pages_to_t
         page_reader(short, short[:, 0:2], buffer[:, 6:8], 6, 1, engine)
     whole = buffer.view(16, 4, 3)  # pages of 2 tokens in one block each: torch's view
     assert page_reader(whole, whole[0:2], whole[14:16], 14, 0, engine) is None
-    large = torch.zeros(2, 4, GATHER_MAX_BYTES // 8 + 1, dtype=torch.float32)  # a 2-token page > the cap
+    large = torch.zeros(2, 4, HELPER_MAX_BYTES // 8 + 1, dtype=torch.float32)  # a 2-token page > the cap
     assert page_reader(large, large[:, 0:2], large[:, 2:4], 2, 1, engine) is None

@@ -110,7 +110,8 @@ SETTINGS = (
             "(apply's --progressive/--no-progressive wins)"),
     Setting("HICACHE_HOST_COPY", "choice", "auto", ("apply", "pools", "doctor"),
             "host page copies: the native helper when built (auto), only it (native), or ctypes memmove (python); "
-            "flat L3 pages are written into a pool by the helper's streaming stores, or by torch (python)",
+            "flat L3 pages of at most 64 KiB are copied into and out of a pool by the helper, larger ones (and "
+            "every one in python mode) by torch",
             choices=("auto", "native", "python")),
     Setting("HICACHE_TRANSFER", "choice", "auto", ("pools", "SGLang plug-in", "doctor"),
             "host<->GPU transfers: by the table of measured rules (auto: the GPU gathers pieces under 64 KiB "

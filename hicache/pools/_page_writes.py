@@ -1,12 +1,14 @@
-"""Flat L3 pages copied between a pool and a flat tensor by the C copy helper: written into the
-pool with streaming stores (`page_writer`), and small ones read out by one gather (`page_reader`).
+"""Small flat L3 pages copied between a pool and a flat tensor by the C copy helper, in one call on
+the calling thread: written into the pool with streaming stores (`page_writer`) and read out by
+one gather (`page_reader`), where torch's per-call set-up costs more than the copy. Pages over
+`HELPER_MAX_BYTES` go by torch's copy, on all its threads, in both directions - as SGLang's own
+pool copies them.
 
 A page of most layouts is a few strided blocks of the pool's buffer (MHA layer_first: K and V of
-every layer, 2 x layers blocks). torch's assignment copies them through the cache, reading every
-destination line before writing it (a read-for-ownership). A page written from L3 is not read by
-this CPU again soon - it goes to the GPU, or back to L3 - so the helper's non-temporal stores
-skip that read: MHA layer_first pages of 512 KiB are written in 0.71x torch's time
-(bench_sglang_pools, issue #35 item 3).
+every layer, 2 x layers blocks). A page written from L3 is not read by this CPU again soon - it
+goes to the GPU, or back to L3 - so the writer's non-temporal stores skip the read-for-ownership
+of every destination line that torch's assignment does. Small pages: K-only's 32 KiB page
+(issue #35 item 3, bench_sglang_pools: get + set 1.3-1.5x SGLang's pool).
 
 The blocks of page 0 are derived once per buffer from torch's own view of the page (`runs`, in
 the row-major order `flatten` reads), and proved inside the buffer for its last page;
@@ -32,11 +34,15 @@ from hicache.errors import TransferError
 
 MAX_RUNS = 4096  # a page in more blocks than this is not a layout SGLang serves: torch copies it
 # (blocks under 256 bytes go by memcpy in the helper, not streamed: still one call, not torch's per-page set-up)
-#: The largest flat page read by the helper's gather, not torch's flatten(): below it torch's
-#: per-call set-up dominates (a 32 KiB page in 8 blocks, K-only layer_first: 2.0 vs 3.9 us on 2
-#: cores); from 144 KiB torch's copy - on all its threads - is as fast or faster (9.6 vs 10.1 us;
-#: 512 KiB: 22.3 vs 25.2 us). One page at a time, on the calling thread, as a back end asks.
-GATHER_MAX_BYTES = 64 * 2**10
+#: The largest flat page the helper copies, either way, not torch: below it torch's per-call set-up
+#: dominates (a 32 KiB page in 8 blocks, K-only layer_first: read in 2.0 vs 3.9 us on 2 cores).
+#: From 144 KiB torch's copy - on all its threads - is as fast or faster read alone (9.6 vs 10.1
+#: us; 512 KiB: 22.3 vs 25.2 us), and a large page written by the helper's one thread read at
+#: 0.50-0.57x SGLang's pool in some processes (MHA's 512 KiB pages, Mamba's slots; bench_sglang_pools'
+#: get + set): the flat page had just been made by torch's copy on two cores, half of its lines
+#: dirty in the other core's cache - with torch on one thread the same row read 1.17x, and by
+#: torch's assignment (its threads read back what they wrote) 0.96-1.05x in every process.
+HELPER_MAX_BYTES = 64 * 2**10
 
 
 class PageWriter(NamedTuple):
@@ -100,8 +106,11 @@ def page_writer(buffers, firsts, lasts, last_start: int, axis: int, copy_engine,
     """The writer of the pages of ``buffers`` - ``firsts`` are page 0's views (one per buffer),
     ``lasts`` the last page's, which starts ``last_start`` units along the cut ``axis`` - taking
     flat pages of ``dtype`` and ``numel`` elements (each buffer's part back to back, as
-    `get_data_page` builds them), or None where torch's assignment is the way: no streaming
-    copier in ``copy_engine``, or a page in too many blocks. Raises `TransferError` as `_blocks`."""
+    `get_data_page` builds them), or None where torch's assignment is the way: a page over
+    `HELPER_MAX_BYTES`, no streaming copier in ``copy_engine``, or a page in too many blocks.
+    Raises `TransferError` as `_blocks`."""
+    if numel * dtype.itemsize > HELPER_MAX_BYTES:
+        return None
     parts = _blocks(buffers, firsts, lasts, last_start, axis, dtype=dtype, numel=numel)
     if parts is None:
         return None
@@ -113,12 +122,12 @@ def page_reader(buffer, first, last, last_start: int, axis: int, copy_engine):
     """``read(start)``: a new flat page (contiguous, ``first``'s dtype and elements) holding
     the page of ``buffer`` that starts ``start`` units along ``axis`` - gathered by the C helper
     in one call - or None where torch's ``flatten()`` is the way: a page in one block (it is a
-    view then, as SGLang's), a page over `GATHER_MAX_BYTES`, no helper (``python`` mode).
+    view then, as SGLang's), a page over `HELPER_MAX_BYTES`, no helper (``python`` mode).
     ``start`` must be a page start in range (the caller's index check): the pattern is proved
     inside the buffer for the last page (``last``, at ``last_start``), as the writer's."""
     numel = first.numel()
     pattern = runs(first.shape, first.stride())
-    if len(pattern) < 2 or numel * first.element_size() > GATHER_MAX_BYTES:
+    if len(pattern) < 2 or numel * first.element_size() > HELPER_MAX_BYTES:
         return None
     parts = _blocks([buffer], [first], [last], last_start, axis, dtype=first.dtype, numel=numel)
     gather = None if parts is None else copy_engine.gathering_copier(parts[0])
