@@ -280,7 +280,7 @@ def allocate_host(
     except (OSError, AttributeError):
         notes.append("madvise(MADV_DONTFORK) refused: a forked child shares these pages copy-on-write")
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
-    _release_when_dropped(mapping, tensor.data_ptr())
+    mapping.mapped_at(tensor.data_ptr())  # its pages go back in parallel if it dies with its views, past `free`
     if numa_node is not None:
 
         try:
@@ -291,16 +291,6 @@ def allocate_host(
             raise
         notes.append(f"bound to NUMA node {numa_node}")
     return HostBuffer(nbytes, length, page, huge, tuple(notes), mapping, tensor)
-
-
-def _release_when_dropped(mapping, base: int) -> None:
-    """Let ``mapping`` give its pages back in parallel if it dies with its views, past this
-    buffer's `free` (`ReleasingMapping`): its address, and the release thread running."""
-    from hicache.effects._host._release import RELEASE_PIECE_BYTES, RELEASER
-
-    mapping.base = base
-    if len(mapping) >= 2 * RELEASE_PIECE_BYTES:
-        RELEASER.start()
 
 
 @attrs.frozen

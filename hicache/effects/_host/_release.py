@@ -35,7 +35,7 @@ def give_back(ptr: int, length: int, *, threads: int | None = None) -> int:
     (a kernel without MADV_DONTNEED for hugetlbfs) leaves that piece to munmap."""
     pieces = range(ptr, ptr + length, RELEASE_PIECE_BYTES)
     workers = min(threads or min(os.cpu_count() or 1, 16), len(pieces))
-    if len(pieces) < 2 or workers < 2:
+    if not in_pieces(length) or workers < 2:
         return 0
     madvise = _libc_madvise()
 
@@ -45,6 +45,12 @@ def give_back(ptr: int, length: int, *, threads: int | None = None) -> int:
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hicache-release") as pool:
         list(pool.map(zap, pieces))
     return workers
+
+
+def in_pieces(length: int) -> bool:
+    """Whether a range of ``length`` bytes is given back in parallel pieces: two or more of them
+    (below that munmap alone frees it)."""
+    return length > RELEASE_PIECE_BYTES
 
 
 class ReleasingMapping(mmap.mmap):
@@ -58,9 +64,16 @@ class ReleasingMapping(mmap.mmap):
 
     base = 0
 
+    def mapped_at(self, base: int) -> None:
+        """Record the mapping's address (known once a tensor views it) and, for one given back in
+        pieces, start the release thread now: never from the finalizer."""
+        self.base = base
+        if in_pieces(len(self)):
+            RELEASER.start()
+
     def __del__(self) -> None:
         try:
-            if not self.closed and self.base and len(self) >= 2 * RELEASE_PIECE_BYTES:
+            if not self.closed and self.base and in_pieces(len(self)):
                 RELEASER.take(self)
         except Exception:  # the interpreter's exit may have cleared this module: the unmap alone
             pass

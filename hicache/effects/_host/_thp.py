@@ -14,6 +14,7 @@ madvise); the pre-fault threads call `before`/`after` concurrently, so the state
 from __future__ import annotations
 
 import mmap
+import resource
 import threading
 import time
 from typing import NamedTuple
@@ -51,8 +52,6 @@ def thread_faults() -> int:
     """The page faults the calling thread has taken (minor and major; 0 where the platform does
     not say). MADV_POPULATE_WRITE's faults count here as the touch fallback's do: Linux counts
     faults taken for get_user_pages on the thread that takes them (mm_account_fault)."""
-    import resource
-
     try:
         usage = resource.getrusage(resource.RUSAGE_THREAD)
     except (AttributeError, OSError):
@@ -119,8 +118,8 @@ class ThpAuto:
             free = None if blocks is None else max(0, blocks * 2 * 2**20 - promised)
         with self._lock:  # decided under the lock: two threads must not both take the one trial piece
             decision = decide_piece(ThpSnapshot(self.enabled, free), length, brake=brake, reference=reference,
-                                    trial=self._trying and not self._proven)
-            self._trying = self._trying or (decision.huge and not self._proven)
+                                    trial=self._trying)
+            self._trying = self._trying or (decision.huge and not self._proven)  # never once proven
         # only a THP piece is advised: an auto mapping is made MADV_NOHUGEPAGE whole, and each
         # piece faults once - advising a 4 KiB piece again took the mmap lock for writing between
         # the other threads' pre-fault calls for nothing (2 GiB bring-up here: 0.58x -> 0.70x of by hand)
