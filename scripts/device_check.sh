@@ -13,6 +13,19 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# the C helpers (host copies, page stack, the store's slot atomics) for this python: the figures
+# must be the ones users get from an install with a compiler, not the fallbacks' (the *.so built
+# here are git-ignored and for another python, so none travel)
+python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || echo "build_ext failed (see build_ext.log)"
+python3 - <<'PY' 2>&1 | tee "$OUT/helpers.txt"
+import importlib
+for name in ("hicache.effects._copy._hostcopy", "hicache.pools._pagestack", "hicache.effects._arena._slotops"):
+    try:
+        importlib.import_module(name)
+        print("helper built:", name)
+    except ImportError as error:
+        print("helper MISSING:", name, error)
+PY
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 # 2 MiB hugepages for gpu_check's hugetlbfs figure (4 GiB pool), given back on exit
 hugepages=/proc/sys/vm/nr_hugepages
