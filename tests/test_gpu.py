@@ -200,6 +200,29 @@ def test_the_first_transfer_figure_runs_on_cpu(monkeypatch, tmp_path):
     assert figures["engine"] == "gather" and all(v >= 0 for k, v in figures.items() if k.endswith("_s"))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family, layout, engine", [("mha", "page_first", "gather"), ("mla", "page_first_direct", "dma")])
+def test_a_transfer_table_row_runs_on_cpu(monkeypatch, family, layout, engine):
+    """scripts/gpu_transfers.py's `family_row`, the code each row of the GPU check's transfer table
+    runs, at a small size on CPU under the fake driver (the gather through Triton's interpreter):
+    the engine asked for moved both ways, the rows came back bit for bit, every figure is there."""
+    import importlib
+
+    from hicache.testing import fake_cuda
+
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(SCRIPT.parent))
+    gpu_transfers = importlib.import_module("gpu_transfers")
+    for name, value in (("LAYERS", 2), ("PAGES", 16), ("MOVED", 8), ("HEADS", 2), ("DIM", 8), ("PAGE", 4)):
+        monkeypatch.setattr(gpu_transfers, name, value)
+    with fake_cuda() as fake:
+        row = gpu_transfers.family_row(torch, family, layout, engine, target="cpu")
+        assert fake.held() == set()
+    moved = "gather" if engine == "gather" else "host"  # the copy engine's batch is the host copy on CPU
+    assert row["engines"] == {"backup": moved, "load": moved} and row["bit_exact"] is True
+    assert row["moved_bytes"] > 0 and row["load_gbps"] >= 0 and row["backup_gbps"] >= 0
+
+
 def _family_cases():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from test_pools import CASES
