@@ -83,6 +83,71 @@ def test_ranks_per_host_falls_back_to_local_world_size():
     assert ranks_per_host({}) == 1
 
 
+def _doctor_context(tmp_path, *, thp="madvise", blocks=100, total=0, ranks=1, env=None):
+    """A doctor Context over injected facts: THP ``thp``, ``blocks`` free 2 MiB blocks, a plan of
+    ``total`` bytes per rank for ``ranks`` ranks (no plan when ``total`` is 0)."""
+    import attrs
+
+    from hicache.cli._doctor import Context
+    from hicache.effects import probe_machine
+
+    facts = attrs.evolve(probe_machine(root=fake_root(tmp_path), env={}), thp_enabled=thp, free_2mib_blocks=blocks)
+    return Context(plan=object() if total else None, facts=facts, resolved=None, env=env or {}, cuda_binding=None,
+                   total=total, calls=1, largest=total, ranks=ranks, limits=None, root=str(tmp_path))
+
+
+@pytest.mark.parametrize("thp, said", [("madvise", "transparent huge pages for each pre-fault piece"),
+                                       ("always", "transparent huge pages for each pre-fault piece"),
+                                       ("never", "4 KiB pages here (transparent huge pages: never)")])
+def test_the_doctor_says_what_the_default_auto_pages_do_here(tmp_path, thp, said):
+    """HICACHE_HUGEPAGES unset means `auto`: doctor says THP where free 2 MiB blocks cover a piece,
+    else 4 KiB pages - or 4 KiB pages alone where THP is off - never hugetlbfs pages (it once said
+    "hugetlbfs pages (auto)" for the default)."""
+    from hicache.cli._doctor import _pools
+
+    check = _pools(_doctor_context(tmp_path, thp=thp))
+    assert check.status == "pass" and "auto: " + said in check.finding, check.finding
+    assert "hugetlbfs" not in check.finding and "HICACHE_HUGEPAGES unset" in check.finding
+    assert "hugetlbfs pages (prefer)" in _pools(_doctor_context(tmp_path, env={"HICACHE_HUGEPAGES": "prefer"})).finding
+
+
+def test_the_doctor_counts_every_rank_and_says_what_auto_does_with_too_few_free_blocks(tmp_path):
+    """/proc/buddyinfo against a plan: a THP pool needs its 2 MiB blocks for every rank on the host
+    (a warning when short); under `auto` too few blocks is no fault - the finding says how many
+    pieces' worth are covered and that the rest stays on 4 KiB pages."""
+    from hicache.cli._doctor import _buddyinfo
+
+    per_rank = 60 * 2**21  # 60 blocks a rank
+    thp = {"HICACHE_HUGEPAGES": "thp"}
+    assert _buddyinfo(_doctor_context(tmp_path, blocks=100, total=per_rank, ranks=1, env=thp)).status == "pass"
+    short = _buddyinfo(_doctor_context(tmp_path, blocks=100, total=per_rank, ranks=2, env=thp))
+    assert short.status == "warn" and "needing 120" in short.finding and "2 rank(s)" in short.finding
+    fits = _buddyinfo(_doctor_context(tmp_path, blocks=120, total=per_rank, ranks=2))
+    assert fits.status == "pass" and "cover the pool's 120" in fits.finding
+    partial = _buddyinfo(_doctor_context(tmp_path, blocks=100, total=per_rank, ranks=2))
+    assert partial.status == "pass" and "100 of the pool's 120" in partial.finding
+    assert "auto keeps the rest on 4 KiB pages" in partial.finding
+    off = _buddyinfo(_doctor_context(tmp_path, blocks=100, total=per_rank, ranks=2, thp="never"))
+    assert off.status == "pass" and "auto" not in off.finding  # THP off here: blocks do not matter
+    assert "auto" not in _buddyinfo(_doctor_context(tmp_path, blocks=1, total=per_rank,
+                                                    env={"HICACHE_HUGEPAGES": "off"})).finding
+
+
+def test_the_doctors_thp_always_hint_says_what_hicaches_pools_do():
+    """THP `always` warns (compaction can stall faults) and says what hicache's own pools take:
+    THP only where free blocks cover a piece under the default `auto`, none with `off`."""
+    import attrs
+
+    from hicache.cli._doctor import _thp
+
+    class Facts:
+        thp_enabled, thp_defrag = "always", "madvise"
+
+    check = _thp(attrs.make_class("C", ["facts"])(Facts()))
+    assert check.status == "warn" and "HICACHE_HUGEPAGES=auto" in check.hint and "=off" in check.hint
+    assert "opt out unless asked" not in check.hint
+
+
 def test_free_2mib_blocks_and_the_doctor_warning_before_a_thp_run(tmp_path):
     """/proc/buddyinfo: a free block of order k >= 9 holds 2^(k-9) 2 MiB blocks. doctor warns
     before a THP run (HICACHE_HUGEPAGES=thp) whose pool needs more than are free, and says
@@ -109,4 +174,4 @@ def test_free_2mib_blocks_and_the_doctor_warning_before_a_thp_run(tmp_path):
     short = check((blocks + 1) * 2**21, thp)
     assert short.status == "warn" and f"needing {blocks + 1:,}" in short.finding and "compact" in short.hint
     assert check(blocks * 2**21, thp).status == "pass"
-    assert check((blocks + 1) * 2**21, {}).status == "pass"  # 4 KiB pages need no contiguous blocks
+    assert check((blocks + 1) * 2**21, {"HICACHE_HUGEPAGES": "off"}).status == "pass"  # 4 KiB pages need no blocks

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache.effects import CopyEngine
-from hicache.effects._copy._gather import GatherCopy, word_bytes
+from hicache.effects._copy._gather import GatherCopy, _translate, check_registered, word_bytes
 from hicache.errors import TransferError
 from hicache.plan._transfer import ENGINE_TABLE, MiB, choose_engine
 
@@ -229,8 +229,6 @@ def test_a_gather_over_unregistered_host_memory_is_refused_before_any_launch():
     """The gather asks the driver for every host range's device address first: memory outside
     every registration, or a range whose two ends are not one registration, is a TransferError;
     a registered range maps to the device's address of it."""
-    from hicache.effects._copy._gather import _translate
-
     driver = _Driver(0x10000, 0x20000, shift=0x1000)
     engine = CopyEngine(binding=driver)
     assert _translate(engine._host_pointer, 0x10000, 0x800) == 0x11000
@@ -248,8 +246,6 @@ def test_a_gather_checks_every_host_piece_against_the_ranges_registered_now():
     """With both ends of a buffer registered but a hole between (a progressive pool part-way, a
     range let go), the ends-only address check passes; the per-piece check refuses the piece in
     the hole before any table reaches the device, and adjacent registrations count as one."""
-    from hicache.effects._copy._gather import check_registered
-
     held = [(0x10000, 0x1000), (0x11000, 0x1000), (0x14000, 0x1000)]  # hole: [0x12000, 0x14000)
     check_registered(torch.tensor([0x10000, 0x10800, 0x14F00]), torch.tensor([0x1800, 0x800, 0x100]), held)
     check_registered(torch.tensor([0x13000]), torch.tensor([0]), held)  # an empty piece touches nothing

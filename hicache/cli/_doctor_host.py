@@ -52,7 +52,8 @@ def _limits(c: Context) -> Check:
 def _thp(c: Context) -> Check:
     if c.facts.thp_enabled == "always":
         return Check("thp", "warn", f"transparent huge pages: always (defrag: {c.facts.thp_defrag})",
-                     "compaction can stall pre-fault; hicache's mappings opt out unless asked")
+                     "compaction can stall any process's page faults; hicache's pools take THP only for pieces "
+                     "free 2 MiB blocks cover (HICACHE_HUGEPAGES=auto, the default) and none with HICACHE_HUGEPAGES=off")
     return Check("thp", "pass", f"transparent huge pages: {c.facts.thp_enabled or 'unknown'}")
 
 
@@ -91,8 +92,7 @@ def _pools(c: Context) -> Check:
         return Check("pools", "fail", str(error), "fix or unset the variable it names")
     mode = ("progressive (HICACHE_PROGRESSIVE): serving from the first registered page" if settings.progressive
             else "registered all at construction (HICACHE_PROGRESSIVE unset)")
-    pages = {"off": "4 KiB pages", "thp": "transparent huge pages"}.get(settings.hugepages,
-                                                                          f"hugetlbfs pages ({settings.hugepages})")
+    pages = _pages_said(settings.hugepages, c.facts.thp_enabled)
     said = (f"HICACHE_HUGEPAGES={settings.hugepages}" if (c.env or {}).get("HICACHE_HUGEPAGES")
             else "HICACHE_HUGEPAGES unset")
     finding = f"host pools: {mode}; {pages} ({said})"
@@ -111,28 +111,47 @@ def _pools(c: Context) -> Check:
     return Check("pools", "warn", finding + short + ": the pools fall back to 4 KiB pages", hint)
 
 
+def _pages_said(mode: str, thp_enabled: str | None) -> str:
+    """What the pools' page setting ``mode`` gives on a machine whose THP setting is ``thp_enabled``."""
+    from hicache.plan.thp import THP_USABLE
+
+    if mode == "auto":
+        if thp_enabled not in THP_USABLE:
+            return f"auto: 4 KiB pages here (transparent huge pages: {thp_enabled or 'unreadable'})"
+        return ("auto: transparent huge pages for each pre-fault piece the free 2 MiB blocks cover, else 4 KiB "
+                "pages, and 4 KiB pages for the rest once THP faults in slower")
+    return {"off": "4 KiB pages", "thp": "transparent huge pages"}.get(mode, f"hugetlbfs pages ({mode})")
+
+
 def _buddyinfo(c: Context) -> Check:
-    """Before a THP run: enough free contiguous 2 MiB blocks for the pool, or THP falls back to
-    4 KiB pages mid-pre-fault (a 2-5x cliff) or stalls compacting."""
+    """Before a THP run: enough free contiguous 2 MiB blocks for every rank's pool, or THP falls
+    back to 4 KiB pages mid-pre-fault (a 2-5x cliff) or stalls compacting; under `auto` (the
+    default), how much of the pool they let take THP - the rest is 4 KiB pages by design."""
     from hicache.effects import pool_settings
     from hicache.plan import EnvError
+    from hicache.plan.thp import THP_USABLE
 
     blocks = c.facts.free_2mib_blocks
     try:
-        thp = pool_settings(c.env).hugepages == "thp"
+        mode = pool_settings(c.env).hugepages
     except EnvError:
-        thp = False  # the pools rule names the bad variable
+        mode = None  # the pools rule names the bad variable
     if blocks is None:
         return Check("buddyinfo", "pass", "free 2 MiB blocks: unknown (/proc/buddyinfo unreadable)")
     finding = f"{blocks:,} free 2 MiB blocks ({format_bytes(blocks * 2 * 2**20)}, /proc/buddyinfo)"
-    if not thp or c.plan is None:
+    huge = mode == "thp" or (mode == "auto" and c.facts.thp_enabled in THP_USABLE)
+    if not huge or c.plan is None:
         return Check("buddyinfo", "pass", finding)
-    needed = -(-c.total // (2 * 2**20))
+    needed = -(-c.total // (2 * 2**20)) * c.ranks
     if blocks >= needed:
-        return Check("buddyinfo", "pass", finding + f" cover the pool's {needed:,}")
-    return Check("buddyinfo", "warn", finding + f" for a THP pool needing {needed:,}: the rest falls back to 4 KiB "
-                 "pages or waits on compaction",
-                 "compact first (echo 1 > /proc/sys/vm/compact_memory), reserve hugetlbfs pages at boot, or use 4 KiB pages")
+        return Check("buddyinfo", "pass", finding + f" cover the pool's {needed:,} for {c.ranks} rank(s)")
+    if mode == "auto":
+        return Check("buddyinfo", "pass", finding + f" cover {blocks:,} of the pool's {needed:,} for {c.ranks} "
+                     "rank(s): auto keeps the rest on 4 KiB pages")
+    return Check("buddyinfo", "warn", finding + f" for a THP pool needing {needed:,} for {c.ranks} rank(s): the rest "
+                 "falls back to 4 KiB pages or waits on compaction",
+                 "compact first (echo 1 > /proc/sys/vm/compact_memory), reserve hugetlbfs pages at boot, or use "
+                 "HICACHE_HUGEPAGES=auto (THP only where free blocks cover a piece)")
 
 
 def _memlock(c: Context) -> Check:
