@@ -168,3 +168,49 @@ def test_a_claim_nobody_finishes_ends_by_itself(monkeypatch):
     assert _pending() == 10
     _admission.resident(10)
     assert _pending() == 0
+
+
+def test_sglangs_check_samples_only_after_this_process_s_dropped_mappings_are_given_back(monkeypatch):
+    """A mapping dropped just before (SGLang's last view of a seam-mode pool, given back on the
+    release thread) still holds its pages until that thread is done: SGLang's check samples free
+    memory only once it is - events: the release ends, then the sample - not beside it, where a
+    pool rebuilt at once would be judged short of its predecessor's memory."""
+    from hicache.effects._host import _release
+
+    events: list = []
+    started, finish = threading.Event(), threading.Event()
+
+    def slow_give_back(ptr, length):
+        events.append("give back starts")
+        started.set()
+        assert finish.wait(60)
+        events.append("given back")
+
+    monkeypatch.setattr(_release, "RELEASE_PIECE_BYTES", 64 * 1024)
+    monkeypatch.setattr(_release, "give_back", slow_give_back)
+    mapping = _release.ReleasingMapping(-1, 1024 * 1024)
+    mapping.mapped_at(1)  # any non-zero address: give_back is the stand-in
+    del mapping  # its finalizer hands it to the release thread
+    assert started.wait(60)
+
+    progressed = threading.Event()  # the asking thread sampled, or waits for the release thread
+    wait = _release.RELEASER.wait
+
+    def waiting(timeout=None):
+        events.append("waits")
+        progressed.set()
+        return wait(timeout)
+
+    monkeypatch.setattr(_release.RELEASER, "wait", waiting)
+
+    def check(requested_bytes, *, auto_size=False):
+        events.append("sampled")
+        progressed.set()
+        return 10**9
+
+    asking = threading.Thread(target=lambda: events.append(_admission.host_memory_budget_bytes(check, 0)))
+    asking.start()
+    assert progressed.wait(60)  # it sampled beside the release, or it waits for it: either way, now end it
+    finish.set()
+    asking.join(60)
+    assert events == ["give back starts", "waits", "given back", "sampled", 10**9]

@@ -12,7 +12,8 @@ import pytest
 from machine import GB, ROOMY, facts
 
 from hicache.effects import BudgetLock
-from hicache.effects._bringup import _faulting as _pipeline  # the pre-fault pipeline's own internals, under test
+from hicache.effects._bringup import _bring_up, _faulting as _pipeline  # the pre-fault pipeline's own internals, under test
+from hicache.effects._host._memory import QUARANTINE, unquarantine
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up, probe_cuda
 from hicache.effects import HostSetup
 from hicache.effects import HostLedger
@@ -138,7 +139,6 @@ def test_a_refused_budget_allocates_and_registers_nothing(lock):
 def test_a_rollback_that_leaks_quarantines_the_buffers_and_drops_the_budget(lock):
     """A rollback whose undo fails: the still-registered ranges are reported and held in the ledger,
     their buffers quarantined (never freed), the budget claim dropped."""
-    from hicache.effects._host._memory import QUARANTINE
 
     runtime, ledger = FakeRuntime(fail_register={2: 2}, fail_unregister={0: 1}), HostLedger()
     allocator = HostTensorAllocator()
@@ -158,7 +158,6 @@ def test_a_ctrl_c_whose_rollback_leaks_quarantines_the_buffers_too(lock):
     reaches the caller carrying the rollback's error as its cause, and the memory still
     registered stays mapped (quarantined, never freed) exactly as for a failed call - nothing
     CUDA may still pin is given back, and the release does not claim it was."""
-    from hicache.effects._host._memory import QUARANTINE
     from hicache.errors import caused_by_interrupt
 
     runtime, ledger = FakeRuntime(fail_register={2: 2}, interrupt_unregister={0: "after"}, fail_unregister={1: 1}), HostLedger()
@@ -184,7 +183,6 @@ def test_a_quarantine_stays_while_the_memory_is_still_registered_elsewhere(lock)
     """A release that leaked quarantines the buffers; a retry that undoes the leak lifts the
     quarantine only once the buffers are really freed - not while another registration of
     this process still holds part of them (the ledger refuses to free them then)."""
-    from hicache.effects._host._memory import QUARANTINE, unquarantine
 
     runtime, ledger = FakeRuntime(fail_unregister={0: 1}), HostLedger()
     allocator = HostTensorAllocator()
@@ -521,3 +519,22 @@ def test_a_pool_planned_with_the_call_cap_registers_while_it_still_faults(monkey
         assert calls[0][3] < max(pieces)  # the first call began before the pre-fault ended
     finally:
         pool.destroy()
+
+
+def test_a_bring_up_waits_for_this_process_s_dropped_mappings_before_it_is_admitted(monkeypatch, lock):
+    """The admission samples free memory only after the release thread has given back every
+    mapping dropped before (a seam-mode pool's last view): events show the wait, then the
+    admission - a budget=False bring-up (memory budgeted elsewhere) does not wait."""
+    from hicache.effects._host import _release
+
+    events: list = []
+    wait, admit = _release.RELEASER.wait, _bring_up.admit
+    monkeypatch.setattr(_release.RELEASER, "wait", lambda timeout=None: events.append("waits") or wait(timeout))
+    monkeypatch.setattr(_bring_up, "admit", lambda *a, **kw: events.append("admitted") or admit(*a, **kw))
+    handle = bring_up(_pool_plan(), host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger()))
+    handle.release()
+    assert events == ["waits", "admitted"]
+    events.clear()
+    bring_up(_pool_plan(), host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger()),
+             budget=False).release()
+    assert events == []

@@ -6,7 +6,8 @@ import pytest
 
 from hicache.effects import HostLedger
 from hicache.effects._host import _memory as _host_memory, _release
-from hicache.effects._host._memory import allocate_host, prefault
+from hicache.effects._host._memory import PREFAULT_PIECE_BYTES, allocate_host, prefault, started_executor
+from hicache.effects._bringup._faulting import BACKGROUND_NICE, PIECE_BYTES, Prefaulter  # the pre-fault pool's internals, under test
 from hicache.effects import apply_plan, os_page_bytes
 from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
 from hicache.plan import Limits, plan_registration
@@ -167,7 +168,6 @@ def test_prefault_calls_stay_small_and_start_once_every_thread_runs(monkeypatch)
     So no call covers more than PREFAULT_PIECE_BYTES, the calls tile the mapping exactly, and
     none starts before every worker thread exists (a thread started beside a running call
     waits for it: the second of two threads began only when the first's 2 GiB was done)."""
-    from hicache.effects._host._memory import PREFAULT_PIECE_BYTES
 
     calls: list = []
     monkeypatch.setattr(_host_memory, "_madvise", _recording_madvise(calls))
@@ -187,7 +187,6 @@ def test_the_prefault_pool_has_every_thread_running_when_returned():
     """started_executor: all of its threads exist before anything is submitted."""
     import threading
 
-    from hicache.effects._host._memory import started_executor
 
     pool = started_executor(4, prefix="hicache-test-started")
     try:
@@ -255,8 +254,6 @@ def test_the_pipelines_prefault_calls_stay_small_too(monkeypatch, threads):
     """The pipelined bring-up's background pre-fault reports progress every PIECE_BYTES
     (256 MiB) but still faults at most PREFAULT_PIECE_BYTES a call, every thread of its pool
     started before the first."""
-    from hicache.effects._host._memory import PREFAULT_PIECE_BYTES
-    from hicache.effects._bringup._faulting import PIECE_BYTES, Prefaulter
 
     calls: list = []
     monkeypatch.setattr(_host_memory, "_madvise", _recording_madvise(calls))
@@ -277,7 +274,6 @@ def test_the_pipelines_threads_do_not_wait_for_each_other_at_piece_ends(monkeypa
     counts as resident before it ends."""
     import time
 
-    from hicache.effects._bringup._faulting import Prefaulter
 
     piece = 2**20
     starts, slow_end, seen = [], [], []
@@ -386,7 +382,6 @@ def test_background_prefault_threads_run_nicer_than_the_caller():
     import os
     import threading
 
-    from hicache.effects._host._memory import started_executor
 
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     pool = started_executor(2, prefix="hicache-test-nice", nice=3)
@@ -405,7 +400,6 @@ def test_the_pipelines_prefault_runs_at_background_priority(monkeypatch, threads
     import os
     import threading
 
-    from hicache.effects._bringup._faulting import BACKGROUND_NICE, Prefaulter
 
     seen = set()
 
@@ -426,7 +420,6 @@ def test_a_small_span_is_shared_by_every_pre_fault_thread(monkeypatch):
     """The first span (what the first register call waits for) is small: it is cut into one
     call per thread, so every thread faults it, rather than one thread while the others run
     ahead."""
-    from hicache.effects._bringup._faulting import Prefaulter
 
     calls: list = []
     monkeypatch.setattr(_host_memory, "_madvise", _recording_madvise(calls))
@@ -563,7 +556,6 @@ def test_the_last_view_of_a_freed_buffer_gives_its_pages_back_on_the_release_thr
 def test_a_buffer_another_tensor_still_views_is_neither_zapped_nor_unmapped_by_free(monkeypatch):
     """free() while a view of the memory lives elsewhere: no page is given back and nothing is
     unmapped (the view keeps its bytes); the mapping goes with the last view."""
-    from hicache.effects._host._memory import allocate_host
 
     calls = []
     monkeypatch.setattr(_release, "give_back", lambda ptr, length: calls.append((ptr, length)))

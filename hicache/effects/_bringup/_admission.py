@@ -16,7 +16,9 @@ this one fills, and counts this one's pending bytes. The verdict and the claim a
 claim off; when all of it is resident the claim is dropped (the kernel counts those bytes now).
 `abandon()` drops what is left; a claim nobody finishes (a pool failing between its check and
 its allocation) is dropped after `HOLD_LIMIT_S`; a rank killed mid-fill leaves none (dead
-processes' claims are pruned). Imports the host-wide room only.
+processes' claims are pruned). Before it samples, this process's dropped mappings still on the
+release thread are given back (`wait_for_releases`). Imports the host-wide room and the host
+room's release.
 
 Callers outside effects reach these through the `hicache.effects.admission` sub-face, which also
 names the host-wide budget lock and the registration turnstile's type (for ``HostSetup(turnstile=)``).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import threading
 
+from hicache.effects._host._release import wait_for_releases
 from hicache.effects._hostwide._claim import RESIDENT, AdmissionPolicy, Refused, claim
 from hicache.effects._hostwide._lock import budget_lock
 
@@ -72,6 +75,7 @@ def _sample(original, requested_bytes: int, auto_size: bool) -> int:
         return original(nbytes, auto_size=auto_size)
 
     policy = AdmissionPolicy(allowance=allowance, until=RESIDENT, expire_s=HOLD_LIMIT_S)
+    wait_for_releases()  # this process's dropped mappings first: outside the lock, peers need not wait on it
     try:
         admitted = claim(requested_bytes, policy, lock=budget_lock(), owner="SGLang's host pool")
     except Refused as refused:  # SGLang's own arithmetic said no: its answer, as it is, claims nothing

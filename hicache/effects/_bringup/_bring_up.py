@@ -35,6 +35,7 @@ from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._environment import ranks_per_host as env_ranks_per_host
 from hicache.effects._host._numa import FaultShare, fault_share, node_cpus, process_cpus
 from hicache.effects._host._probes import probe_machine
+from hicache.effects._host._release import wait_for_releases
 import hicache.effects._trace as _trace
 from hicache.effects._interrupts import terminate_as_interrupt
 from hicache.effects._bringup import _report
@@ -252,6 +253,7 @@ def bring_up(
 
             policy = AdmissionPolicy(host_memory_bytes=host_memory_bytes, ranks_per_host=ranks_per_host,
                                      reserve_bytes=reserve_bytes, scope=setup.server)  # a server's budget in force books it instead
+            wait_for_releases()  # this process's dropped mappings first (outside the lock): the kernel counts them until then
             claim = admit(handle.total_bytes, policy, lock=lock, sample=sample, owner=report.name,
                           hold=handle._hold_budget)
             machine = sampled[-1] if sampled else machine
