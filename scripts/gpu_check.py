@@ -11,8 +11,10 @@ call): time to the first registered chunk vs the whole blocking bring-up, and th
 the longest a 1 MiB mmap in another thread waits beside one cold whole-buffer call and beside
 the progressive bring-up; pre-fault and registration GB/s with 4 KiB pages, THP and (where
 reserved) hugetlbfs; the transfer table (`gpu_transfers.py`); hicache's bring-up defaults (4 GiB calls, hugepages="auto") against SGLang
-0.5.23's path at 37.5 GiB and 100 GB (`gpu_bringup.py`). Uses cuda-python for everything CUDA (torch may be a CPU build). Exit 0
-ok, 1 mismatch or failure, 2 no CUDA.
+0.5.23's path at 37.5 GiB and 100 GB (`gpu_bringup.py`) - a size whose rounds would run past
+``--time-limit S`` seconds from the start (default 190: the prepared device run's 5 minutes
+hold this and `pytest -m gpu`) is skipped, saying so. Uses cuda-python for everything CUDA
+(torch may be a CPU build). Exit 0 ok, 1 mismatch or failure, 2 no CUDA.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from hicache.effects._copy._device import memcpy_batch  # noqa: E402
 from hicache.plan import Limits, MHALayout, plan_pool  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
+TIME_LIMIT_S = 190.0  # the check's own limit: the rows it has no time for are skipped, not cut
 
 
 def check(result, what):
@@ -94,7 +97,17 @@ def page_size_figures(nbytes: int, runtime) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="hicache's checks on a real GPU (one JSON line)")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, metavar="S",
+                        help=f"seconds from the start the bring-up table may run to (default {TIME_LIMIT_S:.0f})")
+    parser.add_argument("--without-bringup", action="store_true",
+                        help="leave the bring-up table out (scripts/device_check.sh runs gpu_bringup.py on its own, "
+                             "after giving back the hugetlbfs pages it reserved for this check)")
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.time_limit
     facts = probe_cuda()
     if not facts.available:
         print(json.dumps({"ok": False, "reason": f"CUDA unavailable: {facts.error}"}, sort_keys=True))
@@ -206,12 +219,16 @@ def main() -> int:
     if torch.cuda.is_available():  # the pools' transfers need a CUDA torch (issue #52)
         from gpu_transfers import transfer_table
 
-        out["transfers"] = _guarded(transfer_table)
+        out["transfers"] = _guarded(lambda: transfer_table(emit=lambda row: _section("transfer row", row)))
         _section("transfers", out["transfers"])
         out["ok"] = out["ok"] and out["transfers"].get("ok", False)
+    if args.without_bringup:
+        print(json.dumps(out, sort_keys=True))
+        return 0 if out["ok"] else 1
     from gpu_bringup import bringup_table  # issue #53: the defaults against SGLang 0.5.23's path
 
-    out["bringup_defaults"] = _guarded(lambda: bringup_table(runtime))
+    out["bringup_defaults"] = _guarded(lambda: bringup_table(
+        runtime, deadline=deadline, emit=lambda name, row: _section(f"bringup_defaults {name}", row)))
     _section("bringup_defaults", out["bringup_defaults"])
     print(json.dumps(out, sort_keys=True))
     return 0 if out["ok"] else 1

@@ -130,9 +130,10 @@ def family_row(torch, family: str, layout: str, engine: str, target: str = "cuda
         pool.destroy()
 
 
-def family_rows(torch) -> list:
+def family_rows(torch, emit=None) -> list:
     """Every family but MHA (the table's own rows) x each layout it serves x each engine; a row
-    that raises is reported with its error (and counts as not bit-exact)."""
+    that raises is reported with its error (and counts as not bit-exact). ``emit(row)``: each row
+    as it ends."""
     rows = []
     for family, (cls, _, _) in _family_devices().items():
         if family == "mha":
@@ -144,6 +145,8 @@ def family_rows(torch) -> list:
                 except Exception as error:  # noqa: BLE001 - reported in the table
                     rows.append({"family": family, "layout": layout, "asked": engine, "bit_exact": False,
                                  "error": f"{type(error).__name__}: {error}"[:300]})
+                if emit is not None:
+                    emit(rows[-1])
                 torch.cuda.empty_cache()
     return rows
 
@@ -179,15 +182,25 @@ def first_transfer(torch, target: str = "cuda") -> dict:
         pool.destroy()
 
 
-def transfer_table() -> dict:
+def transfer_table(emit=None) -> dict:
+    """The whole table; ``emit(row)`` gets each row as it ends (a run cut short by its time limit
+    still shows what it measured), the link's figures last (the ratios need them)."""
     import torch
 
+    emit = emit if emit is not None else (lambda row: None)
     first = first_transfer(torch)  # before any other gather: its compile is this process's first
-    rows = [family_row(torch, "mha", layout, engine) for layout in LAYOUTS for engine in ENGINES]
-    rows += [dict(family_row(torch, "mha", "page_first", "gather", programs=programs), programs=programs)
-             for programs in (16, 32, 128)]
+    emit({"first_transfer": first})
+    rows = []
+    for layout in LAYOUTS:
+        for engine in ENGINES:
+            rows.append(family_row(torch, "mha", layout, engine))
+            emit(rows[-1])
+    for programs in (16, 32, 128):
+        rows.append(dict(family_row(torch, "mha", "page_first", "gather", programs=programs), programs=programs))
+        emit(rows[-1])
     base = link(torch, MOVED * PAGE * HEADS * DIM * 2 * 2 * LAYERS)
-    families = family_rows(torch)
+    emit({"link": base})
+    families = family_rows(torch, emit)
     for row in rows + families:
         if "load_gbps" in row:
             row["load_vs_link"] = round(row["load_gbps"] / base["load_gbps"], 2)

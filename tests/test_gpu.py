@@ -296,3 +296,41 @@ def test_the_bring_up_table_runs_on_cpu_under_the_fake_driver(monkeypatch):
     assert len(small["ours_usable_s"]) == len(small["sglang_usable_s"]) == 2 and small["speedup"] > 0
     assert small["calls"] == 4 and sum(nbytes for _, _, nbytes in small["page_rules"]) == 40 * 2**20
     assert "needs" in table["too big"]["skipped"] and runtime.held() == set()
+
+
+def test_the_bring_up_table_skips_a_size_its_time_left_cannot_hold_and_shows_each_row_as_it_ends(monkeypatch):
+    """With a deadline (the GPU check's 5 minutes), a size whose time - scaled by bytes from the
+    size measured before it - would run past it is skipped, saying how long it needs and how long
+    is left; a size that fits is measured; each row is handed out as it ends (a run cut short
+    still shows the rows it measured). Seconds come from an injected clock: 1 s per MiB moved."""
+    import importlib
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    gpu_bringup = importlib.import_module("gpu_bringup")
+
+    from hicache.testing import FakeRuntime
+
+    now = [0.0]
+    moved = {"ours": 0, "sglang": 0}
+
+    def paths(who):
+        def run(nbytes, runtime):
+            now[0] += nbytes / 2**20  # the clock advances by what the round moves
+            moved[who] += nbytes
+            return (0.5, 0.1, {}) if who == "ours" else (2.0, 0.2)
+        return run
+
+    monkeypatch.setattr(gpu_bringup, "_ours", paths("ours"))
+    monkeypatch.setattr(gpu_bringup, "_sglangs", paths("sglang"))
+    rows: list = []
+    sizes = {"a": 4 * 2**20, "b": 8 * 2**20, "c": 2 * 2**20}
+    # "a": 4 runs x 4 MiB = 16 s; "b" scaled from it: 32 s, ends at 48 of 55; "c": 8 s, 7 left
+    table = gpu_bringup.bringup_table(FakeRuntime(), sizes=sizes, rounds=2, available=2**40, deadline=55.0,
+                                      clock=lambda: now[0], emit=lambda name, row: rows.append((name, row)))
+    assert table["a"]["speedup"] == 4.0 and table["b"]["speedup"] == 4.0
+    assert "skipped" in table["c"] and "needs about 8 s" in table["c"]["skipped"] and "7 s left" in table["c"]["skipped"]
+    assert [name for name, _ in rows] == ["a", "b", "c"] and rows[0][1] is table["a"]
+    assert moved == {"ours": 2 * (4 + 8) * 2**20, "sglang": 2 * (4 + 8) * 2**20}
+    table = gpu_bringup.bringup_table(FakeRuntime(), sizes={"a": 4 * 2**20}, rounds=2, available=2**40,
+                                      deadline=1.0, clock=lambda: now[0])
+    assert table["a"]["speedup"] == 4.0  # the first size has nothing to scale from: it is measured
