@@ -16,6 +16,7 @@ import time
 import pytest
 
 from hicache.effects._bringup import _admission
+from hicache.effects._host import _release
 from hicache.effects import BudgetLock
 from hicache.effects._hostwide._rundir import runtime_dir
 
@@ -175,8 +176,6 @@ def test_sglangs_check_samples_only_after_this_process_s_dropped_mappings_are_gi
     release thread) still holds its pages until that thread is done: SGLang's check samples free
     memory only once it is - events: the release ends, then the sample - not beside it, where a
     pool rebuilt at once would be judged short of its predecessor's memory."""
-    from hicache.effects._host import _release
-
     events: list = []
     started, finish = threading.Event(), threading.Event()
 
@@ -214,3 +213,26 @@ def test_sglangs_check_samples_only_after_this_process_s_dropped_mappings_are_gi
     finish.set()
     asking.join(60)
     assert events == ["give back starts", "waits", "given back", "sampled", 10**9]
+
+
+def test_the_one_admission_through_the_face_waits_for_this_process_s_releases_before_it_samples(monkeypatch):
+    """`hicache.effects.admission.claim` - what the node store's creation asks, as a pool's
+    bring-up and SGLang's check do - waits for the release thread before it samples the machine
+    (events: the wait, then the sample), outside the budget lock."""
+    from machine import ROOMY
+
+    from hicache.effects import admission
+    events: list = []
+
+    def waiting(timeout=None):
+        events.append(("waits", _held_by_someone()))
+        return True
+
+    def sample():
+        events.append(("sampled", _held_by_someone()))
+        return ROOMY
+
+    monkeypatch.setattr(_release.RELEASER, "wait", waiting)
+    claimed = admission.claim(4096, admission.AdmissionPolicy(), lock=BudgetLock(runtime_dir()), sample=sample)
+    claimed.release()
+    assert events == [("waits", False), ("sampled", True)]

@@ -12,7 +12,7 @@ import pytest
 from machine import GB, ROOMY, facts
 
 from hicache.effects import BudgetLock
-from hicache.effects._bringup import _bring_up, _faulting as _pipeline  # the pre-fault pipeline's own internals, under test
+from hicache.effects._bringup import _admission, _bring_up, _faulting as _pipeline  # the pre-fault pipeline's own internals, under test
 from hicache.effects._host._memory import QUARANTINE, unquarantine
 from hicache.effects import BufferRequest, HostTensorAllocator, bring_up, probe_cuda
 from hicache.effects import HostSetup
@@ -528,9 +528,9 @@ def test_a_bring_up_waits_for_this_process_s_dropped_mappings_before_it_is_admit
     from hicache.effects._host import _release
 
     events: list = []
-    wait, admit = _release.RELEASER.wait, _bring_up.admit
+    wait, claim = _release.RELEASER.wait, _admission.claim
     monkeypatch.setattr(_release.RELEASER, "wait", lambda timeout=None: events.append("waits") or wait(timeout))
-    monkeypatch.setattr(_bring_up, "admit", lambda *a, **kw: events.append("admitted") or admit(*a, **kw))
+    monkeypatch.setattr(_admission, "claim", lambda *a, **kw: events.append("admitted") or claim(*a, **kw))
     handle = bring_up(_pool_plan(), host=HostSetup(runtime=FakeRuntime(), machine=ROOMY, lock=lock, ledger=HostLedger()))
     handle.release()
     assert events == ["waits", "admitted"]

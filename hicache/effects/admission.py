@@ -10,7 +10,8 @@ from hicache.effects._bringup._admission import (
     host_memory_budget_bytes,
     resident,
 )
-from hicache.effects._hostwide._claim import AdmissionPolicy, claim
+from hicache.effects._bringup._admission import settled_claim as claim  # after this process's releases
+from hicache.effects._hostwide._claim import AdmissionPolicy
 from hicache.effects._hostwide._lock import budget_lock
 from hicache.effects._hostwide._turnstile import Turnstile
 

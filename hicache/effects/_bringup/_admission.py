@@ -75,15 +75,24 @@ def _sample(original, requested_bytes: int, auto_size: bool) -> int:
         return original(nbytes, auto_size=auto_size)
 
     policy = AdmissionPolicy(allowance=allowance, until=RESIDENT, expire_s=HOLD_LIMIT_S)
-    wait_for_releases()  # this process's dropped mappings first: outside the lock, peers need not wait on it
     try:
-        admitted = claim(requested_bytes, policy, lock=budget_lock(), owner="SGLang's host pool")
+        admitted = settled_claim(requested_bytes, policy, lock=budget_lock(), owner="SGLang's host pool")
     except Refused as refused:  # SGLang's own arithmetic said no: its answer, as it is, claims nothing
         return refused.allowance
     open_claim = _open_claim()
     if admitted.nbytes and not (open_claim is not None and open_claim.join(admitted)):
         _STATE.claim, _STATE.paid = admitted, 0  # else pool after pool in one constructor: one claim
     return admitted.allowance
+
+
+def settled_claim(nbytes: int, policy: AdmissionPolicy = AdmissionPolicy(), **kwargs):
+    """`claim` (the one admission) once this process's dropped mappings still on the release
+    thread are given back (`wait_for_releases`, before the lock: peers never wait on it): the
+    kernel counts their pages as used until then, and a pool rebuilt right after its
+    predecessor's last view died would be judged short of memory it is about to get. What
+    every admission of this process asks: a pool's bring-up, SGLang's check, the node store."""
+    wait_for_releases()
+    return claim(nbytes, policy, **kwargs)
 
 
 def resident(nbytes: int) -> None:

@@ -27,7 +27,8 @@ import attrs
 from hicache.effects._bringup._handle import HostPools
 from hicache.effects._bringup._steps import _allocate, _map, _pipelined, _progressive, _register, _Run
 from hicache.effects._bringup._progress import ProgressLog, tee
-from hicache.effects._hostwide._claim import AdmissionPolicy, claim as admit
+from hicache.effects._bringup._admission import settled_claim as admit
+from hicache.effects._hostwide._claim import AdmissionPolicy
 from hicache.effects._hostwide._lock import budget_lock
 from hicache.effects._cuda._progressive import MAX_STALL_S, check_max_stall
 from hicache.effects._hostwide import _turnstile
@@ -35,7 +36,6 @@ from hicache.effects._host._allocators import host_allocator
 from hicache.effects._host._environment import ranks_per_host as env_ranks_per_host
 from hicache.effects._host._numa import FaultShare, fault_share, node_cpus, process_cpus
 from hicache.effects._host._probes import probe_machine
-from hicache.effects._host._release import wait_for_releases
 import hicache.effects._trace as _trace
 from hicache.effects._interrupts import terminate_as_interrupt
 from hicache.effects._bringup import _report
@@ -253,7 +253,6 @@ def bring_up(
 
             policy = AdmissionPolicy(host_memory_bytes=host_memory_bytes, ranks_per_host=ranks_per_host,
                                      reserve_bytes=reserve_bytes, scope=setup.server)  # a server's budget in force books it instead
-            wait_for_releases()  # this process's dropped mappings first (outside the lock): the kernel counts them until then
             claim = admit(handle.total_bytes, policy, lock=lock, sample=sample, owner=report.name,
                           hold=handle._hold_budget)
             machine = sampled[-1] if sampled else machine
