@@ -48,11 +48,11 @@ if [ -w "$hugepages" ]; then
     echo $((before + 2200)) > "$hugepages" 2>/dev/null || true
 fi
 echo "hugepages reserved: $(cat "$hugepages" 2>/dev/null) (was $before)"
-timeout 150 python3 scripts/gpu_check.py --without-bringup 2>&1 | tee "$OUT/gpu_check.json"
+timeout 170 python3 scripts/gpu_check.py --without-bringup 2>&1 | tee "$OUT/gpu_check.json"
 echo "gpu_check exit ${PIPESTATUS[0]} at ${SECONDS} s"
 [ -w "$hugepages" ] && echo "$before" > "$hugepages"
 # gpu_check.py ran above: its own test would run it again
-timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu.py \
+timeout 80 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu.py \
     --deselect tests/test_gpu.py::test_gpu_check_script_passes 2>&1 | tee "$OUT/pytest-gpu.log"
 echo "pytest -m gpu exit ${PIPESTATUS[0]} at ${SECONDS} s"
 left=$((BUDGET_S - SECONDS))

@@ -9,7 +9,8 @@ and layer, page_first's piece), 256 random pages of a 512-page pool, median of 3
 every other family x layout (`family_rows`: K-only, asymmetric MHA, MLA, the DSA indexer,
 Mamba, DeepSeek-V4's paged and state pools, at model-like row sizes) with each engine: a
 bit-exact round trip and GB/s each way. First, with Triton's cache cold, what the gather's
-compile costs and that a pool's build has paid it before its first transfer (`first_transfer`).
+compile costs and that a pool's build has paid it before its first transfer (`first_transfer`);
+page_first's gather also at 16/32/128 programs and at the other kernel tiles in `TILES`.
 """
 
 from __future__ import annotations
@@ -130,6 +131,25 @@ def family_row(torch, family: str, layout: str, engine: str, target: str = "cuda
         pool.destroy()
 
 
+#: (pieces in flight per program, bytes per step) beside the default (16, 1024): the gather's two
+#: tile constants, measured on page_first's 2 KiB rows so one GPU run says which way the link is
+TILES = ((8, 1024), (32, 1024), (16, 512), (16, 2048))
+
+
+def tile_row(torch, rows_per_program: int, chunk_bytes: int, target: str = "cuda") -> dict:
+    """MHA page_first through the gather with the kernel's tile constants set to these (a new
+    compile each: Triton specializes on them), restored after."""
+    from hicache.effects._copy import _gather
+
+    saved = _gather.ROWS, _gather.CHUNK_BYTES
+    _gather.ROWS, _gather.CHUNK_BYTES = rows_per_program, chunk_bytes
+    try:
+        row = family_row(torch, "mha", "page_first", "gather", target=target)
+    finally:
+        _gather.ROWS, _gather.CHUNK_BYTES = saved
+    return dict(row, rows_per_program=rows_per_program, chunk_bytes=chunk_bytes)
+
+
 def family_rows(torch, emit=None) -> list:
     """Every family but MHA (the table's own rows) x each layout it serves x each engine; a row
     that raises is reported with its error (and counts as not bit-exact). ``emit(row)``: each row
@@ -197,6 +217,9 @@ def transfer_table(emit=None) -> dict:
             emit(rows[-1])
     for programs in (16, 32, 128):
         rows.append(dict(family_row(torch, "mha", "page_first", "gather", programs=programs), programs=programs))
+        emit(rows[-1])
+    for rows_per_program, chunk_bytes in TILES:
+        rows.append(tile_row(torch, rows_per_program, chunk_bytes))
         emit(rows[-1])
     base = link(torch, MOVED * PAGE * HEADS * DIM * 2 * 2 * LAYERS)
     emit({"link": base})

@@ -223,6 +223,31 @@ def test_a_transfer_table_row_runs_on_cpu(monkeypatch, family, layout, engine):
     assert row["moved_bytes"] > 0 and row["load_gbps"] >= 0 and row["backup_gbps"] >= 0
 
 
+def test_a_tile_row_runs_on_cpu_and_puts_the_kernel_constants_back(monkeypatch):
+    """scripts/gpu_transfers.py's `tile_row` (the gather with other tile constants) on CPU under
+    the fake driver: the round trip is bit-exact with 8 pieces a program and 512-byte steps, the
+    row says which, and the module's constants are the defaults again after it."""
+    import importlib
+
+    from hicache.effects._copy import _gather
+    from hicache.testing import fake_cuda
+
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(SCRIPT.parent))
+    gpu_transfers = importlib.import_module("gpu_transfers")
+    for name, value in (("LAYERS", 2), ("PAGES", 16), ("MOVED", 8), ("HEADS", 2), ("DIM", 8), ("PAGE", 4)):
+        monkeypatch.setattr(gpu_transfers, name, value)
+    defaults = _gather.ROWS, _gather.CHUNK_BYTES
+    seen = []
+    run = _gather.GatherCopy.run
+    monkeypatch.setattr(_gather.GatherCopy, "run", lambda self: seen.append((_gather.ROWS, self.chunk * self.word)) or run(self))
+    with fake_cuda():
+        row = gpu_transfers.tile_row(torch, 8, 512, target="cpu")
+    assert row["bit_exact"] is True and row["engines"] == {"backup": "gather", "load": "gather"}
+    assert (row["rows_per_program"], row["chunk_bytes"]) == (8, 512) and (_gather.ROWS, _gather.CHUNK_BYTES) == defaults
+    assert seen and set(seen) == {(8, 512)}  # 8 pieces a program, 512 bytes a step, every batch
+
+
 def _family_cases():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from test_pools import CASES
