@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from hicache.effects import CudaPythonRuntime, apply_plan, probe_cuda
+from hicache.effects._copy import _gather  # the gather's tile constants and warm-up record, under test
 from hicache.effects._host._memory import allocate_host
 from hicache.plan import Limits, plan_registration
 from hicache.testing import check_runtime_conformance
@@ -153,7 +154,6 @@ def test_a_gather_pool_compiles_its_kernel_at_build_and_no_transfer_compiles():
     the rows bit for bit."""
     torch, device = _cuda_device_pool(seed=9)
     from hicache.effects import CopyEngine
-    from hicache.effects._copy import _gather
     from hicache.pools import MHATokenToKVPoolHost
 
     kernel = _gather._kernel(False)
@@ -229,7 +229,6 @@ def test_a_tile_row_runs_on_cpu_and_puts_the_kernel_constants_back(monkeypatch):
     row says which, and the module's constants are the defaults again after it."""
     import importlib
 
-    from hicache.effects._copy import _gather
     from hicache.testing import fake_cuda
 
     torch = pytest.importorskip("torch")
