@@ -9,12 +9,15 @@ another open file now, and what the claims file says."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 import time
 
 import pytest
+from machine import ROOMY
 
+from hicache.effects import admission
 from hicache.effects._bringup import _admission
 from hicache.effects._host import _release
 from hicache.effects import BudgetLock
@@ -219,9 +222,6 @@ def test_the_one_admission_through_the_face_waits_for_this_process_s_releases_be
     """`hicache.effects.admission.claim` - what the node store's creation asks, as a pool's
     bring-up and SGLang's check do - waits for the release thread before it samples the machine
     (events: the wait, then the sample), outside the budget lock."""
-    from machine import ROOMY
-
-    from hicache.effects import admission
     events: list = []
 
     def waiting(timeout=None):
@@ -236,3 +236,17 @@ def test_the_one_admission_through_the_face_waits_for_this_process_s_releases_be
     claimed = admission.claim(4096, admission.AdmissionPolicy(), lock=BudgetLock(runtime_dir()), sample=sample)
     claimed.release()
     assert events == [("waits", False), ("sampled", True)]
+
+
+def test_an_admission_whose_wait_for_the_release_thread_runs_out_says_so_and_goes_on(monkeypatch, caplog):
+    """The release thread still busy after RELEASE_WAIT_S: the admission is made against what the
+    kernel counts free now, and a warning says why the bring-up waited and what it decided on."""
+
+    monkeypatch.setattr(_release.RELEASER, "wait", lambda timeout=None: False)
+    with caplog.at_level(logging.WARNING, logger="hicache.effects._bringup._admission"):
+        claimed = admission.claim(4096, admission.AdmissionPolicy(), lock=BudgetLock(runtime_dir()),
+                                  sample=lambda: ROOMY)
+    claimed.release()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"hicache: this process's dropped host memory is still being given back after "
+        f"{_release.RELEASE_WAIT_S:.0f} s; admitting 4096 bytes against what the kernel counts free now"]

@@ -26,9 +26,10 @@ names the host-wide budget lock and the registration turnstile's type (for ``Hos
 
 from __future__ import annotations
 
+import logging
 import threading
 
-from hicache.effects._host._release import wait_for_releases
+from hicache.effects._host._release import RELEASE_WAIT_S, wait_for_releases
 from hicache.effects._hostwide._claim import RESIDENT, AdmissionPolicy, Refused, claim
 from hicache.effects._hostwide._lock import budget_lock
 
@@ -36,6 +37,7 @@ from hicache.effects._hostwide._lock import budget_lock
 #: constructor fails between the check and the allocation must not shrink the host's room.
 HOLD_LIMIT_S = 600.0
 
+log = logging.getLogger(__name__)
 _STATE = threading.local()  # .sampling, .pending (while SGLang samples), .claim (this thread's open claim), .paid
 
 
@@ -91,7 +93,9 @@ def settled_claim(nbytes: int, policy: AdmissionPolicy = AdmissionPolicy(), **kw
     kernel counts their pages as used until then, and a pool rebuilt right after its
     predecessor's last view died would be judged short of memory it is about to get. What
     every admission of this process asks: a pool's bring-up, SGLang's check, the node store."""
-    wait_for_releases()
+    if not wait_for_releases():
+        log.warning("hicache: this process's dropped host memory is still being given back after %.0f s; admitting "
+                    "%d bytes against what the kernel counts free now", RELEASE_WAIT_S, nbytes)
     return claim(nbytes, policy, **kwargs)
 
 
