@@ -190,6 +190,13 @@ def test_sglangs_check_samples_only_after_this_process_s_dropped_mappings_are_gi
 
     monkeypatch.setattr(_release, "RELEASE_PIECE_BYTES", 64 * 1024)
     monkeypatch.setattr(_release, "give_back", slow_give_back)
+    try:
+        _sampled_after_the_release(monkeypatch, events, started, finish)
+    finally:
+        finish.set()  # never leave the release thread parked in the stand-in: later waits would hang on it
+
+
+def _sampled_after_the_release(monkeypatch, events: list, started, finish) -> None:
     mapping = _release.ReleasingMapping(-1, 1024 * 1024)
     mapping.mapped_at(1)  # any non-zero address: give_back is the stand-in
     del mapping  # its finalizer hands it to the release thread
