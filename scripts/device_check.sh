@@ -8,6 +8,8 @@
 # The bring-up table gets what is left of BUDGET_S (SGLang's path alone takes ~45 s a round at
 # 100 GB, so that size is skipped, saying so, when it does not fit); the rerun for it:
 #   run(command="bash scripts/device_check.sh bringup", carry=[".whl"], timeout_s=300)
+# and for a transfer table cut short (its rows print as they end):
+#   run(command="bash scripts/device_check.sh transfers", carry=[".whl"], timeout_s=300)
 set -u -o pipefail
 WHAT=${1:-all}
 BUDGET_S=${BUDGET_S:-290}
@@ -38,6 +40,15 @@ if [ "$WHAT" = bringup ]; then  # the rerun: the bring-up table alone, every siz
     timeout 280 python3 scripts/gpu_bringup.py 2>&1 | tee "$OUT/bringup.json"
     echo "gpu_bringup exit ${PIPESTATUS[0]}"
     exit 0
+fi
+if [ "$WHAT" = transfers ]; then  # the rerun: the transfer table alone
+    timeout 280 python3 scripts/gpu_transfers.py 2>&1 | tee "$OUT/transfers.json"
+    echo "gpu_transfers exit ${PIPESTATUS[0]}"
+    exit 0
+fi
+if [ "$WHAT" != all ]; then
+    echo "device_check.sh: unknown part '$WHAT' (all, bringup, transfers)" >&2
+    exit 2
 fi
 # 2 MiB hugepages for gpu_check's hugetlbfs figure (4 GiB pool), given back after it (and on
 # exit): held through the bring-up table they would take 4.4 GB from its 100 GB size's room

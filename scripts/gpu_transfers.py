@@ -233,6 +233,12 @@ def transfer_table(emit=None) -> dict:
 
 
 if __name__ == "__main__":
-    table = transfer_table()
+    import torch
+
+    if not torch.cuda.is_available():
+        print(json.dumps({"ok": False, "reason": "CUDA unavailable to torch (a CPU build, or no GPU)"}))
+        raise SystemExit(2)
+    table = transfer_table(emit=lambda row: print(json.dumps(row, sort_keys=True, default=str), file=sys.stderr,
+                                                  flush=True))
     print(json.dumps(table))
     raise SystemExit(0 if table["ok"] else 1)
