@@ -111,6 +111,18 @@ def test_the_doctor_says_what_the_default_auto_pages_do_here(tmp_path, thp, said
     assert "hugetlbfs pages (prefer)" in _pools(_doctor_context(tmp_path, env={"HICACHE_HUGEPAGES": "prefer"})).finding
 
 
+def test_the_doctor_warns_when_thp_is_asked_for_where_the_kernel_gives_none(tmp_path):
+    """HICACHE_HUGEPAGES=thp where THP is `never`: the pools get 4 KiB pages, and doctor warns
+    saying so and how to enable it; where THP is enabled it passes."""
+    from hicache.cli._doctor import _pools
+
+    thp = {"HICACHE_HUGEPAGES": "thp"}
+    never = _pools(_doctor_context(tmp_path, thp="never", env=thp))
+    assert never.status == "warn" and "transparent huge pages are never here: the pools get 4 KiB pages" in never.finding
+    assert "transparent_hugepage/enabled" in never.hint
+    assert _pools(_doctor_context(tmp_path, thp="madvise", env=thp)).status == "pass"
+
+
 def test_the_doctor_counts_every_rank_and_says_what_auto_does_with_too_few_free_blocks(tmp_path):
     """/proc/buddyinfo against a plan: a THP pool needs its 2 MiB blocks for every rank on the host
     (a warning when short); under `auto` too few blocks is no fault - the finding says how many

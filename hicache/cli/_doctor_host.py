@@ -85,6 +85,7 @@ def _pools(c: Context) -> Check:
     from hicache.effects import pool_settings
     from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES
     from hicache.plan import EnvError
+    from hicache.plan.thp import THP_USABLE
 
     try:
         settings = pool_settings(c.env)
@@ -96,6 +97,10 @@ def _pools(c: Context) -> Check:
     said = (f"HICACHE_HUGEPAGES={settings.hugepages}" if (c.env or {}).get("HICACHE_HUGEPAGES")
             else "HICACHE_HUGEPAGES unset")
     finding = f"host pools: {mode}; {pages} ({said})"
+    if settings.hugepages == "thp" and c.facts.thp_enabled not in THP_USABLE:
+        return Check("pools", "warn", finding + f", but transparent huge pages are {c.facts.thp_enabled or 'unreadable'} "
+                     "here: the pools get 4 KiB pages", "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled, "
+                     "or leave HICACHE_HUGEPAGES unset (auto takes THP where it is enabled and free)")
     if settings.hugepages not in HUGETLBFS_MODES:
         return Check("pools", "pass", finding)
     size = (c.limits.hugepage_bytes if c.limits is not None else None) or DEFAULT_HUGEPAGE_BYTES
