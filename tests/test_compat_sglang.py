@@ -282,3 +282,30 @@ def test_sglangs_own_registrations_take_their_turn_at_the_hosts_driver(cudart, m
     other.join(30)
     assert sum(size for _, size in cudart.held()) == 64 * MiB
     sg._cuda_host_unregister(buffer)
+
+
+@pytest.mark.parametrize("call_cap, binding", [("4GiB", "call_cap"), ("512GiB", "chunk_limit")])
+def test_the_plan_line_names_every_cap_that_can_bind_with_its_source(monkeypatch, call_cap, binding):
+    """The plug-in's plan line lists the call cap beside the chunk limit, the driver ceiling and
+    the kernel cap, each with where it came from - so the cap it says binds is always one it
+    listed (the call cap, 4 GiB by default, bound a 5 GiB buffer unlisted)."""
+    from hicache.compat._sglang_log import plan_line
+
+    monkeypatch.setenv("HICACHE_CALL_CAP", call_cap)
+    monkeypatch.setenv("SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB", "256")
+    plan, sources = sg._chunk_plan(5 * 2**30, 2**20, 4096)
+    line = plan_line(plan, sources)
+    assert f"call cap {call_cap.replace('GiB', ' GiB')} (HICACHE_CALL_CAP)" in line, line
+    assert f"binding: {binding};" in line
+    listed = line.split("caps: ", 1)[1].split("; binding", 1)[0]
+    assert all(label in listed for label in ("chunk 256 GiB", "driver ceiling", "kernel cap", "call cap"))
+
+
+def test_the_plan_line_knows_every_cap_a_plan_can_have():
+    """The line's caps are exactly those `Limits.caps()` reports with every one set: a cap added
+    to the plan is a cap the server's log shows."""
+    from hicache.compat._sglang_log import _CAPS
+    from hicache.plan import Limits
+
+    every = Limits(chunk_limit_bytes=2**30, kernel_cap_bytes=2**30, call_cap_bytes=2**30)
+    assert {name for name, _ in _CAPS} == set(every.caps())

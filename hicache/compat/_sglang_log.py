@@ -18,7 +18,9 @@ import time
 from hicache.plan import format_bytes
 
 SGLANG_LOGGER = "sglang.srt.mem_cache.pool_host.common"
-_CAPS = (("chunk_limit", "chunk"), ("driver_ceiling", "driver ceiling"), ("kernel_cap", "kernel cap"))
+#: every per-call cap a plan can have (`Limits.caps`), as the line names it: the one that binds is always listed
+_CAPS = (("chunk_limit", "chunk"), ("driver_ceiling", "driver ceiling"), ("kernel_cap", "kernel cap"),
+         ("call_cap", "call cap"))
 
 
 def log() -> logging.Logger:
