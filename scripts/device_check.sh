@@ -12,6 +12,7 @@
 #   run(command="bash scripts/device_check.sh transfers", carry=[".whl"], timeout_s=300)
 set -u -o pipefail
 WHAT=${1:-all}
+case "$WHAT" in all|bringup|transfers) ;; *) echo "device_check.sh: unknown part '$WHAT' (all, bringup, transfers)" >&2; exit 2;; esac
 BUDGET_S=${BUDGET_S:-290}
 OUT=${OUT:-/tmp/hicache-device}
 mkdir -p "$OUT"
@@ -45,10 +46,6 @@ if [ "$WHAT" = transfers ]; then  # the rerun: the transfer table alone
     timeout 280 python3 scripts/gpu_transfers.py 2>&1 | tee "$OUT/transfers.json"
     echo "gpu_transfers exit ${PIPESTATUS[0]}"
     exit 0
-fi
-if [ "$WHAT" != all ]; then
-    echo "device_check.sh: unknown part '$WHAT' (all, bringup, transfers)" >&2
-    exit 2
 fi
 # 2 MiB hugepages for gpu_check's hugetlbfs figure (4 GiB pool), given back after it (and on
 # exit): held through the bring-up table they would take 4.4 GB from its 100 GB size's room
