@@ -15,5 +15,5 @@ from hicache.plan._thp import (
     huge_bytes_from_faults,
 )
 
-__all__ = ["THP_STEP_BYTES", "THP_USABLE", "PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason", "decide_piece",
-           "early_brake_reason", "huge_bytes_from_faults"]
+__all__ = ["THP_STEP_BYTES", "THP_USABLE", "PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason",
+           "decide_piece", "early_brake_reason", "huge_bytes_from_faults"]
