@@ -48,6 +48,30 @@ def test_the_setups_budget_figures_decide_before_any_memory(tmp_path):
     assert setup.runtime.held() == set() and setup.runtime.cudart.log == []
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "meta", "npu"])
+def test_a_host_pool_on_another_device_than_the_cpu_is_refused_before_any_memory(tmp_path, device):
+    """``device=`` names where the host pool's memory lives: host memory, "cpu" - SGLang's call
+    sites always pass it. Another device (its GPU's, say) is a PlanError naming the field and
+    the value, from the constructor and from `from_geometry`, before the budget or the runtime
+    saw anything (SGLang's own pool would allocate GPU memory and register it as host memory)."""
+    import torch
+
+    setup = fake_host_setup(tmp_path)
+    with pytest.raises(PlanError, match=rf"device must be 'cpu' .* got {device!r}"):
+        MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", True, device, host=setup)
+    geometry = MHATokenToKVPoolHost.geometry_of(_device(), 2.0, 0, 4, "page_first")
+    with pytest.raises(PlanError, match=rf"device must be 'cpu' .* got {device!r}"):
+        MHATokenToKVPoolHost.from_geometry(geometry, device=device, host=setup)
+    assert setup.runtime.cudart.log == []
+    with BudgetLock(tmp_path) as peer:
+        assert sum(peer.snapshot().values()) == 0
+    pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", device=torch.device("cpu"), host=setup)
+    try:
+        assert pool.device == "cpu" and pool.kv_buffer.device.type == "cpu"
+    finally:
+        pool.destroy()
+
+
 def test_the_host_door_lands_in_the_pools_setup():
     """A pool's ``host=HostSetup(runtime=, machine=, lock=, ledger=, limits=)`` is its setup:
     the same runtime, machine, lock, ledger and limits."""

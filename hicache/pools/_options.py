@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 
 from hicache.effects import HostSetup
-from hicache.errors import LayoutError
+from hicache.errors import LayoutError, PlanError
 from hicache.pools._geometry import Sizing
 from hicache.pools._server import server
 
@@ -45,13 +45,24 @@ class HostPoolOptions:
     hugepages: str | None = None
 
 
+def _host_device(device) -> str:
+    """A host pool's ``device=`` as its one accepted value, "cpu" (a `torch.device` too): the
+    pool's memory is host memory - the GPU's pages are the device pool's. SGLang 0.5.23's call
+    sites always pass "cpu"; its own pool takes any device and would register GPU memory as host
+    memory. A `PlanError` naming the value, before any memory."""
+    if str(device) != "cpu":
+        raise PlanError(f"device must be 'cpu' - a host pool's memory is host memory, the GPU's pages are the "
+                        f"device pool's - got {str(device)!r}")
+    return "cpu"
+
+
 @attrs.frozen(kw_only=True)
 class PoolOptions:
     """SGLang's options of a host pool, the host's pieces (``host``) and hicache's settings
     (``settings``, the `HostPoolOptions` given as ``options=``)."""
 
     pin_memory: bool = True
-    device: str = "cpu"
+    device: str = attrs.field(default="cpu", converter=_host_device)
     allocator_type: str | None = "default"
     pool_label: str = "kv"
     is_dummy: bool = False
