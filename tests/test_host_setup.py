@@ -72,6 +72,47 @@ def test_a_host_pool_on_another_device_than_the_cpu_is_refused_before_any_memory
         pool.destroy()
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("host_memory_bytes", -1, "HostSetup.host_memory_bytes must be positive, got -1"),
+    ("host_memory_bytes", 0, "HostSetup.host_memory_bytes must be positive, got 0"),
+    ("host_memory_bytes", 1.5e12, "HostSetup.host_memory_bytes must be an integer, got 1500000000000.0 (float)"),
+    ("ranks_per_host", 0, "HostSetup.ranks_per_host must be positive, got 0"),
+    ("ranks_per_host", True, "HostSetup.ranks_per_host must be an integer, got True (bool)"),
+    ("reserve_bytes", -1, "HostSetup.reserve_bytes must be >= 0, got -1"),
+    ("reserve_bytes", "1GiB", "HostSetup.reserve_bytes must be an integer, got '1GiB' (str)"),
+])
+def test_a_setups_budget_figures_are_checked_when_it_is_made(field, value, message):
+    """The budget's figures of a `HostSetup` are refused when the setup is made, naming the field
+    and the value - not at a bring-up's budget check, under another name (a negative stated host
+    figure read as '0.0 GB available'); numpy integers are taken as plain ints, None as unset."""
+    import numpy
+
+    with pytest.raises(PlanError) as raised:
+        HostSetup(**{field: value})
+    assert str(raised.value) == message
+    made = HostSetup(host_memory_bytes=numpy.int64(2**40), ranks_per_host=numpy.int32(8), reserve_bytes=0)
+    assert (made.host_memory_bytes, made.ranks_per_host) == (2**40, 8) and type(made.host_memory_bytes) is int
+    assert HostSetup(host_memory_bytes=None, ranks_per_host=None).host_memory_bytes is None
+
+
+@pytest.mark.parametrize("shape, dtype, message", [
+    ((4.5,), None, "BufferRequest.shape[0] must be an integer, got 4.5 (float)"),
+    ((4, -5), None, "BufferRequest.shape[1] must be >= 0, got -5"),
+    (4096, None, "BufferRequest.shape must be a sequence of integers, got 4096"),
+    ((16,), "int8", "BufferRequest.dtype must be a torch.dtype or None, got 'int8'"),
+])
+def test_a_buffer_request_is_checked_when_it_is_made(shape, dtype, message):
+    """A `BufferRequest` whose shape is not a sequence of integers >= 0 (a float was truncated to
+    an int) or whose dtype is not a torch dtype is refused when made, naming the field and value -
+    before a bring-up claims or maps anything."""
+    import torch
+
+    with pytest.raises(PlanError) as raised:
+        BufferRequest("b", shape, dtype, None)
+    assert str(raised.value) == message
+    assert BufferRequest("b", [2, 0], torch.int8, None).shape == (2, 0)
+
+
 def test_the_host_door_lands_in_the_pools_setup():
     """A pool's ``host=HostSetup(runtime=, machine=, lock=, ledger=, limits=)`` is its setup:
     the same runtime, machine, lock, ledger and limits."""

@@ -43,6 +43,7 @@ from hicache.effects._bringup._report import Report
 from hicache.effects._bringup._setup import HostSetup
 from hicache.errors import PlanError
 from hicache.plan import PoolPlan, RegistrationPlan
+from hicache.plan.checks import check_int
 
 BLOCKING, PIPELINED, MAP_ONLY = "blocking", "pipelined", "map-only"
 MODES = (BLOCKING, PIPELINED, MAP_ONLY, "Progressive(...)")
@@ -74,8 +75,8 @@ class BufferRequest:
     to register it by (None: allocate only, e.g. ``pin_memory=False``)."""
 
     name: str
-    shape: tuple = attrs.field(converter=lambda dims: tuple(int(d) for d in dims))
-    dtype: object = None
+    shape: tuple = attrs.field(converter=lambda dims: _shape(dims))
+    dtype: object = attrs.field(default=None, validator=lambda request, attribute, value: _check_dtype(value))
     plan: RegistrationPlan | None = None
 
     @classmethod
@@ -91,6 +92,26 @@ class BufferRequest:
             raise PlanError(f"{len(dtypes)} dtypes for {len(buffers)} buffers")
         return [cls(prefix + buffer.spec.name, buffer.spec.shape if dtype is not None else (buffer.spec.nbytes,),
                     dtype, buffer.plan if register else None) for buffer, dtype in zip(buffers, dtypes)]
+
+
+def _shape(dims) -> tuple:
+    """A request's shape as plain ints, each an integer >= 0 (a float was once truncated), or a
+    `PlanError` naming the dimension."""
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        raise PlanError(f"BufferRequest.shape must be a sequence of integers, got {dims!r}") from None
+    return tuple(check_int(PlanError, "BufferRequest", f"shape[{i}]", d, minimum=0) for i, d in enumerate(dims))
+
+
+def _check_dtype(dtype) -> None:
+    """None (flat bytes) or a torch dtype; anything else is a `PlanError` naming it."""
+    if dtype is None:
+        return
+    import torch
+
+    if not isinstance(dtype, torch.dtype):
+        raise PlanError(f"BufferRequest.dtype must be a torch.dtype or None, got {dtype!r}")
 
 
 def _requests(requests) -> list[BufferRequest]:

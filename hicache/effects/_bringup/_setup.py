@@ -13,7 +13,19 @@ from __future__ import annotations
 
 import attrs
 
+from hicache.errors import PlanError
 from hicache.plan import DEFAULT_RESERVE_BYTES
+from hicache.plan.checks import as_int, check_int
+
+
+def _figure(minimum: int):
+    """attrs validator of a budget figure: an integer >= ``minimum`` (None: unset, except the
+    reserve); with `as_int` as converter, numpy integers arrive as plain ints."""
+    def check(setup, attribute, value) -> None:
+        if value is not None or attribute.name == "reserve_bytes":
+            check_int(PlanError, "HostSetup", attribute.name, value, minimum=minimum)
+    return check
+
 
 @attrs.frozen(kw_only=True)
 class HostSetup:
@@ -40,9 +52,9 @@ class HostSetup:
     ledger: object = None
     turnstile: object = "auto"
     copy_engine: object = None
-    host_memory_bytes: int | None = None
-    ranks_per_host: int | None = None
-    reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    host_memory_bytes: int | None = attrs.field(default=None, converter=as_int, validator=_figure(1))
+    ranks_per_host: int | None = attrs.field(default=None, converter=as_int, validator=_figure(1))
+    reserve_bytes: int = attrs.field(default=DEFAULT_RESERVE_BYTES, converter=as_int, validator=_figure(0))
     allocator: object = None
     device: str = "cpu"
     owns_memory: bool = True
