@@ -113,6 +113,29 @@ def test_a_buffer_request_is_checked_when_it_is_made(shape, dtype, message):
     assert BufferRequest("b", [2, 0], torch.int8, None).shape == (2, 0)
 
 
+@pytest.mark.parametrize("keywords, message", [
+    ({"pin_memory": "no"}, "pin_memory must be True or False, got 'no'"),
+    ({"pin_memory": None}, "pin_memory must be True or False, got None"),
+    ({"pool_label": 5}, "pool_label must be a non-empty string, got 5"),
+    ({"pool_label": ""}, "pool_label must be a non-empty string, got ''"),
+])
+def test_a_pools_sglang_options_are_checked_before_any_memory(tmp_path, keywords, message):
+    """SGLang's options of a host pool: ``pin_memory`` is a bool ("no" is truthy: it pinned) and
+    ``pool_label`` (the metrics' pool label) a non-empty string - else a PlanError naming the
+    value before the budget or the runtime saw anything; numpy's bool is taken."""
+    import numpy
+
+    setup = fake_host_setup(tmp_path)
+    with pytest.raises(PlanError) as raised:
+        MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", host=setup, **keywords)
+    assert str(raised.value) == message and setup.runtime.cudart.log == []
+    pool = MHATokenToKVPoolHost(_device(), 2.0, 0, 4, "page_first", pin_memory=numpy.bool_(False), host=setup)
+    try:
+        assert pool.pin_memory is False and setup.runtime.held() == set()  # not pinned: nothing registered
+    finally:
+        pool.destroy()
+
+
 def test_the_host_door_lands_in_the_pools_setup():
     """A pool's ``host=HostSetup(runtime=, machine=, lock=, ledger=, limits=)`` is its setup:
     the same runtime, machine, lock, ledger and limits."""

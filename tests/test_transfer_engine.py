@@ -386,3 +386,21 @@ def test_destroy_waits_for_a_copy_in_flight_and_no_transfer_starts_after(transfe
     with pytest.raises(RegistrationStateError, match="destroyed"):
         pool.backup_from_device_all_layer(device, host_idx, device_idx, "kernel")
     assert log == ["copy-start", "copy-end", "release"]
+
+
+@pytest.mark.parametrize("keywords, message", [
+    ({"programs": 0}, "CopyEngine.programs must be positive, got 0"),
+    ({"programs": 4097}, "CopyEngine.programs must be <= 4096, got 4097"),
+    ({"programs": 2.5}, "CopyEngine.programs must be an integer, got 2.5 (float)"),
+    ({"gather_runner": "cuda"}, "CopyEngine.gather_runner must be one of ('auto', 'triton', 'torch'), got 'cuda'"),
+])
+def test_a_copy_engine_refuses_a_bad_program_count_or_runner_when_made(keywords, message):
+    """`CopyEngine(programs=, gather_runner=)` outside what HICACHE_TRANSFER_PROGRAMS allows (1 to
+    4096) or a runner it has not is refused when the engine is made - naming the field and value -
+    not at the first gather a pool launches (programs=0 failed there, mid-transfer)."""
+    from hicache.errors import PlanError
+
+    with pytest.raises(PlanError) as raised:
+        CopyEngine(**keywords)
+    assert str(raised.value) == message
+    assert CopyEngine(programs=4096, gather_runner="torch").programs == 4096

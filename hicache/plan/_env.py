@@ -19,7 +19,7 @@ from decimal import Decimal, InvalidOperation
 from typing import NamedTuple
 
 from hicache.errors import EnvError, PlanError
-from hicache.plan._transfer import DEFAULT_PROGRAMS, TRANSFER_MODES
+from hicache.plan._transfer import DEFAULT_PROGRAMS, MAX_PROGRAMS, TRANSFER_MODES
 from hicache.plan._units import format_bytes, parse_size
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -118,7 +118,7 @@ SETTINGS = (
             "and every backup, the copy engine loads larger pieces), only the copy engine (dma), or only "
             "the GPU's gather (gather)", choices=TRANSFER_MODES),
     Setting("HICACHE_TRANSFER_PROGRAMS", "count", str(DEFAULT_PROGRAMS), ("pools", "SGLang plug-in", "doctor"),
-            "programs (about one SM each) a gather transfer takes at most", minimum=1, maximum=4096),
+            "programs (about one SM each) a gather transfer takes at most", minimum=1, maximum=MAX_PROGRAMS),
     Setting("HICACHE_RANKS_PER_HOST", "count", "LOCAL_WORLD_SIZE, else 1", _BRING_UPS + ("doctor",),
             "ranks sharing this host's memory: the budget splits the free memory between them, and each "
             "rank's pre-fault takes an equal share of its NUMA node's CPUs (apply's --ranks-per-host wins)",

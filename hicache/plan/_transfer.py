@@ -24,6 +24,11 @@ DIRECTIONS = ("load", "backup")
 #: flight each moved page_first at the same 50.3-50.7 GB/s (load) and 51.7-52.0 (backup); 32 of
 #: its 132 SMs keeps a margin for other row sizes and leaves the rest to the model
 DEFAULT_PROGRAMS = 32
+#: the most programs a gather may be given (HICACHE_TRANSFER_PROGRAMS, `CopyEngine(programs=)`):
+#: more than a GPU runs at once buys nothing - the H200 has 132 SMs
+MAX_PROGRAMS = 4096
+#: what runs a gather: Triton where it is (auto), Triton, or torch's index kernels
+GATHER_RUNNERS = ("auto", "triton", "torch")
 #: load pieces from here up go to the copy engine (measured at 2 KiB and at 128 KiB; the split
 #: lies between, where neither was measured)
 DMA_LOAD_PIECE = 64 * 2**10

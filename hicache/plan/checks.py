@@ -48,6 +48,14 @@ def is_integer(value: object) -> bool:
     return not isinstance(value, bool) and hasattr(type(value), "__index__")
 
 
+def check_bool(error: type[Exception], owner: str, field: str, value: object) -> bool:
+    """Return ``value`` as a bool, or raise ``error`` naming ``owner.field`` and the value: True or
+    False (numpy's bool too), never a string or a number ("no" is truthy, 0 a typo)."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise error(f"{owner + '.' if owner else ''}{field} must be True or False, got {value!r}")
+
+
 def is_real(value: object) -> bool:
     """Whether ``value`` is a real number (numpy's included), never a bool or a string."""
     return not isinstance(value, bool) and isinstance(value, numbers.Real)

@@ -17,6 +17,7 @@ import attrs
 
 from hicache.effects import HostSetup
 from hicache.errors import LayoutError, PlanError
+from hicache.plan.checks import check_bool
 from hicache.pools._geometry import Sizing
 from hicache.pools._server import server
 
@@ -56,15 +57,28 @@ def _host_device(device) -> str:
     return "cpu"
 
 
+def _pin_memory(value) -> bool:
+    """``pin_memory=`` as a bool (numpy's taken): a string such as "no" is truthy and pinned."""
+    return check_bool(PlanError, "", "pin_memory", value)
+
+
+def _pool_label(value) -> str:
+    """``pool_label=`` (the metrics' pool label, SGLang's pool name) as a non-empty string."""
+    if isinstance(value, str) and value:
+        return value
+    raise PlanError(f"pool_label must be a non-empty string, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class PoolOptions:
     """SGLang's options of a host pool, the host's pieces (``host``) and hicache's settings
-    (``settings``, the `HostPoolOptions` given as ``options=``)."""
+    (``settings``, the `HostPoolOptions` given as ``options=``); SGLang's are checked here, before
+    any memory, each error naming the value."""
 
-    pin_memory: bool = True
+    pin_memory: bool = attrs.field(default=True, converter=_pin_memory)
     device: str = attrs.field(default="cpu", converter=_host_device)
     allocator_type: str | None = "default"
-    pool_label: str = "kv"
+    pool_label: str = attrs.field(default="kv", converter=_pool_label)
     is_dummy: bool = False
     host: HostSetup | None = None
     settings: HostPoolOptions = attrs.Factory(HostPoolOptions)

@@ -14,8 +14,9 @@ from hicache.effects._copy._host_copy import (
     copy_host_blocks, copy_parts, gathering_copier, host_copy_mode, streaming_copier,
 )
 from hicache.effects._copy._gather import WARMTH, GatherCopy, triton_ready, word_of
-from hicache.errors import CudaCallError, TransferError
-from hicache.plan.transfer import TRANSFER_MODES, choose_engine
+from hicache.errors import CudaCallError, PlanError, TransferError
+from hicache.plan.checks import check_int
+from hicache.plan.transfer import GATHER_RUNNERS, MAX_PROGRAMS, TRANSFER_MODES, choose_engine
 
 
 def cuda_copy(dsts, srcs, sizes, *, stream: int, binding=None) -> str:
@@ -58,9 +59,12 @@ class CopyEngine:
         self._side_streams: dict = {}  # device -> stream, for copies issued from the NULL stream
         setting, count = transfer_settings()
         self.transfer = transfer if transfer is not None else setting
-        self.programs = programs if programs is not None else count
+        self.programs = check_int(PlanError, "CopyEngine", "programs", programs if programs is not None else count,
+                                  minimum=1, maximum=MAX_PROGRAMS)
         if self.transfer not in TRANSFER_MODES:
             raise ValueError(f"transfer must be one of {TRANSFER_MODES}, got {self.transfer!r}")
+        if gather_runner not in GATHER_RUNNERS:
+            raise PlanError(f"CopyEngine.gather_runner must be one of {GATHER_RUNNERS}, got {gather_runner!r}")
         self.last_choice = None  # the EngineChoice of the last batch prepared with a direction
         self.gather_runner = gather_runner  # "auto" (Triton where it is), "triton" or "torch"
 
