@@ -100,6 +100,20 @@ def test_an_arena_larger_than_the_free_tmpfs_is_refused(shm_dir):
     assert _listing(shm_dir) == []
 
 
+def test_a_mount_point_given_as_the_arena_path_is_refused_as_a_directory(shm_dir, tmp_path):
+    """The mount itself given as the arena's path (`hicache store create /dev/shm`, a natural
+    slip): the error says it is a directory - not that its parent (/dev: devtmpfs) is no memory
+    filesystem - from the backing's check that every caller asks first, and from open_store."""
+    from hicache.store import open_store
+
+    root = fake_root(tmp_path, shm_dir.parent, "ext4")  # the directory's parent: not a memory filesystem
+    with pytest.raises(ArenaError, match=rf"store arena {shm_dir}: is a directory, not an arena file"):
+        arena.backing_of(str(shm_dir), root=root)
+    with pytest.raises(ArenaError, match=rf"store arena {shm_dir}: is a directory, not an arena file"):
+        open_store(str(shm_dir), size_bytes=8 << 20, slot_bytes=8192)
+    assert _listing(shm_dir) == []
+
+
 def test_a_missing_directory_is_refused(shm_dir):
     """An arena path in a directory that does not exist is an ArenaError saying so."""
     with pytest.raises(ArenaError, match="does not exist"):

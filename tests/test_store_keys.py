@@ -54,3 +54,38 @@ def test_a_key_slot_keys_refuses_is_refused_alike():
             slot_keys(DIGESTS[0], keys)
         with pytest.raises(AttributeError):
             memo(DIGESTS[0], keys)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("page_bytes", 0, "Namespace.page_bytes must be positive, got 0"),
+    ("page_tokens", 1.5, "Namespace.page_tokens must be an integer, got 1.5 (float)"),
+    ("dtype", "", "Namespace.dtype must be a non-empty string, got ''"),
+    ("pool", None, "Namespace.pool must be a non-empty string, got None"),
+    ("model", 7, "Namespace.model must be a string, got 7"),
+    ("shard", (("tp", 2, 2),), "Namespace.shard: tp rank 2 is not below its size 2"),
+    ("shard", (("tp", 0),), "Namespace.shard must hold (name, rank, size) triples, got ('tp', 0)"),
+    ("shard", (("tp", -1, 2),), "Namespace.shard[0] rank must be >= 0, got -1"),
+])
+def test_a_namespace_is_checked_when_made(field, value, message):
+    """A namespace's fields seed every slot key: a float page size or a rank past its size would
+    make a namespace no engine ever asks for (every page a miss, silently), and a numpy integer
+    would not even hash - so each is refused when made, naming the field and the value."""
+    from hicache.errors import PlanError
+
+    fields = dict(model="m", dtype="torch.bfloat16", page_tokens=16, layout="page_first/flat", pool="kv",
+                  page_bytes=65536, shard=(("tp", 0, 2),))
+    with pytest.raises(PlanError) as raised:
+        _keys.Namespace(**{**fields, field: value})
+    assert str(raised.value) == message
+
+
+def test_numpy_integers_make_the_same_namespace_as_plain_ones():
+    """SGLang's sizes may arrive as numpy integers: the namespace holds plain ints and digests
+    exactly as the one made of plain ints (it raised in json.dumps before)."""
+    import numpy
+
+    plain = _keys.Namespace(model="m", dtype="torch.bfloat16", page_tokens=16, layout="l", pool="kv",
+                            page_bytes=65536, shard=[("tp", 1, 2)])
+    made = _keys.Namespace(model="m", dtype="torch.bfloat16", page_tokens=numpy.int64(16), layout="l", pool="kv",
+                           page_bytes=numpy.int32(65536), shard=[["tp", numpy.int64(1), numpy.int64(2)]])
+    assert made == plain and made.digest == plain.digest and made.shard == (("tp", 1, 2),)

@@ -72,6 +72,11 @@ SHM = "/dev/shm"
 SHM_SMALL_BYTES = 10**9  # Docker's default /dev/shm is 64 MB: a node store needs GBs
 
 
+#: the arena path whose directory's room is read: a name nothing is expected at (the backing's
+#: check says what is at the path itself first - an arena named "arena" there is not the mount)
+PROBE = "{}/.hicache-doctor-room-probe"
+
+
 def _store_room(c: Context) -> Check:
     """Room for a node store: /dev/shm's tmpfs and every hugetlbfs mount with its free pages."""
     from hicache.effects import arena
@@ -79,7 +84,7 @@ def _store_room(c: Context) -> Check:
 
     parts, status, hint = [], "pass", ""
     try:
-        shm = arena.backing_of(f"{SHM}/arena", root=c.root)  # a file there: its directory is /dev/shm
+        shm = arena.backing_of(PROBE.format(SHM), root=c.root)  # a file there: its directory is /dev/shm
         parts.append(f"{SHM} ({shm.kind}) {format_bytes(shm.free_bytes)} free")
         if shm.free_bytes < SHM_SMALL_BYTES:
             status, hint = "warn", "a container's /dev/shm is 64 MB by default: docker run --shm-size=64g (docs/store.md)"
@@ -92,7 +97,7 @@ def _store_room(c: Context) -> Check:
         huge = []
     for mount in huge:
         try:
-            room = arena.backing_of(f"{mount.point}/arena", root=c.root).free_bytes
+            room = arena.backing_of(PROBE.format(mount.point), root=c.root).free_bytes
             parts.append(f"hugetlbfs {mount.point} ({format_bytes(mount.pagesize_bytes or 2**21)} pages) "
                          f"{format_bytes(room)} free")
         except (ArenaError, OSError):

@@ -15,21 +15,54 @@ import json
 
 import attrs
 
+from hicache.errors import PlanError
+from hicache.plan.checks import as_int, check_int
+
 DIGEST_BYTES = 16
+
+
+def _text(allow_empty: bool):
+    """attrs validator: a string (non-empty unless ``allow_empty``), else a `PlanError` naming it."""
+    def check(namespace, attribute, value) -> None:
+        if not isinstance(value, str) or not (value or allow_empty):
+            what = "a string" if allow_empty else "a non-empty string"
+            raise PlanError(f"Namespace.{attribute.name} must be {what}, got {value!r}")
+    return check
+
+
+def _count(namespace, attribute, value) -> None:
+    check_int(PlanError, "Namespace", attribute.name, value)
+
+
+def _shard(pairs) -> tuple:
+    """The (name, rank, size) triples as a tuple of plain ints, each rank below its size."""
+    triples = []
+    for index, triple in enumerate(pairs):
+        if not isinstance(triple, (tuple, list)) or len(triple) != 3 or not isinstance(triple[0], str):
+            raise PlanError(f"Namespace.shard must hold (name, rank, size) triples, got {triple!r}")
+        name = triple[0]
+        rank = check_int(PlanError, "Namespace", f"shard[{index}] rank", as_int(triple[1]), minimum=0)
+        size = check_int(PlanError, "Namespace", f"shard[{index}] size", as_int(triple[2]))
+        if rank >= size:
+            raise PlanError(f"Namespace.shard: {name} rank {rank} is not below its size {size}")
+        triples.append((name, rank, size))
+    return tuple(triples)
 
 
 @attrs.frozen
 class Namespace:
     """One kind of stored object. ``shard``: the (rank, size) pairs that split a page's bytes
-    (``tp`` for MHA and Mamba state, ``pp``, ``cp``, ``dcp``); absent where ranks share bytes."""
+    (``tp`` for MHA and Mamba state, ``pp``, ``cp``, ``dcp``); absent where ranks share bytes.
+    Checked when made (each field seeds every slot key: a bad one is a namespace nobody asks
+    for, every page a miss), numpy integers taken as plain ints."""
 
-    model: str
-    dtype: str
-    page_tokens: int
-    layout: str
-    pool: str
-    page_bytes: int
-    shard: tuple[tuple[str, int, int], ...] = ()
+    model: str = attrs.field(validator=_text(allow_empty=True))
+    dtype: str = attrs.field(validator=_text(allow_empty=False))
+    page_tokens: int = attrs.field(converter=as_int, validator=_count)
+    layout: str = attrs.field(validator=_text(allow_empty=False))
+    pool: str = attrs.field(validator=_text(allow_empty=False))
+    page_bytes: int = attrs.field(converter=as_int, validator=_count)
+    shard: tuple[tuple[str, int, int], ...] = attrs.field(default=(), converter=_shard)
 
     @property
     def description(self) -> str:

@@ -27,7 +27,7 @@ import attrs
 
 from hicache.errors import ArenaError, HostOutOfMemoryError
 from hicache.effects._arena._creators import CreatorsLock
-from hicache.effects._arena._mounts import Backing, backing_of
+from hicache.effects._arena._mounts import Backing, backing_of, refuse_non_regular as _refuse_non_regular
 from hicache.effects._arena._records import Records
 from hicache.effects._arena._slots import slot_ops, try_lock, unlock
 from hicache.plan.store_format import (
@@ -135,25 +135,6 @@ def arena_present(path: str) -> bool:
     return os.path.lexists(path)
 
 
-_KINDS = ((stat.S_ISLNK, "a symbolic link (give the arena's own path)"), (stat.S_ISDIR, "a directory"),
-          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"))
-
-
-def _refuse_non_regular(path: str, info: os.stat_result | None = None) -> os.stat_result | None:
-    """The lstat of ``path`` (None when nothing is there); `ArenaError` naming what it is when
-    that is not a regular file - before anything opens it (a FIFO's open would block)."""
-    if info is None:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            return None
-        except OSError as error:
-            raise ArenaError(f"store arena {path}: cannot be read ({error.strerror})") from None
-    if not stat.S_ISREG(info.st_mode):
-        what = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
-        raise ArenaError(f"store arena {path}: is {what}, not an arena file")
-    return info
 
 
 def _check_owner(path: str, info: os.stat_result, uid: int | None = None, *, mode: bool = True) -> None:

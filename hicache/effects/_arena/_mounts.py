@@ -10,6 +10,7 @@ is a pure function of the mountinfo text (tests pass their own); `backing_of` re
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import attrs
@@ -107,9 +108,33 @@ def mounts(*, root: str = "/") -> list[Mount]:
     return parse_mountinfo(Path(root, "proc/self/mountinfo").read_text())
 
 
+_KINDS = ((stat.S_ISLNK, "a symbolic link (give the arena's own path)"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
+
+
+def refuse_non_regular(path: str, info: os.stat_result | None = None) -> os.stat_result | None:
+    """The lstat of ``path`` (None when nothing is there); `ArenaError` naming what it is when
+    that is not a regular file - before anything opens it (a FIFO's open would block)."""
+    if info is None:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise ArenaError(f"store arena {path}: cannot be read ({error.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        what = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
+        raise ArenaError(f"store arena {path}: is {what}, not an arena file")
+    return info
+
+
 def backing_of(path: str, *, root: str = "/") -> Backing:
     """The backing of an arena at ``path`` (its directory must exist): `ArenaError` naming the
-    filesystem when it is not tmpfs or hugetlbfs."""
+    filesystem when it is not tmpfs or hugetlbfs - and first, naming what is at ``path`` when that
+    is not a regular file (a mount point given as the arena's path is a directory, whatever its
+    parent's filesystem)."""
+    refuse_non_regular(path)
     directory = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(directory):
         raise ArenaError(f"store arena {path}: directory {directory} does not exist")
