@@ -13,6 +13,12 @@ import sys
 import time
 
 from hicache.cli._common import USAGE, CliError, emit, positive_decimal, positive_int
+from hicache.errors import PlanError
+
+#: what to change when the store's geometry cannot be planned (the registration plan's hint,
+#: --chunk-limit, was given here once)
+STORE_PLAN_HINT = ("--slot-bytes: a multiple of 8 that holds the largest page an engine stores; --size-gb: room for "
+                   "many slots of it (`hicache plan --store-gb N` sizes both for a model)")
 from hicache.plan import format_bytes, format_gb, format_progress
 
 DESCRIPTION = (
@@ -120,8 +126,13 @@ def run(args) -> int:
     size_bytes = int(positive_decimal(args.size_gb, "--size-gb") * 10**9)
     slot_bytes = positive_int(args.slot_bytes, "--slot-bytes")
     threads = positive_int(args.threads, "--threads") if args.threads else None
-    store = open_store(args.path, size_bytes=size_bytes, slot_bytes=slot_bytes, label=args.label or "", threads=threads,
-                       progress=_Progress())
+    try:
+        store = open_store(args.path, size_bytes=size_bytes, slot_bytes=slot_bytes, label=args.label or "",
+                           threads=threads, progress=_Progress())
+    except PlanError as error:
+        if type(error) is not PlanError:  # the budget's, the environment's...: their own handlers and hints
+            raise
+        raise CliError("bad-store-plan", str(error), STORE_PLAN_HINT, USAGE) from None
     try:
         if not store.arena.created:
             print(f"{args.path} exists already: attached it as it is (hicache store drop removes it)", file=sys.stderr)
