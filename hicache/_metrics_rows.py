@@ -67,8 +67,11 @@ def _each(read):
     return lambda scrape: [sample for view in scrape.pools for sample in read(view)]
 
 
+#: the family of page tiers: the one whose values need a read of /proc/self/smaps
+TIERS_FAMILY = "hicache_host_pool_bytes"
+
 POOL_METRICS = (
-    Metric("hicache_host_pool_bytes", GAUGE, "Host pool bytes by the page tier the kernel backs them with "
+    Metric(TIERS_FAMILY, GAUGE, "Host pool bytes by the page tier the kernel backs them with "
            "(/proc/self/smaps)", ("pool", "numa_node", "tier"), _each(_tiers)),
     Metric("hicache_page_size_rule_bytes", GAUGE, "Bytes of each buffer whose pre-fault page size each "
            "hugepages=auto rule decided (free, no-free-blocks, brake, ...)", ("pool", "buffer", "rule"),

@@ -24,12 +24,11 @@ import threading
 import weakref
 
 logger = logging.getLogger(__name__)
-#: the family of page tiers: the one whose values need a read of /proc/self/smaps
-TIERS_FAMILY = "hicache_host_pool_bytes"
 
 from hicache._metrics_rows import (
     POOL_METRICS,
     STORE_METRICS,
+    TIERS_FAMILY,
     PoolScrape,
     PoolView,
     StoreView,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from hicache.plan import assess_budget, format_bytes
+from hicache.plan.thp import THP_USABLE
 
 from hicache.cli._doctor_context import Check, Context
 
@@ -85,8 +86,6 @@ def _pools(c: Context) -> Check:
     from hicache.effects import pool_settings
     from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES
     from hicache.plan import EnvError
-    from hicache.plan.thp import THP_USABLE
-
     try:
         settings = pool_settings(c.env)
     except EnvError as error:
@@ -118,8 +117,6 @@ def _pools(c: Context) -> Check:
 
 def _pages_said(mode: str, thp_enabled: str | None) -> str:
     """What the pools' page setting ``mode`` gives on a machine whose THP setting is ``thp_enabled``."""
-    from hicache.plan.thp import THP_USABLE
-
     if mode == "auto":
         if thp_enabled not in THP_USABLE:
             return f"auto: 4 KiB pages here (transparent huge pages: {thp_enabled or 'unreadable'})"
@@ -134,8 +131,6 @@ def _buddyinfo(c: Context) -> Check:
     default), how much of the pool they let take THP - the rest is 4 KiB pages by design."""
     from hicache.effects import pool_settings
     from hicache.plan import EnvError
-    from hicache.plan.thp import THP_USABLE
-
     blocks = c.facts.free_2mib_blocks
     try:
         mode = pool_settings(c.env).hugepages

@@ -21,6 +21,7 @@ import attrs
 
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
+from hicache.effects._host import _release  # a module: tests replace its give_back
 from hicache.effects._host._numa import bind
 from hicache.effects._host._threads import lower_priority, pin_thread
 from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
@@ -169,9 +170,7 @@ class HostBuffer:
             self._mapping = self._tensor = None
             if mapping is not None and _sole_user(tensor):
                 del tensor
-                from hicache.effects._host._release import give_back
-
-                give_back(base, self.mapped_bytes)  # in parallel pieces: the unmap then has little to free
+                _release.give_back(base, self.mapped_bytes)  # in parallel pieces: the unmap then has little to free
                 mapping.close()
 
     def __enter__(self) -> "HostBuffer":
@@ -195,9 +194,7 @@ def _sole_user(tensor) -> bool:
 
 
 def _map(length: int, flags: int) -> mmap.mmap:
-    from hicache.effects._host._release import ReleasingMapping
-
-    return ReleasingMapping(
+    return _release.ReleasingMapping(
         -1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags,
         prot=mmap.PROT_READ | mmap.PROT_WRITE,
     )
