@@ -44,6 +44,18 @@ def _signature(batch: GatherCopy) -> dict[str, str]:
             "ROWS": "constexpr", "CHUNK": "constexpr"}
 
 
+def _source(ast_source, kernel, batch: GatherCopy):
+    """The kernel's source for Triton's compiler in the form the installed Triton takes: 3.3 and
+    later name the constexprs in the signature and pass their values as ``constexprs``; 3.2 (the
+    test extra's floor, torch 2.6's Triton) leaves them out of it and passes ``constants``."""
+    import inspect
+
+    signature, values = _signature(batch), {"ROWS": ROWS, "CHUNK": batch.chunk}
+    if "constexprs" in inspect.signature(ast_source).parameters:
+        return ast_source(fn=kernel, signature=signature, constexprs=values)
+    return ast_source(fn=kernel, signature={k: v for k, v in signature.items() if v != "constexpr"}, constants=values)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", sorted(ARCHS), ids=lambda a: f"sm_{a}-{ARCHS[a]}")
 def test_the_gather_kernel_compiles_for_each_gpu_in_every_word_size(arch, tmp_path, monkeypatch):
@@ -61,8 +73,14 @@ def test_the_gather_kernel_compiles_for_each_gpu_in_every_word_size(arch, tmp_pa
     kernel = _kernel(False)  # the very JITFunction a GPU launches, its specialization settings included
     for word in (8, 4, 2, 1):
         batch = _batch(word)
-        source = ASTSource(fn=kernel, signature=_signature(batch), constexprs={"ROWS": ROWS, "CHUNK": batch.chunk})
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        source = _source(ASTSource, kernel, batch)
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        except RuntimeError as error:
+            if f"'sm_{arch}' is not defined" not in str(error):
+                raise
+            # a Triton older than the GPU (3.2's ptxas predates sm_100; so does the torch that pins it)
+            pytest.skip(f"Triton {triton.__version__}'s ptxas cannot target sm_{arch} ({ARCHS[arch]})")
         assert compiled.asm["cubin"], f"no cubin for sm_{arch}, {word}-byte words"
         ptx = compiled.asm["ptx"]
         assert f".target sm_{arch}" in ptx

@@ -355,6 +355,10 @@ def test_a_ctrl_c_at_any_step_of_handing_out_the_pieces_is_raised_only_once_no_c
                 return trace
 
             calls.clear()
+            here_frame = sys._getframe()
+            # Python 3.12 sends opcode events only where a frame asked for them before settrace
+            # (cpython gh-114480); 3.11 and 3.13 honour the flag set inside the trace function
+            here_frame.f_trace_opcodes = True
             sys.settrace(trace)
             try:
                 prefault(buffer, threads=2, piece_bytes=2**20)
@@ -363,6 +367,7 @@ def test_a_ctrl_c_at_any_step_of_handing_out_the_pieces_is_raised_only_once_no_c
                 interrupted = True
             finally:
                 sys.settrace(None)
+                here_frame.f_trace_opcodes = False
             if not interrupted:
                 break  # past the last opcode: every later target is the same
             landed.append(target)

@@ -75,7 +75,21 @@ def multiprocess_values(tmp_path, monkeypatch):
     directory.mkdir()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
     monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
-    return directory
+    yield directory
+    _close_value_files(directory)
+
+
+def _close_value_files(directory) -> None:
+    """Close the test's value files now: prometheus_client before 0.26 keeps them in its value
+    class's closure with no way to close them, so they were left to the collector, whose
+    ResourceWarning then failed whichever later test it ran in."""
+    import gc
+
+    from prometheus_client.mmap_dict import MmapedDict
+
+    for thing in gc.get_objects():
+        if type(thing) is MmapedDict and str(thing._fname).startswith(str(directory)):  # type(): no proxy asked
+            thing.close()
 
 
 def test_each_family_kind_is_served_as_the_process_collected_it(multiprocess_values):

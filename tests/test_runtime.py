@@ -80,6 +80,33 @@ def test_real_cuda_python_without_a_driver_is_cuda_unavailable():
     assert ledger.held() == ()
 
 
+def test_a_binding_that_cannot_reach_a_driver_is_cuda_unavailable_not_a_runtime_error():
+    """cuda-bindings 12.8 raises RuntimeError('Function "cuInit" not found') where no driver
+    library loads (13.x returns code 35): both are CudaUnavailableError naming the call, the
+    range and the binding's words, and an apply over it rolls back to nothing held."""
+
+    class NoDriverBinding:
+        def __getattr__(self, name):
+            def call(*args):
+                raise RuntimeError('Function "cuInit" not found')
+
+            return call
+
+    runtime = CudaPythonRuntime(binding=NoDriverBinding())
+    for act, op in ((lambda: runtime.register(BASE, 4096, 0), "cudaHostRegister"),
+                    (lambda: runtime.unregister(BASE), "cudaHostUnregister")):
+        with pytest.raises(CudaUnavailableError, match=r'CUDA unavailable: .*cudaErrorInsufficientDriver .*cuInit" not found') as info:
+            act()
+        assert (info.value.op, info.value.code, info.value.ptr) == (op, 35, BASE)
+        assert isinstance(info.value.__cause__, RuntimeError)
+    ledger = HostLedger()
+    plan = plan_registration(3 * 4096, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=4096))
+    with pytest.raises(ApplyError) as applied:
+        apply_plan(plan, base_ptr=BASE, runtime=runtime, ledger=ledger)
+    assert isinstance(applied.value.__cause__, CudaUnavailableError)
+    assert ledger.held() == ()
+
+
 def test_probe_cuda_says_what_it_found():
     """probe_cuda reports availability with a reason instead of raising."""
     facts = probe_cuda()

@@ -188,6 +188,20 @@ def test_the_doctor_names_each_layouts_engine_and_refuses_a_bad_setting():
     assert bad.status == "fail" and "warp" in bad.finding
 
 
+def test_the_doctor_names_what_runs_the_gather_by_what_is_installed():
+    """Triton, else torch's index kernels, else (a plain install: no torch) nothing until the
+    cuda extra is installed - never a fallback that is not there."""
+    from hicache.cli._doctor import transfer_check
+
+    def having(*names):
+        return lambda name: name in names
+
+    assert "through Triton" in transfer_check({}, installed=having("triton", "torch")).finding
+    assert "torch's index kernels (Triton is not installed)" in transfer_check({}, installed=having("torch")).finding
+    bare = transfer_check({}, installed=having())
+    assert "torch's index kernels" not in bare.finding and 'torch is not installed (pip install "hicache[cuda]")' in bare.finding
+
+
 def test_the_doctor_builds_the_kernel_on_a_gpu_and_warns_when_it_cannot():
     """On a GPU (the probe's facts say one) the transfer rule launches the kernel as a pool's
     build does: ready is a pass naming cuda:0; a reason is a warning naming it, the torch

@@ -245,12 +245,13 @@ def _transfer(c: Context) -> Check:
     return transfer_check(c.env, cuda=_cuda_facts(c))
 
 
-def transfer_check(env, *, cuda=None, warm=None) -> Check:
+def transfer_check(env, *, cuda=None, warm=None, installed=None) -> Check:
     """Which engine the pools' host<->GPU transfers take, by layout and direction (the engine
     table, hicache.plan._transfer, for a Llama-8B-like page: 2 KiB rows, 128 KiB page runs), and
     what runs the gather: on a GPU (``cuda``: `probe_cuda`'s facts) the kernel is built and
     launched on device 0 as a pool's build does (``warm(device, word)``: the reason it cannot,
-    or None), so a Triton that cannot build for this GPU shows here, not as slower transfers."""
+    or None), so a Triton that cannot build for this GPU shows here, not as slower transfers.
+    ``installed(name)``: whether a package imports (find_spec by default)."""
     import importlib.util
 
     from hicache.errors import EnvError
@@ -262,12 +263,15 @@ def transfer_check(env, *, cuda=None, warm=None) -> Check:
         programs = env_value(env, "HICACHE_TRANSFER_PROGRAMS") or DEFAULT_PROGRAMS
     except EnvError as error:
         return Check("transfer", "fail", str(error), "unset HICACHE_TRANSFER / HICACHE_TRANSFER_PROGRAMS")
-    triton = importlib.util.find_spec("triton") is not None
+    if installed is None:
+        installed = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
+    triton = installed("triton")
     pieces = {"page_first": 2048, "layer_first": 128 * 2**10, "page_first_direct": 128 * 2**10}
     picks = "; ".join(
         f"{layout} load {choose_engine('load', piece, on_gpu=True, setting=setting).engine}, backup "
         f"{choose_engine('backup', piece, on_gpu=True, setting=setting).engine}" for layout, piece in pieces.items())
-    how = f"Triton, {programs} programs at most" if triton else "torch's index kernels (Triton is not installed)"
+    how = (f"Triton, {programs} programs at most" if triton else "torch's index kernels (Triton is not installed)"
+           if installed("torch") else "nothing yet: torch is not installed (pip install \"hicache[cuda]\")")
     reason = None
     if triton and setting != "dma" and cuda is not None and cuda.available:
         if warm is None:

@@ -193,10 +193,12 @@ def _named_for(cls, init):
     argument``), not the class that holds the code. The same code, defaults and closure."""
     qualname = f"{cls.__qualname__}.__init__"
     code = getattr(init, "__code__", None)
-    if code is None or not hasattr(code, "co_qualname") or code.co_qualname == qualname:
+    if code is None or getattr(init, "__qualname__", None) == qualname == getattr(code, "co_qualname", qualname):
         return init
-    named = types.FunctionType(code.replace(co_qualname=qualname), init.__globals__, "__init__", init.__defaults__,
-                               init.__closure__)
+    if hasattr(code, "co_qualname"):  # 3.11+: the message may name the code's qualname
+        code = code.replace(co_qualname=qualname)
+    # Python 3.10's message names the function's __qualname__ (set below), its code has none
+    named = types.FunctionType(code, init.__globals__, "__init__", init.__defaults__, init.__closure__)
     named.__kwdefaults__, named.__doc__, named.__qualname__ = init.__kwdefaults__, init.__doc__, qualname
     named.__dict__.update(init.__dict__)
     return named

@@ -20,6 +20,7 @@ ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered (overlap, sglan
 NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered (not a registration's base pointer)
 NOT_SUPPORTED = 801  # cudaErrorNotSupported (e.g. cudaMemcpyBatchAsync on an old driver)
 CALL_REQUIRES_NEWER_DRIVER = 36
+INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver: no driver, or one older than the runtime
 
 #: No usable CUDA in this process: no driver, a driver older than the runtime, no device.
 UNAVAILABLE = {

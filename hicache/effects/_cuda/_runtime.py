@@ -13,6 +13,7 @@ import threading
 from typing import Protocol, runtime_checkable
 
 from hicache.effects._cuda import _codes
+from hicache.errors import CudaCallError
 
 
 @runtime_checkable
@@ -47,10 +48,24 @@ class CudaPythonRuntime:
         return f"CudaPythonRuntime(binding={getattr(self.binding, '__name__', self.binding)!r})"
 
     def register(self, ptr: int, size: int, flags: int) -> None:
-        _check(self, self.binding.cudaHostRegister(ptr, size, flags), "cudaHostRegister", ptr, size)
+        _check(self, self._call("cudaHostRegister", ptr, size, ptr, size, flags), "cudaHostRegister", ptr, size)
 
     def unregister(self, ptr: int) -> None:
-        _check(self, self.binding.cudaHostUnregister(ptr), "cudaHostUnregister", ptr, None)
+        _check(self, self._call("cudaHostUnregister", ptr, None, ptr), "cudaHostUnregister", ptr, None)
+
+    def _call(self, op: str, ptr: int, size: int | None, *args):
+        """The binding's call; where the binding cannot reach a driver at all it is CUDA
+        unavailable. cuda-bindings 12.8 raises ``RuntimeError('Function "cuInit" not found')``
+        where no driver library loads (13.x returns cudaErrorInsufficientDriver, 35, for the
+        same machine): classified as that code, so every caller sees one error for no driver."""
+        try:
+            return getattr(self.binding, op)(*args)
+        except RuntimeError as error:
+            if isinstance(error, CudaCallError):
+                raise
+            raise _codes.cuda_error(op, _codes.INSUFFICIENT_DRIVER, "cudaErrorInsufficientDriver",
+                                    f"the binding could not call the driver ({error})", ptr=ptr, size=size,
+                                    found=self._found()) from error
 
     def _describe(self, status, code: int) -> tuple[str, str]:
         return self._text("cudaGetErrorName", status, code), self._text("cudaGetErrorString", status, code)
