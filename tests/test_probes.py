@@ -8,6 +8,7 @@ from hicache.errors import EnvError
 from hicache.plan import kernel_pin_cap
 from hicache.effects import probe_limits, probe_machine
 from hicache.effects._host._environment import ranks_per_host
+from hicache.effects._host._probes import free_2mib_blocks, thp_page_bytes
 from hicache.plan import DRIVER_CEILING_BYTES, KERNEL_PIN_CAP_BYTES
 
 
@@ -83,15 +84,16 @@ def test_ranks_per_host_falls_back_to_local_world_size():
     assert ranks_per_host({}) == 1
 
 
-def _doctor_context(tmp_path, *, thp="madvise", blocks=100, total=0, ranks=1, env=None):
-    """A doctor Context over injected facts: THP ``thp``, ``blocks`` free 2 MiB blocks, a plan of
-    ``total`` bytes per rank for ``ranks`` ranks (no plan when ``total`` is 0)."""
+def _doctor_context(tmp_path, *, thp="madvise", blocks=100, total=0, ranks=1, env=None, thp_size=2**21):
+    """A doctor Context over injected facts: THP ``thp`` of ``thp_size`` pages, ``blocks`` free 2 MiB
+    blocks, a plan of ``total`` bytes per rank for ``ranks`` ranks (no plan when ``total`` is 0)."""
     import attrs
 
     from hicache.cli._doctor import Context
     from hicache.effects import probe_machine
 
-    facts = attrs.evolve(probe_machine(root=fake_root(tmp_path), env={}), thp_enabled=thp, free_2mib_blocks=blocks)
+    facts = attrs.evolve(probe_machine(root=fake_root(tmp_path), env={}), thp_enabled=thp, free_2mib_blocks=blocks,
+                         thp_page_bytes=thp_size)
     return Context(plan=object() if total else None, facts=facts, resolved=None, env=env or {}, cuda_binding=None,
                    total=total, calls=1, largest=total, ranks=ranks, limits=None, root=str(tmp_path))
 
@@ -109,6 +111,23 @@ def test_the_doctor_says_what_the_default_auto_pages_do_here(tmp_path, thp, said
     assert check.status == "pass" and "auto: " + said in check.finding, check.finding
     assert "hugetlbfs" not in check.finding and "HICACHE_HUGEPAGES unset" in check.finding
     assert "hugetlbfs pages (prefer)" in _pools(_doctor_context(tmp_path, env={"HICACHE_HUGEPAGES": "prefer"})).finding
+
+
+def test_the_doctor_says_auto_keeps_base_pages_where_huge_pages_are_not_2_mib(tmp_path):
+    """A 64 KiB-page arm64 host maps 512 MiB transparent huge pages, which auto does not take:
+    the pools, thp and buddyinfo checks say so (no count of blocks for THP it will not use);
+    a host that does not say its size is read as 2 MiB's."""
+    from hicache.cli._doctor import _buddyinfo, _pools, _thp
+
+    arm = _doctor_context(tmp_path, thp_size=512 * 2**20, total=60 * 2**21)
+    assert "auto: base pages here (transparent huge pages are 512 MiB here; auto takes only 2 MiB ones)" in \
+        _pools(arm).finding
+    assert _thp(arm).finding == "transparent huge pages: madvise, 512 MiB pages: auto keeps base pages here"
+    assert "cover" not in _buddyinfo(arm).finding
+    for size in (2**21, None):
+        usual = _doctor_context(tmp_path, thp_size=size, total=60 * 2**21)
+        assert "for each pre-fault piece" in _pools(usual).finding and _thp(usual).finding.endswith("madvise")
+        assert "cover" in _buddyinfo(usual).finding
 
 
 def test_the_doctor_warns_when_thp_is_asked_for_where_the_kernel_gives_none(tmp_path):
@@ -166,7 +185,6 @@ def test_free_2mib_blocks_and_the_doctor_warning_before_a_thp_run(tmp_path):
     nothing against one that fits or against 4 KiB pages."""
     from hicache.cli._doctor import Context, _buddyinfo
     from hicache.effects import probe_machine
-    from hicache.effects._host._probes import free_2mib_blocks
 
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc/buddyinfo").write_text(
@@ -187,3 +205,22 @@ def test_free_2mib_blocks_and_the_doctor_warning_before_a_thp_run(tmp_path):
     assert short.status == "warn" and f"needing {blocks + 1:,}" in short.finding and "compact" in short.hint
     assert check(blocks * 2**21, thp).status == "pass"
     assert check((blocks + 1) * 2**21, {"HICACHE_HUGEPAGES": "off"}).status == "pass"  # 4 KiB pages need no blocks
+
+
+def test_the_huge_page_size_and_the_free_blocks_are_read_with_this_hosts_page_size(tmp_path):
+    """Read from the host: hpage_pmd_size gives the THP size (None where the kernel has no such
+    file or it is not a size), and /proc/buddyinfo's orders count 2 MiB blocks by the base page
+    given: order 9 of 4 KiB pages, order 5 of 64 KiB ones."""
+    MiB = 2**20
+    sysfs = tmp_path / "sys/kernel/mm/transparent_hugepage"
+    sysfs.mkdir(parents=True)
+    assert thp_page_bytes(root=str(tmp_path)) is None
+    for text, expected in (("536870912\n", 512 * MiB), ("2097152", 2 * MiB), ("madvise", None), ("0", None)):
+        (sysfs / "hpage_pmd_size").write_text(text)
+        assert thp_page_bytes(root=str(tmp_path)) == expected
+    (tmp_path / "proc").mkdir()
+    orders = [0] * 11
+    orders[5], orders[9], orders[10] = 7, 3, 1  # 64 KiB pages: order 5 is 2 MiB, 9 is 32 MiB, 10 is 64 MiB
+    (tmp_path / "proc/buddyinfo").write_text("Node 0, zone   Normal " + " ".join(map(str, orders)) + "\n")
+    assert free_2mib_blocks(root=str(tmp_path), page_bytes=64 * 1024) == 7 + 3 * 16 + 32
+    assert free_2mib_blocks(root=str(tmp_path), page_bytes=4096) == 3 + 2  # order 9 and up, 4 KiB pages

@@ -54,6 +54,24 @@ def test_each_rule_decides_its_own_pieces(enabled, free, brake, reference, trial
     assert (decision.huge, decision.rule) == (huge, rule) and rule in RULES and decision.reason
 
 
+@pytest.mark.parametrize("huge_page, huge, rule", [
+    (THP_BYTES, True, "free"),  # x86-64, 4 KiB-page arm64
+    (None, True, "free"),  # unreadable: the 2 MiB every x86-64 kernel maps
+    (512 * MiB, False, "thp-size"),  # arm64 with 64 KiB base pages (Grace kernels)
+    (32 * MiB, False, "thp-size"),  # arm64 with 16 KiB base pages
+])
+def test_auto_takes_thp_only_where_a_huge_page_is_2_mib(huge_page, huge, rule):
+    """Every rule and rate auto holds THP to is 2 MiB's: where the kernel's THP is another size
+    (512 MiB under 64 KiB base pages) auto keeps base pages and says the size, whatever the
+    free blocks; the brake and a THP that is off are still named first."""
+    decision = decide_piece(ThpSnapshot("madvise", 100 * PIECE, huge_page), PIECE)
+    assert (decision.huge, decision.rule) == (huge, rule)
+    if rule == "thp-size":
+        assert f"{huge_page // MiB} MiB" in decision.reason
+    assert decide_piece(ThpSnapshot("never", 100 * PIECE, 512 * MiB), PIECE).rule == "thp-off"
+    assert decide_piece(ThpSnapshot("madvise", 100 * PIECE, 512 * MiB), PIECE, brake="slow").rule == "brake"
+
+
 @pytest.mark.parametrize("fault, rate_4k, engaged", [
     (PieceFault(PIECE, 0.01, True, PIECE), 2e9, False),  # 6.7 GB/s, all huge
     (PieceFault(PIECE, 0.1, True, PIECE), 2e9, True),  # 0.67 GB/s: slower than 4 KiB pages
@@ -125,8 +143,8 @@ class _Host:
     pages, one fault each, the rest one fault per 4 KiB), and a clock each piece's scripted
     seconds advance."""
 
-    def __init__(self, *, enabled="madvise", blocks=10**6, seconds=(), huge_share=1.0):
-        self.enabled, self.blocks, self.huge_share = enabled, blocks, huge_share
+    def __init__(self, *, enabled="madvise", blocks=10**6, seconds=(), huge_share=1.0, huge_page=THP_BYTES):
+        self.enabled, self.blocks, self.huge_share, self.huge_page = enabled, blocks, huge_share, huge_page
         self.count = 0  # page faults taken
         self.advice: list = []  # (ptr, length, huge)
         self.now, self.seconds = 0.0, list(seconds)
@@ -149,7 +167,7 @@ class _Host:
 
     def policy(self):
         return _thp.ThpAuto(enabled=lambda: self.enabled, free_blocks=lambda: self.blocks, madvise=self.madvise,
-                       faults=self.faults, page_bytes=4096, clock=self.clock)
+                            faults=self.faults, page_bytes=4096, huge_page_bytes=self.huge_page, clock=self.clock)
 
 
 def _fault(policy, host, pieces):
@@ -184,6 +202,30 @@ def test_a_healthy_host_gets_thp_for_every_piece_after_the_reference():
     _fault(policy, host, [(i * PIECE, PIECE) for i in range(6)])
     assert host.advice == [(i * PIECE, PIECE, True) for i in range(1, 6)]
     assert policy.summary() == {"rules": {0: {"reference": PIECE, "free": 5 * PIECE}}, "brake": None}
+
+
+def test_a_host_whose_huge_pages_are_512_mib_keeps_every_piece_on_base_pages():
+    """arm64 with 64 KiB base pages maps 512 MiB transparent huge pages: auto advises no piece
+    MADV_HUGEPAGE, however many free blocks there are, and the summary names the size rule
+    for every byte - the reference included, since no THP piece will need its rate."""
+    host = _Host(huge_page=512 * MiB)
+    policy = host.policy()
+    _fault(policy, host, [(i * PIECE, PIECE) for i in range(4)])
+    assert host.advice == []
+    assert policy.summary() == {"rules": {0: {"thp-size": 4 * PIECE}}, "brake": None}
+
+
+def test_auto_counts_the_free_blocks_by_this_hosts_page_size(tmp_path):
+    """ThpAuto reads /proc/buddyinfo with its base page: on 64 KiB pages order 5 is a 2 MiB block
+    (order 9 is 32 MiB), so 7 + 3 * 16 + 1 * 32 blocks are free, and the decision says so."""
+    (tmp_path / "proc").mkdir()
+    orders = [0] * 11
+    orders[5], orders[9], orders[10] = 7, 3, 1
+    (tmp_path / "proc/buddyinfo").write_text("Node 0, zone   Normal " + " ".join(map(str, orders)) + "\n")
+    policy = _thp.ThpAuto(root=str(tmp_path), enabled=lambda: "madvise", madvise=lambda *a, **k: True,
+                          faults=lambda: 0, page_bytes=64 * 1024, huge_page_bytes=THP_BYTES)
+    policy.before(0, 0, PIECE)  # the reference
+    assert policy.before(0, PIECE, PIECE).decision.reason.startswith("87 free 2 MiB blocks")
 
 
 def test_pieces_in_flight_count_against_the_free_blocks():

@@ -124,20 +124,35 @@ def test_mincore_counts_the_resident_half_of_a_real_mapping():
 
     from hicache.effects._host._tiers import resident_bytes
 
-    size = 8 * MiB
+    size, page = 8 * MiB, mmap.PAGESIZE
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_NOHUGEPAGE)  # 4 KiB pages: a THP would fault beyond the half
-    for page in range(0, size // 2, 4096):
-        region[page] = 1
+    region.madvise(mmap.MADV_NOHUGEPAGE)  # base pages: a THP would fault beyond the half
+    for offset in range(0, size // 2, page):
+        region[offset] = 1
     first = ctypes.c_char.from_buffer(region)
     ptr = ctypes.addressof(first)
     try:
         assert resident_bytes(ptr, size // 2) == size // 2
         assert resident_bytes(ptr + size // 2, size // 2) == 0
-        assert resident_bytes(ptr + 4096 + 10, 100) == 4096  # part of a page: the whole page
+        assert resident_bytes(ptr + page + 10, 100) == page  # part of a page: the whole page
     finally:
         del first  # the exported view first, then the mapping can close
         region.close()
+
+
+def test_mincore_counts_in_this_hosts_base_pages():
+    """mincore answers one entry per base page, 64 KiB on some arm64 kernels: the unit the count
+    multiplies by and aligns to is the OS's page size, read when the module loads (a process
+    told its pages are 64 KiB counts in 64 KiB)."""
+    import subprocess
+    import sys
+
+    code = ("import mmap; mmap.PAGESIZE = 65536\n"
+            "from hicache.effects._host import _tiers\n"
+            "print(_tiers.OS_PAGE)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["65536"]
 
 
 def _kernel_says(ptr: int) -> tuple:

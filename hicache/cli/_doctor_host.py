@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from hicache.plan import assess_budget, format_bytes
-from hicache.plan.thp import THP_USABLE
+from hicache.plan.thp import THP_BYTES, THP_USABLE
 
 from hicache.cli._doctor_context import Check, Context
 
@@ -51,11 +51,20 @@ def _limits(c: Context) -> Check:
 
 
 def _thp(c: Context) -> Check:
+    size = _odd_thp_size(c.facts)
+    sized = f", {format_bytes(size)} pages: auto keeps base pages here" if size else ""
     if c.facts.thp_enabled == "always":
-        return Check("thp", "warn", f"transparent huge pages: always (defrag: {c.facts.thp_defrag})",
+        return Check("thp", "warn", f"transparent huge pages: always (defrag: {c.facts.thp_defrag}){sized}",
                      "compaction can stall any process's page faults; hicache's pools take THP only for pieces "
                      "free 2 MiB blocks cover (HICACHE_HUGEPAGES=auto, the default) and none with HICACHE_HUGEPAGES=off")
-    return Check("thp", "pass", f"transparent huge pages: {c.facts.thp_enabled or 'unknown'}")
+    return Check("thp", "pass", f"transparent huge pages: {c.facts.thp_enabled or 'unknown'}{sized}")
+
+
+def _odd_thp_size(facts) -> int | None:
+    """A transparent huge page's size where it is not the 2 MiB auto takes (512 MiB under 64 KiB
+    base pages, the THP rule `thp-size`); None where it is 2 MiB or not said."""
+    size = getattr(facts, "thp_page_bytes", None)
+    return size if size and size != THP_BYTES else None
 
 
 def _hugepages(c: Context) -> Check:
@@ -92,7 +101,7 @@ def _pools(c: Context) -> Check:
         return Check("pools", "fail", str(error), "fix or unset the variable it names")
     mode = ("progressive (HICACHE_PROGRESSIVE): serving from the first registered page" if settings.progressive
             else "registered all at construction (HICACHE_PROGRESSIVE unset)")
-    pages = _pages_said(settings.hugepages, c.facts.thp_enabled)
+    pages = _pages_said(settings.hugepages, c.facts.thp_enabled, _odd_thp_size(c.facts))
     said = (f"HICACHE_HUGEPAGES={settings.hugepages}" if (c.env or {}).get("HICACHE_HUGEPAGES")
             else "HICACHE_HUGEPAGES unset")
     finding = f"host pools: {mode}; {pages} ({said})"
@@ -115,11 +124,15 @@ def _pools(c: Context) -> Check:
     return Check("pools", "warn", finding + short + ": the pools fall back to 4 KiB pages", hint)
 
 
-def _pages_said(mode: str, thp_enabled: str | None) -> str:
-    """What the pools' page setting ``mode`` gives on a machine whose THP setting is ``thp_enabled``."""
+def _pages_said(mode: str, thp_enabled: str | None, odd_size: int | None = None) -> str:
+    """What the pools' page setting ``mode`` gives on a machine whose THP setting is ``thp_enabled``
+    (``odd_size``: its huge pages' size where it is not 2 MiB)."""
     if mode == "auto":
         if thp_enabled not in THP_USABLE:
             return f"auto: 4 KiB pages here (transparent huge pages: {thp_enabled or 'unreadable'})"
+        if odd_size:
+            return (f"auto: base pages here (transparent huge pages are {format_bytes(odd_size)} here; auto takes "
+                    "only 2 MiB ones)")
         return ("auto: transparent huge pages for each pre-fault piece the free 2 MiB blocks cover, else 4 KiB "
                 "pages, and 4 KiB pages for the rest once THP faults in slower")
     return {"off": "4 KiB pages", "thp": "transparent huge pages"}.get(mode, f"hugetlbfs pages ({mode})")
@@ -139,7 +152,7 @@ def _buddyinfo(c: Context) -> Check:
     if blocks is None:
         return Check("buddyinfo", "pass", "free 2 MiB blocks: unknown (/proc/buddyinfo unreadable)")
     finding = f"{blocks:,} free 2 MiB blocks ({format_bytes(blocks * 2 * 2**20)}, /proc/buddyinfo)"
-    huge = mode == "thp" or (mode == "auto" and c.facts.thp_enabled in THP_USABLE)
+    huge = mode == "thp" or (mode == "auto" and c.facts.thp_enabled in THP_USABLE and not _odd_thp_size(c.facts))
     if not huge or c.plan is None:
         return Check("buddyinfo", "pass", finding)
     needed = -(-c.total // (2 * 2**20)) * c.ranks

@@ -38,12 +38,15 @@ EARLY_MARGIN = 4.0
 
 
 class ThpSnapshot(NamedTuple):
-    """What the host says before a piece: THP's `enabled` setting (None: unreadable) and the
+    """What the host says before a piece: THP's `enabled` setting (None: unreadable), the
     bytes of free 2 MiB-and-larger blocks on the pool's node not yet promised to a piece in
-    flight (None: unreadable)."""
+    flight (None: unreadable) and the size of a transparent huge page there (the kernel's PMD
+    size, ``hpage_pmd_size``; None: unreadable - an older kernel has no file saying it - taken as
+    2 MiB, x86-64's)."""
 
     enabled: str | None
     free_huge_bytes: int | None
+    huge_page_bytes: int | None = THP_BYTES
 
 
 class PieceFault(NamedTuple):
@@ -70,6 +73,8 @@ RULES = {
     "brake": "THP off for the rest of this bring-up: a THP piece faulted slower than 4 KiB pages or mostly without "
              "huge pages, or its first steps far slower",
     "thp-off": "THP's enabled setting is never (or unreadable): 4 KiB pages",
+    "thp-size": "THP pages here are not 2 MiB (512 MiB where arm64 runs 64 KiB base pages): every rule and rate "
+                "auto holds THP to is 2 MiB's, so base pages (hugepages='thp' asks for them anyway)",
     "reference": "the bring-up's first piece, faulted with 4 KiB pages: the rate THP pieces are held to",
     "no-free-blocks": "the free 2 MiB blocks on the pool's node do not cover the piece: THP would compact; 4 KiB pages",
     "unknown-free-blocks": "/proc/buddyinfo is unreadable: 4 KiB pages",
@@ -90,6 +95,11 @@ def decide_piece(snapshot: ThpSnapshot, piece_bytes: int, *, brake: str | None =
         return ThpDecision(False, "brake", brake)
     if snapshot.enabled not in THP_USABLE:
         return ThpDecision(False, "thp-off", f"THP enabled: {snapshot.enabled or 'unreadable'}")
+    if snapshot.huge_page_bytes not in (None, THP_BYTES):
+        # a 512 MiB huge page needs a 512 MiB free block per fault and zeroes it on one thread:
+        # nothing measured here says it pays, and the free-block rule counts 2 MiB blocks
+        return ThpDecision(False, "thp-size", f"THP pages here are {snapshot.huge_page_bytes // 2**20} MiB, "
+                                              "not 2 MiB: base pages")
     if reference:
         return ThpDecision(False, "reference", "the first piece: 4 KiB pages, the rate THP pieces are held to")
     if snapshot.free_huge_bytes is None:

@@ -3,6 +3,7 @@ setting, free blocks, measured rates) and its brake, for the host room that maps
 a face over `_thp`, pure."""
 
 from hicache.plan._thp import (
+    THP_BYTES,
     THP_STEP_BYTES,
     THP_USABLE,
     PieceFault,
@@ -15,5 +16,5 @@ from hicache.plan._thp import (
     huge_bytes_from_faults,
 )
 
-__all__ = ["THP_STEP_BYTES", "THP_USABLE", "PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason",
+__all__ = ["THP_BYTES", "THP_STEP_BYTES", "THP_USABLE", "PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason",
            "decide_piece", "early_brake_reason", "huge_bytes_from_faults"]

@@ -56,6 +56,7 @@ class MachineFacts:
     numa_allowed_nodes: tuple = ()  # the nodes this process may use (its cpuset); () if unknown
     numa_memory_only_nodes: tuple = ()  # online nodes without CPUs
     free_2mib_blocks: int | None = None  # free physically contiguous 2 MiB blocks (/proc/buddyinfo)
+    thp_page_bytes: int | None = None  # a transparent huge page's size (hpage_pmd_size); None: not said
     numa_node_cpus: tuple = ()  # (node, cpus) of each allowed node: the CPUs this process may use there
     cpus: tuple = ()  # the CPUs this process may use (its affinity); () if unknown
 
@@ -114,6 +115,13 @@ def _hugepages(root: str) -> tuple[HugepagePool, ...]:
     return tuple(sorted(pools, key=lambda p: p.size_bytes))
 
 
+def thp_page_bytes(*, root: str = "/") -> int | None:
+    """The size of a transparent huge page here (``hpage_pmd_size``: 2 MiB on x86-64 and 4 KiB-page
+    arm64, 512 MiB under 64 KiB base pages); None where the kernel does not say."""
+    text = _read(root, "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+    return int(text) if text and text.isdigit() and int(text) > 0 else None
+
+
 def free_2mib_blocks(*, root: str = "/", page_bytes: int = 4096, node: int | None = None) -> int | None:
     """Free 2 MiB blocks the buddy allocator holds, over every zone of ``node`` (None: every
     node) (``/proc/buddyinfo``: free blocks per order; a block of order k >= 9 (4 KiB pages)
@@ -162,7 +170,8 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
         numa_nodes=_numa_nodes(root),
         numa_allowed_nodes=allowed_nodes(root=root),
         numa_memory_only_nodes=memory_only_nodes(root=root),
-        free_2mib_blocks=free_2mib_blocks(root=root),
+        free_2mib_blocks=free_2mib_blocks(root=root, page_bytes=os_page_bytes()),
+        thp_page_bytes=thp_page_bytes(root=root),
         numa_node_cpus=node_cpus(root=root),
         cpus=process_cpus(),
         ranks_per_host=ranks_per_host(env),

@@ -37,6 +37,9 @@ MADV_NOHUGEPAGE = 15
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+_READ = object()  # ThpAuto's huge_page_bytes default: read the kernel's (None is "not said")
+
+
 class PieceToken(NamedTuple):
     """What `ThpAuto.before` hands the faulting thread for `ThpAuto.after`: the decision, the
     clock and the thread's page-fault count just before the piece faulted, and the bytes it
@@ -82,15 +85,19 @@ class ThpAuto:
     ``enabled()``, ``free_blocks()`` (free 2 MiB blocks), ``madvise(ptr, length, huge=)``,
     ``faults()`` (the calling thread's page faults so far, `thread_faults`): the host, read or
     changed (defaults: the real ones); ``page_bytes``: the base page (default the OS's);
-    ``clock``: seconds, for each piece's rate (default `time.perf_counter`)."""
+    ``huge_page_bytes``: a transparent huge page's size (default: the kernel's
+    ``hpage_pmd_size``); ``clock``: seconds, for each piece's rate (default `time.perf_counter`)."""
 
     def __init__(self, *, node: int | None = None, enabled=None, free_blocks=None, madvise=None, faults=None,
-                 page_bytes: int = mmap.PAGESIZE, root: str = "/", clock=time.perf_counter) -> None:
-        from hicache.effects._host._probes import free_2mib_blocks
+                 page_bytes: int = mmap.PAGESIZE, huge_page_bytes=_READ, root: str = "/",
+                 clock=time.perf_counter) -> None:
+        from hicache.effects._host._probes import free_2mib_blocks, thp_page_bytes
 
         self._clock = clock
         self._enabled = enabled if enabled is not None else (lambda: _read_enabled(root))
-        self._free_blocks = free_blocks if free_blocks is not None else (lambda: free_2mib_blocks(root=root, node=node))
+        self._free_blocks = free_blocks if free_blocks is not None else (
+            lambda: free_2mib_blocks(root=root, node=node, page_bytes=page_bytes))
+        self.huge_page_bytes = thp_page_bytes(root=root) if huge_page_bytes is _READ else huge_page_bytes
         self._madvise = madvise if madvise is not None else _madvise_range
         self._faults = faults if faults is not None else thread_faults
         self._page_bytes = page_bytes
@@ -117,8 +124,8 @@ class ThpAuto:
             blocks = self._free_blocks()
             free = None if blocks is None else max(0, blocks * 2 * 2**20 - promised)
         with self._lock:  # decided under the lock: two threads must not both take the one trial piece
-            decision = decide_piece(ThpSnapshot(self.enabled, free), length, brake=brake, reference=reference,
-                                    trial=self._trying)
+            decision = decide_piece(ThpSnapshot(self.enabled, free, self.huge_page_bytes), length, brake=brake,
+                                    reference=reference, trial=self._trying)
             self._trying = self._trying or (decision.huge and not self._proven)  # never once proven
         # only a THP piece is advised: an auto mapping is made MADV_NOHUGEPAGE whole, and each
         # piece faults once - advising a 4 KiB piece again took the mmap lock for writing between

@@ -13,13 +13,14 @@ is estimated, the total is not). Parsing, the one read and mincore; imports noth
 from __future__ import annotations
 
 import ctypes
+import mmap
 import re
 from typing import NamedTuple
 
 SMAPS = "/proc/self/smaps"
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+)\s")
 _FIELD = re.compile(r"^(\w+):\s+(\d+) kB")
-OS_PAGE = 4096
+OS_PAGE = mmap.PAGESIZE  # mincore's unit: one entry per base page, 64 KiB on some arm64 kernels
 THP_BYTES = 2 * 2**20  # a transparent huge page (the PMD size on x86-64 and 4 KiB-page arm64)
 _MINCORE_WINDOW = 2**30  # bytes per mincore call: its vector stays 256 KiB for any range
 
