@@ -62,6 +62,32 @@ def test_fake_runtime_conforms():
     runtime.check_valid()
 
 
+def test_the_conformance_check_fails_a_wrong_error_also_under_python_O():
+    """check_runtime_conformance judges with raises, not asserts: a runtime whose interior
+    unregister fails with another code is refused in a child run with -O (asserts stripped)."""
+    import subprocess
+    import sys
+
+    code = """
+from hicache.errors import CudaCallError
+from hicache.testing import FakeRuntime, check_runtime_conformance
+class Odd(FakeRuntime):
+    def unregister(self, ptr):
+        if ptr % (2 * 4096):
+            raise CudaCallError("odd", op="cudaHostUnregister", code=999, name="cudaErrorUnknown")
+        super().unregister(ptr)
+try:
+    check_runtime_conformance(Odd(), 1 << 30, 3 * 4096)
+except AssertionError as error:
+    print("refused:", error)
+else:
+    print("passed")
+"""
+    result = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("refused: unregistering an interior pointer failed with"), result.stdout
+
+
 def test_real_cuda_python_without_a_driver_is_cuda_unavailable():
     """On this CPU-only machine the real binding fails with CudaUnavailableError, and nothing
     is registered or leaked."""
