@@ -50,6 +50,49 @@ def test_probe_machine_reads_a_fake_tree(tmp_path):
     assert facts.available_bytes > 0
 
 
+_V1_UNLIMITED = "9223372036854771712"  # what v1 says for no limit (4 KiB pages)
+
+
+@pytest.mark.parametrize("layout, files, expected", [
+    # cgroup v2: the group's own limit; "max" at the group, a limit above it (a slice, a pod)
+    ("0::/job", {"sys/fs/cgroup/job/memory.max": "64000000000", "sys/fs/cgroup/job/memory.current": "1000"},
+     (64_000_000_000, 1000)),
+    ("0::/pod/ctr", {"sys/fs/cgroup/pod/ctr/memory.max": "max", "sys/fs/cgroup/pod/ctr/memory.current": "5",
+                     "sys/fs/cgroup/pod/memory.max": "8000", "sys/fs/cgroup/pod/memory.current": "3000"},
+     (8000, 3000)),
+    # two limits: the one with least room binds (10000 - 9000 < 8000 - 3000)
+    ("0::/pod/ctr", {"sys/fs/cgroup/pod/ctr/memory.max": "10000", "sys/fs/cgroup/pod/ctr/memory.current": "9000",
+                     "sys/fs/cgroup/pod/memory.max": "8000", "sys/fs/cgroup/pod/memory.current": "3000"},
+     (10000, 9000)),
+    ("0::/", {}, (None, None)),  # the root group has no memory.max: no limit
+    # cgroup v1's memory controller (a hybrid host: the unified tree beside it has no memory files)
+    ("4:memory:/slurm/job7\n0::/", {"sys/fs/cgroup/memory/slurm/job7/memory.limit_in_bytes": "32000000000",
+                                     "sys/fs/cgroup/memory/slurm/job7/memory.usage_in_bytes": "2000000000",
+                                     "sys/fs/cgroup/memory/memory.limit_in_bytes": _V1_UNLIMITED},
+     (32_000_000_000, 2_000_000_000)),
+    ("4:cpuacct,memory:/a\n0::/", {"sys/fs/cgroup/memory/a/memory.limit_in_bytes": _V1_UNLIMITED,
+                                    "sys/fs/cgroup/memory/memory.limit_in_bytes": _V1_UNLIMITED}, (None, None)),
+    # inside a container the host's path is not visible: its own group is the mount's root
+    ("4:memory:/kubepods/pod1/ctr\n0::/", {"sys/fs/cgroup/memory/memory.limit_in_bytes": "16000000000",
+                                          "sys/fs/cgroup/memory/memory.usage_in_bytes": "7"}, (16_000_000_000, 7)),
+    ("0::/job", {"sys/fs/cgroup/job/memory.max": "lots"}, (None, None)),  # unreadable: no limit, no crash
+])
+def test_the_cgroup_limit_is_the_tightest_of_the_process_group_and_those_above_it(tmp_path, layout, files, expected):
+    """The budget's cgroup figures: v2's memory.max/current or v1's memory controller (still
+    mounted on hosts booted with it, where available memory is the host's), read at the
+    process's group and every group above it - a parent's limit binds - and the group with
+    least room reported; v1's 'unlimited' and unreadable values are no limit."""
+    root = fake_root(tmp_path)
+    for name in ("sys/fs/cgroup/job/memory.max", "sys/fs/cgroup/job/memory.current"):
+        (tmp_path / name).unlink()
+    (tmp_path / "proc/self/cgroup").write_text(layout + "\n")
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    facts = probe_machine(root=root, env={})
+    assert (facts.cgroup_limit_bytes, facts.cgroup_usage_bytes) == expected
+
+
 def test_probe_limits_from_environment(tmp_path):
     """HICACHE_* variables set the chunk limit, kernel cap and hugepage size."""
     root = fake_root(tmp_path)

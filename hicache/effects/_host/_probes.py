@@ -1,5 +1,5 @@
-"""Machine probes: with `_environment` (the HICACHE_* variables), the only place hicache reads
-the machine - /proc and /sys.
+"""Machine probes: with `_environment` (the HICACHE_* variables) and `_cgroup` (the memory a
+cgroup allows), where hicache reads the machine's facts - /proc and /sys.
 
 Owns turning the machine into data (`MachineFacts`, `CudaFacts`) and into `Limits`
 (`probe_limits`), and resolving a pool's ``numa_node`` (the current GPU's node). ``root`` re-roots /proc and /sys reads
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import attrs
 
+from hicache.effects._host._cgroup import memory_limit
 from hicache.effects._host._memory import os_page_bytes
 from hicache.effects._cuda._runtime import default_binding
 from hicache.effects._host._numa import allowed_nodes, memory_only_nodes, node_cpus, online_nodes, process_cpus
@@ -80,19 +81,6 @@ def _rlimit(value: int) -> int | None:
     return None if value == resource.RLIM_INFINITY else value
 
 
-def _cgroup(root: str) -> tuple[int | None, int | None]:
-    """cgroup v2 memory.max / memory.current of this process's cgroup."""
-    line = _read(root, "/proc/self/cgroup") or ""
-    relative = next((l.split("::", 1)[1] for l in line.splitlines() if l.startswith("0::")), "/")
-    for directory in (relative, "/"):
-        limit = _read(root, f"/sys/fs/cgroup/{directory.strip('/')}/memory.max".replace("//", "/"))
-        if limit is not None:
-            usage = _read(root, f"/sys/fs/cgroup/{directory.strip('/')}/memory.current".replace("//", "/"))
-            parsed = None if limit == "max" else int(limit)
-            return parsed, int(usage) if usage and usage.isdigit() else None
-    return None, None
-
-
 def _numa_nodes(root: str) -> int:
     online = _read(root, "/sys/devices/system/node/online")
     if not online:
@@ -152,7 +140,7 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     max_map = _read(root, "/proc/sys/vm/max_map_count")
     memory = psutil.virtual_memory()
-    limit, usage = _cgroup(root)
+    limit, usage = memory_limit(root)
     return MachineFacts(
         kernel_release=release,
         kernel_pin_cap_bytes=kernel_pin_cap(release),

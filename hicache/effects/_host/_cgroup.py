@@ -1,0 +1,78 @@
+"""The memory a cgroup lets this process have: the limit and the usage of the group, among the
+process's own and every group above it, with the least room left. Reads ``/proc/self/cgroup``
+and the cgroup mounts under a root; imports nothing of hicache.
+
+Why every level: a parent's limit binds its children (a systemd slice over its services, a
+Kubernetes pod over its containers, a Slurm job over its steps), and the group a process sits
+in often has none of its own. Why v1 too: the memory controller is still mounted as cgroup v1
+on hosts that booted with it (a "hybrid" layout: v1 controllers, an empty unified tree beside
+them) - there psutil's available memory is the host's, and only the group's file says the job
+will be OOM-killed at its limit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: At or above this a v1 limit means none: the kernel says "unlimited" with PAGE_COUNTER_MAX
+#: pages (9223372036854771712 bytes on 4 KiB pages, just under 2^63 for any page size)
+V1_UNLIMITED = 1 << 62
+
+#: (mount under the root, limit file, usage file) per cgroup version
+_V2 = ("sys/fs/cgroup", "memory.max", "memory.current")
+_V1 = ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (v2's no limit) and anything unreadable: None
+
+
+def _groups(text: str) -> tuple[str | None, str | None]:
+    """The process's v1 memory group and its v2 group from /proc/self/cgroup's lines
+    (``ID:controllers:path``; v2's is ``0::path``)."""
+    v1 = v2 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v1, v2
+
+
+def _levels(path: str) -> list[str]:
+    """``/a/b`` -> ``["a/b", "a", ""]``: the group, each group above it, the mount's root."""
+    parts = [part for part in path.split("/") if part]
+    return ["/".join(parts[:end]) for end in range(len(parts), -1, -1)]
+
+
+def memory_limit(root: str = "/") -> tuple[int | None, int | None]:
+    """``(limit, usage)`` in bytes of the group with the least room (limit - usage) among this
+    process's memory group and those above it, or ``(None, None)`` where none has a limit.
+    The v1 memory controller where /proc/self/cgroup names one, else cgroup v2. A level that
+    is not visible is skipped: inside a container its own group is the mount's root."""
+    try:
+        text = Path(root, "proc/self/cgroup").read_text()
+    except OSError:
+        return None, None
+    v1, v2 = _groups(text)
+    path, (mount, limit_file, usage_file) = (v1, _V1) if v1 is not None else (v2, _V2)
+    if path is None:
+        return None, None
+    tightest: tuple[int, int | None] | None = None
+    for level in _levels(path):
+        directory = Path(root, mount, level)
+        limit = _read_int(directory / limit_file)
+        if limit is None or limit >= V1_UNLIMITED:
+            continue
+        usage = _read_int(directory / usage_file)
+        if tightest is None or limit - (usage or 0) < tightest[0] - (tightest[1] or 0):
+            tightest = (limit, usage)
+    return tightest if tightest is not None else (None, None)
