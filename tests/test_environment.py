@@ -79,8 +79,38 @@ def _valid(setting, tmp_path: Path) -> str:
 
 
 def _doctor(env: dict) -> dict:
-    """`hicache doctor`'s checks with ``env`` (this machine's facts, no plan), by name."""
-    return {c.name: c for c in doctor_checks(env=env)}
+    """`hicache doctor`'s checks with ``env`` (this machine's facts, no plan), by name; an unset
+    runtime directory defaults under a fresh XDG_RUNTIME_DIR, not this machine's /tmp."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as runtime:
+        return {c.name: c for c in doctor_checks(env={"XDG_RUNTIME_DIR": runtime, **env})}
+
+
+@pytest.mark.parametrize("default, usable", [
+    ("missing/deeper", False),  # neither it nor its parent exists
+    ("shared", False),  # there, but mode 0755: another user could hold the lock
+    ("fresh", True),  # absent, its parent there: made at the first bring-up
+    ("own", True),  # there, ours, 0700
+])
+def test_an_unset_runtime_dir_is_judged_where_its_default_will_be(tmp_path, default, usable):
+    """HICACHE_RUNTIME_DIR unset: the default every bring-up will use ($XDG_RUNTIME_DIR/hicache
+    here) is checked as a set value is - a FAIL line named by the variable saying it is unset,
+    the path and why, with a hint to set it; a usable default passes and nothing is left made."""
+    (tmp_path / "shared/hicache").mkdir(parents=True)
+    (tmp_path / "shared/hicache").chmod(0o755)
+    (tmp_path / "own/hicache").mkdir(parents=True, mode=0o700)
+    (tmp_path / "fresh").mkdir()
+    base = tmp_path / default
+    checks = {c.name: c for c in doctor_checks(env={"XDG_RUNTIME_DIR": str(base)})}
+    if usable:
+        assert "HICACHE_RUNTIME_DIR" not in checks and checks["environment"].status == "pass"
+        assert (base / "hicache").is_dir() is (default == "own")  # the probe made and removed it
+        return
+    line = checks["HICACHE_RUNTIME_DIR"]
+    assert line.status == "fail" and "HICACHE_RUNTIME_DIR is unset and its default cannot be used" in line.finding
+    assert str(base / "hicache") in line.finding and line.hint.startswith("set HICACHE_RUNTIME_DIR")
+    assert checks["environment"].status == "fail"
 
 
 @pytest.mark.parametrize("name", [s.name for s in SETTINGS])

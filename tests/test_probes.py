@@ -267,3 +267,46 @@ def test_the_huge_page_size_and_the_free_blocks_are_read_with_this_hosts_page_si
     (tmp_path / "proc/buddyinfo").write_text("Node 0, zone   Normal " + " ".join(map(str, orders)) + "\n")
     assert free_2mib_blocks(root=str(tmp_path), page_bytes=64 * 1024) == 7 + 3 * 16 + 32
     assert free_2mib_blocks(root=str(tmp_path), page_bytes=4096) == 3 + 2  # order 9 and up, 4 KiB pages
+
+
+@pytest.mark.parametrize("marks, env, kind", [
+    ({}, {}, None),  # a host
+    ({".dockerenv": ""}, {}, "docker"),
+    ({"run/.containerenv": ""}, {}, "podman"),
+    ({}, {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, "kubernetes"),  # containerd leaves no file; a pod's variables say
+    ({"proc/1/cgroup": "4:memory:/kubepods/burstable/pod1/ctr\n"}, {}, "kubernetes"),  # cgroup v1 shows the path
+    ({"proc/1/cgroup": "0::/\n"}, {}, None),  # a cgroup v2 namespace hides it
+])
+def test_the_container_a_process_runs_in_is_read_from_the_marks_runtimes_leave(tmp_path, marks, env, kind):
+    """probe_machine's `container`: docker's /.dockerenv, podman's /run/.containerenv, a
+    Kubernetes pod's service variables, PID 1's cgroup path - none of them: None."""
+    root = fake_root(tmp_path)
+    for name, text in marks.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert probe_machine(root=root, env=env).container == kind
+
+
+def test_the_doctor_says_who_shares_the_budget_and_warns_in_a_container_on_the_default(tmp_path):
+    """host_scope: the directory of the budget lock and where it came from; in a container with
+    the default directory a warning that other containers' servers budget the host alone, with
+    the bind-mount remedy; a chosen HICACHE_RUNTIME_DIR, or no container, passes."""
+    import attrs
+
+    from hicache.cli._doctor import _host_scope
+
+    context = _doctor_context(tmp_path)
+
+    def scope(container, env, where="/tmp/hicache-1000"):
+        facts = attrs.evolve(context.facts, container=container, runtime_dir=where)
+        return _host_scope(attrs.evolve(context, facts=facts, env=env))
+
+    alone = scope("docker", {})
+    assert alone.status == "warn" and "in a container (docker)" in alone.finding and "/tmp/hicache-1000 (the default)" \
+        in alone.finding
+    assert "bind-mount one host directory" in alone.hint and "HICACHE_RUNTIME_DIR" in alone.hint
+    chosen = scope("kubernetes", {"HICACHE_RUNTIME_DIR": "/shared/hicache"}, "/shared/hicache")
+    assert chosen.status == "pass" and "/shared/hicache (HICACHE_RUNTIME_DIR)" in chosen.finding
+    host = scope(None, {"XDG_RUNTIME_DIR": "/run/user/1000"}, "/run/user/1000/hicache")
+    assert host.status == "pass" and "($XDG_RUNTIME_DIR)" in host.finding
+    assert scope("docker", {"HICACHE_RUNTIME_DIR": "\0"}, None).status == "pass"  # the environment rule names it

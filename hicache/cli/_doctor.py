@@ -20,7 +20,7 @@ from hicache.cli._doctor_host import (  # noqa: F401 - host_copy_check, _buddyin
     _binding, _buddyinfo, _cuda, _gpus, _host_copy, _hugepages, _kernel, _limits, _max_map_count, _memlock, _memory,
     _numa, _pools, _thp, _transfer, _versions, host_copy_check, transfer_check,
 )
-from hicache.cli._doctor_services import _environment, _sglang, _store, _store_room
+from hicache.cli._doctor_services import _environment, _host_scope, _sglang, _store, _store_room
 
 DESCRIPTION = (
     "Check this machine against a saved plan (or in general): kernel pin cap, the caps this "
@@ -31,7 +31,7 @@ DESCRIPTION = (
     "Example: hicache doctor --plan plan.json"
 )
 
-RULES = (_versions, _environment, _kernel, _limits, _thp, _hugepages, _pools, _buddyinfo, _memlock, _max_map_count, _memory, _numa, _host_copy, _transfer,
+RULES = (_versions, _environment, _host_scope, _kernel, _limits, _thp, _hugepages, _pools, _buddyinfo, _memlock, _max_map_count, _memory, _numa, _host_copy, _transfer,
          _cuda, _binding, _gpus, _sglang, _store_room, _store)
 
 

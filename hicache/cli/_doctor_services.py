@@ -1,5 +1,6 @@
 """`hicache doctor`'s rules about what runs on the machine: every HICACHE_* variable (the one
-table), the SGLang plug-in, and room for (and the state of) a node store.
+table), which processes share the host-wide budget, the SGLang plug-in, and room for (and the
+state of) a node store.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def _environment(c: Context) -> list[Check]:
     unknown = unknown_variables(c.env)
     given = [s.name for s in SETTINGS if (c.env.get(s.name) or "").strip()]
     bad = {p.name for p in problems}
-    checks = [Check(p.name, "fail", p.reason, f"fix or unset {p.name} (docs/environment.md: what it takes)")
-              for p in problems]
+    checks = [Check(p.name, "fail", p.reason, f"fix or unset {p.name} (docs/environment.md: what it takes)" if p.value
+                    else f"set {p.name} to a directory of yours (docs/environment.md)") for p in problems]
     finding = (f"{len(SETTINGS)} HICACHE_* settings known; set: "
                + (", ".join(f"{n}={c.env[n]!r}" for n in given) if given else "none"))
     if unknown:
@@ -35,6 +36,27 @@ def _environment(c: Context) -> list[Check]:
         return [Check("environment", "warn", finding,
                       "check the spelling against docs/environment.md")]
     return [Check("environment", "pass", finding + "; all valid")]
+
+
+def _host_scope(c: Context) -> Check:
+    """Which processes share the host-wide budget: those that see the same runtime directory as
+    the same user. In a container the default directory is the container's own, so servers in
+    other containers on the host budget its memory each alone - a warning unless
+    HICACHE_RUNTIME_DIR was chosen."""
+    where = c.facts.runtime_dir
+    if where is None:  # HICACHE_RUNTIME_DIR cannot be read: the environment rule's FAIL line names it
+        return Check("host_scope", "pass", "the runtime directory: see HICACHE_RUNTIME_DIR above")
+    chosen = bool((c.env.get("HICACHE_RUNTIME_DIR") or "").strip())
+    source = ("HICACHE_RUNTIME_DIR" if chosen else "$XDG_RUNTIME_DIR" if (c.env.get("XDG_RUNTIME_DIR") or "")
+              else "the default")
+    finding = (f"budget lock, ledger and turnstile in {where} ({source}): the host-wide budget is shared by the "
+               "processes of this user that see this directory")
+    if c.facts.container and not chosen:
+        return Check("host_scope", "warn", finding + f"; this process runs in a container ({c.facts.container}), so "
+                     "that directory is the container's own: servers in other containers of this host budget its "
+                     "memory each alone", "bind-mount one host directory (mode 0700, the same uid) into every "
+                     "container of the host and set HICACHE_RUNTIME_DIR to it; one server per host needs nothing")
+    return Check("host_scope", "pass", finding)
 
 
 def _sglang(c: Context) -> Check:

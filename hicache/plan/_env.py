@@ -133,7 +133,8 @@ SETTINGS = (
             "seconds to wait for the host-wide budget lock before a clean error naming its holder",
             minimum=0, maximum=30 * 86400),
     Setting("HICACHE_RUNTIME_DIR", "path", "$XDG_RUNTIME_DIR/hicache, else /tmp/hicache-<uid>", _HOST_WIDE,
-            "private directory (mode 0700, yours) of the host-wide budget lock, ledger and turnstile"),
+            "private directory (mode 0700, yours) of the host-wide budget lock, ledger and turnstile: processes "
+            "share the budget through it, so servers in separate containers of one host bind-mount one directory here"),
     Setting("HICACHE_TRACE", "path", "unset: no trace", _BRING_UPS,
             "write a Chrome trace-event JSON of every bring-up of the process to this file (a new or regular file)"),
     Setting("HICACHE_SGLANG", "bool", "on", ("SGLang plug-in", "doctor"),

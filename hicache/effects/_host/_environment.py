@@ -51,7 +51,7 @@ def environment_problems(env=None, *, paths: bool = True) -> list[EnvProblem]:
     HICACHE_RUNTIME_DIR a private directory; one not there yet is made and removed again, the
     only true answer to whether it can be) - leaving nothing changed. Empty: every bring-up can
     read it."""
-    from hicache.effects._hostwide._rundir import runtime_dir_problem
+    from hicache.effects._hostwide._rundir import runtime_dir, runtime_dir_problem
     from hicache.effects._trace import check_path
     from hicache.errors import TraceOutputError
 
@@ -76,6 +76,12 @@ def environment_problems(env=None, *, paths: bool = True) -> list[EnvProblem]:
         if reason is not None:
             problems.append(EnvProblem(setting.name, env[setting.name],
                                        f"environment variable {setting.name}={env[setting.name]!r}: {reason}"))
+    if paths and not any(p.name == "HICACHE_RUNTIME_DIR" for p in problems) and \
+            env_value(env, "HICACHE_RUNTIME_DIR") is None:  # unset: the default every bring-up will use
+        default = runtime_dir(env)
+        if (reason := runtime_dir_problem(default)) is not None:
+            problems.append(EnvProblem("HICACHE_RUNTIME_DIR", "", f"HICACHE_RUNTIME_DIR is unset and its default "
+                                                                  f"cannot be used: {reason}"))
     return problems
 
 

@@ -16,10 +16,11 @@ from pathlib import Path
 import attrs
 
 from hicache.effects._host._cgroup import memory_limit
+from hicache.effects._hostwide._rundir import runtime_dir
 from hicache.effects._host._memory import os_page_bytes
 from hicache.effects._cuda._runtime import default_binding
 from hicache.effects._host._numa import allowed_nodes, memory_only_nodes, node_cpus, online_nodes, process_cpus
-from hicache.errors import PlanError
+from hicache.errors import EnvError, PlanError
 from hicache.effects._host._environment import ranks_per_host
 from hicache.plan import (
     Limits,
@@ -58,6 +59,8 @@ class MachineFacts:
     numa_memory_only_nodes: tuple = ()  # online nodes without CPUs
     free_2mib_blocks: int | None = None  # free physically contiguous 2 MiB blocks (/proc/buddyinfo)
     thp_page_bytes: int | None = None  # a transparent huge page's size (hpage_pmd_size); None: not said
+    container: str | None = None  # the container runtime this process runs in (docker, podman, kubernetes, ...)
+    runtime_dir: str | None = None  # where the host-wide budget lock, ledger and turnstile live (`runtime_dir`)
     numa_node_cpus: tuple = ()  # (node, cpus) of each allowed node: the CPUs this process may use there
     cpus: tuple = ()  # the CPUs this process may use (its affinity); () if unknown
 
@@ -101,6 +104,36 @@ def _hugepages(root: str) -> tuple[HugepagePool, ...]:
         free = int(_read(root, f"/sys/kernel/mm/hugepages/{entry.name}/free_hugepages") or 0)
         pools.append(HugepagePool(size, total, free))
     return tuple(sorted(pools, key=lambda p: p.size_bytes))
+
+
+#: (a file under the root, the runtime that leaves it) - the marks container runtimes leave
+_CONTAINER_FILES = ((".dockerenv", "docker"), ("run/.containerenv", "podman"))
+#: (a word in PID 1's cgroup path, the runtime) where a runtime leaves no file (cgroup v1 shows it)
+_CONTAINER_CGROUPS = (("kubepods", "kubernetes"), ("libpod", "podman"), ("docker", "docker"), ("containerd", "containerd"),
+                      ("lxc", "lxc"))
+
+
+def container_kind(*, root: str = "/", env=None) -> str | None:
+    """The container runtime this process runs in, as far as it leaves a mark (its file under
+    ``root``, a Kubernetes pod's service variables, PID 1's cgroup path); None: none seen - a
+    host, or a container that hides itself (cgroup v2 namespaces show '0::/')."""
+    env = os.environ if env is None else env
+    for name, kind in _CONTAINER_FILES:
+        if Path(root, name).exists():
+            return kind
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        return "kubernetes"
+    cgroup = _read(root, "/proc/1/cgroup") or ""
+    return next((kind for word, kind in _CONTAINER_CGROUPS if word in cgroup), None)
+
+
+def _runtime_dir(env) -> str | None:
+    """Where the host-wide files live for ``env``; None where HICACHE_RUNTIME_DIR cannot be read
+    (the environment check names it)."""
+    try:
+        return str(runtime_dir(env))
+    except EnvError:
+        return None
 
 
 def thp_page_bytes(*, root: str = "/") -> int | None:
@@ -160,6 +193,8 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
         numa_memory_only_nodes=memory_only_nodes(root=root),
         free_2mib_blocks=free_2mib_blocks(root=root, page_bytes=os_page_bytes()),
         thp_page_bytes=thp_page_bytes(root=root),
+        container=container_kind(root=root, env=env),
+        runtime_dir=_runtime_dir(env),
         numa_node_cpus=node_cpus(root=root),
         cpus=process_cpus(),
         ranks_per_host=ranks_per_host(env),
