@@ -3,7 +3,11 @@
 # from scripts/gpu_check.py (JSON), every `gpu`-marked test and the bring-up table, logs under
 # $OUT, in about 5 minutes. There python3 has CUDA torch, cuda-bindings, attrs, psutil,
 # hypothesis and pytest but not cattrs: carry it as wheels in .whl/ (git-ignored;
-# ../.library/device/README.md says how):
+# ../.library/device/README.md says how) - with the attrs and typing_extensions it needs (cattrs
+# 26.2 needs attrs >= 25.4; the image's attrs version is not known), all pure Python:
+#   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
+#     --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d .whl \
+#     cattrs==26.2.1 attrs==26.1.0 typing_extensions==4.16.0
 #   run(command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=360)
 # The bring-up table gets what is left of BUDGET_S (SGLang's path alone takes ~45 s a round at
 # 100 GB, so that size is skipped, saying so, when it does not fit); the rerun for it:
@@ -22,6 +26,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# fail in seconds, not after the build, where the carried wheels do not make hicache import
+python3 -c "import hicache.plan, hicache.effects, hicache.pools" 2>&1 | tee "$OUT/imports.txt" \
+    || { echo "hicache does not import here (imports.txt): carry cattrs and what it needs in .whl/"; exit 1; }
 # the C helpers (host copies, page stack, the store's slot atomics) for this python: the figures
 # must be the ones users get from an install with a compiler, not the fallbacks' (the *.so built
 # here are git-ignored and for another python, so none travel)
