@@ -569,3 +569,30 @@ def test_a_buffer_another_tensor_still_views_is_neither_zapped_nor_unmapped_by_f
     view = buffer.tensor.view(-1)[:4096]
     buffer.free()
     assert calls == [] and buffer.freed and bool((view == 7).all())
+
+
+def _strict_overcommit_root(tmp_path, *, mode="2", limit_kb=8 * 2**20, committed_kb=8 * 2**20 - 1024):
+    """A /proc under tmp_path where the kernel commits strictly (``mode``) with 1 MiB left."""
+    (tmp_path / "proc/sys/vm").mkdir(parents=True)
+    (tmp_path / "proc/sys/vm/overcommit_memory").write_text(mode + "\n")
+    (tmp_path / "proc/meminfo").write_text(f"MemTotal:       99999999 kB\nCommitLimit:    {limit_kb} kB\n"
+                                           f"Committed_AS:   {committed_kb} kB\n")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("mode, said", [("2", True), ("0", False)])
+def test_an_mmap_refused_under_strict_overcommit_says_the_commit_limit_refused_it(tmp_path, monkeypatch, mode, said):
+    """ENOMEM from the pool's mmap under vm.overcommit_memory=2 is HostOutOfMemoryError naming the
+    commit limit and the room left (1 MiB here), not bare "out of memory"; in the heuristic mode
+    the message stays as it was."""
+    import errno
+
+    def refused(length, flags):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(_host_memory, "_map", refused)
+    with pytest.raises(HostOutOfMemoryError) as info:
+        allocate_host(2**30, sysfs_root=_strict_overcommit_root(tmp_path, mode=mode))
+    message = str(info.value)
+    assert message.startswith(f"mmap of {2**30} bytes failed: out of memory")
+    assert ("vm.overcommit_memory=2: 1048576 bytes were left to commit" in message) is said, message

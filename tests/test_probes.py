@@ -310,3 +310,33 @@ def test_the_doctor_says_who_shares_the_budget_and_warns_in_a_container_on_the_d
     host = scope(None, {"XDG_RUNTIME_DIR": "/run/user/1000"}, "/run/user/1000/hicache")
     assert host.status == "pass" and "($XDG_RUNTIME_DIR)" in host.finding
     assert scope("docker", {"HICACHE_RUNTIME_DIR": "\0"}, None).status == "pass"  # the environment rule names it
+
+
+@pytest.mark.parametrize("mode, meminfo, room", [
+    ("2", "CommitLimit:    1000 kB\nCommitted_AS:    400 kB\n", 600 * 1024),
+    ("2", "CommitLimit:    1000 kB\nCommitted_AS:   1400 kB\n", 0),  # over already: none left, never negative
+    ("0", "CommitLimit:    1000 kB\nCommitted_AS:    400 kB\n", None),  # heuristic: free memory counts
+    ("2", "MemTotal: 5 kB\n", None),  # /proc does not say
+])
+def test_strict_overcommit_gives_the_room_left_to_commit_and_the_doctor_weighs_the_plan(tmp_path, mode, meminfo, room):
+    """vm.overcommit_memory=2: the room is CommitLimit - Committed_AS (probe_machine's
+    commit_room_bytes, else None); doctor's memory check says it and fails a plan whose every
+    rank's mapping would not fit it - however much memory is free."""
+    from hicache.cli._doctor import _memory
+
+    root = fake_root(tmp_path)
+    (tmp_path / "proc/sys/vm/overcommit_memory").write_text(mode + "\n")
+    (tmp_path / "proc/meminfo").write_text(meminfo)
+    facts = probe_machine(root=root, env={})
+    assert facts.commit_room_bytes == room
+    if room is None:
+        return
+    import attrs
+
+    context = attrs.evolve(_doctor_context(tmp_path, total=room // 2 + 4096, ranks=2), facts=facts)
+    check = _memory(context)
+    assert check.status == "fail" and "strict overcommit (vm.overcommit_memory=2)" in check.finding
+    assert "vm.overcommit_memory=0" in check.hint
+    if room:
+        fits = attrs.evolve(context, total=room // 4, ranks=2)
+        assert "strict overcommit" in _memory(fits).finding and "its mmap is refused" not in _memory(fits).finding

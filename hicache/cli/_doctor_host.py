@@ -190,8 +190,15 @@ def _memory(c: Context) -> Check:
     text = f"{format_bytes(f.available_bytes)} available of {format_bytes(f.total_bytes)}"
     if f.cgroup_limit_bytes is not None:
         text += f"; cgroup limit {format_bytes(f.cgroup_limit_bytes)}"
+    room = getattr(f, "commit_room_bytes", None)
+    if room is not None:
+        text += f"; strict overcommit (vm.overcommit_memory=2): {format_bytes(room)} left to commit"
     if c.plan is None:
         return Check("memory", "pass", text)
+    if room is not None and c.total * c.ranks > room:
+        return Check("memory", "fail", text + f", the plan maps {format_bytes(c.total * c.ranks)} for {c.ranks} "
+                     "rank(s): its mmap is refused however much memory is free",
+                     "vm.overcommit_memory=0 (the default), or raise vm.overcommit_ratio / vm.overcommit_kbytes")
     verdict = assess_budget(c.total, available_bytes=f.available_bytes, ranks_per_host=c.ranks,
                             cgroup_limit_bytes=f.cgroup_limit_bytes, cgroup_usage_bytes=f.cgroup_usage_bytes or 0)
     return Check("memory", "pass" if verdict.ok else "fail", f"{text}; {verdict.explain(binary=True)}",

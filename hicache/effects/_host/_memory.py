@@ -22,6 +22,7 @@ import attrs
 from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects._cuda._ledger import PROCESS_LEDGER, HostLedger
 from hicache.effects._host import _release  # a module: tests replace its give_back
+from hicache.effects._host._commit import commit_refusal
 from hicache.effects._host._numa import bind
 from hicache.effects._host._threads import lower_priority, pin_thread
 from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
@@ -29,8 +30,7 @@ from hicache.plan.checks import check_int
 from hicache.effects._host._libc import madvise_function as _madvise
 from hicache.plan.settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, check_hugepages  # noqa: F401 - used here and re-exported
 
-MAP_HUGETLB = 0x40000  # linux/mman.h
-MAP_HUGE_SHIFT = 26
+MAP_HUGETLB, MAP_HUGE_SHIFT = 0x40000, 26  # linux/mman.h
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing data
 #: The most one MADV_POPULATE_WRITE call faults. Each call holds the process's mmap lock (for
 #: reading) over its whole range, so every mmap, munmap, mprotect and thread start in the
@@ -262,7 +262,7 @@ def allocate_host(
             mapping = _map(length, 0)
         except OSError as error:
             if error.errno == errno.ENOMEM:
-                raise HostOutOfMemoryError(f"mmap of {length} bytes failed: out of memory") from error
+                raise HostOutOfMemoryError(f"mmap of {length} bytes failed: out of memory{commit_refusal(sysfs_root)}") from error
             raise
         advice = mmap.MADV_HUGEPAGE if transparent_hugepages else mmap.MADV_NOHUGEPAGE
         try:

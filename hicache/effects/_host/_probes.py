@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 
 from hicache.effects._host._cgroup import memory_limit
+from hicache.effects._host._commit import commit_room
 from hicache.effects._hostwide._rundir import runtime_dir
 from hicache.effects._host._memory import os_page_bytes
 from hicache.effects._cuda._runtime import default_binding
@@ -61,6 +62,7 @@ class MachineFacts:
     thp_page_bytes: int | None = None  # a transparent huge page's size (hpage_pmd_size); None: not said
     container: str | None = None  # the container runtime this process runs in (docker, podman, kubernetes, ...)
     runtime_dir: str | None = None  # where the host-wide budget lock, ledger and turnstile live (`runtime_dir`)
+    commit_room_bytes: int | None = None  # under strict overcommit (mode 2): CommitLimit - Committed_AS; else None
     numa_node_cpus: tuple = ()  # (node, cpus) of each allowed node: the CPUs this process may use there
     cpus: tuple = ()  # the CPUs this process may use (its affinity); () if unknown
 
@@ -195,6 +197,7 @@ def probe_machine(*, root: str = "/", env=None) -> MachineFacts:
         thp_page_bytes=thp_page_bytes(root=root),
         container=container_kind(root=root, env=env),
         runtime_dir=_runtime_dir(env),
+        commit_room_bytes=commit_room(root=root),
         numa_node_cpus=node_cpus(root=root),
         cpus=process_cpus(),
         ranks_per_host=ranks_per_host(env),
