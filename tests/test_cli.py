@@ -197,6 +197,24 @@ def test_doctor_json(capsys, tmp_path):
     assert code == (1 if "fail" in checks.values() else 0)
 
 
+def test_doctor_warns_when_a_saved_plan_was_made_for_smaller_pages_than_this_machines(capsys, tmp_path):
+    """A plan saved where pages are 4 KiB, checked on a 64 KiB-page host (arm64 Grace kernels):
+    the limits check warns that its boundaries are not aligned to this machine's pages and says
+    to re-plan here; on a 4 KiB host the same plan passes."""
+    import attrs
+
+    from hicache.cli._doctor import doctor_checks
+    from hicache.cli._saved import load_plan
+
+    plan = tmp_path / "plan.json"
+    run(capsys, "plan", "--host-gb", "1", "--format", "json", "--out", str(plan))
+    saved = load_plan(str(plan))
+    arm = {c.name: c for c in doctor_checks(saved, facts=attrs.evolve(ROOMY, os_page_bytes=65536), env={})}["limits"]
+    assert arm.status == "warn" and "made for 4 KiB pages, this machine's are 64 KiB" in arm.finding
+    assert "re-plan on this machine" in arm.hint
+    assert {c.name: c for c in doctor_checks(saved, facts=ROOMY, env={})}["limits"].status == "pass"
+
+
 def test_doctor_reports_how_host_pages_are_copied(monkeypatch):
     """The doctor's host_copy rule fails a bad HICACHE_HOST_COPY, says when python is asked for, and
     warns when the native helper is not built."""

@@ -47,6 +47,13 @@ def _limits(c: Context) -> Check:
     if c.plan is not None and c.largest > limits.effective_cap_bytes:
         return Check("limits", "warn", finding + f"; the saved plan's largest call is {format_bytes(c.largest)}, over "
                      "the chunk limit (the machine accepts it)", "re-plan on this machine (hicache apply without --plan does)")
+    planned_page = getattr(c.limits, "os_page_bytes", None)
+    if c.plan is not None and planned_page and planned_page < c.facts.os_page_bytes:
+        # its boundaries keep whole copy units but may cut this machine's pages: two registrations
+        # on one page are what drivers accept today, not what the plan promises (cuda-host-registration)
+        return Check("limits", "warn", finding + f"; the saved plan was made for {format_bytes(planned_page)} pages, "
+                     f"this machine's are {format_bytes(c.facts.os_page_bytes)}: its boundaries are not aligned to them",
+                     "re-plan on this machine (hicache apply without --plan does)")
     return Check("limits", "pass", finding)
 
 
