@@ -76,12 +76,21 @@ _V1_UNLIMITED = "9223372036854771712"  # what v1 says for no limit (4 KiB pages)
     ("4:memory:/kubepods/pod1/ctr\n0::/", {"sys/fs/cgroup/memory/memory.limit_in_bytes": "16000000000",
                                           "sys/fs/cgroup/memory/memory.usage_in_bytes": "7"}, (16_000_000_000, 7)),
     ("0::/job", {"sys/fs/cgroup/job/memory.max": "lots"}, (None, None)),  # unreadable: no limit, no crash
+    # the usage less the inactive page cache the kernel reclaims first (memory.stat): the working set
+    ("0::/job", {"sys/fs/cgroup/job/memory.max": "10000", "sys/fs/cgroup/job/memory.current": "9000",
+                 "sys/fs/cgroup/job/memory.stat": "anon 2000\nfile 7000\ninactive_file 6000\nactive_file 1000"},
+     (10000, 3000)),
+    ("4:memory:/j\n0::/", {"sys/fs/cgroup/memory/j/memory.limit_in_bytes": "10000",
+                           "sys/fs/cgroup/memory/j/memory.usage_in_bytes": "9000",
+                           "sys/fs/cgroup/memory/j/memory.stat": "cache 7000\ninactive_file 100\ntotal_inactive_file 6500"},
+     (10000, 2500)),  # v1: the group's and its children's (total_), as its usage counts them
 ])
 def test_the_cgroup_limit_is_the_tightest_of_the_process_group_and_those_above_it(tmp_path, layout, files, expected):
     """The budget's cgroup figures: v2's memory.max/current or v1's memory controller (still
     mounted on hosts booted with it, where available memory is the host's), read at the
     process's group and every group above it - a parent's limit binds - and the group with
-    least room reported; v1's 'unlimited' and unreadable values are no limit."""
+    least room reported, its usage less the inactive page cache; v1's 'unlimited' and unreadable
+    values are no limit."""
     root = fake_root(tmp_path)
     for name in ("sys/fs/cgroup/job/memory.max", "sys/fs/cgroup/job/memory.current"):
         (tmp_path / name).unlink()

@@ -1,5 +1,6 @@
-"""The memory a cgroup lets this process have: the limit and the usage of the group, among the
-process's own and every group above it, with the least room left. Reads ``/proc/self/cgroup``
+"""The memory a cgroup lets this process have: the limit and the usage (its working set: less the
+inactive page cache) of the group, among the process's own and every group above it, with the
+least room left. Reads ``/proc/self/cgroup``
 and the cgroup mounts under a root; imports nothing of hicache.
 
 Why every level: a parent's limit binds its children (a systemd slice over its services, a
@@ -18,9 +19,10 @@ from pathlib import Path
 #: pages (9223372036854771712 bytes on 4 KiB pages, just under 2^63 for any page size)
 V1_UNLIMITED = 1 << 62
 
-#: (mount under the root, limit file, usage file) per cgroup version
-_V2 = ("sys/fs/cgroup", "memory.max", "memory.current")
-_V1 = ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+#: (mount under the root, limit file, usage file, the memory.stat key of its inactive page cache)
+#: per cgroup version (v1's total_ is the group's and its children's, as its usage is)
+_V2 = ("sys/fs/cgroup", "memory.max", "memory.current", "inactive_file")
+_V1 = ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
 
 
 def _read_int(path: Path) -> int | None:
@@ -29,6 +31,23 @@ def _read_int(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None  # "max" (v2's no limit) and anything unreadable: None
+
+
+def _working_set(directory: Path, usage: int | None, inactive_key: str) -> int | None:
+    """The group's usage less its inactive page cache (memory.stat), which the kernel reclaims
+    before it OOM-kills - what kubelet and docker call the working set. Raw usage counts cache
+    that fills a group up to its limit, which would read as no room at all."""
+    if usage is None:
+        return None
+    try:
+        stat = (directory / "memory.stat").read_text()
+    except OSError:
+        return usage
+    for line in stat.splitlines():
+        key, _, value = line.partition(" ")
+        if key == inactive_key and value.strip().isdigit():
+            return max(0, usage - int(value))
+    return usage
 
 
 def _groups(text: str) -> tuple[str | None, str | None]:
@@ -63,7 +82,7 @@ def memory_limit(root: str = "/") -> tuple[int | None, int | None]:
     except OSError:
         return None, None
     v1, v2 = _groups(text)
-    path, (mount, limit_file, usage_file) = (v1, _V1) if v1 is not None else (v2, _V2)
+    path, (mount, limit_file, usage_file, inactive_key) = (v1, _V1) if v1 is not None else (v2, _V2)
     if path is None:
         return None, None
     tightest: tuple[int, int | None] | None = None
@@ -72,7 +91,7 @@ def memory_limit(root: str = "/") -> tuple[int | None, int | None]:
         limit = _read_int(directory / limit_file)
         if limit is None or limit >= V1_UNLIMITED:
             continue
-        usage = _read_int(directory / usage_file)
+        usage = _working_set(directory, _read_int(directory / usage_file), inactive_key)
         if tightest is None or limit - (usage or 0) < tightest[0] - (tightest[1] or 0):
             tightest = (limit, usage)
     return tightest if tightest is not None else (None, None)
