@@ -76,21 +76,25 @@ _V1_UNLIMITED = "9223372036854771712"  # what v1 says for no limit (4 KiB pages)
     ("4:memory:/kubepods/pod1/ctr\n0::/", {"sys/fs/cgroup/memory/memory.limit_in_bytes": "16000000000",
                                           "sys/fs/cgroup/memory/memory.usage_in_bytes": "7"}, (16_000_000_000, 7)),
     ("0::/job", {"sys/fs/cgroup/job/memory.max": "lots"}, (None, None)),  # unreadable: no limit, no crash
-    # the usage less the inactive page cache the kernel reclaims first (memory.stat): the working set
+    # the usage less the page cache the kernel reclaims first (memory.stat's file LRU, as MemAvailable)
     ("0::/job", {"sys/fs/cgroup/job/memory.max": "10000", "sys/fs/cgroup/job/memory.current": "9000",
-                 "sys/fs/cgroup/job/memory.stat": "anon 2000\nfile 7000\ninactive_file 6000\nactive_file 1000"},
+                 "sys/fs/cgroup/job/memory.stat": "anon 2000\nshmem 500\ninactive_file 5000\nactive_file 1000"},
      (10000, 3000)),
     ("4:memory:/j\n0::/", {"sys/fs/cgroup/memory/j/memory.limit_in_bytes": "10000",
                            "sys/fs/cgroup/memory/j/memory.usage_in_bytes": "9000",
-                           "sys/fs/cgroup/memory/j/memory.stat": "cache 7000\ninactive_file 100\ntotal_inactive_file 6500"},
+                           "sys/fs/cgroup/memory/j/memory.stat": "cache 7000\ninactive_file 100\nactive_file 50\n"
+                                                                 "total_inactive_file 5500\ntotal_active_file 1000"},
      (10000, 2500)),  # v1: the group's and its children's (total_), as its usage counts them
+    # v2's memory.high (reclaim and throttling start there) is a limit as SGLang 0.5.23 reads it
+    ("0::/job", {"sys/fs/cgroup/job/memory.max": "10000", "sys/fs/cgroup/job/memory.high": "6000",
+                 "sys/fs/cgroup/job/memory.current": "1000"}, (6000, 1000)),
 ])
 def test_the_cgroup_limit_is_the_tightest_of_the_process_group_and_those_above_it(tmp_path, layout, files, expected):
     """The budget's cgroup figures: v2's memory.max/current or v1's memory controller (still
     mounted on hosts booted with it, where available memory is the host's), read at the
     process's group and every group above it - a parent's limit binds - and the group with
-    least room reported, its usage less the inactive page cache; v1's 'unlimited' and unreadable
-    values are no limit."""
+    least room reported, its usage less its page cache; v2's memory.high counts as a limit; v1's
+    'unlimited' and unreadable values are no limit - SGLang 0.5.23's own rules."""
     root = fake_root(tmp_path)
     for name in ("sys/fs/cgroup/job/memory.max", "sys/fs/cgroup/job/memory.current"):
         (tmp_path / name).unlink()

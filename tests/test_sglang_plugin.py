@@ -478,3 +478,55 @@ def test_four_ranks_starting_together_against_room_for_two_admit_exactly_two(tmp
     admitted = [r for r in results if "admitted" in r]
     assert len(admitted) == 2, results
     assert all("Not enough host memory available" in r["refused"] for r in results if "refused" in r), results
+
+
+_STAT = ("anon 2000\nshmem 300\nactive_file {active}\ninactive_file {inactive}\ntotal_active_file {active}\n"
+         "total_inactive_file {inactive}\n")
+
+
+def _cgroup_tree(root, version: str, groups: dict) -> None:
+    """A /proc and cgroup mount under ``root`` both readers read: /proc/self/cgroup naming the
+    last group of ``groups``, the mount in mountinfo (SGLang resolves it there), and per group
+    its files ({file: value}; memory.stat from ``active``/``inactive``, memory.min 0)."""
+    mount = root / ("sys/fs/cgroup" if version == "v2" else "sys/fs/cgroup/memory")
+    line = (f"30 25 0:26 / {mount} rw,nosuid - cgroup2 cgroup2 rw" if version == "v2"
+            else f"40 25 0:35 / {mount} rw,nosuid - cgroup cgroup rw,memory")
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/mountinfo").write_text(line + "\n")
+    own = list(groups)[-1]
+    (root / "proc/self/cgroup").write_text(f"0::{own}\n" if version == "v2" else f"4:memory:{own}\n0::/\n")
+    for group, files in groups.items():
+        directory = mount / group.strip("/")
+        directory.mkdir(parents=True, exist_ok=True)
+        files = dict(files)
+        cache = files.pop("cache", (0, 0))
+        (directory / "memory.stat").write_text(_STAT.format(active=cache[0], inactive=cache[1]))
+        (directory / "memory.min").write_text("0\n")
+        for name, value in files.items():
+            (directory / name).write_text(f"{value}\n")
+
+
+@pytest.mark.parametrize("version, groups", [
+    ("v2", {"/job": {"memory.max": 10**10, "memory.current": 9 * 10**9, "cache": (10**9, 5 * 10**9)}}),
+    ("v2", {"/pod": {"memory.max": 8 * 10**9, "memory.current": 3 * 10**9, "cache": (0, 10**9)},
+            "/pod/ctr": {"memory.max": "max", "memory.current": 2 * 10**9}}),
+    ("v2", {"/pod": {"memory.max": 8 * 10**9, "memory.current": 3 * 10**9},
+            "/pod/ctr": {"memory.max": 10**10, "memory.current": 9 * 10**9, "cache": (0, 2 * 10**9)}}),
+    ("v2", {"/job": {"memory.max": 10**10, "memory.high": 6 * 10**9, "memory.current": 10**9}}),
+    ("v1", {"/slurm": {"memory.limit_in_bytes": 9223372036854771712, "memory.usage_in_bytes": 10**9},
+            "/slurm/job7": {"memory.limit_in_bytes": 32 * 10**9, "memory.usage_in_bytes": 20 * 10**9,
+                            "cache": (3 * 10**9, 4 * 10**9)}}),
+])
+def test_the_budgets_cgroup_room_is_sglangs_own_headroom(sglang, tmp_path, version, groups):
+    """SGLang 0.5.23's own cgroup headroom (`host_memory._cgroup_memory_headroom`, what its
+    admission bounds available memory by) as the oracle: over the same fake trees - a group's own
+    limit, a parent's, two limits, v2's memory.high, v1 - hicache's cgroup figures (limit less
+    usage, the page cache taken off) give the same room, so pools mode admits as SGLang would."""
+    from sglang.srt.mem_cache.host_memory import _cgroup_memory_headroom
+
+    from hicache.effects import probe_machine
+
+    _cgroup_tree(tmp_path, version, groups)
+    facts = probe_machine(root=str(tmp_path), env={})
+    ours = facts.cgroup_limit_bytes - facts.cgroup_usage_bytes
+    assert ours == _cgroup_memory_headroom(tmp_path / "proc")
