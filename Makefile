@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 .SILENT:
 
-.PHONY: help plan test test-loaded bench clean sglang docs
+.PHONY: help plan test test-loaded test-floors bench clean sglang docs
 
 help:  ## list the targets
 	grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -65,10 +65,24 @@ test-loaded: $(STAMP)  ## the concurrency tests under a load of about 8 (scripts
 	HICACHE_TEST_ORDER=$${HICACHE_TEST_ORDER:-random} $(BIN)/python scripts/under_load.py --hogs 6 -- \
 	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --sglang-on-one-worker -m "concurrency and not load_free" $(ARGS)
 
+# The suite on the lowest version of each requirement pyproject.toml admits (constraints-floors.txt),
+# in its own venv: torch 2.4 with what it needs (its CUDA build from PyPI, several GB), then every
+# other floor without theirs (torch 2.4 pins Triton 3.0, below the test extra's 3.2), then hicache.
+# Python 3.10 is the floor too: `make test-floors PYTHON=python3.10`. SGLang 0.5.23 needs 3.11.
+FLOORS := .venv-floors
+test-floors:  ## the suite on the lowest versions pyproject.toml admits (PYTHON=python3.10; downloads torch 2.4)
+	[ -x $(FLOORS)/bin/python ] || $(PYTHON) -m venv $(FLOORS)
+	$(FLOORS)/bin/pip install --quiet --disable-pip-version-check "$$(grep ^torch== constraints-floors.txt)" \
+	  "$$(grep ^numpy== constraints-floors.txt)" wheel >&2
+	$(FLOORS)/bin/pip install --quiet --disable-pip-version-check --no-deps -r constraints-floors.txt >&2
+	$(FLOORS)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . \
+	  --config-settings editable_mode=compat >&2
+	$(FLOORS)/bin/python -m pytest -n $(TEST_WORKERS) --sglang-on-one-worker $(ARGS)
+
 bench: $(STAMP)  ## the benchmarks: figure, baseline, ratio (ARGS=plan runs bench_plan only)
 	$(BIN)/python benchmarks/run.py $(ARGS)
 
 clean:  ## remove the virtualenv, build products and caches
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info build dist
+	rm -rf $(VENV) $(FLOORS) .pytest_cache .hypothesis *.egg-info build dist
 	find hicache -name '*.so' -delete
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
