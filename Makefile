@@ -66,15 +66,15 @@ test-loaded: $(STAMP)  ## the concurrency tests under a load of about 8 (scripts
 	  $(BIN)/python -m pytest -n $(TEST_WORKERS) --sglang-on-one-worker -m "concurrency and not load_free" $(ARGS)
 
 # The suite on the lowest version of each requirement pyproject.toml admits (constraints-floors.txt),
-# in its own venv: torch 2.4 with what it needs (its CUDA build from PyPI, several GB), then every
-# other floor without theirs (torch 2.4 pins Triton 3.0, below the test extra's 3.2), then hicache.
-# Python 3.10 is the floor too: `make test-floors PYTHON=python3.10`. SGLang 0.5.23 needs 3.11.
+# in its own venv: every floor with what it needs (torch 2.4's CUDA build from PyPI, several GB),
+# then Triton's floor over the Triton 3.0 torch 2.4 pins (below the test extra's 3.2), then
+# hicache. Python 3.10 is the floor too: `make test-floors PYTHON=python3.10`. SGLang 0.5.23 needs 3.11.
 FLOORS := .venv-floors
 test-floors:  ## the suite on the lowest versions pyproject.toml admits (PYTHON=python3.10; downloads torch 2.4)
 	[ -x $(FLOORS)/bin/python ] || $(PYTHON) -m venv $(FLOORS)
-	$(FLOORS)/bin/pip install --quiet --disable-pip-version-check "$$(grep ^torch== constraints-floors.txt)" \
-	  "$$(grep ^numpy== constraints-floors.txt)" wheel >&2
-	$(FLOORS)/bin/pip install --quiet --disable-pip-version-check --no-deps -r constraints-floors.txt >&2
+	$(FLOORS)/bin/pip install --quiet --disable-pip-version-check wheel \
+	  $$(grep -v -e '^#' -e '^triton==' constraints-floors.txt) >&2
+	$(FLOORS)/bin/pip install --quiet --disable-pip-version-check --no-deps "$$(grep ^triton== constraints-floors.txt)" >&2
 	$(FLOORS)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . \
 	  --config-settings editable_mode=compat >&2
 	$(FLOORS)/bin/python -m pytest -n $(TEST_WORKERS) --sglang-on-one-worker $(ARGS)
