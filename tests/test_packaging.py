@@ -85,7 +85,7 @@ def test_the_sdist_carries_docs_license_and_test_helpers(tmp_path):
     for needed in ("LICENSE", "CHANGELOG.md", "README.md", "docs/sglang.md", "docs/json.md", "hicache/py.typed",
                    "tests/conftest.py", "tests/machine.py", "tests/strategies.py", "tests/rank_child.py",
                    "tests/transfer_fuzz_child.py", "tests/golden/llama-3.1-70b-tp8.txt",
-                   "hicache/effects/_copy/_hostcopy.c", "hicache/pools/_pagestack.c", "setup.py", "constraints-dev.txt",
+                   "hicache/effects/_copy/_hostcopy.c", "hicache/pools/_pagestack.c", "setup.py", "constraints-dev.txt", "constraints-floors.txt",
                    "requirements-sglang.txt"):
         assert needed in names, needed
 
@@ -93,6 +93,33 @@ def test_the_sdist_carries_docs_license_and_test_helpers(tmp_path):
 def _project() -> dict:
     tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_the_floors_file_pins_exactly_the_lowest_version_each_requirement_admits():
+    """constraints-floors.txt (`make test-floors`) pins, for every requirement of pyproject.toml -
+    the dependencies and every extra - the version its `>=` admits first, and nothing else: a
+    floor raised in one file and not the other fails here."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = _project()
+    requirements = list(project["dependencies"]) + [r for extra in project["optional-dependencies"].values()
+                                                     for r in extra]
+    floors = {}
+    for requirement in map(Requirement, requirements):
+        lowest = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+        assert len(lowest) == 1, f"{requirement}: one >= floor expected"
+        floors[canonicalize_name(requirement.name)] = lowest[0]
+    pinned = {}
+    for line in (ROOT / "constraints-floors.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pinned[canonicalize_name(name)] = version.strip()
+    assert set(pinned) == set(floors), set(pinned) ^ set(floors)
+    from packaging.version import Version
+
+    assert all(Version(pinned[name]) == Version(floors[name]) for name in floors), \
+        {n: (pinned[n], floors[n]) for n in floors if Version(pinned[n]) != Version(floors[n])}
 
 
 def _readme_requirements() -> list[str]:
