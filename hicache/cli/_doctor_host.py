@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from hicache.plan import assess_budget, format_bytes
-from hicache.plan.thp import THP_BYTES, THP_USABLE
+from hicache.plan.thp import THP_USABLE, size_taken
 
 from hicache.cli._doctor_context import Check, Context
 
@@ -71,7 +71,7 @@ def _odd_thp_size(facts) -> int | None:
     """A transparent huge page's size where it is not the 2 MiB auto takes (512 MiB under 64 KiB
     base pages, the THP rule `thp-size`); None where it is 2 MiB or not said."""
     size = getattr(facts, "thp_page_bytes", None)
-    return size if size and size != THP_BYTES else None
+    return None if size_taken(size) else size
 
 
 def _hugepages(c: Context) -> Check:

@@ -83,6 +83,12 @@ RULES = {
 }
 
 
+def size_taken(huge_page_bytes: int | None) -> bool:
+    """Whether ``auto`` takes transparent huge pages of this size: 2 MiB, or a size the kernel
+    does not say (rule `thp-size` otherwise)."""
+    return huge_page_bytes in (None, THP_BYTES)
+
+
 def decide_piece(snapshot: ThpSnapshot, piece_bytes: int, *, brake: str | None = None,
                  reference: bool = False, trial: bool = False) -> ThpDecision:
     """The page size for the next piece of ``piece_bytes`` (``brake``: why THP was turned off
@@ -95,7 +101,7 @@ def decide_piece(snapshot: ThpSnapshot, piece_bytes: int, *, brake: str | None =
         return ThpDecision(False, "brake", brake)
     if snapshot.enabled not in THP_USABLE:
         return ThpDecision(False, "thp-off", f"THP enabled: {snapshot.enabled or 'unreadable'}")
-    if snapshot.huge_page_bytes not in (None, THP_BYTES):
+    if not size_taken(snapshot.huge_page_bytes):
         # a 512 MiB huge page needs a 512 MiB free block per fault and zeroes it on one thread:
         # nothing measured here says it pays, and the free-block rule counts 2 MiB blocks
         return ThpDecision(False, "thp-size", f"THP pages here are {snapshot.huge_page_bytes // 2**20} MiB, "

@@ -3,7 +3,6 @@ setting, free blocks, measured rates) and its brake, for the host room that maps
 a face over `_thp`, pure."""
 
 from hicache.plan._thp import (
-    THP_BYTES,
     THP_STEP_BYTES,
     THP_USABLE,
     PieceFault,
@@ -14,7 +13,8 @@ from hicache.plan._thp import (
     decide_piece,
     early_brake_reason,
     huge_bytes_from_faults,
+    size_taken,
 )
 
-__all__ = ["THP_BYTES", "THP_STEP_BYTES", "THP_USABLE", "PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason",
-           "decide_piece", "early_brake_reason", "huge_bytes_from_faults"]
+__all__ = ["THP_STEP_BYTES", "THP_USABLE", "PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason",
+           "decide_piece", "early_brake_reason", "huge_bytes_from_faults", "size_taken"]

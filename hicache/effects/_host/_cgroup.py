@@ -95,15 +95,12 @@ def memory_limit(root: str = "/") -> tuple[int | None, int | None]:
     path, version = (v1, _V1) if v1 is not None else (v2, _V2)
     if path is None:
         return None, None
-    tightest: tuple[int, int | None] | None = None
+    found: list[tuple[int, int | None]] = []  # (limit, usage) of every limit on the way up
     for level in _levels(path):
         directory = Path(root, version.mount, level)
-        limits = [value for name in version.limits if (value := _read_int(directory / name)) is not None]
-        limits = [value for value in limits if value < V1_UNLIMITED]
-        if not limits:
-            continue
-        usage = _without_page_cache(directory, _read_int(directory / version.usage), version.page_cache)
-        for limit in limits:
-            if tightest is None or limit - (usage or 0) < tightest[0] - (tightest[1] or 0):
-                tightest = (limit, usage)
-    return tightest if tightest is not None else (None, None)
+        limits = [value for name in version.limits if (value := _read_int(directory / name)) is not None
+                  and value < V1_UNLIMITED]
+        if limits:
+            usage = _without_page_cache(directory, _read_int(directory / version.usage), version.page_cache)
+            found += [(limit, usage) for limit in limits]
+    return min(found, key=lambda pair: pair[0] - (pair[1] or 0), default=(None, None))

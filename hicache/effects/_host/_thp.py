@@ -22,6 +22,7 @@ from typing import NamedTuple
 from hicache.effects._host._libc import madvise_function
 from hicache.plan.thp import (
     THP_STEP_BYTES,
+    THP_USABLE,
     PieceFault,
     ThpDecision,
     ThpSnapshot,
@@ -30,6 +31,7 @@ from hicache.plan.thp import (
     decide_piece,
     early_brake_reason,
     huge_bytes_from_faults,
+    size_taken,
 )
 
 MADV_HUGEPAGE = 14
@@ -120,8 +122,8 @@ class ThpAuto:
             brake, promised, reference = self.brake, self._promised, not self._reference
             self._reference = True  # the first piece asked is the reference, whatever threads race here
         free = None
-        if brake is None and self.enabled is not None and not reference:
-            blocks = self._free_blocks()
+        if brake is None and self.enabled in THP_USABLE and size_taken(self.huge_page_bytes) and not reference:
+            blocks = self._free_blocks()  # /proc/buddyinfo, read only where a rule after THP's setting and size needs it
             free = None if blocks is None else max(0, blocks * 2 * 2**20 - promised)
         with self._lock:  # decided under the lock: two threads must not both take the one trial piece
             decision = decide_piece(ThpSnapshot(self.enabled, free, self.huge_page_bytes), length, brake=brake,
