@@ -64,9 +64,16 @@ def _reorder(items) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The file order asked for; skip `gpu` tests, with the reason, where CUDA is not usable."""
+    """The file order asked for; skip `sanitizer_free` tests under `make test-sanitized` and `gpu`
+    tests where CUDA is not usable, each with its reason."""
     if _ORDER is not None:
         _reorder(items)
+    if os.environ.get("HICACHE_SANITIZED") == "1":
+        import pytest
+
+        for item in items:
+            for mark in item.iter_markers("sanitizer_free"):
+                item.add_marker(pytest.mark.skip(reason=f"not under AddressSanitizer: {mark.args[0]}"))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

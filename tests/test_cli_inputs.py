@@ -129,6 +129,7 @@ def _bounded_child(argv, *, memory_bytes=2 * 2**30, timeout=60, stdout=subproces
     ["plan", "--ratio", "2", "--device-tokens", str(10**12), "--chunk-limit", "1GiB", "--format", "json"],
     ["plan", "--ratio", "2", "--device-tokens", str(3 * 10**8), "--chunk-limit", "16MiB", "--force", "--format", "json"],
 ])
+@pytest.mark.sanitizer_free("RLIMIT_AS: AddressSanitizer reserves terabytes of shadow address space, so the child dies at start")
 def test_absurd_sizes_by_ratio_end_quickly_in_little_memory(argv):
     """Under a 2 GiB address-space limit and a 60 s timeout: one error line, no MemoryError."""
     result = _bounded_child(argv)
@@ -138,6 +139,7 @@ def test_absurd_sizes_by_ratio_end_quickly_in_little_memory(argv):
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 @pytest.mark.parametrize("fmt", ["table", "json"])
+@pytest.mark.sanitizer_free("RLIMIT_AS: AddressSanitizer reserves terabytes of shadow address space, so the child dies at start")
 def test_a_full_standard_output_is_an_error_line_not_a_traceback(fmt):
     """plan writing to /dev/full exits 2 with error[bad-output], no traceback and no 'Exception
     ignored'."""

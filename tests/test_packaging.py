@@ -60,9 +60,10 @@ def test_the_wheel_without_torch_plans_and_checks(tmp_path):
     stays out."""
     wheel = _build("wheel", tmp_path / "dist")
     python = _borrowing_venv(tmp_path, LIGHT, with_pip=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    # without PYTHONPATH: where it names a hicache tree pip would take that as installed and skip the wheel
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True, text=True, timeout=300, env=env)
     hicache = python.parent / "hicache"
     check = [str(python), "-c", "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'cuda')))"]
     assert subprocess.run(check, env=env, cwd=tmp_path).returncode == 0, "torch leaked into the fresh environment"

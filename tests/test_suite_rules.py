@@ -73,14 +73,16 @@ def test_every_test_says_what_it_proves(path):
     assert not bare, f"{path.name}: tests without a docstring: {', '.join(bare)}"
 
 
-def test_a_test_left_out_of_the_loaded_run_says_why():
-    """Every ``pytest.mark.load_free`` names its reason (one non-empty string), and there are few."""
+@pytest.mark.parametrize("mark", ["load_free", "sanitizer_free"])
+def test_a_test_left_out_of_a_run_says_why(mark):
+    """Every ``pytest.mark.load_free`` (left out of `make test-loaded`) and ``sanitizer_free`` (of
+    `make test-sanitized`) names its reason (one non-empty string), and there are few."""
     marks = []
     for path in sorted(TESTS.glob("test_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load_free":
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == mark:
                 marks.append((path.name, node))
-    assert marks, "the rule sees no load_free mark: it would pass vacuously"
+    assert marks, f"the rule sees no {mark} mark: it would pass vacuously"
     for name, node in marks:
         assert len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).strip(), name
     assert len(marks) <= 5, [name for name, _ in marks]
