@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help plan test test-loaded test-floors test-sanitized bench clean sglang docs
 
 help:  ## list the targets
-	grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/:.*## /\t/' | expand -t 14
+	grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/:.*## /\t/' | expand -t 16
 
 # editable_mode=compat: a plain .pth entry, so start-up is what a regular install would see.
 $(STAMP): pyproject.toml setup.py constraints-dev.txt hicache/effects/_copy/_hostcopy.c hicache/effects/_arena/_slotops.c hicache/pools/_pagestack.c
