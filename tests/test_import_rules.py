@@ -539,6 +539,9 @@ def _face_only(source: str) -> list[str]:
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
+        if (isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING" and not node.orelse
+                and all(isinstance(inner, (ast.Import, ast.ImportFrom)) for inner in node.body)):
+            continue  # imports for type checkers only (tests/test_typing.py)
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             continue  # the docstring
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
@@ -567,9 +570,12 @@ def test_every_packages_init_is_only_a_face(package):
 
 
 def test_the_face_rule_sees_code():
-    """Not vacuous: a class, a function or an alias assignment in a face is found."""
+    """Not vacuous: a class, a function or an alias assignment in a face is found, and so is code
+    beside the imports of an ``if TYPE_CHECKING:`` block (imports alone there are a face's)."""
     source = '"""doc."""\nimport x\n__all__ = ["a"]\na = x.a\ndef f():\n    pass\nclass C:\n    pass\n'
     assert _face_only(source) == ["Assign a", "FunctionDef f", "ClassDef C"]
+    checkers_only = "if TYPE_CHECKING:\n    from x import a as a\n"
+    assert _face_only(checkers_only) == [] and _face_only(checkers_only + "    b = 1\n") == [f"If {checkers_only}    b = 1"]
 
 
 def _package_of(module: str) -> str:

@@ -15,12 +15,23 @@ Pure: attrs and the standard library only.
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from typing_extensions import dataclass_transform
+else:
+    def dataclass_transform(**_options):
+        """Read by type checkers only (PEP 681); Python 3.10's typing has no such name."""
+        return lambda function: function
 
 _SHAPES: dict = {}  # class -> _Shape, made on first use (not at import: that is the cost saved)
 
 
+# PEP 681: type checkers (mypy, pyright) see a value class's fields and its keyword
+# constructor, as they do attrs.frozen's - without it every field reads as unknown to importers
+@dataclass_transform(frozen_default=True, field_specifiers=(attrs.field,))
 def value_class(maybe_cls=None, /, **options):
     """``attrs.frozen(maybe_cls, **options)``, its repr, == and hash shared (see the charter)."""
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable
+from typing import Callable, ParamSpec, TypeVar
 
 import attrs
 
@@ -173,12 +173,16 @@ def _share(allocator, machine, ranks_per_host) -> FaultShare:
                        threads=getattr(allocator, "prefault_threads", None))
 
 
-def _owning_signals(function):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _owning_signals(function: Callable[_P, _R]) -> Callable[_P, _R]:
     """A bring-up on the main thread of a process that left SIGTERM/SIGHUP at their default
     (a CLI, a script) undoes itself on them as on Ctrl-C; a server's own handlers stay."""
 
     @functools.wraps(function)
-    def owning(*args, **kwargs):
+    def owning(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         with terminate_as_interrupt():
             return function(*args, **kwargs)
 
