@@ -86,6 +86,16 @@ def test_a_misspelt_field_a_wrong_type_or_a_write_to_a_plan_is_caught(tmp_path):
     assert '"total_byte"' in errors[7]
 
 
+def test_the_value_class_factory_form_is_typed(tmp_path):
+    """``@value_class(kw_only=True)`` (the form `Limits` and most plan values use) returns a
+    typed class decorator, not Any: pyright applies PEP 681's transform to a factory's call only
+    then (without the overloads it saw ``Limits()`` take no field at all). mypy, which the suite
+    runs, reveals the type pyright reads."""
+    source = "from hicache.plan._value import value_class\nreveal_type(value_class(kw_only=True))\n"
+    [revealed] = [line for line in _mypy(tmp_path, source) if "Revealed type is" in line]
+    assert "(_C) -> _C" in revealed and "Any" not in revealed, revealed
+
+
 def test_the_readmes_examples_check_clean(tmp_path):
     """The README's plan and bring-up examples, as an engine would copy them: no error."""
     blocks = _readme_blocks()

@@ -15,7 +15,7 @@ Pure: attrs and the standard library only.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
 
 import attrs
 
@@ -27,6 +27,17 @@ else:
         return lambda function: function
 
 _SHAPES: dict = {}  # class -> _Shape, made on first use (not at import: that is the cost saved)
+
+
+_C = TypeVar("_C", bound=type)
+
+
+# Both forms typed (``@value_class`` and ``@value_class(kw_only=True)``): pyright applies the
+# transform below to a decorator factory's call only when its overloads say what it returns
+@overload
+def value_class(maybe_cls: _C, /) -> _C: ...
+@overload
+def value_class(maybe_cls: None = None, /, **options: Any) -> Callable[[_C], _C]: ...
 
 
 # PEP 681: type checkers (mypy, pyright) see a value class's fields and its keyword

@@ -17,7 +17,7 @@ import time
 import warnings
 import weakref
 
-from hicache.effects._cuda._registration import _leak_message
+from hicache.effects._cuda._registration import Registration, _leak_message
 from hicache.effects._hostwide._turnstile import wait_histogram
 from hicache.effects._host._memory import quarantine, unquarantine
 from hicache.effects._host._tiers import buffer_tiers, read_smaps
@@ -35,7 +35,7 @@ class _Books:
         self.ledger = ledger
         self.owns_memory = owns_memory
         self.tensors: list = []
-        self.registration = None  # the blocking / pipelined transaction's Registration
+        self.registration: Registration | None = None  # the blocking / pipelined transaction's
         self.progressive = None  # the progressive mode's ProgressiveRegistration
         self.faulting = None  # its background pre-fault (ProgressiveFaulting)
         self.claim = None  # the bring-up's `Claim` on the host's memory (`_hostwide._claim`), until given back
@@ -219,7 +219,9 @@ class HostPools:
         return self._books.tensors
 
     @property
-    def registration(self):
+    def registration(self) -> Registration | None:
+        """The blocking or pipelined transaction; None when nothing is registered (map-only) or
+        the mode is progressive."""
         return self._books.registration
 
     @property
