@@ -84,6 +84,20 @@ def test_copy_host_blocks_matches_the_oracle_in_both_modes(mode, size_gaps, seed
 
 
 @native
+@pytest.mark.parametrize("call, error, refusal", [
+    (lambda c: c.copy_blocks(0, 0, 0, -1, 1, False), ValueError, "count must be >= 0, got -1"),
+    (lambda c: c.copy_parts([(0, 0, 0, 0, 0, 0), (0, 0, 0, -1, 0, 0)], 1, False), ValueError, "count must be >= 0"),
+    (lambda c: c.copy_parts([(0, 0, 0, 0, 0)], 1, False), TypeError, "6"),
+], ids=["blocks-count", "parts-count", "parts-shape"])
+def test_the_helper_refuses_a_bad_count_or_part_before_copying(call, error, refusal):
+    """The helper's own checks, under the engine's: a negative count or a malformed part is an
+    error before any byte moves (every address given is 0: a copy would end the process), the
+    parts list it had built given back (`make test-sanitized` holds that)."""
+    with pytest.raises(error, match=refusal):
+        call(_host_copy._native)
+
+
+@native
 @pytest.mark.parametrize("shift", [-5, 5, 0])
 def test_a_block_overlapping_its_source_is_a_memmove(shift):
     """A block overlapping its own source is copied as memmove would (either shift)."""

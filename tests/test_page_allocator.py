@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ from machine import ROOMY
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hicache.errors import PlanError
 from hicache.plan import Limits
 from hicache.pools import MHATokenToKVPoolHost, PageAllocator
 from hicache.testing import MHADevicePool
@@ -26,6 +28,43 @@ def _pagestack_built() -> bool:
 
 
 NATIVE = [False] + ([True] if _pagestack_built() else [])
+
+
+@pytest.mark.parametrize("args, kwargs, refusal", [
+    ((40, 0), {}, "PageAllocator.page_size must be positive, got 0"),
+    ((40, -4), {}, "PageAllocator.page_size must be positive, got -4"),
+    ((40, 4.0), {}, "PageAllocator.page_size must be an integer, got 4.0"),
+    ((40, True), {}, "PageAllocator.page_size must be an integer, got True"),
+    ((-1, 4), {}, "PageAllocator.page_num must be >= 0, got -1"),
+    (("40", 4), {}, "PageAllocator.page_num must be an integer, got '40'"),
+    ((2**62, 4), {}, "PageAllocator.page_num must be <= 2305843009213693951"),
+    ((40, 4), {"native": "no"}, "PageAllocator.native must be True or False, got 'no'"),
+])
+def test_a_bad_page_count_size_or_switch_is_refused_by_name(args, kwargs, refusal):
+    """A page size of 0 (it divided by zero at the first alloc or free), a negative or float count,
+    slots past int64's indices, a string for ``native``: a PlanError naming the field and the value."""
+    with pytest.raises(PlanError, match=re.escape(refusal)):
+        PageAllocator(*args, **kwargs)
+
+
+def test_numpy_integers_and_no_pages_are_taken():
+    """numpy integers (what SGLang's sizes often are) and an allocator of no pages are valid."""
+    np = pytest.importorskip("numpy")
+    allocator = PageAllocator(np.int64(8), np.int32(4))
+    assert (allocator.page_num, allocator.page_size, allocator.available_size()) == (8, 4, 32)
+    assert type(allocator.page_num) is int and PageAllocator(0, 4).alloc(4) is None
+
+
+@pytest.mark.skipif(not _pagestack_built(), reason="hicache.pools._pagestack was not built (no C compiler)")
+@pytest.mark.parametrize("name, args", [("alloc", (0,) * 5), ("free", (0,) * 8), ("free", (0,) * 10)])
+def test_the_page_stack_refuses_a_call_of_the_wrong_arity(name, args):
+    """The page stack's two calls take exactly their 6 and 9 integers: another count is a
+    TypeError naming both counts, before any address is read (every one given is 0)."""
+    from hicache.pools import _page_allocator
+
+    want = {"alloc": 6, "free": 9}[name]
+    with pytest.raises(TypeError, match=f"expected {want} arguments, got {len(args)}"):
+        getattr(_page_allocator._native, name)(*args)
 
 
 class AllocatorMachine(RuleBasedStateMachine):

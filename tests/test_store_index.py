@@ -276,6 +276,54 @@ def test_the_c_helper_reads_records_laid_out_as_the_plan_says():
     assert {name: getattr(_slots._native, name) for name in plan_layout} == plan_layout
 
 
+def _q(*values) -> array:
+    return array("Q", values)
+
+
+#: (helper function, its arguments, the refusal): each call is wrong in one way the Python layer
+#: never lets through - the helper's own second check, which must refuse before it touches any
+#: address it was given (every address here is 0) and give back every buffer it had taken
+_HELPER_REFUSALS = [
+    ("copy_pages", (3, 1, 1, _q(0), _q(0), _q(8), _q(0, 0)), "bad direction"),
+    ("copy_pages", (0, 2, 1, _q(0), _q(0, 0), _q(8, 8), _q(0, 0, 0, 0)), "slots holds 8 bytes, 16 needed"),
+    ("copy_pages", (0, 1, 1, _q(0), _q(0), _q(8), _q(0)), "sums holds 8 bytes, 16 needed"),
+    ("lookup", (0, 0, 1, bytes(16), _q(0), _q(0)), "lookup: bad slot count"),
+    ("lookup", (0, 4, 1, bytes(16), _q(0), _q()), "gens holds 0 bytes, 8 needed"),
+    ("victims", (0, 4, 65, bytes(16), _q(*[0] * 65), _q(*[0] * 65)), "window \\(1-64"),
+    ("victims", (0, 4, 2, bytes(16), _q(0, 0), _q(0)), "gens holds 8 bytes, 16 needed"),
+    ("read_pages", (0, 0, 4, 1, 64, 12, bytes(16), _q(0), _q(12), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
+    ("read_pages", (0, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, bytearray(0), _q(0), _q(0)),
+     "status holds 0 bytes, 1 needed"),
+    ("read_pages", (0, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(8), 1, bytearray(1), _q(0), _q(0)),
+     "page 0's segments are not whole words adding up to 16"),
+    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(0), _q(0), _q(0), 0x10000, 1, 0,
+                     bytearray(1)), "namespace entry"),
+    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(9), _q(0), _q(0), 0, 1, 0,
+                     bytearray(1)), "slot 9 is past the arena's 4"),
+    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(24), 1, _q(0), _q(0), _q(0), 0, 1, 0,
+                     bytearray(1)), "page 0's segments are not whole words adding up to 16"),
+    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(0), _q(0), _q(0), 0, 1, 0,
+                     bytearray(0)), "status holds 0 bytes, 1 needed"),
+    ("write_pages", (0, 0, -1, 0, 4, 2, 64, 16, bytes(16), _q(0), _q(16), 1, _q(0), _q(0, 0), _q(0), 0, 1, 0,
+                     bytearray(1)), "order holds 8 bytes, 16 needed"),
+    ("check_segments", (_q(0), _q(8), 0, 8, 0, 0), "per_page must be >= 1"),
+    ("check_segments", (_q(0, 0), _q(8), 1, 8, 0, 0), "differ in count"),
+]
+
+
+@pytest.mark.parametrize("name, args, refusal", _HELPER_REFUSALS, ids=lambda v: v if isinstance(v, str) else "")
+def test_the_c_helper_refuses_a_bad_call_before_touching_memory(name, args, refusal):
+    """The store's C helper checks its own arguments too - counts, windows, buffer lengths, a
+    slot past the arena, segments that are not one page - and refuses with a ValueError naming
+    what is wrong, having read and written nothing (every address given is 0: touching one would
+    end the process). Under `make test-sanitized` ASan also holds each refusal's release of the
+    buffers it had taken."""
+    if _slots._native is None:
+        pytest.skip("the C helper is not built here (no compiler): the Python fallback has no second check")
+    with pytest.raises(ValueError, match=refusal):
+        getattr(_slots._native, name)(*args)
+
+
 def test_bad_pages_are_refused_before_any_copy(shm_dir, ops):
     """Segments that are not one page, or a page larger than a slot: errors naming them."""
     store = _open(shm_dir, ops)

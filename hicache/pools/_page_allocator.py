@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 
 from hicache.errors import PlanError
-from hicache.plan.checks import is_integer
+from hicache.plan.checks import MAX_BYTES, check_bool, check_int, is_integer
 
 try:
     from hicache.pools import _pagestack as _native
@@ -48,6 +48,11 @@ class PageAllocator:
     """
 
     def __init__(self, page_num: int, page_size: int, *, native: bool | None = None) -> None:
+        # checked before any tensor: a page size of 0 divided by zero at the first alloc or free
+        page_size = check_int(PlanError, "PageAllocator", "page_size", page_size)
+        page_num = check_int(PlanError, "PageAllocator", "page_num", page_num, minimum=0,
+                             maximum=MAX_BYTES // page_size)  # every token slot an int64 index
+        native = None if native is None else check_bool(PlanError, "PageAllocator", "native", native)
         import torch
 
         self.torch = torch
