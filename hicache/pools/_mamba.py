@@ -16,7 +16,7 @@ from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._geometry import Shape
 from hicache.pools._forms import STATE_DESCRIPTION, NamedConstructors, form_of
 from hicache.pools._options import given, split_keywords
-from hicache.pools._sglang_inputs import mamba_device
+from hicache.pools._sglang_inputs import mamba_device, older_device_pool
 from hicache.pools._storage import written
 
 from hicache.pools._family_base import _first, _itemsize
@@ -99,10 +99,11 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
                          can_use_write_back_jit=True)
             keywords.update(device_capacity_tokens=device_capacity, start_layer=0, end_layer=first.layer_num)
             states = tuple(first.mamba_facts)
-        elif mtp_draft_buffer_infos or device_capacity is not None:
-            raise LayoutError(f"{name}: device_capacity and mtp_draft_buffer_infos come with SGLang "
-                              "0.5.23's constructor (a MambaStateBufferInfo first)")
         else:
+            first = older_device_pool(self, first, "a MambaStateBufferInfo", ("mamba_cache",))
+            if mtp_draft_buffer_infos or device_capacity is not None:
+                raise LayoutError(f"{name}: device_capacity and mtp_draft_buffer_infos come with SGLang "
+                                  "0.5.23's constructor (a MambaStateBufferInfo first)")
             states = MambaShape.older_states(first)
         sizing, options = split_keywords(name, keywords, host_to_device_ratio=host_to_device_ratio,
                                          host_size=host_size, page_size=1)

@@ -19,7 +19,7 @@ from hicache.pools._base import HostKVCache, Stream
 from hicache.pools._forms import ANCHOR, DESCRIPTION, DEVICE_POOL, NamedConstructors, dispatch, form_of
 from hicache.pools._geometry import Shape
 from hicache.pools._options import given, split_keywords
-from hicache.pools._sglang_inputs import mha_device
+from hicache.pools._sglang_inputs import mha_device, older_device_pool
 
 from hicache.pools._family_base import _first, _itemsize
 
@@ -116,7 +116,7 @@ class _MHAForms(NamedConstructors):
             raise LayoutError(f"{name}: draft_buffer_infos come with SGLang 0.5.23's constructor (an MHABufferInfo "
                               "first)")
         else:
-            view = first
+            view = older_device_pool(self, first, "an MHABufferInfo", ("layer_num", "head_num", "dtype"))
         self._build(form, type(self).shape_class(view, given=fields), sizing, layout, options)
 
 

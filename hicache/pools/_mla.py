@@ -20,7 +20,7 @@ from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._geometry import Shape
 from hicache.pools._forms import DECLARATION, DEVICE_POOL, NamedConstructors, dispatch, form_of
 from hicache.pools._options import given, split_keywords
-from hicache.pools._sglang_inputs import dsa_device, mla_device
+from hicache.pools._sglang_inputs import dsa_device, mla_device, older_device_pool
 
 from hicache.pools._family_base import _first, _itemsize
 
@@ -113,6 +113,8 @@ class MLATokenToKVPoolHost(NamedConstructors, HiSparseHostPoolMixin, HostKVCache
                         pin_memory=pin_memory, device=device, allocator_type=allocator_type, pool_label=pool_label,
                         options=options, host=host)
         if form is DEVICE_POOL:
+            first = older_device_pool(self, first, "an MLABufferInfo or MLAHostAllocation",
+                                      ("layer_num", "kv_lora_rank", "qk_rope_head_dim", "dtype"))
             if draft_buffer_infos or dcp_size != 1 or target_layer_num is not None or layer_shard_enabled:
                 raise LayoutError(f"{name}: draft_buffer_infos, dcp_size, target_layer_num and layer_shard_enabled "
                                   "come with SGLang 0.5.23's constructor (an MLABufferInfo first)")

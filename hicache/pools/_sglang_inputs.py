@@ -41,6 +41,17 @@ def is_mla_allocation(obj) -> bool:
     return is_mla_info(obj) and not hasattr(obj, "buffers") and hasattr(obj, "size_per_token")
 
 
+def older_device_pool(pool, first, description: str, needs: tuple[str, ...]):
+    """``first`` as the older form's device pool, refused by name when it lacks what that form
+    reads (``needs``) - another family's 0.5.23 description above all, the likeliest mix-up,
+    which otherwise failed deep in the geometry as a bare AttributeError."""
+    missing = [name for name in needs if not hasattr(first, name)]
+    if missing:
+        raise LayoutError(f"{type(pool).__name__}: the first argument must be {description} (SGLang 0.5.23) or a "
+                          f"device pool (older SGLang), got {type(first).__name__} (no {', '.join(missing)})")
+    return first
+
+
 @attrs.define
 class DeviceView:
     """The device side of a 0.5.23 host pool, as hicache's families read a device pool: one typed
