@@ -140,3 +140,40 @@ def test_an_absurd_layer_count_is_refused_before_any_work():
     data["model"]["facts"]["num_hidden_layers"] = 10**7
     with pytest.raises(PlanError, match="layer_num must be <= 10000"):
         from_jsonable(data)
+
+
+@pytest.mark.parametrize(
+    "path, value, pattern",
+    [
+        (("limits",), [1], r"\$\.limits must be an object, got \[1\]"),
+        (("pools",), {}, r"\$\.pools must be a list, got \{\}"),
+        (("pools", 0), {"name": "kv"}, r"\$\.pools\[0\] must be an object with 'name' and 'plan'"),
+        (("pools", 0, "plan", "family"), "gqa", r"\$\.pools\[0\]\.plan: \$\.family must be one of"),
+        (("pools", 0, "name"), "state", r"\$\.pools are \['state'\] but the inputs give \['kv'\]"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_a_capacity_dump_of_the_wrong_shape_is_refused_naming_where(path, value, pattern):
+    """A capacity plan whose limits are not an object, whose pools are not a list of
+    ``{name, plan}``, whose pool plan is broken or whose pools are not the ones its inputs give
+    is a PlanError naming the JSON path - what `hicache doctor --plan` and `apply --plan` show."""
+    with pytest.raises(PlanError, match=pattern):
+        from_jsonable(_tamper(_capacity_dump(), path, value))
+
+
+@pytest.mark.parametrize("tamper, pattern", [
+    (lambda d: d.update(params=[64]), r"\$\.params must be an object, got \[64\]"),
+    (lambda d: d.update(stray=1), r"malformed plan: unknown keys \['stray'\] at \$"),
+])
+def test_a_pool_dump_of_the_wrong_shape_is_refused_naming_where(pool_dump, tamper, pattern):
+    """A pool plan whose params are not an object, or with a key the format does not have."""
+    tamper(pool_dump)
+    with pytest.raises(PlanError, match=pattern):
+        from_jsonable(pool_dump)
+
+
+@pytest.mark.parametrize("data", [[1, 2], "plan", 3, None])
+def test_a_plan_that_is_not_a_json_object_is_refused(data):
+    """A list, a string, a number or null where a plan belongs: one PlanError naming the type."""
+    with pytest.raises(PlanError, match=f"a plan must be a JSON object, got {type(data).__name__}"):
+        from_jsonable(data)
