@@ -37,6 +37,8 @@ CASES = {
     "millions of calls": (lambda tmp: ["plan", "--host-gb", "20000", "--chunk-limit", "2MiB"], "too-many-calls", 2),
     "device tokens absurd": (lambda tmp: ["plan", "--ratio", "2", "--device-tokens", str(10**13)], "bad-number", 2),
     "plan file is a fifo": (lambda tmp: ["doctor", "--plan", _fifo(tmp)], "bad-plan", 2),
+    "plan file of one buffer": (lambda tmp: ["doctor", "--plan", _saved(tmp, "buffer")], "bad-plan", 2),
+    "plan file tampered": (lambda tmp: ["apply", "--plan", _saved(tmp, "tampered")], "bad-plan", 2),
     "bad HICACHE_REGISTER_CHUNK": (lambda tmp: ["plan", "--chunk-limit", "lots"], "bad-size", 2),
     # sized by ratio: the same bounds as --host-gb (it once planned 9.5 M calls in 24 GB of RSS)
     "ratio x device tokens past 1 PB": (lambda tmp: ["plan", "--ratio", "2", "--device-tokens", str(10**12),
@@ -65,6 +67,12 @@ CASES = {
     # flags that would be ignored are refused
     "device tokens without ratio": (lambda tmp: ["plan", "--host-gb", "4", "--device-tokens", "1000"], "missing-flag", 2),
     "reserve without host memory": (lambda tmp: ["plan", "--reserve", "20GiB"], "missing-flag", 2),
+    "ranks per host without host memory": (lambda tmp: ["plan", "--ranks-per-host", "8"], "missing-flag", 2),
+    "model path and config both": (lambda tmp: ["plan", "--model-path", str(tmp), "--config", _config(tmp)],
+                                   "conflicting-flags", 2),
+    # apply's checks before any memory is taken
+    "apply --trace into no directory": (lambda tmp: ["apply", "--host-gb", "0.01", "--trace",
+                                                     str(tmp / "none" / "trace.json")], "bad-output", 2),
 }
 
 
@@ -77,6 +85,21 @@ def _big(tmp):
 def _deep(tmp):
     path = tmp / "deep.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
+    return str(path)
+
+
+def _saved(tmp, kind):
+    """A saved plan: a single buffer's (not what doctor and apply take), or a pool's with a range moved."""
+    from hicache.plan import Limits, MHALayout, plan_pool, plan_registration, to_jsonable
+
+    if kind == "buffer":
+        data = to_jsonable(plan_registration(2**30, granularity_bytes=2**20, limits=Limits(chunk_limit_bytes=2**28)))
+    else:
+        layout = MHALayout("layer_first", layer_num=2, head_num=2, head_dim=64, page_size=16, page_num=64, itemsize=2)
+        data = to_jsonable(plan_pool(layout, Limits(chunk_limit_bytes=2**16)))
+        data["buffers"][0]["ranges"][1]["offset"] += 4096
+    path = tmp / f"{kind}.json"
+    path.write_text(json.dumps(data))
     return str(path)
 
 
@@ -402,3 +425,29 @@ def test_doctor_without_the_cuda_binding_says_to_install_hicaches_cuda_extra(mon
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["binding"]["status"] == "fail" and checks["binding"]["hint"] == 'pip install "hicache[cuda]"'
     assert checks["cuda"]["hint"] == 'pip install "hicache[cuda]"'
+
+
+def test_a_metrics_port_in_use_is_an_error_line(capsys):
+    """`apply --metrics-port` on a port something already listens on: error[bad-port] naming the
+    port and the OS's reason, exit 2, no traceback."""
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        got = main(["apply", "--host-gb", "0.01", "--fake-cuda", "--metrics-port", str(port)])
+    err = capsys.readouterr().err
+    assert got == 2 and f"error[bad-port]: --metrics-port {port}: cannot listen on 127.0.0.1:{port}" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_numa_node_that_is_not_online_is_an_error_line(capsys):
+    """`apply --numa 99999` (no machine has it online): error[bad-numa] naming the node and the
+    online ones, after only --fake-cuda's note, exit 2, no traceback."""
+    got = main(["apply", "--host-gb", "0.01", "--fake-cuda", "--numa", "99999"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line and not line.startswith("note: --fake-cuda")]
+    assert got == 2 and lines[0].startswith("error[bad-numa]: numa_node 99999 is not online; online nodes:"), err
+    assert lines[-1].startswith("hint:") and "Traceback" not in err
