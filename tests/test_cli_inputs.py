@@ -427,22 +427,6 @@ def test_doctor_without_the_cuda_binding_says_to_install_hicaches_cuda_extra(mon
     assert checks["cuda"]["hint"] == 'pip install "hicache[cuda]"'
 
 
-def test_a_metrics_port_in_use_is_an_error_line(capsys):
-    """`apply --metrics-port` on a port something already listens on: error[bad-port] naming the
-    port and the OS's reason, exit 2, no traceback."""
-    pytest.importorskip("prometheus_client")
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        got = main(["apply", "--host-gb", "0.01", "--fake-cuda", "--metrics-port", str(port)])
-    err = capsys.readouterr().err
-    assert got == 2 and f"error[bad-port]: --metrics-port {port}: cannot listen on 127.0.0.1:{port}" in err, err
-    assert "Traceback" not in err
-
-
 def test_a_numa_node_that_is_not_online_is_an_error_line(capsys):
     """`apply --numa 99999` (no machine has it online): error[bad-numa] naming the node and the
     online ones, after only --fake-cuda's note, exit 2, no traceback."""
