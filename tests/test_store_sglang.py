@@ -454,3 +454,61 @@ def test_close_racing_a_batch_get_v1_in_flight_waits_and_later_calls_are_errors(
                  lambda: store.batch_set_v1(["b"], torch.arange(0, PAGE)), lambda: store.batch_exists(["a"])):
         with pytest.raises(StoreClosedError, match="closed"):
             call()
+
+
+def test_a_slot_size_below_this_engines_pages_is_refused_before_the_arena_exists(sglang, shm_dir, pools):
+    """extra_config's ``slot_bytes`` smaller than the engine's largest page: one ArenaError
+    naming both at SGLang's attach, and no arena file made."""
+    page = pools[0].get_data_page(0, flat=True).nbytes
+    with pytest.raises(ArenaError, match=f"'slot_bytes' 1024 is below this engine's largest page of {page} bytes"):
+        _store(shm_dir / "arena", pools[0], extra={"slot_bytes": 1024})
+    assert os.listdir(shm_dir) == []
+
+
+def test_an_attach_with_no_host_pool_is_refused(sglang, shm_dir):
+    """on_host_pools_registered() before any host pool was registered: an ArenaError saying so,
+    and no arena file made."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    store = StorageBackendFactory.create_backend("dynamic", _config(_extra(shm_dir / "arena")), None)
+    with pytest.raises(ArenaError, match="no host pool was registered before on_host_pools_registered"):
+        store.on_host_pools_registered()
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_pool_the_engine_never_registered_or_one_too_large_for_the_slots_is_refused(sglang, shm_dir, pools):
+    """A v2 transfer naming a pool never registered is a TransferError naming it; a pool
+    registered after the arena opened whose pages exceed its slots is an ArenaError naming both
+    sizes - neither copies a byte."""
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+    store = _store(shm_dir / "arena", pools[0])
+    try:
+        indices = torch.arange(0, PAGE, dtype=torch.int64)
+        with pytest.raises(TransferError, match="no host pool named 'nowhere' was registered"):
+            store.batch_set_v2([PoolTransfer(name="nowhere", host_indices=indices, keys=["k"])])
+        big = _build(_classes("mha")[0], "mha", _device("mha", layers=6).get_device_pool_infos()[0].buffer_info,
+                     "page_first_direct", hicache=False)
+        slots = store.store.arena.plan.slot_bytes
+        with pytest.raises(ArenaError, match=f"pool 'big' pages of \\d+ bytes do not fit the arena's {slots}-byte slots"):
+            store.register_mem_host_pool_v2(big, "big")
+            store.batch_exists_v2(["k"], [PoolTransfer(name="big", keys=["k"])])
+        assert store.batch_exists(["k"]) == 0
+    finally:
+        store.close()
+
+
+def test_a_legacy_batch_set_of_mismatched_or_misshaped_values_is_refused(sglang, shm_dir, pools):
+    """The legacy flat-page ``batch_set``: fewer values than keys, or a value that is not one flat
+    page, is a TransferError naming it, and nothing is stored."""
+    store = _store(shm_dir / "arena", pools[0])
+    try:
+        page = _page(pools[0], 0)
+        with pytest.raises(TransferError, match="2 keys but 1 values"):
+            store.batch_set(["a", "b"], [page])
+        with pytest.raises(TransferError, match=f"value for 'a' has {page.nbytes // 2} bytes, a flat page is "
+                                                f"{page.nbytes}"):
+            store.batch_set(["a"], [page[: page.nbytes // 2]])
+        assert store.batch_exists(["a", "b"]) == 0
+    finally:
+        store.close()
