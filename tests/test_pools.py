@@ -659,14 +659,14 @@ def test_sglangs_numbers_of_any_real_type_are_read_and_others_named():
         compat.alloc_with_host_register((2.5, 1024), torch.uint8, "cpu", False, compat.HostTensorAllocator())
 
 
-def _mapped(ptr: int) -> bool:
-    """Some mapping of this process covers ``ptr`` (/proc/self/maps)."""
+def _mapping_of(ptr: int) -> str | None:
+    """The range (``low-high``, /proc/self/maps) of the mapping that covers ``ptr``, or None."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             low, high = (int(x, 16) for x in line.split()[0].split("-"))
             if low <= ptr < high:
-                return True
-    return False
+                return line.split()[0]
+    return None
 
 
 @pytest.mark.parametrize("name, layout", [("mha", "page_first"), ("mla", "layer_first"), ("mamba", "page_first")])
@@ -683,9 +683,11 @@ def test_destroy_unmaps_the_memory_at_once_while_the_pool_object_lives_on(name, 
         host_idx = _slots(pool, 2)
         pool.backup_from_device_all_layer(device, host_idx, torch.arange(host_idx.numel()), "direct")
         ptrs = [b.data_ptr() for b in pool.buffers]
-        assert all(_mapped(p) for p in ptrs)
+        before = {p: _mapping_of(p) for p in ptrs}
+        assert None not in before.values()
         pool.destroy()
-        assert not any(_mapped(p) for p in ptrs)
+        # no mapping is still the one each buffer lived in (the freed range itself may be reused)
+        assert all(_mapping_of(p) != before[p] for p in ptrs)
     finally:
         gc.enable()
 
@@ -700,8 +702,12 @@ def test_destroy_gives_every_buffer_back_in_parallel_pieces_not_by_a_late_unmap(
     death - one thread, munmap alone - so a pool never released in parallel)."""
     from hicache.effects._host import _release
 
-    given = []
-    monkeypatch.setattr(_release, "give_back", lambda ptr, length: given.append(ptr))
+    given, ranges = [], {}
+    # the mapping each buffer lived in, read as its pages are given back (just before its unmap):
+    # after destroy no mapping may still be that one. (Any mapping covering the address would not
+    # do: the freed range is soon reused - ASan's allocator does at once.)
+    monkeypatch.setattr(_release, "give_back",
+                        lambda ptr, length: (given.append(ptr), ranges.setdefault(ptr, _mapping_of(ptr))))
     pool, device = make(name, layout, pin_memory=pinned, progressive=progressive, runtime=FakeRuntime())
     device.randomize(1)
     assert not progressive or pool.wait_ready(timeout=30)
@@ -715,5 +721,5 @@ def test_destroy_gives_every_buffer_back_in_parallel_pieces_not_by_a_late_unmap(
         pool.get_page_buffer_meta(host_idx[: pool.page_size])
     ptrs = sorted(b.data_ptr() for b in pool.buffers if b.numel())
     pool.destroy()
-    assert sorted(given) == ptrs
-    assert not any(_mapped(p) for p in ptrs)
+    assert sorted(given) == ptrs and all(ranges[p] is not None for p in ptrs)
+    assert all(_mapping_of(p) != ranges[p] for p in ptrs), "a buffer stayed mapped after destroy()"
