@@ -6,6 +6,8 @@ that once spelt them one by one are Python's TypeError naming the word, and
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import pytest
 
@@ -408,3 +410,20 @@ def test_an_allocator_still_holding_another_bring_ups_memory_is_refused(tmp_path
         first.release()
     assert allocator.owned() == []
     bring_up(plan, host=fake_host_setup(tmp_path, allocator=allocator)).release()
+
+
+@pytest.mark.parametrize("call, refusal", [
+    (lambda setup: bring_up(5, host=setup), "bring_up(requests) takes BufferRequests or PoolPlans (one PoolPlan, or a "
+                                            "list), got 5"),
+    (lambda setup: bring_up([], host={"runtime": setup.runtime}), "bring_up(host=) must be a HostSetup or None, got {"),
+    (lambda setup: bring_up([], host=setup, report="quiet"), "bring_up(report=) must be a Report or None, got 'quiet'"),
+    (lambda setup: bring_up([], host=setup, budget="no"), "bring_up.budget must be True or False, got 'no'"),
+], ids=["requests", "host", "report", "budget"])
+def test_bring_ups_own_arguments_are_checked_before_anything_is_held(tmp_path, call, refusal):
+    """A requests value that is no list or plan, a host that is no HostSetup, a report that is no
+    Report and a budget switch that is no bool (``"no"`` was truthy: budgeted) are each a
+    PlanError naming it - they failed as a bare TypeError or AttributeError - and nothing is held."""
+    setup = fake_host_setup(tmp_path)
+    with pytest.raises(PlanError, match=re.escape(refusal)):
+        call(setup)
+    assert setup.runtime.cudart.log == [] and setup.runtime.held() == set()

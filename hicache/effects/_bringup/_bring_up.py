@@ -43,7 +43,7 @@ from hicache.effects._bringup._report import Report
 from hicache.effects._bringup._setup import HostSetup
 from hicache.errors import PlanError
 from hicache.plan import PoolPlan, RegistrationPlan
-from hicache.plan.checks import check_int
+from hicache.plan.checks import check_bool, check_int
 
 BLOCKING, PIPELINED, MAP_ONLY = "blocking", "pipelined", "map-only"
 MODES = (BLOCKING, PIPELINED, MAP_ONLY, "Progressive(...)")
@@ -119,7 +119,11 @@ def _requests(requests) -> list[BufferRequest]:
     flat uint8 buffers, each registered by its plan (`BufferRequest.of_pool` for dtypes, or none)."""
     if isinstance(requests, PoolPlan):
         return BufferRequest.of_pool(requests)
-    requests = list(requests)
+    try:
+        requests = list(requests)
+    except TypeError:
+        raise PlanError("bring_up(requests) takes BufferRequests or PoolPlans (one PoolPlan, or a list), got "
+                        f"{requests!r}") from None
     if all(isinstance(r, BufferRequest) for r in requests):
         return requests
     made = []
@@ -229,6 +233,13 @@ def bring_up(
     before allocating when the budget refuses,
     `ApplyError` / `RollbackError` from the executor (everything else undone first).
     """
+    # the two concerns' values and the switch, checked before anything is held (they failed later
+    # as an AttributeError, and budget="no" was truthy: budgeted)
+    if host is not None and not isinstance(host, HostSetup):
+        raise PlanError(f"bring_up(host=) must be a HostSetup or None, got {host!r}")
+    if report is not None and not isinstance(report, Report):
+        raise PlanError(f"bring_up(report=) must be a Report or None, got {report!r}")
+    budget = check_bool(PlanError, "bring_up", "budget", budget)
     setup = HostSetup() if host is None else host
     report = Report(metrics=False) if report is None else report  # None: not shown to the metrics
     progress, prefault_progress, trace = report.progress, report.prefault_progress, report.trace
