@@ -477,3 +477,49 @@ def test_the_python_example_in_docs_store_md_runs_as_written(shm_dir):
     assert scope["hits"] == [True, True, False] and torch.equal(scope["out"][:2], scope["pages"][:2])
     with pytest.raises(StoreClosedError):
         scope["store"].exists(scope["ns"], ["a"])
+
+
+@pytest.mark.parametrize("call, refusal", [
+    (lambda s, p: s.put(NS, "ab", p.segments()), "keys must be a list of strings, got one str: 'ab'"),
+    (lambda s, p: s.exists(NS, b"ab"), "keys must be a list of strings, got one bytes"),
+    (lambda s, p: s.put(NS, ["a", 2], p.segments()), "keys must be strings: key 1 is 2 (int)"),
+    (lambda s, p: s.present(NS, [None]), "keys must be strings: key 0 is None (NoneType)"),
+    (lambda s, p: s.put("kv", ["a", "b"], p.segments()), "namespace must be a hicache.store.Namespace, got 'kv'"),
+    (lambda s, p: s.get(NS, ["a"], None), "pages must be a list of [(ptr, bytes), ...] per page, got None"),
+], ids=["str-keys", "bytes-keys", "int-key", "none-key", "namespace", "pages"])
+def test_a_batch_of_the_wrong_kind_is_refused_naming_it(shm_dir, call, refusal):
+    """One string as the keys (it was read as one key per character: put "ab" stored pages under
+    "a" and "b"), a key that is no string, a namespace that is no Namespace, pages that are no
+    list: each a TransferError naming it (they were AttributeErrors and TypeErrors), nothing stored."""
+    import re
+
+    store, pages = _open(shm_dir, "python"), Pages(2)
+    try:
+        with pytest.raises(TransferError, match=re.escape(refusal)):
+            call(store, pages)
+        assert store.present(NS, ["a", "b"]) == [False, False]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kwargs, refusal", [
+    (dict(path=5), "open_store.path must be a path, got 5"),
+    (dict(label=5), "open_store.label must be a string, got 5"),
+    (dict(threads="4"), "open_store.threads must be an integer, got '4'"),
+    (dict(threads=0), "open_store.threads must be positive, got 0"),
+    (dict(budget="no"), "open_store.budget must be True or False, got 'no'"),
+], ids=["path", "label", "threads-str", "threads-0", "budget"])
+def test_open_stores_own_arguments_are_refused_before_any_file(shm_dir, kwargs, refusal):
+    """A path that is no path, a label that is no string, a thread count that is no positive
+    integer and a budget switch that is no bool (``"no"`` was truthy): a PlanError naming it, and
+    no arena file made."""
+    import os
+    import re
+
+    from hicache.errors import PlanError
+    from hicache.store import open_store
+
+    arguments = {"path": str(shm_dir / "arena"), "size_bytes": 1 << 24, "slot_bytes": PAGE, **kwargs}
+    with pytest.raises(PlanError, match=re.escape(refusal)):
+        open_store(arguments.pop("path"), **arguments)
+    assert os.listdir(shm_dir) == []

@@ -46,13 +46,16 @@ def test_a_known_batch_is_not_hashed_again(monkeypatch):
 
 
 def test_a_key_slot_keys_refuses_is_refused_alike():
-    """A key that is not a string fails as `slot_keys` fails, known batch or not."""
+    """A key that is not a string fails as `slot_keys` fails, known batch or not: a
+    TransferError naming the key and its place."""
+    from hicache.errors import TransferError
+
     memo = SlotKeyMemo()
     memo(DIGESTS[0], ["a"])
-    for keys in ([7], ["a", 7]):
-        with pytest.raises(AttributeError):
+    for keys, index in (([7], 0), (["a", 7], 1)):
+        with pytest.raises(TransferError, match=f"key {index} is 7 \\(int\\)"):
             slot_keys(DIGESTS[0], keys)
-        with pytest.raises(AttributeError):
+        with pytest.raises(TransferError, match=f"key {index} is 7 \\(int\\)"):
             memo(DIGESTS[0], keys)
 
 

@@ -15,7 +15,7 @@ import json
 
 import attrs
 
-from hicache.errors import PlanError
+from hicache.errors import PlanError, TransferError
 from hicache.plan.checks import as_int, check_int
 
 DIGEST_BYTES = 16
@@ -79,9 +79,14 @@ class Namespace:
 
 
 def slot_keys(namespace_digest: bytes, keys) -> bytes:
-    """The 16-byte slot key of each of SGLang's ``keys`` in a namespace, concatenated."""
-    return b"".join([hashlib.blake2b(namespace_digest + key.encode(), digest_size=DIGEST_BYTES).digest()
-                     for key in keys])
+    """The 16-byte slot key of each of SGLang's ``keys`` in a namespace, concatenated (a key that
+    is no string: a `TransferError` naming it - checked only when one fails, off the hot path)."""
+    try:
+        return b"".join([hashlib.blake2b(namespace_digest + key.encode(), digest_size=DIGEST_BYTES).digest()
+                         for key in keys])
+    except AttributeError:
+        index, key = next((i, k) for i, k in enumerate(keys) if not isinstance(k, str))
+        raise TransferError(f"keys must be strings: key {index} is {key!r} ({type(key).__name__})") from None
 
 
 class SlotKeyMemo:

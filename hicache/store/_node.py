@@ -13,8 +13,9 @@ from contextlib import contextmanager
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.errors import ArenaGeometryError, StoreClosedError
+from hicache.errors import ArenaGeometryError, PlanError, StoreClosedError, TransferError
 from hicache.plan import plan_store
+from hicache.plan.checks import check_bool, check_int
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
 from hicache.store._namespaces import BUSY
 from hicache.store._keys import Namespace, SlotKeyMemo
@@ -85,6 +86,8 @@ class NodeStore:
     def _digest(self, namespace: Namespace) -> bytes:
         """The namespace's digest (a read needs no table entry: a query registers nothing)."""
         if namespace not in self._digests:
+            if not isinstance(namespace, Namespace):
+                raise TransferError(f"namespace must be a hicache.store.Namespace, got {namespace!r}")
             if namespace.page_bytes > self.arena.plan.slot_bytes:
                 raise ArenaGeometryError(f"a page of {namespace.page_bytes} bytes does not fit the arena's "
                                          f"{self.arena.plan.slot_bytes}-byte slots ({namespace.description})")
@@ -118,6 +121,7 @@ class NodeStore:
 
     def exists(self, namespace: Namespace, keys) -> int:
         """How many leading ``keys`` are held (SGLang's `batch_exists`)."""
+        _one_batch(keys)
         with self._open_for("exists"):
             if not keys:
                 return 0
@@ -125,6 +129,7 @@ class NodeStore:
 
     def present(self, namespace: Namespace, keys) -> list[bool]:
         """Whether each of ``keys`` is held."""
+        _one_batch(keys)
         with self._open_for("present"):
             if not keys:
                 return []
@@ -133,6 +138,7 @@ class NodeStore:
 
     def get(self, namespace: Namespace, keys, pages) -> list[bool]:
         """Copy each held key's page into its segments; a miss, torn or corrupt page is False."""
+        _one_batch(keys)
         with self._open_for("get"):
             return self._get(namespace, keys, pages)
 
@@ -154,6 +160,7 @@ class NodeStore:
     def put(self, namespace: Namespace, keys, pages, *, first_depth: int = 0) -> list[bool]:
         """Store each key's page from its segments (``first_depth``: the chain position of the
         first key, from SGLang's ``prefix_keys``). True for pages stored or already held."""
+        _one_batch(keys)
         with self._open_for("put"):
             return self._put(namespace, keys, pages, first_depth=first_depth)
 
@@ -207,6 +214,12 @@ class NodeStore:
         self.arena.close()
 
 
+def _one_batch(keys) -> None:
+    """``keys`` is a batch: a str or bytes would be read as one key per character, silently."""
+    if isinstance(keys, (str, bytes)):
+        raise TransferError(f"keys must be a list of strings, got one {type(keys).__name__}: {keys[:40]!r}")
+
+
 def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str = "", progress=None,
                threads: int | None = None, ops=None, fault_hook=None, root: str = "/", machine=None, lock=None,
                budget: bool = True) -> NodeStore:
@@ -221,6 +234,16 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     An attach claims nothing: the arena's pages are resident already, seen as used by every
     process's probe. ``budget=False`` skips the claim (`hicache store create` on a node agent
     that checked already)."""
+    # open_store's own arguments, before any file is touched (they failed as a bare TypeError or
+    # AttributeError, and budget="no" was truthy): a str path, or a PathLike giving one
+    fspath = getattr(type(path), "__fspath__", None)
+    path = path if isinstance(path, str) or fspath is None else fspath(path)
+    if not isinstance(path, str):
+        raise PlanError(f"open_store.path must be a path, got {path!r}")
+    if not isinstance(label, str):
+        raise PlanError(f"open_store.label must be a string, got {label!r}")
+    threads = None if threads is None else check_int(PlanError, "open_store", "threads", threads, maximum=1024)
+    budget = check_bool(PlanError, "open_store", "budget", budget)
     if size_bytes is None:
         arena = _arena.attach_arena(path, page_bytes=slot_bytes, ops=ops, root=root)
         return NodeStore(arena, fault_hook=fault_hook)

@@ -35,7 +35,10 @@ class PageSegments:
         every page with as many segments as the first."""
         if isinstance(pages, PageSegments):
             return pages
-        pages = list(pages)
+        try:
+            pages = list(pages)
+        except TypeError:
+            raise TransferError(f"pages must be a list of [(ptr, bytes), ...] per page, got {pages!r}") from None
         per_page = len(pages[0]) if pages else 1
         for i, segments in enumerate(pages):
             if len(segments) != per_page:
