@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_readme_examples import _blocks as readme_blocks  # the README section's one reader
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hicache"
@@ -41,12 +42,6 @@ def _mypy(tmp_path: Path, *sources: str) -> list[str]:
                            "--cache-dir", os.devnull, *map(str, users)])
     assert not err.strip(), err
     return out.splitlines()
-
-
-def _readme_blocks() -> list[str]:
-    """The Python blocks of the README's "Use it from Python" section, in order."""
-    section = (ROOT / "README.md").read_text().split("## Use it from Python", 1)[1].split("\n## ", 1)[0]
-    return [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
 
 
 def test_every_public_name_of_every_face_has_a_type_for_checkers(tmp_path):
@@ -99,7 +94,7 @@ def test_the_value_class_factory_form_is_typed(tmp_path):
 
 def test_the_readmes_examples_check_clean(tmp_path):
     """The README's plan and bring-up examples, as an engine would copy them: no error."""
-    blocks = _readme_blocks()
+    blocks = readme_blocks()
     assert "plan_pool(" in blocks[0] and "bring_up(" in blocks[1]
     assert [line for line in _mypy(tmp_path, *blocks[:2]) if ": error:" in line] == []
 

@@ -35,7 +35,7 @@ class _Books:
         self.ledger = ledger
         self.owns_memory = owns_memory
         self.tensors: list = []
-        self.registration: Registration | None = None  # the blocking / pipelined transaction's
+        self.registration: Registration | None = None  # the blocking or pipelined transaction
         self.progressive = None  # the progressive mode's ProgressiveRegistration
         self.faulting = None  # its background pre-fault (ProgressiveFaulting)
         self.claim = None  # the bring-up's `Claim` on the host's memory (`_hostwide._claim`), until given back
