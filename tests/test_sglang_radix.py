@@ -33,7 +33,7 @@ from hicache.testing import fake_cuda
 
 torch = pytest.importorskip("torch")
 
-PAGE, LAYERS, DEVICE_TOKENS, VOCAB = 16, 2, 128, 4096
+UNIT, LAYERS, DEVICE_TOKENS, VOCAB = 16, 2, 128, 4096  # UNIT: tokens a request grows by
 SHAPES = {"mha": (2, 64), "mla": (1, 80)}  # a token's row per layer buffer: heads x dim; MLA's kv_lora + rope
 
 #: per family, one row per token id for each device layer buffer (in `_Serving.layers` order):
@@ -55,21 +55,24 @@ class _Serving:
     with HiCache attached as `init_hicache` attaches it."""
 
     def __init__(self, kind: str, server_args) -> None:
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        self.kind, self.table = kind, _table(kind)
-        common = dict(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
+        self.kind, self.table, page = kind, _table(kind), server_args.page_size
+        common = dict(size=DEVICE_TOKENS, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
         self.device = (MHATokenToKVPool(head_num=2, head_dim=64, **common) if kind == "mha" else
                        MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common))
-        self.allocator = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", self.device, False)
+        self.allocator = (  # as SGLang picks it: the token allocator for pages of one token
+            TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", self.device, False) if page == 1 else
+            PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, torch.bfloat16, "cpu", self.device, False))
         requests = ReqToTokenPool(size=4, max_context_len=2048, device="cpu", enable_memory_saver=False)
         params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=self.allocator,
-                                 page_size=PAGE, tree_components=(ComponentType.FULL,))
+                                 page_size=page, tree_components=(ComponentType.FULL,))
         self.cache = UnifiedRadixCache(params)
         self.cache.init_hicache(server_args, params)
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
@@ -182,11 +185,11 @@ def _requests(steps) -> list:
         if what != "serve":
             asked.append(None)
             continue
-        base, new = seen[a % len(seen)], (1 + (a + b) % 4) * PAGE
+        base, new = seen[a % len(seen)], (1 + (a + b) % 4) * UNIT
         if b % 3 == 0 and base:
             tokens = list(base)
         else:
-            keep = len(base) if b % 3 == 1 else (b // 3) % (len(base) // PAGE + 1) * PAGE
+            keep = len(base) if b % 3 == 1 else (b // 3) % (len(base) // UNIT + 1) * UNIT
             keep = min(keep, DEVICE_TOKENS // 2 - new)  # a request fits half the device
             tokens, fresh = base[:keep] + list(range(fresh, fresh + new)), fresh + new
         seen.append(tokens)
@@ -195,7 +198,7 @@ def _requests(steps) -> list:
     return asked
 
 
-def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, steps) -> list:
+def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: int, policy: str, steps) -> list:
     """The steps over one `_Serving` whose host pool is SGLang's (pools="sglang") or, through the
     plug-in's class REPLACE, hicache's; its trace. Everything registered is released after."""
     import sglang.srt.mem_cache.pool_host.common as common
@@ -207,8 +210,8 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, steps) -
     monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1") if pools == "hicache" else monkeypatch.delenv(
         "HICACHE_SGLANG_POOLS", raising=False)
     plugins.load_plugins()
-    flags = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
-                 hicache_io_backend=backend, hicache_write_policy="write_through")
+    flags = dict(page_size=page, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
+                 hicache_io_backend=backend, hicache_write_policy=policy)
     with published(**flags), fake_cuda() as fake:
         with host_memory_budget_scope(10**12):
             serving = _Serving(kind, ServerArgs(model_path="dummy", **flags))
@@ -221,7 +224,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, steps) -
                 if what == "serve":
                     trace.append(serving.serve(tokens))
                 else:
-                    trace.append(getattr(serving, what)(a * PAGE))
+                    trace.append(getattr(serving, what)(a * UNIT))
                 trace.append(serving.space())
             trace.append(serving.drain())
             trace.append(("all free", DEVICE_TOKENS, serving.host.size))
@@ -232,11 +235,14 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, steps) -
     return trace
 
 
-@pytest.mark.parametrize("kind, layout, backend", [
-    ("mha", "page_first", "kernel"),  # SGLang 0.5.23's defaults
-    ("mla", "page_first", "kernel"),
-    ("mha", "page_first_direct", "direct"),
-    ("mha", "layer_first", "kernel"),
+@pytest.mark.parametrize("kind, layout, backend, page, policy", [
+    ("mha", "page_first", "kernel", 16, "write_through"),  # SGLang 0.5.23's defaults (its page size: the backend's)
+    ("mha", "page_first", "kernel", 1, "write_through"),  # one-token pages: the token allocator, the tree unpaged
+    ("mha", "page_first", "kernel", 16, "write_back"),  # backed up only when evicted from the device
+    ("mha", "page_first", "kernel", 16, "write_through_selective"),  # backed up on a node's second hit
+    ("mla", "page_first", "kernel", 16, "write_through"),
+    ("mha", "page_first_direct", "direct", 16, "write_through"),
+    ("mha", "layer_first", "kernel", 16, "write_through"),
 ])
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
 # two caches each would outlast the hang guard
@@ -245,12 +251,12 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, steps) -
 @given(steps=STEPS)
 def test_sglangs_radix_tree_serves_right_bytes_and_decides_alike_over_hicaches_pools(sglang, monkeypatch,
                                                                                     roomy_psutil, kind, layout,
-                                                                                    backend, steps):
+                                                                                    backend, page, policy, steps):
     """Random serving traffic through SGLang's UnifiedRadixCache: every device token a request
     is handed holds its own bytes, over SGLang's pool and over hicache's, and the two traces
     (matches, host hits, loads, evictions, free space) are equal step for step."""
-    theirs = _run(monkeypatch, "sglang", kind, layout, backend, steps)
-    ours = _run(monkeypatch, "hicache", kind, layout, backend, steps)
+    theirs = _run(monkeypatch, "sglang", kind, layout, backend, page, policy, steps)
+    ours = _run(monkeypatch, "hicache", kind, layout, backend, page, policy, steps)
     for i, (a, b) in enumerate(zip(theirs, ours)):
         assert a == b, f"step {i // 2}: over SGLang's pool {a}, over hicache's {b}"
     assert len(theirs) == len(ours)
@@ -269,9 +275,9 @@ def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, 
     fresh = [("serve", 0, 2)] * 4  # four new requests of 3 pages: more than the device's 8
     steps = [("serve", 0, 1), *fresh, ("serve", 1, 0), ("serve", 1, 1), ("evict", 7, 0), ("evict_host", 7, 0),
              *fresh, ("serve", 2, 0), ("serve", 7, 1)]
-    trace = _run(monkeypatch, "hicache", "mha", "page_first", "kernel", steps)
+    trace = _run(monkeypatch, "hicache", "mha", "page_first", "kernel", 16, "write_through", steps)
     serves = [row for row in trace if row[0] == "serve"]
-    assert any(row[3] > PAGE and row[4] == row[3] for row in serves), "no host hit of pages loaded back"
+    assert any(row[3] > UNIT and row[4] == row[3] for row in serves), "no host hit of pages loaded back"
     assert any(row[2] > 0 for row in serves), "no prefix shared on the device"
     assert any(row[0] == "evict" and row[2] > 0 for row in trace)
     assert any(row[0] == "evict_host" and row[2] > 0 for row in trace)
