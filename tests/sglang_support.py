@@ -120,15 +120,17 @@ def cuda_at_destroy(monkeypatch, module_name: str) -> None:
 
 
 @contextlib.contextmanager
-def published(**server_args):
+def published(prepared=None, /, **server_args):
     """SGLang's runtime context published as a server publishes it at start (SGLang's own
     `publish` over a `ServerArgs`, as its `sglang.test.test_utils.published_topology` does, whose
-    module needs `datasets`): what its pools read through get_parallel()/get_memory()."""
+    module needs `datasets`): what its pools read through get_parallel()/get_memory(). From
+    ``server_args``, or a ``prepared`` ServerArgs (one whose resolved fields a test set)."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     reset_context()
-    publish(ServerArgs(model_path="dummy", **server_args), role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    args = prepared if prepared is not None else ServerArgs(model_path="dummy", **server_args)
+    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
     try:
         yield
     finally:

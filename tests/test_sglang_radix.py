@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import array
 import atexit
-import os
+import warnings
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -36,18 +36,60 @@ torch = pytest.importorskip("torch")
 UNIT, LAYERS, DEVICE_TOKENS, VOCAB = 16, 2, 128, 4096  # UNIT: tokens a request grows by
 SHAPES = {"mha": (2, 64), "mla": (1, 80)}  # a token's row per layer buffer: heads x dim; MLA's kv_lora + rope
 
+FULL_LAYERS, MAMBA_LAYERS = [1, 3], [0, 2]  # kind "mamba": a hybrid model's attention and Mamba2 layers
+
 #: per family, one row per token id for each device layer buffer (in `_Serving.layers` order):
 #: what a request that computed that token wrote there, whoever serves it later
 _TABLES: dict = {}
 
 
 def _table(kind: str) -> list:
+    kind = "mha" if kind == "mamba" else kind  # the hybrid's attention layers: MHA, as many
     if kind not in _TABLES:
         generator = torch.Generator().manual_seed(2305)
         count = 2 * LAYERS if kind == "mha" else LAYERS
         _TABLES[kind] = [torch.randn((VOCAB, *SHAPES[kind]), generator=generator).to(torch.bfloat16)
                          for _ in range(count)]
     return _TABLES[kind]
+
+
+def _fla_chunk_size() -> int:
+    """The chunk of SGLang's FLA kernels, which a Mamba2 cache's chunk size must reach."""
+    with warnings.catch_warnings():  # their module warns that Triton has no GPU here
+        warnings.simplefilter("ignore")
+        from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
+    return CHUNK_SIZE
+
+
+def _hybrid_pools(server_args) -> tuple:
+    """A hybrid model's pools as SGLang's kits build them on CPU: requests with a Mamba2 state slot
+    each, attention layers' KV beside the states; and the state tensors ([layer, slot, ...])."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=256, n_groups=1, num_heads=2, head_dim=16,
+                                        state_size=16, conv_kernel=4)
+        states = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
+    requests = HybridReqToTokenPool(size=4, mamba_size=12, mamba_spec_state_size=4, max_context_len=2048,
+                                    device="cpu", enable_memory_saver=False, cache_params=states,
+                                    mamba_layer_ids=MAMBA_LAYERS, enable_mamba_extra_buffer=False,
+                                    speculative_num_draft_tokens=3)
+    device = HybridLinearKVPool(size=DEVICE_TOKENS, dtype=torch.bfloat16, page_size=server_args.page_size, head_num=2,
+                                head_dim=64, full_attention_layer_ids=FULL_LAYERS, device="cpu",
+                                enable_memory_saver=False, mamba_pool=requests.mamba_pool)
+    cache = requests.mamba_pool.mamba_cache
+    return requests, device, [cache.temporal, *cache.conv]
+
+
+def _state_tables(states) -> list:
+    """Per state tensor, what a request whose last token has that id leaves in its slot."""
+    if "states" not in _TABLES:
+        generator = torch.Generator().manual_seed(4111)
+        _TABLES["states"] = [torch.randn((VOCAB, t.shape[0], *t.shape[2:]), generator=generator).to(t.dtype)
+                             for t in states]
+    return _TABLES["states"]
 
 
 class _Serving:
@@ -65,20 +107,30 @@ class _Serving:
         self.kind, self.table, page = kind, _table(kind), server_args.page_size
         common = dict(size=DEVICE_TOKENS, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
-        self.device = (MHATokenToKVPool(head_num=2, head_dim=64, **common) if kind == "mha" else
-                       MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common))
+        components = (ComponentType.FULL,)
+        requests = ReqToTokenPool(size=4, max_context_len=2048, device="cpu", enable_memory_saver=False)
+        if kind == "mamba":
+            requests, self.device, self.states = _hybrid_pools(server_args)
+            components = (ComponentType.FULL, ComponentType.MAMBA)
+        elif kind == "mha":
+            self.device = MHATokenToKVPool(head_num=2, head_dim=64, **common)
+        else:
+            self.device = MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common)
+        self.requests = requests
         self.allocator = (  # as SGLang picks it: the token allocator for pages of one token
             TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", self.device, False) if page == 1 else
             PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, torch.bfloat16, "cpu", self.device, False))
-        requests = ReqToTokenPool(size=4, max_context_len=2048, device="cpu", enable_memory_saver=False)
         params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=self.allocator,
-                                 page_size=page, tree_components=(ComponentType.FULL,))
+                                 page_size=page, tree_components=components)
         self.cache = UnifiedRadixCache(params)
         self.cache.init_hicache(server_args, params)
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
         self.host = self.cache.host_pool_group.entries[0].host_pool
+        self.state_host = self.cache.host_pool_group.entries[-1].host_pool  # Mamba's, for kind "mamba"
 
     def layers(self) -> list:
+        if self.kind == "mamba":
+            return [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
         if self.kind == "mha":
             return [*self.device.k_buffer, *self.device.v_buffer]
         return list(self.device.kv_buffer)
@@ -92,6 +144,19 @@ class _Serving:
                 raise AssertionError(f"{self.kind} layer buffer {j}: token {tokens[bad]} (position {bad} of "
                                      f"{len(tokens)}) is served on the device with bytes its request never wrote")
 
+    def _check_state(self, slot, token: int) -> None:
+        assert slot is not None and len(slot) == 1, f"no Mamba state where the prefix ends at token {token}"
+        for j, (state, table) in enumerate(zip(self.states, _state_tables(self.states))):
+            if not torch.equal(state[:, int(slot[0])].view(torch.int16), table[token].view(torch.int16)):
+                raise AssertionError(f"Mamba state tensor {j} after token {token} holds bytes no request left there")
+
+    def _free_state_slots(self, slots: int) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        short = slots - self.requests.mamba_allocator.available_size()
+        if short > 0:
+            self.cache.evict(EvictParams(mamba_num=short))
+
     def _evict_for(self, tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -102,22 +167,37 @@ class _Serving:
     def serve(self, tokens: list) -> tuple:
         """One request as the scheduler admits it; its row of the trace."""
         from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        cache = self.cache
-        cache.check_hicache_events()  # the scheduler's per-step poll: finished write-throughs and loads
+        self.cache.check_hicache_events()  # the scheduler's per-step poll: finished write-throughs and loads
         req = Req(rid="r", origin_input_text="", origin_input_ids=array.array("q", tokens),
                   sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+        if self.kind == "mamba":  # a state slot for the request and one for a state loaded back
+            self._free_state_slots(2)
+            self.requests.alloc([req])
+        try:
+            return self._serve(req, tokens)
+        finally:
+            if self.kind == "mamba":
+                if req.kv.mamba_pool_idx is not None:  # not adopted by the tree
+                    self.requests.free_mamba_cache(req)
+                self.requests.free(req)
+
+    def _serve(self, req, tokens: list) -> tuple:
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        cache = self.cache
         key = RadixKey(array.array("q", tokens))
         match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
         row = ["serve", len(tokens), match.device_prefix_len, match.host_hit_length]
         req.prefix_len, req.last_node, req.last_host_node = (match.device_prefix_len, match.last_device_node,
                                                              match.last_host_node)
         req.best_match_node, req.host_hit_length = match.best_match_node, match.host_hit_length
+        req.mamba_host_hit_length = match.mamba_host_hit_length
         last = match.last_device_node
-        if match.host_hit_length:
+        if match.host_hit_length or match.mamba_host_hit_length:
             self._evict_for(match.host_hit_length)  # the scheduler's load-back budget evicts first
             loaded, last = cache.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
@@ -130,6 +210,9 @@ class _Serving:
         try:
             prefix = cache.path_device_indices(last)
             self._check_bytes(prefix, tokens[:len(prefix)])
+            if self.kind == "mamba" and len(prefix):  # the state after the prefix, where the tree keeps it
+                self._check_state(cache.tree_core.get_component_device_value(last, ComponentType.MAMBA),
+                                  tokens[len(prefix) - 1])
             rest = tokens[len(prefix):]
             self._evict_for(len(rest))
             slots = self.allocator.alloc(len(rest)) if rest else torch.empty(0, dtype=torch.int64)
@@ -138,8 +221,15 @@ class _Serving:
             ids = torch.tensor(rest, dtype=torch.int64)
             for layer, table in zip(self.layers(), self.table):
                 layer[slots] = table[ids]  # what this request computed for its new tokens
+            insert = InsertParams(key=key, value=torch.cat([prefix, slots]), prev_prefix_len=len(prefix))
+            if self.kind == "mamba":  # the state after the request's last token, in its own slot
+                for state, table in zip(self.states, _state_tables(self.states)):
+                    state[:, req.kv.mamba_pool_idx] = table[tokens[-1]]
+                insert.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
             # prev_prefix_len: the prefix's slots are the tree's own, not duplicates to free
-            result = cache.insert(InsertParams(key=key, value=torch.cat([prefix, slots]), prev_prefix_len=len(prefix)))
+            result = cache.insert(insert)
+            if self.kind == "mamba" and not result.mamba_exist:
+                req.kv.mamba_pool_idx = None  # the tree's now
             return (*row, result.prefix_len)
         finally:
             cache.unlock(lock)
@@ -156,17 +246,31 @@ class _Serving:
 
     def space(self) -> tuple:
         cache = self.cache
-        return ("space", self.allocator.available_size(), cache.evictable_size(), cache.protected_size(),
-                self.host.available_size())
+        row = ("space", self.allocator.available_size(), cache.evictable_size(), cache.protected_size(),
+               self.host.available_size())
+        if self.kind == "mamba":
+            row += (self.requests.mamba_allocator.available_size(), self.state_host.available_size())
+        return row
 
     def drain(self) -> tuple:
         """Every write finished, then everything evicted from device and host: all pages free."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
         self.cache.writing_check(write_back=True)
+        if self.kind == "mamba":
+            self.cache.evict(EvictParams(num_tokens=DEVICE_TOKENS, mamba_num=self.requests.mamba_pool.size))
+            self.cache.evict_host(self.state_host.size, ComponentType.MAMBA)
         self.cache.evict(EvictParams(num_tokens=DEVICE_TOKENS))
         self.cache.evict_host(self.host.size)
         return self.space()
+
+    def sizes(self) -> tuple:
+        row = ("all free", DEVICE_TOKENS, self.host.size)
+        if self.kind == "mamba":
+            row += (self.requests.mamba_allocator.available_size(), self.state_host.size)
+        return row
 
 
 #: a step: (what, a, b) - serve: a request reusing earlier request a's tokens (a % how many so
@@ -212,9 +316,12 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     plugins.load_plugins()
     flags = dict(page_size=page, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
                  hicache_io_backend=backend, hicache_write_policy=policy)
-    with published(**flags), fake_cuda() as fake:
+    server_args = ServerArgs(model_path="dummy", **flags)
+    if kind == "mamba":  # what a server resolves from the model's config; the dummy has none
+        server_args._mamba_cache_chunk_size = max(_fla_chunk_size(), page)
+    with published(server_args), fake_cuda() as fake:
         with host_memory_budget_scope(10**12):
-            serving = _Serving(kind, ServerArgs(model_path="dummy", **flags))
+            serving = _Serving(kind, server_args)
         try:
             assert type(serving.host).__module__.startswith("hicache." if pools == "hicache" else "sglang.")
             assert serving.host.layout == layout
@@ -227,7 +334,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
                     trace.append(getattr(serving, what)(a * UNIT))
                 trace.append(serving.space())
             trace.append(serving.drain())
-            trace.append(("all free", DEVICE_TOKENS, serving.host.size))
+            trace.append(serving.sizes())
         finally:
             serving.cache.release_host_resources()
         assert fake.held() == set()
@@ -243,6 +350,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("mla", "page_first", "kernel", 16, "write_through"),
     ("mha", "page_first_direct", "direct", 16, "write_through"),
     ("mha", "layer_first", "kernel", 16, "write_through"),
+    ("mamba", "page_first", "kernel", 1, "write_through"),  # a hybrid: attention KV and Mamba2 states, two pools
 ])
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
 # two caches each would outlast the hang guard
@@ -265,21 +373,26 @@ def test_sglangs_radix_tree_serves_right_bytes_and_decides_alike_over_hicaches_p
 
 def _all_free(trace) -> None:
     """After the drain (the trace's last two rows) every device and host page is free."""
-    (_, device_free, _, _, host_free), (_, device_size, host_size) = trace[-2:]
-    assert (device_free, host_free) == (device_size, host_size), f"pages not all free at the end: {trace[-2]}"
+    (_, device_free, _, _, host_free, *states_free), (_, device_size, host_size, *states) = trace[-2:]
+    assert (device_free, host_free, *states_free) == (device_size, host_size, *states), (
+        f"pages not all free at the end: {trace[-2]}")
 
-def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, roomy_psutil):
+@pytest.mark.parametrize("kind, page", [("mha", 16), ("mamba", 1)])
+def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, roomy_psutil, kind, page):
     """A fixed run of the traffic above, so the property cannot pass on traces that never
-    load, demote or drop: host hits loaded back, shared prefixes, device and host evictions
-    that free pages, and the host pool filling under write-through."""
-    fresh = [("serve", 0, 2)] * 4  # four new requests of 3 pages: more than the device's 8
-    steps = [("serve", 0, 1), *fresh, ("serve", 1, 0), ("serve", 1, 1), ("evict", 7, 0), ("evict_host", 7, 0),
+    load, demote or drop: host hits loaded back (with a Mamba state, for the hybrid), shared
+    prefixes, device and host evictions that free pages, and the host pool filling."""
+    fresh = [("serve", 0, 2)] * 4  # four new requests of 3 units: more than the device's 8
+    steps = [("serve", 0, 1), *fresh, ("serve", 1, 0), ("serve", 1, 4), ("evict", 7, 0), ("evict_host", 7, 0),
              *fresh, ("serve", 2, 0), ("serve", 7, 1)]
-    trace = _run(monkeypatch, "hicache", "mha", "page_first", "kernel", 16, "write_through", steps)
+    trace = _run(monkeypatch, "hicache", kind, "page_first", "kernel", page, "write_through", steps)
     serves = [row for row in trace if row[0] == "serve"]
     assert any(row[3] > UNIT and row[4] == row[3] for row in serves), "no host hit of pages loaded back"
     assert any(row[2] > 0 for row in serves), "no prefix shared on the device"
     assert any(row[0] == "evict" and row[2] > 0 for row in trace)
     assert any(row[0] == "evict_host" and row[2] > 0 for row in trace)
-    assert min(row[4] for row in trace if row[0] == "space") < 2 * DEVICE_TOKENS // 4, "the host never filled"
+    spaces = [row for row in trace if row[0] == "space"]
+    assert min(row[4] for row in spaces) < 2 * DEVICE_TOKENS // 4, "the host never filled"
+    if kind == "mamba":  # states backed up to the host pool, and one loaded back
+        assert min(row[6] for row in spaces) < trace[-1][4], "no Mamba state ever on the host"
     _all_free(trace)

@@ -112,7 +112,7 @@ class MambaPoolHost(NamedConstructors, HostKVCache):
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend="kernel", *,
                                  is_draft: bool = False) -> None:
         """As every pool's; ``io_backend`` defaults to "kernel" as SGLang's Mamba pool's does
-        (hicache copies with "direct"; "kernel" is an error naming what it supports)."""
+        (hicache serves "direct" and "kernel" alike, issue #52)."""
         super().load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
                                          is_draft=is_draft)
 
