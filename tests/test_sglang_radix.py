@@ -96,7 +96,7 @@ class _Serving:
     """One scheduler's view: a device pool, SGLang's paged allocator and its `UnifiedRadixCache`
     with HiCache attached as `init_hicache` attaches it."""
 
-    def __init__(self, kind: str, server_args) -> None:
+    def __init__(self, kind: str, server_args, core: str | None = None) -> None:
         from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -121,7 +121,7 @@ class _Serving:
             TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", self.device, False) if page == 1 else
             PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, torch.bfloat16, "cpu", self.device, False))
         params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=self.allocator,
-                                 page_size=page, tree_components=components)
+                                 page_size=page, tree_components=components, tree_core_backend=core)
         self.cache = UnifiedRadixCache(params)
         self.cache.init_hicache(server_args, params)
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
@@ -302,7 +302,8 @@ def _requests(steps) -> list:
     return asked
 
 
-def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: int, policy: str, steps) -> list:
+def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: int, policy: str, steps,
+         core: str | None = None) -> list:
     """The steps over one `_Serving` whose host pool is SGLang's (pools="sglang") or, through the
     plug-in's class REPLACE, hicache's; its trace. Everything registered is released after."""
     import sglang.srt.mem_cache.pool_host.common as common
@@ -321,10 +322,10 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
         server_args._mamba_cache_chunk_size = max(_fla_chunk_size(), page)
     with published(server_args), fake_cuda() as fake:
         with host_memory_budget_scope(10**12):
-            serving = _Serving(kind, server_args)
+            serving = _Serving(kind, server_args, core)
         try:
             assert type(serving.host).__module__.startswith("hicache." if pools == "hicache" else "sglang.")
-            assert serving.host.layout == layout
+            assert serving.host.layout == layout and serving.cache._tree_core_backend == (core or "rust")
             trace = []
             for step, tokens in zip(steps, _requests(steps)):
                 what, a, _ = step
@@ -342,7 +343,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     return trace
 
 
-@pytest.mark.parametrize("kind, layout, backend, page, policy", [
+@pytest.mark.parametrize("kind, layout, backend, page, policy, core", [(*case, None) for case in [
     ("mha", "page_first", "kernel", 16, "write_through"),  # SGLang 0.5.23's defaults (its page size: the backend's)
     ("mha", "page_first", "kernel", 1, "write_through"),  # one-token pages: the token allocator, the tree unpaged
     ("mha", "page_first", "kernel", 16, "write_back"),  # backed up only when evicted from the device
@@ -351,7 +352,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("mha", "page_first_direct", "direct", 16, "write_through"),
     ("mha", "layer_first", "kernel", 16, "write_through"),
     ("mamba", "page_first", "kernel", 1, "write_through"),  # a hybrid: attention KV and Mamba2 states, two pools
-])
+]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
 # two caches each would outlast the hang guard
 @settings(max_examples=10, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
@@ -359,12 +360,13 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
 @given(steps=STEPS)
 def test_sglangs_radix_tree_serves_right_bytes_and_decides_alike_over_hicaches_pools(sglang, monkeypatch,
                                                                                     roomy_psutil, kind, layout,
-                                                                                    backend, page, policy, steps):
+                                                                                    backend, page, policy, core,
+                                                                                    steps):
     """Random serving traffic through SGLang's UnifiedRadixCache: every device token a request
     is handed holds its own bytes, over SGLang's pool and over hicache's, and the two traces
     (matches, host hits, loads, evictions, free space) are equal step for step."""
-    theirs = _run(monkeypatch, "sglang", kind, layout, backend, page, policy, steps)
-    ours = _run(monkeypatch, "hicache", kind, layout, backend, page, policy, steps)
+    theirs = _run(monkeypatch, "sglang", kind, layout, backend, page, policy, steps, core)
+    ours = _run(monkeypatch, "hicache", kind, layout, backend, page, policy, steps, core)
     for i, (a, b) in enumerate(zip(theirs, ours)):
         assert a == b, f"step {i // 2}: over SGLang's pool {a}, over hicache's {b}"
     assert len(theirs) == len(ours)
