@@ -127,6 +127,8 @@ class _Serving:
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.state_host = self.cache.host_pool_group.entries[-1].host_pool  # Mamba's, for kind "mamba"
+        if kind == "mamba":
+            self.state_slots = requests.mamba_allocator.available_size()  # free before any request
 
     def layers(self) -> list:
         if self.kind == "mamba":
@@ -255,7 +257,6 @@ class _Serving:
     def drain(self) -> tuple:
         """Every write finished, then everything evicted from device and host: all pages free."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
         self.cache.writing_check(write_back=True)
@@ -269,15 +270,14 @@ class _Serving:
     def sizes(self) -> tuple:
         row = ("all free", DEVICE_TOKENS, self.host.size)
         if self.kind == "mamba":
-            row += (self.requests.mamba_allocator.available_size(), self.state_host.size)
+            row += (self.state_slots, self.state_host.size)
         return row
 
 
 #: a step: (what, a, b) - serve: a request reusing earlier request a's tokens (a % how many so
 #: far; the first is the empty one): b % 3 == 0 the same request again, 1 a next turn after it,
-#: 2 its first (b // 3) % (pages + 1) pages then new ones; 1 + (a + b) % 4 new pages, at most
-#: half the device in all;
-#: evict / evict_host: a pages
+#: 2 its first (b // 3) % (units + 1) units then new ones; 1 + (a + b) % 4 new units of UNIT
+#: tokens, at most half the device in all; evict / evict_host: a units
 STEPS = st.lists(st.tuples(st.sampled_from(["serve", "serve", "serve", "serve", "evict", "evict_host"]),
                            st.integers(0, 15), st.integers(0, 15)), min_size=12, max_size=30)
 
