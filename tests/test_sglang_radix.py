@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import array
 import atexit
+import contextlib
+import time
 import warnings
 
 import pytest
@@ -92,6 +94,16 @@ def _state_tables(states) -> list:
     return _TABLES["states"]
 
 
+def until(done, what: str, *, polls: int = 20_000) -> None:
+    """Poll ``done`` (it pumps the tree's events) until it says yes - SGLang's storage threads
+    answer in their own time; the poll count is only a hang guard, never a verdict on speed."""
+    for _ in range(polls):
+        if done():
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"{what} never finished")
+
+
 class _Serving:
     """One scheduler's view: a device pool, SGLang's paged allocator and its `UnifiedRadixCache`
     with HiCache attached as `init_hicache` attaches it."""
@@ -127,6 +139,7 @@ class _Serving:
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.state_host = self.cache.host_pool_group.entries[-1].host_pool  # Mamba's, for kind "mamba"
+        self.fetched: list = []  # per request served with an L3 back end, the tokens storage gave
         if kind == "mamba":
             self.state_slots = requests.mamba_allocator.available_size()  # free before any request
 
@@ -145,6 +158,30 @@ class _Serving:
                 bad = int((got != want).reshape(len(tokens), -1).any(dim=1).nonzero()[0])
                 raise AssertionError(f"{self.kind} layer buffer {j}: token {tokens[bad]} (position {bad} of "
                                      f"{len(tokens)}) is served on the device with bytes its request never wrote")
+
+    def _fetch_from_storage(self, req, key, tokens: list, match):
+        """The scheduler's L3 step with an L3 back end (scheduler.py: past what the device and
+        host hold, from the last host node, if it is backed up): prefetch, wait for it
+        (wait_complete), and match again. Appends the tokens it brought to ``self.fetched``."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        cache, matched, anchor = self.cache, match.device_prefix_len + match.host_hit_length, match.last_host_node
+        if matched >= len(tokens) or not (cache.is_backuped(anchor) or cache.is_root(anchor)):
+            self.fetched.append(0)
+            return match
+        handle = req.cache_request_handle
+        cache.prefetch_from_storage(handle, anchor, array.array("q", tokens[matched:]),
+                                    cache.get_last_hash_value(anchor), None,
+                                    matched_prefix_tokens=array.array("q", tokens[:matched]))
+
+        def finished() -> bool:
+            cache.check_hicache_events()  # the scheduler's per-step poll takes the prefetch's hits
+            return cache.check_prefetch_progress(handle)
+
+        until(finished, "the prefetch from storage")
+        match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
+        self.fetched.append(match.device_prefix_len + match.host_hit_length - matched)
+        return match
 
     def _check_state(self, slot, token: int) -> None:
         assert slot is not None and len(slot) == 1, f"no Mamba state where the prefix ends at token {token}"
@@ -193,6 +230,8 @@ class _Serving:
         cache = self.cache
         key = RadixKey(array.array("q", tokens))
         match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
+        if cache.enable_storage:
+            match = self._fetch_from_storage(req, key, tokens, match)
         row = ["serve", len(tokens), match.device_prefix_len, match.host_hit_length]
         req.prefix_len, req.last_node, req.last_host_node = (match.device_prefix_len, match.last_device_node,
                                                              match.last_host_node)
@@ -302,10 +341,12 @@ def _requests(steps) -> list:
     return asked
 
 
-def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: int, policy: str, steps,
-         core: str | None = None) -> list:
-    """The steps over one `_Serving` whose host pool is SGLang's (pools="sglang") or, through the
-    plug-in's class REPLACE, hicache's; its trace. Everything registered is released after."""
+@contextlib.contextmanager
+def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: int, policy: str,
+           core: str | None = None, **storage):
+    """One `_Serving` whose host pool is SGLang's (pools="sglang") or, through the plug-in's class
+    REPLACE, hicache's, with ``storage`` as further HiCache flags (an L3 back end); closed after,
+    its storage detached first, and nothing left registered."""
     import sglang.srt.mem_cache.pool_host.common as common
     import sglang.srt.plugins as plugins
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
@@ -316,7 +357,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
         "HICACHE_SGLANG_POOLS", raising=False)
     plugins.load_plugins()
     flags = dict(page_size=page, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
-                 hicache_io_backend=backend, hicache_write_policy=policy)
+                 hicache_io_backend=backend, hicache_write_policy=policy, **storage)
     server_args = ServerArgs(model_path="dummy", **flags)
     if kind == "mamba":  # what a server resolves from the model's config; the dummy has none
         server_args._mamba_cache_chunk_size = max(_fla_chunk_size(), page)
@@ -326,21 +367,29 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
         try:
             assert type(serving.host).__module__.startswith("hicache." if pools == "hicache" else "sglang.")
             assert serving.host.layout == layout and serving.cache._tree_core_backend == (core or "rust")
-            trace = []
-            for step, tokens in zip(steps, _requests(steps)):
-                what, a, _ = step
-                if what == "serve":
-                    trace.append(serving.serve(tokens))
-                else:
-                    trace.append(getattr(serving, what)(a * UNIT))
-                trace.append(serving.space())
-            trace.append(serving.drain())
-            trace.append(serving.sizes())
+            yield serving
         finally:
+            serving.cache.shutdown()  # what its atexit hook does: the L3 back end detached, its threads stopped
             serving.cache.release_host_resources()
         assert fake.held() == set()
     fake.check_valid()
+
+
+def traffic(serving: _Serving, steps) -> list:
+    """The steps served, each followed by the free space; its trace."""
+    trace = []
+    for step, tokens in zip(steps, _requests(steps)):
+        what, a, _ = step
+        trace.append(serving.serve(tokens) if what == "serve" else getattr(serving, what)(a * UNIT))
+        trace.append(serving.space())
     return trace
+
+
+def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: int, policy: str, steps,
+         core: str | None = None) -> list:
+    """The steps over one engine, then its drain: its trace."""
+    with engine(monkeypatch, pools, kind, layout, backend, page, policy, core) as serving:
+        return [*traffic(serving, steps), serving.drain(), serving.sizes()]
 
 
 @pytest.mark.parametrize("kind, layout, backend, page, policy, core", [(*case, None) for case in [

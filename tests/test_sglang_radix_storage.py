@@ -1,0 +1,109 @@
+"""SGLang's radix tree with hicache's node store as its L3, across an engine restart.
+
+`UnifiedRadixCache` with HiCache and an L3 back end, as `tests/test_sglang_radix.py` builds it,
+with `--hicache-storage-backend dynamic` naming hicache's `HiCacheNodeStore` (an arena in
+/dev/shm) - the seam a 0.5.23 server loads it through. An engine serves random traffic; the
+tree writes each node through to its host pool and then, by itself, to the store (SGLang's
+backup thread). The engine closes - its atexit hook's detach, its pools destroyed - and a new
+engine attaches the same arena, as a restarted server does, and serves every request the first
+one completed: the scheduler's L3 step prefetches what neither device nor host holds (SGLang's
+prefetch thread, `wait_complete`), then the host hit is loaded back.
+
+Laws: every token the restarted engine hands a request holds that request's bytes (the table by
+token id); every request the first engine completed comes back whole; and the restarted
+engine's trace (matches, host hits, tokens from storage, loads) is the same as over SGLang's own
+`HiCacheFile` back end - over hicache's pools and over SGLang's own pools alike. (SGLang's own
+pools under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.)
+Needs `make sglang`."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from machine import roomy_psutil  # noqa: F401 - a fixture
+from sglang_support import sglang  # noqa: F401 - a fixture
+from store_support import shm_dir  # noqa: F401 - a fixture
+from test_sglang_radix import STEPS, _requests, engine, traffic, until
+
+pytestmark = pytest.mark.concurrency  # SGLang's storage threads: `make test-loaded`
+
+pytest.importorskip("torch")
+
+ENGINE = ("mha", "page_first", "kernel", 16, "write_through")  # SGLang 0.5.23's defaults
+
+
+def _flags(store: str, where) -> dict:
+    """The launch flags of an L3 back end: hicache's store through the dynamic seam (its arena
+    created by the first engine, attached by the next), or SGLang's HiCacheFile."""
+    if store == "hicache":
+        extra = {"backend_name": "hicache_node", "module_path": "hicache.compat.sglang_store",
+                 "class_name": "HiCacheNodeStore", "interface_v1": 1, "arena": str(where / "arena"), "size_gb": 0.05}
+        backend = "dynamic"
+    else:
+        extra, backend = {}, "file"
+    extra["prefetch_threshold"] = 1  # SGLang's default (256 tokens) would skip these short requests
+    return dict(hicache_storage_backend=backend, hicache_storage_backend_extra_config=json.dumps(extra),
+                hicache_storage_prefetch_policy="wait_complete")
+
+
+def _restart(monkeypatch, pools: str, store: str, where, steps) -> tuple:
+    """The first engine serves ``steps`` and waits for its L3 writes; a restarted one serves
+    every request the first completed. Returns those requests, the restarted engine's rows and
+    the tokens storage gave it for each."""
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(where / "files")):
+        with engine(monkeypatch, pools, *ENGINE, **_flags(store, where)) as first:
+            assert type(first.cache.cache_controller.storage_backend).__name__ == (
+                "HiCacheNodeStore" if store == "hicache" else "HiCacheFile")
+            rows = [row for row in traffic(first, steps) if row[0] == "serve"]
+            cache = first.cache
+            cache.writing_check(write_back=True)
+
+            def written() -> bool:
+                cache.drain_storage_control_queues()  # the scheduler's poll: finished L3 writes release their nodes
+                return not cache.ongoing_backup
+
+            until(written, "the L3 writes")
+        served = [tokens for tokens in _requests(steps) if tokens is not None]
+        completed = [tokens for tokens, row in zip(served, rows) if row[-1] != "no room"]
+        with engine(monkeypatch, pools, *ENGINE, **_flags(store, where)) as restarted:
+            again = [restarted.serve(tokens) for tokens in completed]
+            return completed, again, restarted.fetched
+
+
+# no shrinking, as in test_sglang_radix: three engine pairs per example
+@settings(max_examples=5, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=STEPS)
+def test_a_restarted_engine_gets_every_completed_request_back_from_hicaches_store(sglang, monkeypatch,
+                                                                                roomy_psutil, shm_dir, steps):
+    """Random traffic, an engine restart, the same requests again: whole from the store, the right
+    bytes, and the same trace as over SGLang's HiCacheFile, over hicache's pools and SGLang's."""
+    runs, example = {}, Path(tempfile.mkdtemp(dir=shm_dir))  # hypothesis's examples share the fixture
+    for pools, store in (("hicache", "file"), ("hicache", "hicache"), ("sglang", "hicache")):
+        where = example / f"{pools}-{store}"
+        where.mkdir()
+        runs[pools, store] = _restart(monkeypatch, pools, store, where, steps)
+    completed, again, fetched = runs["hicache", "hicache"]
+    for tokens, row in zip(completed, again):
+        assert row[2] + row[3] == len(tokens), f"a completed request of {len(tokens)} tokens came back as {row}"
+    oracle = runs["hicache", "file"]
+    for key, run in runs.items():
+        assert run == oracle, f"{key}: {run[1:]} against HiCacheFile's {oracle[1:]}"
+    assert sum(fetched) > 0 or not completed
+
+
+def test_the_restart_fetches_from_storage(sglang, monkeypatch, roomy_psutil, shm_dir):
+    """A fixed run, so the property cannot pass without L3: after the restart, requests that the
+    first engine completed come back from hicache's store, not only from a warm device."""
+    steps = [("serve", 0, 1), ("serve", 0, 2), ("serve", 1, 4), ("serve", 0, 2), ("evict", 7, 0)]
+    completed, again, fetched = _restart(monkeypatch, "hicache", "hicache", shm_dir, steps)
+    # the third continues the first, whose 2 units the restarted device holds by then: only its 2 new come from L3
+    assert [len(tokens) for tokens in completed] == [32, 48, 64, 48] and fetched == [32, 48, 32, 48], fetched
+    assert sum(fetched) == len({token for tokens in completed for token in tokens})  # each stored token once
+    assert all(row[2] + row[3] == len(tokens) for tokens, row in zip(completed, again))
