@@ -8,6 +8,7 @@ moment runs between two lines (Python's default raises KeyboardInterrupt there; 
 
 from __future__ import annotations
 
+import gc
 import itertools
 import re
 import os
@@ -212,8 +213,14 @@ def _run(target, tmp_path, caller="deferring", **faults):
                                         HostTensorAllocator(hugepages="off"))
     counter, holder, where = [0], [], []
     error = None
+    # The collector stays out of the traced call: garbage an earlier test left in this worker (an
+    # SGLang engine's pools, say) would otherwise run its finalizers' hicache lines inside the
+    # trace whenever a collection happened to fall there - a count off by a few lines, and an
+    # interrupt aimed past the end of a shorter run never landing. (It runs between runs, as
+    # before; what a run drops without a cycle still finalizes at once, by reference count.)
     with warnings.catch_warnings(record=True) as caught_warnings:
         warnings.simplefilter("always")
+        gc.disable()
         sys.settrace(_tracer(target, counter, where, FILES - LOCK_FILES if caller == "progressive" else FILES))
         try:
             CALLERS[caller](runtime, ledger, lock, allocator, holder)
@@ -221,6 +228,7 @@ def _run(target, tmp_path, caller="deferring", **faults):
             error = caught
         finally:
             sys.settrace(None)
+            gc.enable()
         chain = error
         while chain is not None:  # let the frames go now: what they dropped finalizes here
             chain.__traceback__ = None

@@ -375,12 +375,14 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
     fake.check_valid()
 
 
-def traffic(serving: _Serving, steps) -> list:
-    """The steps served, each followed by the free space; its trace."""
+def traffic(serving: _Serving, steps, settle=None) -> list:
+    """The steps served, each followed by ``settle(serving)`` if given and the free space; its trace."""
     trace = []
     for step, tokens in zip(steps, _requests(steps)):
         what, a, _ = step
         trace.append(serving.serve(tokens) if what == "serve" else getattr(serving, what)(a * UNIT))
+        if settle is not None:
+            settle(serving)
         trace.append(serving.space())
     return trace
 
