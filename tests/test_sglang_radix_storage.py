@@ -10,11 +10,12 @@ one completed: the scheduler's L3 step prefetches what neither device nor host h
 prefetch thread, `wait_complete`), then the host hit is loaded back.
 
 Laws: every token the restarted engine hands a request holds that request's bytes (the table by
-token id); every request the first engine completed comes back whole; and the restarted
-engine's trace (matches, host hits, tokens from storage, loads) is the same as over SGLang's own
-`HiCacheFile` back end - over hicache's pools and over SGLang's own pools alike. (SGLang's own
-pools under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.)
-Needs `make sglang`."""
+token id; for a Mamba2 hybrid also its states, the store's second pool); every request the
+first engine completed comes back whole; and the restarted engine's trace (matches, host hits,
+tokens from storage, loads) is the same as over SGLang's own `HiCacheFile` back end - for MHA,
+MLA and the hybrid, over hicache's pools and over SGLang's own pools alike. (SGLang's own pools
+under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.) The first engine
+settles each step's writes before the next (`_written`). Needs `make sglang`."""
 
 from __future__ import annotations
 
