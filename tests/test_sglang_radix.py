@@ -7,14 +7,19 @@ and its `HybridCacheController` moves the pages. Requests are served as the sche
 them (match the prefix, load a host hit back through `init_load_back`, extend, insert, the
 per-step `check_hicache_events`), with device and host evictions between them, in an order
 hypothesis picks; the tree decides by itself when to write through, demote, load and drop.
+Also: one-token pages, write_back and write_through_selective, MLA, page_first_direct and
+layer_first, a Mamba2 hybrid (attention KV and states, two host pools) and SGLang's Python tree
+core. `engine` and `traffic` serve tests/test_sglang_radix_storage.py too (an L3 back end:
+`_Serving` then takes the scheduler's L3 step).
 
 Two laws, over hicache's pools (HICACHE_SGLANG_POOLS=1) and over SGLang's own (hicache only
 registering their memory), with fake_cuda standing in for the driver:
 - every token the tree hands a request on the device holds the bytes that token's request
-  wrote - checked against a table by token id, independent of both pools and of the tree;
+  wrote - checked against a table by token id, independent of both pools and of the tree (for
+  the hybrid, also the state where a prefix ends, by its last token);
 - over hicache's pool the tree makes exactly the decisions it makes over SGLang's (the same
   matches, host hits, loads, evictions, device and host free space after each step), and at the
-  end every host page is back and nothing stays registered.
+  end every page and state slot is back and nothing stays registered.
 Needs `make sglang`."""
 
 from __future__ import annotations
