@@ -99,6 +99,64 @@ def _state_tables(states) -> list:
     return _TABLES["states"]
 
 
+class _MambaStates:
+    """A hybrid model's Mamba2 states beside its KV, as the scheduler handles them: a slot per
+    request, filled with the state its last token leaves (`_state_tables`), handed to the tree
+    at insert or freed as SGLang's cleanup frees it; the tree's own slots and their host pool."""
+
+    def __init__(self, cache, requests, tensors) -> None:
+        self.cache, self.requests, self.tensors = cache, requests, tensors
+        self.host = cache.host_pool_group.entries[-1].host_pool  # the assembler's second pool
+        self.slots = requests.mamba_allocator.available_size()  # free before any request
+
+    def admit(self, req) -> None:
+        """A slot for the request and one for a state loaded back (evicting states for them)."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        short = 2 - self.requests.mamba_allocator.available_size()
+        if short > 0:
+            self.cache.evict(EvictParams(mamba_num=short))
+        self.requests.alloc([req])
+
+    def release(self, req) -> None:
+        if req.kv.mamba_pool_idx is not None:  # not adopted by the tree
+            self.requests.free_mamba_cache(req)
+        self.requests.free(req)
+
+    def check(self, node, token: int) -> None:
+        """The tree's state at ``node``, where a prefix ends at ``token``, is the one it left."""
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        slot = self.cache.tree_core.get_component_device_value(node, ComponentType.MAMBA)
+        assert slot is not None and len(slot) == 1, f"no Mamba state where the prefix ends at token {token}"
+        for j, (state, table) in enumerate(zip(self.tensors, _state_tables(self.tensors))):
+            if not torch.equal(state[:, int(slot[0])].view(torch.int16), table[token].view(torch.int16)):
+                raise AssertionError(f"Mamba state tensor {j} after token {token} holds bytes no request left there")
+
+    def computed(self, req, token: int, insert) -> None:
+        """The state after the request's last token, in its own slot, offered to the tree."""
+        for state, table in zip(self.tensors, _state_tables(self.tensors)):
+            state[:, req.kv.mamba_pool_idx] = table[token]
+        insert.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
+
+    def inserted(self, req, result) -> None:
+        if not result.mamba_exist:
+            req.kv.mamba_pool_idx = None  # the tree's now
+
+    def space(self) -> tuple:
+        return (self.requests.mamba_allocator.available_size(), self.host.available_size())
+
+    def drain(self) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        self.cache.evict(EvictParams(mamba_num=self.requests.mamba_pool.size))
+        self.cache.evict_host(self.host.size, ComponentType.MAMBA)
+
+    def sizes(self) -> tuple:
+        return (self.slots, self.host.size)
+
+
 def until(done, what: str, *, polls: int = 20_000) -> None:
     """Poll ``done`` (it pumps the tree's events) until it says yes - SGLang's storage threads
     answer in their own time; the poll count is only a hang guard, never a verdict on speed."""
@@ -124,10 +182,10 @@ class _Serving:
         self.kind, self.table, page = kind, _table(kind), server_args.page_size
         common = dict(size=DEVICE_TOKENS, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
-        components = (ComponentType.FULL,)
+        components, tensors = (ComponentType.FULL,), None
         requests = ReqToTokenPool(size=4, max_context_len=2048, device="cpu", enable_memory_saver=False)
         if kind == "mamba":
-            requests, self.device, self.states = _hybrid_pools(server_args)
+            requests, self.device, tensors = _hybrid_pools(server_args)
             components = (ComponentType.FULL, ComponentType.MAMBA)
         elif kind == "mha":
             self.device = MHATokenToKVPool(head_num=2, head_dim=64, **common)
@@ -143,13 +201,11 @@ class _Serving:
         self.cache.init_hicache(server_args, params)
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
         self.host = self.cache.host_pool_group.entries[0].host_pool
-        self.state_host = self.cache.host_pool_group.entries[-1].host_pool  # Mamba's, for kind "mamba"
+        self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
         self.fetched: list = []  # per request served with an L3 back end, the tokens storage gave
-        if kind == "mamba":
-            self.state_slots = requests.mamba_allocator.available_size()  # free before any request
 
     def layers(self) -> list:
-        if self.kind == "mamba":
+        if self.states:
             return [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
         if self.kind == "mha":
             return [*self.device.k_buffer, *self.device.v_buffer]
@@ -188,19 +244,6 @@ class _Serving:
         self.fetched.append(match.device_prefix_len + match.host_hit_length - matched)
         return match
 
-    def _check_state(self, slot, token: int) -> None:
-        assert slot is not None and len(slot) == 1, f"no Mamba state where the prefix ends at token {token}"
-        for j, (state, table) in enumerate(zip(self.states, _state_tables(self.states))):
-            if not torch.equal(state[:, int(slot[0])].view(torch.int16), table[token].view(torch.int16)):
-                raise AssertionError(f"Mamba state tensor {j} after token {token} holds bytes no request left there")
-
-    def _free_state_slots(self, slots: int) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        short = slots - self.requests.mamba_allocator.available_size()
-        if short > 0:
-            self.cache.evict(EvictParams(mamba_num=short))
-
     def _evict_for(self, tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -216,21 +259,17 @@ class _Serving:
         self.cache.check_hicache_events()  # the scheduler's per-step poll: finished write-throughs and loads
         req = Req(rid="r", origin_input_text="", origin_input_ids=array.array("q", tokens),
                   sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
-        if self.kind == "mamba":  # a state slot for the request and one for a state loaded back
-            self._free_state_slots(2)
-            self.requests.alloc([req])
+        if self.states:
+            self.states.admit(req)
         try:
             return self._serve(req, tokens)
         finally:
-            if self.kind == "mamba":
-                if req.kv.mamba_pool_idx is not None:  # not adopted by the tree
-                    self.requests.free_mamba_cache(req)
-                self.requests.free(req)
+            if self.states:
+                self.states.release(req)
 
     def _serve(self, req, tokens: list) -> tuple:
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
         cache = self.cache
         key = RadixKey(array.array("q", tokens))
@@ -256,9 +295,8 @@ class _Serving:
         try:
             prefix = cache.path_device_indices(last)
             self._check_bytes(prefix, tokens[:len(prefix)])
-            if self.kind == "mamba" and len(prefix):  # the state after the prefix, where the tree keeps it
-                self._check_state(cache.tree_core.get_component_device_value(last, ComponentType.MAMBA),
-                                  tokens[len(prefix) - 1])
+            if self.states and len(prefix):
+                self.states.check(last, tokens[len(prefix) - 1])
             rest = tokens[len(prefix):]
             self._evict_for(len(rest))
             slots = self.allocator.alloc(len(rest)) if rest else torch.empty(0, dtype=torch.int64)
@@ -268,14 +306,12 @@ class _Serving:
             for layer, table in zip(self.layers(), self.table):
                 layer[slots] = table[ids]  # what this request computed for its new tokens
             insert = InsertParams(key=key, value=torch.cat([prefix, slots]), prev_prefix_len=len(prefix))
-            if self.kind == "mamba":  # the state after the request's last token, in its own slot
-                for state, table in zip(self.states, _state_tables(self.states)):
-                    state[:, req.kv.mamba_pool_idx] = table[tokens[-1]]
-                insert.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
+            if self.states:
+                self.states.computed(req, tokens[-1], insert)
             # prev_prefix_len: the prefix's slots are the tree's own, not duplicates to free
             result = cache.insert(insert)
-            if self.kind == "mamba" and not result.mamba_exist:
-                req.kv.mamba_pool_idx = None  # the tree's now
+            if self.states:
+                self.states.inserted(req, result)
             return (*row, result.prefix_len)
         finally:
             cache.unlock(lock)
@@ -294,28 +330,21 @@ class _Serving:
         cache = self.cache
         row = ("space", self.allocator.available_size(), cache.evictable_size(), cache.protected_size(),
                self.host.available_size())
-        if self.kind == "mamba":
-            row += (self.requests.mamba_allocator.available_size(), self.state_host.available_size())
-        return row
+        return row + (self.states.space() if self.states else ())
 
     def drain(self) -> tuple:
         """Every write finished, then everything evicted from device and host: all pages free."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
         self.cache.writing_check(write_back=True)
-        if self.kind == "mamba":
-            self.cache.evict(EvictParams(num_tokens=DEVICE_TOKENS, mamba_num=self.requests.mamba_pool.size))
-            self.cache.evict_host(self.state_host.size, ComponentType.MAMBA)
+        if self.states:
+            self.states.drain()
         self.cache.evict(EvictParams(num_tokens=DEVICE_TOKENS))
         self.cache.evict_host(self.host.size)
         return self.space()
 
     def sizes(self) -> tuple:
-        row = ("all free", DEVICE_TOKENS, self.host.size)
-        if self.kind == "mamba":
-            row += (self.state_slots, self.state_host.size)
-        return row
+        return ("all free", DEVICE_TOKENS, self.host.size) + (self.states.sizes() if self.states else ())
 
 
 #: a step: (what, a, b) - serve: a request reusing earlier request a's tokens (a % how many so
