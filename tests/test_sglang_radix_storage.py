@@ -36,6 +36,9 @@ ENGINES = {  # family, layout, io_backend, page size, write policy
     "mha": ("mha", "page_first", "kernel", 16, "write_through"),  # SGLang 0.5.23's defaults
     "mla": ("mla", "page_first", "kernel", 16, "write_through"),  # one KV buffer, stored once per page
     "mamba": ("mamba", "page_first", "kernel", 1, "write_through"),  # Mamba2 states: the store's second pool
+    "mha-write_back": ("mha", "page_first", "kernel", 16, "write_back"),  # to host, then L3, only when evicted:
+    # what the first engine still held on its device at close never reached L3 (no law that it comes back)
+    "mha-layer_first": ("mha", "layer_first", "direct", 16, "write_through"),  # L3 pages gathered from layers
 }
 
 
@@ -102,12 +105,14 @@ def test_a_restarted_engine_gets_every_completed_request_back_from_hicaches_stor
         where.mkdir()
         runs[pools, store] = _restart(monkeypatch, pools, store, where, steps, family)
     completed, again, fetched = runs["hicache", "hicache"]
-    for tokens, row in zip(completed, again):
-        assert row[2] + row[3] == len(tokens), f"a completed request of {len(tokens)} tokens came back as {row}"
+    if ENGINES[family][-1] == "write_through":  # write_back writes only what the device evicted
+        for tokens, row in zip(completed, again):
+            assert row[2] + row[3] == len(tokens), f"a completed request of {len(tokens)} tokens came back as {row}"
     oracle = runs["hicache", "file"]
     for key, run in runs.items():
         assert run == oracle, f"{key}: {run[1:]} against HiCacheFile's {oracle[1:]}"
-    assert sum(fetched) > 0 or not completed
+    if ENGINES[family][-1] == "write_through":
+        assert sum(fetched) > 0 or not completed
 
 
 @pytest.mark.concurrency  # SGLang's storage threads on a busy box (`make test-loaded`); the property above
