@@ -13,7 +13,8 @@ Laws: every token the restarted engine hands a request holds that request's byte
 token id; for a Mamba2 hybrid also its states, the store's second pool); every request the
 first engine completed comes back whole; and the restarted engine's trace (matches, host hits,
 tokens from storage, loads) is the same as over SGLang's own `HiCacheFile` back end - for MHA,
-MLA and the hybrid, over hicache's pools and over SGLang's own pools alike. (SGLang's own pools
+MLA, the hybrid, layer_first and write_back (whose unevicted requests never reach L3: no
+whole-back law there), over hicache's pools and over SGLang's own pools alike. (SGLang's own pools
 under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.) The first engine
 settles each step's writes before the next (`_written`). Needs `make sglang`."""
 
