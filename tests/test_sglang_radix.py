@@ -440,7 +440,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
 # two caches each would outlast the hang guard
-@settings(max_examples=10, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
+@settings(max_examples=8, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=STEPS)
 def test_sglangs_radix_tree_serves_right_bytes_and_decides_alike_over_hicaches_pools(sglang, monkeypatch,

@@ -91,7 +91,7 @@ def _restart(monkeypatch, pools: str, store: str, where, steps, family: str = "m
 
 @pytest.mark.parametrize("family", sorted(ENGINES))
 # no shrinking, as in test_sglang_radix: three engine pairs per example
-@settings(max_examples=4, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
+@settings(max_examples=3, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=STEPS)
 def test_a_restarted_engine_gets_every_completed_request_back_from_hicaches_store(sglang, monkeypatch,
