@@ -27,7 +27,6 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
-import time
 import warnings
 
 import pytest
@@ -35,6 +34,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from machine import roomy_psutil  # noqa: F401 - a fixture
 from sglang_support import published, restore, sglang  # noqa: F401 - sglang: a fixture
+from store_support import wait_until
 
 from hicache.testing import fake_cuda
 
@@ -106,6 +106,7 @@ class _MambaStates:
 
     def __init__(self, cache, requests, tensors) -> None:
         self.cache, self.requests, self.tensors = cache, requests, tensors
+        self.tables = _state_tables(tensors)
         self.host = cache.host_pool_group.entries[-1].host_pool  # the assembler's second pool
         self.slots = requests.mamba_allocator.available_size()  # free before any request
 
@@ -129,13 +130,13 @@ class _MambaStates:
 
         slot = self.cache.tree_core.get_component_device_value(node, ComponentType.MAMBA)
         assert slot is not None and len(slot) == 1, f"no Mamba state where the prefix ends at token {token}"
-        for j, (state, table) in enumerate(zip(self.tensors, _state_tables(self.tensors))):
+        for j, (state, table) in enumerate(zip(self.tensors, self.tables)):
             if not torch.equal(state[:, int(slot[0])].view(torch.int16), table[token].view(torch.int16)):
                 raise AssertionError(f"Mamba state tensor {j} after token {token} holds bytes no request left there")
 
     def computed(self, req, token: int, insert) -> None:
         """The state after the request's last token, in its own slot, offered to the tree."""
-        for state, table in zip(self.tensors, _state_tables(self.tensors)):
+        for state, table in zip(self.tensors, self.tables):
             state[:, req.kv.mamba_pool_idx] = table[token]
         insert.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
 
@@ -155,16 +156,6 @@ class _MambaStates:
 
     def sizes(self) -> tuple:
         return (self.slots, self.host.size)
-
-
-def until(done, what: str, *, polls: int = 20_000) -> None:
-    """Poll ``done`` (it pumps the tree's events) until it says yes - SGLang's storage threads
-    answer in their own time; the poll count is only a hang guard, never a verdict on speed."""
-    for _ in range(polls):
-        if done():
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"{what} never finished")
 
 
 class _Serving:
@@ -191,7 +182,6 @@ class _Serving:
             self.device = MHATokenToKVPool(head_num=2, head_dim=64, **common)
         else:
             self.device = MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common)
-        self.requests = requests
         self.allocator = (  # as SGLang picks it: the token allocator for pages of one token
             TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", self.device, False) if page == 1 else
             PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, torch.bfloat16, "cpu", self.device, False))
@@ -202,18 +192,17 @@ class _Serving:
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
+        if self.states:  # every device layer buffer, in the tables' order
+            self.layers = [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
+        elif kind == "mha":
+            self.layers = [*self.device.k_buffer, *self.device.v_buffer]
+        else:
+            self.layers = list(self.device.kv_buffer)
         self.fetched: list = []  # per request served with an L3 back end, the tokens storage gave
-
-    def layers(self) -> list:
-        if self.states:
-            return [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
-        if self.kind == "mha":
-            return [*self.device.k_buffer, *self.device.v_buffer]
-        return list(self.device.kv_buffer)
 
     def _check_bytes(self, indices, tokens) -> None:
         ids = torch.tensor(tokens, dtype=torch.int64)
-        for j, (layer, table) in enumerate(zip(self.layers(), self.table)):
+        for j, (layer, table) in enumerate(zip(self.layers, self.table)):
             got, want = layer[indices].view(torch.int16), table[ids].view(torch.int16)
             if not torch.equal(got, want):
                 bad = int((got != want).reshape(len(tokens), -1).any(dim=1).nonzero()[0])
@@ -239,7 +228,7 @@ class _Serving:
             cache.check_hicache_events()  # the scheduler's per-step poll takes the prefetch's hits
             return cache.check_prefetch_progress(handle)
 
-        until(finished, "the prefetch from storage")
+        wait_until(finished)  # SGLang's prefetch thread answers in its own time
         match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
         self.fetched.append(match.device_prefix_len + match.host_hit_length - matched)
         return match
@@ -303,7 +292,7 @@ class _Serving:
             if slots is None:
                 return (*row, "no room")
             ids = torch.tensor(rest, dtype=torch.int64)
-            for layer, table in zip(self.layers(), self.table):
+            for layer, table in zip(self.layers, self.table):
                 layer[slots] = table[ids]  # what this request computed for its new tokens
             insert = InsertParams(key=key, value=torch.cat([prefix, slots]), prev_prefix_len=len(prefix))
             if self.states:

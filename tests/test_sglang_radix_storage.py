@@ -28,8 +28,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from machine import roomy_psutil  # noqa: F401 - a fixture
 from sglang_support import sglang  # noqa: F401 - a fixture
-from store_support import shm_dir  # noqa: F401 - a fixture
-from test_sglang_radix import STEPS, _requests, engine, traffic, until
+from store_support import shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
+from test_sglang_radix import STEPS, _requests, engine, traffic
 
 pytest.importorskip("torch")
 
@@ -68,7 +68,7 @@ def _written(serving) -> None:
         cache.drain_storage_control_queues()  # the scheduler's poll: finished L3 writes release their nodes
         return not cache.ongoing_backup
 
-    until(written, "the L3 writes")
+    wait_until(written)  # SGLang's backup thread answers in its own time
 
 
 def _restart(monkeypatch, pools: str, store: str, where, steps, family: str = "mha") -> tuple:
