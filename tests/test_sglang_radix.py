@@ -8,18 +8,22 @@ them (match the prefix, load a host hit back through `init_load_back`, extend, i
 per-step `check_hicache_events`), with device and host evictions between them, in an order
 hypothesis picks; the tree decides by itself when to write through, demote, load and drop.
 Also: one-token pages, write_back and write_through_selective, MLA, page_first_direct and
-layer_first, a Mamba2 hybrid (attention KV and states, two host pools) and SGLang's Python tree
-core. `engine` and `traffic` serve tests/test_sglang_radix_storage.py too (an L3 back end:
-`_Serving` then takes the scheduler's L3 step).
+layer_first, a Mamba2 hybrid (attention KV and states, two host pools), a sliding-window hybrid
+(full-attention and window KV, two host pools; the tree drops a window under its own pool's
+pressure and loads it back from its host pool) and SGLang's Python tree core. `engine` and
+`traffic` serve tests/test_sglang_radix_storage.py too (an L3 back end: `_Serving` then takes
+the scheduler's L3 step).
 
 Two laws, over hicache's pools (HICACHE_SGLANG_POOLS=1) and over SGLang's own (hicache only
 registering their memory), with fake_cuda standing in for the driver:
 - every token the tree hands a request on the device holds the bytes that token's request
   wrote - checked against a table by token id, independent of both pools and of the tree (for
-  the hybrid, also the state where a prefix ends, by its last token);
+  the Mamba2 hybrid, also the state where a prefix ends, by its last token; for the window
+  hybrid, also its window layers wherever the prefix still maps a window slot, and a whole
+  window before the prefix's end);
 - over hicache's pool the tree makes exactly the decisions it makes over SGLang's (the same
   matches, host hits, loads, evictions, device and host free space after each step), and at the
-  end every page and state slot is back and nothing stays registered.
+  end every page, window and state slot is back and nothing stays registered.
 Needs `make sglang`."""
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ UNIT, LAYERS, DEVICE_TOKENS, VOCAB = 16, 2, 128, 4096  # UNIT: tokens a request 
 SHAPES = {"mha": (2, 64), "mla": (1, 80)}  # a token's row per layer buffer: heads x dim; MLA's kv_lora + rope
 
 FULL_LAYERS, MAMBA_LAYERS = [1, 3], [0, 2]  # kind "mamba": a hybrid model's attention and Mamba2 layers
+SWA_LAYERS, WINDOW, SWA_TOKENS = [0, 2], 24, 96  # kind "swa": its sliding-window layers (the rest: full)
 
 #: per family, one row per token id for each device layer buffer (in `_Serving.layers` order):
 #: what a request that computed that token wrote there, whoever serves it later
@@ -51,13 +56,24 @@ _TABLES: dict = {}
 
 
 def _table(kind: str) -> list:
-    kind = "mha" if kind == "mamba" else kind  # the hybrid's attention layers: MHA, as many
+    """Per device layer buffer, each token id's row; a hybrid's full-attention layers: MHA's, as
+    many (a sliding-window model's window layers: `_window_table`)."""
+    kind = "mha" if kind in ("mamba", "swa") else kind
     if kind not in _TABLES:
         generator = torch.Generator().manual_seed(2305)
         count = 2 * LAYERS if kind == "mha" else LAYERS
         _TABLES[kind] = [torch.randn((VOCAB, *SHAPES[kind]), generator=generator).to(torch.bfloat16)
                          for _ in range(count)]
     return _TABLES[kind]
+
+
+def _window_table() -> list:
+    """The sliding-window layers' rows by token id (K and V of each), unlike the full layers'."""
+    if "window" not in _TABLES:
+        generator = torch.Generator().manual_seed(6007)
+        _TABLES["window"] = [torch.randn((VOCAB, *SHAPES["mha"]), generator=generator).to(torch.bfloat16)
+                             for _ in range(2 * len(SWA_LAYERS))]
+    return _TABLES["window"]
 
 
 def _fla_chunk_size() -> int:
@@ -158,6 +174,81 @@ class _MambaStates:
         return (self.slots, self.host.size)
 
 
+def _check_rows(what: str, layers, tables, indices, tokens: list, positions) -> None:
+    """Each device layer buffer's rows at ``indices`` hold what the request of each token (at
+    that position of its prefix) wrote there: the token's row of the layer's table."""
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    for j, (layer, table) in enumerate(zip(layers, tables)):
+        got, want = layer[indices].view(torch.int16), table[ids].view(torch.int16)
+        if not torch.equal(got, want):
+            bad = int((got != want).reshape(len(tokens), -1).any(dim=1).nonzero()[0])
+            raise AssertionError(f"{what} layer buffer {j}: token {tokens[bad]} (position {positions[bad]}) is "
+                                 f"served on the device with bytes its request never wrote")
+
+
+class _SlidingWindow:
+    """A sliding-window model's window layers beside its full-attention ones, as SGLang keeps
+    them: each full slot's window slot through the allocator's map (0: freed, a tombstone), the
+    tree's SWA component and its own host pool."""
+
+    def __init__(self, cache, allocator, device) -> None:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        self.cache, self.allocator, self.table = cache, allocator, _window_table()
+        self.layers = [*device.swa_kv_pool.k_buffer, *device.swa_kv_pool.v_buffer]
+        self.host = cache.host_pool_group.get_pool(PoolName.SWA)
+        self.slots = allocator.swa_available_size()  # free before any request
+
+    def short(self, tokens: int) -> int:
+        return tokens - self.allocator.swa_available_size()
+
+    def alloc(self, tokens: int):
+        """Full slots for a request's new tokens, each mapped to a window slot: the allocator's
+        own `alloc` for one-token pages; for pages, what its `alloc_extend` does after a
+        page-aligned prefix (as every prefix here is): new pages on both sides, mapped."""
+        allocator = self.allocator
+        if allocator.page_size == 1:
+            return allocator.alloc(tokens)
+        pages = tokens // allocator.page_size
+        if not allocator.new_pages_available(pages, pages):
+            return None
+        full, window = allocator.full_attn_allocator.alloc(tokens), allocator.swa_attn_allocator.alloc(tokens)
+        allocator.set_full_to_swa_mapping(full, window)
+        return full
+
+    def computed(self, slots, ids) -> None:
+        """What a request computed for its new tokens, in their window slots."""
+        window = self.allocator.translate_loc_from_full_to_swa(slots)
+        for layer, table in zip(self.layers, self.table):
+            layer[window] = table[ids]
+
+    def check(self, prefix, tokens: list) -> None:
+        """The window before a prefix's end is on the device, and every window slot the prefix
+        still maps holds its token's bytes."""
+        window = self.allocator.translate_loc_from_full_to_swa(prefix)
+        live = window != 0
+        tail = min(WINDOW, len(tokens))
+        assert bool(live[len(tokens) - tail:].all()), (
+            f"the window before token {tokens[-1]} is not all on the device: {live.tolist()}")
+        positions = live.nonzero().flatten().tolist()
+        _check_rows("window", self.layers, self.table, window[live], [tokens[p] for p in positions], positions)
+
+    def space(self) -> tuple:
+        return (self.allocator.swa_available_size(), self.cache.swa_evictable_size(),
+                self.cache.swa_protected_size(), self.host.available_size())
+
+    def drain(self) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        self.cache.evict(EvictParams(swa_num_tokens=self.slots))
+        self.cache.evict_host(self.host.size, ComponentType.SWA)
+
+    def sizes(self) -> tuple:
+        """`space` once all is free: every window slot, nothing evictable or locked, the host's."""
+        return (self.slots, 0, 0, self.host.size)
+
+
 class _Serving:
     """One scheduler's view: a device pool, SGLang's paged allocator and its `UnifiedRadixCache`
     with HiCache attached as `init_hicache` attaches it."""
@@ -166,48 +257,53 @@ class _Serving:
         from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
         self.kind, self.table, page = kind, _table(kind), server_args.page_size
         common = dict(size=DEVICE_TOKENS, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
-        components, tensors = (ComponentType.FULL,), None
+        components, tensors, window = (ComponentType.FULL,), None, None
         requests = ReqToTokenPool(size=4, max_context_len=2048, device="cpu", enable_memory_saver=False)
         if kind == "mamba":
             requests, self.device, tensors = _hybrid_pools(server_args)
             components = (ComponentType.FULL, ComponentType.MAMBA)
+        elif kind == "swa":
+            self.device = SWAKVPool(size=DEVICE_TOKENS, size_swa=SWA_TOKENS, page_size=page, dtype=torch.bfloat16,
+                                    head_num=2, head_dim=64, swa_attention_layer_ids=SWA_LAYERS,
+                                    full_attention_layer_ids=FULL_LAYERS, device="cpu")
+            components, window = (ComponentType.FULL, ComponentType.SWA), WINDOW
         elif kind == "mha":
             self.device = MHATokenToKVPool(head_num=2, head_dim=64, **common)
         else:
             self.device = MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common)
-        self.allocator = (  # as SGLang picks it: the token allocator for pages of one token
-            TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", self.device, False) if page == 1 else
-            PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, torch.bfloat16, "cpu", self.device, False))
+        if kind == "swa":
+            self.allocator = SWATokenToKVPoolAllocator(DEVICE_TOKENS, SWA_TOKENS, page, torch.bfloat16, "cpu",
+                                                       self.device, False)
+        else:  # as SGLang picks it: the token allocator for pages of one token
+            self.allocator = (
+                TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", self.device, False) if page == 1 else
+                PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, torch.bfloat16, "cpu", self.device, False))
         params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=self.allocator,
-                                 page_size=page, tree_components=components, tree_core_backend=core)
+                                 page_size=page, tree_components=components, tree_core_backend=core,
+                                 sliding_window_size=window)
         self.cache = UnifiedRadixCache(params)
         self.cache.init_hicache(server_args, params)
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
-        if self.states:  # every device layer buffer, in the tables' order
+        self.window = None if window is None else _SlidingWindow(self.cache, self.allocator, self.device)
+        self.beside = [part for part in (self.states, self.window) if part]  # what else the tree keeps
+        if self.states or self.window:  # every device layer buffer, in the tables' order
             self.layers = [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
         elif kind == "mha":
             self.layers = [*self.device.k_buffer, *self.device.v_buffer]
         else:
             self.layers = list(self.device.kv_buffer)
         self.fetched: list = []  # per request served with an L3 back end, the tokens storage gave
-
-    def _check_bytes(self, indices, tokens) -> None:
-        ids = torch.tensor(tokens, dtype=torch.int64)
-        for j, (layer, table) in enumerate(zip(self.layers, self.table)):
-            got, want = layer[indices].view(torch.int16), table[ids].view(torch.int16)
-            if not torch.equal(got, want):
-                bad = int((got != want).reshape(len(tokens), -1).any(dim=1).nonzero()[0])
-                raise AssertionError(f"{self.kind} layer buffer {j}: token {tokens[bad]} (position {bad} of "
-                                     f"{len(tokens)}) is served on the device with bytes its request never wrote")
 
     def _fetch_from_storage(self, req, key, tokens: list, match):
         """The scheduler's L3 step with an L3 back end (scheduler.py: past what the device and
@@ -237,8 +333,9 @@ class _Serving:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         short = tokens - self.allocator.available_size()
-        if short > 0:
-            self.cache.evict(EvictParams(num_tokens=short))
+        window_short = self.window.short(tokens) if self.window else 0
+        if short > 0 or window_short > 0:
+            self.cache.evict(EvictParams(num_tokens=max(short, 0), swa_num_tokens=max(window_short, 0)))
 
     def serve(self, tokens: list) -> tuple:
         """One request as the scheduler admits it; its row of the trace."""
@@ -251,7 +348,8 @@ class _Serving:
         if self.states:
             self.states.admit(req)
         try:
-            return self._serve(req, tokens)
+            row = self._serve(req, tokens)
+            return (*row, ("window host hit", req.swa_host_hit_length)) if self.window else row
         finally:
             if self.states:
                 self.states.release(req)
@@ -269,10 +367,11 @@ class _Serving:
         req.prefix_len, req.last_node, req.last_host_node = (match.device_prefix_len, match.last_device_node,
                                                              match.last_host_node)
         req.best_match_node, req.host_hit_length = match.best_match_node, match.host_hit_length
-        req.mamba_host_hit_length = match.mamba_host_hit_length
+        req.mamba_host_hit_length, req.swa_host_hit_length = match.mamba_host_hit_length, match.swa_host_hit_length
         last = match.last_device_node
-        if match.host_hit_length or match.mamba_host_hit_length:
-            self._evict_for(match.host_hit_length)  # the scheduler's load-back budget evicts first
+        if match.host_hit_length or match.mamba_host_hit_length or match.swa_host_hit_length:
+            # the scheduler's load-back budget evicts first
+            self._evict_for(max(match.host_hit_length, match.swa_host_hit_length))
             loaded, last = cache.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
             row.append(loaded)
@@ -283,17 +382,22 @@ class _Serving:
         lock = cache.lock(last)  # the request holds its prefix while it computes the rest
         try:
             prefix = cache.path_device_indices(last)
-            self._check_bytes(prefix, tokens[:len(prefix)])
+            _check_rows(self.kind, self.layers, self.table, prefix, tokens[:len(prefix)], range(len(prefix)))
             if self.states and len(prefix):
                 self.states.check(last, tokens[len(prefix) - 1])
+            if self.window:
+                self.window.check(prefix, tokens[:len(prefix)])
             rest = tokens[len(prefix):]
             self._evict_for(len(rest))
-            slots = self.allocator.alloc(len(rest)) if rest else torch.empty(0, dtype=torch.int64)
+            alloc = self.window.alloc if self.window else self.allocator.alloc
+            slots = alloc(len(rest)) if rest else torch.empty(0, dtype=torch.int64)
             if slots is None:
                 return (*row, "no room")
             ids = torch.tensor(rest, dtype=torch.int64)
             for layer, table in zip(self.layers, self.table):
                 layer[slots] = table[ids]  # what this request computed for its new tokens
+            if self.window:
+                self.window.computed(slots, ids)
             insert = InsertParams(key=key, value=torch.cat([prefix, slots]), prev_prefix_len=len(prefix))
             if self.states:
                 self.states.computed(req, tokens[-1], insert)
@@ -317,23 +421,25 @@ class _Serving:
 
     def space(self) -> tuple:
         cache = self.cache
-        row = ("space", self.allocator.available_size(), cache.evictable_size(), cache.protected_size(),
-               self.host.available_size())
-        return row + (self.states.space() if self.states else ())
+        # a sliding-window allocator's available_size is the lesser side's: its window's is beside
+        free = self.allocator.full_available_size() if self.window else self.allocator.available_size()
+        row = ("space", free, cache.evictable_size(), cache.protected_size(), self.host.available_size())
+        return (*row, *(value for part in self.beside for value in part.space()))
 
     def drain(self) -> tuple:
         """Every write finished, then everything evicted from device and host: all pages free."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         self.cache.writing_check(write_back=True)
-        if self.states:
-            self.states.drain()
+        for part in self.beside:
+            part.drain()
         self.cache.evict(EvictParams(num_tokens=DEVICE_TOKENS))
         self.cache.evict_host(self.host.size)
         return self.space()
 
     def sizes(self) -> tuple:
-        return ("all free", DEVICE_TOKENS, self.host.size) + (self.states.sizes() if self.states else ())
+        beside = tuple(value for part in self.beside for value in part.sizes())
+        return ("all free", DEVICE_TOKENS, self.host.size, *beside)
 
 
 #: a step: (what, a, b) - serve: a request reusing earlier request a's tokens (a % how many so
@@ -426,6 +532,8 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("mha", "page_first_direct", "direct", 16, "write_through"),
     ("mha", "layer_first", "kernel", 16, "write_through"),
     ("mamba", "page_first", "kernel", 1, "write_through"),  # a hybrid: attention KV and Mamba2 states, two pools
+    ("swa", "page_first", "kernel", 16, "write_through"),  # a hybrid: full and sliding-window KV, two pools
+    ("swa", "page_first", "kernel", 1, "write_through"),
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
 # two caches each would outlast the hang guard
@@ -453,14 +561,16 @@ def _all_free(trace) -> None:
     assert (device_free, host_free, *states_free) == (device_size, host_size, *states), (
         f"pages not all free at the end: {trace[-2]}")
 
-@pytest.mark.parametrize("kind, page", [("mha", 16), ("mamba", 1)])
+
+@pytest.mark.parametrize("kind, page", [("mha", 16), ("mamba", 1), ("swa", 1)])
 def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, roomy_psutil, kind, page):
     """A fixed run of the traffic above, so the property cannot pass on traces that never
-    load, demote or drop: host hits loaded back (with a Mamba state, for the hybrid), shared
-    prefixes, device and host evictions that free pages, and the host pool filling."""
+    load, demote or drop: host hits loaded back (with a Mamba state, or a window, for the
+    hybrids), shared prefixes, device and host evictions that free pages, the host pool filling
+    (and the window pool)."""
     fresh = [("serve", 0, 2)] * 4  # four new requests of 3 units: more than the device's 8
-    steps = [("serve", 0, 1), *fresh, ("serve", 1, 0), ("serve", 1, 4), ("evict", 7, 0), ("evict_host", 7, 0),
-             *fresh, ("serve", 2, 0), ("serve", 7, 1)]
+    steps = [("serve", 0, 1), *fresh[:2], ("serve", 1, 0), *fresh, ("serve", 1, 0), ("serve", 1, 4), ("evict", 7, 0),
+             ("evict_host", 7, 0), *fresh, ("serve", 2, 0), ("serve", 7, 1)]
     trace = _run(monkeypatch, "hicache", kind, "page_first", "kernel", page, "write_through", steps)
     serves = [row for row in trace if row[0] == "serve"]
     assert any(row[3] > UNIT and row[4] == row[3] for row in serves), "no host hit of pages loaded back"
@@ -471,4 +581,7 @@ def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, 
     assert min(row[4] for row in spaces) < 2 * DEVICE_TOKENS // 4, "the host never filled"
     if kind == "mamba":  # states backed up to the host pool, and one loaded back
         assert min(row[6] for row in spaces) < trace[-1][4], "no Mamba state ever on the host"
+    if kind == "swa":  # window KV dropped from the device under its own pool's pressure, and loaded back
+        assert min(row[5] for row in spaces) == 0, "the window pool never filled"
+        assert any(row[-1][1] > 0 for row in serves), "no window loaded back from the host"
     _all_free(trace)
