@@ -10,7 +10,8 @@ hypothesis picks; the tree decides by itself when to write through, demote, load
 Also: one-token pages, write_back and write_through_selective, MLA, page_first_direct and
 layer_first, a Mamba2 hybrid (attention KV and states, two host pools), a sliding-window hybrid
 (full-attention and window KV, two host pools; the tree drops a window under its own pool's
-pressure and loads it back from its host pool) and SGLang's Python tree core. `engine` and
+pressure and loads it back from its host pool), DeepSeek's sparse attention (MLA KV and the
+indexer's keys, two host pools, pages of 64) and SGLang's Python tree core. `engine` and
 `traffic` serve tests/test_sglang_radix_storage.py too (an L3 back end: `_Serving` then takes
 the scheduler's L3 step).
 
@@ -20,7 +21,7 @@ registering their memory), with fake_cuda standing in for the driver:
   wrote - checked against a table by token id, independent of both pools and of the tree (for
   the Mamba2 hybrid, also the state where a prefix ends, by its last token; for the window
   hybrid, also its window layers wherever the prefix still maps a window slot, and a whole
-  window before the prefix's end);
+  window before the prefix's end; for DeepSeek's, also each token's index key and scale);
 - over hicache's pool the tree makes exactly the decisions it makes over SGLang's (the same
   matches, host hits, loads, evictions, device and host free space after each step), and at the
   end every page, window and state slot is back and nothing stays registered.
@@ -37,15 +38,19 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from machine import roomy_psutil  # noqa: F401 - a fixture
-from sglang_support import published, restore, sglang  # noqa: F401 - sglang: a fixture
+from sglang_support import cuda_at_destroy, published, restore, sglang  # noqa: F401 - sglang: a fixture
 from store_support import wait_until
 
 from hicache.testing import fake_cuda
 
 torch = pytest.importorskip("torch")
 
-UNIT, LAYERS, DEVICE_TOKENS, VOCAB = 16, 2, 128, 4096  # UNIT: tokens a request grows by
+UNIT, LAYERS, DEVICE_UNITS, VOCAB = 16, 2, 8, 8192  # UNIT: tokens a request grows by; the device holds 8
+DEVICE_TOKENS = DEVICE_UNITS * UNIT
 SHAPES = {"mha": (2, 64), "mla": (1, 80)}  # a token's row per layer buffer: heads x dim; MLA's kv_lora + rope
+#: kind "dsa" (MLA with DeepSeek's sparse-attention indexer) needs pages of 64 tokens: its units are pages
+UNITS = {"dsa": 64}
+INDEX_KEY, INDEX_SCALE = 128, 4  # a DSA index key's bytes per token (fp8, head dim 128) and its scale's
 
 FULL_LAYERS, MAMBA_LAYERS = [1, 3], [0, 2]  # kind "mamba": a hybrid model's attention and Mamba2 layers
 SWA_LAYERS, WINDOW, SWA_TOKENS = [0, 2], 24, 96  # kind "swa": its sliding-window layers (the rest: full)
@@ -57,8 +62,8 @@ _TABLES: dict = {}
 
 def _table(kind: str) -> list:
     """Per device layer buffer, each token id's row; a hybrid's full-attention layers: MHA's, as
-    many (a sliding-window model's window layers: `_window_table`)."""
-    kind = "mha" if kind in ("mamba", "swa") else kind
+    many (a sliding-window model's window layers: `_window_table`); DSA's KV: MLA's."""
+    kind = {"mamba": "mha", "swa": "mha", "dsa": "mla"}.get(kind, kind)
     if kind not in _TABLES:
         generator = torch.Generator().manual_seed(2305)
         count = 2 * LAYERS if kind == "mha" else LAYERS
@@ -174,16 +179,18 @@ class _MambaStates:
         return (self.slots, self.host.size)
 
 
-def _check_rows(what: str, layers, tables, indices, tokens: list, positions) -> None:
-    """Each device layer buffer's rows at ``indices`` hold what the request of each token (at
-    that position of its prefix) wrote there: the token's row of the layer's table."""
+def _check_rows(what: str, rows, tables, tokens: list, positions) -> None:
+    """Each device buffer's ``rows`` (one per token) hold, bit for bit, what the request of each
+    token (at that position of its prefix) wrote there: the token's row of the buffer's table."""
+    if not tokens:
+        return
     ids = torch.tensor(tokens, dtype=torch.int64)
-    for j, (layer, table) in enumerate(zip(layers, tables)):
-        got, want = layer[indices].view(torch.int16), table[ids].view(torch.int16)
+    for j, (got, table) in enumerate(zip(rows, tables)):
+        got, want = (rows.reshape(len(tokens), -1).view(torch.uint8) for rows in (got, table[ids]))
         if not torch.equal(got, want):
-            bad = int((got != want).reshape(len(tokens), -1).any(dim=1).nonzero()[0])
-            raise AssertionError(f"{what} layer buffer {j}: token {tokens[bad]} (position {positions[bad]}) is "
-                                 f"served on the device with bytes its request never wrote")
+            bad = int((got != want).any(dim=1).nonzero()[0])
+            raise AssertionError(f"{what} buffer {j}: token {tokens[bad]} (position {positions[bad]}) is served on "
+                                 f"the device with bytes its request never wrote")
 
 
 class _SlidingWindow:
@@ -231,7 +238,8 @@ class _SlidingWindow:
         assert bool(live[len(tokens) - tail:].all()), (
             f"the window before token {tokens[-1]} is not all on the device: {live.tolist()}")
         positions = live.nonzero().flatten().tolist()
-        _check_rows("window", self.layers, self.table, window[live], [tokens[p] for p in positions], positions)
+        _check_rows("window layer", [layer[window[live]] for layer in self.layers], self.table,
+                    [tokens[p] for p in positions], positions)
 
     def space(self) -> tuple:
         return (self.allocator.swa_available_size(), self.cache.swa_evictable_size(),
@@ -249,6 +257,47 @@ class _SlidingWindow:
         return (self.slots, 0, 0, self.host.size)
 
 
+class _IndexKeys:
+    """DSA's indexer keys beside its MLA KV: a page of index keys per KV page, each token's key
+    and then each token's scale (SGLang's `IndexKeyCache`), moved by their own host pool, which
+    takes its slots from the KV host pool's; its rows by token id, as the KV's."""
+
+    def __init__(self, device) -> None:
+        self.buffers, self.page = device.index_k_with_scale_buffer, device.index_page_size
+        if "index" not in _TABLES:
+            generator = torch.Generator().manual_seed(9173)
+            _TABLES["index"] = [torch.randint(0, 256, (VOCAB, INDEX_KEY + INDEX_SCALE), generator=generator,
+                                              dtype=torch.uint8) for _ in self.buffers]
+        self.table = _TABLES["index"]
+
+    def _rows(self, buffer, slots) -> tuple:
+        """The key and scale rows of the tokens in ``slots`` (views into ``buffer``)."""
+        keys = buffer[:, :self.page * INDEX_KEY].view(-1, self.page, INDEX_KEY)
+        scales = buffer[:, self.page * INDEX_KEY:].view(-1, self.page, INDEX_SCALE)
+        return keys, scales, slots // self.page, slots % self.page
+
+    def computed(self, slots, ids) -> None:
+        for buffer, table in zip(self.buffers, self.table):
+            keys, scales, pages, offsets = self._rows(buffer, slots)
+            keys[pages, offsets], scales[pages, offsets] = table[ids, :INDEX_KEY], table[ids, INDEX_KEY:]
+
+    def check(self, prefix, tokens: list) -> None:
+        rows = []
+        for buffer in self.buffers:
+            keys, scales, pages, offsets = self._rows(buffer, prefix)
+            rows.append(torch.cat([keys[pages, offsets], scales[pages, offsets]], dim=1))
+        _check_rows("index key", rows, self.table, tokens, range(len(tokens)))
+
+    def space(self) -> tuple:
+        return ()  # the KV host pool's slots
+
+    def drain(self) -> None:
+        pass
+
+    def sizes(self) -> tuple:
+        return ()
+
+
 class _Serving:
     """One scheduler's view: a device pool, SGLang's paged allocator and its `UnifiedRadixCache`
     with HiCache attached as `init_hicache` attaches it."""
@@ -258,13 +307,16 @@ class _Serving:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.memory_pool import (DSATokenToKVPool, MHATokenToKVPool, MLATokenToKVPool,
+                                                      ReqToTokenPool)
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
         self.kind, self.table, page = kind, _table(kind), server_args.page_size
-        common = dict(size=DEVICE_TOKENS, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
+        self.unit = UNITS.get(kind, UNIT)
+        self.tokens = DEVICE_UNITS * self.unit  # the device's
+        common = dict(size=self.tokens, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
         components, tensors, window = (ComponentType.FULL,), None, None
         requests = ReqToTokenPool(size=4, max_context_len=2048, device="cpu", enable_memory_saver=False)
@@ -278,6 +330,9 @@ class _Serving:
             components, window = (ComponentType.FULL, ComponentType.SWA), WINDOW
         elif kind == "mha":
             self.device = MHATokenToKVPool(head_num=2, head_dim=64, **common)
+        elif kind == "dsa":
+            self.device = DSATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, index_head_dim=128, kv_cache_dim=80,
+                                           **common)
         else:
             self.device = MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common)
         if kind == "swa":
@@ -285,8 +340,8 @@ class _Serving:
                                                        self.device, False)
         else:  # as SGLang picks it: the token allocator for pages of one token
             self.allocator = (
-                TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", self.device, False) if page == 1 else
-                PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, torch.bfloat16, "cpu", self.device, False))
+                TokenToKVPoolAllocator(self.tokens, torch.bfloat16, "cpu", self.device, False) if page == 1 else
+                PagedTokenToKVPoolAllocator(self.tokens, page, torch.bfloat16, "cpu", self.device, False))
         params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=self.allocator,
                                  page_size=page, tree_components=components, tree_core_backend=core,
                                  sliding_window_size=window)
@@ -296,7 +351,9 @@ class _Serving:
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
         self.window = None if window is None else _SlidingWindow(self.cache, self.allocator, self.device)
-        self.beside = [part for part in (self.states, self.window) if part]  # what else the tree keeps
+        index = _IndexKeys(self.device) if kind == "dsa" else None
+        self.beside = [part for part in (self.states, self.window, index) if part]  # what else the tree keeps
+        self.rows = [part for part in (self.window, index) if part]  # what else a token's request writes
         if self.states or self.window:  # every device layer buffer, in the tables' order
             self.layers = [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
         elif kind == "mha":
@@ -382,11 +439,12 @@ class _Serving:
         lock = cache.lock(last)  # the request holds its prefix while it computes the rest
         try:
             prefix = cache.path_device_indices(last)
-            _check_rows(self.kind, self.layers, self.table, prefix, tokens[:len(prefix)], range(len(prefix)))
+            _check_rows(f"{self.kind} layer", [layer[prefix] for layer in self.layers], self.table,
+                        tokens[:len(prefix)], range(len(prefix)))
             if self.states and len(prefix):
                 self.states.check(last, tokens[len(prefix) - 1])
-            if self.window:
-                self.window.check(prefix, tokens[:len(prefix)])
+            for part in self.rows:
+                part.check(prefix, tokens[:len(prefix)])
             rest = tokens[len(prefix):]
             self._evict_for(len(rest))
             alloc = self.window.alloc if self.window else self.allocator.alloc
@@ -396,8 +454,8 @@ class _Serving:
             ids = torch.tensor(rest, dtype=torch.int64)
             for layer, table in zip(self.layers, self.table):
                 layer[slots] = table[ids]  # what this request computed for its new tokens
-            if self.window:
-                self.window.computed(slots, ids)
+            for part in self.rows:
+                part.computed(slots, ids)
             insert = InsertParams(key=key, value=torch.cat([prefix, slots]), prev_prefix_len=len(prefix))
             if self.states:
                 self.states.computed(req, tokens[-1], insert)
@@ -433,36 +491,36 @@ class _Serving:
         self.cache.writing_check(write_back=True)
         for part in self.beside:
             part.drain()
-        self.cache.evict(EvictParams(num_tokens=DEVICE_TOKENS))
+        self.cache.evict(EvictParams(num_tokens=self.tokens))
         self.cache.evict_host(self.host.size)
         return self.space()
 
     def sizes(self) -> tuple:
         beside = tuple(value for part in self.beside for value in part.sizes())
-        return ("all free", DEVICE_TOKENS, self.host.size, *beside)
+        return ("all free", self.tokens, self.host.size, *beside)
 
 
 #: a step: (what, a, b) - serve: a request reusing earlier request a's tokens (a % how many so
 #: far; the first is the empty one): b % 3 == 0 the same request again, 1 a next turn after it,
-#: 2 its first (b // 3) % (units + 1) units then new ones; 1 + (a + b) % 4 new units of UNIT
-#: tokens, at most half the device in all; evict / evict_host: a units
+#: 2 its first (b // 3) % (units + 1) units then new ones; 1 + (a + b) % 4 new units (UNIT
+#: tokens; DSA's a page), at most half the device in all; evict / evict_host: a units
 STEPS = st.lists(st.tuples(st.sampled_from(["serve", "serve", "serve", "serve", "evict", "evict_host"]),
                            st.integers(0, 15), st.integers(0, 15)), min_size=12, max_size=30)
 
 
-def _requests(steps) -> list:
+def _requests(steps, unit: int = UNIT) -> list:
     """The token lists the serve steps ask for: fresh ids for the new pages, shared prefixes."""
     asked, seen, fresh = [], [[]], 1
     for what, a, b in steps:
         if what != "serve":
             asked.append(None)
             continue
-        base, new = seen[a % len(seen)], (1 + (a + b) % 4) * UNIT
+        base, new = seen[a % len(seen)], (1 + (a + b) % 4) * unit
         if b % 3 == 0 and base:
             tokens = list(base)
         else:
-            keep = len(base) if b % 3 == 1 else (b // 3) % (len(base) // UNIT + 1) * UNIT
-            keep = min(keep, DEVICE_TOKENS // 2 - new)  # a request fits half the device
+            keep = len(base) if b % 3 == 1 else (b // 3) % (len(base) // unit + 1) * unit
+            keep = min(keep, DEVICE_UNITS * unit // 2 - new)  # a request fits half the device
             tokens, fresh = base[:keep] + list(range(fresh, fresh + new)), fresh + new
         seen.append(tokens)
         asked.append(tokens)
@@ -493,8 +551,12 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
     with published(server_args), fake_cuda() as fake:
         with host_memory_budget_scope(10**12):
             serving = _Serving(kind, server_args, core)
+        if kind == "dsa":  # SGLang's indexer pool unregisters at destroy() only where its module says CUDA
+            cuda_at_destroy(monkeypatch, "sglang.srt.mem_cache.pool_host.dsa")
         try:
-            assert type(serving.host).__module__.startswith("hicache." if pools == "hicache" else "sglang.")
+            for entry in serving.cache.host_pool_group.entries:  # every host pool the assembler built
+                assert type(entry.host_pool).__module__.startswith("hicache." if pools == "hicache" else "sglang."), (
+                    f"{entry.name}: {type(entry.host_pool)}")
             assert serving.host.layout == layout and serving.cache._tree_core_backend == (core or "rust")
             yield serving
         finally:
@@ -507,9 +569,9 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
 def traffic(serving: _Serving, steps, settle=None) -> list:
     """The steps served, each followed by ``settle(serving)`` if given and the free space; its trace."""
     trace = []
-    for step, tokens in zip(steps, _requests(steps)):
+    for step, tokens in zip(steps, _requests(steps, serving.unit)):
         what, a, _ = step
-        trace.append(serving.serve(tokens) if what == "serve" else getattr(serving, what)(a * UNIT))
+        trace.append(serving.serve(tokens) if what == "serve" else getattr(serving, what)(a * serving.unit))
         if settle is not None:
             settle(serving)
         trace.append(serving.space())
@@ -534,6 +596,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("mamba", "page_first", "kernel", 1, "write_through"),  # a hybrid: attention KV and Mamba2 states, two pools
     ("swa", "page_first", "kernel", 16, "write_through"),  # a hybrid: full and sliding-window KV, two pools
     ("swa", "page_first", "kernel", 1, "write_through"),
+    ("dsa", "page_first", "kernel", 64, "write_through"),  # MLA and DeepSeek's indexer keys, two host pools
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
 # two caches each would outlast the hang guard

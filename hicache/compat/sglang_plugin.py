@@ -32,7 +32,8 @@ TARGETS = {
 
 
 #: With HICACHE_SGLANG_POOLS=1: SGLang's host-pool classes hicache has and proves against SGLang's
-#: own (tests/test_sglang_conformance.py) -> hicache.pools' class
+#: own (tests/test_sglang_conformance.py), and where SGLang's assembler builds them, under its own
+#: radix tree (tests/test_sglang_radix.py) -> hicache.pools' class
 #: (class REPLACE: SGLang's assembler, `get_mha_host_pool_cls` and every ``from X import`` then
 #: build hicache's pools - HICACHE_PROGRESSIVE=1 makes them serve before they are pinned)
 POOL_CLASSES = {
@@ -42,6 +43,7 @@ POOL_CLASSES = {
     "sglang.srt.mem_cache.pool_host.mha.MHATokenToKOnlyPoolHost": "MHATokenToKOnlyPoolHost",
     "sglang.srt.mem_cache.pool_host.mamba.MambaPoolHost": "MambaPoolHost",
     "sglang.srt.mem_cache.memory_pool_host.LogicalHostPool": "LogicalHostPool",
+    "sglang.srt.mem_cache.pool_host.dsa.DSAIndexerPoolHost": "DSAIndexerPoolHost",
 }
 
 
