@@ -15,7 +15,7 @@ from machine import ROOMY
 from hicache.effects import HostLedger
 from hicache.errors import ApplyError
 from hicache.plan import Limits
-from hicache.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from hicache.pools import MHATokenToKOnlyPoolHost, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from hicache.testing import FakeRuntime, MHADevicePool, MLADevicePool
 from hicache.pools import HostPoolOptions
 from hicache.effects import HostSetup
@@ -305,6 +305,35 @@ def test_other_families_come_up_progressively_and_hand_out_only_registered_pages
                 assert _inside(runtime.held(), slice_.data_ptr(), slice_.numel() * slice_.element_size())
     assert pool.wait_ready() is True and pool.ready_pages() == pool.page_num
     pool.destroy()
+    assert runtime.held() == set() and ledger.held() == ()
+
+
+def test_a_pool_beside_an_anchor_is_whole_before_it_serves_while_its_anchor_registers(caplog):
+    """A pool whose slots are its anchor's (the K-only index beside its KV: SGLang 0.5.23's
+    `from_anchor`, as its assembler builds MiniMax's sparse layout) registers all of itself before
+    its constructor returns, even asked to be progressive: the anchor hands out slots by its own
+    readiness, so every slot the anchor has ready takes a copy in the side pool at once (it was a
+    TransferError while the side pool's own background registration lagged the anchor's)."""
+    caplog.set_level("INFO", logger="hicache")
+    runtime, ledger = FakeRuntime(register_bytes_per_s=1e5), HostLedger()
+    anchor = _pool(runtime, ledger, family="mha", layout="page_first")
+    assert 0 < anchor.ready_pages() < anchor.page_num  # the anchor serves while it registers
+    device = MHADevicePool(size=512, layer_num=2, head_num=1, head_dim=16, page_size=P, k_only=True)
+    index = MHATokenToKOnlyPoolHost.from_anchor(device, anchor, "page_first", **doors(
+        limits=Limits(chunk_limit_bytes=4096), runtime=runtime, ledger=ledger, machine=ROOMY, progressive=True))
+    try:
+        assert index.ready_pages() == index.page_num == anchor.page_num
+        assert "not progressively: its slots are another pool's (its anchor's)" in caplog.text  # the log says why
+        slots = anchor.alloc(anchor.ready_pages() * P)  # every slot the anchor has ready
+        device.k_buffer[1][: len(slots)] = torch.randn(device.k_buffer[1][: len(slots)].shape).to(device.dtype)
+        index.backup_from_device_all_layer(device, slots, torch.arange(len(slots)), "direct")
+        want = device.k_buffer[1][: len(slots)].clone()
+        device.k_buffer[1].zero_()
+        index.load_to_device_per_layer(device, slots, torch.arange(len(slots)), 1, "direct")
+        assert torch.equal(device.k_buffer[1][: len(slots)].view(torch.int16), want.view(torch.int16))
+    finally:
+        index.destroy()
+        anchor.destroy()
     assert runtime.held() == set() and ledger.held() == ()
 
 

@@ -105,3 +105,73 @@ def test_sglangs_controller_writes_while_the_pool_registers_and_after_it_is_read
         finally:
             host.destroy()
         assert fake.held() == set()
+
+
+def test_sglangs_controller_writes_an_anchor_and_its_index_pool_while_the_anchor_registers(sglang, monkeypatch,
+                                                                                            roomy_psutil):
+    """MiniMax's sparse layout as SGLang's assembler builds it (the KV pool, and beside it the
+    K-only index pool on the KV pool's slots, `MHATokenToKOnlyPoolHost(index_k_pool, kv_host,
+    layout)`), both hicache's under HICACHE_PROGRESSIVE=1: SGLang's controller writes both while
+    the KV pool registers, each write skipped or landing byte-exact in both, never an error (the
+    index pool, itself progressive, lagged the slots its anchor handed out: TransferError)."""
+    import sglang.srt.plugins as plugins
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController, PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKOnlyPool, MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+
+    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
+    monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
+    plugins.load_plugins()
+    settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_size=0.4,
+                    hicache_mem_layout="page_first_direct", hicache_io_backend="direct")
+    with published(**settings), fake_cuda(register_bytes_per_s=10e9) as fake:
+        common = dict(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
+                      enable_memory_saver=False)
+        device = MHATokenToKVPool(head_num=8, head_dim=128, **common)
+        index_device = MHATokenToKOnlyPool(head_num=1, head_dim=128, **common)
+        allocator = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", device, False)
+        host = assembler.build_kv_host_pool(kv_pool=device, page_size=PAGE)
+        # the assembler's own call for MiniMax's index pool (through the plug-in's class REPLACE)
+        index = assembler.MHATokenToKOnlyPoolHost(index_device, host, "page_first_direct")
+        try:
+            assert type(index).__module__.startswith("hicache.pools") and host.progressive
+            assert host.ready_pages() < host.page_num  # the anchor returned while registering
+            assert index.ready_pages() == index.page_num  # its side pool, whole before it serves
+            group = HostPoolGroup([
+                PoolEntry(name=PoolName.KV, host_pool=host, device_pool=device, layer_mapper=lambda layer: layer,
+                          is_primary_index_anchor=True),
+                PoolEntry(name=PoolName.INDEXER, host_pool=index, device_pool=index_device,
+                          layer_mapper=lambda layer: layer)])
+            controller = HybridCacheController(allocator, group, PAGE, None, threading.Event(), io_backend="direct")
+            generator = torch.Generator().manual_seed(11)
+
+            def write() -> bool:
+                written = allocator.alloc(2 * PAGE)
+                for layer in [*device.k_buffer, *device.v_buffer, *index_device.k_buffer]:
+                    layer[written] = torch.randn(layer[written].shape, generator=generator).to(layer.dtype)
+                want = index_device.k_buffer[1][written].clone()
+                sidecar = PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV)  # as the tree passes it
+                host_indices = controller.write(written, extra_pools=[sidecar])
+                for ack in controller.ack_write_queue:
+                    ack.finish_event.synchronize()
+                controller.ack_write_queue.clear()
+                if host_indices is None:
+                    allocator.free(written)
+                    return False
+                index_device.k_buffer[1][written] = 0
+                index.load_to_device_per_layer(index_device, host_indices, written, 1, "direct")
+                assert torch.equal(index_device.k_buffer[1][written].view(torch.int16), want.view(torch.int16))
+                allocator.free(written)
+                return True
+
+            during = [write() for _ in range(200) if host.ready_pages() < host.page_num]
+            assert during and during[0]  # the first pages were ready at once, in both pools
+            assert host.wait_ready(timeout=60)
+            assert all(write() for _ in range(20))
+        finally:
+            index.destroy()
+            host.destroy()
+        assert fake.held() == set()

@@ -33,7 +33,7 @@ from hicache.plan import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, format_gb, pla
 from hicache.plan.settings import check_hugepages
 from hicache.pools._allocator import pool_allocator
 from hicache.pools._page_allocator import PageAllocator
-from hicache.pools._progressive import PROGRESSIVE_LAYOUTS, ProgressiveMixin, ProgressivePages
+from hicache.pools._progressive import ProgressiveMixin, ProgressivePages, not_progressive_because
 from hicache.pools._range_records import RangeRecords
 from hicache.pools._device_copies import CopiesInFlight, DeviceCopies, DeviceCopiesMixin, Stream, host_view
 from hicache.pools._forms import DEVICE_POOL
@@ -280,13 +280,13 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         framework_pin = self.pin_memory and _device_type(self.device_pool) in _FRAMEWORK_PINNED
         register = self.pin_memory and not framework_pin
         allocator = FrameworkPinnedAllocator() if framework_pin else self.allocator
-        progressive = self.progressive and register and self.has_allocator and self.layout in PROGRESSIVE_LAYOUTS \
-            and isinstance(allocator, HostAllocator) and allocator.can_map_unfaulted \
-            and self.geometry.buffer_page_num == self.page_num  # pages hand out what the buffers hold
-        if self.progressive and not progressive:
-            logger.info("%s: progressive registration needs a pinned pool with page-first layout; "
-                        "registering all of it first", type(self).__name__)
-        if progressive:  # its pages come free as they register (`ProgressivePages`)
+        refusal = self.progressive and not_progressive_because(
+            self.geometry, register=register, has_allocator=self.has_allocator,
+            maps_unfaulted=isinstance(allocator, HostAllocator) and allocator.can_map_unfaulted)
+        if refusal:
+            logger.info("%s: registering all of it before it serves, not progressively: %s", type(self).__name__,
+                        refusal)
+        if self.progressive and not refusal:  # its pages come free as they register (`ProgressivePages`)
             self._progress = ProgressivePages(self.geometry, self.pool_plan, self.max_stall_s, self.lock, self._ranges)
             self._pages = self._progress.pages
         mode = None if self._progress is None else self._progress.mode()

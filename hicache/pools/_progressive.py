@@ -21,6 +21,24 @@ from hicache.pools._views import buffer_symbols
 PROGRESSIVE_LAYOUTS = ("page_first", "page_first_direct")
 
 
+def not_progressive_because(geometry, *, register: bool, has_allocator: bool, maps_unfaulted: bool) -> str | None:
+    """Why a pool asked to serve while it registers must register all of itself first; None
+    when it can serve from its first ready page."""
+    if not register:
+        return "hicache does not pin it (pin_memory=False, or the framework pins it)"
+    if geometry.layout not in PROGRESSIVE_LAYOUTS:
+        return f"layout {geometry.layout} spreads every page over all layers"
+    if not has_allocator or geometry.form.sizing == "anchor":
+        # the anchor hands out the slots by its own readiness: a slot it has ready must be one
+        # this pool can copy at once, not once this pool's own registration catches up
+        return "its slots are another pool's (its anchor's), handed out by that pool's readiness"
+    if not maps_unfaulted:
+        return "its allocator faults its memory in itself"
+    if geometry.buffer_page_num != geometry.page_num:
+        return f"its buffers hold {geometry.buffer_page_num} pages, not the {geometry.page_num} it hands out"
+    return None
+
+
 class PageReadiness:
     """Tracks registered byte ranges per buffer and how many leading pages are ready."""
 
