@@ -11,7 +11,8 @@ Also: one-token pages, write_back and write_through_selective, MLA, page_first_d
 layer_first, a Mamba2 hybrid (attention KV and states, two host pools), a sliding-window hybrid
 (full-attention and window KV, two host pools; the tree drops a window under its own pool's
 pressure and loads it back from its host pool), DeepSeek's sparse attention (MLA KV and the
-indexer's keys, two host pools, pages of 64) and SGLang's Python tree core. `engine` and
+indexer's keys, two host pools, pages of 64), MiniMax's (MHA KV and the K-only index pool on its
+slots) and SGLang's Python tree core. `engine` and
 `traffic` serve tests/test_sglang_radix_storage.py too (an L3 back end: `_Serving` then takes
 the scheduler's L3 step).
 
@@ -21,7 +22,7 @@ registering their memory), with fake_cuda standing in for the driver:
   wrote - checked against a table by token id, independent of both pools and of the tree (for
   the Mamba2 hybrid, also the state where a prefix ends, by its last token; for the window
   hybrid, also its window layers wherever the prefix still maps a window slot, and a whole
-  window before the prefix's end; for DeepSeek's, also each token's index key and scale);
+  window before the prefix's end; for DeepSeek's and MiniMax's, also each token's index key);
 - over hicache's pool the tree makes exactly the decisions it makes over SGLang's (the same
   matches, host hits, loads, evictions, device and host free space after each step), and at the
   end every page, window and state slot is back and nothing stays registered.
@@ -50,6 +51,8 @@ DEVICE_TOKENS = DEVICE_UNITS * UNIT
 SHAPES = {"mha": (2, 64), "mla": (1, 80)}  # a token's row per layer buffer: heads x dim; MLA's kv_lora + rope
 #: kind "dsa" (MLA with DeepSeek's sparse-attention indexer) needs pages of 64 tokens: its units are pages
 UNITS = {"dsa": 64}
+#: SGLang's side pools whose destroy() unregisters only where their own module says CUDA
+CUDA_GATED = {"dsa": ["sglang.srt.mem_cache.pool_host.dsa"], "minimax": ["sglang.srt.mem_cache.pool_host.mha"]}
 INDEX_KEY, INDEX_SCALE = 128, 4  # a DSA index key's bytes per token (fp8, head dim 128) and its scale's
 
 FULL_LAYERS, MAMBA_LAYERS = [1, 3], [0, 2]  # kind "mamba": a hybrid model's attention and Mamba2 layers
@@ -63,7 +66,7 @@ _TABLES: dict = {}
 def _table(kind: str) -> list:
     """Per device layer buffer, each token id's row; a hybrid's full-attention layers: MHA's, as
     many (a sliding-window model's window layers: `_window_table`); DSA's KV: MLA's."""
-    kind = {"mamba": "mha", "swa": "mha", "dsa": "mla"}.get(kind, kind)
+    kind = {"mamba": "mha", "swa": "mha", "minimax": "mha", "dsa": "mla"}.get(kind, kind)
     if kind not in _TABLES:
         generator = torch.Generator().manual_seed(2305)
         count = 2 * LAYERS if kind == "mha" else LAYERS
@@ -257,6 +260,35 @@ class _SlidingWindow:
         return (self.slots, 0, 0, self.host.size)
 
 
+class _IndexRows:
+    """MiniMax's sparse layers' index keys beside its KV: a row per token in a K-only pool, moved
+    by its own host pool on the KV host pool's slots; its rows by token id, as the KV's."""
+
+    def __init__(self, device) -> None:
+        self.layers = list(device.index_k_pool.k_buffer)
+        if "index rows" not in _TABLES:
+            generator = torch.Generator().manual_seed(5521)
+            _TABLES["index rows"] = [torch.randn((VOCAB, *layer.shape[1:]), generator=generator).to(layer.dtype)
+                                     for layer in self.layers]
+        self.table = _TABLES["index rows"]
+
+    def computed(self, slots, ids) -> None:
+        for layer, table in zip(self.layers, self.table):
+            layer[slots] = table[ids]
+
+    def check(self, prefix, tokens: list) -> None:
+        _check_rows("index row", [layer[prefix] for layer in self.layers], self.table, tokens, range(len(tokens)))
+
+    def space(self) -> tuple:
+        return ()  # the KV host pool's slots
+
+    def drain(self) -> None:
+        pass
+
+    def sizes(self) -> tuple:
+        return ()
+
+
 class _IndexKeys:
     """DSA's indexer keys beside its MLA KV: a page of index keys per KV page, each token's key
     and then each token's scale (SGLang's `IndexKeyCache`), moved by their own host pool, which
@@ -307,8 +339,8 @@ class _Serving:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import (DSATokenToKVPool, MHATokenToKVPool, MLATokenToKVPool,
-                                                      ReqToTokenPool)
+        from sglang.srt.mem_cache.memory_pool import (DSATokenToKVPool, MHATokenToKVPool, MiniMaxSparseKVPool,
+                                                      MLATokenToKVPool, ReqToTokenPool)
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -333,6 +365,11 @@ class _Serving:
         elif kind == "dsa":
             self.device = DSATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, index_head_dim=128, kv_cache_dim=80,
                                            **common)
+        elif kind == "minimax":  # layer 0 dense, layer 1 sparse with its index keys only (no index V)
+            self.device = MiniMaxSparseKVPool(size=self.tokens, page_size=page, dtype=torch.bfloat16, head_num=2,
+                                              head_dim=64, idx_head_dim=128, dense_layer_ids=[0], sparse_layer_ids=[1],
+                                              disable_value_sparse_layer_ids=[1], device="cpu", start_layer=0,
+                                              end_layer=LAYERS)
         else:
             self.device = MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common)
         if kind == "swa":
@@ -351,13 +388,15 @@ class _Serving:
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
         self.window = None if window is None else _SlidingWindow(self.cache, self.allocator, self.device)
-        index = _IndexKeys(self.device) if kind == "dsa" else None
+        index = {"dsa": _IndexKeys, "minimax": _IndexRows}.get(kind, lambda device: None)(self.device)
         self.beside = [part for part in (self.states, self.window, index) if part]  # what else the tree keeps
         self.rows = [part for part in (self.window, index) if part]  # what else a token's request writes
         if self.states or self.window:  # every device layer buffer, in the tables' order
             self.layers = [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
         elif kind == "mha":
             self.layers = [*self.device.k_buffer, *self.device.v_buffer]
+        elif kind == "minimax":
+            self.layers = [*self.device.main_pool.k_buffer, *self.device.main_pool.v_buffer]
         else:
             self.layers = list(self.device.kv_buffer)
         self.fetched: list = []  # per request served with an L3 back end, the tokens storage gave
@@ -551,8 +590,6 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
     with published(server_args), fake_cuda() as fake:
         with host_memory_budget_scope(10**12):
             serving = _Serving(kind, server_args, core)
-        if kind == "dsa":  # SGLang's indexer pool unregisters at destroy() only where its module says CUDA
-            cuda_at_destroy(monkeypatch, "sglang.srt.mem_cache.pool_host.dsa")
         try:
             for entry in serving.cache.host_pool_group.entries:  # every host pool the assembler built
                 assert type(entry.host_pool).__module__.startswith("hicache." if pools == "hicache" else "sglang."), (
@@ -560,8 +597,11 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
             assert serving.host.layout == layout and serving.cache._tree_core_backend == (core or "rust")
             yield serving
         finally:
-            serving.cache.shutdown()  # what its atexit hook does: the L3 back end detached, its threads stopped
-            serving.cache.release_host_resources()
+            with monkeypatch.context() as scoped:  # CUDA at destroy() only, not at the next engine's set-up
+                for module in CUDA_GATED.get(kind, ()):
+                    cuda_at_destroy(scoped, module)
+                serving.cache.shutdown()  # what its atexit hook does: the L3 back end detached, its threads stopped
+                serving.cache.release_host_resources()
         assert fake.held() == set()
     fake.check_valid()
 
@@ -597,6 +637,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("swa", "page_first", "kernel", 16, "write_through"),  # a hybrid: full and sliding-window KV, two pools
     ("swa", "page_first", "kernel", 1, "write_through"),
     ("dsa", "page_first", "kernel", 64, "write_through"),  # MLA and DeepSeek's indexer keys, two host pools
+    ("minimax", "page_first", "kernel", 16, "write_through"),  # MHA and MiniMax's index keys (K-only), two pools
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
 # two caches each would outlast the hang guard

@@ -10,11 +10,11 @@ one completed: the scheduler's L3 step prefetches what neither device nor host h
 prefetch thread, `wait_complete`), then the host hit is loaded back.
 
 Laws: every token the restarted engine hands a request holds that request's bytes (the table by
-token id; for the hybrids and DeepSeek's sparse attention also what the store's second pool
-holds: Mamba2 states, windows, index keys); every request the first engine completed comes back
+token id; for the hybrids and the sparse attentions also what the store's second pool holds:
+Mamba2 states, windows, index keys); every request the first engine completed comes back
 whole; and the restarted engine's trace (matches, host hits, tokens from storage, loads) is the
-same as over SGLang's own `HiCacheFile` back end - for MHA, MLA, DeepSeek's sparse attention, a
-Mamba2 hybrid, a sliding-window hybrid, layer_first and write_back (whose unevicted requests
+same as over SGLang's own `HiCacheFile` back end - for MHA, MLA, DeepSeek's and MiniMax's sparse
+attention, a Mamba2 hybrid, a sliding-window hybrid, layer_first and write_back (whose unevicted requests
 never reach L3; nor does SGLang fetch every short span of a sliding-window model: no whole-back
 law for those two), over hicache's pools and over SGLang's own pools alike. (SGLang's own pools
 under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.) The first engine
@@ -44,6 +44,7 @@ ENGINES = {  # family, layout, io_backend, page size, write policy
     "mha-layer_first": ("mha", "layer_first", "direct", 16, "write_through"),  # L3 pages gathered from layers
     "swa": ("swa", "page_first", "kernel", 16, "write_through"),  # sliding-window KV: the store's second pool
     "dsa": ("dsa", "page_first", "kernel", 64, "write_through"),  # DeepSeek's indexer keys: the store's second pool
+    "minimax": ("minimax", "page_first", "kernel", 16, "write_through"),  # MiniMax's index keys: its second pool
 }
 #: where every completed request comes back whole: not under write_back (above), nor for a
 #: sliding-window model, where SGLang prefetches no L3 span shorter than a window's pages that
