@@ -122,9 +122,22 @@ def test_sglangs_controller_writes_an_anchor_and_its_index_pool_while_the_anchor
     from sglang.srt.mem_cache.memory_pool import MHATokenToKOnlyPool, MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 
+    from hicache.effects._cuda._progressive import ProgressiveRegistration
+
     monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
     monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
     plugins.load_plugins()
+    # the KV pool's background registration waits for `go` before each call: "while it registers"
+    # is an order the test sets, not a race with the clock (the index pool registers in the
+    # constructing thread, before it returns)
+    go, step = threading.Event(), ProgressiveRegistration._step
+
+    def gated_step(self):
+        if threading.current_thread().name == "hicache-progressive":
+            assert go.wait(timeout=60), "hang guard"
+        return step(self)
+
+    monkeypatch.setattr(ProgressiveRegistration, "_step", gated_step)
     settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_size=0.4,
                     hicache_mem_layout="page_first_direct", hicache_io_backend="direct")
     with published(**settings), fake_cuda(register_bytes_per_s=10e9) as fake:
@@ -167,11 +180,16 @@ def test_sglangs_controller_writes_an_anchor_and_its_index_pool_while_the_anchor
                 allocator.free(written)
                 return True
 
-            during = [write() for _ in range(200) if host.ready_pages() < host.page_num]
-            assert during and during[0]  # the first pages were ready at once, in both pools
+            during = [write()]
+            while during[-1] and len(during) < host.page_num:  # its ready pages written, then "host pool full"
+                during.append(write())
+            assert host.ready_pages() < host.page_num  # all of them while the KV pool was registering
+            assert during[0] and not during[-1], during
+            go.set()
             assert host.wait_ready(timeout=60)
             assert all(write() for _ in range(20))
         finally:
+            go.set()
             index.destroy()
             host.destroy()
         assert fake.held() == set()
