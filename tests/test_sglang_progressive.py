@@ -122,25 +122,23 @@ def test_sglangs_controller_writes_an_anchor_and_its_index_pool_while_the_anchor
     from sglang.srt.mem_cache.memory_pool import MHATokenToKOnlyPool, MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 
-    from hicache.effects._cuda._progressive import ProgressiveRegistration
-
     monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
     monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
     plugins.load_plugins()
-    # the KV pool's background registration waits for `go` before each call: "while it registers"
-    # is an order the test sets, not a race with the clock (the index pool registers in the
-    # constructing thread, before it returns)
-    go, step = threading.Event(), ProgressiveRegistration._step
-
-    def gated_step(self):
-        if threading.current_thread().name == "hicache-progressive":
-            assert go.wait(timeout=60), "hang guard"
-        return step(self)
-
-    monkeypatch.setattr(ProgressiveRegistration, "_step", gated_step)
     settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_size=0.4,
                     hicache_mem_layout="page_first_direct", hicache_io_backend="direct")
     with published(**settings), fake_cuda(register_bytes_per_s=10e9) as fake:
+        # the KV pool's background registration waits for `go` in the driver: "while it registers"
+        # is an order the test sets, not a race with the clock (the index pool registers in the
+        # constructing thread, before it returns)
+        go, register = threading.Event(), fake.cudart.cudaHostRegister
+
+        def gated(ptr, size, flags):
+            if threading.current_thread().name == "hicache-progressive":
+                assert go.wait(timeout=60), "hang guard"
+            return register(ptr, size, flags)
+
+        monkeypatch.setattr(fake.cudart, "cudaHostRegister", gated)
         common = dict(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
         device = MHATokenToKVPool(head_num=8, head_dim=128, **common)
