@@ -26,13 +26,15 @@ registering their memory), with fake_cuda standing in for the driver:
 - over hicache's pool the tree makes exactly the decisions it makes over SGLang's (the same
   matches, host hits, loads, evictions, device and host free space after each step), and at the
   end every page, window and state slot is back and nothing stays registered.
-Needs `make sglang`."""
+Also, over hicache's progressive pools (HICACHE_PROGRESSIVE=1): the tree serves while their
+background registration is held in the driver, then after. Needs `make sglang`."""
 
 from __future__ import annotations
 
 import array
 import atexit
 import contextlib
+import threading
 import warnings
 
 import pytest
@@ -569,10 +571,12 @@ def _requests(steps, unit: int = UNIT) -> list:
 
 @contextlib.contextmanager
 def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: int, policy: str,
-           core: str | None = None, **storage):
+           core: str | None = None, held: threading.Event | None = None, **storage):
     """One `_Serving` whose host pool is SGLang's (pools="sglang") or, through the plug-in's class
     REPLACE, hicache's, with ``storage`` as further HiCache flags (an L3 back end); closed after,
-    its storage detached first, and nothing left registered."""
+    its storage detached first, and nothing left registered. ``held``: hicache's pools are
+    progressive (HICACHE_PROGRESSIVE=1, calls of 64 KiB) and their background registration waits
+    in the driver until it is set."""
     import sglang.srt.mem_cache.pool_host.common as common
     import sglang.srt.plugins as plugins
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
@@ -581,6 +585,9 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
     restore(common)
     monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1") if pools == "hicache" else monkeypatch.delenv(
         "HICACHE_SGLANG_POOLS", raising=False)
+    if held is not None:
+        monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
+        monkeypatch.setenv("HICACHE_CALL_CAP", "64 KiB")  # calls of 4 MHA pages here: most of it registers behind
     plugins.load_plugins()
     flags = dict(page_size=page, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
                  hicache_io_backend=backend, hicache_write_policy=policy, **storage)
@@ -588,6 +595,8 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
     if kind == "mamba":  # what a server resolves from the model's config; the dummy has none
         server_args._mamba_cache_chunk_size = max(_fla_chunk_size(), page)
     with published(server_args), fake_cuda() as fake:
+        if held is not None:
+            _hold_background_registration(monkeypatch, fake, held)
         with host_memory_budget_scope(10**12):
             serving = _Serving(kind, server_args, core)
         try:
@@ -604,6 +613,20 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
                 serving.cache.release_host_resources()
         assert fake.held() == set()
     fake.check_valid()
+
+
+def _hold_background_registration(monkeypatch, fake, held: threading.Event) -> None:
+    """A progressive pool's background calls (its "hicache-progressive" thread) wait in the driver
+    until ``held`` is set: which requests come while pools register is the test's order, not the
+    clock's."""
+    register = fake.cudart.cudaHostRegister
+
+    def waiting(ptr, size, flags):
+        if threading.current_thread().name == "hicache-progressive":
+            assert held.wait(timeout=60), "hang guard"
+        return register(ptr, size, flags)
+
+    monkeypatch.setattr(fake.cudart, "cudaHostRegister", waiting)
 
 
 def traffic(serving: _Serving, steps, settle=None) -> list:
@@ -689,3 +712,28 @@ def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, 
         assert min(row[5] for row in spaces) == 0, "the window pool never filled"
         assert any(row[-1][1] > 0 for row in serves), "no window loaded back from the host"
     _all_free(trace)
+
+
+@pytest.mark.concurrency  # a background registration, held and let go
+@pytest.mark.parametrize("kind, page", [("mha", 16), ("minimax", 16)])
+def test_the_tree_serves_over_progressive_pools_while_they_register(sglang, monkeypatch, roomy_psutil, kind, page):
+    """HICACHE_PROGRESSIVE=1 under SGLang's tree (MHA; MiniMax's KV pool and the index pool on its
+    slots): requests served while the host pools' background registration is held - the host
+    short of ready pages, write-throughs skipped - then while it goes on and after; every token
+    right, no transfer error, and at the end every page free and nothing registered."""
+    held = threading.Event()
+    fresh = [("serve", 0, 2)] * 4
+    steps = [("serve", 0, 1), *fresh[:2], ("serve", 1, 0), *fresh, ("serve", 1, 0), ("serve", 1, 4)]
+    with engine(monkeypatch, "hicache", kind, "page_first", "kernel", page, "write_through", held=held) as serving:
+        try:
+            host, ready = serving.host, serving.host.ready_pages()
+            assert host.progressive and 0 < ready < host.page_num
+            room = [row[4] for row in traffic(serving, steps) if row[0] == "space"]  # the host's free slots
+            assert host.ready_pages() == ready  # all of it served while the pool registered
+            assert max(room) <= ready * page and min(room) < ready * page  # write-throughs on its ready pages only
+        finally:
+            held.set()
+        assert host.wait_ready(timeout=60)
+        after = traffic(serving, steps)
+        assert any(row[3] > 0 and row[4] == row[3] for row in after if row[0] == "serve"), "no host hit loaded"
+        assert serving.drain() == ("space", serving.tokens, 0, 0, host.size)
