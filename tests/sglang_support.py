@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
 
 import pytest
@@ -151,3 +152,18 @@ def recording_allocators(monkeypatch) -> list:
 
     monkeypatch.setattr(compat, "HostTensorAllocator", Recording)
     return made
+
+
+def hold_background_registration(monkeypatch, fake, held: threading.Event) -> None:
+    """Under ``fake`` (`fake_cuda`'s runtime), a progressive pool's background calls (its
+    "hicache-progressive" thread) wait in the driver until ``held`` is set: what a test does
+    while pools register is the test's order, not the clock's. (A pool's foreground calls, and a
+    non-progressive pool's, are not held.)"""
+    register = fake.cudart.cudaHostRegister
+
+    def waiting(ptr, size, flags):
+        if threading.current_thread().name == "hicache-progressive":
+            assert held.wait(timeout=60), "hang guard"
+        return register(ptr, size, flags)
+
+    monkeypatch.setattr(fake.cudart, "cudaHostRegister", waiting)

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from machine import roomy_psutil  # noqa: F401 - a fixture
-from sglang_support import published, sglang  # noqa: F401 - sglang: a fixture
+from sglang_support import hold_background_registration, published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
 
@@ -20,6 +20,18 @@ pytestmark = pytest.mark.concurrency  # processes, threads, signals or waits: `m
 torch = pytest.importorskip("torch")
 
 PAGE, LAYERS, DEVICE_TOKENS = 16, 3, 512
+SETTINGS = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_size=0.4,
+                hicache_mem_layout="page_first_direct", hicache_io_backend="direct")
+
+
+def _progressive_pools(monkeypatch) -> None:
+    """The plug-in loaded with HICACHE_SGLANG_POOLS=1 and HICACHE_PROGRESSIVE=1: SGLang builds
+    hicache's pools, and they serve while they register."""
+    import sglang.srt.plugins as plugins
+
+    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
+    monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
+    plugins.load_plugins()
 
 
 def _covered(held, ptr: int, size: int) -> bool:
@@ -36,7 +48,6 @@ def _covered(held, ptr: int, size: int) -> bool:
 def test_sglangs_controller_writes_while_the_pool_registers_and_after_it_is_ready(sglang, monkeypatch, roomy_psutil):
     """SGLang's controller writes to a progressive hicache pool while it registers, and only into
     registered ranges."""
-    import sglang.srt.plugins as plugins
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
@@ -44,12 +55,8 @@ def test_sglangs_controller_writes_while_the_pool_registers_and_after_it_is_read
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 
-    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
-    monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
-    plugins.load_plugins()
-    settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_size=0.4,
-                    hicache_mem_layout="page_first_direct", hicache_io_backend="direct")
-    with published(**settings), fake_cuda(register_bytes_per_s=10e9) as fake:
+    _progressive_pools(monkeypatch)
+    with published(**SETTINGS), fake_cuda(register_bytes_per_s=10e9) as fake:
         device = MHATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=8, head_dim=128,
                                   layer_num=LAYERS, device="cpu", enable_memory_saver=False)
         allocator = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", device, False)
@@ -114,7 +121,6 @@ def test_sglangs_controller_writes_an_anchor_and_its_index_pool_while_the_anchor
     layout)`), both hicache's under HICACHE_PROGRESSIVE=1: SGLang's controller writes both while
     the KV pool registers, each write skipped or landing byte-exact in both, never an error (the
     index pool, itself progressive, lagged the slots its anchor handed out: TransferError)."""
-    import sglang.srt.plugins as plugins
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController, PoolTransfer
@@ -122,23 +128,12 @@ def test_sglangs_controller_writes_an_anchor_and_its_index_pool_while_the_anchor
     from sglang.srt.mem_cache.memory_pool import MHATokenToKOnlyPool, MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 
-    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
-    monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
-    plugins.load_plugins()
-    settings = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_size=0.4,
-                    hicache_mem_layout="page_first_direct", hicache_io_backend="direct")
-    with published(**settings), fake_cuda(register_bytes_per_s=10e9) as fake:
-        # the KV pool's background registration waits for `go` in the driver: "while it registers"
-        # is an order the test sets, not a race with the clock (the index pool registers in the
-        # constructing thread, before it returns)
-        go, register = threading.Event(), fake.cudart.cudaHostRegister
-
-        def gated(ptr, size, flags):
-            if threading.current_thread().name == "hicache-progressive":
-                assert go.wait(timeout=60), "hang guard"
-            return register(ptr, size, flags)
-
-        monkeypatch.setattr(fake.cudart, "cudaHostRegister", gated)
+    _progressive_pools(monkeypatch)
+    with published(**SETTINGS), fake_cuda(register_bytes_per_s=10e9) as fake:
+        # the KV pool's background registration waits for `go`: "while it registers" is the
+        # test's order, not a race with the clock (the index pool, not progressive, is not held)
+        go = threading.Event()
+        hold_background_registration(monkeypatch, fake, go)
         common = dict(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
         device = MHATokenToKVPool(head_num=8, head_dim=128, **common)

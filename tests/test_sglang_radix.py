@@ -41,7 +41,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from machine import roomy_psutil  # noqa: F401 - a fixture
-from sglang_support import cuda_at_destroy, published, restore, sglang  # noqa: F401 - sglang: a fixture
+from sglang_support import (cuda_at_destroy, hold_background_registration, published, restore,  # noqa: F401
+                            sglang)  # sglang: a fixture
 from store_support import wait_until
 
 from hicache.testing import fake_cuda
@@ -262,7 +263,20 @@ class _SlidingWindow:
         return (self.slots, 0, 0, self.host.size)
 
 
-class _IndexRows:
+class _OnTheKVSlots:
+    """A part beside the KV whose host pool takes the KV host pool's slots: no room of its own."""
+
+    def space(self) -> tuple:
+        return ()
+
+    def drain(self) -> None:
+        pass
+
+    def sizes(self) -> tuple:
+        return ()
+
+
+class _IndexRows(_OnTheKVSlots):
     """MiniMax's sparse layers' index keys beside its KV: a row per token in a K-only pool, moved
     by its own host pool on the KV host pool's slots; its rows by token id, as the KV's."""
 
@@ -281,17 +295,8 @@ class _IndexRows:
     def check(self, prefix, tokens: list) -> None:
         _check_rows("index row", [layer[prefix] for layer in self.layers], self.table, tokens, range(len(tokens)))
 
-    def space(self) -> tuple:
-        return ()  # the KV host pool's slots
 
-    def drain(self) -> None:
-        pass
-
-    def sizes(self) -> tuple:
-        return ()
-
-
-class _IndexKeys:
+class _IndexKeys(_OnTheKVSlots):
     """DSA's indexer keys beside its MLA KV: a page of index keys per KV page, each token's key
     and then each token's scale (SGLang's `IndexKeyCache`), moved by their own host pool, which
     takes its slots from the KV host pool's; its rows by token id, as the KV's."""
@@ -321,15 +326,6 @@ class _IndexKeys:
             keys, scales, pages, offsets = self._rows(buffer, prefix)
             rows.append(torch.cat([keys[pages, offsets], scales[pages, offsets]], dim=1))
         _check_rows("index key", rows, self.table, tokens, range(len(tokens)))
-
-    def space(self) -> tuple:
-        return ()  # the KV host pool's slots
-
-    def drain(self) -> None:
-        pass
-
-    def sizes(self) -> tuple:
-        return ()
 
 
 class _Serving:
@@ -596,7 +592,7 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
         server_args._mamba_cache_chunk_size = max(_fla_chunk_size(), page)
     with published(server_args), fake_cuda() as fake:
         if held is not None:
-            _hold_background_registration(monkeypatch, fake, held)
+            hold_background_registration(monkeypatch, fake, held)
         with host_memory_budget_scope(10**12):
             serving = _Serving(kind, server_args, core)
         try:
@@ -613,20 +609,6 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
                 serving.cache.release_host_resources()
         assert fake.held() == set()
     fake.check_valid()
-
-
-def _hold_background_registration(monkeypatch, fake, held: threading.Event) -> None:
-    """A progressive pool's background calls (its "hicache-progressive" thread) wait in the driver
-    until ``held`` is set: which requests come while pools register is the test's order, not the
-    clock's."""
-    register = fake.cudart.cudaHostRegister
-
-    def waiting(ptr, size, flags):
-        if threading.current_thread().name == "hicache-progressive":
-            assert held.wait(timeout=60), "hang guard"
-        return register(ptr, size, flags)
-
-    monkeypatch.setattr(fake.cudart, "cudaHostRegister", waiting)
 
 
 def traffic(serving: _Serving, steps, settle=None) -> list:
