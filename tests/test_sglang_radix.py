@@ -12,7 +12,8 @@ layer_first, a Mamba2 hybrid (attention KV and states, two host pools), a slidin
 (full-attention and window KV, two host pools; the tree drops a window under its own pool's
 pressure and loads it back from its host pool), DeepSeek's sparse attention (MLA KV and the
 indexer's keys, two host pools, pages of 64), MiniMax's (MHA KV and the K-only index pool on its
-slots) and SGLang's Python tree core. `engine` and
+slots), MLA with DeepSeek's MTP draft layer packed into its host pool (speculative decoding's
+tree: keys of bigrams) and SGLang's Python tree core. `engine` and
 `traffic` serve tests/test_sglang_radix_storage.py too (an L3 back end: `_Serving` then takes
 the scheduler's L3 step).
 
@@ -22,7 +23,8 @@ registering their memory), with fake_cuda standing in for the driver:
   wrote - checked against a table by token id, independent of both pools and of the tree (for
   the Mamba2 hybrid, also the state where a prefix ends, by its last token; for the window
   hybrid, also its window layers wherever the prefix still maps a window slot, and a whole
-  window before the prefix's end; for DeepSeek's and MiniMax's, also each token's index key);
+  window before the prefix's end; for DeepSeek's and MiniMax's, also each token's index key;
+  with MTP, also the draft layer's row);
 - over hicache's pool the tree makes exactly the decisions it makes over SGLang's (the same
   matches, host hits, loads, evictions, device and host free space after each step), and at the
   end every page, window and state slot is back and nothing stays registered.
@@ -69,7 +71,7 @@ _TABLES: dict = {}
 def _table(kind: str) -> list:
     """Per device layer buffer, each token id's row; a hybrid's full-attention layers: MHA's, as
     many (a sliding-window model's window layers: `_window_table`); DSA's KV: MLA's."""
-    kind = {"mamba": "mha", "swa": "mha", "minimax": "mha", "dsa": "mla"}.get(kind, kind)
+    kind = {"mamba": "mha", "swa": "mha", "minimax": "mha", "dsa": "mla", "mtp": "mla"}.get(kind, kind)
     if kind not in _TABLES:
         generator = torch.Generator().manual_seed(2305)
         count = 2 * LAYERS if kind == "mha" else LAYERS
@@ -185,6 +187,12 @@ class _MambaStates:
         return (self.slots, self.host.size)
 
 
+def kept(kind: str, tokens: list, page: int) -> int:
+    """How many of a completed request's tokens the tree keeps: all of them, or under a draft
+    model (EAGLE's tree: keys of bigrams, a token and the next) the whole pages of its bigrams."""
+    return (len(tokens) - 1) // page * page if kind == "mtp" else len(tokens)
+
+
 def _check_rows(what: str, rows, tables, tokens: list, positions) -> None:
     """Each device buffer's ``rows`` (one per token) hold, bit for bit, what the request of each
     token (at that position of its prefix) wrote there: the token's row of the buffer's table."""
@@ -296,6 +304,27 @@ class _IndexRows(_OnTheKVSlots):
         _check_rows("index row", [layer[prefix] for layer in self.layers], self.table, tokens, range(len(tokens)))
 
 
+class _DraftRows(_OnTheKVSlots):
+    """A speculative draft model's KV beside the target's (DeepSeek's MTP layer): on the target's
+    slots, its layers packed into the target's host pool after the target's own; its rows by
+    token id, unlike the target's."""
+
+    def __init__(self, draft) -> None:
+        self.layers = list(draft.kv_buffer)
+        if "draft" not in _TABLES:
+            generator = torch.Generator().manual_seed(7717)
+            _TABLES["draft"] = [torch.randn((VOCAB, *layer.shape[1:]), generator=generator).to(layer.dtype)
+                                for layer in self.layers]
+        self.table = _TABLES["draft"]
+
+    def computed(self, slots, ids) -> None:
+        for layer, table in zip(self.layers, self.table):
+            layer[slots] = table[ids]
+
+    def check(self, prefix, tokens: list) -> None:
+        _check_rows("draft layer", [layer[prefix] for layer in self.layers], self.table, tokens, range(len(tokens)))
+
+
 class _IndexKeys(_OnTheKVSlots):
     """DSA's indexer keys beside its MLA KV: a page of index keys per KV page, each token's key
     and then each token's scale (SGLang's `IndexKeyCache`), moved by their own host pool, which
@@ -348,7 +377,7 @@ class _Serving:
         self.tokens = DEVICE_UNITS * self.unit  # the device's
         common = dict(size=self.tokens, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
-        components, tensors, window = (ComponentType.FULL,), None, None
+        components, tensors, window, drafts = (ComponentType.FULL,), None, None, ()
         requests = ReqToTokenPool(size=4, max_context_len=2048, device="cpu", enable_memory_saver=False)
         if kind == "mamba":
             requests, self.device, tensors = _hybrid_pools(server_args)
@@ -370,6 +399,9 @@ class _Serving:
                                               end_layer=LAYERS)
         else:
             self.device = MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **common)
+        if kind == "mtp":  # DeepSeek's multi-token prediction: one draft layer on the target's slots
+            drafts = (MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **{**common, "layer_num": 1}),)
+        self.eagle = bool(drafts)  # a speculative tree: bigram keys (a token and the next)
         if kind == "swa":
             self.allocator = SWATokenToKVPoolAllocator(DEVICE_TOKENS, SWA_TOKENS, page, torch.bfloat16, "cpu",
                                                        self.device, False)
@@ -379,7 +411,7 @@ class _Serving:
                 PagedTokenToKVPoolAllocator(self.tokens, page, torch.bfloat16, "cpu", self.device, False))
         params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=self.allocator,
                                  page_size=page, tree_components=components, tree_core_backend=core,
-                                 sliding_window_size=window)
+                                 sliding_window_size=window, is_eagle=self.eagle, mtp_draft_device_pools=drafts)
         self.cache = UnifiedRadixCache(params)
         self.cache.init_hicache(server_args, params)
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
@@ -387,8 +419,9 @@ class _Serving:
         self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
         self.window = None if window is None else _SlidingWindow(self.cache, self.allocator, self.device)
         index = {"dsa": _IndexKeys, "minimax": _IndexRows}.get(kind, lambda device: None)(self.device)
-        self.beside = [part for part in (self.states, self.window, index) if part]  # what else the tree keeps
-        self.rows = [part for part in (self.window, index) if part]  # what else a token's request writes
+        draft = _DraftRows(drafts[0]) if drafts else None
+        self.beside = [part for part in (self.states, self.window, index, draft) if part]  # what else the tree keeps
+        self.rows = [part for part in (self.window, index, draft) if part]  # what else a token's request writes
         if self.states or self.window:  # every device layer buffer, in the tables' order
             self.layers = [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
         elif kind == "mha":
@@ -493,7 +526,12 @@ class _Serving:
                 layer[slots] = table[ids]  # what this request computed for its new tokens
             for part in self.rows:
                 part.computed(slots, ids)
-            insert = InsertParams(key=key, value=torch.cat([prefix, slots]), prev_prefix_len=len(prefix))
+            value = torch.cat([prefix, slots])
+            if self.eagle:  # the tree keeps the whole pages of bigrams; the request frees the rest
+                key = RadixKey(array.array("q", tokens), is_bigram=True).page_aligned(self.allocator.page_size)
+                value, unkept = value[:len(key)], value[len(key):]
+                self.allocator.free(unkept)
+            insert = InsertParams(key=key, value=value, prev_prefix_len=len(prefix))
             if self.states:
                 self.states.computed(req, tokens[-1], insert)
             # prev_prefix_len: the prefix's slots are the tree's own, not duplicates to free
@@ -600,6 +638,7 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
                 assert type(entry.host_pool).__module__.startswith("hicache." if pools == "hicache" else "sglang."), (
                     f"{entry.name}: {type(entry.host_pool)}")
             assert serving.host.layout == layout and serving.cache._tree_core_backend == (core or "rust")
+            assert serving.cache.tree_core.is_eagle == serving.eagle
             yield serving
         finally:
             with monkeypatch.context() as scoped:  # CUDA at destroy() only, not at the next engine's set-up
@@ -643,6 +682,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("swa", "page_first", "kernel", 1, "write_through"),
     ("dsa", "page_first", "kernel", 64, "write_through"),  # MLA and DeepSeek's indexer keys, two host pools
     ("minimax", "page_first", "kernel", 16, "write_through"),  # MHA and MiniMax's index keys (K-only), two pools
+    ("mtp", "page_first", "kernel", 16, "write_through"),  # MLA with an MTP draft layer packed in: EAGLE's tree
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
 # two caches each would outlast the hang guard; 6 examples of 16 configurations in SGLang's one
