@@ -685,7 +685,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("mtp", "page_first", "kernel", 16, "write_through"),  # MLA with an MTP draft layer packed in: EAGLE's tree
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # no shrinking: a failure's first example names its step and token already, and shrinking runs of
-# two caches each would outlast the hang guard; 6 examples of 16 configurations in SGLang's one
+# two caches each would outlast the hang guard; 6 examples of 14 configurations in SGLang's one
 # worker, the CI form's critical path (each new traffic per CI run; 60 each passed when added)
 @settings(max_examples=6, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture])
