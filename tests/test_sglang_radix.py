@@ -10,7 +10,8 @@ hypothesis picks; the tree decides by itself when to write through, demote, load
 Also: one-token pages, write_back and write_through_selective, MLA, page_first_direct and
 layer_first, a Mamba2 hybrid (attention KV and states, two host pools), a sliding-window hybrid
 (full-attention and window KV, two host pools; the tree drops a window under its own pool's
-pressure and loads it back from its host pool), DeepSeek's sparse attention (MLA KV and the
+pressure and loads it back from its host pool), a model of all three (full and window KV and
+Mamba2 states, three host pools), DeepSeek's sparse attention (MLA KV and the
 indexer's keys, two host pools, pages of 64), MiniMax's (MHA KV and the K-only index pool on its
 slots), MLA with DeepSeek's MTP draft layer packed into its host pool (speculative decoding's
 tree: keys of bigrams) and SGLang's Python tree core. `engine` and
@@ -71,7 +72,8 @@ _TABLES: dict = {}
 def _table(kind: str) -> list:
     """Per device layer buffer, each token id's row; a hybrid's full-attention layers: MHA's, as
     many (a sliding-window model's window layers: `_window_table`); DSA's KV: MLA's."""
-    kind = {"mamba": "mha", "swa": "mha", "minimax": "mha", "dsa": "mla", "mtp": "mla"}.get(kind, kind)
+    kind = {"mamba": "mha", "swa": "mha", "mamba-swa": "mha", "minimax": "mha", "dsa": "mla", "mtp": "mla"}.get(kind,
+                                                                                                          kind)
     if kind not in _TABLES:
         generator = torch.Generator().manual_seed(2305)
         count = 2 * LAYERS if kind == "mha" else LAYERS
@@ -97,9 +99,10 @@ def _fla_chunk_size() -> int:
     return CHUNK_SIZE
 
 
-def _hybrid_pools(server_args) -> tuple:
+def _hybrid_pools(server_args, device=None) -> tuple:
     """A hybrid model's pools as SGLang's kits build them on CPU: requests with a Mamba2 state slot
-    each, attention layers' KV beside the states; and the state tensors ([layer, slot, ...])."""
+    each, attention layers' KV beside the states (``device``, else a `HybridLinearKVPool` over
+    FULL_LAYERS); and the state tensors ([layer, slot, ...])."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.environ import envs
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
@@ -112,9 +115,10 @@ def _hybrid_pools(server_args) -> tuple:
                                     device="cpu", enable_memory_saver=False, cache_params=states,
                                     mamba_layer_ids=MAMBA_LAYERS, enable_mamba_extra_buffer=False,
                                     speculative_num_draft_tokens=3)
-    device = HybridLinearKVPool(size=DEVICE_TOKENS, dtype=torch.bfloat16, page_size=server_args.page_size, head_num=2,
-                                head_dim=64, full_attention_layer_ids=FULL_LAYERS, device="cpu",
-                                enable_memory_saver=False, mamba_pool=requests.mamba_pool)
+    if device is None:
+        device = HybridLinearKVPool(size=DEVICE_TOKENS, dtype=torch.bfloat16, page_size=server_args.page_size,
+                                    head_num=2, head_dim=64, full_attention_layer_ids=FULL_LAYERS, device="cpu",
+                                    enable_memory_saver=False, mamba_pool=requests.mamba_pool)
     cache = requests.mamba_pool.mamba_cache
     return requests, device, [cache.temporal, *cache.conv]
 
@@ -136,7 +140,9 @@ class _MambaStates:
     def __init__(self, cache, requests, tensors) -> None:
         self.cache, self.requests, self.tensors = cache, requests, tensors
         self.tables = _state_tables(tensors)
-        self.host = cache.host_pool_group.entries[-1].host_pool  # the assembler's second pool
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        self.host = cache.host_pool_group.get_pool(PoolName.MAMBA)
         self.slots = requests.mamba_allocator.available_size()  # free before any request
 
     def admit(self, req) -> None:
@@ -382,11 +388,15 @@ class _Serving:
         if kind == "mamba":
             requests, self.device, tensors = _hybrid_pools(server_args)
             components = (ComponentType.FULL, ComponentType.MAMBA)
-        elif kind == "swa":
+        elif kind in ("swa", "mamba-swa"):  # the latter: full layer 1, window layer 3, Mamba2 layers 0 and 2
+            full, swa = (FULL_LAYERS, SWA_LAYERS) if kind == "swa" else (FULL_LAYERS[:1], FULL_LAYERS[1:])
             self.device = SWAKVPool(size=DEVICE_TOKENS, size_swa=SWA_TOKENS, page_size=page, dtype=torch.bfloat16,
-                                    head_num=2, head_dim=64, swa_attention_layer_ids=SWA_LAYERS,
-                                    full_attention_layer_ids=FULL_LAYERS, device="cpu")
+                                    head_num=2, head_dim=64, swa_attention_layer_ids=swa,
+                                    full_attention_layer_ids=full, device="cpu")
             components, window = (ComponentType.FULL, ComponentType.SWA), WINDOW
+            if kind == "mamba-swa":
+                requests, _, tensors = _hybrid_pools(server_args, self.device)
+                components = (*components, ComponentType.MAMBA)
         elif kind == "mha":
             self.device = MHATokenToKVPool(head_num=2, head_dim=64, **common)
         elif kind == "dsa":
@@ -402,7 +412,7 @@ class _Serving:
         if kind == "mtp":  # DeepSeek's multi-token prediction: one draft layer on the target's slots
             drafts = (MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **{**common, "layer_num": 1}),)
         self.eagle = bool(drafts)  # a speculative tree: bigram keys (a token and the next)
-        if kind == "swa":
+        if window:
             self.allocator = SWATokenToKVPoolAllocator(DEVICE_TOKENS, SWA_TOKENS, page, torch.bfloat16, "cpu",
                                                        self.device, False)
         else:  # as SGLang picks it: the token allocator for pages of one token
@@ -626,7 +636,7 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
     flags = dict(page_size=page, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
                  hicache_io_backend=backend, hicache_write_policy=policy, **storage)
     server_args = ServerArgs(model_path="dummy", **flags)
-    if kind == "mamba":  # what a server resolves from the model's config; the dummy has none
+    if "mamba" in kind:  # what a server resolves from the model's config; the dummy has none
         server_args._mamba_cache_chunk_size = max(_fla_chunk_size(), page)
     with published(server_args), fake_cuda() as fake:
         if held is not None:
@@ -680,6 +690,7 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("mamba", "page_first", "kernel", 1, "write_through"),  # a hybrid: attention KV and Mamba2 states, two pools
     ("swa", "page_first", "kernel", 16, "write_through"),  # a hybrid: full and sliding-window KV, two pools
     ("swa", "page_first", "kernel", 1, "write_through"),
+    ("mamba-swa", "page_first", "kernel", 1, "write_through"),  # Mamba2 states and both kinds of KV: three pools
     ("dsa", "page_first", "kernel", 64, "write_through"),  # MLA and DeepSeek's indexer keys, two host pools
     ("minimax", "page_first", "kernel", 16, "write_through"),  # MHA and MiniMax's index keys (K-only), two pools
     ("mtp", "page_first", "kernel", 16, "write_through"),  # MLA with an MTP draft layer packed in: EAGLE's tree
@@ -712,7 +723,7 @@ def _all_free(trace) -> None:
         f"pages not all free at the end: {trace[-2]}")
 
 
-@pytest.mark.parametrize("kind, page", [("mha", 16), ("mamba", 1), ("swa", 1)])
+@pytest.mark.parametrize("kind, page", [("mha", 16), ("mamba", 1), ("swa", 1), ("mamba-swa", 1)])
 def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, roomy_psutil, kind, page):
     """A fixed run of the traffic above, so the property cannot pass on traces that never
     load, demote or drop: host hits loaded back (with a Mamba state, or a window, for the
@@ -729,10 +740,11 @@ def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, 
     assert any(row[0] == "evict_host" and row[2] > 0 for row in trace)
     spaces = [row for row in trace if row[0] == "space"]
     assert min(row[4] for row in spaces) < 2 * DEVICE_TOKENS // 4, "the host never filled"
-    if kind == "mamba":  # states backed up to the host pool, and one loaded back
+    if "mamba" in kind:  # states backed up to the host pool, and one loaded back
         assert min(row[6] for row in spaces) < trace[-1][4], "no Mamba state ever on the host"
-    if kind == "swa":  # window KV dropped from the device under its own pool's pressure, and loaded back
-        assert min(row[5] for row in spaces) == 0, "the window pool never filled"
+    if "swa" in kind:  # window KV dropped from the device under its own pool's pressure, and loaded back
+        window_free = 5 if kind == "swa" else 7  # after the Mamba pools' two
+        assert min(row[window_free] for row in spaces) == 0, "the window pool never filled"
         assert any(row[-1][1] > 0 for row in serves), "no window loaded back from the host"
     _all_free(trace)
 

@@ -15,9 +15,9 @@ Mamba2 states, windows, index keys); every request the first engine completed co
 whole; and the restarted engine's trace (matches, host hits, tokens from storage, loads) is the
 same as over SGLang's own `HiCacheFile` back end - for MHA, MLA, MLA with an MTP draft layer
 (whole: the pages of bigrams the tree keeps), DeepSeek's and MiniMax's sparse attention, a Mamba2
-hybrid, a sliding-window hybrid, layer_first and write_back (whose unevicted requests
-never reach L3; nor does SGLang fetch every short span of a sliding-window model: no whole-back
-law for those two), over hicache's pools and over SGLang's own pools alike. (SGLang's own pools
+hybrid, a sliding-window hybrid, one of both, layer_first and write_back (whose unevicted
+requests never reach L3; nor does SGLang fetch every short span of a sliding-window model: no
+whole-back law for those), over hicache's pools and over SGLang's own pools alike. (SGLang's own pools
 under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.) The first engine
 settles each step's writes before the next (`_written`). Needs `make sglang`."""
 
@@ -44,6 +44,7 @@ ENGINES = {  # family, layout, io_backend, page size, write policy
     # what the first engine still held on its device at close never reached L3 (no law that it comes back)
     "mha-layer_first": ("mha", "layer_first", "direct", 16, "write_through"),  # L3 pages gathered from layers
     "swa": ("swa", "page_first", "kernel", 16, "write_through"),  # sliding-window KV: the store's second pool
+    "mamba-swa": ("mamba-swa", "page_first", "kernel", 1, "write_through"),  # windows and states: three pools
     "dsa": ("dsa", "page_first", "kernel", 64, "write_through"),  # DeepSeek's indexer keys: the store's second pool
     "minimax": ("minimax", "page_first", "kernel", 16, "write_through"),  # MiniMax's index keys: its second pool
     "mtp": ("mtp", "page_first", "kernel", 16, "write_through"),  # an MTP draft layer in the KV pages; EAGLE's tree
@@ -52,7 +53,7 @@ ENGINES = {  # family, layout, io_backend, page size, write policy
 #: sliding-window model, where SGLang prefetches no L3 span shorter than a window's pages that
 #: starts below a device prefix (its SWA component's `prepare_prefetch`: "the window head would
 #: have to come from the device prefix, which the match validator does not promise")
-WHOLE_BACK = set(ENGINES) - {"mha-write_back", "swa"}
+WHOLE_BACK = set(ENGINES) - {"mha-write_back", "swa", "mamba-swa"}
 
 
 def _flags(store: str, where) -> dict:
