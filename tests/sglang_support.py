@@ -55,6 +55,8 @@ def load_sglang():
 
 
 COMMON = "sglang.srt.mem_cache.pool_host.common"
+#: what `plug` last loaded in this test ((pools, progressive); None once `restore` ran)
+_PLUGGED: list = [None]
 NAMES = ("alloc_with_host_register", "_cuda_host_register", "_cuda_host_unregister")
 ORIGINALS: dict = {}
 CLASSES: dict = {}  # SGLang's host-pool classes the plug-in may REPLACE (HICACHE_SGLANG_POOLS=1)
@@ -91,6 +93,27 @@ def restore(common) -> None:
             del common.ALLOC_MEMORY_FUNCS[key]  # a resolved entry of the patched function
     hook_registry.HookRegistry.reset()
     plugins._plugins_loaded = False
+    _PLUGGED[0] = None
+
+
+def plug(monkeypatch, *, pools: bool, progressive: bool = False) -> None:
+    """The plug-in loaded by SGLang's own `load_plugins()`, with HICACHE_SGLANG_POOLS and
+    HICACHE_PROGRESSIVE on or off as given, after SGLang's functions are put back - unless this
+    test already loaded just that: SGLang's loader propagates every hook through every loaded
+    module (about 0.15 s a load here), and the radix tree's tests build engines by the dozen."""
+    import sglang.srt.mem_cache.pool_host.common as common
+    import sglang.srt.plugins as plugins
+
+    if _PLUGGED[0] == (pools, progressive):
+        return
+    restore(common)
+    for name, on in (("HICACHE_SGLANG_POOLS", pools), ("HICACHE_PROGRESSIVE", progressive)):
+        if on:
+            monkeypatch.setenv(name, "1")
+        else:
+            monkeypatch.delenv(name, raising=False)
+    plugins.load_plugins()
+    _PLUGGED[0] = (pools, progressive)
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from machine import roomy_psutil  # noqa: F401 - a fixture
-from sglang_support import (cuda_at_destroy, hold_background_registration, published, restore,  # noqa: F401
+from sglang_support import (cuda_at_destroy, hold_background_registration, plug, published,  # noqa: F401
                             sglang)  # sglang: a fixture
 from store_support import wait_until
 
@@ -621,18 +621,12 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
     its storage detached first, and nothing left registered. ``held``: hicache's pools are
     progressive (HICACHE_PROGRESSIVE=1, calls of 64 KiB) and their background registration waits
     in the driver until it is set."""
-    import sglang.srt.mem_cache.pool_host.common as common
-    import sglang.srt.plugins as plugins
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.server_args import ServerArgs
 
-    restore(common)
-    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1") if pools == "hicache" else monkeypatch.delenv(
-        "HICACHE_SGLANG_POOLS", raising=False)
+    plug(monkeypatch, pools=pools == "hicache", progressive=held is not None)
     if held is not None:
-        monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
         monkeypatch.setenv("HICACHE_CALL_CAP", "64 KiB")  # calls of 4 MHA pages here: most of it registers behind
-    plugins.load_plugins()
     flags = dict(page_size=page, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
                  hicache_io_backend=backend, hicache_write_policy=policy, **storage)
     server_args = ServerArgs(model_path="dummy", **flags)
@@ -679,6 +673,10 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
         return [*traffic(serving, steps), serving.drain(), serving.sizes()]
 
 
+#: traffics an example serves, all over SGLang's pool, then all over hicache's
+RUNS = 3
+
+
 @pytest.mark.parametrize("kind, layout, backend, page, policy, core", [(*case, None) for case in [
     ("mha", "page_first", "kernel", 16, "write_through"),  # SGLang 0.5.23's defaults (its page size: the backend's)
     ("mha", "page_first", "kernel", 1, "write_through"),  # one-token pages: the token allocator, the tree unpaged
@@ -695,25 +693,29 @@ def _run(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: in
     ("minimax", "page_first", "kernel", 16, "write_through"),  # MHA and MiniMax's index keys (K-only), two pools
     ("mtp", "page_first", "kernel", 16, "write_through"),  # MLA with an MTP draft layer packed in: EAGLE's tree
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
-# no shrinking: a failure's first example names its step and token already, and shrinking runs of
-# two caches each would outlast the hang guard; 6 examples of 14 configurations in SGLang's one
-# worker, the CI form's critical path (each new traffic per CI run; 60 each passed when added)
-@settings(max_examples=6, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
+# examples of RUNS traffics: the plug-in is loaded twice an example, not twice a traffic (SGLang's
+# loader takes ~0.15 s, more than a traffic's engine); 4 examples, as hypothesis's first is its
+# simplest (every traffic one request over and over): 9 random traffics a configuration. No
+# shrinking: a failure names its traffic, step and token already, and shrinking runs of two
+# caches each would outlast the hang guard. 15 configurations in SGLang's one worker, the CI
+# form's critical path.
+@settings(max_examples=4, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=STEPS)
+@given(traffics=st.lists(STEPS, min_size=RUNS, max_size=RUNS))
 def test_sglangs_radix_tree_serves_right_bytes_and_decides_alike_over_hicaches_pools(sglang, monkeypatch,
                                                                                     roomy_psutil, kind, layout,
                                                                                     backend, page, policy, core,
-                                                                                    steps):
+                                                                                    traffics):
     """Random serving traffic through SGLang's UnifiedRadixCache: every device token a request
     is handed holds its own bytes, over SGLang's pool and over hicache's, and the two traces
     (matches, host hits, loads, evictions, free space) are equal step for step."""
-    theirs = _run(monkeypatch, "sglang", kind, layout, backend, page, policy, steps, core)
-    ours = _run(monkeypatch, "hicache", kind, layout, backend, page, policy, steps, core)
-    for i, (a, b) in enumerate(zip(theirs, ours)):
-        assert a == b, f"step {i // 2}: over SGLang's pool {a}, over hicache's {b}"
-    assert len(theirs) == len(ours)
-    _all_free(ours)
+    theirs = [_run(monkeypatch, "sglang", kind, layout, backend, page, policy, steps, core) for steps in traffics]
+    ours = [_run(monkeypatch, "hicache", kind, layout, backend, page, policy, steps, core) for steps in traffics]
+    for n, (their, our) in enumerate(zip(theirs, ours)):
+        for i, (a, b) in enumerate(zip(their, our)):
+            assert a == b, f"traffic {n}, step {i // 2}: over SGLang's pool {a}, over hicache's {b}"
+        assert len(their) == len(our)
+        _all_free(our)
 
 
 def _all_free(trace) -> None:

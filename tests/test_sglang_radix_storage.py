@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from machine import roomy_psutil  # noqa: F401 - a fixture
 from sglang_support import sglang  # noqa: F401 - a fixture
 from store_support import shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
@@ -102,33 +103,43 @@ def _restart(monkeypatch, pools: str, store: str, where, steps, family: str = "m
             return completed, again, restarted.fetched
 
 
+#: traffics an example serves, each through the three engine pairs
+RUNS = 2
+
+
 @pytest.mark.parametrize("family", sorted(ENGINES))
-# no shrinking, as in test_sglang_radix: three engine pairs per example (and 2 examples: nine families of them
-# in SGLang's one worker, the CI form's critical path; test_sglang_radix's property gives the traffic its breadth)
+# examples of RUNS traffics, each pair's engines built one after another (the plug-in loads once a
+# pair's pools, not once a traffic: sglang_support.plug); 2 examples, as hypothesis's first is its
+# simplest; no shrinking, as in test_sglang_radix
 @settings(max_examples=2, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=STEPS)
+@given(traffics=st.lists(STEPS, min_size=RUNS, max_size=RUNS))
 def test_a_restarted_engine_gets_every_completed_request_back_from_hicaches_store(sglang, monkeypatch,
                                                                                 roomy_psutil, shm_dir, family,
-                                                                                steps):
+                                                                                traffics):
     """Random traffic, an engine restart, the same requests again: whole from the store, the right
-    bytes (and, for the hybrids, Mamba states and windows), and the same trace as over SGLang's HiCacheFile,
-    over hicache's pools and SGLang's."""
+    bytes (and what the store's second pool holds), and the same trace as over SGLang's
+    HiCacheFile, over hicache's pools and SGLang's."""
     runs, example = {}, Path(tempfile.mkdtemp(dir=shm_dir))  # hypothesis's examples share the fixture
+    kind, page = ENGINES[family][0], ENGINES[family][3]
     for pools, store in (("hicache", "file"), ("hicache", "hicache"), ("sglang", "hicache")):
-        where = example / f"{pools}-{store}"
-        where.mkdir()
-        runs[pools, store] = _restart(monkeypatch, pools, store, where, steps, family)
-    completed, again, fetched = runs["hicache", "hicache"]
-    if family in WHOLE_BACK:
-        for tokens, row in zip(completed, again):
-            assert row[2] + row[3] == kept(ENGINES[family][0], tokens, ENGINES[family][3]), (
-                f"a completed request of {len(tokens)} tokens came back as {row}")
-    oracle = runs["hicache", "file"]
-    for key, run in runs.items():
-        assert run == oracle, f"{key}: {run[1:]} against HiCacheFile's {oracle[1:]}"
-    if ENGINES[family][-1] == "write_through":
-        assert sum(fetched) > 0 or not any(kept(ENGINES[family][0], tokens, ENGINES[family][3]) for tokens in completed)
+        for n, steps in enumerate(traffics):
+            where = example / f"{pools}-{store}-{n}"
+            where.mkdir()
+            runs[pools, store, n] = _restart(monkeypatch, pools, store, where, steps, family)
+    for n in range(RUNS):
+        completed, again, fetched = runs["hicache", "hicache", n]
+        if family in WHOLE_BACK:
+            for tokens, row in zip(completed, again):
+                assert row[2] + row[3] == kept(kind, tokens, page), (
+                    f"traffic {n}: a completed request of {len(tokens)} tokens came back as {row}")
+        oracle = runs["hicache", "file", n]
+        for pools, store in (("hicache", "hicache"), ("sglang", "hicache")):
+            run = runs[pools, store, n]
+            assert run == oracle, (f"traffic {n}, {pools} pools, {store} store: {run[1:]} against HiCacheFile's "
+                                   f"{oracle[1:]}")
+        if ENGINES[family][-1] == "write_through":
+            assert sum(fetched) > 0 or not any(kept(kind, tokens, page) for tokens in completed)
 
 
 @pytest.mark.concurrency  # SGLang's storage threads on a busy box (`make test-loaded`); the property above
