@@ -290,45 +290,25 @@ class _OnTheKVSlots:
         return ()
 
 
-class _IndexRows(_OnTheKVSlots):
-    """MiniMax's sparse layers' index keys beside its KV: a row per token in a K-only pool, moved
-    by its own host pool on the KV host pool's slots; its rows by token id, as the KV's."""
+class _TokenRows(_OnTheKVSlots):
+    """A row per token beside the KV, on its slots: MiniMax's sparse layers' index keys (a K-only
+    pool, moved by its own host pool) or an MTP draft layer's KV (packed into the target's host
+    pool after the target's own layers); rows by token id (``what``'s table), unlike the KV's."""
 
-    def __init__(self, device) -> None:
-        self.layers = list(device.index_k_pool.k_buffer)
-        if "index rows" not in _TABLES:
-            generator = torch.Generator().manual_seed(5521)
-            _TABLES["index rows"] = [torch.randn((VOCAB, *layer.shape[1:]), generator=generator).to(layer.dtype)
-                                     for layer in self.layers]
-        self.table = _TABLES["index rows"]
-
-    def computed(self, slots, ids) -> None:
-        for layer, table in zip(self.layers, self.table):
-            layer[slots] = table[ids]
-
-    def check(self, prefix, tokens: list) -> None:
-        _check_rows("index row", [layer[prefix] for layer in self.layers], self.table, tokens, range(len(tokens)))
-
-
-class _DraftRows(_OnTheKVSlots):
-    """A speculative draft model's KV beside the target's (DeepSeek's MTP layer): on the target's
-    slots, its layers packed into the target's host pool after the target's own; its rows by
-    token id, unlike the target's."""
-
-    def __init__(self, draft) -> None:
-        self.layers = list(draft.kv_buffer)
-        if "draft" not in _TABLES:
-            generator = torch.Generator().manual_seed(7717)
-            _TABLES["draft"] = [torch.randn((VOCAB, *layer.shape[1:]), generator=generator).to(layer.dtype)
-                                for layer in self.layers]
-        self.table = _TABLES["draft"]
+    def __init__(self, what: str, layers, seed: int) -> None:
+        self.what, self.layers = what, list(layers)
+        if what not in _TABLES:
+            generator = torch.Generator().manual_seed(seed)
+            _TABLES[what] = [torch.randn((VOCAB, *layer.shape[1:]), generator=generator).to(layer.dtype)
+                             for layer in self.layers]
+        self.table = _TABLES[what]
 
     def computed(self, slots, ids) -> None:
         for layer, table in zip(self.layers, self.table):
             layer[slots] = table[ids]
 
     def check(self, prefix, tokens: list) -> None:
-        _check_rows("draft layer", [layer[prefix] for layer in self.layers], self.table, tokens, range(len(tokens)))
+        _check_rows(self.what, [layer[prefix] for layer in self.layers], self.table, tokens, range(len(tokens)))
 
 
 class _IndexKeys(_OnTheKVSlots):
@@ -428,8 +408,9 @@ class _Serving:
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
         self.window = None if window is None else _SlidingWindow(self.cache, self.allocator, self.device)
-        index = {"dsa": _IndexKeys, "minimax": _IndexRows}.get(kind, lambda device: None)(self.device)
-        draft = _DraftRows(drafts[0]) if drafts else None
+        index = (_IndexKeys(self.device) if kind == "dsa" else
+                 _TokenRows("index row", self.device.index_k_pool.k_buffer, 5521) if kind == "minimax" else None)
+        draft = _TokenRows("draft layer", drafts[0].kv_buffer, 7717) if drafts else None
         self.beside = [part for part in (self.states, self.window, index, draft) if part]  # what else the tree keeps
         self.rows = [part for part in (self.window, index, draft) if part]  # what else a token's request writes
         if self.states or self.window:  # every device layer buffer, in the tables' order
