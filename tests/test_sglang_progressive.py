@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from machine import roomy_psutil  # noqa: F401 - a fixture
-from sglang_support import hold_background_registration, published, sglang  # noqa: F401 - sglang: a fixture
+from sglang_support import hold_background_registration, plug, published, sglang  # noqa: F401 - sglang: a fixture
 
 from hicache.testing import fake_cuda
 
@@ -22,16 +22,6 @@ torch = pytest.importorskip("torch")
 PAGE, LAYERS, DEVICE_TOKENS = 16, 3, 512
 SETTINGS = dict(page_size=PAGE, enable_hierarchical_cache=True, hicache_size=0.4,
                 hicache_mem_layout="page_first_direct", hicache_io_backend="direct")
-
-
-def _progressive_pools(monkeypatch) -> None:
-    """The plug-in loaded with HICACHE_SGLANG_POOLS=1 and HICACHE_PROGRESSIVE=1: SGLang builds
-    hicache's pools, and they serve while they register."""
-    import sglang.srt.plugins as plugins
-
-    monkeypatch.setenv("HICACHE_SGLANG_POOLS", "1")
-    monkeypatch.setenv("HICACHE_PROGRESSIVE", "1")
-    plugins.load_plugins()
 
 
 def _covered(held, ptr: int, size: int) -> bool:
@@ -55,7 +45,7 @@ def test_sglangs_controller_writes_while_the_pool_registers_and_after_it_is_read
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 
-    _progressive_pools(monkeypatch)
+    plug(monkeypatch, pools=True, progressive=True)  # SGLang builds hicache's pools; they serve while registering
     with published(**SETTINGS), fake_cuda(register_bytes_per_s=10e9) as fake:
         device = MHATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=8, head_dim=128,
                                   layer_num=LAYERS, device="cpu", enable_memory_saver=False)
@@ -128,7 +118,7 @@ def test_sglangs_controller_writes_an_anchor_and_its_index_pool_while_the_anchor
     from sglang.srt.mem_cache.memory_pool import MHATokenToKOnlyPool, MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 
-    _progressive_pools(monkeypatch)
+    plug(monkeypatch, pools=True, progressive=True)  # SGLang builds hicache's pools; they serve while registering
     with published(**SETTINGS), fake_cuda(register_bytes_per_s=10e9) as fake:
         # the KV pool's background registration waits for `go`: "while it registers" is the
         # test's order, not a race with the clock (the index pool, not progressive, is not held)

@@ -370,7 +370,7 @@ class _Serving:
             components = (ComponentType.FULL, ComponentType.MAMBA)
         elif kind in ("swa", "mamba-swa"):  # the latter: full layer 1, window layer 3, Mamba2 layers 0 and 2
             full, swa = (FULL_LAYERS, SWA_LAYERS) if kind == "swa" else (FULL_LAYERS[:1], FULL_LAYERS[1:])
-            self.device = SWAKVPool(size=DEVICE_TOKENS, size_swa=SWA_TOKENS, page_size=page, dtype=torch.bfloat16,
+            self.device = SWAKVPool(size=self.tokens, size_swa=SWA_TOKENS, page_size=page, dtype=torch.bfloat16,
                                     head_num=2, head_dim=64, swa_attention_layer_ids=swa,
                                     full_attention_layer_ids=full, device="cpu")
             components, window = (ComponentType.FULL, ComponentType.SWA), WINDOW
@@ -393,7 +393,7 @@ class _Serving:
             drafts = (MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **{**common, "layer_num": 1}),)
         self.eagle = bool(drafts)  # a speculative tree: bigram keys (a token and the next)
         if window:
-            self.allocator = SWATokenToKVPoolAllocator(DEVICE_TOKENS, SWA_TOKENS, page, torch.bfloat16, "cpu",
+            self.allocator = SWATokenToKVPoolAllocator(self.tokens, SWA_TOKENS, page, torch.bfloat16, "cpu",
                                                        self.device, False)
         else:  # as SGLang picks it: the token allocator for pages of one token
             self.allocator = (
