@@ -286,7 +286,8 @@ def _deepseek_v4_pool(runtime, ledger, layout):
     from hicache.pools import DeepSeekV4PagedHostPool
 
     buffers = [torch.randint(0, 256, (12, 48), dtype=torch.uint8) for _ in range(3)]
-    return DeepSeekV4PagedHostPool(pool_name="c4", device_buffers=buffers, item_bytes=48, num_host_pages=400,
+    # the window pool: the V4 paged pool that hands out its own slots (the others are whole: below)
+    return DeepSeekV4PagedHostPool(pool_name="swa", device_buffers=buffers, item_bytes=48, num_host_pages=400,
                                    slot_page_size=4, layout=layout, host=HostSetup(runtime=runtime, ledger=ledger, machine=ROOMY, limits=Limits(chunk_limit_bytes=8192)), options=HostPoolOptions(progressive=True))
 
 
@@ -334,6 +335,39 @@ def test_a_pool_beside_an_anchor_is_whole_before_it_serves_while_its_anchor_regi
     finally:
         index.destroy()
         anchor.destroy()
+    assert runtime.held() == set() and ledger.held() == ()
+
+
+def test_deepseek_v4s_side_pools_are_whole_before_they_serve_and_its_window_pool_serves_while_it_registers(caplog):
+    """SGLang 0.5.23's DeepSeek-V4 group copies its C4 KV, index keys and C128 KV at the slots of
+    its memoryless KV anchor (`LogicalHostPool`: every slot at once), so those pools register all
+    of themselves before they return, even asked to be progressive (a slot past their own
+    registration was a TransferError); its window pool ("swa"), whose own allocator hands out
+    what it copies, serves while it registers."""
+    from hicache.pools import DeepSeekV4PagedHostPool, LogicalHostPool
+
+    caplog.set_level("INFO", logger="hicache")
+    runtime, ledger = FakeRuntime(register_bytes_per_s=1e5), HostLedger()
+    rows = [torch.randint(0, 256, (9, 1024), dtype=torch.uint8) for _ in range(2)]  # page rows of 2 layers
+    made = [DeepSeekV4PagedHostPool(name, rows, 1024, 16, P, "page_first", **doors(
+        limits=Limits(chunk_limit_bytes=4096), runtime=runtime, ledger=ledger, machine=ROOMY, progressive=True))
+        for name in ("deepseek_v4_c4", "swa")]
+    c4, window = made
+    try:
+        assert 0 < window.ready_pages() < window.page_num
+        assert c4.ready_pages() == c4.page_num
+        assert "not progressively: its slots are another pool's (its anchor's)" in caplog.text  # the log says why
+        slots = LogicalHostPool(16 * P, P).alloc(16 * P)  # every slot the anchor hands out, at once
+        on_device = torch.arange(8 * P).repeat(2)  # device pages 0-7, twice over
+        want = [layer[:8].clone() for layer in rows]
+        c4.backup_from_device_all_layer(None, slots, on_device, "direct")
+        for layer in rows:
+            layer.zero_()
+        c4.load_to_device_per_layer(None, slots[-8 * P:], on_device[:8 * P], 1, "direct")  # the last 8 host pages
+        assert torch.equal(rows[1][:8], want[1]) and not rows[0].any()
+    finally:
+        for pool in made:
+            pool.destroy()
     assert runtime.held() == set() and ledger.held() == ()
 
 

@@ -14,7 +14,9 @@ pressure and loads it back from its host pool), a model of all three (full and w
 Mamba2 states, three host pools), DeepSeek's sparse attention (MLA KV and the
 indexer's keys, two host pools, pages of 64), MiniMax's (MHA KV and the K-only index pool on its
 slots), MLA with DeepSeek's MTP draft layer packed into its host pool (speculative decoding's
-tree: keys of bigrams) and SGLang's Python tree core. `engine` and
+tree: keys of bigrams), DeepSeek-V4 (pages of 256: a memoryless KV anchor and six pools of page
+rows - window KV, C4 KV, C4 index keys, two compressor states, C128 KV) and SGLang's Python tree
+core. `engine` and
 `traffic` serve tests/test_sglang_radix_storage.py too (an L3 back end: `_Serving` then takes
 the scheduler's L3 step).
 
@@ -25,7 +27,8 @@ registering their memory), with fake_cuda standing in for the driver:
   the Mamba2 hybrid, also the state where a prefix ends, by its last token; for the window
   hybrid, also its window layers wherever the prefix still maps a window slot, and a whole
   window before the prefix's end; for DeepSeek's and MiniMax's, also each token's index key;
-  with MTP, also the draft layer's row);
+  with MTP, also the draft layer's row; DeepSeek-V4 has no token rows: every page of the prefix
+  holds its compressed page rows, and its window pages their window KV and states);
 - over hicache's pool the tree makes exactly the decisions it makes over SGLang's (the same
   matches, host hits, loads, evictions, device and host free space after each step), and at the
   end every page, window and state slot is back and nothing stays registered.
@@ -60,6 +63,11 @@ UNITS = {"dsa": 64}
 #: SGLang's side pools whose destroy() unregisters only where their own module says CUDA
 CUDA_GATED = {"dsa": ["sglang.srt.mem_cache.pool_host.dsa"], "minimax": ["sglang.srt.mem_cache.pool_host.mha"]}
 INDEX_KEY, INDEX_SCALE = 128, 4  # a DSA index key's bytes per token (fp8, head dim 128) and its scale's
+
+#: kind "v4" (DeepSeek-V4): a window-only layer, a C4 layer (compressed KV, index keys, compressor
+#: states) and a C128 layer; pages of 256 tokens (SGLang's configurator asserts it), a window of 128
+V4_RATIOS, V4_WINDOW, V4_WINDOW_PAGES = [0, 4, 128], 128, 4
+UNITS["v4"] = 256
 
 FULL_LAYERS, MAMBA_LAYERS = [1, 3], [0, 2]  # kind "mamba": a hybrid model's attention and Mamba2 layers
 SWA_LAYERS, WINDOW, SWA_TOKENS = [0, 2], 24, 96  # kind "swa": its sliding-window layers (the rest: full)
@@ -277,6 +285,94 @@ class _SlidingWindow:
         return (self.slots, 0, 0, self.host.size)
 
 
+def _v4_device(tokens: int, page: int):
+    """DeepSeek-V4's device pool as SGLang's configurator builds it (non-unified KV: paged window
+    KV, fp8 C4 and C128 KV, fused fp8 index keys, compressor states by window page)."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    window = V4_WINDOW_PAGES * page
+    return DeepSeekV4TokenToKVPool(
+        max_num_reqs=4, num_req_slots=5, swa_size=window, c4_size=tokens // 4, c128_size=tokens // 128,
+        c4_state_pool_size=window, c128_state_pool_size=4, page_size=page, swa_page_size=page,
+        sliding_window=V4_WINDOW, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
+        c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
+        layer_num=len(V4_RATIOS), device="cpu", enable_memory_saver=False, compression_ratios=V4_RATIOS,
+        full_size=tokens, start_layer=0, end_layer=len(V4_RATIOS))
+
+
+def _page_pattern(buffer: int, page_id: int, width: int):
+    """What a request writes into device page row buffer ``buffer`` for its page ``page_id`` (the
+    page's first token // 256: fresh pages are page-aligned runs of fresh ids): distinct for
+    every buffer and every page id below 256, and cheap, unlike a table of 150 KiB rows."""
+    return ((torch.arange(width, dtype=torch.int64) * 7 + page_id * 131 + buffer * 37) % 256).to(torch.uint8)
+
+
+class _DeepSeekV4(_SlidingWindow):
+    """DeepSeek-V4's pages, as SGLang keeps them: no full-attention KV (the tree's FULL host pool
+    is SGLang's memoryless `LogicalHostPool`); per full page, a page row of compressed C4 KV, of
+    C4 index keys and of C128 KV; per window page, a row of window KV per layer and of the C4
+    compressors' states. Each buffer has its own host pool, which takes the KV's host slots (the
+    full-page ones) or the window's. The window's slots: as `_SlidingWindow`'s."""
+
+    def __init__(self, cache, allocator, device) -> None:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        self.cache, self.allocator = cache, allocator
+        self.host = cache.host_pool_group.get_pool(PoolName.SWA)
+        self.slots = allocator.swa_available_size()
+        c4 = [i for i, ratio in enumerate(V4_RATIOS) if ratio == 4]
+        self.full = [*device.c4_kv_pool.kv_buffer, *device.c4_indexer_kv_pool.index_k_with_scale_buffer,
+                     *device.c128_kv_pool.kv_buffer]  # row: a full page
+        self.window = [*device.swa_kv_pool.kv_buffer,  # row: a window page
+                       *(self._state_rows(pools[i]) for pools in (device.compress_state_pools,
+                                                                  device.indexer_compress_state_pools) for i in c4)]
+
+    @staticmethod
+    def _state_rows(pool):
+        """A compressor's state slots as rows of a window page's ring (SGLang's state host pool's unit)."""
+        state = pool.kv_score_buffer.kv_score.view(torch.uint8).reshape(pool.kv_score_buffer.kv_score.shape[0], -1)
+        usable = state.shape[0] // pool.ring_size * pool.ring_size
+        return state[:usable].reshape(usable // pool.ring_size, -1)
+
+    def _pages(self, slots, ids) -> list:
+        """Per page of ``slots``: its full page, its window page (0: none) and its id."""
+        page = self.allocator.page_size
+        window = self.allocator.translate_loc_from_full_to_swa(slots)
+        return [(int(slots[k]) // page, int(window[k]) // page, int(ids[k]) // page)
+                for k in range(0, len(slots), page)]
+
+    def computed(self, slots, ids) -> None:
+        for full, window, page_id in self._pages(slots, ids):
+            for b, buffer in enumerate(self.full):
+                buffer[full] = _page_pattern(b, page_id, buffer.shape[1])
+            for b, buffer in enumerate(self.window, start=len(self.full)):
+                buffer[window] = _page_pattern(b, page_id, buffer.shape[1])
+
+    def scribble(self) -> None:
+        """Garbage over every free full and window page: a freed page keeps its bytes, and the
+        allocator hands it out again, so a load that copied nothing (or the wrong page) would
+        otherwise often read as right."""
+        for allocator, buffers in ((self.allocator.full_attn_allocator, self.full),
+                                   (self.allocator.swa_attn_allocator, self.window)):
+            free = allocator.get_all_free_pages()
+            for buffer in buffers:
+                buffer[free] = 0x5A  # never a page pattern: those step by 7 from byte to byte
+
+    def check(self, prefix, tokens: list) -> None:
+        """Every page of the prefix holds its compressed rows; its last page (the window) and every
+        window page it still maps hold its window rows."""
+        pages = self._pages(prefix, torch.tensor(tokens, dtype=torch.int64))
+        assert not pages or pages[-1][1] > 0, f"the window before token {tokens[-1]} is not on the device"
+        for n, (full, window, page_id) in enumerate(pages):
+            rows = [(b, buffer[full]) for b, buffer in enumerate(self.full)]
+            if window:
+                rows += [(b, buffer[window]) for b, buffer in enumerate(self.window, start=len(self.full))]
+            for b, row in rows:
+                assert torch.equal(row, _page_pattern(b, page_id, len(row))), (
+                    f"DeepSeek-V4 buffer {b}: page {n} (tokens from {tokens[n * self.allocator.page_size]}) is "
+                    f"served on the device with bytes its request never wrote")
+
+
 class _OnTheKVSlots:
     """A part beside the KV whose host pool takes the KV host pool's slots: no room of its own."""
 
@@ -358,8 +454,10 @@ class _Serving:
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        self.kind, self.table, page = kind, _table(kind), server_args.page_size
+        self.kind, self.table, page = kind, [] if kind == "v4" else _table(kind), server_args.page_size
         self.unit = UNITS.get(kind, UNIT)
+        # ids a table has rows for; DeepSeek-V4's page patterns: 256 pages' first tokens
+        self.vocab = 256 * page if kind == "v4" else VOCAB
         self.tokens = DEVICE_UNITS * self.unit  # the device's
         common = dict(size=self.tokens, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
@@ -377,6 +475,9 @@ class _Serving:
             if kind == "mamba-swa":
                 requests, _, tensors = _hybrid_pools(server_args, self.device)
                 components = (*components, ComponentType.MAMBA)
+        elif kind == "v4":  # its window pool: V4_WINDOW_PAGES pages
+            self.device = _v4_device(self.tokens, page)
+            components, window = (ComponentType.FULL, ComponentType.SWA), V4_WINDOW
         elif kind == "mha":
             self.device = MHATokenToKVPool(head_num=2, head_dim=64, **common)
         elif kind == "dsa":
@@ -393,7 +494,8 @@ class _Serving:
             drafts = (MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **{**common, "layer_num": 1}),)
         self.eagle = bool(drafts)  # a speculative tree: bigram keys (a token and the next)
         if window:
-            self.allocator = SWATokenToKVPoolAllocator(self.tokens, SWA_TOKENS, page, torch.bfloat16, "cpu",
+            window_tokens = V4_WINDOW_PAGES * page if kind == "v4" else SWA_TOKENS
+            self.allocator = SWATokenToKVPoolAllocator(self.tokens, window_tokens, page, self.device.dtype, "cpu",
                                                        self.device, False)
         else:  # as SGLang picks it: the token allocator for pages of one token
             self.allocator = (
@@ -407,13 +509,16 @@ class _Serving:
         atexit.unregister(self.cache.shutdown)  # init_hicache pins the cache until exit (SGLang's kits drop it too)
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
-        self.window = None if window is None else _SlidingWindow(self.cache, self.allocator, self.device)
+        self.window = (None if window is None else
+                       (_DeepSeekV4 if kind == "v4" else _SlidingWindow)(self.cache, self.allocator, self.device))
         index = (_IndexKeys(self.device) if kind == "dsa" else
                  _TokenRows("index row", self.device.index_k_pool.k_buffer, 5521) if kind == "minimax" else None)
         draft = _TokenRows("draft layer", drafts[0].kv_buffer, 7717) if drafts else None
         self.beside = [part for part in (self.states, self.window, index, draft) if part]  # what else the tree keeps
         self.rows = [part for part in (self.window, index, draft) if part]  # what else a token's request writes
-        if self.states or self.window:  # every device layer buffer, in the tables' order
+        if kind == "v4":  # no full-attention KV of its own
+            self.layers = []
+        elif self.states or self.window:  # every device layer buffer, in the tables' order
             self.layers = [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
         elif kind == "mha":
             self.layers = [*self.device.k_buffer, *self.device.v_buffer]
@@ -490,6 +595,8 @@ class _Serving:
         if match.host_hit_length or match.mamba_host_hit_length or match.swa_host_hit_length:
             # the scheduler's load-back budget evicts first
             self._evict_for(max(match.host_hit_length, match.swa_host_hit_length))
+            if self.kind == "v4":
+                self.window.scribble()
             loaded, last = cache.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
             row.append(loaded)
@@ -574,8 +681,9 @@ STEPS = st.lists(st.tuples(st.sampled_from(["serve", "serve", "serve", "serve", 
                            st.integers(0, 15), st.integers(0, 15)), min_size=12, max_size=30)
 
 
-def _requests(steps, unit: int = UNIT) -> list:
-    """The token lists the serve steps ask for: fresh ids for the new pages, shared prefixes."""
+def _requests(steps, unit: int = UNIT, vocab: int = VOCAB) -> list:
+    """The token lists the serve steps ask for: fresh ids (below ``vocab``) for the new pages,
+    shared prefixes."""
     asked, seen, fresh = [], [[]], 1
     for what, a, b in steps:
         if what != "serve":
@@ -590,7 +698,7 @@ def _requests(steps, unit: int = UNIT) -> list:
             tokens, fresh = base[:keep] + list(range(fresh, fresh + new)), fresh + new
         seen.append(tokens)
         asked.append(tokens)
-    assert fresh < VOCAB
+    assert fresh < vocab
     return asked
 
 
@@ -607,7 +715,8 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
 
     plug(monkeypatch, pools=pools == "hicache", progressive=held is not None)
     if held is not None:
-        monkeypatch.setenv("HICACHE_CALL_CAP", "64 KiB")  # calls of 4 MHA pages here: most of it registers behind
+        # calls of 4 MHA pages here, of one DeepSeek-V4 window page: most of it registers behind
+        monkeypatch.setenv("HICACHE_CALL_CAP", "512 KiB" if kind == "v4" else "64 KiB")
     flags = dict(page_size=page, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
                  hicache_io_backend=backend, hicache_write_policy=policy, **storage)
     server_args = ServerArgs(model_path="dummy", **flags)
@@ -638,7 +747,7 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
 def traffic(serving: _Serving, steps, settle=None) -> list:
     """The steps served, each followed by ``settle(serving)`` if given and the free space; its trace."""
     trace = []
-    for step, tokens in zip(steps, _requests(steps, serving.unit)):
+    for step, tokens in zip(steps, _requests(steps, serving.unit, serving.vocab)):
         what, a, _ = step
         trace.append(serving.serve(tokens) if what == "serve" else getattr(serving, what)(a * serving.unit))
         if settle is not None:
@@ -673,6 +782,7 @@ RUNS = 3
     ("dsa", "page_first", "kernel", 64, "write_through"),  # MLA and DeepSeek's indexer keys, two host pools
     ("minimax", "page_first", "kernel", 16, "write_through"),  # MHA and MiniMax's index keys (K-only), two pools
     ("mtp", "page_first", "kernel", 16, "write_through"),  # MLA with an MTP draft layer packed in: EAGLE's tree
+    ("v4", "page_first", "kernel", 256, "write_through"),  # DeepSeek-V4: window KV, C4 and C128 KV, states: 7 pools
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # examples of RUNS traffics: the plug-in is loaded twice an example, not twice a traffic (SGLang's
 # loader takes ~0.15 s, more than a traffic's engine); 4 examples, as hypothesis's first is its
@@ -706,7 +816,7 @@ def _all_free(trace) -> None:
         f"pages not all free at the end: {trace[-2]}")
 
 
-@pytest.mark.parametrize("kind, page", [("mha", 16), ("mamba", 1), ("swa", 1), ("mamba-swa", 1)])
+@pytest.mark.parametrize("kind, page", [("mha", 16), ("mamba", 1), ("swa", 1), ("mamba-swa", 1), ("v4", 256)])
 def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, roomy_psutil, kind, page):
     """A fixed run of the traffic above, so the property cannot pass on traces that never
     load, demote or drop: host hits loaded back (with a Mamba state, or a window, for the
@@ -722,31 +832,40 @@ def test_the_traffic_reaches_every_decision_the_laws_judge(sglang, monkeypatch, 
     assert any(row[0] == "evict" and row[2] > 0 for row in trace)
     assert any(row[0] == "evict_host" and row[2] > 0 for row in trace)
     spaces = [row for row in trace if row[0] == "space"]
-    assert min(row[4] for row in spaces) < 2 * DEVICE_TOKENS // 4, "the host never filled"
+    # the host pool that fills first (DeepSeek-V4's: its window's, half the full one's pages): free, size
+    host, size = (8, 6) if kind == "v4" else (4, 2)
+    assert min(row[host] for row in spaces) < trace[-1][size] // 4, "the host never filled"
     if "mamba" in kind:  # states backed up to the host pool, and one loaded back
         assert min(row[6] for row in spaces) < trace[-1][4], "no Mamba state ever on the host"
-    if "swa" in kind:  # window KV dropped from the device under its own pool's pressure, and loaded back
-        window_free = 5 if kind == "swa" else 7  # after the Mamba pools' two
+    if "swa" in kind or kind == "v4":  # window KV dropped from the device under its own pool's pressure, loaded back
+        window_free = 7 if kind == "mamba-swa" else 5  # after the Mamba pools' two
         assert min(row[window_free] for row in spaces) == 0, "the window pool never filled"
         assert any(row[-1][1] > 0 for row in serves), "no window loaded back from the host"
     _all_free(trace)
 
 
 @pytest.mark.concurrency  # a background registration, held and let go
-@pytest.mark.parametrize("kind, page", [("mha", 16), ("minimax", 16)])
+@pytest.mark.parametrize("kind, page", [("mha", 16), ("minimax", 16), ("v4", 256)])
 def test_the_tree_serves_over_progressive_pools_while_they_register(sglang, monkeypatch, roomy_psutil, kind, page):
     """HICACHE_PROGRESSIVE=1 under SGLang's tree (MHA; MiniMax's KV pool and the index pool on its
-    slots): requests served while the host pools' background registration is held - the host
-    short of ready pages, write-throughs skipped - then while it goes on and after; every token
-    right, no transfer error, and at the end every page free and nothing registered."""
+    slots; DeepSeek-V4's window pool, its side pools on the memoryless KV anchor's slots):
+    requests served while the host pools' background registration is held - the host short of
+    ready pages, write-throughs skipped - then while it goes on and after; every token right, no
+    transfer error, and at the end every page free and nothing registered."""
     held = threading.Event()
     fresh = [("serve", 0, 2)] * 4
     steps = [("serve", 0, 1), *fresh[:2], ("serve", 1, 0), *fresh, ("serve", 1, 0), ("serve", 1, 4)]
     with engine(monkeypatch, "hicache", kind, "page_first", "kernel", page, "write_through", held=held) as serving:
+        # the pool that registers behind, and its free slots' column in a space row (V4's: its window's)
+        host, column = (serving.window.host, 8) if kind == "v4" else (serving.host, 4)
         try:
-            host, ready = serving.host, serving.host.ready_pages()
+            ready = host.ready_pages()
             assert host.progressive and 0 < ready < host.page_num
-            room = [row[4] for row in traffic(serving, steps) if row[0] == "space"]  # the host's free slots
+            beside = [entry.host_pool for entry in serving.cache.host_pool_group.entries[1:]
+                      if entry.host_pool is not host]
+            # on another pool's slots (the anchor's, by its readiness): whole before they serve
+            assert all(pool.ready_pages() == pool.page_num for pool in beside)
+            room = [row[column] for row in traffic(serving, steps) if row[0] == "space"]  # the host's free slots
             assert host.ready_pages() == ready  # all of it served while the pool registered
             assert max(room) <= ready * page and min(room) < ready * page  # write-throughs on its ready pages only
         finally:
@@ -754,4 +873,6 @@ def test_the_tree_serves_over_progressive_pools_while_they_register(sglang, monk
         assert host.wait_ready(timeout=60)
         after = traffic(serving, steps)
         assert any(row[3] > 0 and row[4] == row[3] for row in after if row[0] == "serve"), "no host hit loaded"
-        assert serving.drain() == ("space", serving.tokens, 0, 0, host.size)
+        drained = serving.drain()
+        assert drained[:4] == ("space", serving.tokens, 0, 0)
+        _all_free([drained, serving.sizes()])

@@ -14,8 +14,8 @@ token id; for the hybrids and the sparse attentions also what the store's second
 Mamba2 states, windows, index keys); every request the first engine completed comes back
 whole; and the restarted engine's trace (matches, host hits, tokens from storage, loads) is the
 same as over SGLang's own `HiCacheFile` back end - for MHA, MLA, MLA with an MTP draft layer
-(whole: the pages of bigrams the tree keeps), DeepSeek's and MiniMax's sparse attention, a Mamba2
-hybrid, a sliding-window hybrid, one of both, layer_first and write_back (whose unevicted
+(whole: the pages of bigrams the tree keeps), DeepSeek's and MiniMax's sparse attention,
+DeepSeek-V4 (seven pools; its KV anchor's pages are the store's markers), a Mamba2 hybrid, a sliding-window hybrid, one of both, layer_first and write_back (whose unevicted
 requests never reach L3; nor does SGLang fetch every short span of a sliding-window model: no
 whole-back law for those), over hicache's pools and over SGLang's own pools alike. (SGLang's own pools
 under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.) The first engine
@@ -49,20 +49,29 @@ ENGINES = {  # family, layout, io_backend, page size, write policy
     "dsa": ("dsa", "page_first", "kernel", 64, "write_through"),  # DeepSeek's indexer keys: the store's second pool
     "minimax": ("minimax", "page_first", "kernel", 16, "write_through"),  # MiniMax's index keys: its second pool
     "mtp": ("mtp", "page_first", "kernel", 16, "write_through"),  # an MTP draft layer in the KV pages; EAGLE's tree
+    "v4": ("v4", "page_first", "kernel", 256, "write_through"),  # DeepSeek-V4: six pools of page rows, seven in all
 }
 #: where every completed request comes back whole: not under write_back (above), nor for a
 #: sliding-window model, where SGLang prefetches no L3 span shorter than a window's pages that
 #: starts below a device prefix (its SWA component's `prepare_prefetch`: "the window head would
-#: have to come from the device prefix, which the match validator does not promise")
+#: have to come from the device prefix, which the match validator does not promise"). DeepSeek-V4
+#: comes back whole: its window (128 tokens) is under one page (256), so no span is that short
 WHOLE_BACK = set(ENGINES) - {"mha-write_back", "swa", "mamba-swa"}
 
 
-def _flags(store: str, where) -> dict:
+#: the arena's size, GB: no page of a traffic evicted, as none is from HiCacheFile's directory.
+#: DeepSeek-V4's: six pools' pages and the anchor's marker a page of tokens, each in a slot of its
+#: largest page (the window KV's 449 KiB): 3.1 MiB a page of tokens
+ARENA_GB = {"v4": 0.5}
+
+
+def _flags(store: str, where, family: str) -> dict:
     """The launch flags of an L3 back end: hicache's store through the dynamic seam (its arena
     created by the first engine, attached by the next), or SGLang's HiCacheFile."""
     if store == "hicache":
         extra = {"backend_name": "hicache_node", "module_path": "hicache.compat.sglang_store",
-                 "class_name": "HiCacheNodeStore", "interface_v1": 1, "arena": str(where / "arena"), "size_gb": 0.05}
+                 "class_name": "HiCacheNodeStore", "interface_v1": 1, "arena": str(where / "arena"),
+                 "size_gb": ARENA_GB.get(family, 0.05)}
         backend = "dynamic"
     else:
         extra, backend = {}, "file"
@@ -92,13 +101,13 @@ def _restart(monkeypatch, pools: str, store: str, where, steps, family: str = "m
     from sglang.srt.environ import envs
 
     with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(where / "files")):
-        with engine(monkeypatch, pools, *ENGINES[family], **_flags(store, where)) as first:
+        with engine(monkeypatch, pools, *ENGINES[family], **_flags(store, where, family)) as first:
             assert type(first.cache.cache_controller.storage_backend).__name__ == (
                 "HiCacheNodeStore" if store == "hicache" else "HiCacheFile")
             rows = [row for row in traffic(first, steps, settle=_written) if row[0] == "serve"]
-        served = [tokens for tokens in _requests(steps, first.unit) if tokens is not None]
+        served = [tokens for tokens in _requests(steps, first.unit, first.vocab) if tokens is not None]
         completed = [tokens for tokens, row in zip(served, rows) if row[-1] != "no room"]
-        with engine(monkeypatch, pools, *ENGINES[family], **_flags(store, where)) as restarted:
+        with engine(monkeypatch, pools, *ENGINES[family], **_flags(store, where, family)) as restarted:
             again = [restarted.serve(tokens) for tokens in completed]
             return completed, again, restarted.fetched
 

@@ -218,6 +218,51 @@ def test_sidecar_pages_round_trip_and_a_bad_transfer_fails_its_pages(sglang, shm
         store.close()
 
 
+@pytest.mark.parametrize("side", ["sglang", "hicache"])
+def test_a_memoryless_anchor_keeps_a_marker_per_page_and_answers_as_hicache_file(sglang, shm_dir, pools, side):
+    """DeepSeek-V4's KV anchor (`LogicalHostPool`, SGLang's or hicache's) holds no bytes: the store
+    keeps a marker page for each of its pages (before, SGLang's attach failed on it), so it answers
+    presence as HiCacheFile (an empty file a page) beside a sidecar's real pages, and a KV page
+    whose bytes are not the marker reads as a miss."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool as Theirs
+
+    from hicache.compat._store_views import MARKER
+    from hicache.pools import LogicalHostPool as Ours
+
+    anchor, swa = (Theirs if side == "sglang" else Ours)(8 * PAGE, PAGE), pools[1]
+    ours = _store(shm_dir / "arena", anchor, sidecars=[(PoolName.SWA, swa)])
+    theirs = _file_backend(shm_dir / "file")
+    theirs.register_mem_pool_host(anchor)
+    for name, pool in ((PoolName.KV, anchor), (PoolName.SWA, swa)):  # as SGLang's controller registers a group
+        theirs.register_mem_host_pool_v2(pool, name)
+    keys = ["a", "b", "c", "d"]
+    try:
+        for backend in (ours, theirs):
+            put = [PoolTransfer(name=PoolName.KV, host_indices=torch.arange(0, 3 * PAGE), keys=keys[:3]),
+                   PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, 2 * PAGE), keys=keys[:2])]
+            assert backend.batch_set_v2(put) == {PoolName.KV: [True] * 3, PoolName.SWA: [True] * 2}
+        for policy in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES, None):
+            transfers = [] if policy is None else [PoolTransfer(name=PoolName.SWA, keys=keys[:1], hit_policy=policy)]
+            a, b = ours.batch_exists_v2(keys, transfers), theirs.batch_exists_v2(keys, transfers)
+            assert (a.kv_hit_pages, a.extra_pool_hit_pages, a.restorable_prefix_pages) == \
+                   (b.kv_hit_pages, b.extra_pool_hit_pages, b.restorable_prefix_pages)
+        want = [_page(swa, i).clone() for i in range(2)]
+        get = [PoolTransfer(name=PoolName.KV, host_indices=torch.arange(4 * PAGE, 8 * PAGE), keys=keys),
+               PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(5 * PAGE, 7 * PAGE), keys=keys[:2])]
+        assert ours.batch_get_v2(get) == {PoolName.KV: [True, True, True, False], PoolName.SWA: [True, True]}
+        assert all(torch.equal(_page(swa, 5 + i), want[i]) for i in range(2))
+        view = ours.pools[PoolName.KV.value]
+        assert view.page_bytes == len(MARKER) and view.memoryless
+        other = torch.zeros(len(MARKER), dtype=torch.uint8)  # a whole, checksummed page, not the marker
+        assert ours.store.put(view.namespace, ["e"], [[(other.data_ptr(), other.nbytes)]]) == [True]
+        assert ours.store_present(PoolName.KV, ["e"]) == [True]
+        wrong = [PoolTransfer(name=PoolName.KV, host_indices=torch.arange(0, 2 * PAGE), keys=["e", "a"])]
+        assert ours.batch_get_v2(wrong) == {PoolName.KV: [False, True]}
+    finally:
+        ours.close()
+
+
 def test_legacy_flat_pages_round_trip(sglang, shm_dir, pools):
     """SGLang's legacy calls (interface_v1 off): set/batch_set of flat pages, get/batch_get into
     flat targets - byte-exact, None for a miss - in a namespace of their own."""

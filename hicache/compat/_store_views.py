@@ -1,8 +1,9 @@
 """How a host pool registered with the node store turns pages into copy segments: its page
 bytes and segments per page (SGLang's `get_page_buffer_meta`, or one flat data page where a pool
-has none or refuses its layout), and the checks every copy passes first - host indices on page boundaries inside the
-pool, every segment inside one of the pool's own tensors. Duck-typed over SGLang's pools and
-hicache's; imports hicache.errors (and torch, lazily) only.
+has none or refuses its layout, or a marker where it holds no memory), and the checks every copy
+passes first - host indices on page boundaries inside the pool, every segment inside one of the
+pool's own tensors. Duck-typed over SGLang's pools and hicache's; imports hicache.errors (and
+torch, lazily) only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from array import array
 
 from hicache.errors import ArenaError, TransferError
 from hicache.store import PageSegments
+
+
+#: a memoryless pool's page in the store (SGLang's `LogicalHostPool`, DeepSeek-V4's page anchor, holds
+#: no bytes: its page says only that the page's tokens were stored, as HiCacheFile's empty file does);
+#: one checksum word, so it is stored and checked like any page
+MARKER = b"hicache\x00"
 
 
 def _buffers(pool) -> list[tuple[int, int]]:
@@ -36,8 +43,10 @@ class PoolView:
     def __init__(self, name: str, pool, *, zero_copy: bool, namespace_of) -> None:
         self.name, self.pool = name, pool
         self.page_size = getattr(pool, "page_size", 1) or 1
-        self.zero_copy = zero_copy and hasattr(pool, "get_page_buffer_meta")
         self.bounds = _buffers(pool)
+        # SGLang's `LogicalHostPool` and hicache's: no buffer, no bytes a token
+        self.memoryless = getattr(pool, "kv_buffer", ()) is None and getattr(pool, "size_per_token", None) == 0
+        self.zero_copy = zero_copy and hasattr(pool, "get_page_buffer_meta") and not self.memoryless
         self._starts = [start for start, _ in self.bounds]
         if self.zero_copy:
             try:
@@ -63,7 +72,25 @@ class PoolView:
         pinned: a CPU-only torch refuses it, and a host-to-host copy gains nothing from it)."""
         import torch
 
+        if self.memoryless:
+            return torch.empty(len(MARKER), dtype=torch.uint8)
         return torch.empty_like(self.pool.get_data_page(0, flat=True).contiguous())
+
+    def flat_page(self, start: int):
+        """The flat data page at host index ``start``; a memoryless pool's: its marker."""
+        import torch
+
+        if self.memoryless:
+            return torch.frombuffer(bytearray(MARKER), dtype=torch.uint8)
+        return self.pool.get_data_page(start, flat=True)
+
+    def set_flat_page(self, start: int, page) -> bool:
+        """Put a flat data page read from the store at host index ``start``; a memoryless pool's
+        marker is checked, not put (False: not the marker, a miss)."""
+        if self.memoryless:
+            return bytes(page.numpy()) == MARKER
+        self.pool.set_from_flat_data_page(start, page)
+        return True
 
     def _indices(self, starts):
         import torch

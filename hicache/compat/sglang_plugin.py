@@ -44,6 +44,8 @@ POOL_CLASSES = {
     "sglang.srt.mem_cache.pool_host.mamba.MambaPoolHost": "MambaPoolHost",
     "sglang.srt.mem_cache.memory_pool_host.LogicalHostPool": "LogicalHostPool",
     "sglang.srt.mem_cache.pool_host.dsa.DSAIndexerPoolHost": "DSAIndexerPoolHost",
+    "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool": "DeepSeekV4PagedHostPool",
+    "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4StateHostPool": "DeepSeekV4StateHostPool",
 }
 
 

@@ -267,14 +267,12 @@ class HiCacheNodeStore(HiCacheStorage):
             ok = (self._put(view, keys, pages, depth) if write else self.store.get(view.namespace, keys, pages))
         else:  # SGLang's flat data pages: one staging copy each way
             if write:
-                flats = [_flat_segments(view.pool.get_data_page(s, flat=True)) for s in starts]
+                flats = [_flat_segments(view.flat_page(s)) for s in starts]
                 ok = self._put(view, keys, [seg for seg, _ in flats], depth)
             else:
                 flats = [_flat_segments(view.staging_page()) for _ in starts]
-                ok = self.store.get(view.namespace, keys, [seg for seg, _ in flats])
-                for start, hit, (_, tensor) in zip(starts, ok, flats):
-                    if hit:
-                        view.pool.set_from_flat_data_page(start, tensor)
+                ok = [hit and view.set_flat_page(start, tensor) for start, hit, (_, tensor)
+                      in zip(starts, self.store.get(view.namespace, keys, [seg for seg, _ in flats]), flats)]
         seconds = max(time.perf_counter() - began, 1e-9)
         moved = sum(ok)
         kind = "backup" if write else "prefetch"

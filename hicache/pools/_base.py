@@ -281,7 +281,7 @@ class HostKVCache(SlotsMixin, DeviceCopiesMixin, ProgressiveMixin, StoragePagesM
         register = self.pin_memory and not framework_pin
         allocator = FrameworkPinnedAllocator() if framework_pin else self.allocator
         refusal = self.progressive and not_progressive_because(
-            self.geometry, register=register, has_allocator=self.has_allocator,
+            self.geometry, register=register, has_allocator=self.has_allocator and self.own_slots,
             maps_unfaulted=isinstance(allocator, HostAllocator) and allocator.can_map_unfaulted)
         if refusal:
             logger.info("%s: registering all of it before it serves, not progressively: %s", type(self).__name__,

@@ -176,6 +176,9 @@ class ProgressiveMixin:
 
     #: the pool's state these calls read (tests/test_import_rules.py): the part and the handle
     NEEDS = ("_progress", "_host")
+    #: whether the slots it copies are handed out by its own allocator, not by another pool's by
+    #: that pool's readiness (`not_progressive_because`; DeepSeek-V4's side pools say no)
+    own_slots = True
 
     def ready_pages(self) -> int:
         """Pages whose bytes are registered in every buffer (all of them unless progressive)."""

@@ -16,6 +16,10 @@ from hicache.pools._forms import DEVICE_POOL, POOL_NAME, NamedConstructors, disp
 from hicache.pools._hisparse import HiSparseHostPoolMixin
 from hicache.pools._options import split_keywords
 
+#: SGLang 0.5.23's name for DeepSeek-V4's window pool (`PoolName.SWA`): the one paged pool of its
+#: group whose own allocator hands out the slots it copies
+WINDOW_POOL = "swa"
+
 
 class V4PagedShape(Shape):
     """DeepSeek-V4 paged builder: ``item_bytes`` per page row per layer (device ``kv_buffer``),
@@ -101,6 +105,14 @@ class DeepSeekV4PagedHostPool(NamedConstructors, HiSparseHostPoolMixin, HostKVCa
         if self.layout == "layer_first":  # one buffer per layer
             return self.buffers[layer]
         return super()._host_view(stream, layer)
+
+    @property
+    def own_slots(self) -> bool:
+        """SGLang 0.5.23's V4 group hands out slots from two pools: its memoryless KV anchor
+        (`LogicalHostPool`, every slot ready at once) and the window pool (pool name "swa"); every
+        other paged pool (C4 KV, its index keys, C128, ...) copies at the KV anchor's slots, so
+        it registers whole before it serves. The device-pool form (no pool name) allocates its own."""
+        return self.pool_name in (None, WINDOW_POOL)
 
     def alloc(self, need_size: int):
         """SGLang's V4 pools round ``need_size`` up to whole slot pages."""
