@@ -171,6 +171,48 @@ def test_sglangs_deepseek_v4_state_pool(plugged, layout, monkeypatch):
         fake.check_valid()
 
 
+def test_in_pools_mode_hisparses_deepseek_v4_pool_stays_sglangs_and_the_trees_are_hicaches(sglang, monkeypatch):
+    """HICACHE_SGLANG_POOLS=1: SGLang's HiSparse coordinator builds its DeepSeek-V4 C4 pool
+    ("dsv4_hisparse_c4", through the name its module imported) as SGLang's own class - its decode
+    backups copy single tokens of the fused row, which hicache's V4 pools refuse - pinned through
+    the seam; the same replaced class builds hicache's for the tree's pools. Nothing stays held."""
+    import sglang.srt.managers.hisparse_coordinator as coordinator
+    import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as assembler
+
+    from sglang_support import plug
+
+    plug(monkeypatch, pools=True)
+    assert coordinator.DeepSeekV4PagedHostPool is assembler.DeepSeekV4PagedHostPool  # the one class pools mode put
+    rows = [torch.zeros(16, 512, dtype=torch.uint8) for _ in range(2)]
+    built = dict(device_buffers=rows, item_bytes=512, num_host_pages=8, slot_page_size=64, layout="layer_first")
+    with fake_cuda() as fake:
+        with _budget():
+            theirs = coordinator.DeepSeekV4PagedHostPool(pool_name="dsv4_hisparse_c4", **built)
+            ours = assembler.DeepSeekV4PagedHostPool("deepseek_v4_c4", **built)
+        try:
+            assert type(theirs).__module__ == "sglang.srt.mem_cache.memory_pool_host"
+            assert callable(theirs.backup_tokens_from_device_all_layer)
+            assert type(ours).__module__.startswith("hicache.") and ours.pool_name == "deepseek_v4_c4"
+            assert {tuple(r) for t in _tensors(theirs) for r in t._sglang_cuda_host_registered_ranges} < fake.held()
+        finally:
+            theirs.destroy()
+            ours.destroy()
+        assert fake.held() == set()
+        fake.check_valid()
+
+
+def test_pools_mode_built_again_over_its_own_classes_is_an_error_naming_the_class(sglang, monkeypatch):
+    """Keeping SGLang's class for HiSparse's pool needs SGLang's class: asked again once hicache's
+    is in its place (a second load without a reset), the plug-in says so instead of keeping its own."""
+    from sglang_support import plug
+
+    from hicache.compat.sglang_plugin import served_pool_classes
+
+    plug(monkeypatch, pools=True)
+    with pytest.raises(RuntimeError, match="DeepSeekV4PagedHostPool is hicache's already"):
+        served_pool_classes()
+
+
 def test_a_ctrl_c_at_each_register_call_leaves_sglangs_constructor_holding_nothing(plugged, monkeypatch):
     """KeyboardInterrupt at call k (before it takes effect, and after it did), for every k of an
     MHA pool's registration: SGLang's constructor raises KeyboardInterrupt, nothing stays

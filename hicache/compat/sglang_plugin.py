@@ -48,6 +48,13 @@ POOL_CLASSES = {
     "sglang.srt.mem_cache.memory_pool_host.DeepSeekV4StateHostPool": "DeepSeekV4StateHostPool",
 }
 
+#: pools SGLang 0.5.23 builds with a class pools mode replaces that hicache's class does not serve,
+#: by their ``pool_name``: its HiSparse coordinator's DeepSeek-V4 C4 pool (managers/
+#: hisparse_coordinator.py), whose decode backups copy single tokens of the fused C4 page row
+#: (`backup_tokens_from_device_all_layer`; hicache's V4 pools move whole page rows). Built as
+#: SGLang's own class, its memory hicache's through the seam, as HiSparse's MHA pool is.
+SGLANG_BUILT = {"sglang.srt.mem_cache.memory_pool_host.DeepSeekV4PagedHostPool": ("dsv4_hisparse_c4",)}
+
 
 #: SGLang's admission check, wrapped (AROUND) so ranks sample it one after another under the
 #: host-wide budget lock, against available memory less the host's claims still filling, each
@@ -154,8 +161,31 @@ def served_pool_classes() -> dict[str, type]:
 
     setup = HostSetup(server=SGLangProcess())
     classes = {target: getattr(pools, name) for target, name in POOL_CLASSES.items()}
-    return {target: pools.with_host(cls, setup) if issubclass(cls, pools.HostKVCache) else cls  # memoryless: as is
-            for target, cls in classes.items()}
+    served = {target: pools.with_host(cls, setup) if issubclass(cls, pools.HostKVCache) else cls  # memoryless: as is
+              for target, cls in classes.items()}
+    for target, names in SGLANG_BUILT.items():
+        served[target] = _keeping_sglangs(target, served[target], names)
+    return served
+
+
+def _keeping_sglangs(target: str, cls: type, names: tuple) -> type:
+    """``cls``, except that a pool whose ``pool_name`` (first, or by keyword) is one of ``names``
+    is built as SGLang's own class at ``target`` (taken now, before the REPLACE; the seam pins it)."""
+    import importlib
+
+    module, name = target.rsplit(".", 1)
+    original = getattr(importlib.import_module(module), name)
+    if original.__module__.startswith("hicache."):  # already replaced (a second load): SGLang's is not at hand
+        raise RuntimeError(f"hicache: {target} is hicache's already: the plug-in was loaded twice without a reset")
+
+    def __new__(klass, *args, **kwargs):
+        if kwargs.get("pool_name", args[0] if args else None) in names:
+            return original(*args, **kwargs)  # not a ``klass``: Python runs no ``klass.__init__`` on it
+        return super(keeping, klass).__new__(klass)
+
+    keeping = type(cls)(cls.__name__, (cls,), {"__new__": __new__, "__module__": cls.__module__,
+                                                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return keeping
 
 
 def _register_pool_classes(registry, hook_type, settings) -> list[str]:
