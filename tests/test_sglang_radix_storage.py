@@ -24,6 +24,7 @@ settles each step's writes before the next (`_written`). Needs `make sglang`."""
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -135,7 +136,10 @@ def test_a_restarted_engine_gets_every_completed_request_back_from_hicaches_stor
         for n, steps in enumerate(traffics):
             where = example / f"{pools}-{store}-{n}"
             where.mkdir()
-            runs[pools, store, n] = _restart(monkeypatch, pools, store, where, steps, family)
+            try:
+                runs[pools, store, n] = _restart(monkeypatch, pools, store, where, steps, family)
+            finally:  # its arena gone before the next is made: /dev/shm is memory (DeepSeek-V4's: 0.5 GB each)
+                shutil.rmtree(where)
     for n in range(RUNS):
         completed, again, fetched = runs["hicache", "hicache", n]
         if family in WHOLE_BACK:
