@@ -124,6 +124,40 @@ def test_plan_sizes_a_store_for_the_plans_kv_page(capsys):
     assert code == 2 and err.startswith("error[missing-flag]:")
 
 
+@pytest.mark.parametrize("model, token_pools, state_pools", [
+    ("deepseek-v3.2", ["kv", "indexer"], []),  # DSA: the KV and index keys, a slot each a page
+    ("mimo-v2-flash", ["full", "swa"], []),  # a sliding-window hybrid: full and window KV
+    ("qwen3-next-80b-a3b", ["kv"], ["mamba"]),  # Mamba2 states: one request's a page, the largest
+])
+def test_plan_sizes_a_multi_pool_store_by_its_largest_page_and_counts_a_page_of_tokens_in_each_pool(
+        capsys, model, token_pools, state_pools):
+    """A slot holds one pool's page, as the engine stores them: `hicache plan --store-gb` makes the
+    slot the largest page (the sum of the pools' pages was too big for each, and short of a Mamba
+    state's page, which the engine's attach then refused), counts a page of tokens as a slot in
+    each token pool, and refuses a given slot below the largest page, naming it. Each pool's page
+    is read here from its buffers: their bytes over their pages (a state pool's slots)."""
+    code, out, _ = run(capsys, "plan", "--model", model, "--format", "json", "--store-gb", "64")
+    data = json.loads(out)
+    pages = {}
+    for pool in data["pools"]:
+        params = pool["plan"]["params"]
+        pages[pool["name"]] = sum(b["nbytes"] for b in pool["plan"]["buffers"]) // params.get("page_num", params.get("slots"))
+    largest = max(pages.values())
+    assert code == 0 and data["store"] == plan_store(64 * 10**9, slot_bytes=-(-largest // 8) * 8).to_jsonable()
+    stored = data["store_pages"]
+    assert {p["pool"]: (p["page_bytes"], p["per_request"]) for p in stored["pools"]} == {
+        name: (size, name in state_pools) for name, size in pages.items()}
+    assert set(pages) == {*token_pools, *state_pools}
+    assert stored["slots_per_token_page"] == len(token_pools)
+    assert stored["token_pages"] == data["store"]["slots"] // len(token_pools)
+    assert stored["tokens"] == stored["token_pages"] * data["size"]["page_size"]
+    code, out, _ = run(capsys, "plan", "--model", model, "--store-gb", "64")
+    assert code == 0 and f"a page of 64 tokens in {len(token_pools)} ({', '.join(token_pools)})" in out
+    code, _, err = run(capsys, "plan", "--model", model, "--store-gb", "64", "--store-slot-bytes", str(largest - 8))
+    name = max(pages, key=pages.get)
+    assert code == 2 and f"below this plan's largest page: {name}'s {largest:,} bytes" in err
+
+
 def test_doctor_checks_an_arena_and_warns_on_torn_slots(capsys, shm_dir):
     """doctor --store warns on torn slots, reports the room on /dev/shm, and fails a missing
     arena."""

@@ -75,21 +75,41 @@ def run(args) -> int:
 
 def _with_store(text: str, plan, args) -> str:
     """The plan's output with the node store's geometry: a section of the table or markdown, a
-    ``store`` key of the JSON (`hicache.plan.plan_store`, pure)."""
+    ``store`` key of the JSON (`hicache.plan.plan_store`, pure) and ``store_pages``: what a slot
+    holds. A slot takes one pool's page (`CapacityPlan.stored_pages`), so the default slot is the
+    largest page - what an engine creating the arena picks - and a page of tokens takes a slot
+    in each token pool; a slot given below the largest page is refused, as the engine's attach
+    would refuse it."""
     import json
 
     from hicache.plan import format_bytes, format_gb, plan_store
 
     size_bytes = int(positive_decimal(args.store_gb, "--store-gb") * 10**9)
-    page = plan.size.size_per_token_bytes * plan.page_size
-    slot = positive_int(args.store_slot_bytes, "--store-slot-bytes") if args.store_slot_bytes else -(-page // 8) * 8
+    pages = plan.stored_pages()
+    largest = max(pages, key=lambda page: page.page_bytes)
+    need = -(-largest.page_bytes // 8) * 8
+    slot = positive_int(args.store_slot_bytes, "--store-slot-bytes") if args.store_slot_bytes else need
+    if slot < largest.page_bytes:
+        raise CliError("bad-value", f"--store-slot-bytes {slot} is below this plan's largest page: "
+                       f"{largest.pool}'s {largest.page_bytes:,} bytes (an engine's attach refuses such an arena)",
+                       f"--store-slot-bytes {need}")
     store = plan_store(size_bytes, slot_bytes=slot)
+    by_tokens = [page.pool for page in pages if not page.per_request]
+    token_pages = store.slots // len(by_tokens)
+    per_request = [page.pool for page in pages if page.per_request]
     if args.format == "json":
         data = json.loads(text)
         data["store"] = store.to_jsonable()
+        data["store_pages"] = {"pools": [{"pool": p.pool, "page_bytes": p.page_bytes, "per_request": p.per_request}
+                                         for p in pages],
+                               "slots_per_token_page": len(by_tokens), "token_pages": token_pages,
+                               "tokens": token_pages * plan.page_size}
         return json.dumps(data, sort_keys=True, indent=2) + "\n"
     lines = [f"node store: {format_gb(store.total_bytes)} holds {store.slots:,} slots of {slot:,} bytes "
-             f"({'a KV page of this plan' if not args.store_slot_bytes else 'as given'}),",
+             f"({f'the largest page of this plan: {largest.pool}' if not args.store_slot_bytes else 'as given'}),",
+             f"  a page of {plan.page_size} tokens in {len(by_tokens)} ({', '.join(by_tokens)}): {token_pages:,} pages, "
+             f"{token_pages * plan.page_size:,} tokens"
+             + (f", less a slot for each request's {' and '.join(per_request)} state" if per_request else ""),
              f"  index {format_bytes(store.index_bytes)}, overhead {100 * store.overhead_bytes / store.total_bytes:.2f} %:"
              f" hicache store create PATH --size-gb {args.store_gb} --slot-bytes {slot}"]
     if args.format == "markdown":

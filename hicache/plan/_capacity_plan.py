@@ -31,6 +31,21 @@ class NamedPool:
     plan: PoolPlan
 
 
+#: pool families whose page in an L3 back end is one request's state, not a page of tokens
+#: (SGLang 0.5.23 stores a Mamba pool's slot where a request's node ends, not with every page)
+PER_REQUEST_FAMILIES = ("mamba",)
+
+
+@value_class
+class StoredPage:
+    """One pool's page as SGLang 0.5.23 stores it in an L3 back end - in hicache's node store, a
+    slot of its own: ``page_bytes``, for a page of tokens or (``per_request``) one request's state."""
+
+    pool: str
+    page_bytes: int
+    per_request: bool
+
+
 @value_class
 class CapacityPlan:
     """Everything one rank registers, with the inputs it was computed from."""
@@ -64,6 +79,12 @@ class CapacityPlan:
     @property
     def largest_call_bytes(self) -> int:
         return max((p.plan.largest_call_bytes for p in self.pools), default=0)
+
+    def stored_pages(self) -> tuple[StoredPage, ...]:
+        """Each pool's L3 page: a page of ``page_size`` tokens of every token pool (the KV, DSA's
+        index keys, a sliding window's KV: all of its layers), one request's state of a state pool."""
+        return tuple(StoredPage(p.name, p.plan.layout.size_per_token_bytes() * p.plan.layout.page_size,
+                                p.plan.layout.family in PER_REQUEST_FAMILIES) for p in self.pools)
 
     @property
     def max_calls_per_host(self) -> int:
