@@ -31,6 +31,8 @@ CASES = {
     "torch_dtype a list": (lambda tmp: ["plan", "--config", _config(tmp, torch_dtype=["bf16"])], "bad-config", 2),
     "hidden_size a string": (lambda tmp: ["plan", "--config", _config(tmp, hidden_size="4096")], "bad-config", 2),
     "zero attention heads": (lambda tmp: ["plan", "--config", _config(tmp, num_attention_heads=0)], "bad-config", 2),
+    "layer_types a string": (lambda tmp: ["plan", "--config", _config(tmp, layer_types="sliding_attention")],
+                             "bad-config", 2),
     "absurd layer count": (lambda tmp: ["plan", "--config", _config(tmp, num_hidden_layers=10**7)], "bad-config", 2),
     "model-path not a dir": (lambda tmp: ["plan", "--model-path", str(tmp / "nope")], "bad-config", 2),
     "host-gb absurd": (lambda tmp: ["plan", "--host-gb", "1e9"], "bad-size", 2),
@@ -432,3 +434,31 @@ def test_a_numa_node_that_is_not_online_is_an_error_line(capsys):
     lines = [line for line in err.splitlines() if line and not line.startswith("note: --fake-cuda")]
     assert got == 2 and lines[0].startswith("error[bad-numa]: numa_node 99999 is not online; online nodes:"), err
     assert lines[-1].startswith("hint:") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("layer_types, window, note", [
+    (["sliding_attention", "full_attention"] * 2, 64, "2 sliding-window layers (window 64) counted at full length"),
+    (["full_attention"] * 4, None, None),
+    (None, None, None),
+])
+def test_sliding_window_layers_are_named_as_an_upper_bound(tmp_path, capsys, layer_types, window, note):
+    """HF's ``layer_types``: an MHA model's sliding-window layers (gpt-oss, Gemma) are planned at
+    full length in the one KV pool - SGLang keeps them in a window pool of its own, sized by its
+    device pool - and the plan says so and counts them, instead of planning them silently."""
+    fields = {"num_hidden_layers": 4, **({"layer_types": layer_types} if layer_types else {}),
+              **({"sliding_window": window} if window else {})}
+    assert main(["plan", "--config", _config(tmp_path, **fields), "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    notes = [n for n in plan["notes"] if "sliding-window" in n]
+    assert notes == ([] if note is None else [note + " in one pool: an upper bound (SGLang keeps them in a window "
+                                              "pool of their own)"])
+    assert plan["model"]["facts"].get("sliding_layers") == (2 if note else None)
+    assert plan["pools"][0]["plan"]["params"]["layer_num"] == 4  # every layer at full length
+
+
+def test_gpt_oss_preset_says_its_sliding_window_layers_are_an_upper_bound(capsys):
+    """The gpt-oss-120b preset: 18 of its 36 layers slide over 128 tokens (its config.json's
+    layer_types), and the plan says they are counted at full length."""
+    assert main(["plan", "--model", "gpt-oss-120b", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert any(n.startswith("18 sliding-window layers (window 128) counted at full length") for n in plan["notes"])

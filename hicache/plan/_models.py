@@ -51,7 +51,8 @@ PRESETS = {
     "llama-3.1-70b": ModelSpec("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", "mha", _mha(80, 8, 128)),
     "qwen3-32b": ModelSpec("qwen3-32b", "Qwen/Qwen3-32B", "mha", _mha(64, 8, 128)),
     "qwen3-235b-a22b": ModelSpec("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", "mha", _mha(94, 4, 128)),
-    "gpt-oss-120b": ModelSpec("gpt-oss-120b", "openai/gpt-oss-120b", "mha", _mha(36, 8, 64)),
+    "gpt-oss-120b": ModelSpec("gpt-oss-120b", "openai/gpt-oss-120b", "mha", _mha(36, 8, 64, sliding_layers=18,
+                                                                                    sliding_window=128)),
     "deepseek-v3": ModelSpec("deepseek-v3", "deepseek-ai/DeepSeek-V3", "mla", dict(_MLA)),
     "kimi-k2": ModelSpec("kimi-k2", "moonshotai/Kimi-K2-Instruct", "mla", dict(_MLA)),
     "deepseek-v3.2": ModelSpec(
@@ -137,6 +138,11 @@ def model_from_hf_config(config: dict, *, name: str = "config.json") -> ModelSpe
             raise ConfigError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         facts["head_dim"] = hidden // heads
     kind = "mha"
+    sliding = _sliding_layers(config, name)
+    if sliding:  # HF's layer_types: SGLang keeps these layers' KV in a window pool of their own
+        facts["sliding_layers"] = sliding
+        if isinstance(config.get("sliding_window"), int) and not isinstance(config["sliding_window"], bool):
+            facts["sliding_window"] = _positive(config["sliding_window"], "sliding_window")
     if config.get("linear_conv_kernel_dim") is not None or config.get("full_attention_interval") is not None:
         kind = "hybrid_linear"
         for key in (
@@ -156,6 +162,16 @@ def model_from_hf_config(config: dict, *, name: str = "config.json") -> ModelSpe
                 swa_v_head_dim=config.get("swa_v_head_dim", facts["v_head_dim"]),
             )
     return ModelSpec(name, name, kind, facts)
+
+
+def _sliding_layers(config: dict, name: str) -> int:
+    """How many of the model's layers HF's ``layer_types`` marks "sliding_attention" (0 without it)."""
+    types = config.get("layer_types")
+    if types is None:
+        return 0
+    if not isinstance(types, list) or not all(isinstance(kind, str) for kind in types):
+        raise ConfigError(f"{name}: layer_types must be a list of layer type names, got {types!r}")
+    return sum(kind == "sliding_attention" for kind in types)
 
 
 def kv_itemsize(dtype: str) -> int:
@@ -206,10 +222,15 @@ def model_pools(
     heads = heads_per_rank(model.get("num_key_value_heads"), tp)
     hd = model.get("head_dim")
     if model.kind == "mha":
+        sliding = model.facts.get("sliding_layers")
+        if sliding:  # SGLang splits them into a window pool sized by its own device pool: not modelled here
+            window = model.facts.get("sliding_window")
+            notes.append(f"{sliding} sliding-window layers{f' (window {window})' if window else ''} counted at full "
+                         "length in one pool: an upper bound (SGLang keeps them in a window pool of their own)")
         return PoolRecipe(
             (("kv", lambda n: layouts.MHALayout(
                 layout, layer_num=L, head_num=heads, head_dim=hd, page_num=n, **common)),),
-            (), (),
+            (), tuple(notes),
         )
     if model.kind == "asymmetric":
         full = model.facts.get("full_attention_layers", L)
