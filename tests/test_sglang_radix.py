@@ -47,8 +47,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from machine import roomy_psutil  # noqa: F401 - a fixture
-from sglang_support import (cuda_at_destroy, hold_background_registration, plug, published,  # noqa: F401
-                            sglang)  # sglang: a fixture
+from sglang_support import (cuda_at_destroy, hold_background_registration, loaded_side_first, plug,  # noqa: F401
+                            published, sglang)  # sglang: a fixture
 from store_support import wait_until
 
 from hicache.testing import fake_cuda
@@ -800,8 +800,9 @@ def test_sglangs_radix_tree_serves_right_bytes_and_decides_alike_over_hicaches_p
     """Random serving traffic through SGLang's UnifiedRadixCache: every device token a request
     is handed holds its own bytes, over SGLang's pool and over hicache's, and the two traces
     (matches, host hits, loads, evictions, free space) are equal step for step."""
-    theirs = [_run(monkeypatch, "sglang", kind, layout, backend, page, policy, steps, core) for steps in traffics]
-    ours = [_run(monkeypatch, "hicache", kind, layout, backend, page, policy, steps, core) for steps in traffics]
+    runs = {pools: [_run(monkeypatch, pools, kind, layout, backend, page, policy, steps, core) for steps in traffics]
+            for pools in loaded_side_first(("sglang", "hicache"))}
+    theirs, ours = runs["sglang"], runs["hicache"]
     for n, (their, our) in enumerate(zip(theirs, ours)):
         for i, (a, b) in enumerate(zip(their, our)):
             assert a == b, f"traffic {n}, step {i // 2}: over SGLang's pool {a}, over hicache's {b}"

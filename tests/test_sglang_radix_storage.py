@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from machine import roomy_psutil  # noqa: F401 - a fixture
-from sglang_support import sglang  # noqa: F401 - a fixture
+from sglang_support import loaded_side_first, sglang  # noqa: F401 - sglang: a fixture
 from store_support import shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
 from test_sglang_radix import STEPS, _requests, engine, kept, traffic
 
@@ -132,7 +132,7 @@ def test_a_restarted_engine_gets_every_completed_request_back_from_hicaches_stor
     HiCacheFile, over hicache's pools and SGLang's."""
     runs, example = {}, Path(tempfile.mkdtemp(dir=shm_dir))  # hypothesis's examples share the fixture
     kind, page = ENGINES[family][0], ENGINES[family][3]
-    for pools, store in (("hicache", "file"), ("hicache", "hicache"), ("sglang", "hicache")):
+    for pools, store in loaded_side_first((("hicache", "file"), ("hicache", "hicache"), ("sglang", "hicache"))):
         for n, steps in enumerate(traffics):
             where = example / f"{pools}-{store}-{n}"
             where.mkdir()
