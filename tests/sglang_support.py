@@ -71,8 +71,13 @@ def restore(common) -> None:
     import sglang.srt.mem_cache.pool_host.base as base
 
     if not ORIGINALS:
+        import sglang.srt.mem_cache.host_memory as host_memory
+
         ORIGINALS.update({name: getattr(common, name) for name in NAMES})
         ORIGINALS["host_memory_budget_bytes"] = base.host_memory_budget_bytes
+        # the plug-in wraps it too (AROUND): left in place, every load wrapped the last one's
+        # wrapper - hundreds deep by the end of a run, each layer sampling again
+        ORIGINALS["available_host_memory_bytes"] = host_memory.available_host_memory_bytes
         for target in POOL_CLASSES:  # SGLang's own host-pool classes, before any class REPLACE
             module, name = target.rsplit(".", 1)
             CLASSES[name] = getattr(sys.modules[module], name)

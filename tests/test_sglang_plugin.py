@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_support import (  # noqa: F401 - sglang: a fixture
-    NAMES, ORIGINALS, load_sglang, need_sglang, plugged, published, recording_allocators, sglang,
+    NAMES, ORIGINALS, load_sglang, need_sglang, plugged, published, recording_allocators, restore, sglang,
 )
 
 from store_support import Zygote
@@ -83,6 +83,36 @@ def test_hicache_sglang_pools_replaces_sglangs_pool_classes_everywhere_and_only_
     info = _device_pool().get_device_pool_infos()[0].buffer_info
     assert mha.get_mha_host_pool_cls(info) is mha.MHATokenToKVPoolHost
     assert issubclass(mha.MHATokenToKVPoolHost, hicache.pools.MHATokenToKVPoolHost)
+
+
+def test_each_load_hooks_every_target_once_and_the_suites_restore_undoes_it(sglang, monkeypatch):
+    """Loads of the plug-in in turn (pools mode off, on, off, on; `sglang_support.plug`) leave each
+    of its targets hooked exactly once - SGLang's loader wraps what it finds, so a target the
+    suite's restore missed was wrapped again by every load (SGLang's available-memory sample was,
+    hundreds deep by the end of a run) - and the restore leaves none hooked."""
+    import importlib
+
+    from sglang_support import plug
+
+    import sglang.srt.mem_cache.pool_host.common as common
+    from hicache.compat.sglang_plugin import AVAILABLE_TARGET, BUDGET_TARGET, POOL_CLASSES, TARGETS
+
+    def hooked(target: str) -> int:
+        module, name = target.rsplit(".", 1)
+        value, depth = getattr(importlib.import_module(module), name), 0
+        if isinstance(value, type):
+            return int(value.__module__.startswith("hicache."))
+        while getattr(value, "__wrapped__", None) is not None:
+            value, depth = value.__wrapped__, depth + 1
+        return depth
+
+    functions = [*TARGETS, BUDGET_TARGET, AVAILABLE_TARGET]
+    for pools in (False, True, False, True):
+        plug(monkeypatch, pools=pools)
+        assert {t: hooked(t) for t in functions} == dict.fromkeys(functions, 1)
+        assert {t: hooked(t) for t in POOL_CLASSES} == dict.fromkeys(POOL_CLASSES, int(pools))
+    restore(common)
+    assert {t: hooked(t) for t in [*functions, *POOL_CLASSES]} == dict.fromkeys([*functions, *POOL_CLASSES], 0)
 
 
 def test_a_bad_hicache_sglang_pools_value_registers_nothing_and_names_the_variable(sglang, monkeypatch):
