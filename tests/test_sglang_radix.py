@@ -15,8 +15,8 @@ Mamba2 states, three host pools), DeepSeek's sparse attention (MLA KV and the
 indexer's keys, two host pools, pages of 64), MiniMax's (MHA KV and the K-only index pool on its
 slots), MLA with DeepSeek's MTP draft layer packed into its host pool (speculative decoding's
 tree: keys of bigrams), DeepSeek-V4 (pages of 256: a memoryless KV anchor and six pools of page
-rows - window KV, C4 KV, C4 index keys, two compressor states, C128 KV) and SGLang's Python tree
-core. `engine` and
+rows - window KV, C4 KV, C4 index keys, two compressor states, C128 KV; with and without its MTP
+draft layer, whose window KV SGLang packs into the window pool) and SGLang's Python tree core. `engine` and
 `traffic` serve tests/test_sglang_radix_storage.py too (an L3 back end: `_Serving` then takes
 the scheduler's L3 step).
 
@@ -67,7 +67,9 @@ INDEX_KEY, INDEX_SCALE = 128, 4  # a DSA index key's bytes per token (fp8, head 
 #: kind "v4" (DeepSeek-V4): a window-only layer, a C4 layer (compressed KV, index keys, compressor
 #: states) and a C128 layer; pages of 256 tokens (SGLang's configurator asserts it), a window of 128
 V4_RATIOS, V4_WINDOW, V4_WINDOW_PAGES = [0, 4, 128], 128, 4
-UNITS["v4"] = 256
+#: kind "v4-mtp": with DeepSeek-V4's MTP draft layer (its window KV packed into the window pool)
+V4_KINDS = ("v4", "v4-mtp")
+UNITS.update(dict.fromkeys(V4_KINDS, 256))
 
 FULL_LAYERS, MAMBA_LAYERS = [1, 3], [0, 2]  # kind "mamba": a hybrid model's attention and Mamba2 layers
 SWA_LAYERS, WINDOW, SWA_TOKENS = [0, 2], 24, 96  # kind "swa": its sliding-window layers (the rest: full)
@@ -204,7 +206,7 @@ class _MambaStates:
 def kept(kind: str, tokens: list, page: int) -> int:
     """How many of a completed request's tokens the tree keeps: all of them, or under a draft
     model (EAGLE's tree: keys of bigrams, a token and the next) the whole pages of its bigrams."""
-    return (len(tokens) - 1) // page * page if kind == "mtp" else len(tokens)
+    return (len(tokens) - 1) // page * page if kind in ("mtp", "v4-mtp") else len(tokens)
 
 
 def _check_rows(what: str, rows, tables, tokens: list, positions) -> None:
@@ -285,19 +287,20 @@ class _SlidingWindow:
         return (self.slots, 0, 0, self.host.size)
 
 
-def _v4_device(tokens: int, page: int):
+def _v4_device(tokens: int, page: int, *, draft: bool = False):
     """DeepSeek-V4's device pool as SGLang's configurator builds it (non-unified KV: paged window
-    KV, fp8 C4 and C128 KV, fused fp8 index keys, compressor states by window page)."""
+    KV, fp8 C4 and C128 KV, fused fp8 index keys, compressor states by window page); ``draft``:
+    its NextN draft worker's (one window-only layer, SGLang's `COMPRESS_RATIO_NEXTN_LAYER`)."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
-    window = V4_WINDOW_PAGES * page
+    window, ratios = V4_WINDOW_PAGES * page, [0] if draft else V4_RATIOS
     return DeepSeekV4TokenToKVPool(
         max_num_reqs=4, num_req_slots=5, swa_size=window, c4_size=tokens // 4, c128_size=tokens // 128,
         c4_state_pool_size=window, c128_state_pool_size=4, page_size=page, swa_page_size=page,
         sliding_window=V4_WINDOW, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
         c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
-        layer_num=len(V4_RATIOS), device="cpu", enable_memory_saver=False, compression_ratios=V4_RATIOS,
-        full_size=tokens, start_layer=0, end_layer=len(V4_RATIOS))
+        layer_num=len(ratios), device="cpu", enable_memory_saver=False, compression_ratios=ratios,
+        full_size=tokens, start_layer=0, end_layer=len(ratios), is_draft_worker=draft)
 
 
 def _page_pattern(buffer: int, page_id: int, width: int):
@@ -314,7 +317,7 @@ class _DeepSeekV4(_SlidingWindow):
     compressors' states. Each buffer has its own host pool, which takes the KV's host slots (the
     full-page ones) or the window's. The window's slots: as `_SlidingWindow`'s."""
 
-    def __init__(self, cache, allocator, device) -> None:
+    def __init__(self, cache, allocator, device, drafts=()) -> None:
         from sglang.srt.mem_cache.hicache_storage import PoolName
 
         self.cache, self.allocator = cache, allocator
@@ -323,7 +326,8 @@ class _DeepSeekV4(_SlidingWindow):
         c4 = [i for i, ratio in enumerate(V4_RATIOS) if ratio == 4]
         self.full = [*device.c4_kv_pool.kv_buffer, *device.c4_indexer_kv_pool.index_k_with_scale_buffer,
                      *device.c128_kv_pool.kv_buffer]  # row: a full page
-        self.window = [*device.swa_kv_pool.kv_buffer,  # row: a window page
+        self.window = [*device.swa_kv_pool.kv_buffer,  # row: a window page (an MTP draft's packed after)
+                       *(row for draft in drafts for row in draft.swa_kv_pool.kv_buffer),
                        *(self._state_rows(pools[i]) for pools in (device.compress_state_pools,
                                                                   device.indexer_compress_state_pools) for i in c4)]
 
@@ -454,10 +458,10 @@ class _Serving:
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        self.kind, self.table, page = kind, [] if kind == "v4" else _table(kind), server_args.page_size
+        self.kind, self.table, page = kind, [] if kind in V4_KINDS else _table(kind), server_args.page_size
         self.unit = UNITS.get(kind, UNIT)
         # ids a table has rows for; DeepSeek-V4's page patterns: 256 pages' first tokens
-        self.vocab = 256 * page if kind == "v4" else VOCAB
+        self.vocab = 256 * page if kind in V4_KINDS else VOCAB
         self.tokens = DEVICE_UNITS * self.unit  # the device's
         common = dict(size=self.tokens, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
                       enable_memory_saver=False)
@@ -475,8 +479,10 @@ class _Serving:
             if kind == "mamba-swa":
                 requests, _, tensors = _hybrid_pools(server_args, self.device)
                 components = (*components, ComponentType.MAMBA)
-        elif kind == "v4":  # its window pool: V4_WINDOW_PAGES pages
+        elif kind in V4_KINDS:  # its window pool: V4_WINDOW_PAGES pages
             self.device = _v4_device(self.tokens, page)
+            if kind == "v4-mtp":  # the NextN draft layer: a window-only V4 pool on the target's slots
+                drafts = (_v4_device(self.tokens, page, draft=True),)
             components, window = (ComponentType.FULL, ComponentType.SWA), V4_WINDOW
         elif kind == "mha":
             self.device = MHATokenToKVPool(head_num=2, head_dim=64, **common)
@@ -494,7 +500,7 @@ class _Serving:
             drafts = (MLATokenToKVPool(kv_lora_rank=64, qk_rope_head_dim=16, **{**common, "layer_num": 1}),)
         self.eagle = bool(drafts)  # a speculative tree: bigram keys (a token and the next)
         if window:
-            window_tokens = V4_WINDOW_PAGES * page if kind == "v4" else SWA_TOKENS
+            window_tokens = V4_WINDOW_PAGES * page if kind in V4_KINDS else SWA_TOKENS
             self.allocator = SWATokenToKVPoolAllocator(self.tokens, window_tokens, page, self.device.dtype, "cpu",
                                                        self.device, False)
         else:  # as SGLang picks it: the token allocator for pages of one token
@@ -510,13 +516,14 @@ class _Serving:
         self.host = self.cache.host_pool_group.entries[0].host_pool
         self.states = None if tensors is None else _MambaStates(self.cache, requests, tensors)
         self.window = (None if window is None else
-                       (_DeepSeekV4 if kind == "v4" else _SlidingWindow)(self.cache, self.allocator, self.device))
+                       _DeepSeekV4(self.cache, self.allocator, self.device, drafts) if kind in V4_KINDS else
+                       _SlidingWindow(self.cache, self.allocator, self.device))
         index = (_IndexKeys(self.device) if kind == "dsa" else
                  _TokenRows("index row", self.device.index_k_pool.k_buffer, 5521) if kind == "minimax" else None)
-        draft = _TokenRows("draft layer", drafts[0].kv_buffer, 7717) if drafts else None
+        draft = _TokenRows("draft layer", drafts[0].kv_buffer, 7717) if kind == "mtp" else None  # V4's: its window
         self.beside = [part for part in (self.states, self.window, index, draft) if part]  # what else the tree keeps
         self.rows = [part for part in (self.window, index, draft) if part]  # what else a token's request writes
-        if kind == "v4":  # no full-attention KV of its own
+        if kind in V4_KINDS:  # no full-attention KV of its own
             self.layers = []
         elif self.states or self.window:  # every device layer buffer, in the tables' order
             self.layers = [*self.device.full_kv_pool.k_buffer, *self.device.full_kv_pool.v_buffer]
@@ -595,7 +602,7 @@ class _Serving:
         if match.host_hit_length or match.mamba_host_hit_length or match.swa_host_hit_length:
             # the scheduler's load-back budget evicts first
             self._evict_for(max(match.host_hit_length, match.swa_host_hit_length))
-            if self.kind == "v4":
+            if self.kind in V4_KINDS:
                 self.window.scribble()
             loaded, last = cache.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
@@ -716,7 +723,7 @@ def engine(monkeypatch, pools: str, kind: str, layout: str, backend: str, page: 
     plug(monkeypatch, pools=pools == "hicache", progressive=held is not None)
     if held is not None:
         # calls of 4 MHA pages here, of one DeepSeek-V4 window page: most of it registers behind
-        monkeypatch.setenv("HICACHE_CALL_CAP", "512 KiB" if kind == "v4" else "64 KiB")
+        monkeypatch.setenv("HICACHE_CALL_CAP", "512 KiB" if kind in V4_KINDS else "64 KiB")
     flags = dict(page_size=page, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
                  hicache_io_backend=backend, hicache_write_policy=policy, **storage)
     server_args = ServerArgs(model_path="dummy", **flags)
@@ -782,7 +789,9 @@ RUNS = 3
     ("dsa", "page_first", "kernel", 64, "write_through"),  # MLA and DeepSeek's indexer keys, two host pools
     ("minimax", "page_first", "kernel", 16, "write_through"),  # MHA and MiniMax's index keys (K-only), two pools
     ("mtp", "page_first", "kernel", 16, "write_through"),  # MLA with an MTP draft layer packed in: EAGLE's tree
-    ("v4", "page_first", "kernel", 256, "write_through"),  # DeepSeek-V4: window KV, C4 and C128 KV, states: 7 pools
+    # DeepSeek-V4 (window KV, C4 and C128 KV, states: 7 pools) with its MTP draft's window packed in: EAGLE's
+    # tree; V4 without a draft serves random traffic in test_sglang_radix_storage.py
+    ("v4-mtp", "page_first", "kernel", 256, "write_through"),
 ]] + [("mha", "page_first", "kernel", 16, "write_through", "python")])  # SGLang's other tree core
 # examples of RUNS traffics: the plug-in is loaded twice an example, not twice a traffic (SGLang's
 # loader takes ~0.15 s, more than a traffic's engine); 4 examples, as hypothesis's first is its
