@@ -82,7 +82,7 @@ def restore(common) -> None:
         ORIGINALS.update({name: getattr(common, name) for name in NAMES})
         ORIGINALS["host_memory_budget_bytes"] = base.host_memory_budget_bytes
         # the plug-in wraps it too (AROUND): left in place, every load wrapped the last one's
-        # wrapper - hundreds deep by the end of a run, each layer sampling again
+        # wrapper - as many layers as a worker's loads by its end, each sampling again
         ORIGINALS["available_host_memory_bytes"] = host_memory.available_host_memory_bytes
         for target in POOL_CLASSES:  # SGLang's own host-pool classes, before any class REPLACE
             module, name = target.rsplit(".", 1)
@@ -111,8 +111,8 @@ def restore(common) -> None:
 
 
 def _hooks_now() -> dict:
-    """Every loaded module's hook-shaped attributes now - a wrapper (``__wrapped__``) or a hicache
-    class or function, where a load puts the plug-in's - by module, each name to its object."""
+    """Every loaded module's callables now (where a load binds the plug-in's wrappers and
+    classes), by module, each name to its object."""
     found = {}
     for module in list(sys.modules.values()):
         if isinstance(module, types.ModuleType):
@@ -135,8 +135,8 @@ def _bound_by(before: dict) -> tuple:
 
 
 def _replay(made: tuple) -> None:
-    """Make the bindings of a recorded load again, and in the modules loaded since, each binding of
-    an object SGLang's loader replaced - what its propagation would reach now."""
+    """Make the bindings of a recorded load again, and in SGLang's other modules, each binding of
+    an object SGLang's loader replaced (one imported since) - what its propagation would reach now."""
     import sglang.srt.mem_cache.pool_host.common as common
 
     known = {module for module, *_ in made}
@@ -189,8 +189,8 @@ def plug(monkeypatch, *, pools: bool, progressive: bool = False, fresh: bool = F
 def loaded_side_first(sides: tuple) -> tuple:
     """``sides`` - each "sglang" or "hicache" (whose pools), or a tuple beginning with one - in
     the same order, except that those of the pools mode the plug-in is loaded in now come first:
-    a hypothesis example run after one that ended in that mode then loads the plug-in once less
-    (SGLang's loader takes ~0.27 s here, more than a short traffic)."""
+    a hypothesis example run after one that ended in that mode then switches the plug-in once
+    less (a restore and a replay; SGLang's loader, ~0.27 s here, the first time)."""
     loaded = _PLUGGED[0]
     if loaded is None:
         return sides
