@@ -304,10 +304,12 @@ def _v4_device(tokens: int, page: int, *, draft: bool = False):
 
 
 def _page_pattern(buffer: int, page_id: int, width: int):
-    """What a request writes into device page row buffer ``buffer`` for its page ``page_id`` (the
-    page's first token // 256: fresh pages are page-aligned runs of fresh ids): distinct for
-    every buffer and every page id below 256, and cheap, unlike a table of 150 KiB rows."""
-    return ((torch.arange(width, dtype=torch.int64) * 7 + page_id * 131 + buffer * 37) % 256).to(torch.uint8)
+    """What a request writes into device page row buffer ``buffer`` (below 18) for its page
+    ``page_id`` (the page's first token // 256: fresh pages are page-aligned runs of fresh ids):
+    bytes stepping by the buffer's own odd step from an offset of the page id's, so each buffer
+    and page id below 256 has its own row - and cheap, unlike a table of 150 KiB rows."""
+    step = 7 * (2 * buffer + 1) % 256
+    return ((torch.arange(width, dtype=torch.int64) * step + page_id * 131) % 256).to(torch.uint8)
 
 
 class _DeepSeekV4(_SlidingWindow):
@@ -360,7 +362,7 @@ class _DeepSeekV4(_SlidingWindow):
                                    (self.allocator.swa_attn_allocator, self.window)):
             free = allocator.get_all_free_pages()
             for buffer in buffers:
-                buffer[free] = 0x5A  # never a page pattern: those step by 7 from byte to byte
+                buffer[free] = 0x5A  # never a page pattern: those step by an odd number from byte to byte
 
     def check(self, prefix, tokens: list) -> None:
         """Every page of the prefix holds its compressed rows; its last page (the window) and every
