@@ -11,7 +11,6 @@ import contextlib
 import os
 import sys
 import threading
-import types
 import warnings
 
 import pytest
@@ -58,11 +57,6 @@ def load_sglang():
 COMMON = "sglang.srt.mem_cache.pool_host.common"
 #: what `plug` last loaded in this test ((pools, progressive); None once `restore` ran)
 _PLUGGED: list = [None]
-#: per (pools, progressive): the bindings SGLang's loader made when this process first loaded the
-#: plug-in so - ((module, name, SGLang's object, the plug-in's), ...) - which later `plug`s replay
-_LOADS: dict = {}
-#: the bindings the last load or replay made: the restore undoes exactly these first
-_APPLIED: list = []
 NAMES = ("alloc_with_host_register", "_cuda_host_register", "_cuda_host_unregister")
 ORIGINALS: dict = {}
 CLASSES: dict = {}  # SGLang's host-pool classes the plug-in may REPLACE (HICACHE_SGLANG_POOLS=1)
@@ -87,9 +81,6 @@ def restore(common) -> None:
         for target in POOL_CLASSES:  # SGLang's own host-pool classes, before any class REPLACE
             module, name = target.rsplit(".", 1)
             CLASSES[name] = getattr(sys.modules[module], name)
-    for module, name, original, _ in _APPLIED:  # every binding, aliases included
-        setattr(module, name, original)
-    _APPLIED.clear()
     # sys.modules.copy(): one C call - a finalizer's warning importing a module mid-iteration
     # must not break the restore
     for module in [m for name, m in sys.modules.copy().items() if name.startswith("sglang") and m is not None]:
@@ -110,64 +101,15 @@ def restore(common) -> None:
     _PLUGGED[0] = None
 
 
-def _hooks_now() -> dict:
-    """Every loaded module's callables now (where a load binds the plug-in's wrappers and
-    classes), by module, each name to its object."""
-    found = {}
-    for module in list(sys.modules.values()):
-        if isinstance(module, types.ModuleType):
-            found[module] = {name: value for name, value in list(vars(module).items()) if callable(value)}
-    return found
-
-
-def _bound_by(before: dict) -> tuple:
-    """The bindings a load made since ``before`` (`_hooks_now`): each (module, name) whose
-    callable is now another, a wrapper or hicache's."""
-    made = []
-    for module, names in before.items():
-        now = vars(module)
-        for name, old in names.items():
-            new = now.get(name, old)
-            if new is not old and (getattr(new, "__wrapped__", None) is not None
-                                   or str(getattr(new, "__module__", "")).startswith("hicache.")):
-                made.append((module, name, old, new))
-    return tuple(made)
-
-
-def _replay(made: tuple) -> None:
-    """Make the bindings of a recorded load again, and in SGLang's other modules, each binding of
-    an object SGLang's loader replaced (one imported since) - what its propagation would reach now."""
-    import sglang.srt.mem_cache.pool_host.common as common
-
-    known = {module for module, *_ in made}
-    swap = {id(old): (old, new) for _, _, old, new in made}
-    bound = list(made)
-    for module in list(sys.modules.values()):
-        if isinstance(module, types.ModuleType) and module not in known and module.__name__.startswith("sglang"):
-            for name, value in list(vars(module).items()):
-                if id(value) in swap and swap[id(value)][0] is value:
-                    bound.append((module, name, value, swap[id(value)][1]))
-    for module, name, _, new in bound:
-        setattr(module, name, new)
-    _APPLIED.extend(bound)
-    original = ORIGINALS["alloc_with_host_register"]  # as the plug-in's own load: the table's stale entries go
-    for key, func in list(common.ALLOC_MEMORY_FUNCS.items()):
-        if func is original:
-            del common.ALLOC_MEMORY_FUNCS[key]
-
-
-def plug(monkeypatch, *, pools: bool, progressive: bool = False, fresh: bool = False) -> None:
+def plug(monkeypatch, *, pools: bool, progressive: bool = False) -> None:
     """The plug-in loaded by SGLang's own `load_plugins()`, with HICACHE_SGLANG_POOLS and
     HICACHE_PROGRESSIVE on or off as given, after SGLang's functions are put back - unless this
-    test already loaded just that. SGLang's loader propagates every hook through every loaded
-    module (~0.27 s a load here) and the radix tree's tests build engines by the dozen, so after
-    this process's first load of a state its bindings are replayed (`_replay`: the same objects
-    at the same names, tests/test_sglang_plugin.py proves it) unless ``fresh``."""
+    test already loaded just that: SGLang's loader propagates every hook through every loaded
+    module (about 0.15 s a load here), and the radix tree's tests build engines by the dozen."""
     import sglang.srt.mem_cache.pool_host.common as common
     import sglang.srt.plugins as plugins
 
-    key = (pools, progressive)
-    if _PLUGGED[0] == key and not fresh:
+    if _PLUGGED[0] == (pools, progressive):
         return
     restore(common)
     for name, on in (("HICACHE_SGLANG_POOLS", pools), ("HICACHE_PROGRESSIVE", progressive)):
@@ -175,22 +117,15 @@ def plug(monkeypatch, *, pools: bool, progressive: bool = False, fresh: bool = F
             monkeypatch.setenv(name, "1")
         else:
             monkeypatch.delenv(name, raising=False)
-    if key in _LOADS and not fresh:
-        _replay(_LOADS[key])
-        plugins._plugins_loaded = True
-    else:
-        before = _hooks_now()
-        plugins.load_plugins()
-        _LOADS[key] = _bound_by(before)
-        _APPLIED.extend(_LOADS[key])
-    _PLUGGED[0] = key
+    plugins.load_plugins()
+    _PLUGGED[0] = (pools, progressive)
 
 
 def loaded_side_first(sides: tuple) -> tuple:
     """``sides`` - each "sglang" or "hicache" (whose pools), or a tuple beginning with one - in
     the same order, except that those of the pools mode the plug-in is loaded in now come first:
-    a hypothesis example run after one that ended in that mode then switches the plug-in once
-    less (a restore and a replay; SGLang's loader, ~0.27 s here, the first time)."""
+    a hypothesis example run after one that ended in that mode then loads the plug-in once less
+    (SGLang's loader takes ~0.27 s here, more than a short traffic)."""
     loaded = _PLUGGED[0]
     if loaded is None:
         return sides
