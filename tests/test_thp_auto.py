@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from hicache.plan._thp import (
     EARLY_MARGIN,
+    PROBE_MARGIN,
     RULES,
     THP_BYTES,
+    THP_PROBE_BYTES,
     THP_STEP_BYTES,
     PieceFault,
     ThpSnapshot,
@@ -21,6 +23,7 @@ from hicache.plan._thp import (
     decide_piece,
     early_brake_reason,
     huge_bytes_from_faults,
+    thp_steps,
 )
 from hicache.effects import HostSetup
 from hicache.effects._host import _thp
@@ -128,6 +131,33 @@ def test_the_early_verdict_brakes_only_a_thp_step_far_slower_than_4k(seconds, ra
     reason = early_brake_reason(PieceFault(8 * MiB, seconds, True, None), rate_4k)
     assert (reason is not None) == engaged
     assert reason is None or ("GB/s" in reason and "first 8 MiB" in reason)
+
+
+@pytest.mark.parametrize("seconds, engaged", [
+    (0.015, True),  # this VM's huge pages on blocks its hypervisor took back: 0.14 GB/s, 24x under
+    (0.0006, False),  # a healthy huge page (3.4 GB/s a thread)
+    (0.004, False),  # 0.52 GB/s: 6.5x slower, over the 8 MiB margin but within the probe's
+    (2 * MiB / (3.4e9 / PROBE_MARGIN) * 1.01, True),  # just past the probe's margin
+    (2 * MiB / (3.4e9 / PROBE_MARGIN) * 0.99, False),  # just within it
+])
+def test_the_probe_step_brakes_only_a_huge_page_far_slower_than_4k(seconds, engaged):
+    """early_brake_reason on a THP piece's first huge page alone: the wider PROBE_MARGIN holds
+    (a short step is noisier), and the reason names the probe's 2 MiB and its margin."""
+    reason = early_brake_reason(PieceFault(THP_PROBE_BYTES, seconds, True, None), 3.4e9)
+    assert (reason is not None) == engaged
+    assert reason is None or ("first 2 MiB" in reason and f"1/{PROBE_MARGIN:.0f}" in reason)
+
+
+@given(length=st.integers(1, 96 * MiB))
+def test_thp_steps_probe_one_huge_page_then_reach_every_8_mib_boundary(length):
+    """thp_steps: the steps cover the piece exactly, the first is one huge page (or the whole of
+    a shorter piece), and every verdict after it falls on a THP_STEP_BYTES boundary or the end."""
+    steps = thp_steps(length)
+    assert sum(steps) == length and all(step > 0 for step in steps)
+    assert steps[0] == min(THP_PROBE_BYTES, length)
+    ends = [sum(steps[: i + 1]) for i in range(len(steps))]
+    assert all(end % THP_STEP_BYTES == 0 or end == length for end in ends[1:])
+    assert all(step <= THP_STEP_BYTES for step in steps)
 
 
 def test_the_4k_rate_is_the_median_of_this_bring_ups_4k_pieces():
@@ -373,17 +403,19 @@ def _stepped(host, seconds_per_byte, huge_below=0):
 
 
 def test_a_thp_piece_that_starts_far_slower_than_4k_stops_thp_after_its_first_step():
-    """A 32 MiB THP piece whose huge pages fault 7x slower than this bring-up's 4 KiB pages:
-    it faults one 8 MiB step with THP, the brake engages there, the other 24 MiB are advised
-    back to 4 KiB pages and faulted in one call, and every byte is counted once - 8 MiB under
-    "free", 24 MiB under "brake" - with the early verdict named."""
+    """A 32 MiB THP piece whose huge pages fault 7x slower than this bring-up's 4 KiB pages
+    (within the probe's margin, past the 8 MiB one): it faults its probe huge page and the rest
+    of its first 8 MiB with THP, the brake engages there, the other 24 MiB are advised back to
+    4 KiB pages and faulted in one call, and every byte is counted once - 8 MiB under "free",
+    24 MiB under "brake" - with the early verdict named."""
     host = _Host(seconds=[0.01])
     policy = host.policy()
     _fault(policy, host, [(0, PIECE)])  # the 4 KiB reference: 6.7 GB/s
     calls, populate = _stepped(host, lambda offset: 7 / 6.7e9 if offset < THP_STEP_BYTES else 1 / 6.7e9,
                                huge_below=THP_STEP_BYTES)
     policy.fault(0, PIECE, 32 * MiB, populate)
-    assert calls == [(0, THP_STEP_BYTES), (THP_STEP_BYTES, 32 * MiB - THP_STEP_BYTES)]
+    assert calls == [(0, THP_PROBE_BYTES), (THP_PROBE_BYTES, THP_STEP_BYTES - THP_PROBE_BYTES),
+                     (THP_STEP_BYTES, 32 * MiB - THP_STEP_BYTES)]
     assert host.advice == [(PIECE, 32 * MiB, True), (PIECE + THP_STEP_BYTES, 32 * MiB - THP_STEP_BYTES, False)]
     summary = policy.summary()
     assert summary["rules"] == {0: {"reference": PIECE, "free": THP_STEP_BYTES, "brake": 32 * MiB - THP_STEP_BYTES}}
@@ -391,15 +423,35 @@ def test_a_thp_piece_that_starts_far_slower_than_4k_stops_thp_after_its_first_st
     assert policy.before(0, 2 * PIECE, PIECE).decision.rule == "brake"
 
 
+def test_a_thp_piece_whose_first_huge_page_is_far_slower_stops_thp_after_it():
+    """A 32 MiB THP piece whose first huge page faults 24x slower than 4 KiB pages (this VM's
+    huge pages on blocks its hypervisor took back): THP stops after that one huge page - the
+    other 30 MiB advised back to 4 KiB pages in one call, 2 MiB counted under "free" - so a
+    host where THP is slow pays for 2 MiB of it, not 8."""
+    host = _Host(seconds=[0.01])
+    policy = host.policy()
+    _fault(policy, host, [(0, PIECE)])  # the 4 KiB reference: 6.7 GB/s
+    calls, populate = _stepped(host, lambda offset: 24 / 6.7e9 if offset < THP_PROBE_BYTES else 1 / 6.7e9,
+                               huge_below=THP_PROBE_BYTES)
+    policy.fault(0, PIECE, 32 * MiB, populate)
+    assert calls == [(0, THP_PROBE_BYTES), (THP_PROBE_BYTES, 32 * MiB - THP_PROBE_BYTES)]
+    assert host.advice == [(PIECE, 32 * MiB, True), (PIECE + THP_PROBE_BYTES, 32 * MiB - THP_PROBE_BYTES, False)]
+    summary = policy.summary()
+    assert summary["rules"] == {0: {"reference": PIECE, "free": THP_PROBE_BYTES, "brake": 32 * MiB - THP_PROBE_BYTES}}
+    assert "first 2 MiB" in summary["brake"]
+
+
 def test_a_healthy_thp_piece_faults_in_steps_and_keeps_thp():
-    """A THP piece faster than 4 KiB pages faults in four 8 MiB steps, none re-advised; the
-    piece is judged whole (THP proven) and the next pieces get THP."""
+    """A THP piece faster than 4 KiB pages faults in five steps (its probe huge page, then to
+    each 8 MiB boundary), none re-advised; the piece is judged whole (THP proven) and the next
+    pieces get THP."""
     host = _Host(seconds=[0.01])
     policy = host.policy()
     _fault(policy, host, [(0, PIECE)])
     calls, populate = _stepped(host, lambda offset: 1 / 13e9, huge_below=32 * MiB)
     policy.fault(0, PIECE, 32 * MiB, populate)
-    assert calls == [(i * THP_STEP_BYTES, THP_STEP_BYTES) for i in range(4)]
+    assert calls == [(0, THP_PROBE_BYTES), (THP_PROBE_BYTES, THP_STEP_BYTES - THP_PROBE_BYTES),
+                     *[(i * THP_STEP_BYTES, THP_STEP_BYTES) for i in range(1, 4)]]
     assert host.advice == [(PIECE, 32 * MiB, True)] and policy.summary()["brake"] is None
     assert [policy.before(0, (2 + i) * PIECE, PIECE).decision.rule for i in range(2)] == ["free", "free"]
 
@@ -420,8 +472,8 @@ def test_a_thp_piece_stops_thp_at_its_next_step_once_another_piece_braked():
 
     calls: list = []
     policy.fault(0, PIECE, 32 * MiB, populate)
-    assert calls == [(0, THP_STEP_BYTES), (THP_STEP_BYTES, 32 * MiB - THP_STEP_BYTES)]
-    assert policy.summary()["rules"][0]["brake"] == 32 * MiB - THP_STEP_BYTES
+    assert calls == [(0, THP_PROBE_BYTES), (THP_PROBE_BYTES, 32 * MiB - THP_PROBE_BYTES)]
+    assert policy.summary()["rules"][0]["brake"] == 32 * MiB - THP_PROBE_BYTES
 
 
 def test_a_4k_piece_faults_in_one_call():

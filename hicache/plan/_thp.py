@@ -35,6 +35,15 @@ THP_STEP_BYTES = 8 * 2**20
 #: thread could make it look 4x slower than 4 KiB pages, against 6 ms for the whole piece's
 #: verdict (1x over 32 MiB); the slow huge pages here ran 7x slower.
 EARLY_MARGIN = 4.0
+#: A THP piece's first step is one huge page, judged at once with a wider margin: on a VM whose
+#: freed 2 MiB blocks go back to its hypervisor (free page reporting) a huge page faulted onto one
+#: ran at 0.15-0.3 GB/s against 3.3 GB/s for 4 KiB pages - 8-24x slower - and a first step of
+#: 8 MiB cost 18-60 ms before the verdict could stop it, 2 MiB costs a quarter of that. The
+#: margin is wider because the step is shorter: a healthy huge page on the H200's host faults in
+#: about 0.6 ms a thread (54 GB/s on 16 threads), so only a 7 ms stall of its thread could make it
+#: look 8x slower than 4 KiB pages there (2.1 GB/s a thread).
+THP_PROBE_BYTES = THP_BYTES
+PROBE_MARGIN = 8.0
 
 
 class ThpSnapshot(NamedTuple):
@@ -133,18 +142,32 @@ def huge_bytes_from_faults(nbytes: int, faults: int, *, page_bytes: int, huge_pa
     return max(0, min(huge, nbytes // huge_page_bytes)) * huge_page_bytes
 
 
+def thp_steps(length: int) -> list[int]:
+    """The steps a THP piece of ``length`` bytes faults in, each followed by an early verdict:
+    one huge page (`THP_PROBE_BYTES`), the rest of its first `THP_STEP_BYTES`, then steps of
+    `THP_STEP_BYTES` - so the verdicts fall after 2 MiB and on every 8 MiB boundary."""
+    steps, done = [], 0
+    while done < length:
+        target = THP_PROBE_BYTES if not done else (done // THP_STEP_BYTES + 1) * THP_STEP_BYTES
+        steps.append(min(target, length) - done)
+        done += steps[-1]
+    return steps
+
+
 def early_brake_reason(fault: PieceFault, rate_4k: float | None) -> str | None:
     """Why a THP piece's first ``fault.nbytes`` (its steps so far) stop THP before the piece
     has finished (None: they do not): they ran more than `EARLY_MARGIN` times slower than
-    ``rate_4k`` (not judged before a 4 KiB piece was measured). Anything milder waits for the
-    whole piece's verdict (`brake_reason`)."""
+    ``rate_4k`` - `PROBE_MARGIN` times while they are shorter than one `THP_STEP_BYTES` - (not
+    judged before a 4 KiB piece was measured). Anything milder waits for the whole piece's
+    verdict (`brake_reason`)."""
     if not fault.huge or not fault.nbytes or rate_4k is None or fault.seconds <= 0:
         return None
     rate = fault.nbytes / fault.seconds
-    if rate * EARLY_MARGIN >= rate_4k:
+    margin = PROBE_MARGIN if fault.nbytes < THP_STEP_BYTES else EARLY_MARGIN
+    if rate * margin >= rate_4k:
         return None
     return (f"a THP piece's first {fault.nbytes / 2**20:.0f} MiB faulted at {rate / 1e9:.2f} GB/s, under "
-            f"1/{EARLY_MARGIN:.0f} of the 4 KiB rate of {rate_4k / 1e9:.2f} GB/s: the rest of the piece and "
+            f"1/{margin:.0f} of the 4 KiB rate of {rate_4k / 1e9:.2f} GB/s: the rest of the piece and "
             "of the bring-up with 4 KiB pages")
 
 

@@ -14,7 +14,8 @@ from hicache.plan._thp import (
     early_brake_reason,
     huge_bytes_from_faults,
     size_taken,
+    thp_steps,
 )
 
 __all__ = ["THP_STEP_BYTES", "THP_USABLE", "PieceFault", "ThpDecision", "ThpSnapshot", "base_rate", "brake_reason",
-           "decide_piece", "early_brake_reason", "huge_bytes_from_faults", "size_taken"]
+           "decide_piece", "early_brake_reason", "huge_bytes_from_faults", "size_taken", "thp_steps"]

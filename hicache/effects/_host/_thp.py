@@ -21,7 +21,6 @@ from typing import NamedTuple
 
 from hicache.effects._host._libc import madvise_function
 from hicache.plan.thp import (
-    THP_STEP_BYTES,
     THP_USABLE,
     PieceFault,
     ThpDecision,
@@ -32,6 +31,7 @@ from hicache.plan.thp import (
     early_brake_reason,
     huge_bytes_from_faults,
     size_taken,
+    thp_steps,
 )
 
 MADV_HUGEPAGE = 14
@@ -146,15 +146,18 @@ class ThpAuto:
     def fault(self, index: int, ptr: int, length: int, populate) -> None:
         """Decide, fault and judge the piece ``[ptr, ptr + length)`` of buffer ``index`` on the
         calling thread; ``populate(offset, nbytes)`` faults that part of it. A THP piece faults
-        in steps of `THP_STEP_BYTES`: where its steps so far run far slower than 4 KiB pages
-        (`early_brake_reason`), or another piece has engaged the brake meanwhile, the brake
+        in steps (`thp_steps`: one huge page, then to each 8 MiB boundary): where its steps so
+        far run far slower than 4 KiB pages (`early_brake_reason`), or another piece has
+        engaged the brake meanwhile, the brake
         holds from there - the rest of the piece is advised back to 4 KiB pages and counted
         under the rule ``brake``."""
         token = self.before(index, ptr, length)
-        done = length if not token.decision.huge else min(THP_STEP_BYTES, length)
+        steps = thp_steps(length) if token.decision.huge else [length]
+        done = steps[0]
         populate(0, done)
-        while done < length and not self._stops_thp(token, done):
-            step = min(THP_STEP_BYTES, length - done)
+        for step in steps[1:]:
+            if self._stops_thp(token, done):
+                break
             populate(done, step)
             done += step
         self.after(index, ptr, done, token)
