@@ -18,6 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from hicache.effects._host._libc import madvise_function as _libc_madvise  # a name of this module: tests wrap it
+from hicache.effects._host._threads import run_each
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def give_back(ptr: int, length: int, *, threads: int | None = None) -> int:
         madvise(start, min(RELEASE_PIECE_BYTES, ptr + length - start), MADV_DONTNEED)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hicache-release") as pool:
-        list(pool.map(zap, pieces))
+        run_each(pool.submit, zap, [(start,) for start in pieces])  # at the interpreter's exit: on this thread
     return workers
 
 
