@@ -8,7 +8,8 @@ per-round min-max (issue #32).
   HiCacheNodeStore's zero-copy `batch_set_v1` / `batch_get_v1` vs HiCacheFile's `batch_set_v2` /
   `batch_get_v2` (a syscall and a staging copy per page). Target: >= 3x.
 - `batch_exists` of 128 keys (target <= 200 us), vs HiCacheFile's.
-- attach of an arena of HICACHE_BENCH_STORE_ARENA_GIB (default 16) vs creating it.
+- attach of an arena of HICACHE_BENCH_STORE_ARENA_GIB (default 4; the README's figure: 16, whose
+  creation alone took 25-40 s of `make bench`'s 10 minutes here) vs creating it.
 - the restart figure: seconds from a fresh `HybridCacheController` (a new process, SGLang's
   real code) to its first L3 hit, over an arena vs over HiCacheFile's directory.
 
@@ -179,7 +180,7 @@ def _attach(shm: str) -> str:
     from hicache.effects import arena as effects_arena
     from hicache.plan import plan_store
 
-    size = int(os.environ.get("HICACHE_BENCH_STORE_ARENA_GIB", "16")) * GiB
+    size = int(os.environ.get("HICACHE_BENCH_STORE_ARENA_GIB", "4")) * GiB
     path = f"{shm}/arena-attach"
     free = shutil.disk_usage(shm).free
     if free < size + GiB:

@@ -36,6 +36,12 @@ from hicache.testing import MHADevicePool  # noqa: E402
 LAYERS, HEADS, DIM = 8, 8, 128
 MOVED_PAGES = 256
 LAYOUTS = ("page_first_direct", "layer_first", "page_first", "page_head")
+#: the layouts whose transfers are also timed through the gather engine's torch runner
+#: (HICACHE_BENCH_GATHER_LAYOUTS): page_first, SGLang's default, and layer_first, the two shapes
+#: of its piece tables (a token's row of every layer, one layer's rows); page_first_direct adds
+#: 15 s of index building for the same code (`make bench` must fit in 10 minutes), and page_head's
+#: runner indexes every word - 7 GB and 10 s a batch here (on a GPU Triton runs it)
+GATHER_LAYOUTS = tuple(os.environ.get("HICACHE_BENCH_GATHER_LAYOUTS", "layer_first,page_first").split(","))
 
 
 class StubEngine(CopyEngine):
@@ -66,9 +72,8 @@ def bench_page_size(page_size: int, rounds: int) -> None:
         pool = make_pool(device, page_size, layout)
         slow = make_pool(device, page_size, layout, copy_engine=CopyEngine(host_copy_mode="python")) if page_size == 64 else None
         # the GPU engine's code on CPU: its torch runner (interpreter-free), so a CPU regression shows
-        # (not page_head: its torch runner indexes every word - 7 GB and 10 s a batch here; on a GPU Triton runs it)
         gather = make_pool(device, page_size, layout, copy_engine=CopyEngine(transfer="gather", gather_runner="torch")) \
-            if page_size == 64 and layout != "page_head" else None
+            if page_size == 64 and layout in GATHER_LAYOUTS else None
         slots = pool.alloc(device_idx.numel())
         host_idx = slots.view(-1, page_size)[torch.randperm(MOVED_PAGES, generator=generator)].reshape(-1)
 
