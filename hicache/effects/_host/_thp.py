@@ -148,9 +148,8 @@ class ThpAuto:
         calling thread; ``populate(offset, nbytes)`` faults that part of it. A THP piece faults
         in steps (`thp_steps`: one huge page, then to each 8 MiB boundary): where its steps so
         far run far slower than 4 KiB pages (`early_brake_reason`), or another piece has
-        engaged the brake meanwhile, the brake
-        holds from there - the rest of the piece is advised back to 4 KiB pages and counted
-        under the rule ``brake``."""
+        engaged the brake meanwhile, the brake holds from there - the rest of the piece is
+        advised back to 4 KiB pages and counted under the rule ``brake``."""
         token = self.before(index, ptr, length)
         steps = thp_steps(length) if token.decision.huge else [length]
         done = steps[0]
