@@ -168,7 +168,7 @@ def test_ctrl_c_in_the_fallback_waits_for_every_share(monkeypatch):
         done.append(dsts[0])
 
     waited = []
-    real_wait = _host_copy.wait
+    from concurrent.futures import wait as real_wait
 
     def wait(futures):
         release.set()
@@ -176,7 +176,7 @@ def test_ctrl_c_in_the_fallback_waits_for_every_share(monkeypatch):
         return real_wait(futures)
 
     monkeypatch.setattr(_host_copy, "_memmove_all", share)
-    monkeypatch.setattr(_host_copy, "wait", wait)
+    monkeypatch.setattr("hicache.effects._interrupts.wait", wait)  # run_each's wait: the shares' end
     with pytest.raises(KeyboardInterrupt):
         _host_copy._memmove_threads([0, 1, 2], [0, 0, 0], [1, 1, 1], 3)
     assert waited == [3] and sorted(done) == [1, 2]

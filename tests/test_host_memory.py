@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.effects import HostLedger
-from hicache.effects._host import _memory as _host_memory, _release, _threads
+from hicache.effects._host import _memory as _host_memory, _release
 from hicache.effects._host._memory import PREFAULT_PIECE_BYTES, allocate_host, prefault, started_executor
 from hicache.effects._bringup._faulting import BACKGROUND_NICE, PIECE_BYTES, Prefaulter  # the pre-fault pool's internals, under test
 from hicache.effects import apply_plan, os_page_bytes
@@ -608,7 +608,8 @@ def test_an_mmap_refused_under_strict_overcommit_says_the_commit_limit_refused_i
 # Work handed to threads when the interpreter is exiting: from the atexit handlers on, an executor
 # schedules nothing, so a pool destroyed in a server's shutdown hook, or a mapping whose last view
 # dies at exit, must do its parallel work on the calling thread - never raise from destroy() or
-# print a traceback. `_threads.run_each` is the one rule; a real interpreter's exit proves it.
+# print a traceback. `run_each` (hicache.effects._interrupts; give_back's) is the one rule; a real
+# interpreter's exit proves it.
 
 def _refusing_after(pool, accepted: int):
     """An executor's submit that takes ``accepted`` calls, then refuses as one does at exit."""
@@ -635,7 +636,7 @@ def test_every_call_runs_once_whether_the_pool_takes_it_or_refuses_it(calls, acc
             done.append((number, threading.get_ident() == caller))
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        _threads.run_each(_refusing_after(pool, accepted), record, [(number,) for number in range(calls)])
+        _release.run_each(_refusing_after(pool, accepted), record, [(number,) for number in range(calls)])
         assert sorted(number for number, _ in done) == list(range(calls))
     on_caller = {number for number, here in done if here}
     assert on_caller == set(range(min(accepted, calls), calls))
@@ -657,7 +658,7 @@ def test_an_error_is_raised_only_after_every_call_handed_out_has_ended():
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         with pytest.raises(ValueError, match="call 1"):
-            _threads.run_each(_refusing_after(pool, 1), work, [(0,), (1,)])
+            _release.run_each(_refusing_after(pool, 1), work, [(0,), (1,)])
         assert finished == [0]
 
 
@@ -680,8 +681,17 @@ def give_back(ptr, length, **kw):
 
 _release.give_back = give_back
 
+import torch
+from hicache.effects._copy import _host_copy
+
+source = torch.arange(2**21, dtype=torch.int64)  # 16 MiB: a copy the memmove fallback shares out
+target = torch.zeros_like(source)
+blocks = [torch.tensor([t.data_ptr() + i * 2**20 for i in range(16)]) for t in (target, source)]
+
 @atexit.register
 def shutdown():  # registered last, so it runs first: executors refuse work from here on
+    _host_copy.copy_host_blocks(*blocks, torch.full((16,), 2**20), threads=4, mode="python")
+    assert torch.equal(target, source), "the copy at exit lost bytes"
     freed.free()  # a server's shutdown hook destroying its pool
     keep.clear()  # the last view dies: the release thread gives the mapping back
     assert _release.RELEASER.wait(30), "the release thread did not finish"
@@ -691,9 +701,10 @@ def shutdown():  # registered last, so it runs first: executors refuse work from
 
 @pytest.mark.concurrency
 def test_a_pool_freed_or_dropped_at_the_interpreter_s_exit_gives_its_pages_back_without_an_error():
-    """A real interpreter's exit: a buffer freed in an atexit handler, and a mapping whose last
-    view dies there, are both given back in pieces (on the exiting thread) - the process exits 0,
-    nothing raised from free(), no traceback on stderr."""
+    """A real interpreter's exit: a host copy on the memmove fallback's threads, a buffer freed in
+    an atexit handler and a mapping whose last view dies there all do their work on the exiting
+    thread - the copy whole, both buffers given back in pieces - and the process exits 0, nothing
+    raised, no traceback on stderr."""
     result = subprocess.run([sys.executable, "-c", EXIT_CHILD], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "failed" not in result.stderr, result.stderr

@@ -7,8 +7,10 @@ delivered to the previous handler on exit. Owns `terminate_as_interrupt` too: SI
 `timeout`, systemd and Kubernetes send) and SIGHUP raise `TerminationSignal`, a
 KeyboardInterrupt, so every rollback that honours Ctrl-C honours them - installed only where
 the signal still has its default action (a server's own handler, or nohup's SIG_IGN, stays).
-Only the main thread receives signals; elsewhere this does nothing. Imports signal, threading
-and hicache.errors only.
+Only the main thread receives signals; elsewhere this does nothing. And `run_each`, how work
+handed to threads ends: every call handed out finishes before an error or Ctrl-C goes on, and
+what the interpreter's exit refuses to hand out runs on the calling thread. Imports signal,
+threading, concurrent.futures and hicache.errors only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import signal
 import threading
 from collections import deque
+from concurrent.futures import wait
 from itertools import compress, repeat
 
 from hicache.errors import TerminationSignal, caused_by_interrupt
@@ -102,3 +105,31 @@ def interrupt_requested(held: deferred_interrupts | None) -> None:
     """Raise the held interrupt now when ``held`` recorded one (a loop's safe stopping point)."""
     if held is not None and (signum := held.consume()):
         raise interrupt_for(signum)
+
+
+def run_each(submit, function, argument_lists) -> None:
+    """``function(*arguments)`` for each of ``argument_lists``, handed to threads by ``submit`` (an
+    executor's), and wait for every one; the first error is raised once all have ended. Where
+    the pool refuses work - the interpreter is exiting: from atexit handlers on, an executor
+    schedules nothing and, in the finalizers after them, no thread can start - the calls it
+    refused run on the calling thread: a pool destroyed in a shutdown hook must still give its
+    memory back, not raise from its destroy()."""
+    futures, refused = [], []
+    for arguments in argument_lists:
+        if refused:
+            refused.append(arguments)
+            continue
+        try:
+            futures.append(submit(function, *arguments))
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown", "can't create new thread"
+            refused.append(arguments)
+    try:
+        for arguments in refused:
+            function(*arguments)
+        for future in futures:
+            future.result()
+    except BaseException:
+        # an error or Ctrl-C here: every call handed out ends before the caller goes on (they
+        # may write into memory it is about to free), then it is raised
+        wait(futures)
+        raise

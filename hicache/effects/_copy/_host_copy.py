@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
+
+from hicache.effects._interrupts import run_each
 
 try:
     from hicache.effects._copy import _hostcopy as _native
@@ -205,15 +207,8 @@ def _memmove_threads(dsts, srcs, sizes, workers: int) -> None:
     if workers <= 1:
         _memmove_all(dsts, srcs, sizes)
         return
-    futures = [  # interleaved shares: every thread walks the whole range, in step with the rest
-        _executor().submit(_memmove_all, dsts[i::workers], srcs[i::workers], sizes[i::workers])
-        for i in range(workers)
-    ]
-    try:
-        for future in futures:
-            future.result()
-    except BaseException:
-        # Ctrl-C while waiting: let every share finish before the caller may free the memory
-        # the threads are still writing into, then re-raise.
-        wait(futures)
-        raise
+    # interleaved shares: every thread walks the whole range, in step with the rest; on Ctrl-C
+    # every share finishes before the caller may free the memory they write into, and at the
+    # interpreter's exit (no new thread work) the shares run on this thread
+    run_each(_executor().submit, _memmove_all,
+             [(dsts[i::workers], srcs[i::workers], sizes[i::workers]) for i in range(workers)])

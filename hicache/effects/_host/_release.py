@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from hicache.effects._host._libc import madvise_function as _libc_madvise  # a name of this module: tests wrap it
-from hicache.effects._host._threads import run_each
+from hicache.effects._interrupts import run_each
 
 logger = logging.getLogger(__name__)
 
