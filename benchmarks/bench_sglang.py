@@ -93,8 +93,8 @@ def main() -> int:
                     host.destroy()
                 gc.collect()  # SGLang's pool sits in reference cycles: its buffers go with the collector
                 # the plug-in's mapping dies with SGLang's tensor: its release thread gives the pages
-                # back, and the next bring-up's admission waits for that - untimed here, as SGLang's
-                # own free is (charged to whichever plug-in arm came next, it read 0.78x)
+                # back, and the next bring-up's admission would wait for that - untimed here, as
+                # SGLang's own free is (none was pending in the runs here; the 0.78x was the round order)
                 wait_for_releases()
 
             return teardown

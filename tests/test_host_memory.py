@@ -144,7 +144,6 @@ def _recording_madvise(calls: list, *, fail_at: int | None = None, on_call=None,
     with ENOMEM (``failed``: when it returned)."""
     import ctypes
     import errno
-    import threading
     import time
 
     lock = threading.Lock()
@@ -193,7 +192,6 @@ def test_prefault_calls_stay_small_and_start_once_every_thread_runs(monkeypatch)
 
 def test_the_prefault_pool_has_every_thread_running_when_returned():
     """started_executor: all of its threads exist before anything is submitted."""
-    import threading
 
 
     pool = started_executor(4, prefix="hicache-test-started")
@@ -221,7 +219,6 @@ def test_ctrl_c_while_prefaulting_stops_the_threads_before_it_is_raised(monkeypa
     is raised only once none is still faulting (the memory may be freed next), without
     faulting the rest of the buffer first."""
     import signal
-    import threading
     import time
 
     calls: list = []
@@ -313,7 +310,6 @@ def test_a_ctrl_c_at_any_step_of_handing_out_the_pieces_is_raised_only_once_no_c
     none starts afterwards (traced at opcode level, as CPython delivers signals)."""
     import signal
     import sys
-    import threading
     import time
 
     in_flight, lock, calls = [0], threading.Lock(), []
@@ -393,7 +389,6 @@ def test_background_prefault_threads_run_nicer_than_the_caller():
     """started_executor(nice=n): every thread runs n steps nicer than the caller, so the
     register calls and serving threads beside a background pre-fault get the cores first."""
     import os
-    import threading
 
 
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -411,7 +406,6 @@ def test_the_pipelines_prefault_runs_at_background_priority(monkeypatch, threads
     """Every pre-fault call of the pipelined / progressive bring-up runs BACKGROUND_NICE steps
     nicer than the caller, on one thread or several."""
     import os
-    import threading
 
 
     seen = set()
@@ -507,7 +501,6 @@ def test_a_freed_buffer_gives_its_pages_back_in_parallel_pieces_then_unmaps(monk
     """give_back frees every page of a pre-faulted range from several threads (the range stays
     mapped, nothing resident, reads as zeros); HostBuffer.free calls it over the whole mapping
     before the unmap, and a range of one piece is left to munmap alone."""
-    import threading
 
     from hicache.effects._host._tiers import resident_bytes
 
@@ -549,7 +542,6 @@ def test_the_last_view_of_a_freed_buffer_gives_its_pages_back_on_the_release_thr
     the tensor) gives its pages back in parallel pieces when that view dies - on the release
     thread, then unmapped there; a mapping of fewer than two pieces is unmapped as it dies, as
     any mmap is."""
-    import threading
 
 
     monkeypatch.setattr(_release, "RELEASE_PIECE_BYTES", 1024 * 1024 // pieces)
@@ -605,11 +597,13 @@ def test_an_mmap_refused_under_strict_overcommit_says_the_commit_limit_refused_i
     assert message.startswith(f"mmap of {2**30} bytes failed: out of memory")
     assert ("vm.overcommit_memory=2: 1048576 bytes were left to commit" in message) is said, message
 
+
 # Work handed to threads when the interpreter is exiting: from the atexit handlers on, an executor
 # schedules nothing, so a pool destroyed in a server's shutdown hook, or a mapping whose last view
 # dies at exit, must do its parallel work on the calling thread - never raise from destroy() or
 # print a traceback. `run_each` (hicache.effects._interrupts; give_back's) is the one rule; a real
 # interpreter's exit proves it.
+
 
 def _refusing_after(pool, accepted: int):
     """An executor's submit that takes ``accepted`` calls, then refuses as one does at exit."""
@@ -663,7 +657,7 @@ def test_an_error_is_raised_only_after_every_call_handed_out_has_ended():
 
 
 EXIT_CHILD = """
-import atexit, sys
+import atexit
 from hicache.effects._host import _release
 from hicache.effects._host._memory import allocate_host
 

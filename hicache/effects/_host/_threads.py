@@ -31,4 +31,3 @@ def pin_thread(cpus) -> bool:
     except (AttributeError, OSError, ValueError):
         return False
     return True
-
