@@ -9,7 +9,8 @@ KeyboardInterrupt, so every rollback that honours Ctrl-C honours them - installe
 the signal still has its default action (a server's own handler, or nohup's SIG_IGN, stays).
 Only the main thread receives signals; elsewhere this does nothing. And `run_each`, how work
 handed to threads ends: every call handed out finishes before an error or Ctrl-C goes on, and
-what the interpreter's exit refuses to hand out runs on the calling thread. Imports signal,
+what the interpreter's exit refuses to hand out runs on the calling thread; and `start_daemon`,
+a thread start that reports a refusal instead of raising it (a finalizer's). Imports signal,
 threading, concurrent.futures and hicache.errors only.
 """
 
@@ -133,3 +134,15 @@ def run_each(submit, function, argument_lists) -> None:
         # may write into memory it is about to free), then it is raised
         wait(futures)
         raise
+
+
+def start_daemon(target, *args, name: str) -> bool:
+    """Start ``target(*args)`` on a daemon thread named ``name``; False where no thread can
+    start - the interpreter is past its atexit handlers (Python 3.12 refuses new threads there)
+    or the process is out of threads - so a finalizer takes its fallback instead of raising
+    into "Exception ignored" with its work undone."""
+    try:
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown", "can't start new thread"
+        return False
+    return True

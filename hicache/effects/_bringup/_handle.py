@@ -22,7 +22,7 @@ from hicache.effects._hostwide._turnstile import wait_histogram
 from hicache.effects._host._memory import quarantine, unquarantine
 from hicache.effects._host._tiers import buffer_tiers, read_smaps
 import hicache.effects._trace as _trace
-from hicache.effects._interrupts import deferred_interrupts
+from hicache.effects._interrupts import deferred_interrupts, start_daemon
 from hicache.effects._bringup import _report
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 
@@ -131,6 +131,10 @@ def _release(books: _Books, *, finalizing: bool = False, failed: bool = False, b
             raise interrupt
 
 
+#: Books a finalizer could not release (no thread could start to do it): held to the process's end.
+_KEPT: list[_Books] = []
+
+
 def _finalize(books: _Books) -> None:
     if books.state not in ("active", "bringing-up"):
         return
@@ -140,7 +144,15 @@ def _finalize(books: _Books) -> None:
     if threading.current_thread().name.startswith("hicache-"):
         # collected in one of its own threads (or another hicache worker): joining them from
         # here would wait forever - release from a thread of its own instead
-        threading.Thread(target=_release_quietly, args=(books,), name="hicache-release", daemon=True).start()
+        if not start_daemon(_release_quietly, books, name="hicache-release"):
+            # none can start (the interpreter is exiting, or out of threads): it stays held - the
+            # process gives it back as it ends - rather than a release that may wait on itself;
+            # kept referenced, so that no part of it (its registration's own finalizer) goes alone
+            _KEPT.append(books)
+            warnings.warn("a HostPools handle was garbage-collected without release() on one of hicache's threads, "
+                          "where no thread could start to release it: not released (its memory and registration "
+                          "stay until the process exits)", ResourceWarning, stacklevel=2)
+            return
     else:
         _release_quietly(books)
     warnings.warn("a HostPools handle was garbage-collected without release(); released it",

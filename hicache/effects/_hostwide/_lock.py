@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from hicache.effects._hostwide._rundir import private_dir as _private_dir, runtime_dir
 from hicache.plan.settings import env_value
-from hicache.effects._interrupts import deferred_interrupts
+from hicache.effects._interrupts import deferred_interrupts, start_daemon
 from hicache.effects._trace import span
 from hicache.errors import LockTimeoutError, RegistrationStateError
 
@@ -263,7 +263,9 @@ class BudgetLock:
                     self.release_all()  # applied the queue
                     return
         if not wait:
-            threading.Thread(target=_drain, args=(self.path.parent,), name="hicache-budget-forget", daemon=True).start()
+            # no thread (the interpreter is exiting, or out of threads): the bytes stay queued for
+            # this process's next holder; a process that ends first leaves an entry pruned as dead
+            start_daemon(_drain, self.path.parent, name="hicache-budget-forget")
             return
         with self:
             self.forget(nbytes, resident=resident)
