@@ -33,23 +33,25 @@ REFUSALS = ["can't create new thread at interpreter shutdown", "can't start new 
 
 
 @pytest.fixture
-def refuse_hicache_threads(monkeypatch):
-    """Thread.start refuses threads named ``hicache-*`` with the given message (others start:
-    the test's own collector thread is named so only when it must be)."""
-    started = []
+def hicache_threads(monkeypatch):
+    """``hicache_threads(refusal)``: from then on every thread started is recorded (a list of
+    them is returned), and those named ``hicache-*`` are refused with ``refusal``'s message
+    (None: all start; the test's own collector thread always starts)."""
     real = threading.Thread.start
 
-    def refuse(message):
+    def record(refusal=None):
+        started = []
+
         def start(thread):
-            started.append(thread.name)
-            if thread.name.startswith("hicache-") and thread.name != "hicache-test-collector":
-                raise RuntimeError(message)
+            started.append(thread)
+            if refusal and thread.name.startswith("hicache-") and thread.name != "hicache-test-collector":
+                raise RuntimeError(refusal)
             return real(thread)
 
         monkeypatch.setattr(threading.Thread, "start", start)
         return started
 
-    return refuse
+    return record
 
 
 @pytest.fixture
@@ -87,14 +89,16 @@ def _budgeted(directory, nbytes: int) -> BudgetLock:
     return lock
 
 
-def test_a_give_back_held_up_by_another_process_is_applied_by_a_thread_once_it_lets_go(tmp_path):
+def test_a_give_back_held_up_by_another_process_is_applied_by_a_thread_once_it_lets_go(tmp_path, hicache_threads):
     """forget_soon(wait=False) returns at once while another process holds the lock, and a
     thread of its own applies it once that process lets go (the path the refusal falls back from)."""
     lock = _budgeted(tmp_path, 100)
+    started = hicache_threads()
     fd = _other_process_holds(lock)
     try:
         lock.forget_soon(40, wait=False)  # a finalizer's: never waits
-        waiter = next(t for t in threading.enumerate() if t.name == "hicache-budget-forget")
+        waiter, = started
+        assert waiter.name == "hicache-budget-forget"
     finally:
         _let_go(fd)
     waiter.join(30)
@@ -103,19 +107,19 @@ def test_a_give_back_held_up_by_another_process_is_applied_by_a_thread_once_it_l
 
 
 @pytest.mark.parametrize("message", REFUSALS)
-def test_a_give_back_with_no_thread_to_wait_stays_queued_for_the_next_holder(tmp_path, refuse_hicache_threads,
+def test_a_give_back_with_no_thread_to_wait_stays_queued_for_the_next_holder(tmp_path, hicache_threads,
                                                                               unraisable, message):
     """Where no thread can start, forget_soon(wait=False) neither raises nor waits: the bytes stay
     queued and the next holder in this process applies them, once (a process that exits instead
     leaves an entry the ledger prunes as dead)."""
     lock = _budgeted(tmp_path, 100)
-    started = refuse_hicache_threads(message)
+    started = hicache_threads(message)
     fd = _other_process_holds(lock)
     try:
         lock.forget_soon(40, wait=False)
     finally:
         _let_go(fd)
-    assert started == ["hicache-budget-forget"] and unraisable == []
+    assert [t.name for t in started] == ["hicache-budget-forget"] and unraisable == []
     assert _claimed(tmp_path) == {os.getpid(): 60}  # applied as this process took the lock again
     assert _claimed(tmp_path) == {os.getpid(): 60}  # and only once
 
@@ -133,21 +137,25 @@ def _drop_on_a_hicache_thread(handles: list) -> None:
     assert not collector.is_alive()
 
 
-def test_a_handle_collected_on_a_hicache_thread_is_released_from_a_thread_of_its_own(tmp_path, recwarn):
+def test_a_handle_collected_on_a_hicache_thread_is_released_from_a_thread_of_its_own(tmp_path, hicache_threads,
+                                                                                       recwarn):
     """The fallback's normal path: released on a "hicache-release" thread, with the warning."""
     runtime, ledger = FakeRuntime(), HostLedger()
     handles = [_handle(tmp_path, runtime, ledger)]
     assert runtime.held()
+    started = hicache_threads()
     _drop_on_a_hicache_thread(handles)
-    for thread in [t for t in threading.enumerate() if t.name == "hicache-release"]:
-        thread.join(30)
+    releasers = [t for t in started if t.name == "hicache-release"]
+    assert len(releasers) == 1
+    releasers[0].join(30)
+    assert not releasers[0].is_alive()
     assert runtime.held() == set() and ledger.held() == ()
     assert _claimed(tmp_path) == {}
     assert any("garbage-collected without release" in str(w.message) for w in recwarn.list)
 
 
 @pytest.mark.parametrize("message", REFUSALS)
-def test_a_handle_collected_where_no_thread_can_start_stays_held_and_says_so(tmp_path, refuse_hicache_threads,
+def test_a_handle_collected_where_no_thread_can_start_stays_held_and_says_so(tmp_path, hicache_threads,
                                                                            unraisable, recwarn, monkeypatch, message):
     """Where no thread can start, the finalizer raises nothing and never releases on the thread it
     runs in (that could wait on itself forever): the memory stays registered and mapped - safe,
@@ -161,9 +169,9 @@ def test_a_handle_collected_where_no_thread_can_start_stays_held_and_says_so(tmp
     handles = [_handle(tmp_path, runtime, ledger)]
     held = runtime.held()
     allocator = handles[0].allocator
-    started = refuse_hicache_threads(message)
+    started = hicache_threads(message)
     _drop_on_a_hicache_thread(handles)
-    assert unraisable == [] and "hicache-release" in started
+    assert unraisable == [] and "hicache-release" in [t.name for t in started]
     assert runtime.held() == held and sum(size for _, size in ledger.held()) == sum(size for _, size in held)
     assert allocator.owned() and all(not b.freed for b in allocator.owned())  # CUDA pins it: never unmapped
     said = [str(w.message) for w in recwarn.list if issubclass(w.category, ResourceWarning)]
