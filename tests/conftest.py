@@ -23,6 +23,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# One thread for torch's (OpenMP) kernels in the test processes and the processes they start,
+# unless the runner chose a number: the suite runs three workers and their children on two
+# cores, and OpenMP's threads spin while they wait for one another - oversubscribed, the SGLang
+# worker's largest test ran 28.6 s in the suite against 3.8 s alone (6.8 s with one thread; the
+# CI form 252 s -> 208 s). No test measures torch's own threading. Set before anything imports
+# torch (its thread count is read when it starts).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _file_order():
     """("reverse" | "random", seed) from HICACHE_TEST_ORDER, or None for pytest's order."""

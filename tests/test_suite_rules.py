@@ -109,3 +109,19 @@ def test_the_one_worker_for_sglang_names_exactly_the_files_that_import_it_in_pro
     assert set(IN_PROCESS_SGLANG) == found, (sorted(found - IN_PROCESS_SGLANG), sorted(IN_PROCESS_SGLANG - found))
     assert unit_of("tests/test_sglang_controller.py::test_x[mha]") == SGLANG_UNIT
     assert unit_of("tests/test_lock.py::test_x") == "tests/test_lock.py::test_x"
+
+
+def test_torch_runs_its_kernels_on_the_threads_the_runner_chose_one_by_default():
+    """The test processes run torch's kernels on OMP_NUM_THREADS threads, one unless the runner
+    set it (conftest): oversubscribed OpenMP threads spin, and made the suite's SGLang worker 7x
+    slower than alone; a child process inherits the same."""
+    import os
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    chosen = int(os.environ["OMP_NUM_THREADS"])
+    assert torch.get_num_threads() == chosen
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and int(child.stdout) == chosen, child.stderr[-2000:]
