@@ -3,7 +3,8 @@
 Two finalizers start threads: a `HostPools` handle collected on one of hicache's own threads
 releases from a thread of its own (joining its threads from there would wait forever), and a
 budget give-back that another process's lock holds up waits for it on a thread. Python 3.12
-refuses new threads once the interpreter is past its atexit handlers, and any Python refuses
+refuses new threads once the interpreter runs its atexit handlers (weakref's, which runs
+finalizers left at exit, among them), and any Python refuses
 them when the process is out of threads; there, neither finalizer may raise into
 "Exception ignored", hang, or lose what it gives back. The refusals are injected with Python
 3.12's message and an out-of-threads one; a real interpreter's exit runs too (on 3.12 - the GPU

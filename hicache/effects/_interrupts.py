@@ -112,7 +112,7 @@ def run_each(submit, function, argument_lists) -> None:
     """``function(*arguments)`` for each of ``argument_lists``, handed to threads by ``submit`` (an
     executor's), and wait for every one; the first error is raised once all have ended. Where
     the pool refuses work - the interpreter is exiting: from atexit handlers on, an executor
-    schedules nothing and, in the finalizers after them, no thread can start - the calls it
+    schedules nothing and (Python 3.12) no thread can start at all - the calls it
     refused run on the calling thread: a pool destroyed in a shutdown hook must still give its
     memory back, not raise from its destroy()."""
     futures, refused = [], []
@@ -138,7 +138,7 @@ def run_each(submit, function, argument_lists) -> None:
 
 def start_daemon(target, *args, name: str) -> bool:
     """Start ``target(*args)`` on a daemon thread named ``name``; False where no thread can
-    start - the interpreter is past its atexit handlers (Python 3.12 refuses new threads there)
+    start - the interpreter is exiting (Python 3.12 refuses new threads from its atexit handlers on)
     or the process is out of threads - so a finalizer takes its fallback instead of raising
     into "Exception ignored" with its work undone."""
     try:
