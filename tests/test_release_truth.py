@@ -116,6 +116,69 @@ def test_a_finalizer_never_waits_on_a_budget_lock_held_in_this_process(tmp_path)
         other.forget(None)
 
 
+_EXIT_CHILD = r"""
+import sys, time, warnings
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+warnings.simplefilter("always", ResourceWarning)  # every finalizer that releases says so
+from machine import ROOMY
+from hicache.effects import BudgetLock, HostLedger, HostSetup, HostTensorAllocator, Progressive, bring_up
+from hicache.plan import Limits, MHALayout, plan_pool
+from hicache.testing import FakeCudart, FakeRuntime
+
+events = open({events!r}, "a", buffering=1)  # each driver call as it happens, to the very end
+cudart = FakeCudart(register_bytes_per_s=20e6 if {mode!r} == "progressive" else None)  # 64 calls of 1 MiB (K and V), ~50 ms each
+register, unregister = cudart.cudaHostRegister, cudart.cudaHostUnregister
+cudart.cudaHostRegister = lambda ptr, size, flags: (register(ptr, size, flags), events.write(f"R {{ptr}}\n"))[0]
+cudart.cudaHostUnregister = lambda ptr: (events.write(f"U {{ptr}}\n"), unregister(ptr))[1]
+layout = MHALayout("page_first_direct", layer_num=2, head_num=8, head_dim=128, page_size=16, page_num=512, itemsize=2)
+handle = bring_up(plan_pool(layout, Limits(chunk_limit_bytes=1 << 20)),
+                  mode=Progressive(max_stall_s=None) if {mode!r} == "progressive" else "blocking",
+                  host=HostSetup(runtime=FakeRuntime(cudart), machine=ROOMY, lock=BudgetLock(Path({directory!r})),
+                                 ledger=HostLedger(), allocator=HostTensorAllocator()))
+if {mode!r} == "detached":  # the caller owns the registration now, as compat.sglang's buffers do
+    registration = handle.detach()
+while cudart.register_calls < 3:
+    time.sleep(0.005)
+print("exiting", flush=True)  # the background registration still running: the handle is left to the exit
+"""
+
+
+def _exit_with_a_bring_up(tmp_path, mode: str):
+    """Run the exit child; its result and the driver calls it made, in order."""
+    events = tmp_path / "driver.log"
+    code = _EXIT_CHILD.format(tests=str(ROOT / "tests"), events=str(events), directory=str(tmp_path / "run"),
+                              mode=mode)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert child.returncode == 0 and child.stdout.split() == ["exiting"], child.stderr[-3000:]
+    return child, [line.split() for line in events.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["progressive", "blocking"])
+def test_a_handle_left_to_the_interpreters_exit_is_released_in_its_one_order(tmp_path, mode):
+    """A real exit with a handle left alive (a progressive one still registering): only the
+    handle's finalizer releases it - the background registration stopped first, then every call
+    unregistered - never its registrations' own finalizers, which weakref runs at exit newest
+    first, ahead of their owner's (the code before unregistered two progressive calls, then the
+    thread registered a third)."""
+    child, calls = _exit_with_a_bring_up(tmp_path, mode)
+    first_unregister = next(i for i, (op, _) in enumerate(calls) if op == "U")
+    assert all(op == "U" for op, _ in calls[first_unregister:]), calls  # nothing registered once it unregisters
+    assert sorted(p for op, p in calls if op == "R") == sorted(p for op, p in calls if op == "U")  # all of it
+    released = [line for line in child.stderr.splitlines() if "garbage-collected without release" in line]
+    assert len(released) == 1 and "HostPools handle" in released[0], child.stderr[-3000:]
+
+
+def test_a_registration_detached_from_its_handle_is_released_at_exit_by_its_own_finalizer(tmp_path):
+    """Detached (the caller owns it, as compat.sglang's buffers do), a registration left to the
+    exit is released by its own finalizer again: every call unregistered, and it says so."""
+    child, calls = _exit_with_a_bring_up(tmp_path, "detached")
+    registered = sorted(p for op, p in calls if op == "R")
+    assert len(registered) == 64 and registered == sorted(p for op, p in calls if op == "U"), calls
+    released = [line for line in child.stderr.splitlines() if "garbage-collected without release" in line]
+    assert len(released) == 1 and "a Registration of" in released[0], child.stderr[-3000:]
+
+
 def _blocking(runtime, ledger, tmp_path):
     return bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=BudgetLock(tmp_path), ledger=ledger,
                                          allocator=HostTensorAllocator()))

@@ -199,7 +199,7 @@ class HostPools:
         self._books.claim = claim
 
     def _hold_registration(self, registration) -> None:
-        self._books.registration = registration
+        self._books.registration = registration._owner_releases()  # released in the handle's order, at exit too
 
     def _hold_progressive(self, progressive, faulting) -> None:
         self._books.progressive, self._books.faulting = progressive, faulting
@@ -380,6 +380,8 @@ class HostPools:
             if books.state != "active" or books.progressive is not None:
                 raise RegistrationStateError(f"cannot detach a {self.mode} HostPools handle that is {books.state}")
             registration, books.registration = books.registration, None
+            if registration is not None:  # the caller's now: its own finalizer covers the exit again
+                registration._owner_releases(False)
             books.tensors = []
             books.forget_budget()
             books.state = "released"

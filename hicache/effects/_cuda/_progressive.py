@@ -174,7 +174,7 @@ class ProgressiveRegistration:
             finally:  # a registered call's time measures the rate calls are paced by
                 turn.release(piece.size if registration is not None else None)
             with self._lock:
-                self.registrations.append(registration)
+                self.registrations.append(registration._owner_releases())  # released in this one's order
         seconds = registration.status().register_seconds
         self._bytes += piece.size
         self._seconds += seconds

@@ -164,6 +164,15 @@ class Registration:
         self._state = state
         self._finalizer = weakref.finalize(self, _finalize, state)
 
+    def _owner_releases(self, owned: bool = True) -> "Registration":
+        """``owned``: its owner (a bring-up's handle, a progressive registration) releases it, in the
+        owner's order - at the interpreter's exit too: weakref runs every finalizer still pending
+        there, newest first, so this one would unregister ahead of its owner, before the owner
+        stops the threads that still register. Collected while active, it is still released by its
+        own finalizer. False: no owner any more (a handle's `detach`) - its own covers the exit."""
+        self._finalizer.atexit = not owned
+        return self
+
     def __enter__(self) -> "Registration":
         return self
 
