@@ -314,7 +314,7 @@ def _lines(tmp_path, caller) -> int:
     run in a worker can take a path once that later runs do not: after test_executor's tests on
     the same worker, its metrics report retired the same-named pool an earlier test had left,
     reading that handle's calls - five lines no later run has - and a walk counted from it aimed
-    its last interrupts past the end (1 failure in 1 with that order)."""
+    its last interrupts past the end (3 failures in 3 with that order)."""
     for run in ("first", "counted"):
         (tmp_path / run).mkdir()
         lines, error, *_ = _run(0, tmp_path / run, caller)

@@ -127,7 +127,8 @@ from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeCudart, FakeRuntime
 
 events = open({events!r}, "a", buffering=1)  # each driver call as it happens, to the very end
-cudart = FakeCudart(register_bytes_per_s=20e6 if {mode!r} == "progressive" else None)  # 64 calls of 1 MiB (K and V), ~50 ms each
+# 64 calls of 1 MiB (K and V): ~50 ms each for a progressive bring-up, so it is still registering at the exit
+cudart = FakeCudart(register_bytes_per_s=20e6 if {mode!r} == "progressive" else None)
 register, unregister = cudart.cudaHostRegister, cudart.cudaHostUnregister
 cudart.cudaHostRegister = lambda ptr, size, flags: (register(ptr, size, flags), events.write(f"R {{ptr}}\n"))[0]
 cudart.cudaHostUnregister = lambda ptr: (events.write(f"U {{ptr}}\n"), unregister(ptr))[1]
@@ -136,11 +137,11 @@ handle = bring_up(plan_pool(layout, Limits(chunk_limit_bytes=1 << 20)),
                   mode=Progressive(max_stall_s=None) if {mode!r} == "progressive" else "blocking",
                   host=HostSetup(runtime=FakeRuntime(cudart), machine=ROOMY, lock=BudgetLock(Path({directory!r})),
                                  ledger=HostLedger(), allocator=HostTensorAllocator()))
-if {mode!r} == "detached":  # the caller owns the registration now, as compat.sglang's buffers do
+if {mode!r} == "detached":  # the caller owns the registration now (kept alive here), as compat.sglang's buffers do
     registration = handle.detach()
 while cudart.register_calls < 3:
     time.sleep(0.005)
-print("exiting", flush=True)  # the background registration still running: the handle is left to the exit
+print("exiting", flush=True)  # what was brought up is left to the interpreter's exit
 """
 
 
