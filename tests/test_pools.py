@@ -151,6 +151,24 @@ def test_unaligned_token_runs_use_the_token_path():
     pool.destroy()
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_a_token_count_that_is_not_whole_pages_round_trips_token_by_token(layout):
+    """A batch of a page and a half (no whole-page view of it exists) still round-trips, token by token."""
+    pool, device = make("mha", layout)
+    try:
+        device.randomize(5)
+        host_idx = pool.alloc(2 * P)[:P + 2]
+        device_idx = torch.arange(3 * P, 4 * P + 2)
+        original = [t[device_idx].clone() for t in device.tensors()]
+        pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
+        device.zero()
+        for layer in range(3):
+            pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
+        assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
+    finally:
+        pool.destroy()
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 def test_indices_changed_in_place_between_layers_are_honoured(layout):
     """The per-layer index memo reuses work only for equal values: an in-place change misses."""

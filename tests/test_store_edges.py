@@ -115,6 +115,7 @@ def test_close_waits_for_a_read_in_flight_and_the_read_completes(shm_dir, ops):
 
 @pytest.mark.parametrize("case, match", [
     ("mixed segment counts", "page 1 has 2 segments, page 0 has 1"),
+    ("a page of no segments", "page 0 has no segments"),
     ("a segment not whole words", "4 bytes is not whole 8-byte words"),
     ("segments short of a page", "not one page"),
     ("a null pointer", "outside the address space"),
@@ -136,6 +137,7 @@ def test_bad_segments_are_refused_before_any_copy(shm_dir, case, match, directio
         base = src.data[0].data_ptr()
         pages = {
             "mixed segment counts": [[(base, PAGE)], [(base, PAGE // 2), (base + PAGE // 2, PAGE // 2)]],
+            "a page of no segments": [[]],
             "a segment not whole words": [[(base, 4), (base + 4, PAGE - 4)]],
             "segments short of a page": [[(base, PAGE - 8)]],
             "a null pointer": [[(0, PAGE)]],
@@ -206,6 +208,23 @@ def test_the_c_helpers_segment_checks_agree_with_the_fallbacks(batch):
         with pytest.raises(TransferError, match=f"^page {native}:"):
             check_pages(PageSegments(ptrs, sizes, per_page), count=len(ptrs) // per_page, page_bytes=page_bytes,
                         arena=(start, end), where="test", ops=NativeSlotOps)
+
+
+class _FastPassSaysBad:
+    """Slot ops whose one-pass check calls page 0 bad though every segment is good."""
+
+    @staticmethod
+    def first_bad_page(*_args) -> int:
+        return 0
+
+
+def test_a_page_the_fast_pass_refuses_and_the_message_pass_cannot_name_is_still_refused():
+    """When the vectorized pass and the message pass disagree, the batch is refused (an
+    AssertionError naming the disagreement), never let through to the copy."""
+    good = PageSegments(array("Q", [2**20]), array("Q", [64]), 1)
+    check_pages(good, count=1, page_bytes=64, arena=(4096, 8192), where="test", ops=PythonSlotOps)  # good
+    with pytest.raises(AssertionError, match="the slow pass did not find"):
+        check_pages(good, count=1, page_bytes=64, arena=(4096, 8192), where="test", ops=_FastPassSaysBad)
 
 
 def _one_stored(shm_dir, ops):
