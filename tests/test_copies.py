@@ -177,3 +177,8 @@ def test_a_block_past_the_end_of_either_tensor_is_refused_before_any_copy():
         batch.add(dst[:5], src, pattern)  # block 5 of the destination is past its 5 rows
     batch.add(dst[:6], src[:5], pattern)  # exactly up to the last byte of each: fine
     assert len(batch.parts) == 1
+    # a pattern made by hand (no reach measured: the defaults) is measured before it is trusted
+    unmeasured = _transfer.BlockPattern(pattern.dst, pattern.src, pattern.sizes)
+    with pytest.raises(TransferError, match="reaches byte 320 of the source"):
+        batch.add(dst, src[4:], unmeasured)
+    assert len(batch.parts) == 1 and batch.total == pattern.total

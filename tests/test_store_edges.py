@@ -116,6 +116,9 @@ def test_close_waits_for_a_read_in_flight_and_the_read_completes(shm_dir, ops):
 @pytest.mark.parametrize("case, match", [
     ("mixed segment counts", "page 1 has 2 segments, page 0 has 1"),
     ("a page of no segments", "page 0 has no segments"),
+    ("a negative pointer", "is not a pointer and a size inside the address space"),
+    ("a size past 2**64", "is not a pointer and a size inside the address space"),
+    ("a pointer that is not a number", "is not a pointer and a size inside the address space"),
     ("a segment not whole words", "4 bytes is not whole 8-byte words"),
     ("segments short of a page", "not one page"),
     ("a null pointer", "outside the address space"),
@@ -138,6 +141,9 @@ def test_bad_segments_are_refused_before_any_copy(shm_dir, case, match, directio
         pages = {
             "mixed segment counts": [[(base, PAGE)], [(base, PAGE // 2), (base + PAGE // 2, PAGE // 2)]],
             "a page of no segments": [[]],
+            "a negative pointer": [[(-base, PAGE)]],
+            "a size past 2**64": [[(base, 2**64 + PAGE)]],
+            "a pointer that is not a number": [[(str(base), PAGE)]],
             "a segment not whole words": [[(base, 4), (base + 4, PAGE - 4)]],
             "segments short of a page": [[(base, PAGE - 8)]],
             "a null pointer": [[(0, PAGE)]],
@@ -208,6 +214,26 @@ def test_the_c_helpers_segment_checks_agree_with_the_fallbacks(batch):
         with pytest.raises(TransferError, match=f"^page {native}:"):
             check_pages(PageSegments(ptrs, sizes, per_page), count=len(ptrs) // per_page, page_bytes=page_bytes,
                         arena=(start, end), where="test", ops=NativeSlotOps)
+
+
+_EDGES = [0, 8, 64, 2**20, 2**63 - 8, 2**63, 2**64 - 8, 2**64]
+_ANY_NUMBER = st.one_of(st.integers(-2**65, 2**65), st.sampled_from(_EDGES),
+                        st.floats(allow_nan=True), st.text(max_size=3), st.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(_ANY_NUMBER, _ANY_NUMBER), max_size=3), max_size=3))
+@example([[(2**20, 2**64 + 64)]])  # a good pointer, a size past 2**64
+@example([[(2**20, 64)], [(2**20, 2**64 + 64)]])
+def test_any_list_of_segments_is_taken_or_refused_by_name(pages):
+    """Whatever a caller passes as ``[(ptr, bytes), ...]`` per page - negative, past 2**64, not a
+    number, ragged - the batch is checked or refused with a `TransferError`, never another error
+    (an OverflowError once escaped for a size past 2**64)."""
+    try:
+        batch = PageSegments.of(pages)
+        check_pages(batch, count=len(pages), page_bytes=64, arena=(4096, 8192), where="test", ops=PythonSlotOps)
+    except TransferError:
+        pass
 
 
 class _FastPassSaysBad:

@@ -51,7 +51,8 @@ class PageSegments:
         except (OverflowError, TypeError):  # a negative, huge or non-integer value: name it
             for i, segments in enumerate(pages):
                 for ptr, size in segments:
-                    if not isinstance(ptr, int) or not isinstance(size, int) or ptr <= 0 or size <= 0 or ptr >= _TOP:
+                    if (not isinstance(ptr, int) or not isinstance(size, int) or ptr <= 0 or size <= 0 or ptr >= _TOP
+                            or size >= _TOP):
                         raise TransferError(f"page {i}: segment {ptr!r} + {size!r} bytes is not a pointer and a size "
                                             "inside the address space") from None
             raise
