@@ -3,6 +3,8 @@ fallback on cudaErrorNotSupported, and errors named."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from hicache.effects._copy._device import memcpy_batch
@@ -102,6 +104,28 @@ def test_descriptors_for_cuda_reach_the_batch_call_as_int_lists(monkeypatch):
         (base_d + 64, base_s + 192, 128), (base_d + 320, base_s, 64),
         (base_d + 64, base_s + 192 + 192, 128), (base_d + 320, base_s + 192, 64),
     ]
+
+
+def test_a_link_whose_device_side_is_on_cuda_makes_its_batch_a_cuda_one(monkeypatch):
+    """A batch queued through a link whose device tensor is on CUDA is issued as CUDA copies,
+    never as host memmoves (which would treat device addresses as host memory)."""
+    import torch
+
+    from hicache.pools import _transfer
+
+    seen = []
+    engine = CopyEngine(host_copy_mode="python")
+    monkeypatch.setattr(engine, "issue_cuda_copies", lambda device, *lists: seen.append((device, lists)) or "batched")
+    host, other = torch.zeros(8, 16), torch.ones(8, 16)  # host memory stands in for the device side's addresses
+    link = SimpleNamespace(dst=host, src=other, dst_extent=host.nbytes, src_extent=other.nbytes,
+                           dst_ptr=host.data_ptr(), src_ptr=other.data_ptr(),
+                           device=SimpleNamespace(device=torch.device("cuda", 0)))
+    pattern = _transfer.block_pattern(torch.tensor([1]), 64, torch.tensor([2]), 64, 64)
+    batch = _transfer.Descriptors(engine)
+    batch.add_checked(pattern, link, _transfer.Where(0, 0, None))
+    batch.prepare().run()
+    assert seen == [(torch.device("cuda", 0), ([host.data_ptr() + 64], [other.data_ptr() + 128], [64]))]
+    assert not bool(host.any())  # nothing went through a host copy
 
 
 class FakeStream:
