@@ -236,6 +236,23 @@ def test_any_list_of_segments_is_taken_or_refused_by_name(pages):
         pass
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3).flatmap(lambda k: st.tuples(
+    st.lists(st.lists(st.tuples(st.integers(1, 2**62), st.integers(1, 2**20)), min_size=k, max_size=k), max_size=6),
+    st.data())))
+def test_a_batch_taken_apart_holds_the_very_segments_of_the_pages_picked(case):
+    """`PageSegments.page` and `.take` give each picked page's own segments - pointers and sizes
+    that differ from page to page included - in the order picked (a write takes the pages whose
+    keys are not held yet)."""
+    pages, data = case
+    batch = PageSegments.of(pages)
+    assert [batch.page(i) for i in range(batch.count)] == [list(p) for p in pages]
+    picked = data.draw(st.lists(st.integers(0, max(len(pages) - 1, 0)), max_size=len(pages))) if pages else []
+    taken = batch.take(picked)
+    assert [taken.page(i) for i in range(taken.count)] == [list(pages[i]) for i in picked]
+    assert taken.per_page == batch.per_page and len(taken.ptrs) == len(taken.sizes)
+
+
 class _FastPassSaysBad:
     """Slot ops whose one-pass check calls page 0 bad though every segment is good."""
 
