@@ -460,6 +460,19 @@ def test_a_pool_that_refuses_zero_copy_is_served_through_its_flat_pages(sglang, 
         store.close()
 
 
+def test_a_pool_whose_pages_are_not_whole_checksum_words_is_refused_before_any_arena(sglang, shm_dir, pools,
+                                                                                      monkeypatch):
+    """A pool whose flat page is not a multiple of 8 bytes (the store checksums whole words) is
+    one ArenaError naming the pool and its page size, before any arena exists - not a refusal
+    of every batch later."""
+    kv = pools[0]
+    monkeypatch.setattr(kv, "get_page_buffer_meta", lambda indices: (_ for _ in ()).throw(ValueError("no")))
+    monkeypatch.setattr(kv, "get_data_page", lambda index, flat=True: torch.zeros(12, dtype=torch.uint8))
+    with pytest.raises(ArenaError, match="pool 'kv' has pages of 12 bytes, not a multiple of 8"):
+        _store(shm_dir / "arena", kv)
+    assert os.listdir(shm_dir) == []
+
+
 @pytest.mark.concurrency
 def test_close_racing_a_batch_get_v1_in_flight_waits_and_later_calls_are_errors(sglang, shm_dir, pools):
     """SGLang's prefetch thread stopped inside batch_get_v1's copy (an Event): close() from
