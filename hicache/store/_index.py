@@ -33,8 +33,6 @@ from hicache.store._keys import DIGEST_BYTES
 from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
 from hicache.store._pages import PageSegments
 
-_U64 = 2**64 - 1
-
 
 @attrs.frozen
 class Census:
@@ -229,7 +227,7 @@ class SlotIndex(NamespaceEntries):
             self._unlock(slot)
 
     def _columns(self):
-        """The records as int64 words (an unsigned field above 2**63 reads negative: mask with _U64)."""
+        """The records as int64 words (an unsigned field above 2**63 reads negative: mask with 2**64 - 1)."""
         import torch
 
         return self.records.index_words(torch.int64)
