@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from hicache.effects import HostLedger
@@ -315,6 +317,13 @@ def test_destroy_keeps_memory_a_failed_release_left_registered():
         (lambda p, d: p.set_from_flat_data_page(torch.tensor(p.size), p.get_dummy_flat_data_page()), "out of range"),
         (lambda p, d: p.alloc(3), "not a multiple of the page size"),
         (lambda p, d: p.free(torch.tensor([1, 2, 3, 4])), "page-aligned runs"),
+        # a device pool of another family (no k_buffer), or one whose layer is not a tensor of slots
+        (lambda p, d: p.load_to_device_per_layer(SimpleNamespace(kv_buffer=d.k_buffer), torch.arange(4),
+                                                 torch.arange(4), 0, "direct"),
+         "has no layer 0, buffer 0, K tensor this host pool copies .AttributeError"),
+        (lambda p, d: p.backup_from_device_all_layer(SimpleNamespace(k_buffer=[[0.0] * 8] * 3, v_buffer=d.v_buffer),
+                                                     torch.arange(4), torch.arange(4), "direct"),
+         "layer 0, buffer 0, K of the device pool is not a tensor of slots: list"),
     ])
 def test_bad_input_is_a_clear_error(call, pattern):
     """Wrong dtypes, lengths, layers, backends, ranges and unaligned sizes are named."""
