@@ -357,6 +357,27 @@ def test_a_segment_outside_the_pools_buffers_is_refused_before_any_copy(sglang, 
         store.close()
 
 
+@pytest.mark.parametrize("wrong", ["a segment short", "a size short"])
+def test_page_meta_of_the_wrong_length_is_refused_before_any_copy(sglang, shm_dir, pools, monkeypatch, wrong):
+    """A pool whose get_page_buffer_meta gives fewer segments than its pages have, or fewer sizes
+    than pointers: the batch is refused naming the pool, nothing stored."""
+    kv = pools[0]
+    store = _store(shm_dir / "arena", kv)
+    real = kv.get_page_buffer_meta
+
+    def short(indices):
+        ptrs, sizes = real(indices)
+        return (ptrs[:-1], sizes[:-1]) if wrong == "a segment short" else (ptrs, sizes[:-1])
+
+    monkeypatch.setattr(kv, "get_page_buffer_meta", short)
+    try:
+        with pytest.raises(TransferError, match="pool 'kv': \\d+ segments for 2 pages"):
+            store.batch_set_v1(["a", "b"], torch.arange(2 * PAGE))
+        assert store.batch_exists(["a"]) == 0
+    finally:
+        store.close()
+
+
 def test_metrics_report_the_arena_and_this_engines_counts(sglang, shm_dir, pools):
     """hicache_store_* in a Prometheus registry (as a server's /metrics scrapes it): the arena's
     bytes by backing, used slots, pages, this process's hits, misses and writes, attach seconds;
