@@ -8,6 +8,7 @@ first. A hypothesis state machine checks no read ever returns bytes a key was no
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from array import array
 
@@ -21,6 +22,7 @@ from hicache.effects import arena
 from hicache.effects._arena import _slots
 from hicache.errors import ArenaGeometryError, TransferError
 from hicache.plan import plan_store
+from hicache.plan.store_format import RECORD_BYTES
 from hicache.store import Namespace, NodeStore, open_store
 from hicache.store._keys import slot_keys
 
@@ -201,6 +203,34 @@ def test_a_dead_writers_torn_slot_is_invisible_and_reclaimed_by_the_next_attach(
         assert again.put(NS, ["k"], src.segments()) == [True] and again.get(NS, ["k"], dst.segments()) == [True]
     finally:
         again.close()
+
+
+def test_a_live_writers_torn_slot_is_left_to_it_by_the_next_attach(shm_dir, ops):
+    """An odd generation whose slot lock another open file still holds (its writer is alive, mid-
+    write): the next attach leaves it torn - reclaiming it would wipe the writer's record under
+    it - and the attach after the writer let go reclaims it."""
+    store, src = _open(shm_dir, ops), Pages(1)
+    store.put(NS, ["k"], src.segments())
+    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    addr = store.arena.record_addr(slot)
+    store.arena.ops.store(addr, store.arena.ops.load(addr) + 1)  # as a writer that claimed the slot
+    offset = store.arena.plan.record_offset(slot)
+    store.close()
+    writer = os.open(shm_dir / "arena", os.O_RDWR)
+    try:
+        assert arena.try_lock(writer, offset, RECORD_BYTES)  # the writer's own open file holds it
+        again = open_store(str(shm_dir / "arena"), size_bytes=None, slot_bytes=PAGE, ops=arena.slot_ops(ops))
+        try:
+            assert again.reclaimed == 0 and again.census().torn == 1
+        finally:
+            again.close()
+    finally:
+        os.close(writer)  # the writer is gone: its lock with it
+    after = open_store(str(shm_dir / "arena"), size_bytes=None, slot_bytes=PAGE, ops=arena.slot_ops(ops))
+    try:
+        assert after.reclaimed == 1 and after.census().torn == 0
+    finally:
+        after.close()
 
 
 def test_a_full_window_evicts_unreferenced_tail_pages_first(shm_dir, ops):
