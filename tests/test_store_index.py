@@ -295,6 +295,26 @@ def test_a_live_writers_torn_slot_is_left_to_it_by_the_next_attach(shm_dir, ops)
         after.close()
 
 
+def test_a_window_whose_every_slot_another_writer_holds_stores_nothing_and_says_so(shm_dir, ops):
+    """Every slot of the key's window locked by other writers (their open files): the page is not
+    stored, `put` says False for it without waiting, and the keys already held still say True."""
+    store, src = _open(shm_dir, ops, total=ONE_WINDOW), Pages(2)
+    try:
+        assert store.arena.plan.slots == 16
+        assert store.put(NS, ["held"], Pages(1, seed=9).segments()) == [True]
+        others = os.open(shm_dir / "arena", os.O_RDWR)
+        try:
+            for slot in range(16):
+                assert arena.try_lock(others, store.arena.plan.record_offset(slot), RECORD_BYTES)
+            assert store.put(NS, ["held", "new"], src.segments()) == [True, False]
+            assert store.present(NS, ["held", "new"]) == [True, False] and store.counts.writes == 1
+        finally:
+            os.close(others)
+        assert store.put(NS, ["new"], Pages(1).segments()) == [True]  # the writers are gone: it goes in
+    finally:
+        store.close()
+
+
 def test_a_full_window_evicts_unreferenced_tail_pages_first(shm_dir, ops):
     """Sixteen slots hold one 16-page chain; its first 8 pages are read (referenced). Eight new
     pages evict pages 15..8 - the chain's leading 8 still answer, all new pages are held."""
