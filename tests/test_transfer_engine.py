@@ -67,6 +67,17 @@ def test_the_gather_copies_exactly_its_pieces(runner, case, offset):
     assert torch.equal(dst, expected)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_batch_of_no_bytes_launches_nothing(runner):
+    """No parts, or parts of no bytes (a transfer of zero pages): nothing runs, nothing changes."""
+    dst = torch.zeros(64, dtype=torch.uint8)
+    nothing = (torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), 0, dst.data_ptr(), dst.data_ptr() + 8)
+    for parts in ([], [nothing]):
+        batch = GatherCopy(parts, None, programs=3, runner=_runner(runner))
+        assert batch.count == 0 and batch.run() == "empty"
+    assert not bool(dst.any())
+
+
 def test_the_word_is_the_widest_dividing_every_address_and_size():
     """8 when all are multiples of 8; one odd address or size narrows it."""
     t = lambda *v: torch.tensor(v)  # noqa: E731
