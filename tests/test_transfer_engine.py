@@ -274,7 +274,7 @@ def test_a_gather_checks_every_host_piece_against_the_ranges_registered_now():
     held = [(0x10000, 0x1000), (0x11000, 0x1000), (0x14000, 0x1000)]  # hole: [0x12000, 0x14000)
     check_registered(torch.tensor([0x10000, 0x10800, 0x14F00]), torch.tensor([0x1800, 0x800, 0x100]), held)
     check_registered(torch.tensor([0x13000]), torch.tensor([0]), held)  # an empty piece touches nothing
-    for address, size in ((0x12000, 8), (0x11F00, 0x200), (0x14F00, 0x101), (0xF000, 8)):
+    for address, size in ((0x12000, 8), (0x11F00, 0x200), (0x14F00, 0x101), (0xF000, 8), (0x13FFF, 1)):
         with pytest.raises(TransferError, match=f"{address:#x}.*not inside a registered range"):
             check_registered(torch.tensor([0x10000, address]), torch.tensor([8, size]), held)
     with pytest.raises(TransferError, match="0 held"):
@@ -288,6 +288,12 @@ def test_a_gather_checks_every_host_piece_against_the_ranges_registered_now():
     batch = GatherCopy([part], torch.device("meta"), programs=2, host_side="src", host_pointer=lambda a: a,
                        registered=held + [(0x12000, 0x2000)])
     assert batch.count == 2 and batch.tables[0].device.type == "meta"
+    # the device's addresses of the host pieces are what the kernel gets (here 1 MiB away from the host's)
+    shifted = GatherCopy([part], torch.device("cpu"), programs=2, host_side="src", runner="torch",
+                         host_pointer=lambda address: address + 0x100000, registered=held + [(0x12000, 0x2000)])
+    assert shifted.tables[1].tolist() == [0x110000, 0x113000] and shifted.tables[0].tolist() == [0x50000, 0x50040]
+    with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
+        GatherCopy([part], None, programs=0)
 
 
 def _index_set(kind: str, pages: int, page: int, generator):
