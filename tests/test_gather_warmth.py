@@ -195,6 +195,19 @@ def test_each_pair_is_tried_once_and_a_bad_word_is_refused():
     assert calls[-1] == (None, 8) and len(calls) == 4
 
 
+def test_where_triton_does_not_import_no_word_is_ready_and_nothing_launches(monkeypatch):
+    """Without Triton (not installed, or a broken install) every word's answer is why not - so
+    its pieces go to torch's index kernels - and no launch is tried."""
+    calls: list = []
+    monkeypatch.setattr("hicache.effects._copy._gather.triton_ready", lambda: False)
+    warmth = KernelWarmth(launch=lambda device, word: calls.append((device, word)))
+    assert warmth.warm(None, 8) == "Triton does not import here" == warmth.warm("cuda:0", 4)
+    assert calls == []
+    part = (torch.tensor([0]), torch.tensor([0]), torch.tensor([8]), 8, 0x1000, 0x2000)
+    monkeypatch.setattr("hicache.effects._copy._gather.WARMTH", warmth)
+    assert GatherCopy([part], None, programs=1).runner == "torch"
+
+
 @pytest.mark.concurrency
 @pytest.mark.timeout(60)
 def test_a_transfer_that_comes_first_waits_for_the_compile_and_never_runs_it_twice():
