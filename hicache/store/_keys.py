@@ -52,7 +52,7 @@ def _shard(pairs) -> tuple:
 @attrs.frozen
 class Namespace:
     """One kind of stored object. ``shard``: the (rank, size) pairs that split a page's bytes
-    (``tp`` for MHA and Mamba state, ``pp``, ``cp``, ``dcp``); absent where ranks share bytes.
+    (``tp`` for MHA and Mamba state, ``pp``, ``cp``, ``dcp-in-tp<size>``); absent where ranks share bytes.
     Checked when made (each field seeds every slot key: a bad one is a namespace nobody asks
     for, every page a miss), numpy integers taken as plain ints."""
 
@@ -124,7 +124,9 @@ def shard_of(*, is_mla: bool, pool: str, tp_rank: int, tp_size: int, pp_rank: in
     """The shard a rank's pages of ``pool`` belong to, by SGLang 0.5.23's rules (HiCacheFile's
     key suffix, `hicache_storage.py:738-771`): MLA KV is replicated across TP ranks (no TP in it),
     Mamba state is always TP-sharded, PP and attention CP split every page when larger than 1;
-    DCP shards MLA."""
+    DCP shards MLA, one shard per DCP rank within a TP of one size (``dcp-in-tp{size}``: SGLang
+    keys the TP size in, so engines of two TP sizes share no DCP page - a test holds the two
+    rules equal over every layout)."""
     shard = []
     if not is_mla or pool == "mamba":
         shard.append(("tp", tp_rank, tp_size))
@@ -133,5 +135,5 @@ def shard_of(*, is_mla: bool, pool: str, tp_rank: int, tp_size: int, pp_rank: in
     if cp_size > 1:
         shard.append(("cp", cp_rank, cp_size))
     if dcp_size > 1:
-        shard.append(("dcp", dcp_rank, dcp_size))
+        shard.append((f"dcp-in-tp{tp_size}", dcp_rank, dcp_size))
     return tuple(shard)
