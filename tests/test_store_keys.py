@@ -122,7 +122,8 @@ def test_ranks_share_a_namespace_exactly_where_sglangs_hicache_file_shares_a_fil
         config = HiCacheStorageConfig(
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=cp_rank,
             attn_cp_size=cp_size, is_mla_model=is_mla, enable_storage_metrics=False, is_page_first_layout=True,
-            model_name="org/model", dcp_size=dcp_size, dcp_rank=dcp_rank, logical_page_size=64 if dcp_size > 1 else None)
+            model_name="org/model", dcp_size=dcp_size, dcp_rank=dcp_rank,
+            logical_page_size=64 if dcp_size > 1 else None)
         key = "page-hash" + (".mamba" if pool == "mamba" else "")
         suffix = HiCacheFile(config, file_path=str(tmp_path))._get_suffixed_key(key)
         shard = _keys.shard_of(is_mla=is_mla, pool=pool, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
