@@ -350,19 +350,47 @@ def test_a_page_read_gets_its_second_chance_before_eviction(shm_dir, ops):
         store.close()
 
 
-@pytest.mark.parametrize("sizes", [[PAGE - 8], [PAGE + 8], [PAGE - 4, 4], [0, PAGE]], ids=["short", "long", "not words", "empty"])
-def test_read_pages_itself_refuses_segments_that_are_not_one_page_of_words(shm_dir, ops, sizes):
+def test_slot_ops_gives_the_implementation_asked_for(monkeypatch):
+    """``python`` is the fallback, ``native`` the C helper (an ImportError naming the build where
+    it is absent), ``auto`` the C helper where built; anything else is refused by name - so the
+    suite's two ``ops`` runs really are the two implementations."""
+    assert arena.slot_ops("python") is arena.PythonSlotOps
+    if _slots._native is not None:
+        assert arena.slot_ops("native") is arena.NativeSlotOps and arena.slot_ops("auto") is arena.NativeSlotOps
+    with pytest.raises(ValueError, match="slot ops must be auto, native or python, got 'c'"):
+        arena.slot_ops("c")
+    monkeypatch.setattr(_slots, "_native", None)
+    assert arena.slot_ops("auto") is arena.PythonSlotOps
+    with pytest.raises(ImportError, match="_slotops was not built"):
+        arena.slot_ops("native")
+
+
+_BAD_READS = {  # name: plan -> (segment sizes, the page bytes the call claims)
+    "short": lambda plan: ([PAGE - 8], PAGE),
+    "long": lambda plan: ([PAGE + 8], PAGE),
+    "not words": lambda plan: ([PAGE - 4, 4], PAGE),
+    "empty": lambda plan: ([0, PAGE], PAGE),
+    "a page past its slot": lambda plan: ([plan.slot_stride + 8], plan.slot_stride + 8),
+    "a page not whole words": lambda plan: ([PAGE - 4], PAGE - 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_READS))
+def test_read_pages_itself_refuses_segments_that_are_not_one_page_of_words(shm_dir, ops, case):
     """The ops' own guard under NodeStore's (a caller that skipped it): segments short of a
-    page, past it, not whole 8-byte words or empty are a ValueError before any byte moves."""
+    page, past it, not whole 8-byte words or empty - or a page that is itself not whole words
+    or larger than a slot (its copy would read the next slot, or past the arena) - are a
+    ValueError before any byte moves."""
     store, src = _open(shm_dir, ops), Pages(1)
     store.put(NS, ["k"], src.segments())
-    out = torch.zeros(2 * PAGE, dtype=torch.uint8)
     plan, base = store.arena.plan, store.arena.base
+    sizes, page_bytes = _BAD_READS[case](plan)
+    out = torch.zeros(sum(sizes) + 8, dtype=torch.uint8)
     ptrs = array("Q", [out.data_ptr() + sum(sizes[:i]) for i in range(len(sizes))])
     try:
         with pytest.raises(ValueError, match="read_pages"):
             store.index.ops.read_pages(base + plan.index_offset, base + plan.data_offset, plan.slots, plan.window,
-                                       plan.slot_stride, PAGE, slot_keys(NS.digest, ["k"]), ptrs,
+                                       plan.slot_stride, page_bytes, slot_keys(NS.digest, ["k"]), ptrs,
                                        array("Q", sizes), len(sizes))
         assert not out.any()
     finally:
