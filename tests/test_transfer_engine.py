@@ -294,6 +294,13 @@ def test_a_gather_checks_every_host_piece_against_the_ranges_registered_now():
     assert shifted.tables[1].tolist() == [0x110000, 0x113000] and shifted.tables[0].tolist() == [0x50000, 0x50040]
     with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
         GatherCopy([part], None, programs=0)
+    # a backup: the host side is the destination - its pieces are the ones checked
+    backup = (torch.tensor([0, 0x3000]), torch.tensor([0, 64]), torch.tensor([64, 64]), 128, 0x10000, 0x50000)
+    with pytest.raises(TransferError, match="0x13000"):
+        GatherCopy([backup], torch.device("meta"), programs=2, host_side="dst", host_pointer=lambda a: a,
+                   registered=held)
+    GatherCopy([backup], torch.device("meta"), programs=2, host_side="dst", host_pointer=lambda a: a,
+               registered=held + [(0x12000, 0x2000)])
 
 
 def _index_set(kind: str, pages: int, page: int, generator):
