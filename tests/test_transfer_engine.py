@@ -94,6 +94,25 @@ def test_each_table_row_decides_its_own_pieces(rule):
     assert (choice.engine, choice.reason) == (rule.engine, rule.reason)
 
 
+@settings(max_examples=200, deadline=None)
+@given(direction=st.sampled_from(["load", "backup"]),
+       piece=st.one_of(st.integers(0, 4 * MiB), st.sampled_from([0, 1, 64 * 2**10 - 1, 64 * 2**10, 2**62])))
+def test_every_piece_size_of_each_direction_lies_in_exactly_one_row(direction, piece):
+    """The table's law: per direction its rows cover every mean piece size from 0 up, none twice -
+    so `choose_engine` always has one answer, and that row's."""
+    rows = [rule for rule in ENGINE_TABLE if rule.direction == direction and rule.min_piece <= piece
+            and (rule.max_piece is None or piece < rule.max_piece)]
+    assert len(rows) == 1
+    assert choose_engine(direction, piece, on_gpu=True) == (rows[0].engine, rows[0].reason)
+
+
+def test_a_direction_that_is_neither_is_refused_naming_it():
+    """A direction other than load or backup is a ValueError naming it, whatever the setting."""
+    for setting in ("auto", "dma", "gather"):
+        with pytest.raises(ValueError, match="direction must be one of .*got 'upload'"):
+            choose_engine("upload", 4096, on_gpu=True, setting=setting)
+
+
 def test_the_setting_and_the_machine_override_the_table():
     """HICACHE_TRANSFER forces an engine; host memory on both sides is a host copy unless
     gather is asked for; no gather here means the copy engine."""
