@@ -25,6 +25,7 @@ from hicache.plan import plan_store
 from hicache.plan.store_format import RECORD_BYTES
 from hicache.store import Namespace, NodeStore, open_store
 from hicache.store._keys import slot_keys
+from hicache.store._pages import PageSegments
 
 torch = pytest.importorskip("torch")
 
@@ -346,6 +347,23 @@ def test_a_page_read_gets_its_second_chance_before_eviction(shm_dir, ops):
         for i in range(8):
             assert store.put(NS, [f"n{i}"], fresh.segments([i]), first_depth=0) == [True]
             assert store.present(NS, keys) == [True] * (7 - i) + [False] * (i + 1) + [True] * 8
+    finally:
+        store.close()
+
+
+def test_a_slot_given_past_the_index_reads_as_a_miss(shm_dir, ops):
+    """read_pages over a caller's own lookup (the seam the tests move slots on through) takes a
+    slot number at or past the index's end as not held: no record past the index is read."""
+    store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=4)
+    try:
+        store.put(NS, ["k"], src.segments())
+        plan, base, batch = store.arena.plan, store.arena.base, PageSegments.of(dst.segments())
+        for slot in (plan.slots, plan.slots + 1, 2**63):
+            status, _, _ = store.index.ops.read_pages(
+                base + plan.index_offset, base + plan.data_offset, plan.slots, plan.window, plan.slot_stride, PAGE,
+                slot_keys(NS.digest, ["k"]), batch.ptrs, batch.sizes, SEGMENTS, found=[slot], gens=[2])
+            assert list(status) == [_slots.MISS], slot
+        assert not dst.data[0].equal(src.data[0])
     finally:
         store.close()
 
