@@ -416,10 +416,17 @@ def test_read_pages_itself_refuses_segments_that_are_not_one_page_of_words(shm_d
 
 
 def test_the_c_helper_reads_records_laid_out_as_the_plan_says():
-    """The built helper's record offsets are hicache.plan's RECORD (a stale build of another
-    layout is never used: the fallback reads records then)."""
-    if _slots._native is None:
+    """The built helper's record offsets are hicache.plan's RECORD. A stale build of another
+    layout is never used (the fallback reads records then) - and where one is built for this
+    interpreter it must not be stale, or the suite's two ``ops`` runs would both be the fallback."""
+    import importlib.machinery
+    import pathlib
+
+    built = [path for suffix in importlib.machinery.EXTENSION_SUFFIXES
+             for path in pathlib.Path(_slots.__file__).parent.glob("_slotops" + suffix)]
+    if not built:
         pytest.skip("the C helper is not built here (no compiler): the fallback reads the plan's layout")
+    assert _slots._native is not None, f"{built[0]} is a stale build of another record layout: rebuild it (make)"
     import struct
 
     from hicache.plan._store import RECORD, RECORD_BYTES, REF_OFFSET

@@ -101,6 +101,27 @@ def test_a_header_with_regions_its_geometry_would_not_make_is_corrupt():
         decode_header(bytes(raw))
 
 
+def test_a_header_naming_no_backing_this_hicache_knows_is_corrupt():
+    """A backing index past the known backings (CRC recomputed) is an ArenaError naming it, not
+    an IndexError."""
+    import zlib
+
+    raw = bytearray(encode_header(plan_store(64 << 20, slot_bytes=4096), label=""))
+    struct.pack_into("<B", raw, 8 + 4 + 4 + 8 + 8 + 8 + 8 + 8 + 4, 7)  # backing
+    raw[-4:] = struct.pack("<I", zlib.crc32(bytes(raw[:-4])))
+    with pytest.raises(ArenaError, match="corrupt header .backing 7"):
+        decode_header(bytes(raw))
+
+
+def test_a_label_longer_than_its_field_is_refused_not_cut():
+    """A label of more than 64 bytes of UTF-8 is refused naming its length (the header's field
+    would cut it silently); 64 bytes fit."""
+    plan = plan_store(64 << 20, slot_bytes=4096)
+    assert decode_header(encode_header(plan, label="é" * 32))[1] == "é" * 32
+    with pytest.raises(PlanError, match="at most 64 bytes of UTF-8, got 66"):
+        encode_header(plan, label="é" * 33)
+
+
 def test_a_page_larger_than_a_slot_or_another_size_does_not_fit():
     """check_geometry names both numbers; a page that fits and the same size pass."""
     plan = plan_store(64 << 20, slot_bytes=4096)
