@@ -101,6 +101,17 @@ def test_a_header_with_regions_its_geometry_would_not_make_is_corrupt():
         decode_header(bytes(raw))
 
 
+def test_the_arena_wide_counters_lie_where_every_process_looks_for_them():
+    """The counters are words of the header page after its fields, one after another from
+    COUNTERS_OFFSET, in COUNTERS' order - a format every attached process shares (a process of
+    another layout would add its counts into another's words)."""
+    from hicache.plan._store import COUNTERS, COUNTERS_OFFSET, HEADER_LENGTH, counter_offset
+
+    offsets = [counter_offset(name) for name in COUNTERS]
+    assert offsets == [COUNTERS_OFFSET + 8 * i for i in range(len(COUNTERS))] and COUNTERS_OFFSET == 1024
+    assert HEADER_LENGTH <= offsets[0] and offsets[-1] + 8 <= HEADER_BYTES
+
+
 def test_a_header_naming_no_backing_this_hicache_knows_is_corrupt():
     """A backing index past the known backings (CRC recomputed) is an ArenaError naming it, not
     an IndexError."""
@@ -136,6 +147,8 @@ def test_a_page_larger_than_a_slot_or_another_size_does_not_fit():
     (dict(total_bytes=0, slot_bytes=64), "total_bytes must be a positive integer, got 0"),
     (dict(total_bytes=1 << 20, slot_bytes=12), "multiple of 8"),
     (dict(total_bytes=1 << 20, slot_bytes=64, unit_bytes=3000), "power of two"),
+    (dict(total_bytes=1 << 20, slot_bytes=64, unit_bytes=12288), "power of two of at least 4096, got 12288"),
+    (dict(total_bytes=1 << 20, slot_bytes=64, unit_bytes=2048), "power of two of at least 4096, got 2048"),
     (dict(total_bytes=1 << 20, slot_bytes=64, backing="ext4"), "backing must be one of"),
     (dict(total_bytes=64 << 10, slot_bytes=1 << 20), "at least 16 must fit"),
 ])
