@@ -58,6 +58,52 @@ def test_symlinked_or_shared_directories_are_refused(tmp_path):
             budget_lock(directory=shared)
 
 
+def _runtime_dir_case(tmp_path, case: str):
+    """A path in one of the states hicache's runtime directory can be found in."""
+    path = tmp_path / "runtime"
+    if case == "absent":
+        return path
+    if case == "a symlink to ours":
+        real = tmp_path / "real"
+        real.mkdir(mode=0o700)
+        path.symlink_to(real)
+    elif case == "a file":
+        path.write_bytes(b"")
+        path.chmod(0o600)
+    elif case == "a FIFO":
+        os.mkfifo(path, 0o600)
+    elif case == "another user's":
+        path.mkdir(mode=0o700)
+        try:
+            os.chown(path, os.getuid() + 1, -1)
+        except PermissionError:
+            pytest.skip("only root can give a directory away here")
+    else:  # a mode
+        path.mkdir()
+        path.chmod(int(case, 8))
+    return path
+
+
+@pytest.mark.parametrize("case", ["absent", "0700", "0750", "0702", "a symlink to ours", "a file", "a FIFO",
+                                  "another user's"])
+def test_the_doctor_refuses_a_runtime_directory_exactly_as_a_bring_up_would(tmp_path, case):
+    """`runtime_dir_problem` (hicache doctor) and `private_dir` (every bring-up) judge a path by one
+    rule: a plain directory of ours with mode 0700, or none yet (made) - a symlink, a file, a
+    FIFO, another user's or a shared mode refused by both, naming it; the doctor leaves nothing made."""
+    from hicache.effects._hostwide._rundir import private_dir, runtime_dir_problem
+
+    path = _runtime_dir_case(tmp_path, case)
+    problem = runtime_dir_problem(path)
+    assert (case == "absent") == (not path.exists() and not path.is_symlink())  # the doctor made nothing
+    if case in ("absent", "0700"):
+        assert problem is None and private_dir(path) == path
+        return
+    assert problem is not None
+    with pytest.raises(RegistrationStateError) as refused:
+        private_dir(path)
+    assert str(refused.value) == f"lock directory {problem}"
+
+
 _HOLD = (
     "import sys, time; from pathlib import Path; from hicache.effects._hostwide._lock import budget_lock\n"
     "with budget_lock(directory=Path(sys.argv[1])):\n"

@@ -40,14 +40,21 @@ def private_dir(path: Path) -> Path:
         info = os.lstat(path)
     except OSError as error:
         raise LockDirectoryError(f"lock directory {path} cannot be read: {error.strerror}") from None
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise LockDirectoryError(f"lock directory {path} is not a plain directory")
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise LockDirectoryError(
-            f"lock directory {path} must be owned by uid {os.getuid()} with mode 0700 "
-            f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
-        )
+    problem = _refusal(path, info)
+    if problem is not None:
+        raise LockDirectoryError(f"lock directory {problem}")
     return path
+
+
+def _refusal(path: Path, info: os.stat_result) -> str | None:
+    """What makes ``path`` (its ``lstat``) unfit to hold hicache's host-wide files - not a plain
+    directory (a symlink, a file, a FIFO), or not ours with mode 0700 - else None."""
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a plain directory"
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return (f"{path} must be owned by uid {os.getuid()} with mode 0700 (found uid {info.st_uid}, "
+                f"mode {oct(info.st_mode & 0o777)})")
+    return None
 
 
 def runtime_dir_problem(path: Path) -> str | None:
@@ -75,9 +82,4 @@ def runtime_dir_problem(path: Path) -> str | None:
         return None
     except OSError as error:
         return f"{path} cannot be read: {error.strerror}"
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        return f"{path} is not a plain directory"
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        return (f"{path} must be owned by uid {os.getuid()} with mode 0700 (found uid {info.st_uid}, "
-                f"mode {oct(info.st_mode & 0o777)})")
-    return None
+    return _refusal(path, info)
