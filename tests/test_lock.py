@@ -87,21 +87,26 @@ def _runtime_dir_case(tmp_path, case: str):
 @pytest.mark.parametrize("case", ["absent", "0700", "0750", "0702", "a symlink to ours", "a file", "a FIFO",
                                   "another user's"])
 def test_the_doctor_refuses_a_runtime_directory_exactly_as_a_bring_up_would(tmp_path, case):
-    """`runtime_dir_problem` (hicache doctor) and `private_dir` (every bring-up) judge a path by one
-    rule: a plain directory of ours with mode 0700, or none yet (made) - a symlink, a file, a
-    FIFO, another user's or a shared mode refused by both, naming it; the doctor leaves nothing made."""
-    from hicache.effects._hostwide._rundir import private_dir, runtime_dir_problem
+    """HICACHE_RUNTIME_DIR as `hicache doctor` checks it (`environment_problems`) and as every
+    bring-up takes it (the budget lock's directory) is judged by one rule: a plain directory of
+    ours with mode 0700, or none yet (made) - a symlink, a file, a FIFO, another user's or a shared
+    mode refused by both, naming the same problem; the doctor leaves nothing made."""
+    from hicache.effects.for_cli import environment_problems
 
     path = _runtime_dir_case(tmp_path, case)
-    problem = runtime_dir_problem(path)
+    problems = environment_problems({"HICACHE_RUNTIME_DIR": str(path)})
     assert (case == "absent") == (not path.exists() and not path.is_symlink())  # the doctor made nothing
     if case in ("absent", "0700"):
-        assert problem is None and private_dir(path) == path
+        assert problems == []
+        with budget_lock(directory=path):
+            pass
         return
-    assert problem is not None
+    (problem,) = problems
     with pytest.raises(RegistrationStateError) as refused:
-        private_dir(path)
-    assert str(refused.value) == f"lock directory {problem}"
+        with budget_lock(directory=path):
+            pass
+    reason = str(refused.value).removeprefix("lock directory ")
+    assert problem.reason == f"environment variable HICACHE_RUNTIME_DIR={str(path)!r}: {reason}"
 
 
 _HOLD = (

@@ -17,6 +17,7 @@ from store_support import shm_dir  # noqa: F401 - a fixture
 from test_sglang_conformance import PAGE, _build, _classes, _device
 
 from hicache.errors import ArenaError, ArenaGeometryError, TransferError
+from hicache.store import shard_of
 from hicache.testing import fake_cuda
 
 torch = pytest.importorskip("torch")
@@ -591,3 +592,43 @@ def test_a_legacy_batch_set_of_mismatched_or_misshaped_values_is_refused(sglang,
         assert store.batch_exists(["a", "b"]) == 0
     finally:
         store.close()
+
+
+def _grid():
+    """Every rank layout SGLang 0.5.23's storage config admits at TP <= 4, PP and CP <= 2, DCP
+    (MLA only, contiguous groups within TP) <= 2: (is_mla, tp, pp, cp, dcp) as (rank, size) pairs."""
+    for is_mla in (True, False):
+        for tp_size in (1, 2, 4):
+            for tp_rank in range(tp_size):
+                for pp in ((0, 1), (0, 2), (1, 2)):
+                    for cp in ((0, 1), (0, 2), (1, 2)):
+                        for dcp_size in (1, 2) if is_mla else (1,):
+                            if tp_size % dcp_size == 0:
+                                yield is_mla, (tp_rank, tp_size), pp, cp, (tp_rank % dcp_size, dcp_size)
+
+
+@pytest.mark.parametrize("pool", ["kv", "mamba"])
+def test_ranks_share_a_namespace_exactly_where_sglangs_hicache_file_shares_a_file(sglang, tmp_path, pool):
+    """The shard in a namespace (`shard_of`) against SGLang 0.5.23's own HiCacheFile, which keys a
+    page's file by a suffix of its rank layout: over every layout of the grid, two engines' pages
+    share a namespace exactly when HiCacheFile gives them one file - never pages another rank's
+    bytes could answer (a shared namespace where SGLang keeps two files), never a miss SGLang would hit."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+    by_suffix: dict[str, set] = {}
+    by_shard: dict[tuple, set] = {}
+    for is_mla, (tp_rank, tp_size), (pp_rank, pp_size), (cp_rank, cp_size), (dcp_rank, dcp_size) in _grid():
+        config = HiCacheStorageConfig(
+            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=cp_rank,
+            attn_cp_size=cp_size, is_mla_model=is_mla, enable_storage_metrics=False, is_page_first_layout=True,
+            model_name="org/model", dcp_size=dcp_size, dcp_rank=dcp_rank,
+            logical_page_size=64 if dcp_size > 1 else None)
+        key = "page-hash" + (".mamba" if pool == "mamba" else "")
+        suffix = HiCacheFile(config, file_path=str(tmp_path))._get_suffixed_key(key)
+        shard = shard_of(is_mla=is_mla, pool=pool, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                               pp_size=pp_size, cp_rank=cp_rank, cp_size=cp_size, dcp_rank=dcp_rank, dcp_size=dcp_size)
+        by_suffix.setdefault(suffix, set()).add(shard)
+        by_shard.setdefault(shard, set()).add(suffix)
+    assert len(by_suffix) > 20
+    assert {s: shards for s, shards in by_suffix.items() if len(shards) > 1} == {}  # one file, two namespaces
+    assert {s: suffixes for s, suffixes in by_shard.items() if len(suffixes) > 1} == {}  # one namespace, two files
