@@ -138,29 +138,24 @@ def test_backup_then_load_round_trips_random_pages(name, layout, seed, copy_mode
         pool.destroy()
 
 
-def test_unaligned_token_runs_use_the_token_path():
-    """MHA slots that are not whole pages still round-trip token by token."""
-    pool, device = make("mha", "page_head")
-    device.randomize(3)
-    host_idx = pool.alloc(2 * P)
-    device_idx = torch.tensor([5, 9, 2, 7, 33, 34, 35, 11])
-    original = [t[device_idx].clone() for t in device.tensors()]
-    pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
-    device.zero()
-    for layer in range(3):
-        pool.load_to_device_per_layer(device, host_idx, device_idx, layer, "direct")
-    assert all(torch.equal(a, t[device_idx]) for a, t in zip(original, device.tensors()))
-    pool.destroy()
+#: token sets no whole-page view covers: (host slots from a 2-page allocation, device slots)
+UNALIGNED = {
+    "scattered tokens": (slice(None), [5, 9, 2, 7, 33, 34, 35, 11]),
+    "a page and a half": (slice(0, P + 2), list(range(3 * P, 4 * P + 2))),
+}
 
 
+@pytest.mark.parametrize("case", sorted(UNALIGNED))
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
-def test_a_token_count_that_is_not_whole_pages_round_trips_token_by_token(layout):
-    """A batch of a page and a half (no whole-page view of it exists) still round-trips, token by token."""
+def test_unaligned_token_runs_use_the_token_path(layout, case):
+    """MHA slots that are not whole pages - scattered tokens, or a page and a half (no whole-page
+    view of it exists) - still round-trip, token by token."""
     pool, device = make("mha", layout)
     try:
-        device.randomize(5)
-        host_idx = pool.alloc(2 * P)[:P + 2]
-        device_idx = torch.arange(3 * P, 4 * P + 2)
+        device.randomize(3)
+        host_part, device_slots = UNALIGNED[case]
+        host_idx = pool.alloc(2 * P)[host_part]
+        device_idx = torch.tensor(device_slots)
         original = [t[device_idx].clone() for t in device.tensors()]
         pool.backup_from_device_all_layer(device, host_idx, device_idx, "direct")
         device.zero()
