@@ -124,7 +124,7 @@ def shard_of(*, is_mla: bool, pool: str, tp_rank: int, tp_size: int, pp_rank: in
     """The shard a rank's pages of ``pool`` belong to, by SGLang 0.5.23's rules (HiCacheFile's
     key suffix, `hicache_storage.py:738-771`): MLA KV is replicated across TP ranks (no TP in it),
     Mamba state is always TP-sharded, PP and attention CP split every page when larger than 1;
-    DCP shards MLA, one shard per DCP rank within a TP of one size (``dcp-in-tp{size}``: SGLang
+    DCP shards MLA, one shard per DCP rank within a TP of one size (``dcp-in-tp<size>``: SGLang
     keys the TP size in, so engines of two TP sizes share no DCP page - a test holds the two
     rules equal over every layout)."""
     shard = []
