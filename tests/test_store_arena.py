@@ -39,6 +39,10 @@ MOUNTINFO = """\
 32 22 0:28 / /mnt/huge2 rw,relatime shared:6 - hugetlbfs none rw,pagesize=2M
 33 22 0:29 / /mnt/with\\040space rw - tmpfs tmpfs rw
 34 30 0:30 / /dev/shm rw - tmpfs tmpfs rw,size=1g
+35 22 0:31 / /mnt/hugebytes rw - hugetlbfs none rw,pagesize=2097152
+36 22 0:32 / /mnt/ends\\040 rw - tmpfs tmpfs rw
+a line cut short - ext4
+37 22 0:33 / /mnt/cut rw no-dash-here tmpfs
 """
 
 
@@ -49,10 +53,14 @@ MOUNTINFO = """\
     ("/mnt/huge2/x", "hugetlbfs", 2 * 2**20, "/mnt/huge2"),
     ("/mnt/hugetlb", "ext4", None, "/"),
     ("/mnt/with space/f", "tmpfs", None, "/mnt/with space"),
+    ("/mnt/hugebytes/x", "hugetlbfs", 2 * 2**20, "/mnt/hugebytes"),  # pagesize= in bytes, no suffix
+    ("/mnt/ends /f", "tmpfs", None, "/mnt/ends "),  # an escape that ends the field
+    ("/mnt/cut", "ext4", None, "/"),  # lines that are not mounts are skipped
 ])
 def test_the_mount_of_a_directory_is_the_longest_point_holding_it(directory, fstype, pagesize, point):
     """Longest mount point wins (``/mnt/hugetlb`` is not under ``/mnt/huge``), escapes are
-    read, hugetlbfs' pagesize= in bytes."""
+    read (one ending a field too), hugetlbfs' pagesize= in bytes with or without a suffix, and
+    lines that are not mounts are skipped."""
     mount = arena.mount_of(directory, arena.parse_mountinfo(MOUNTINFO))
     assert (mount.fstype, mount.pagesize_bytes, mount.point) == (fstype, pagesize, point)
 
