@@ -19,13 +19,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from store_support import MovedOnAfterLookup, StoppingOps, shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
-from test_store_index import NS, OPS, PAGE, Pages, _open
+from test_store_index import NS, OPS, PAGE, Pages, _open, _slot_of
 
 from hicache.errors import StoreClosedError, TransferError
 from hicache.plan._store import LENGTH, RECORD
 from hicache.effects.arena import NativeSlotOps, PythonSlotOps
 from hicache.effects._arena._slots import _native as _slot_native
-from hicache.store._keys import slot_keys
 from hicache.store._pages import PageSegments, check_pages
 
 torch = pytest.importorskip("torch")
@@ -274,7 +273,7 @@ def _one_stored(shm_dir, ops):
     """(store, its page, a page to read into, the slot) of a store holding one page under "k"."""
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=3)
     store.put(NS, ["k"], src.segments())
-    return store, src, dst, store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    return store, src, dst, _slot_of(store, "k")
 
 
 def test_a_record_a_writer_is_changing_reads_as_torn_not_corrupt(shm_dir, ops):

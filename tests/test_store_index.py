@@ -54,6 +54,16 @@ def _open(directory, ops: str, *, total: int = 8 << 20, **kwargs) -> NodeStore:
     return open_store(str(directory / "arena"), size_bytes=total, slot_bytes=PAGE, ops=arena.slot_ops(ops), **kwargs)
 
 
+def _attach(directory, ops: str) -> NodeStore:
+    """Another attach of the arena `_open` made there (as the next engine's, or a restart's)."""
+    return open_store(str(directory / "arena"), size_bytes=None, slot_bytes=PAGE, ops=arena.slot_ops(ops))
+
+
+def _slot_of(store: NodeStore, key: str) -> int:
+    """The slot ``key`` of NS is held in (`arena.NOT_FOUND` when none)."""
+    return store.index.find(slot_keys(NS.digest, [key]))[0][0]
+
+
 @pytest.fixture(params=OPS)
 def ops(request):
     return request.param
@@ -164,7 +174,7 @@ def test_a_flipped_byte_in_a_stored_page_is_a_miss_and_the_slot_is_reclaimed(shm
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=4)
     try:
         store.put(NS, ["k"], src.segments())
-        slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+        slot = _slot_of(store, "k")
         ctypes.c_uint8.from_address(store.arena.slot_addr(slot) + 777).value ^= 0x10
         assert store.get(NS, ["k"], dst.segments()) == [False]
         assert store.counts.corrupt == 1 and store.exists(NS, ["k"]) == 0
@@ -178,7 +188,7 @@ def test_a_corrupt_page_in_a_batch_reclaims_only_its_own_slot(shm_dir, ops):
     store, src, dst = _open(shm_dir, ops), Pages(3), Pages(3, seed=4)
     try:
         store.put(NS, ["a", "b", "c"], src.segments())
-        slot = store.index.find(slot_keys(NS.digest, ["b"]))[0][0]
+        slot = _slot_of(store, "b")
         ctypes.c_uint8.from_address(store.arena.slot_addr(slot) + 9).value ^= 0x01
         assert store.get(NS, ["a", "b", "c"], dst.segments()) == [True, False, True]
         assert store.counts.corrupt == 1 and store.present(NS, ["a", "b", "c"]) == [True, False, True]
@@ -193,7 +203,7 @@ def test_a_corrupt_slot_a_writer_rewrote_since_it_was_read_is_not_reclaimed(shm_
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=4)
     try:
         store.put(NS, ["k"], src.segments())
-        slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+        slot = _slot_of(store, "k")
         record = store.arena.record_addr(slot)
         real = store.index.ops
         ctypes.c_uint8.from_address(store.arena.slot_addr(slot) + 9).value ^= 0x01
@@ -224,7 +234,7 @@ def test_a_torn_slot_published_since_the_scan_is_not_reclaimed(shm_dir, ops):
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=4)
     try:
         store.put(NS, ["k"], src.segments())
-        slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+        slot = _slot_of(store, "k")
         scanned = store.index._columns().clone()
         scanned[slot, 0] += 1  # the scan saw it claimed (odd); it is published (even) by the reclaim
         store.index._columns = lambda: scanned
@@ -254,13 +264,13 @@ def test_a_dead_writers_torn_slot_is_invisible_and_reclaimed_by_the_next_attach(
     attach reclaims it and the key can be stored again."""
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=7)
     store.put(NS, ["k"], src.segments())
-    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    slot = _slot_of(store, "k")
     addr = store.arena.record_addr(slot)
     store.arena.ops.store(addr, store.arena.ops.load(addr) + 1)  # as a writer killed after claiming
     assert store.exists(NS, ["k"]) == 0 and store.get(NS, ["k"], dst.segments()) == [False]
     assert store.census().torn == 1
     store.close()
-    again = open_store(str(shm_dir / "arena"), size_bytes=None, slot_bytes=PAGE, ops=arena.slot_ops(ops))
+    again = _attach(shm_dir, ops)
     try:
         assert again.reclaimed == 1 and again.census().torn == 0
         assert again.put(NS, ["k"], src.segments()) == [True] and again.get(NS, ["k"], dst.segments()) == [True]
@@ -274,7 +284,7 @@ def test_a_live_writers_torn_slot_is_left_to_it_by_the_next_attach(shm_dir, ops)
     it - and the attach after the writer let go reclaims it."""
     store, src = _open(shm_dir, ops), Pages(1)
     store.put(NS, ["k"], src.segments())
-    slot = store.index.find(slot_keys(NS.digest, ["k"]))[0][0]
+    slot = _slot_of(store, "k")
     addr = store.arena.record_addr(slot)
     store.arena.ops.store(addr, store.arena.ops.load(addr) + 1)  # as a writer that claimed the slot
     offset = store.arena.plan.record_offset(slot)
@@ -282,14 +292,14 @@ def test_a_live_writers_torn_slot_is_left_to_it_by_the_next_attach(shm_dir, ops)
     writer = os.open(shm_dir / "arena", os.O_RDWR)
     try:
         assert arena.try_lock(writer, offset, RECORD_BYTES)  # the writer's own open file holds it
-        again = open_store(str(shm_dir / "arena"), size_bytes=None, slot_bytes=PAGE, ops=arena.slot_ops(ops))
+        again = _attach(shm_dir, ops)
         try:
             assert again.reclaimed == 0 and again.census().torn == 1
         finally:
             again.close()
     finally:
         os.close(writer)  # the writer is gone: its lock with it
-    after = open_store(str(shm_dir / "arena"), size_bytes=None, slot_bytes=PAGE, ops=arena.slot_ops(ops))
+    after = _attach(shm_dir, ops)
     try:
         assert after.reclaimed == 1 and after.census().torn == 0
     finally:
