@@ -9,8 +9,15 @@ a miss, never as a hit with other bytes."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import platform
 import random
+import shutil
 import struct
+import subprocess
+import sysconfig
+from array import array
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given
@@ -255,3 +262,90 @@ def test_one_flipped_bit_in_each_of_many_pages_is_never_a_hit(stored):
         ctypes.c_uint8.from_address(store.arena.slot_addr(_slot(store, key)) + bit // 8).value ^= 1 << (bit % 8)
     ok, _ = _read_all(store, keys)
     assert ok == [False] * 32 and store.counts.corrupt == 32 and store.counts.hits == 0
+
+
+CANARY = 0xC0FFEE0DDBA11ADE  # every word a loop must not touch
+
+
+@pytest.fixture(scope="session")
+def sum_loops(tmp_path_factory):
+    """The C helper's two copy-and-sum loops, each in a built module: this build's (SSE2 on x86-64)
+    and the plain C loop a CPU without SSE2 runs (aarch64: Grace Hopper), built here from the same
+    source with -DHICACHE_PORTABLE_SUM - so CI on x86-64 checks the loop it never runs itself."""
+    if _slots._native is None:
+        pytest.skip("the C helper is not built here (no compiler): the fallback's sums are checked above")
+    source = Path(_slots.__file__).with_name("_slotops.c")
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()
+    if not source.is_file() or shutil.which(compiler[0]) is None:
+        pytest.skip(f"no C compiler ({compiler[0]}) or no {source.name} here: the plain C loop is built where both are")
+    target = tmp_path_factory.mktemp("portable-sum") / ("_slotops" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([*compiler, "-shared", "-fPIC", "-O3", "-std=gnu99", "-DHICACHE_PORTABLE_SUM",
+                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)],
+                   check=True, capture_output=True, timeout=180)
+    spec = importlib.util.spec_from_file_location("portable_sum._slotops", target)
+    portable = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(portable)
+    assert portable.SSE2_SUM == 0, "the portable build still runs the SSE2 loop"
+    if platform.machine() == "x86_64":
+        assert _slots._native.SSE2_SUM == 1, "this build does not run the SSE2 loop: one loop would be checked twice"
+    return {"built": _slots._native, "portable": portable}
+
+
+def _words_at(n_words: int, shift: int):
+    """A buffer of ``n_words`` canary words whose first word is ``shift`` bytes past a 16-byte
+    boundary: (the buffer, its ctypes view, the first word's address, that word's byte offset)."""
+    raw = bytearray(8 * n_words + 32)
+    view = (ctypes.c_char * len(raw)).from_buffer(raw)
+    skip = (-ctypes.addressof(view)) % 16 + shift
+    struct.pack_into(f"<{n_words}Q", raw, skip, *[CANARY] * n_words)
+    return raw, view, ctypes.addressof(view) + skip, skip
+
+
+@given(words=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=37),
+       cuts=st.lists(st.integers(1, 36), max_size=4, unique=True), pages=st.integers(1, 3), threads=st.integers(1, 3),
+       direction=st.sampled_from([0, 1, 2]), slot_shift=st.sampled_from([0, 8]), seg_shift=st.sampled_from([0, 8]),
+       seeds=st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)))
+@example(words=list(range(1, 38)), cuts=[3, 4, 13], pages=3, threads=2, direction=0, slot_shift=8, seg_shift=8,
+         seeds=(1, 2))  # slots 8 bytes off 16: the SSE2 loop must not stream there
+def test_each_sum_loop_copies_exactly_and_sums_as_the_definition(sum_loops, words, cuts, pages, threads, direction,
+                                                                 slot_shift, seg_shift, seeds):
+    """Both C loops copy each page's words exactly - into its slot (a write), out of it into the
+    page's segments (a read) or not at all (a sum) - touch no word beside them, and give the
+    definition's sums: for any words, segment cuts, page and thread counts, with slots and
+    segments on or 8 bytes off a 16-byte boundary."""
+    n = len(words)
+    bounds = [0, *sorted(c for c in cuts if c < n), n]
+    per_page = len(bounds) - 1
+    page_words = [[(w ^ (p * 0x9E3779B97F4A7C15)) & MASK for w in words] for p in range(pages)]
+    slot_stride = n + 1  # a canary word after each slot, and the slots' 16-byte alignment alternating
+    seg_words = n + per_page  # a canary word after each segment
+    for name, module in sum_loops.items():
+        slots_raw, slots_view, slots_at, slots_skip = _words_at(pages * slot_stride, slot_shift)
+        segs_raw, segs_view, segs_at, segs_skip = _words_at(pages * seg_words, seg_shift)
+        ptrs, lens = [], []
+        for p in range(pages):
+            at = p * seg_words
+            for a, b in zip(bounds, bounds[1:]):
+                ptrs.append(segs_at + 8 * at)
+                lens.append(8 * (b - a))
+                if direction == 0:
+                    struct.pack_into(f"<{b - a}Q", segs_raw, segs_skip + 8 * at, *page_words[p][a:b])
+                at += b - a + 1
+            if direction != 0:
+                struct.pack_into(f"<{n}Q", slots_raw, slots_skip + 8 * p * slot_stride, *page_words[p])
+        slots_before, segs_before = bytes(slots_raw), bytes(segs_raw)
+        sums = array("Q", list(seeds) * pages)
+        module.copy_pages(direction, pages, per_page, array("Q", [slots_at + 8 * slot_stride * p for p in range(pages)]),
+                          array("Q", ptrs), array("Q", lens), sums, threads)
+        assert [tuple(sums[2 * p:2 * p + 2]) for p in range(pages)] == [oracle(w, *seeds) for w in page_words], name
+        if direction == 0:  # each slot holds its page, the canary after it untouched; the segments unchanged
+            expected = [w for p in range(pages) for w in (*page_words[p], CANARY)]
+            assert list(struct.unpack_from(f"<{len(expected)}Q", slots_raw, slots_skip)) == expected, name
+            assert bytes(segs_raw) == segs_before, name
+        elif direction == 1:  # each segment holds its words, the canaries between them untouched
+            expected = [w for p in range(pages) for a, b in zip(bounds, bounds[1:]) for w in (*page_words[p][a:b], CANARY)]
+            assert list(struct.unpack_from(f"<{len(expected)}Q", segs_raw, segs_skip)) == expected, name
+            assert bytes(slots_raw) == slots_before, name
+        else:
+            assert bytes(slots_raw) == slots_before and bytes(segs_raw) == segs_before, name
+        del slots_view, segs_view
