@@ -302,17 +302,21 @@ def _words_at(n_words: int, shift: int):
 
 
 @given(words=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=37),
-       cuts=st.lists(st.integers(1, 36), max_size=4, unique=True), pages=st.integers(1, 3), threads=st.integers(1, 3),
+       cuts=st.lists(st.integers(1, 36), max_size=4, unique=True), pages=st.integers(1, 3), threads=st.integers(0, 10),
        direction=st.sampled_from([0, 1, 2]), slot_shift=st.sampled_from([0, 8]), seg_shift=st.sampled_from([0, 8]),
        seeds=st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)))
 @example(words=list(range(1, 38)), cuts=[3, 4, 13], pages=3, threads=2, direction=0, slot_shift=8, seg_shift=8,
          seeds=(1, 2))  # slots 8 bytes off 16: the SSE2 loop must not stream there
+@example(words=list(range(1, 20)), cuts=[3, 13], pages=2, threads=0, direction=2, slot_shift=0, seg_shift=8,
+         seeds=(3, 4))  # segments that start mid-lane (a word at a time), a sum that must write nothing
+@example(words=list(range(1, 20)), cuts=[5], pages=3, threads=9, direction=1, slot_shift=8, seg_shift=0,
+         seeds=(5, 6))  # more threads than the helper starts (8) or than pages
 def test_each_sum_loop_copies_exactly_and_sums_as_the_definition(sum_loops, words, cuts, pages, threads, direction,
                                                                  slot_shift, seg_shift, seeds):
     """Both C loops copy each page's words exactly - into its slot (a write), out of it into the
     page's segments (a read) or not at all (a sum) - touch no word beside them, and give the
-    definition's sums: for any words, segment cuts, page and thread counts, with slots and
-    segments on or 8 bytes off a 16-byte boundary."""
+    definition's sums: for any words, segment cuts, page and thread counts (0 runs on the caller's
+    thread), with slots and segments on or 8 bytes off a 16-byte boundary."""
     n = len(words)
     bounds = [0, *sorted(c for c in cuts if c < n), n]
     per_page = len(bounds) - 1

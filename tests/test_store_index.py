@@ -462,7 +462,10 @@ _HELPER_REFUSALS = [
     ("copy_pages", (3, 1, 1, _q(0), _q(0), _q(8), _q(0, 0)), "bad direction"),
     ("copy_pages", (0, 2, 1, _q(0), _q(0, 0), _q(8, 8), _q(0, 0, 0, 0)), "slots holds 8 bytes, 16 needed"),
     ("copy_pages", (0, 1, 1, _q(0), _q(0), _q(8), _q(0)), "sums holds 8 bytes, 16 needed"),
+    ("copy_pages", (0, 1, 0, _q(0), _q(), _q(), _q(0, 0)), "bad direction, page or segment count"),
+    ("copy_pages", (0, 8, 1, _q(*[0] * 7), _q(*[0] * 8), _q(*[8] * 8), _q(*[0] * 16)), "slots holds 56 bytes, 64 needed"),
     ("lookup", (0, 0, 1, bytes(16), _q(0), _q(0)), "lookup: bad slot count"),
+    ("lookup", (0, 4, 0, bytes(16), _q(0), _q(0)), "lookup: bad slot count, window"),
     ("lookup", (0, 4, 1, bytes(16), _q(0), _q()), "gens holds 0 bytes, 8 needed"),
     ("victims", (0, 4, 65, bytes(16), _q(*[0] * 65), _q(*[0] * 65)), "window \\(1-64"),
     ("victims", (0, 4, 2, bytes(16), _q(0, 0), _q(0)), "gens holds 8 bytes, 16 needed"),
@@ -497,6 +500,25 @@ def test_the_c_helper_refuses_a_bad_call_before_touching_memory(name, args, refu
         pytest.skip("the C helper is not built here (no compiler): the Python fallback has no second check")
     with pytest.raises(ValueError, match=refusal):
         getattr(_slots._native, name)(*args)
+
+
+@pytest.mark.parametrize("sums, error", [(bytes(16), BufferError), (None, TypeError)], ids=["read-only", "no buffer"])
+def test_the_c_helper_refuses_a_buffer_it_cannot_write(sums, error):
+    """A sums buffer the helper cannot write (bytes) or no buffer at all: the buffer request's own
+    error comes out, before any address given (all 0) is touched."""
+    if _slots._native is None:
+        pytest.skip("the C helper is not built here (no compiler): the Python fallback has no second check")
+    with pytest.raises(error):
+        _slots._native.copy_pages(0, 1, 1, _q(0), _q(0), _q(8), sums)
+
+
+@pytest.mark.parametrize("direction", [0, 1, 2])
+def test_the_c_helper_takes_an_empty_batch(direction):
+    """No pages is a call that does nothing, not an error: the store's write path hands the helper
+    the pages it claimed, none when every page's window is busy."""
+    if _slots._native is None:
+        pytest.skip("the C helper is not built here (no compiler)")
+    assert _slots._native.copy_pages(direction, 0, 1, _q(), _q(), _q(), _q()) is None
 
 
 def test_bad_pages_are_refused_before_any_copy(shm_dir, ops):
