@@ -361,18 +361,20 @@ def test_a_page_read_gets_its_second_chance_before_eviction(shm_dir, ops):
         store.close()
 
 
-def test_a_slot_given_past_the_index_reads_as_a_miss(shm_dir, ops):
+def test_a_slot_given_past_the_index_or_being_written_reads_as_a_miss(shm_dir, ops):
     """read_pages over a caller's own lookup (the seam the tests move slots on through) takes a
-    slot number at or past the index's end as not held: no record past the index is read."""
+    slot number at or past the index's end, or a slot given with an odd generation (a writer's,
+    mid-write), as not held: no record past the index is read, no byte copied."""
     store, src, dst = _open(shm_dir, ops), Pages(1), Pages(1, seed=4)
     try:
         store.put(NS, ["k"], src.segments())
         plan, base, batch = store.arena.plan, store.arena.base, PageSegments.of(dst.segments())
-        for slot in (plan.slots, plan.slots + 1, 2**63):
+        held = _slot_of(store, "k")
+        for slot, gen in ((plan.slots, 2), (plan.slots + 1, 2), (2**63, 2), (held, 1), (held, 3)):
             status, _, _ = store.index.ops.read_pages(
                 base + plan.index_offset, base + plan.data_offset, plan.slots, plan.window, plan.slot_stride, PAGE,
-                slot_keys(NS.digest, ["k"]), batch.ptrs, batch.sizes, SEGMENTS, found=[slot], gens=[2])
-            assert list(status) == [_slots.MISS], slot
+                slot_keys(NS.digest, ["k"]), batch.ptrs, batch.sizes, SEGMENTS, found=[slot], gens=[gen])
+            assert list(status) == [_slots.MISS], (slot, gen)
         assert not dst.data[0].equal(src.data[0])
     finally:
         store.close()
@@ -470,6 +472,10 @@ _HELPER_REFUSALS = [
     ("victims", (0, 4, 65, bytes(16), _q(*[0] * 65), _q(*[0] * 65)), "window \\(1-64"),
     ("victims", (0, 4, 2, bytes(16), _q(0, 0), _q(0)), "gens holds 8 bytes, 16 needed"),
     ("read_pages", (0, 0, 4, 1, 64, 12, bytes(16), _q(0), _q(12), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
+    ("read_pages", (0, 0, 0, 1, 64, 16, bytes(16), _q(0), _q(16), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
+    ("read_pages", (0, 0, 4, 0, 64, 16, bytes(16), _q(0), _q(16), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
+    ("read_pages", (0, 0, 4, 1, 64, 16, bytes(16), _q(), _q(), 0, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
+    ("read_pages", (0, 0, 4, 1, 64, 16, bytes(15), _q(0), _q(16), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
     ("read_pages", (0, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, bytearray(0), _q(0), _q(0)),
      "status holds 0 bytes, 1 needed"),
     ("read_pages", (0, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(8), 1, bytearray(1), _q(0), _q(0)),
@@ -510,6 +516,29 @@ def test_the_c_helper_refuses_a_buffer_it_cannot_write(sums, error):
         pytest.skip("the C helper is not built here (no compiler): the Python fallback has no second check")
     with pytest.raises(error):
         _slots._native.copy_pages(0, 1, 1, _q(0), _q(0), _q(8), sums)
+
+
+def test_the_c_helper_writes_nothing_past_its_batch():
+    """Output buffers longer than the batch keep their extra entries: lookup, victims, read_pages
+    and copy_pages write each key's or page's answers and not one past them (over an index of
+    empty slots: every key a miss)."""
+    if _slots._native is None:
+        pytest.skip("the C helper is not built here (no compiler)")
+    canary = 0xC0FFEE0DDBA11ADE
+    index, page = (ctypes.c_char * (4 * 64))(), ctypes.create_string_buffer(b"0123456789abcdef", 16)
+    at, key = ctypes.addressof(index), bytes(16)
+    found, gens = _q(0, canary), _q(0, canary)
+    _slots._native.lookup(at, 4, 2, key, found, gens)
+    assert (found[1], gens[1]) == (canary, canary)
+    slots, gens = _q(*[0] * 2, canary), _q(*[0] * 2, canary)
+    _slots._native.victims(at, 4, 2, key, slots, gens)
+    assert (slots[2], gens[2]) == (canary, canary)
+    status, found, gens = bytearray(b"\x00\xab"), _q(0, canary), _q(0, canary)
+    _slots._native.read_pages(at, 0, 4, 2, 64, 16, key, _q(ctypes.addressof(page)), _q(16), 1, status, found, gens)
+    assert (status[1], found[1], gens[1]) == (0xAB, canary, canary)
+    sums = _q(1, 2, canary)
+    _slots._native.copy_pages(2, 1, 1, _q(ctypes.addressof(page)), _q(0), _q(16), sums)
+    assert sums[2] == canary
 
 
 @pytest.mark.parametrize("direction", [0, 1, 2])

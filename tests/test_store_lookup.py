@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from array import array
 
 import pytest
 from hypothesis import given, settings
@@ -54,11 +55,16 @@ def test_each_key_is_found_in_its_own_window_published_or_not_at_all(ops, states
 
 
 def test_a_one_slot_index_finds_its_one_key():
-    """The smallest index, one slot and a window of one, finds the key it holds."""
+    """The smallest index, one slot and a window of one (a plan with ``window=1`` makes it), finds
+    the key it holds, and a read of another key there is a miss, not a refusal."""
+    page = (ctypes.c_char * 64)()
     for ops in OPS:
         index = (ctypes.c_char * RECORD_BYTES)()
         RECORD.pack_into(index, 0, 4, KEYS[1], 0, 0, 64, 0, 0, 0, 0, 0)
         assert ops.lookup(ctypes.addressof(index), 1, 1, KEYS[1] + KEYS[0]) == ([0, _slots.NOT_FOUND], [4, 0]), ops.name
+        status, _, _ = ops.read_pages(ctypes.addressof(index), ctypes.addressof(page), 1, 1, 64, 64, KEYS[0],
+                                      array("Q", [ctypes.addressof(page)]), array("Q", [64]), 1)
+        assert list(status) == [_slots.MISS], ops.name
 
 
 def test_a_key_just_past_its_window_is_not_found():
