@@ -78,3 +78,15 @@ def test_an_all_referenced_window_loses_its_bits_and_is_then_ordered_by_depth():
         assert all(index[s * RECORD_BYTES + REF_OFFSET] == b"\x00" for s in range(WINDOW)), ops.name
         again, _ = ops.victims(ctypes.addressof(index), SLOTS, WINDOW, key)
         assert first == again == sorted(range(WINDOW), key=lambda s: (-(s % 4), s)), ops.name
+
+
+@pytest.mark.parametrize("slots, window", [(64, 64), (100, 64), (1, 1)])
+def test_the_widest_window_and_the_smallest_index_are_served(slots, window):
+    """A window of 64 slots (the most the C helper orders) and an index of one slot are orders,
+    not refusals: over empty slots, the window from the key's home in slot order."""
+    raw = (ctypes.c_char * (slots * RECORD_BYTES))()
+    key = struct.pack("<QQ", 7, 1)
+    home = 7 % slots
+    for ops in OPS:
+        order, gens = ops.victims(ctypes.addressof(raw), slots, window, key)
+        assert order == [(home + j) % slots for j in range(window)] and gens == [0] * window, ops.name
