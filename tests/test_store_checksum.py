@@ -339,15 +339,16 @@ def test_each_sum_loop_copies_exactly_and_sums_as_the_definition(sum_loops, word
                 struct.pack_into(f"<{n}Q", slots_raw, slots_skip + 8 * p * slot_stride, *page_words[p])
         slots_before, segs_before = bytes(slots_raw), bytes(segs_raw)
         sums = array("Q", list(seeds) * pages)
-        module.copy_pages(direction, pages, per_page, array("Q", [slots_at + 8 * slot_stride * p for p in range(pages)]),
-                          array("Q", ptrs), array("Q", lens), sums, threads)
+        slots = array("Q", [slots_at + 8 * slot_stride * p for p in range(pages)])
+        module.copy_pages(direction, pages, per_page, slots, array("Q", ptrs), array("Q", lens), sums, threads)
         assert [tuple(sums[2 * p:2 * p + 2]) for p in range(pages)] == [oracle(w, *seeds) for w in page_words], name
         if direction == 0:  # each slot holds its page, the canary after it untouched; the segments unchanged
             expected = [w for p in range(pages) for w in (*page_words[p], CANARY)]
             assert list(struct.unpack_from(f"<{len(expected)}Q", slots_raw, slots_skip)) == expected, name
             assert bytes(segs_raw) == segs_before, name
         elif direction == 1:  # each segment holds its words, the canaries between them untouched
-            expected = [w for p in range(pages) for a, b in zip(bounds, bounds[1:]) for w in (*page_words[p][a:b], CANARY)]
+            expected = [w for p in range(pages) for a, b in zip(bounds, bounds[1:])
+                        for w in (*page_words[p][a:b], CANARY)]
             assert list(struct.unpack_from(f"<{len(expected)}Q", segs_raw, segs_skip)) == expected, name
             assert bytes(slots_raw) == slots_before, name
         else:

@@ -73,4 +73,5 @@ def test_a_key_just_past_its_window_is_not_found():
     states = [(2, 3)] * SLOTS
     states[(3 + WINDOW) % SLOTS] = (2, 0)
     for ops in OPS:
-        assert ops.lookup(ctypes.addressof(_index(states)), SLOTS, WINDOW, KEYS[0]) == ([_slots.NOT_FOUND], [0]), ops.name
+        found = ops.lookup(ctypes.addressof(_index(states)), SLOTS, WINDOW, KEYS[0])
+        assert found == ([_slots.NOT_FOUND], [0]), ops.name

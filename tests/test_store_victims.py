@@ -19,17 +19,20 @@ OPS = [_slots.PythonSlotOps] + ([_slots.NativeSlotOps] if _slots._native is not 
 SLOTS, WINDOW = 40, 16
 
 records = st.lists(
-    st.tuples(st.sampled_from(["empty", "nokey", "torn", "page"]), st.integers(0, 3), st.booleans()),
+    st.tuples(st.sampled_from(["empty", "nokey", "zerogen", "torn", "page"]), st.integers(0, 3), st.booleans()),
     min_size=SLOTS, max_size=SLOTS)
 keys = st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=4)
 
 
 def _index(states) -> ctypes.Array:
-    """A fake slot index: each state (kind, depth, referenced) as a packed record."""
+    """A fake slot index: each state (kind, depth, referenced) as a packed record - empty (generation
+    0, no key), nokey (a generation, no key), zerogen (a key, generation 0), torn (odd) or page. A
+    key has one of its halves zero in two slots of three: only all 16 bytes zero is no key."""
     raw = (ctypes.c_char * (SLOTS * RECORD_BYTES))()
     for slot, (kind, depth, ref) in enumerate(states):
-        gen = {"empty": 0, "nokey": 4, "torn": 7, "page": 6}[kind]
-        key = bytes(16) if kind in ("empty", "nokey") else struct.pack("<QQ", slot + 1, 9)
+        gen = {"empty": 0, "nokey": 4, "zerogen": 0, "torn": 7, "page": 6}[kind]
+        key = bytes(16) if kind in ("empty", "nokey") else struct.pack("<QQ", 0 if slot % 3 == 0 else slot + 1,
+                                                                       0 if slot % 3 == 1 else 9)
         RECORD.pack_into(raw, slot * RECORD_BYTES, gen, key, 0, 0, 64, depth, 0, int(ref), 0, 0)
     return raw
 
@@ -39,7 +42,7 @@ def _oracle(states, key: bytes) -> tuple[list[int], bool]:
     home = int.from_bytes(key[:8], "little") % SLOTS
     window = [(home + j) % SLOTS for j in range(WINDOW)]
     kind = {slot: states[slot][0] for slot in window}
-    first = [s for s in window if kind[s] in ("empty", "nokey")] + [s for s in window if kind[s] == "torn"]
+    first = [s for s in window if kind[s] in ("empty", "nokey", "zerogen")] + [s for s in window if kind[s] == "torn"]
     pages = [s for s in window if kind[s] == "page"]
     cold = sorted((s for s in pages if not states[s][2]), key=lambda s: (-states[s][1], s))
     warm = sorted((s for s in pages if states[s][2]), key=lambda s: (-states[s][1], s))
