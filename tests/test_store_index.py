@@ -502,6 +502,8 @@ _HELPER_REFUSALS = [
                      bytearray(1)), "namespace entry"),
     ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(9), _q(0), _q(0), 0, 1, 0,
                      bytearray(1)), "slot 9 is past the arena's 4"),
+    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(4), _q(0), _q(0), 0, 1, 0,
+                     bytearray(1)), "slot 4 is past the arena's 4"),
     ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(24), 1, _q(0), _q(0), _q(0), 0, 1, 0,
                      bytearray(1)), "page 0's segments are not whole words adding up to 16"),
     ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(0), _q(0), _q(0), 0, 1, 0,
@@ -561,11 +563,12 @@ def test_the_c_helper_writes_nothing_past_its_batch():
 
 @pytest.mark.parametrize("direction", [0, 1, 2])
 def test_the_c_helper_takes_an_empty_batch(direction):
-    """No pages is a call that does nothing, not an error: the store's write path hands the helper
-    the pages it claimed, none when every page's window is busy."""
+    """No pages is a call that does nothing, not an error (and no page fails the segment check):
+    the store's write path hands the helper the pages it claimed, none when every window is busy."""
     if _slots._native is None:
         pytest.skip("the C helper is not built here (no compiler)")
     assert _slots._native.copy_pages(direction, 0, 1, _q(), _q(), _q(), _q()) is None
+    assert _slots._native.check_segments(_q(), _q(), 1, 8, 0, 0) == -1  # no page fails
 
 
 def test_bad_pages_are_refused_before_any_copy(shm_dir, ops):
