@@ -99,14 +99,21 @@ def test_the_helper_refuses_a_bad_count_or_part_before_copying(call, error, refu
 
 @native
 @pytest.mark.parametrize("shift", [-5, 5, 0])
-def test_a_block_overlapping_its_source_is_a_memmove(shift):
-    """A block overlapping its own source is copied as memmove would (either shift)."""
-    buffer = torch.arange(200, dtype=torch.uint8)
+@pytest.mark.parametrize("size", [100, 1000])
+@pytest.mark.parametrize("bases", [False, True], ids=["addresses", "offsets and bases"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_block_overlapping_its_source_is_a_memmove(shift, size, bases, threads):
+    """A block overlapping its own source is copied as memmove would (either shift), given as
+    addresses or as offsets from a destination and a source base (the layer pattern's form), and
+    large enough to stream (a forward streamed copy over its own source would read bytes it
+    had already overwritten)."""
+    buffer = torch.arange(size + 100, dtype=torch.uint8)
     expected = bytearray(bytes(buffer.tolist()))
-    expected[50 + shift : 150 + shift] = bytes(buffer.tolist())[50:150]
+    expected[50 + shift : 50 + size + shift] = bytes(buffer.tolist())[50 : 50 + size]
     base = buffer.data_ptr()
-    dsts, srcs, sizes = (torch.tensor([v], dtype=torch.int64) for v in (base + 50 + shift, base + 50, 100))
-    _host_copy._native.copy_blocks(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), 1, 4, True)
+    dst, src, extra = (50 + shift, 50, (base, base)) if bases else (base + 50 + shift, base + 50, ())
+    dsts, srcs, sizes = (torch.tensor([v], dtype=torch.int64) for v in (dst, src, size))
+    _host_copy._native.copy_blocks(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), 1, threads, True, *extra)
     assert bytes(buffer.tolist()) == bytes(expected)
 
 

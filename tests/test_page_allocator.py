@@ -67,6 +67,20 @@ def test_the_page_stack_refuses_a_call_of_the_wrong_arity(name, args):
         getattr(_page_allocator._native, name)(*args)
 
 
+@pytest.mark.skipif(not _pagestack_built(), reason="hicache.pools._pagestack was not built (no C compiler)")
+@pytest.mark.parametrize("pages", [3, -1])
+def test_the_page_stack_pops_no_more_pages_than_it_holds(pages):
+    """The page stack's own check under the allocator's: asked for more pages than it holds, or a
+    negative count, alloc answers -2 and reads and writes nothing - the stack, the marks and the
+    output unchanged (a pop past the stack's bottom would hand out whatever lies below it)."""
+    from hicache.pools import _page_allocator
+
+    stack, marks = torch.tensor([7, 1, 0], dtype=torch.int64), torch.zeros(8, dtype=torch.uint8)
+    out = torch.full((3 * 4,), -9, dtype=torch.int64)
+    top = _page_allocator._native.alloc(stack.data_ptr(), 2, marks.data_ptr(), pages, 4, out.data_ptr())
+    assert top == -2 and stack.tolist() == [7, 1, 0] and not marks.any() and (out == -9).all()
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     """alloc / free / clear / double free checked against a set of free pages."""
 
@@ -224,6 +238,22 @@ def test_a_free_page_marked_handed_out_is_reported_as_corruption(native):
     with pytest.raises(RuntimeError, match="corrupted"):
         allocator.alloc(PAGE)
     assert allocator.available_size() == 8 * PAGE  # nothing was handed out
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("dtype", ["int64", "int32"])
+def test_a_free_of_part_of_a_page_is_refused_and_changes_nothing(native, dtype):
+    """Freeing a page's first tokens but not all of them (a tensor of the pool's own index dtypes,
+    the C path's input) is refused naming the page size; the free list is as it was, and the
+    whole page frees afterwards."""
+    from hicache.errors import PlanError
+
+    allocator = PageAllocator(8, PAGE, native=native)
+    pages = allocator.alloc(2 * PAGE)
+    with pytest.raises(PlanError, match=f"not whole pages of {PAGE}"):
+        allocator.free(pages[:PAGE - 1].to(getattr(torch, dtype)))
+    assert allocator.available_size() == 6 * PAGE
+    assert allocator.free(pages) == 2 * PAGE and allocator.available_size() == 8 * PAGE
 
 
 def _run_threads(worker, count: int) -> None:
