@@ -246,14 +246,47 @@ def test_a_free_of_part_of_a_page_is_refused_and_changes_nothing(native, dtype):
     """Freeing a page's first tokens but not all of them (a tensor of the pool's own index dtypes,
     the C path's input) is refused naming the page size; the free list is as it was, and the
     whole page frees afterwards."""
-    from hicache.errors import PlanError
-
     allocator = PageAllocator(8, PAGE, native=native)
     pages = allocator.alloc(2 * PAGE)
     with pytest.raises(PlanError, match=f"not whole pages of {PAGE}"):
         allocator.free(pages[:PAGE - 1].to(getattr(torch, dtype)))
     assert allocator.available_size() == 6 * PAGE
     assert allocator.free(pages) == 2 * PAGE and allocator.available_size() == 8 * PAGE
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("case, error, message", [
+    ("a run out of order, then a free page", PlanError, "page-aligned runs of whole pages"),
+    ("one page twice", RuntimeError, "appears twice in one free"),
+    ("a page never handed out", RuntimeError, r"pages \[2\] are not allocated"),
+])
+def test_each_bad_free_is_named_for_what_is_wrong_and_changes_nothing(native, case, error, message):
+    """A free whose first run is out of order (its second run a page not handed out), that names
+    one page twice, or a page never handed out, raises naming that fault - not another the same
+    call also holds - and the books are as they were: the two pages handed out free afterwards."""
+    allocator = PageAllocator(8, PAGE, native=native)
+    held = allocator.alloc(2 * PAGE)
+    first, second = held[:PAGE], held[PAGE:]
+    shuffled = first[[0, 2, 1, *range(3, PAGE)]]  # starts on its page's first token, then out of order
+    bad = {"a run out of order, then a free page": torch.cat([shuffled, torch.arange(2 * PAGE, 3 * PAGE)]),
+           "one page twice": torch.cat([first, second, first]),
+           "a page never handed out": torch.cat([first, torch.arange(2 * PAGE, 3 * PAGE)])}[case]
+    with pytest.raises(error, match=message):
+        allocator.free(bad)
+    assert allocator.available_size() == 6 * PAGE
+    assert allocator.free(held) == 2 * PAGE and allocator.available_size() == 8 * PAGE
+
+
+@pytest.mark.skipif(not _pagestack_built(), reason="hicache.pools._pagestack was not built (no C compiler)")
+def test_a_free_that_would_overflow_the_stack_is_refused():
+    """Books already wrong - every page on the free stack yet one marked handed out - and that page
+    freed: the page stack refuses to push past its capacity (corruption, named) and writes nothing."""
+    allocator = PageAllocator(8, PAGE, native=True)
+    allocator._marks[3] = 1
+    stack = allocator._stack.clone()
+    with pytest.raises(RuntimeError, match="overflow the free stack"):
+        allocator.free(torch.arange(3 * PAGE, 4 * PAGE))
+    assert allocator._stack.equal(stack) and allocator.available_size() == 8 * PAGE and allocator._marks[3] == 1
 
 
 def _run_threads(worker, count: int) -> None:

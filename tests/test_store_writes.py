@@ -76,7 +76,8 @@ def test_a_writer_takes_a_slot_in_each_state_with_the_plans_generation(shm_dir, 
 def test_a_slot_that_moved_on_is_let_go_with_its_lock(tmp_path):
     """write_pages given a slot whose generation is no longer the one seen takes nothing, says
     so (status 0, over a caller's buffer that held another value) and leaves the slot's record lock
-    free for the next writer; a window of two keys never lends the second key's slot to the first."""
+    free for the next writer; a window of two keys never lends the second key's slot to the first;
+    a one-slot index is written."""
     path = tmp_path / "locks"
     path.write_bytes(bytes(4 * RECORD_BYTES))
     fd, other = os.open(path, os.O_RDWR), os.open(path, os.O_RDWR)
@@ -97,6 +98,11 @@ def test_a_slot_that_moved_on_is_let_go_with_its_lock(tmp_path):
                                    array("Q", [0, 0]), 0, 1, 0, status)
         assert list(status) == [0, 1]
         assert ctypes.string_at(at + 2 * RECORD_BYTES + 8, 16) == keys[16:]  # the second key, in its own window
+        _slots.unlock(other, 0, 2 * RECORD_BYTES)
+        status = bytearray(1)  # the smallest index (one slot, a window of one) is written, not refused
+        _slots._native.write_pages(at, data, fd, 0, 1, 1, 64, 64, keys[:16], array("Q", [data]), array("Q", [64]), 1,
+                                   array("Q", [0]), array("Q", [0]), array("Q", [0]), 0, 1, 0, status)
+        assert list(status) == [1] and ctypes.c_uint64.from_address(at).value == 2
     finally:
         os.close(fd)
         os.close(other)
