@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from array import array
 
 import pytest
 from store_support import shm_dir  # noqa: F401 - a fixture
 
 from hicache.effects import arena
-from hicache.effects._arena import _slots
-from hicache.plan.store_format import RECORD_BYTES
+from hicache.plan.store_format import RECORD_BYTES, REF_OFFSET
 from hicache.store import Namespace, open_store
 from hicache.store._keys import slot_keys
 
 torch = pytest.importorskip("torch")
 
-OPS = ["python"] + (["native"] if _slots._native is not None else [])
+#: the C helper itself (its raw calls take buffers the wrappers make for them), where built and current
+NATIVE = sys.modules["hicache.effects._arena._slotops"] if arena.slot_ops("auto") is arena.NativeSlotOps else None
+OPS = ["python"] + (["native"] if NATIVE is not None else [])
 PAGE = 4096
 NS = Namespace(model="m", dtype="torch.bfloat16", page_tokens=16, layout="page_first/segments", pool="kv",
                page_bytes=PAGE, shard=(("tp", 0, 1),))
@@ -59,7 +61,7 @@ def test_a_writer_takes_a_slot_in_each_state_with_the_plans_generation(shm_dir, 
         ctypes.c_uint64.from_address(record).value = gen
         if not keep_key:
             ctypes.memset(record + 8, 0, 16)
-        ctypes.c_uint8.from_address(record + _slots.REF_OFFSET).value = 0
+        ctypes.c_uint8.from_address(record + REF_OFFSET).value = 0
         evictions = store.counts.evictions
         assert store.put(NS, ["new"], [[(new[0].data_ptr(), PAGE)]]) == [True]
         assert store.index.find(slot_keys(NS.digest, ["new"]))[0] == [slot]
@@ -72,7 +74,7 @@ def test_a_writer_takes_a_slot_in_each_state_with_the_plans_generation(shm_dir, 
         store.close()
 
 
-@pytest.mark.skipif(_slots._native is None, reason="the C helper is not built here (no compiler)")
+@pytest.mark.skipif(NATIVE is None, reason="the C helper is not built here (no compiler)")
 def test_a_slot_that_moved_on_is_let_go_with_its_lock(tmp_path):
     """write_pages given a slot whose generation is no longer the one seen takes nothing, says
     so (status 0, over a caller's buffer that held another value) and leaves the slot's record lock
@@ -85,22 +87,22 @@ def test_a_slot_that_moved_on_is_let_go_with_its_lock(tmp_path):
     at, data = ctypes.addressof(index), ctypes.addressof(page)
     try:
         status = bytearray(b"\xab")
-        _slots._native.write_pages(at, data, fd, 0, 4, 1, 64, 64, bytes(16), array("Q", [data]), array("Q", [64]), 1,
+        NATIVE.write_pages(at, data, fd, 0, 4, 1, 64, 64, bytes(16), array("Q", [data]), array("Q", [64]), 1,
                                    array("Q", [2]), array("Q", [6]), array("Q", [0]), 0, 1, 0, status)
         assert list(status) == [0] and ctypes.c_uint64.from_address(at + 2 * RECORD_BYTES).value == 0
-        assert _slots.try_lock(other, 2 * RECORD_BYTES, RECORD_BYTES), "the let-go slot's lock was kept"
-        _slots.unlock(other, 2 * RECORD_BYTES, RECORD_BYTES)
-        assert _slots.try_lock(other, 0, 2 * RECORD_BYTES)  # key 0's window (slots 0, 1) held by another writer
+        assert arena.try_lock(other, 2 * RECORD_BYTES, RECORD_BYTES), "the let-go slot's lock was kept"
+        arena.unlock(other, 2 * RECORD_BYTES, RECORD_BYTES)
+        assert arena.try_lock(other, 0, 2 * RECORD_BYTES)  # key 0's window (slots 0, 1) held by another writer
         status = bytearray(2)
         keys = bytes(range(32))
-        _slots._native.write_pages(at, data, fd, 0, 4, 2, 64, 64, keys, array("Q", [data, data]),
+        NATIVE.write_pages(at, data, fd, 0, 4, 2, 64, 64, keys, array("Q", [data, data]),
                                    array("Q", [64, 64]), 1, array("Q", [0, 1, 2, 3]), array("Q", [0] * 4),
                                    array("Q", [0, 0]), 0, 1, 0, status)
         assert list(status) == [0, 1]
         assert ctypes.string_at(at + 2 * RECORD_BYTES + 8, 16) == keys[16:]  # the second key, in its own window
-        _slots.unlock(other, 0, 2 * RECORD_BYTES)
+        arena.unlock(other, 0, 2 * RECORD_BYTES)
         status = bytearray(1)  # the smallest index (one slot, a window of one) is written, not refused
-        _slots._native.write_pages(at, data, fd, 0, 1, 1, 64, 64, keys[:16], array("Q", [data]), array("Q", [64]), 1,
+        NATIVE.write_pages(at, data, fd, 0, 1, 1, 64, 64, keys[:16], array("Q", [data]), array("Q", [64]), 1,
                                    array("Q", [0]), array("Q", [0]), array("Q", [0]), 0, 1, 0, status)
         assert list(status) == [1] and ctypes.c_uint64.from_address(at).value == 2
     finally:
