@@ -457,6 +457,30 @@ def _q(*values) -> array:
     return array("Q", values)
 
 
+#: read_pages' and write_pages' arguments in a call the helper takes: one page of one 16-byte
+#: segment, 4 slots of 64 bytes, a window of one (u64 arrays as tuples, the status by its length)
+_READ = dict(index_addr=0, data_addr=0, nslots=4, window=1, slot_stride=64, page_bytes=16, keys=bytes(16),
+             seg_ptrs=(0,), seg_lens=(16,), per_page=1, status=1, found=(0,), gens=(0,))
+_WRITE = dict(index_addr=0, data_addr=0, fd=-1, index_offset=0, nslots=4, window=1, slot_stride=64, page_bytes=16,
+              keys=bytes(16), seg_ptrs=(0,), seg_lens=(16,), per_page=1, order=(0,), seen=(0,), depths=(0,),
+              namespace=0, pid=1, stamp=0, status=1)
+
+
+def _args(good: dict, changes: dict) -> tuple:
+    """A good call's arguments but for ``changes``, as the helper takes them."""
+    fields = {**good, **changes}
+    return tuple(_q(*value) if isinstance(value, tuple) else bytearray(value) if name == "status" else value
+                 for name, value in fields.items())
+
+
+def _read_args(**changes) -> tuple:
+    return _args(_READ, changes)
+
+
+def _write_args(**changes) -> tuple:
+    return _args(_WRITE, changes)
+
+
 #: (helper function, its arguments, the refusal): each call is wrong in one way the Python layer
 #: never lets through - the helper's own second check, which must refuse before it touches any
 #: address it was given (every address here is 0) and give back every buffer it had taken
@@ -477,39 +501,25 @@ _HELPER_REFUSALS = [
     ("victims", (0, 4, 5, bytes(16), _q(*[0] * 5), _q(*[0] * 5)), "victims: bad"),
     ("victims", (0, 100, 65, bytes(16), _q(*[0] * 65), _q(*[0] * 65)), "victims: bad"),
     ("victims", (0, 4, 1, bytes(15), _q(0), _q(0)), "victims: bad"),
-    ("read_pages", (0, 0, 4, 1, 64, 12, bytes(16), _q(0), _q(12), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
-    ("read_pages", (0, 0, 0, 1, 64, 16, bytes(16), _q(0), _q(16), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
-    ("read_pages", (0, 0, 4, 0, 64, 16, bytes(16), _q(0), _q(16), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
-    ("read_pages", (0, 0, 4, 1, 64, 16, bytes(16), _q(), _q(), 0, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
-    ("read_pages", (0, 0, 4, 1, 64, 16, bytes(15), _q(0), _q(16), 1, bytearray(1), _q(0), _q(0)), "read_pages: bad"),
-    ("read_pages", (0, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, bytearray(0), _q(0), _q(0)),
-     "status holds 0 bytes, 1 needed"),
-    ("read_pages", (0, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(8), 1, bytearray(1), _q(0), _q(0)),
-     "page 0's segments are not whole words adding up to 16"),
-    ("write_pages", (0, 0, -1, 0, 0, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(0), _q(0), _q(0), 0, 1, 0,
-                     bytearray(1)), "write_pages: bad"),
-    ("write_pages", (0, 0, -1, 0, 4, 0, 64, 16, bytes(16), _q(0), _q(16), 1, _q(), _q(), _q(0), 0, 1, 0,
-                     bytearray(1)), "write_pages: bad"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(), _q(), 0, _q(0), _q(0), _q(0), 0, 1, 0,
-                     bytearray(1)), "write_pages: bad"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(15), _q(0), _q(16), 1, _q(0), _q(0), _q(0), 0, 1, 0,
-                     bytearray(1)), "write_pages: bad"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 12, bytes(16), _q(0), _q(12), 1, _q(0), _q(0), _q(0), 0, 1, 0,
-                     bytearray(1)), "write_pages: bad"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 128, bytes(16), _q(0), _q(128), 1, _q(0), _q(0), _q(0), 0, 1, 0,
-                     bytearray(1)), "write_pages: bad"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(0), _q(0), _q(0), 0x10000, 1, 0,
-                     bytearray(1)), "namespace entry"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(9), _q(0), _q(0), 0, 1, 0,
-                     bytearray(1)), "slot 9 is past the arena's 4"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(4), _q(0), _q(0), 0, 1, 0,
-                     bytearray(1)), "slot 4 is past the arena's 4"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(24), 1, _q(0), _q(0), _q(0), 0, 1, 0,
-                     bytearray(1)), "page 0's segments are not whole words adding up to 16"),
-    ("write_pages", (0, 0, -1, 0, 4, 1, 64, 16, bytes(16), _q(0), _q(16), 1, _q(0), _q(0), _q(0), 0, 1, 0,
-                     bytearray(0)), "status holds 0 bytes, 1 needed"),
-    ("write_pages", (0, 0, -1, 0, 4, 2, 64, 16, bytes(16), _q(0), _q(16), 1, _q(0), _q(0, 0), _q(0), 0, 1, 0,
-                     bytearray(1)), "order holds 8 bytes, 16 needed"),
+    ("read_pages", _read_args(page_bytes=12, seg_lens=(12,)), "read_pages: bad"),
+    ("read_pages", _read_args(nslots=0), "read_pages: bad"),
+    ("read_pages", _read_args(window=0), "read_pages: bad"),
+    ("read_pages", _read_args(seg_ptrs=(), seg_lens=(), per_page=0), "read_pages: bad"),
+    ("read_pages", _read_args(keys=bytes(15)), "read_pages: bad"),
+    ("read_pages", _read_args(status=0), "status holds 0 bytes, 1 needed"),
+    ("read_pages", _read_args(seg_lens=(8,)), "page 0's segments are not whole words adding up to 16"),
+    ("write_pages", _write_args(nslots=0), "write_pages: bad"),
+    ("write_pages", _write_args(window=0, order=(), seen=()), "write_pages: bad"),
+    ("write_pages", _write_args(seg_ptrs=(), seg_lens=(), per_page=0), "write_pages: bad"),
+    ("write_pages", _write_args(keys=bytes(15)), "write_pages: bad"),
+    ("write_pages", _write_args(page_bytes=12, seg_lens=(12,)), "write_pages: bad"),
+    ("write_pages", _write_args(page_bytes=128, seg_lens=(128,)), "write_pages: bad"),
+    ("write_pages", _write_args(namespace=0x10000), "namespace entry"),
+    ("write_pages", _write_args(order=(9,)), "slot 9 is past the arena's 4"),
+    ("write_pages", _write_args(order=(4,)), "slot 4 is past the arena's 4"),
+    ("write_pages", _write_args(seg_lens=(24,)), "page 0's segments are not whole words adding up to 16"),
+    ("write_pages", _write_args(status=0), "status holds 0 bytes, 1 needed"),
+    ("write_pages", _write_args(window=2, seen=(0, 0)), "order holds 8 bytes, 16 needed"),
     ("check_segments", (_q(0), _q(8), 0, 8, 0, 0), "per_page must be >= 1"),
     ("check_segments", (_q(0, 0), _q(8), 1, 8, 0, 0), "differ in count"),
 ]
