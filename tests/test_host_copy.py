@@ -6,7 +6,7 @@ import random
 import threading
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from hicache.effects._copy import _host_copy
@@ -54,9 +54,11 @@ blocks_strategy = st.integers(1, 24).flatmap(
 
 
 @native
-@given(blocks_strategy, st.integers(1, 5), st.booleans(), st.integers(0, 2**16))
+@given(blocks_strategy, st.integers(0, 5), st.booleans(), st.integers(0, 2**16))
+@example(([300, 5], [3, 0]), 0, True, 1)  # no threads asked for: the caller's thread copies it all
 def test_native_copy_matches_the_oracle(size_gaps, threads, streaming, seed):
-    """Any sizes, odd alignments, shares split mid-block, streamed or not: exactly the oracle's bytes."""
+    """Any sizes, odd alignments, shares split mid-block, streamed or not, any thread count (0 is
+    the calling thread alone): exactly the oracle's bytes."""
     sizes, gaps = size_gaps
     src, dst, blocks = _scenario(sizes, gaps, seed)
     expected = _expected(src, dst, blocks)
