@@ -256,19 +256,21 @@ def test_a_free_of_part_of_a_page_is_refused_and_changes_nothing(native, dtype):
 
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("case, error, message", [
-    ("a run out of order, then a free page", PlanError, "page-aligned runs of whole pages"),
+    ("a run broken, then a free page", PlanError, "page-aligned runs of whole pages"),
     ("one page twice", RuntimeError, "appears twice in one free"),
     ("a page never handed out", RuntimeError, r"pages \[2\] are not allocated"),
 ])
 def test_each_bad_free_is_named_for_what_is_wrong_and_changes_nothing(native, case, error, message):
-    """A free whose first run is out of order (its second run a page not handed out), that names
-    one page twice, or a page never handed out, raises naming that fault - not another the same
-    call also holds - and the books are as they were: the two pages handed out free afterwards."""
+    """A free whose first run is broken (its second token another page's; its second run a page
+    not handed out), that names one page twice, or a page never handed out, raises naming that
+    fault - not another the same call also holds - and the books are as they were: the two pages
+    handed out free afterwards."""
     allocator = PageAllocator(8, PAGE, native=native)
     held = allocator.alloc(2 * PAGE)
     first, second = held[:PAGE], held[PAGE:]
-    shuffled = first[[0, 2, 1, *range(3, PAGE)]]  # starts on its page's first token, then out of order
-    bad = {"a run out of order, then a free page": torch.cat([shuffled, torch.arange(2 * PAGE, 3 * PAGE)]),
+    broken = first.clone()
+    broken[1] = 5 * PAGE  # starts on its page's first token; its second is another page's
+    bad = {"a run broken, then a free page": torch.cat([broken, torch.arange(2 * PAGE, 3 * PAGE)]),
            "one page twice": torch.cat([first, second, first]),
            "a page never handed out": torch.cat([first, torch.arange(2 * PAGE, 3 * PAGE)])}[case]
     with pytest.raises(error, match=message):
