@@ -217,3 +217,17 @@ def test_copy_parts_matches_the_oracle(mode, size_gaps, nparts, threads, streami
         patch.setattr(_host_copy, "STREAM_BYTES", 0 if streaming else 2**62)
         _host_copy.copy_parts(parts, total, mode=mode, threads=threads)
     assert bytes(dst.tolist()) == expected
+
+
+@native
+def test_nothing_to_copy_is_no_error():
+    """A copy of no blocks, and a part of no blocks among others (a layer with nothing to move),
+    is a call that copies what there is, not a refusal."""
+    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    none = torch.zeros(1, dtype=torch.int64)
+    _host_copy._native.copy_blocks(none.data_ptr(), none.data_ptr(), none.data_ptr(), 0, 2, False)
+    assert not dst.any()
+    table = [torch.tensor([v], dtype=torch.int64) for v in (dst.data_ptr(), src.data_ptr(), 64)]
+    empty = (none.data_ptr(), none.data_ptr(), none.data_ptr(), 0, 0, 0)
+    _host_copy._native.copy_parts([empty, (*(t.data_ptr() for t in table), 1, 0, 0), empty], 2, False)
+    assert dst.equal(src)
