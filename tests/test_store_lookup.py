@@ -75,5 +75,6 @@ def test_a_key_just_past_its_window_is_not_found():
     states = [(2, 3)] * SLOTS
     states[(3 + WINDOW) % SLOTS] = (2, 0)
     for ops in OPS:
-        found = ops.lookup(ctypes.addressof(_index(states)), SLOTS, WINDOW, KEYS[0])
+        index = _index(states)  # held while the lookup reads it (a temporary's memory is freed before)
+        found = ops.lookup(ctypes.addressof(index), SLOTS, WINDOW, KEYS[0])
         assert found == ([arena.NOT_FOUND], [0]), ops.name
