@@ -40,4 +40,22 @@ def scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
 
+        def remove_node(self, node):
+            """xdist 3.8's, but a crashed worker's finished units and the test it died in are not
+            handed out again. Requeued (pytest-xdist #1378), a finished unit reaches a worker as
+            an empty one that never completes, and the run hangs at its end - here after any
+            test that takes its worker down, which is what a C helper's bad access does; the
+            test it died in (reported failed) would take its replacement down too (#1371)."""
+            workload = self.assigned_work.pop(node)
+            pending = [(scope, nodeid) for scope, unit in workload.items() for nodeid, done in unit.items()
+                       if not done]
+            if not pending:
+                return None
+            scope, crashed = pending[0]  # xdist's own pick: the first unit's first test not done
+            workload[scope][crashed] = True
+            self.workqueue.update((scope, unit) for scope, unit in workload.items() if not all(unit.values()))
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
     return SGLangOnOneWorker(config, log)
