@@ -67,7 +67,8 @@ def test_a_test_that_takes_its_worker_down_fails_and_the_run_ends(tmp_path):
         def test_after(i):
             pass
     """))
-    command = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)]
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "-o", "addopts=",
+               str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "1 failed, 60 passed" in result.stdout and "test_ends_its_worker" in result.stdout, result.stdout
