@@ -14,6 +14,13 @@ import pytest
 ARENA_BYTES = 8 << 20
 
 
+def arena_of(slots: int, page_bytes: int) -> int:
+    """The size of an arena of exactly ``slots`` slots of ``page_bytes``: its header, namespace
+    table and index take 73,728 bytes before the slots' data at such small sizes (the plan's
+    ``data_offset``; the tests that use this check the slot count they get)."""
+    return 73728 + slots * page_bytes
+
+
 @pytest.fixture
 def shm_dir():
     path = Path(tempfile.mkdtemp(prefix="hicache-test-", dir="/dev/shm"))

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from store_support import MovedOnAfterLookup, shm_dir  # noqa: F401 - shm_dir: a fixture
+from store_support import MovedOnAfterLookup, arena_of, shm_dir  # noqa: F401 - shm_dir: a fixture
 
 from hicache.effects import arena
 from hicache.effects._arena import _slots
@@ -35,7 +35,7 @@ PAGE = SEGMENT * SEGMENTS
 NS = Namespace(model="m", dtype="torch.bfloat16", page_tokens=16, layout="page_first/segments", pool="kv",
                page_bytes=PAGE, shard=(("tp", 0, 2),))
 #: an arena of exactly one window of slots: every key competes for the same 16 slots
-ONE_WINDOW = 73728 + 16 * PAGE
+ONE_WINDOW = arena_of(16, PAGE)
 
 
 class Pages:

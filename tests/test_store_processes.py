@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from store_roles import PAGE_BYTES, _segments, core_namespace, page_bytes_of
-from store_support import Zygote, shm_dir  # noqa: F401 - shm_dir: a fixture
+from store_support import Zygote, arena_of, shm_dir  # noqa: F401 - shm_dir: a fixture
 
 from hicache.store import open_store
 
@@ -75,8 +75,8 @@ def test_eviction_under_pressure_while_another_process_reads_never_gives_a_wrong
     path = str(shm_dir / "arena")
     from hicache.plan import plan_store
 
-    open_store(path, size_bytes=73728 + 64 * PAGE_BYTES, slot_bytes=PAGE_BYTES).close()
-    assert plan_store(73728 + 64 * PAGE_BYTES, slot_bytes=PAGE_BYTES).slots < 40 * 12
+    open_store(path, size_bytes=arena_of(64, PAGE_BYTES), slot_bytes=PAGE_BYTES).close()
+    assert plan_store(arena_of(64, PAGE_BYTES), slot_bytes=PAGE_BYTES).slots < 40 * 12
     go, stop = str(shm_dir / "go"), str(shm_dir / "stop")
     zygote.start("reader", "pressure_reader", path=path, chains=40, length=12, seed=5, stop=stop)
     zygote.start("writer", "pressure_writer", path=path, chains=40, length=12, seed=5, go=go)

@@ -13,7 +13,7 @@ import sys
 from array import array
 
 import pytest
-from store_support import shm_dir  # noqa: F401 - a fixture
+from store_support import arena_of, shm_dir  # noqa: F401 - a fixture
 
 from hicache.effects import arena
 from hicache.plan.store_format import RECORD_BYTES, REF_OFFSET
@@ -29,7 +29,7 @@ PAGE = 4096
 NS = Namespace(model="m", dtype="torch.bfloat16", page_tokens=16, layout="page_first/segments", pool="kv",
                page_bytes=PAGE, shard=(("tp", 0, 1),))
 #: an arena of exactly one window of 4 KiB slots (test_store_index's): every key competes for the same 16 slots
-ONE_WINDOW = 73728 + 16 * PAGE
+ONE_WINDOW = arena_of(16, PAGE)
 #: (generation, whether the record keeps its key) the target slot is given; the generation its new page
 #: is published with (the next even one - past a torn odd one's own successor, which its dead writer
 #: might yet have published); whether taking it evicts a page
