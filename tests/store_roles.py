@@ -41,9 +41,14 @@ def _wait_file(path: str) -> None:
 
 # -- core store ----------------------------------------------------------------------------------
 
-def write_until(say, *, path: str, size: int, batches: int, per_batch: int, seed: int, kill_at=None) -> dict:
+def write_until(say, *, path: str, size: int, batches: int, per_batch: int, seed: int, kill_at=None,
+                hooked_build=None) -> dict:
     """Write ``batches`` batches of ``per_batch`` pages; at the write step ``kill_at`` =
-    [batch, page, stage] say "at" and wait to be killed."""
+    [batch, page, stage] say "at" and wait to be killed. The steps are the Python write's (the
+    store's fault hook) or, given ``hooked_build`` (the path of a C helper built with its step
+    hook), the C write's - the one a user's build runs."""
+    import sys
+
     from hicache.store import open_store
 
     position = {"batch": 0}
@@ -54,7 +59,19 @@ def write_until(say, *, path: str, size: int, batches: int, per_batch: int, seed
             while True:
                 time.sleep(3600)
 
-    store = open_store(path, size_bytes=size, slot_bytes=PAGE_BYTES, fault_hook=hook)
+    if hooked_build is None:
+        store = open_store(path, size_bytes=size, slot_bytes=PAGE_BYTES, fault_hook=hook)
+    else:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("hicache_step_hook._slotops", hooked_build)
+        hooked = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(hooked)
+        sys.modules["hicache.effects._arena._slots"]._native = hooked  # this forked process's native slot ops
+        hooked.set_step_hook(hook)
+        from hicache.effects import arena
+
+        store = open_store(path, size_bytes=size, slot_bytes=PAGE_BYTES, ops=arena.slot_ops("native"))
     ns = core_namespace()
     for batch in range(batches):
         position["batch"] = batch

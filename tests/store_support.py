@@ -21,6 +21,35 @@ def arena_of(slots: int, page_bytes: int) -> int:
     return 73728 + slots * page_bytes
 
 
+def build_slotops(directory: Path, define: str):
+    """The node store's C helper built from its installed source with ``-D<define>`` (a loop or a
+    hook setup.py never builds) into ``directory`` and loaded beside the build in use; skips, naming
+    why, where the helper is not built here or there is no C compiler."""
+    import importlib.util
+    import subprocess
+    import sysconfig
+
+    import hicache
+    from hicache.effects import arena
+
+    try:
+        arena.slot_ops("native")
+    except ImportError:
+        pytest.skip("the C helper is not built here (no compiler): the fallback runs, and is tested as such")
+    source = Path(hicache.__file__).parent / "effects" / "_arena" / "_slotops.c"
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()
+    if not source.is_file() or shutil.which(compiler[0]) is None:
+        pytest.skip(f"no C compiler ({compiler[0]}) or no {source.name} here: -D{define} is built where both are")
+    target = directory / ("_slotops" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([*compiler, "-shared", "-fPIC", "-O3", "-std=gnu99", f"-D{define}",
+                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)],
+                   check=True, capture_output=True, timeout=180)
+    spec = importlib.util.spec_from_file_location(f"{define.lower()}._slotops", target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def shm_dir():
     path = Path(tempfile.mkdtemp(prefix="hicache-test-", dir="/dev/shm"))

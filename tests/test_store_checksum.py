@@ -9,20 +9,15 @@ a miss, never as a hit with other bytes."""
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import platform
 import random
-import shutil
 import struct
-import subprocess
-import sysconfig
 from array import array
-from pathlib import Path
 
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from store_support import shm_dir  # noqa: F401 - a fixture
+from store_support import build_slotops, shm_dir  # noqa: F401 - shm_dir: a fixture
 
 from hicache.effects import arena
 from hicache.effects._arena import _slots
@@ -272,19 +267,7 @@ def sum_loops(tmp_path_factory):
     """The C helper's two copy-and-sum loops, each in a built module: this build's (SSE2 on x86-64)
     and the plain C loop a CPU without SSE2 runs (aarch64: Grace Hopper), built here from the same
     source with -DHICACHE_PORTABLE_SUM - so CI on x86-64 checks the loop it never runs itself."""
-    if _slots._native is None:
-        pytest.skip("the C helper is not built here (no compiler): the fallback's sums are checked above")
-    source = Path(_slots.__file__).with_name("_slotops.c")
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()
-    if not source.is_file() or shutil.which(compiler[0]) is None:
-        pytest.skip(f"no C compiler ({compiler[0]}) or no {source.name} here: the plain C loop is built where both are")
-    target = tmp_path_factory.mktemp("portable-sum") / ("_slotops" + sysconfig.get_config_var("EXT_SUFFIX"))
-    subprocess.run([*compiler, "-shared", "-fPIC", "-O3", "-std=gnu99", "-DHICACHE_PORTABLE_SUM",
-                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)],
-                   check=True, capture_output=True, timeout=180)
-    spec = importlib.util.spec_from_file_location("portable_sum._slotops", target)
-    portable = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(portable)
+    portable = build_slotops(tmp_path_factory.mktemp("portable-sum"), "HICACHE_PORTABLE_SUM")
     assert portable.SSE2_SUM == 0, "the portable build still runs the SSE2 loop"
     if platform.machine() == "x86_64":
         assert _slots._native.SSE2_SUM == 1, "this build does not run the SSE2 loop: one loop would be checked twice"

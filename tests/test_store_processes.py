@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from store_roles import PAGE_BYTES, _segments, core_namespace, page_bytes_of
-from store_support import Zygote, arena_of, shm_dir  # noqa: F401 - shm_dir: a fixture
+from store_support import Zygote, arena_of, build_slotops, shm_dir  # noqa: F401 - shm_dir: a fixture
 
 from hicache.store import open_store
 
@@ -38,18 +38,28 @@ def zygote():
         yield z
 
 
-def test_a_writer_killed_at_any_of_50_points_leaves_only_whole_pages(zygote, shm_dir):
+@pytest.fixture(scope="module")
+def hooked_build(tmp_path_factory):
+    """The path of the C helper built with its step hook (test_store_c_steps has its charter)."""
+    module = build_slotops(tmp_path_factory.mktemp("step-hook"), "HICACHE_STEP_HOOK")
+    return module.__file__
+
+
+@pytest.mark.parametrize("path", ["python", "c"])
+def test_a_writer_killed_at_any_of_50_points_leaves_only_whole_pages(request, zygote, shm_dir, path):
     """For each point (batch, page, stage of the write) a fresh writer is killed there; the
     next attach reclaims exactly the slots it had claimed and not published, and every page
-    `exists`/`present` reports reads back byte for byte."""
+    `exists`/`present` reports reads back byte for byte. The Python write, and the C write a
+    user's build runs (its test build's step hook at the same steps)."""
     assert len(POINTS) == 50
+    build = request.getfixturevalue("hooked_build") if path == "c" else None
     ns = core_namespace()
     keys = [f"p{i}" for i in range(BATCHES * PER_BATCH)]
     for n, (batch, page, stage) in enumerate(POINTS):
         path = str(shm_dir / f"arena{n}")
         task = f"w{n}"
         zygote.start(task, "write_until", path=path, size=4 << 20, batches=BATCHES, per_batch=PER_BATCH, seed=n,
-                     kill_at=[batch, page, stage])
+                     kill_at=[batch, page, stage], hooked_build=build)
         assert zygote.wait_for(task, "at")[1:] == [stage, str(page)]
         zygote.kill(task)
         store = open_store(path, size_bytes=None, slot_bytes=PAGE_BYTES)
@@ -91,13 +101,18 @@ def test_eviction_under_pressure_while_another_process_reads_never_gives_a_wrong
 
 
 def test_the_kill_points_cover_every_stage_of_a_write():
-    """Not vacuous: the points name every stage the write's fault hook reports."""
+    """Not vacuous: the points name every stage the Python write's fault hook and the C write's
+    step hook report."""
     import inspect
+    from pathlib import Path
 
+    import hicache
     from hicache.store import _index
 
     source = inspect.getsource(_index.SlotIndex._write)
     assert all(f'self._hook("{stage}"' in source for stage in STAGES)
+    c_source = (Path(hicache.__file__).parent / "effects" / "_arena" / "_slotops.c").read_text()
+    assert all(f'STEP("{stage}"' in c_source for stage in STAGES)
 
 
 def test_a_reused_task_name_never_takes_an_earlier_tasks_events(zygote, shm_dir):

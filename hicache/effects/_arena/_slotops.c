@@ -42,6 +42,48 @@
 
 #define MAX_THREADS 8
 
+/* Test builds only (-DHICACHE_STEP_HOOK; setup.py never sets it, so a user's build has no hook and
+ * no cost): set_step_hook(f) makes the slot protocol call f(stage, n) with the GIL at each of its
+ * steps, where the tests stop a writer or a reader of the C path users run - or kill it - as they
+ * do the Python path's through SlotIndex's fault hook. A write's steps are the Python write's:
+ * "claimed", "half" (half of the page's segments copied in), "copied", "summed", "published"
+ * (n: the key's index among the keys the call was given); a lookup's "looked" comes between
+ * reading a slot's even generation and comparing its key (n: the slot). An exception the hook
+ * raises is printed and ignored: the protocol runs on as a user's build would. */
+#ifdef HICACHE_STEP_HOOK
+static PyObject *step_hook = NULL;
+
+static void step(const char *stage, Py_ssize_t n) {
+    PyGILState_STATE gil = PyGILState_Ensure(); /* any thread: the caller's, or a copy thread of run_job */
+    PyObject *hook = step_hook;
+    Py_XINCREF(hook);
+    if (hook != NULL) {
+        PyObject *result = PyObject_CallFunction(hook, "sn", stage, n);
+        if (result == NULL) PyErr_WriteUnraisable(hook);
+        Py_XDECREF(result);
+        Py_DECREF(hook);
+    }
+    PyGILState_Release(gil);
+}
+#define STEP(stage, n) step(stage, n)
+
+static PyObject *set_step_hook(PyObject *self, PyObject *hook) {
+    if (hook != Py_None && !PyCallable_Check(hook)) {
+        PyErr_SetString(PyExc_TypeError, "set_step_hook: a callable or None");
+        return NULL;
+    }
+    PyObject *old = step_hook;
+    step_hook = hook == Py_None ? NULL : hook;
+    Py_XINCREF(step_hook);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+#define STEP_HOOK 1
+#else
+#define STEP(stage, n) ((void)0)
+#define STEP_HOOK 0
+#endif
+
 #define RECORD_BYTES 64
 
 static PyObject *slot_load(PyObject *self, PyObject *args) {
@@ -192,6 +234,8 @@ static void *run_share(void *arg) {
                 word_sum(&sums, i, w);
             }
             at += 8 * n;
+            if (direction == 0 && s + 1 == (per_page > 1 ? per_page / 2 : 1))
+                STEP("half", job->segs_of ? job->segs_of[p] : p);
         }
         fold_sums(&sums, i, sum[2 * p], sum[2 * p + 1], sum + 2 * p);
     }
@@ -267,7 +311,9 @@ static void find_key(uint64_t index_addr, uint64_t nslots, Py_ssize_t window, co
     for (Py_ssize_t j = 0; j < window; j++) {
         unsigned char *rec = (unsigned char *)(uintptr_t)(index_addr + ((home + j) % nslots) * RECORD_BYTES);
         uint64_t gen = __atomic_load_n((uint64_t *)rec, __ATOMIC_ACQUIRE);
-        if (gen == 0 || (gen & 1) || memcmp(rec + 8, key, 16) != 0) continue;
+        if (gen == 0 || (gen & 1)) continue;
+        STEP("looked", (Py_ssize_t)((home + j) % nslots));
+        if (memcmp(rec + 8, key, 16) != 0) continue;
         __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the key's bytes were read before the re-check */
         if (__atomic_load_n((uint64_t *)rec, __ATOMIC_RELAXED) != gen) continue;
         *slot = (home + j) % nslots;
@@ -653,17 +699,21 @@ static PyObject *write_pages(PyObject *self, PyObject *args) {
             claimed_slot[claimed] = slot;
             claimed_odd[claimed] = odd;
             picked[claimed++] = i;
+            STEP("claimed", i);
             break;
         }
     }
     job_t job = {0, per_page, slot_addrs, ptrs.buf, lens.buf, sums, picked};
     run_job(&job, claimed, threads); /* its sfence: every payload byte visible before a publish */
+    for (Py_ssize_t c = 0; c < claimed; c++) STEP("copied", picked[c]);
     for (Py_ssize_t c = 0; c < claimed; c++) {
         unsigned char *rec = (unsigned char *)(uintptr_t)(index_addr + claimed_slot[c] * RECORD_BYTES);
         __atomic_store_n((uint64_t *)(rec + OFF_SUM1), sums[2 * c], __ATOMIC_RELEASE);
         __atomic_store_n((uint64_t *)(rec + OFF_SUM2), sums[2 * c + 1], __ATOMIC_RELEASE);
+        STEP("summed", picked[c]);
         __atomic_store_n((uint64_t *)rec, claimed_odd[c] + 1, __ATOMIC_RELEASE); /* publish */
         state[picked[c]] = evicted[picked[c]] ? 2 : 1;
+        STEP("published", picked[c]);
     }
     for (Py_ssize_t c = 0; c < claimed; c++)
         record_lock(fd, index_offset + claimed_slot[c] * RECORD_BYTES, F_UNLCK);
@@ -725,6 +775,9 @@ static PyMethodDef methods[] = {
     {"read_pages", read_pages, METH_VARARGS, "the slot protocol's reads: look up, copy, checksum, re-check"},
     {"write_pages", write_pages, METH_VARARGS, "the slot protocol's writes: claim, copy, checksum, publish"},
     {"check_segments", check_segments, METH_VARARGS, "the first page whose segments fail the store's checks, or -1"},
+#ifdef HICACHE_STEP_HOOK
+    {"set_step_hook", set_step_hook, METH_O, "test builds: f(stage, n) at each step of the slot protocol, or None"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -739,7 +792,8 @@ PyMODINIT_FUNC PyInit__slotops(void) {
         || PyModule_AddIntConstant(m, "OFF_REF", OFF_REF) < 0 || PyModule_AddIntConstant(m, "OFF_DEPTH", OFF_DEPTH) < 0
         || PyModule_AddIntConstant(m, "OFF_NS", OFF_NS) < 0 || PyModule_AddIntConstant(m, "OFF_WRITER", OFF_WRITER) < 0
         || PyModule_AddIntConstant(m, "OFF_STAMP", OFF_STAMP) < 0
-        || PyModule_AddIntConstant(m, "SSE2_SUM", SSE2_SUM) < 0) { /* which sum loop this build runs */
+        || PyModule_AddIntConstant(m, "SSE2_SUM", SSE2_SUM) < 0 /* which sum loop this build runs */
+        || PyModule_AddIntConstant(m, "STEP_HOOK", STEP_HOOK) < 0) { /* a test build's step hook: never a user's */
         Py_DECREF(m);
         return NULL;
     }

@@ -1,0 +1,158 @@
+"""The node store's C write and lookup stopped at each step of the slot protocol - the path a
+user's build runs, which the Python fault hook never reaches (a store given one writes step by
+step in Python). A test build of the C helper (`-DHICACHE_STEP_HOOK`, never setup.py's) calls a
+hook at the same steps as the Python write; here a reader in another open of the arena meets the
+write stopped at each step and must see a plain miss - not torn, not corrupt, never a wait - and
+a lookup that meets a claim between reading a slot's generation and its key must not find it.
+The multi-process kill -9 at each step is test_store_processes' (both paths)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+from store_roles import PAGE_BYTES, _segments, core_namespace, page_bytes_of
+from store_support import arena_of, build_slotops, shm_dir  # noqa: F401 - shm_dir: a fixture
+
+from hicache.effects import arena
+from hicache.plan import claimed_generation
+from hicache.store import open_store
+from hicache.store._keys import slot_keys
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.concurrency  # threads stopped on events: `make test-loaded` runs these again
+
+STAGES = ("claimed", "half", "copied", "summed", "published")  # SlotIndex._write's fault-hook stages
+
+
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory):
+    """The C helper built with its step hook."""
+    module = build_slotops(tmp_path_factory.mktemp("step-hook"), "HICACHE_STEP_HOOK")
+    assert module.STEP_HOOK == 1 and hasattr(module, "set_step_hook")
+    return module
+
+
+@pytest.fixture
+def c_path(hooked, monkeypatch):
+    """The store's native slot ops run the hooked build for this test (the same source)."""
+    monkeypatch.setattr("hicache.effects._arena._slots._native", hooked)
+    try:
+        yield hooked
+    finally:
+        hooked.set_step_hook(None)
+
+
+def _open(path, size=None, **kwargs):
+    return open_store(str(path), size_bytes=size, slot_bytes=PAGE_BYTES, ops=arena.slot_ops("native"), **kwargs)
+
+
+def test_a_users_build_has_no_step_hook(hooked):
+    """The hook is the test build's alone: the build in use has none (no call, no cost)."""
+    built = sys.modules["hicache.effects._arena._slotops"]
+    assert built.STEP_HOOK == 0 and not hasattr(built, "set_step_hook")
+    with pytest.raises(TypeError, match="a callable or None"):
+        hooked.set_step_hook(3)
+
+
+@pytest.mark.parametrize("evicting", [False, True], ids=["empty-slot", "evicting"])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_a_page_being_written_is_a_plain_miss_at_each_step(request, shm_dir, path, stage, evicting):
+    """A writer stopped at each step of putting one page into a one-window arena (into its empty
+    slot, or evicting one of 16 live pages): a reader's get of every key meanwhile returns at once
+    - the new key False until it is published, every old page True and byte-exact but the one
+    being evicted, nothing counted torn or corrupt (a slot being written is invisible, not
+    damaged) - and once the writer goes on, the new page reads back byte-exact. Both paths."""
+    ns = core_namespace()
+    stopped, release, result = threading.Event(), threading.Event(), []
+
+    def hook(at, n):
+        if at == stage and not stopped.is_set():
+            stopped.set()
+            assert release.wait(60), "hang guard"
+
+    if path == "c":
+        request.getfixturevalue("c_path").set_step_hook(hook)
+        writer_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES))
+    else:
+        writer_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES), fault_hook=hook)
+    reader_store = _open(shm_dir / "arena")
+    old = [f"old{i}" for i in range(16 if evicting else 15)]
+    keys = [*old, "new"]
+    pages = {key: page_bytes_of(1, i) for i, key in enumerate(keys)}
+    out = {key: torch.zeros(PAGE_BYTES, dtype=torch.uint8) for key in keys}
+    writer = threading.Thread(target=lambda: result.append(writer_store.put(ns, ["new"], [_segments(pages["new"])])))
+    try:
+        assert writer_store.census().slots == 16
+        stopped.set()  # the old pages go in unstopped
+        assert reader_store.put(ns, old, [_segments(pages[k]) for k in old]) == [True] * len(old)
+        stopped.clear()
+        writer.start()
+        assert stopped.wait(60), "hang guard"
+        got = reader_store.get(ns, keys, [_segments(out[k]) for k in keys])
+        assert writer.is_alive() and not release.is_set()  # the read did not wait for the writer
+        assert got[-1] is (stage == "published")
+        gone = [key for key, ok in zip(old, got) if not ok]
+        assert len(gone) == evicting  # the page it evicts is gone from the claim on; no other
+        assert all(torch.equal(out[k], pages[k]) for k, ok in zip(keys, got) if ok)
+        assert (reader_store.counts.torn, reader_store.counts.corrupt) == (0, 0)
+        release.set()
+        writer.join(60)
+        assert result == [[True]]
+        out = {key: torch.zeros(PAGE_BYTES, dtype=torch.uint8) for key in keys}
+        after = reader_store.get(ns, keys, [_segments(out[k]) for k in keys])
+        assert after == [key not in gone for key in keys] and torch.equal(out["new"], pages["new"])
+        assert (reader_store.counts.torn, reader_store.counts.corrupt) == (0, 0)
+        assert reader_store.census().torn == 0
+    finally:
+        release.set()
+        writer.join(60)
+        writer_store.close()
+        reader_store.close()
+
+
+def test_a_lookup_never_finds_a_slot_claimed_between_its_generation_and_its_key(c_path, shm_dir):
+    """A one-window arena of 16 live pages; a lookup of a new key reads its first slot's even
+    generation, and before it compares that slot's key a writer claims the slot for the new key
+    (odd generation, the new key in the record, as SlotIndex's claim writes them): the lookup
+    must not report the key (exists 0, present False) and the read is a plain miss - the key it
+    compared is the claim's, not a published page's."""
+    ns = core_namespace()
+    store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES))
+    try:
+        old = [f"old{i}" for i in range(16)]
+        assert store.put(ns, old, [_segments(page_bytes_of(2, i)) for i in range(16)]) == [True] * 16
+        index = store.index
+        digest = slot_keys(ns.digest, ["new"])
+        entry = index.entry_of(ns.digest)
+        claims = []
+
+        def claim_first_slot_looked_at(at, slot):
+            if at != "looked" or claims:
+                return
+            record = index.arena.record_addr(slot)
+            assert index._lock(slot), "no other writer holds it"
+            odd = claimed_generation(index.ops.load(record))
+            index.ops.store(record, odd)
+            index.records.write_fields(slot, (odd, digest, 0, 0, PAGE_BYTES, 0, entry, 0, index.records.writer(),
+                                              index.records.now_ns()))
+            claims.append(slot)
+
+        lookups = (lambda: store.exists(ns, ["new"]), lambda: store.present(ns, ["new"]),
+                   lambda: store.get(ns, ["new"], [_segments(torch.zeros(PAGE_BYTES, dtype=torch.uint8))]))
+        for n, (lookup, missed) in enumerate(zip(lookups, (0, [False], [False]))):
+            c_path.set_step_hook(claim_first_slot_looked_at)
+            try:
+                assert lookup() == missed
+            finally:
+                c_path.set_step_hook(None)
+            assert len(claims) == 1
+            index._unlock(claims[0])
+            assert index._reclaim(claims.pop()), "the claim is reclaimable: nothing else moved it"
+            assert store.put(ns, [f"again{n}"], [_segments(page_bytes_of(2, 16 + n))]) == [True]  # refills it
+        assert (store.counts.torn, store.counts.corrupt) == (0, 0)
+    finally:
+        store.close()
