@@ -83,7 +83,8 @@ test-floors:  ## the suite on the lowest versions pyproject.toml admits (PYTHON=
 # the tree (build/sanitized; the helpers in the tree stay as they are), the helpers rebuilt there
 # with the sanitizers, then .venv's Python runs the copy's tests on the copy's hicache (PYTHONPATH)
 # with libasan loaded first and Python's allocations through malloc (PYTHONMALLOC), where ASan
-# sees their bounds. Any out-of-bounds access, use after free or undefined behaviour in a
+# sees their bounds (CFLAGS goes on to the tests' own builds of a helper: tests/store_support.py's
+# build_slotops). Any out-of-bounds access, use after free or undefined behaviour in a
 # helper ends its process with the sanitizer's report. HICACHE_SANITIZED=1 tells the suite:
 # tests/test_sanitizers.py proves the helpers are the sanitized build and that an overrun is
 # caught; the few marked `sanitizer_free(why)` (RLIMIT_AS, which ASan's shadow memory exceeds) skip.
@@ -95,7 +96,7 @@ test-sanitized: $(STAMP)  ## the suite over the C helpers built with ASan and UB
 	  rm -rf $(SANITIZED) && mkdir -p $(SANITIZED) && \
 	  git ls-files -co --exclude-standard -z | tar --null -cf - -T - | tar -xf - -C $(SANITIZED) && \
 	  cd $(SANITIZED) && CC=gcc CFLAGS="$(SANITIZE)" LDFLAGS="$(SANITIZE)" $(abspath $(BIN))/python setup.py -q build_ext --inplace >&2 && \
-	  HICACHE_SANITIZED=1 PYTHONPATH=. PYTHONMALLOC=malloc LD_PRELOAD="$$asan $$stdcxx" \
+	  HICACHE_SANITIZED=1 CFLAGS="$(SANITIZE)" PYTHONPATH=. PYTHONMALLOC=malloc LD_PRELOAD="$$asan $$stdcxx" \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  $(abspath $(BIN))/python -m pytest -n $(TEST_WORKERS) --sglang-on-one-worker -p no:cacheprovider $(ARGS)
 

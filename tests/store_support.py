@@ -23,9 +23,12 @@ def arena_of(slots: int, page_bytes: int) -> int:
 
 def build_slotops(directory: Path, define: str):
     """The node store's C helper built from its installed source with ``-D<define>`` (a loop or a
-    hook setup.py never builds) into ``directory`` and loaded beside the build in use; skips, naming
-    why, where the helper is not built here or there is no C compiler."""
+    hook setup.py never builds) and $CFLAGS, as setup.py takes them (`make test-sanitized`'s
+    sanitizers), into ``directory`` and loaded beside the build in use; skips, naming why, where
+    the helper is not built here or there is no C compiler."""
     import importlib.util
+    import os
+    import shlex
     import subprocess
     import sysconfig
 
@@ -42,7 +45,8 @@ def build_slotops(directory: Path, define: str):
         pytest.skip(f"no C compiler ({compiler[0]}) or no {source.name} here: -D{define} is built where both are")
     target = directory / ("_slotops" + sysconfig.get_config_var("EXT_SUFFIX"))
     subprocess.run([*compiler, "-shared", "-fPIC", "-O3", "-std=gnu99", f"-D{define}",
-                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)],
+                    *shlex.split(os.environ.get("CFLAGS", "")), f"-I{sysconfig.get_paths()['include']}", str(source),
+                    "-o", str(target)],
                    check=True, capture_output=True, timeout=180)
     spec = importlib.util.spec_from_file_location(f"{define.lower()}._slotops", target)
     module = importlib.util.module_from_spec(spec)

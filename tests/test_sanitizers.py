@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from store_support import build_slotops
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the three optional helpers (setup.py); imported by hicache.pools and hicache.store
@@ -49,3 +50,11 @@ def test_an_overrun_in_a_helper_is_reported_and_ends_the_process():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode != 0 and "copied" not in result.stdout, result.stdout + result.stderr[-2000:]
     assert "AddressSanitizer: heap-buffer-overflow" in result.stderr and "_hostcopy" in result.stderr, result.stderr[-3000:]
+
+
+def test_the_suites_own_builds_of_a_helper_are_sanitized_too(tmp_path):
+    """The builds the suite makes itself (the portable sum loop, the step hook) take the run's
+    CFLAGS: they carry the same instrumentation as the helpers setup.py built."""
+    module = build_slotops(tmp_path, "HICACHE_STEP_HOOK")
+    image = Path(module.__file__).read_bytes()
+    assert b"__asan_report" in image and b"__ubsan_handle" in image, f"{module.__file__} is not instrumented"

@@ -124,7 +124,9 @@ def test_a_lookup_never_finds_a_slot_claimed_between_its_generation_and_its_key(
     store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES))
     try:
         old = [f"old{i}" for i in range(16)]
-        assert store.put(ns, old, [_segments(page_bytes_of(2, i)) for i in range(16)]) == [True] * 16
+        pages = [page_bytes_of(2, i) for i in range(19)]  # held while the helper reads them
+        landing = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+        assert store.put(ns, old, [_segments(pages[i]) for i in range(16)]) == [True] * 16
         index = store.index
         digest = slot_keys(ns.digest, ["new"])
         entry = index.entry_of(ns.digest)
@@ -142,7 +144,7 @@ def test_a_lookup_never_finds_a_slot_claimed_between_its_generation_and_its_key(
             claims.append(slot)
 
         lookups = (lambda: store.exists(ns, ["new"]), lambda: store.present(ns, ["new"]),
-                   lambda: store.get(ns, ["new"], [_segments(torch.zeros(PAGE_BYTES, dtype=torch.uint8))]))
+                   lambda: store.get(ns, ["new"], [_segments(landing)]))
         for n, (lookup, missed) in enumerate(zip(lookups, (0, [False], [False]))):
             c_path.set_step_hook(claim_first_slot_looked_at)
             try:
@@ -152,7 +154,7 @@ def test_a_lookup_never_finds_a_slot_claimed_between_its_generation_and_its_key(
             assert len(claims) == 1
             index._unlock(claims[0])
             assert index._reclaim(claims.pop()), "the claim is reclaimable: nothing else moved it"
-            assert store.put(ns, [f"again{n}"], [_segments(page_bytes_of(2, 16 + n))]) == [True]  # refills it
+            assert store.put(ns, [f"again{n}"], [_segments(pages[16 + n])]) == [True]  # refills it
         assert (store.counts.torn, store.counts.corrupt) == (0, 0)
     finally:
         store.close()
