@@ -158,3 +158,54 @@ def test_a_lookup_never_finds_a_slot_claimed_between_its_generation_and_its_key(
         assert (store.counts.torn, store.counts.corrupt) == (0, 0)
     finally:
         store.close()
+
+
+def test_a_batch_copied_on_several_threads_stays_invisible_until_published(c_path, shm_dir, monkeypatch):
+    """A batch of 8 pages whose copy the C write shares out over 4 threads (the host copy rule's
+    threshold and thread count injected), stopped half-way through one page on a copy thread of
+    its own (not the caller's): every page of the batch reads as a plain miss, the other
+    threads' pages already copied included, and after the write goes on all 8 read back
+    byte-exact."""
+    monkeypatch.setattr("hicache.effects._copy._host_copy.PARALLEL_BYTES", 0)
+    monkeypatch.setattr("hicache.effects._copy._host_copy.copy_threads", lambda: 4)
+    ns = core_namespace()
+    keys = [f"k{i}" for i in range(8)]
+    pages = [page_bytes_of(3, i) for i in range(8)]
+    out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
+    stopped, release, result, halves = threading.Event(), threading.Event(), [], []
+    writing = {}
+
+    def hook(at, n):
+        if at != "half":
+            return
+        halves.append((n, threading.get_ident()))
+        if n == 7:  # the last share's: a copy thread's, never the caller's
+            stopped.set()
+            assert release.wait(60), "hang guard"
+
+    def write():
+        writing["thread"] = threading.get_ident()
+        result.append(writer_store.put(ns, keys, [_segments(p) for p in pages]))
+
+    writer_store = _open(shm_dir / "arena", 8 << 20)
+    reader_store = _open(shm_dir / "arena")
+    writer = threading.Thread(target=write)
+    try:
+        c_path.set_step_hook(hook)
+        writer.start()
+        assert stopped.wait(60), "hang guard"
+        assert reader_store.get(ns, keys, [_segments(t) for t in out]) == [False] * 8
+        assert reader_store.exists(ns, keys) == 0 and writer.is_alive()
+        assert (reader_store.counts.torn, reader_store.counts.corrupt) == (0, 0)
+        release.set()
+        writer.join(60)
+        assert result == [[True] * 8]
+        assert sorted(n for n, _ in halves) == list(range(8))  # each page's half-way point once
+        assert len({thread for _, thread in halves}) == 4 and writing["thread"] != dict(halves)[7]
+        assert reader_store.get(ns, keys, [_segments(t) for t in out]) == [True] * 8
+        assert all(torch.equal(got, want) for got, want in zip(out, pages))
+    finally:
+        release.set()
+        writer.join(60)
+        writer_store.close()
+        reader_store.close()
