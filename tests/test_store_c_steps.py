@@ -8,10 +8,14 @@ The multi-process kill -9 at each step is test_store_processes' (both paths)."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 from store_roles import PAGE_BYTES, _segments, core_namespace, page_bytes_of
 from store_support import arena_of, build_slotops, shm_dir  # noqa: F401 - shm_dir: a fixture
 
@@ -209,3 +213,130 @@ def test_a_batch_copied_on_several_threads_stays_invisible_until_published(c_pat
         writer.join(60)
         writer_store.close()
         reader_store.close()
+
+
+class StoppedWriter(RuleBasedStateMachine):
+    """Two opens of a one-window arena. One write at a time is stopped at any step of any page
+    of its batch (the C path's step hook, or the Python path's fault hook) while the other open
+    puts, gets, flips a byte of any slot, leaves a dead writer's torn slot or re-attaches; then
+    it goes on. A get that says True always delivers the bytes that key was given - never a torn
+    page, a flipped one or another key's - and nothing ever waits on the stopped writer."""
+
+    def __init__(self, hooked, path: str) -> None:
+        super().__init__()
+        self.hooked = hooked
+        self.stores = []
+        self.writer = None
+        self.path = path
+
+    @initialize()
+    def start(self):
+        import tempfile
+
+        self.directory = tempfile.mkdtemp(prefix="hicache-test-", dir="/dev/shm")
+        path = self.path
+        self.ns = core_namespace()
+        self.pages = [page_bytes_of(4, i) for i in range(24)]
+        self.given: set[int] = set()
+        self.stop_at, self.stopped, self.release = None, threading.Event(), threading.Event()
+        if path == "c":
+            self.hooked.set_step_hook(self._hook)
+            first = _open(self.directory + "/arena", arena_of(16, PAGE_BYTES))
+        else:
+            first = _open(self.directory + "/arena", arena_of(16, PAGE_BYTES), fault_hook=self._hook)
+        self.stores = [first, _open(self.directory + "/arena")]
+
+    def _hook(self, stage, n):
+        if (stage, n, threading.get_ident()) == self.stop_at:
+            self.stopped.set()
+            assert self.release.wait(60), "hang guard"
+
+    @property
+    def other(self):
+        return self.stores[1]
+
+    @precondition(lambda self: self.writer is None)
+    @rule(keys=st.lists(st.integers(0, 23), min_size=1, max_size=4, unique=True), stage=st.sampled_from(STAGES),
+          page=st.integers(0, 3))
+    def stop_a_write(self, keys, stage, page):
+        self.stopped.clear()
+        self.release.clear()
+        self.writing, self.result = keys, []
+
+        def write():
+            self.stop_at = (stage, page % len(keys), threading.get_ident())  # this thread's steps only
+            self.result.append(self.stores[0].put(self.ns, [f"k{k}" for k in keys],
+                                                  [_segments(self.pages[k]) for k in keys]))
+
+        self.writer = threading.Thread(target=write)
+        self.writer.start()
+        # it stops there, or ends first (its keys were held, or that page found no free slot)
+        for _ in range(6000):  # a hang guard of 60 s
+            if self.stopped.wait(0.01) or not self.writer.is_alive():
+                break
+        assert self.stopped.is_set() or not self.writer.is_alive(), "hang guard"
+
+    @precondition(lambda self: self.writer is not None)
+    @rule()
+    def go_on(self):
+        self.release.set()
+        self.writer.join(60)
+        assert not self.writer.is_alive(), "hang guard"
+        (stored,) = self.result
+        self.given.update(k for k, ok in zip(self.writing, stored) if ok)
+        self.writer = None
+
+    @rule(key=st.integers(0, 23))
+    def put(self, key):
+        if self.other.put(self.ns, [f"k{key}"], [_segments(self.pages[key])]) == [True]:
+            self.given.add(key)
+
+    @rule(keys=st.lists(st.integers(0, 23), min_size=1, max_size=6, unique=True))
+    def get(self, keys):
+        out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
+        ok = self.other.get(self.ns, [f"k{k}" for k in keys], [_segments(t) for t in out])
+        for key, hit, got in zip(keys, ok, out):
+            if hit:
+                assert (key in self.given or self.writer is not None and key in self.writing) and \
+                    torch.equal(got, self.pages[key]), key
+
+    @rule(slot=st.integers(0, 15), offset=st.integers(0, PAGE_BYTES - 1), bit=st.integers(0, 7))
+    def flip(self, slot, offset, bit):
+        byte = ctypes.c_ubyte.from_address(self.other.arena.slot_addr(slot) + offset)
+        byte.value ^= 1 << bit
+
+    @rule(slot=st.integers(0, 15))
+    def a_writer_dies(self, slot):
+        addr = self.other.arena.record_addr(slot)
+        gen = self.other.arena.ops.load(addr)
+        if gen and not gen & 1:
+            self.other.arena.ops.store(addr, gen + 1)
+
+    @rule()
+    def reattach(self):
+        self.stores[1].close()
+        self.stores[1] = _open(self.directory + "/arena")
+
+    @invariant()
+    def at_most_the_slots(self):
+        if self.stores:
+            assert self.other.census().pages <= 16
+
+    def teardown(self):
+        import shutil
+
+        if self.writer is not None:
+            self.release.set()
+            self.writer.join(60)
+        self.hooked.set_step_hook(None)
+        for store in self.stores:
+            store.close()
+        if self.stores:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_no_get_returns_wrong_bytes_with_a_write_stopped_at_any_step(c_path, path):
+    """The StoppedWriter machine over each write path (the C one through the test build)."""
+    run_state_machine_as_test(lambda: StoppedWriter(c_path, path),
+                              settings=settings(max_examples=60, stateful_step_count=30, deadline=None))
