@@ -1,10 +1,12 @@
-"""The node store's C write and lookup stopped at each step of the slot protocol - the path a
-user's build runs, which the Python fault hook never reaches (a store given one writes step by
-step in Python). A test build of the C helper (`-DHICACHE_STEP_HOOK`, never setup.py's) calls a
-hook at the same steps as the Python write; here a reader in another open of the arena meets the
-write stopped at each step and must see a plain miss - not torn, not corrupt, never a wait - and
-a lookup that meets a claim between reading a slot's generation and its key must not find it.
-The multi-process kill -9 at each step is test_store_processes' (both paths)."""
+"""The node store's C write, lookup and read stopped at each step of the slot protocol - the
+path a user's build runs, which the Python fault hook never reaches (a store given one writes
+step by step in Python). A test build of the C helper (`-DHICACHE_STEP_HOOK`, never setup.py's)
+calls a hook at the Python write's steps, between a lookup's generation and key reads, and
+between a read's copy and its re-check. A reader meeting a write stopped at any step sees a plain
+miss - not torn, not corrupt, never a wait; a lookup meeting a claim does not report it; a read
+whose slot is rewritten after it copied is torn, not returned; and a state machine stops writes
+and reads anywhere among puts, gets, bit flips, dead writers and re-attaches: every hit is the
+key's own bytes. The multi-process kill -9 at each step is test_store_processes' (both paths)."""
 
 from __future__ import annotations
 
@@ -164,6 +166,56 @@ def test_a_lookup_never_finds_a_slot_claimed_between_its_generation_and_its_key(
         store.close()
 
 
+@pytest.mark.parametrize("rewrite", ["another-key", "the-same-key"])
+def test_a_page_rewritten_after_the_c_read_delivered_it_is_torn_not_returned(c_path, shm_dir, rewrite):
+    """A get stopped after the C read copied a found page out and before it re-checked the slot;
+    meanwhile another open evicts every page of the one-window arena (another key now in that
+    slot), or drops the key and stores it again (its own bytes, a new generation): the get says
+    False and counts the page torn - not corrupt, so the slot's new page is left alone and reads
+    back. A generation that moved on means the bytes are not this read's to trust."""
+    ns = core_namespace()
+    pages = [page_bytes_of(5, i) for i in range(32)]
+    reader_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES))
+    writer_store = _open(shm_dir / "arena")
+    landing = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    stopped, release, result = threading.Event(), threading.Event(), []
+
+    def hook(at, n):
+        if at == "delivered" and threading.current_thread().name == "reader" and not stopped.is_set():
+            stopped.set()
+            assert release.wait(60), "hang guard"
+
+    reader = threading.Thread(name="reader", target=lambda: result.append(
+        reader_store.get(ns, ["k3"], [_segments(landing)])))
+    try:
+        keys = [f"k{i}" for i in range(16)]
+        assert writer_store.put(ns, keys, [_segments(p) for p in pages[:16]]) == [True] * 16
+        c_path.set_step_hook(hook)
+        reader.start()
+        assert stopped.wait(60), "hang guard"
+        if rewrite == "another-key":
+            new = [f"n{i}" for i in range(16)]
+            assert writer_store.put(ns, new, [_segments(p) for p in pages[16:]]) == [True] * 16
+            assert writer_store.present(ns, ["k3"]) == [False]
+        else:
+            assert writer_store.clear([ns]) == 16
+            assert writer_store.put(ns, ["k3"], [_segments(pages[3])]) == [True]
+        release.set()
+        reader.join(60)
+        assert result == [[False]]
+        assert (reader_store.counts.torn, reader_store.counts.corrupt) == (1, 0)
+        held = [f"n{i}" for i in range(16)] if rewrite == "another-key" else ["k3"]
+        out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in held]
+        assert reader_store.get(ns, held, [_segments(t) for t in out]) == [True] * len(held)  # none reclaimed
+        expected = pages[16:] if rewrite == "another-key" else [pages[3]]
+        assert all(torch.equal(got, want) for got, want in zip(out, expected))
+    finally:
+        release.set()
+        reader.join(60)
+        reader_store.close()
+        writer_store.close()
+
+
 def test_a_batch_copied_on_several_threads_stays_invisible_until_published(c_path, shm_dir, monkeypatch):
     """A batch of 8 pages whose copy the C write shares out over 4 threads (the host copy rule's
     threshold and thread count injected), stopped half-way through one page on a copy thread of
@@ -215,76 +267,120 @@ def test_a_batch_copied_on_several_threads_stays_invisible_until_published(c_pat
         reader_store.close()
 
 
-class StoppedWriter(RuleBasedStateMachine):
-    """Two opens of a one-window arena. One write at a time is stopped at any step of any page
-    of its batch (the C path's step hook, or the Python path's fault hook) while the other open
-    puts, gets, flips a byte of any slot, leaves a dead writer's torn slot or re-attaches; then
-    it goes on. A get that says True always delivers the bytes that key was given - never a torn
-    page, a flipped one or another key's - and nothing ever waits on the stopped writer."""
+class Stopped:
+    """One operation run on a thread of its own and stopped at one step (stage, n) of that
+    thread's (n None: the stage's first) - or left to end first, when the step never comes."""
+
+    def __init__(self, run, stage: str, n: int | None) -> None:
+        self.at, self.stopped, self.release, self.result = None, threading.Event(), threading.Event(), []
+
+        def body():
+            self.at = (stage, n, threading.get_ident())  # this thread's steps only
+            self.result.append(run())
+
+        self.thread = threading.Thread(target=body)
+
+    def start(self) -> "Stopped":
+        """Run it (once the hook can see it) until it stops at its step or ends."""
+        self.thread.start()
+        for _ in range(6000):  # a hang guard of 60 s
+            if self.stopped.wait(0.01) or not self.thread.is_alive():
+                break
+        assert self.stopped.is_set() or not self.thread.is_alive(), "hang guard"
+        return self
+
+    def hook(self, stage: str, n: int) -> None:
+        if self.at is not None and (stage, threading.get_ident()) == (self.at[0], self.at[2]) and \
+                self.at[1] in (None, n) and not self.stopped.is_set():
+            self.stopped.set()
+            assert self.release.wait(60), "hang guard"
+
+    def go_on(self):
+        self.release.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "hang guard"
+        (result,) = self.result
+        return result
+
+
+class StoppedWriterAndReader(RuleBasedStateMachine):
+    """Three opens of a one-window arena. One write and one get at a time are each stopped at any
+    step of any page of their batch - the write (the C path's step hook, or the Python path's
+    fault hook) anywhere from its claim to its publish, the C get after it delivered a page and
+    before it re-checks the slot - while the third open puts, gets, flips a bit of any slot,
+    leaves a dead writer's torn slot or re-attaches; then each goes on. A get that says True
+    always delivers the bytes that key was given - never a torn page, a flipped one or another
+    key's - and nothing ever waits on a stopped operation."""
 
     def __init__(self, hooked, path: str) -> None:
         super().__init__()
-        self.hooked = hooked
-        self.stores = []
-        self.writer = None
-        self.path = path
+        self.hooked, self.path = hooked, path
+        self.stores, self.writer, self.reader = [], None, None
 
     @initialize()
     def start(self):
         import tempfile
 
         self.directory = tempfile.mkdtemp(prefix="hicache-test-", dir="/dev/shm")
-        path = self.path
         self.ns = core_namespace()
         self.pages = [page_bytes_of(4, i) for i in range(24)]
         self.given: set[int] = set()
-        self.stop_at, self.stopped, self.release = None, threading.Event(), threading.Event()
-        if path == "c":
-            self.hooked.set_step_hook(self._hook)
-            first = _open(self.directory + "/arena", arena_of(16, PAGE_BYTES))
-        else:
-            first = _open(self.directory + "/arena", arena_of(16, PAGE_BYTES), fault_hook=self._hook)
-        self.stores = [first, _open(self.directory + "/arena")]
+        self.hooked.set_step_hook(self._hook)  # the C write's steps (path "c") and every C read's
+        hook = self._hook if self.path == "python" else None
+        first = _open(self.directory + "/arena", arena_of(16, PAGE_BYTES), fault_hook=hook)
+        self.stores = [first, _open(self.directory + "/arena"), _open(self.directory + "/arena")]
 
     def _hook(self, stage, n):
-        if (stage, n, threading.get_ident()) == self.stop_at:
-            self.stopped.set()
-            assert self.release.wait(60), "hang guard"
+        for stopped in (self.writer, self.reader):
+            if stopped is not None:
+                stopped.hook(stage, n)
 
     @property
     def other(self):
         return self.stores[1]
 
+    def _check(self, keys, ok, out):
+        for key, hit, got in zip(keys, ok, out):
+            if hit:
+                assert key in self.offered and torch.equal(got, self.pages[key]), key
+
+    @property
+    def offered(self) -> set:
+        """Keys some put has been given (a read may meet a write in flight: never other bytes)."""
+        return self.given | set(getattr(self, "writing", ()))
+
     @precondition(lambda self: self.writer is None)
     @rule(keys=st.lists(st.integers(0, 23), min_size=1, max_size=4, unique=True), stage=st.sampled_from(STAGES),
           page=st.integers(0, 3))
     def stop_a_write(self, keys, stage, page):
-        self.stopped.clear()
-        self.release.clear()
-        self.writing, self.result = keys, []
-
-        def write():
-            self.stop_at = (stage, page % len(keys), threading.get_ident())  # this thread's steps only
-            self.result.append(self.stores[0].put(self.ns, [f"k{k}" for k in keys],
-                                                  [_segments(self.pages[k]) for k in keys]))
-
-        self.writer = threading.Thread(target=write)
+        self.writing = keys
+        self.writer = Stopped(lambda: self.stores[0].put(self.ns, [f"k{k}" for k in keys],
+                                                         [_segments(self.pages[k]) for k in keys]),
+                              stage, page % len(keys))
         self.writer.start()
-        # it stops there, or ends first (its keys were held, or that page found no free slot)
-        for _ in range(6000):  # a hang guard of 60 s
-            if self.stopped.wait(0.01) or not self.writer.is_alive():
-                break
-        assert self.stopped.is_set() or not self.writer.is_alive(), "hang guard"
 
     @precondition(lambda self: self.writer is not None)
     @rule()
-    def go_on(self):
-        self.release.set()
-        self.writer.join(60)
-        assert not self.writer.is_alive(), "hang guard"
-        (stored,) = self.result
+    def the_write_goes_on(self):
+        stored = self.writer.go_on()
         self.given.update(k for k, ok in zip(self.writing, stored) if ok)
         self.writer = None
+
+    @precondition(lambda self: self.reader is None)
+    @rule(keys=st.lists(st.integers(0, 23), min_size=1, max_size=4, unique=True))
+    def stop_a_get(self, keys):
+        self.reading = keys
+        self.landing = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
+        self.reader = Stopped(lambda: self.stores[2].get(self.ns, [f"k{k}" for k in keys],
+                                                         [_segments(t) for t in self.landing]),
+                              "delivered", None)  # after the first page it found is copied out
+        self.reader.start()
+
+    @precondition(lambda self: self.reader is not None)
+    @rule()
+    def the_get_goes_on(self):
+        self._check(self.reading, self.reader.go_on(), self.landing)
+        self.reader = None
 
     @rule(key=st.integers(0, 23))
     def put(self, key):
@@ -294,11 +390,7 @@ class StoppedWriter(RuleBasedStateMachine):
     @rule(keys=st.lists(st.integers(0, 23), min_size=1, max_size=6, unique=True))
     def get(self, keys):
         out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in keys]
-        ok = self.other.get(self.ns, [f"k{k}" for k in keys], [_segments(t) for t in out])
-        for key, hit, got in zip(keys, ok, out):
-            if hit:
-                assert (key in self.given or self.writer is not None and key in self.writing) and \
-                    torch.equal(got, self.pages[key]), key
+        self._check(keys, self.other.get(self.ns, [f"k{k}" for k in keys], [_segments(t) for t in out]), out)
 
     @rule(slot=st.integers(0, 15), offset=st.integers(0, PAGE_BYTES - 1), bit=st.integers(0, 7))
     def flip(self, slot, offset, bit):
@@ -325,9 +417,10 @@ class StoppedWriter(RuleBasedStateMachine):
     def teardown(self):
         import shutil
 
-        if self.writer is not None:
-            self.release.set()
-            self.writer.join(60)
+        for stopped in (self.writer, self.reader):
+            if stopped is not None:
+                stopped.release.set()
+                stopped.thread.join(60)
         self.hooked.set_step_hook(None)
         for store in self.stores:
             store.close()
@@ -337,6 +430,6 @@ class StoppedWriter(RuleBasedStateMachine):
 
 @pytest.mark.parametrize("path", ["c", "python"])
 def test_no_get_returns_wrong_bytes_with_a_write_stopped_at_any_step(c_path, path):
-    """The StoppedWriter machine over each write path (the C one through the test build)."""
-    run_state_machine_as_test(lambda: StoppedWriter(c_path, path),
+    """The StoppedWriterAndReader machine over each write path (the C one through the test build)."""
+    run_state_machine_as_test(lambda: StoppedWriterAndReader(c_path, path),
                               settings=settings(max_examples=60, stateful_step_count=30, deadline=None))

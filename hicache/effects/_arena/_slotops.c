@@ -48,8 +48,9 @@
  * do the Python path's through SlotIndex's fault hook. A write's steps are the Python write's:
  * "claimed", "half" (half of the page's segments copied in), "copied", "summed", "published"
  * (n: the key's index among the keys the call was given); a lookup's "looked" comes between
- * reading a slot's even generation and comparing its key (n: the slot). An exception the hook
- * raises is printed and ignored: the protocol runs on as a user's build would. */
+ * reading a slot's even generation and comparing its key (n: the slot); a read's "delivered"
+ * between copying a found page out and re-checking its generation (n: the key's index). An
+ * exception the hook raises is printed and ignored: the protocol runs on as a user's build would. */
 #ifdef HICACHE_STEP_HOOK
 static PyObject *step_hook = NULL;
 
@@ -465,6 +466,7 @@ static PyObject *read_pages(PyObject *self, PyObject *args) {
     }
     job_t job = {1, per_page, slot_addrs, ptrs.buf, lens.buf, sums, picked};
     run_job(&job, copying, threads);
+    for (Py_ssize_t c = 0; c < copying; c++) STEP("delivered", picked[c]);
     for (Py_ssize_t c = 0; c < copying; c++) {
         Py_ssize_t i = picked[c];
         unsigned char *rec = (unsigned char *)(uintptr_t)(index_addr + slot_of[i] * RECORD_BYTES);
