@@ -54,6 +54,15 @@ def build_slotops(directory: Path, define: str):
     return module
 
 
+def leave_torn(store, slot: int) -> None:
+    """Make a published slot's generation odd, as a writer kill -9ed mid-write leaves it (a slot
+    already odd or never written is left as it is)."""
+    addr = store.arena.record_addr(slot)
+    gen = store.arena.ops.load(addr)
+    if gen and not gen & 1:
+        store.arena.ops.store(addr, gen + 1)
+
+
 @pytest.fixture
 def shm_dir():
     path = Path(tempfile.mkdtemp(prefix="hicache-test-", dir="/dev/shm"))

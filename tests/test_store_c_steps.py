@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 from store_roles import PAGE_BYTES, _segments, core_namespace, page_bytes_of
-from store_support import arena_of, build_slotops, shm_dir  # noqa: F401 - shm_dir: a fixture
+from store_support import arena_of, build_slotops, leave_torn, shm_dir  # noqa: F401 - shm_dir: a fixture
 
 from hicache.effects import arena
 from hicache.plan import claimed_generation
@@ -399,10 +399,7 @@ class StoppedWriterAndReader(RuleBasedStateMachine):
 
     @rule(slot=st.integers(0, 15))
     def a_writer_dies(self, slot):
-        addr = self.other.arena.record_addr(slot)
-        gen = self.other.arena.ops.load(addr)
-        if gen and not gen & 1:
-            self.other.arena.ops.store(addr, gen + 1)
+        leave_torn(self.other, slot)
 
     @rule()
     def reattach(self):
