@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pools_allocator_copies_and_cli_pass_without_the_compiled_helpers():
     """Those files' tests (the node store's CLI among them, on the store's default - here the
     fallback - slot operations; test_store_index runs the fallback beside the C helper in every
-    run) pass in a child where the compiled helpers cannot be imported (one child for all: on
-    two busy cores each more child is seconds of imports)."""
+    run; the transfer engine's, whose "auto" copies by torch indexing here; the store's stopped
+    writes, Python path) pass in a child where the compiled helpers cannot be imported (one child
+    for all: on two busy cores each more child is seconds of imports)."""
     code = (
         "import sys\n"
         "sys.modules['hicache.effects._copy._hostcopy'] = None\n"
@@ -28,7 +29,7 @@ def test_pools_allocator_copies_and_cli_pass_without_the_compiled_helpers():
         "assert _host_copy._native is None and _page_allocator._native is None and _slots._native is None\n"
         "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', 'tests/test_pools.py',"
         " 'tests/test_page_allocator.py', 'tests/test_host_copy.py', 'tests/test_sglang_callsites.py',"
-        " 'tests/test_store_cli.py']))\n"
+        " 'tests/test_store_cli.py', 'tests/test_transfer_engine.py', 'tests/test_store_c_steps.py']))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
