@@ -17,7 +17,8 @@ import threading
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 from store_roles import PAGE_BYTES, _segments, core_namespace, page_bytes_of
 from store_support import arena_of, build_slotops, leave_torn, shm_dir  # noqa: F401 - shm_dir: a fixture
 

@@ -56,13 +56,13 @@ def test_a_writer_killed_at_any_of_50_points_leaves_only_whole_pages(request, zy
     ns = core_namespace()
     keys = [f"p{i}" for i in range(BATCHES * PER_BATCH)]
     for n, (batch, page, stage) in enumerate(POINTS):
-        path = str(shm_dir / f"arena{n}")
+        arena_file = str(shm_dir / f"arena{n}")
         task = f"w{n}"
-        zygote.start(task, "write_until", path=path, size=4 << 20, batches=BATCHES, per_batch=PER_BATCH, seed=n,
+        zygote.start(task, "write_until", path=arena_file, size=4 << 20, batches=BATCHES, per_batch=PER_BATCH, seed=n,
                      kill_at=[batch, page, stage], hooked_build=build)
         assert zygote.wait_for(task, "at")[1:] == [stage, str(page)]
         zygote.kill(task)
-        store = open_store(path, size_bytes=None, slot_bytes=PAGE_BYTES)
+        store = open_store(arena_file, size_bytes=None, slot_bytes=PAGE_BYTES)
         try:
             assert store.reclaimed == _torn_at(page, stage), (batch, page, stage)
             present = store.present(ns, keys)
