@@ -175,6 +175,41 @@ def test_doctor_checks_an_arena_and_warns_on_torn_slots(capsys, shm_dir):
     assert code == 1 and checks["store"]["status"] == "fail" and "does not exist" in checks["store"]["finding"]
 
 
+@pytest.mark.parametrize("built", [True, False], ids=["helper", "fallback"])
+def test_doctor_says_what_the_stores_slot_operations_run_through(capsys, shm_dir, monkeypatch, built):
+    """doctor's `store` check names the node store's slot operations: the C helper (pass), or -
+    where it was not built - the slower Python fallback (warn, naming the reinstall), with and
+    without an arena given; a torn arena's hint keeps its own advice beside it."""
+    from hicache.effects import arena
+
+    if built:
+        try:
+            arena.slot_ops("native")
+        except ImportError:
+            pytest.skip("the C helper is not built here (no compiler): the fallback case runs")
+    else:
+        monkeypatch.setattr("hicache.effects._arena._slots._native", None)
+    path = str(shm_dir / "kv")
+    store = open_store(path, size_bytes=10_000_000, slot_bytes=4096)
+    store.close()
+    for argv in ((), ("--store", path)):
+        code, out, _ = run(capsys, "doctor", *argv, "--format", "json")
+        check = {c["name"]: c for c in json.loads(out)["checks"]}["store"]
+        if built:
+            assert check["status"] == "pass" and "slot operations: the C helper" in check["finding"], argv
+            assert check["hint"] == "", argv
+        else:
+            assert check["status"] == "warn" and "slot operations: the Python fallback" in check["finding"], argv
+            assert "C compiler (gcc/cc)" in check["hint"], argv
+    held = open_store(path, size_bytes=None, slot_bytes=4096)
+    held.arena.ops.store(held.arena.record_addr(0), 1)  # a writer that died after claiming slot 0
+    held.close()
+    code, out, _ = run(capsys, "doctor", "--store", path, "--format", "json")
+    check = {c["name"]: c for c in json.loads(out)["checks"]}["store"]
+    assert check["status"] == "warn" and "1 torn" in check["finding"] and "attach reclaims them" in check["hint"]
+    assert ("C compiler" in check["hint"]) is not built
+
+
 def test_an_arena_beyond_the_nodes_memory_is_refused_by_the_budget(capsys, shm_dir, monkeypatch):
     """Room on tmpfs but not in memory (the machine's facts injected): the budget refuses it,
     exit 1, nothing created."""

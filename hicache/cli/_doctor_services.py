@@ -127,11 +127,23 @@ def _store_room(c: Context) -> Check:
     return Check("store_room", status, "; ".join(parts) or "no tmpfs or hugetlbfs found", hint)
 
 
+#: what the node store's reads and writes run through, as `hicache.effects.arena.slot_ops("auto")` picks
+SLOT_OPS_NATIVE = "slot operations: the C helper (a batch per call, checksummed as copied)"
+SLOT_OPS_FALLBACK = ("slot operations: the Python fallback - the C helper is not built (reads and writes several "
+                     "times slower)")
+SLOT_OPS_HINT = "reinstall hicache where a C compiler (gcc/cc) is available"
+
+
 def _store(c: Context) -> Check:
-    """The arena `--store PATH` names: its geometry, pages held and torn slots (nothing changed)."""
-    if c.store is None:
-        return Check("store", "pass", "no arena given (--store PATH checks one)")
+    """The node store's slot operations (the C helper, or the slower fallback where it was not
+    built), and the arena `--store PATH` names: its geometry, pages held and torn slots (nothing
+    changed)."""
     from hicache.effects import arena
+
+    native = arena.slot_ops("auto").__name__ == "NativeSlotOps"
+    ops, status, hint = (SLOT_OPS_NATIVE, "pass", "") if native else (SLOT_OPS_FALLBACK, "warn", SLOT_OPS_HINT)
+    if c.store is None:
+        return Check("store", status, f"no arena given (--store PATH checks one); {ops}", hint)
     from hicache.errors import ArenaError
     from hicache.store import SlotIndex
 
@@ -143,10 +155,11 @@ def _store(c: Context) -> Check:
         census = SlotIndex(attached).census()
         plan = attached.plan
         finding = (f"{c.store}: {attached.backing.kind}, {plan.slots:,} slots of {plan.slot_bytes:,} bytes, "
-                   f"{census.pages:,} pages held, {census.torn} torn")
+                   f"{census.pages:,} pages held, {census.torn} torn; {ops}")
         if census.torn:
-            return Check("store", "warn", finding, "torn slots are a dead writer's: the next engine's attach reclaims them")
-        return Check("store", "pass", finding)
+            torn_hint = "torn slots are a dead writer's: the next engine's attach reclaims them"
+            return Check("store", "warn", finding, "; ".join(filter(None, (torn_hint, hint))))
+        return Check("store", status, finding, hint)
     finally:
         attached.close()
 
