@@ -58,6 +58,26 @@ def test_every_call_on_a_closed_store_is_one_error_naming_the_arena(shm_dir, cal
         CALLS[call](store, page)
 
 
+def test_a_with_block_closes_the_store_however_it_ends_and_its_pages_stay(shm_dir):
+    """``with open_store(...) as store:`` closes the store when the block ends - and when it
+    raises, the error going on unchanged; a call afterwards raises StoreClosedError, entering a
+    closed store raises it naming the arena, and the next attach reads the pages put inside."""
+    page, out = Pages(1), Pages(1, seed=7)
+    with _open(shm_dir, "python") as store:
+        assert store.put(NS, ["k"], page.segments()) == [True]
+    assert store.closed
+    with pytest.raises(StoreClosedError, match=rf"{shm_dir}/arena: exists\(\) after close"):
+        store.exists(NS, ["k"])
+    with pytest.raises(StoreClosedError, match=rf"{shm_dir}/arena: with after close"):
+        with store:
+            pass
+    with pytest.raises(KeyError, match="raised inside"):
+        with _open(shm_dir, "python") as again:
+            assert again.get(NS, ["k"], out.segments()) == [True] and torch.equal(out.data, page.data)
+            raise KeyError("raised inside")
+    assert again.closed
+
+
 @pytest.mark.concurrency
 def test_calls_after_close_in_a_child_process_raise_and_never_signal(shm_dir):
     """issue #51's crash: in a fresh process (native ops where built), every call after close()

@@ -67,13 +67,16 @@ class NodeStore:
     def closed(self) -> bool:
         return self._closing or self.arena.closed
 
+    def _closed_error(self, call: str) -> StoreClosedError:
+        return StoreClosedError(f"node store {self.arena.path}: {call} after close() (the arena is unmapped here: "
+                                "attach it again with open_store)")
+
     @contextmanager
     def _open_for(self, call: str):
         """The arena stays mapped until this call is done; after close() it is an error."""
         with self._calls:
             if self._closing or self.arena.closed:
-                raise StoreClosedError(f"node store {self.arena.path}: {call}() after close() (the arena is unmapped "
-                                       "here: attach it again with open_store)")
+                raise self._closed_error(f"{call}()")
             self._in_flight += 1
         try:
             yield
@@ -203,6 +206,15 @@ class NodeStore:
         """What the arena holds now."""
         with self._open_for("census"):
             return self.index.census()
+
+    def __enter__(self) -> "NodeStore":
+        """``with open_store(...) as store:`` - closed when the block ends, however it ends."""
+        if self.closed:
+            raise self._closed_error("with")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def close(self) -> None:
         """Wait for the calls in flight, then unmap; idempotent. Later calls raise
