@@ -61,11 +61,14 @@ def test_every_call_on_a_closed_store_is_one_error_naming_the_arena(shm_dir, cal
 def test_a_with_block_closes_the_store_however_it_ends_and_its_pages_stay(shm_dir):
     """``with open_store(...) as store:`` closes the store when the block ends - and when it
     raises, the error going on unchanged; a call afterwards raises StoreClosedError, entering a
-    closed store raises it naming the arena, and the next attach reads the pages put inside."""
+    closed store raises it naming the arena, and the next attach reads the pages put inside. Its
+    repr names the arena, its backing, its slots and whether it is open."""
     page, out = Pages(1), Pages(1, seed=7)
     with _open(shm_dir, "python") as store:
         assert store.put(NS, ["k"], page.segments()) == [True]
-    assert store.closed
+        slots = f"{store.arena.plan.slots:,} slots of {store.arena.plan.slot_bytes:,} bytes"
+        assert repr(store) == f"<NodeStore {shm_dir}/arena: tmpfs, {slots}, open>"
+    assert store.closed and repr(store) == f"<NodeStore {shm_dir}/arena: tmpfs, {slots}, closed>"
     with pytest.raises(StoreClosedError, match=rf"{shm_dir}/arena: exists\(\) after close"):
         store.exists(NS, ["k"])
     with pytest.raises(StoreClosedError, match=rf"{shm_dir}/arena: with after close"):

@@ -207,6 +207,11 @@ class NodeStore:
         with self._open_for("census"):
             return self.index.census()
 
+    def __repr__(self) -> str:
+        plan = self.arena.plan
+        return (f"<NodeStore {self.arena.path}: {self.arena.backing.kind}, {plan.slots:,} slots of "
+                f"{plan.slot_bytes:,} bytes, {'closed' if self.closed else 'open'}>")
+
     def __enter__(self) -> "NodeStore":
         """``with open_store(...) as store:`` - closed when the block ends, however it ends."""
         if self.closed:
