@@ -592,11 +592,17 @@ def test_a_batch_of_the_wrong_kind_is_refused_naming_it(shm_dir, call, refusal):
     (dict(threads="4"), "open_store.threads must be an integer, got '4'"),
     (dict(threads=0), "open_store.threads must be positive, got 0"),
     (dict(budget="no"), "open_store.budget must be True or False, got 'no'"),
-], ids=["path", "label", "threads-str", "threads-0", "budget"])
+    (dict(size_bytes=-1), "open_store.size_bytes must be positive, got -1"),
+    (dict(size_bytes="16M"), "open_store.size_bytes must be an integer, got '16M' (str)"),
+    (dict(slot_bytes=4096.0), "open_store.slot_bytes must be an integer, got 4096.0 (float)"),
+    (dict(size_bytes=None, slot_bytes=None), "open_store.slot_bytes must be an integer, got None (NoneType)"),
+], ids=["path", "label", "threads-str", "threads-0", "budget", "size-negative", "size-str", "slot-float",
+        "attach-slot-none"])
 def test_open_stores_own_arguments_are_refused_before_any_file(shm_dir, kwargs, refusal):
     """A path that is no path, a label that is no string, a thread count that is no positive
-    integer and a budget switch that is no bool (``"no"`` was truthy): a PlanError naming it, and
-    no arena file made."""
+    integer, a budget switch that is no bool (``"no"`` was truthy), and sizes that are no positive
+    integers - named as the caller named them (the plan called ``size_bytes`` total_bytes): a
+    PlanError naming it, and no arena file made."""
     import os
     import re
 

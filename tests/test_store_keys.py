@@ -61,6 +61,7 @@ def test_a_key_slot_keys_refuses_is_refused_alike():
 
 @pytest.mark.parametrize("field, value, message", [
     ("page_bytes", 0, "Namespace.page_bytes must be positive, got 0"),
+    ("page_bytes", 4095, "Namespace.page_bytes must be a multiple of 8 (the store's checksum word), got 4095"),
     ("page_tokens", 1.5, "Namespace.page_tokens must be an integer, got 1.5 (float)"),
     ("dtype", "", "Namespace.dtype must be a non-empty string, got ''"),
     ("pool", None, "Namespace.pool must be a non-empty string, got None"),
@@ -72,7 +73,8 @@ def test_a_key_slot_keys_refuses_is_refused_alike():
 def test_a_namespace_is_checked_when_made(field, value, message):
     """A namespace's fields seed every slot key: a float page size or a rank past its size would
     make a namespace no engine ever asks for (every page a miss, silently), and a numpy integer
-    would not even hash - so each is refused when made, naming the field and the value."""
+    would not even hash - so each is refused when made, naming the field and the value. So is a
+    page the store cannot hold (not whole 8-byte words: every put of it would fail)."""
     from hicache.errors import PlanError
 
     fields = dict(model="m", dtype="torch.bfloat16", page_tokens=16, layout="page_first/flat", pool="kv",

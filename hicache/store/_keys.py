@@ -34,6 +34,12 @@ def _count(namespace, attribute, value) -> None:
     check_int(PlanError, "Namespace", attribute.name, value)
 
 
+def _page_bytes(namespace, attribute, value) -> None:
+    """A page the store can hold: whole 8-byte words (its checksum's word), else no put could succeed."""
+    if check_int(PlanError, "Namespace", attribute.name, value) % 8:
+        raise PlanError(f"Namespace.page_bytes must be a multiple of 8 (the store's checksum word), got {value}")
+
+
 def _shard(pairs) -> tuple:
     """The (name, rank, size) triples as a tuple of plain ints, each rank below its size."""
     triples = []
@@ -61,7 +67,7 @@ class Namespace:
     page_tokens: int = attrs.field(converter=as_int, validator=_count)
     layout: str = attrs.field(validator=_text(allow_empty=False))
     pool: str = attrs.field(validator=_text(allow_empty=False))
-    page_bytes: int = attrs.field(converter=as_int, validator=_count)
+    page_bytes: int = attrs.field(converter=as_int, validator=_page_bytes)
     shard: tuple[tuple[str, int, int], ...] = attrs.field(default=(), converter=_shard)
 
     @property

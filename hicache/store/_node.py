@@ -261,6 +261,9 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
         raise PlanError(f"open_store.label must be a string, got {label!r}")
     threads = None if threads is None else check_int(PlanError, "open_store", "threads", threads, maximum=1024)
     budget = check_bool(PlanError, "open_store", "budget", budget)
+    # named as the caller named them (the plan's own check says total_bytes, a field it has)
+    slot_bytes = check_int(PlanError, "open_store", "slot_bytes", slot_bytes)
+    size_bytes = None if size_bytes is None else check_int(PlanError, "open_store", "size_bytes", size_bytes)
     if size_bytes is None:
         arena = _arena.attach_arena(path, page_bytes=slot_bytes, ops=ops, root=root)
         return NodeStore(arena, fault_hook=fault_hook)
