@@ -62,11 +62,9 @@ def write_until(say, *, path: str, size: int, batches: int, per_batch: int, seed
     if hooked_build is None:
         store = open_store(path, size_bytes=size, slot_bytes=PAGE_BYTES, fault_hook=hook)
     else:
-        import importlib.util
+        from store_support import load_slotops
 
-        spec = importlib.util.spec_from_file_location("hicache_step_hook._slotops", hooked_build)
-        hooked = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(hooked)
+        hooked = load_slotops(hooked_build, "hicache_step_hook._slotops")
         sys.modules["hicache.effects._arena._slots"]._native = hooked  # this forked process's native slot ops
         hooked.set_step_hook(hook)
         from hicache.effects import arena

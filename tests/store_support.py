@@ -26,7 +26,6 @@ def build_slotops(directory: Path, define: str):
     hook setup.py never builds) and $CFLAGS, as setup.py takes them (`make test-sanitized`'s
     sanitizers), into ``directory`` and loaded beside the build in use; skips, naming why, where
     the helper is not built here or there is no C compiler."""
-    import importlib.util
     import os
     import shlex
     import subprocess
@@ -48,7 +47,14 @@ def build_slotops(directory: Path, define: str):
                     *shlex.split(os.environ.get("CFLAGS", "")), f"-I{sysconfig.get_paths()['include']}", str(source),
                     "-o", str(target)],
                    check=True, capture_output=True, timeout=180)
-    spec = importlib.util.spec_from_file_location(f"{define.lower()}._slotops", target)
+    return load_slotops(target, f"{define.lower()}._slotops")
+
+
+def load_slotops(path, name: str):
+    """A build of the C helper at ``path`` loaded under ``name``, beside the one in use."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -66,6 +66,48 @@ def test_a_users_build_has_no_step_hook(hooked):
         hooked.set_step_hook(3)
 
 
+class Stopped:
+    """One operation run on a thread of its own and stopped at one step (stage, n) of that
+    thread's (n None: the stage's first) - or left to end first, when the step never comes."""
+
+    def __init__(self, run, stage: str, n: int | None) -> None:
+        self.at, self.stopped, self.release, self.result = None, threading.Event(), threading.Event(), []
+
+        def body():
+            self.at = (stage, n, threading.get_ident())  # this thread's steps only
+            self.result.append(run())
+
+        self.thread = threading.Thread(target=body)
+
+    def start(self) -> "Stopped":
+        """Run it (once the hook can see it) until it stops at its step or ends."""
+        self.thread.start()
+        for _ in range(6000):  # a hang guard of 60 s
+            if self.stopped.wait(0.01) or not self.thread.is_alive():
+                break
+        assert self.stopped.is_set() or not self.thread.is_alive(), "hang guard"
+        return self
+
+    def hook(self, stage: str, n: int) -> None:
+        if self.at is not None and (stage, threading.get_ident()) == (self.at[0], self.at[2]) and \
+                self.at[1] in (None, n) and not self.stopped.is_set():
+            self.stopped.set()
+            assert self.release.wait(60), "hang guard"
+
+    def let_go(self) -> None:
+        """Release it, if it stopped, and wait for it to end (a teardown's: whatever happened)."""
+        self.release.set()
+        if self.thread.ident is not None:
+            self.thread.join(60)
+
+    def go_on(self):
+        """Let it go on; its result."""
+        self.let_go()
+        assert not self.thread.is_alive(), "hang guard"
+        (result,) = self.result
+        return result
+
+
 @pytest.mark.parametrize("evicting", [False, True], ids=["empty-slot", "evicting"])
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("path", ["c", "python"])
@@ -76,49 +118,36 @@ def test_a_page_being_written_is_a_plain_miss_at_each_step(request, shm_dir, pat
     being evicted, nothing counted torn or corrupt (a slot being written is invisible, not
     damaged) - and once the writer goes on, the new page reads back byte-exact. Both paths."""
     ns = core_namespace()
-    stopped, release, result = threading.Event(), threading.Event(), []
-
-    def hook(at, n):
-        if at == stage and not stopped.is_set():
-            stopped.set()
-            assert release.wait(60), "hang guard"
-
-    if path == "c":
-        request.getfixturevalue("c_path").set_step_hook(hook)
-        writer_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES))
-    else:
-        writer_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES), fault_hook=hook)
-    reader_store = _open(shm_dir / "arena")
     old = [f"old{i}" for i in range(16 if evicting else 15)]
     keys = [*old, "new"]
     pages = {key: page_bytes_of(1, i) for i, key in enumerate(keys)}
     out = {key: torch.zeros(PAGE_BYTES, dtype=torch.uint8) for key in keys}
-    writer = threading.Thread(target=lambda: result.append(writer_store.put(ns, ["new"], [_segments(pages["new"])])))
+    writer = Stopped(lambda: writer_store.put(ns, ["new"], [_segments(pages["new"])]), stage, None)
+    if path == "c":
+        request.getfixturevalue("c_path").set_step_hook(writer.hook)
+        writer_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES))
+    else:
+        writer_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES), fault_hook=writer.hook)
+    reader_store = _open(shm_dir / "arena")
     try:
         assert writer_store.census().slots == 16
-        stopped.set()  # the old pages go in unstopped
         assert reader_store.put(ns, old, [_segments(pages[k]) for k in old]) == [True] * len(old)
-        stopped.clear()
-        writer.start()
-        assert stopped.wait(60), "hang guard"
+        assert writer.start().stopped.is_set(), "hang guard"
         got = reader_store.get(ns, keys, [_segments(out[k]) for k in keys])
-        assert writer.is_alive() and not release.is_set()  # the read did not wait for the writer
+        assert writer.thread.is_alive() and not writer.release.is_set()  # the read did not wait for the writer
         assert got[-1] is (stage == "published")
         gone = [key for key, ok in zip(old, got) if not ok]
         assert len(gone) == evicting  # the page it evicts is gone from the claim on; no other
         assert all(torch.equal(out[k], pages[k]) for k, ok in zip(keys, got) if ok)
         assert (reader_store.counts.torn, reader_store.counts.corrupt) == (0, 0)
-        release.set()
-        writer.join(60)
-        assert result == [[True]]
+        assert writer.go_on() == [True]
         out = {key: torch.zeros(PAGE_BYTES, dtype=torch.uint8) for key in keys}
         after = reader_store.get(ns, keys, [_segments(out[k]) for k in keys])
         assert after == [key not in gone for key in keys] and torch.equal(out["new"], pages["new"])
         assert (reader_store.counts.torn, reader_store.counts.corrupt) == (0, 0)
         assert reader_store.census().torn == 0
     finally:
-        release.set()
-        writer.join(60)
+        writer.let_go()
         writer_store.close()
         reader_store.close()
 
@@ -181,21 +210,12 @@ def test_a_page_rewritten_after_the_c_read_delivered_it_is_torn_not_returned(c_p
     reader_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES))
     writer_store = _open(shm_dir / "arena")
     landing = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
-    stopped, release, result = threading.Event(), threading.Event(), []
-
-    def hook(at, n):
-        if at == "delivered" and threading.current_thread().name == "reader" and not stopped.is_set():
-            stopped.set()
-            assert release.wait(60), "hang guard"
-
-    reader = threading.Thread(name="reader", target=lambda: result.append(
-        reader_store.get(ns, ["k3"], [_segments(landing)])))
+    reader = Stopped(lambda: reader_store.get(ns, ["k3"], [_segments(landing)]), "delivered", None)
     try:
         keys = [f"k{i}" for i in range(16)]
         assert writer_store.put(ns, keys, [_segments(p) for p in pages[:16]]) == [True] * 16
-        c_path.set_step_hook(hook)
-        reader.start()
-        assert stopped.wait(60), "hang guard"
+        c_path.set_step_hook(reader.hook)
+        assert reader.start().stopped.is_set(), "hang guard"
         if rewrite == "another-key":
             new = [f"n{i}" for i in range(16)]
             assert writer_store.put(ns, new, [_segments(p) for p in pages[16:]]) == [True] * 16
@@ -203,9 +223,7 @@ def test_a_page_rewritten_after_the_c_read_delivered_it_is_torn_not_returned(c_p
         else:
             assert writer_store.clear([ns]) == 16
             assert writer_store.put(ns, ["k3"], [_segments(pages[3])]) == [True]
-        release.set()
-        reader.join(60)
-        assert result == [[False]]
+        assert reader.go_on() == [False]
         assert (reader_store.counts.torn, reader_store.counts.corrupt) == (1, 0)
         held = [f"n{i}" for i in range(16)] if rewrite == "another-key" else ["k3"]
         out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in held]
@@ -213,8 +231,7 @@ def test_a_page_rewritten_after_the_c_read_delivered_it_is_torn_not_returned(c_p
         expected = pages[16:] if rewrite == "another-key" else [pages[3]]
         assert all(torch.equal(got, want) for got, want in zip(out, expected))
     finally:
-        release.set()
-        reader.join(60)
+        reader.let_go()
         reader_store.close()
         writer_store.close()
 
@@ -268,42 +285,6 @@ def test_a_batch_copied_on_several_threads_stays_invisible_until_published(c_pat
         writer.join(60)
         writer_store.close()
         reader_store.close()
-
-
-class Stopped:
-    """One operation run on a thread of its own and stopped at one step (stage, n) of that
-    thread's (n None: the stage's first) - or left to end first, when the step never comes."""
-
-    def __init__(self, run, stage: str, n: int | None) -> None:
-        self.at, self.stopped, self.release, self.result = None, threading.Event(), threading.Event(), []
-
-        def body():
-            self.at = (stage, n, threading.get_ident())  # this thread's steps only
-            self.result.append(run())
-
-        self.thread = threading.Thread(target=body)
-
-    def start(self) -> "Stopped":
-        """Run it (once the hook can see it) until it stops at its step or ends."""
-        self.thread.start()
-        for _ in range(6000):  # a hang guard of 60 s
-            if self.stopped.wait(0.01) or not self.thread.is_alive():
-                break
-        assert self.stopped.is_set() or not self.thread.is_alive(), "hang guard"
-        return self
-
-    def hook(self, stage: str, n: int) -> None:
-        if self.at is not None and (stage, threading.get_ident()) == (self.at[0], self.at[2]) and \
-                self.at[1] in (None, n) and not self.stopped.is_set():
-            self.stopped.set()
-            assert self.release.wait(60), "hang guard"
-
-    def go_on(self):
-        self.release.set()
-        self.thread.join(60)
-        assert not self.thread.is_alive(), "hang guard"
-        (result,) = self.result
-        return result
 
 
 class StoppedWriterAndReader(RuleBasedStateMachine):
@@ -420,8 +401,7 @@ class StoppedWriterAndReader(RuleBasedStateMachine):
 
         for stopped in (self.writer, self.reader):
             if stopped is not None:
-                stopped.release.set()
-                stopped.thread.join(60)
+                stopped.let_go()
         if self.hooked is not None:
             self.hooked.set_step_hook(None)
         for store in self.stores:

@@ -127,7 +127,7 @@ def _store_room(c: Context) -> Check:
     return Check("store_room", status, "; ".join(parts) or "no tmpfs or hugetlbfs found", hint)
 
 
-#: what the node store's reads and writes run through, as `hicache.effects.arena.slot_ops("auto")` picks
+#: what the node store's reads and writes run through: `slot_ops("auto")` picks the C helper where it was built
 SLOT_OPS_NATIVE = "slot operations: the C helper (a batch per call, checksummed as copied)"
 SLOT_OPS_FALLBACK = ("slot operations: the Python fallback - the C helper is not built (reads and writes several "
                      "times slower)")
@@ -140,7 +140,7 @@ def _store(c: Context) -> Check:
     changed)."""
     from hicache.effects import arena
 
-    native = arena.slot_ops("auto").__name__ == "NativeSlotOps"
+    native = arena.slot_ops("auto") is arena.NativeSlotOps
     ops, status, hint = (SLOT_OPS_NATIVE, "pass", "") if native else (SLOT_OPS_FALLBACK, "warn", SLOT_OPS_HINT)
     if c.store is None:
         return Check("store", status, f"no arena given (--store PATH checks one); {ops}", hint)
