@@ -193,7 +193,7 @@ def test_doctor_json(capsys, tmp_path):
     checks = {c["name"]: c["status"] for c in json.loads(out)["checks"]}
     documented = (pathlib.Path(__file__).parents[1] / "docs/json.md").read_text()
     assert all(f"`{name}`" in documented for name in checks), [n for n in checks if f"`{n}`" not in documented]
-    assert set(checks) == {"versions", "environment", "host_scope", "kernel", "limits", "thp", "hugepages", "pools", "buddyinfo", "memlock", "max_map_count", "memory", "numa", "host_copy", "transfer", "cuda", "binding", "gpus", "sglang", "store_room", "store"}
+    assert set(checks) == {"versions", "environment", "host_scope", "kernel", "limits", "thp", "hugepages", "pools", "buddyinfo", "memlock", "max_map_count", "memory", "numa", "host_copy", "page_allocator", "transfer", "cuda", "binding", "gpus", "sglang", "store_room", "store"}
     assert code == (1 if "fail" in checks.values() else 0)
 
 
@@ -226,6 +226,24 @@ def test_doctor_reports_how_host_pages_are_copied(monkeypatch):
     monkeypatch.setattr(_host_copy, "_native", None)
     missing = _host_copy_check({})
     assert missing.status == "warn" and "C compiler" in missing.hint
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["helper", "fallback"])
+def test_doctor_says_what_the_pools_page_allocator_runs_on(monkeypatch, built):
+    """The doctor's page_allocator rule passes on the C helper and warns, naming the reinstall,
+    where the pools' page allocator falls back to torch operations (no C compiler at install)."""
+    from hicache.cli._doctor import doctor_checks
+    from hicache.pools import _page_allocator
+
+    if built and _page_allocator._native is None:
+        pytest.skip("the C helper is not built here (no compiler): the fallback case runs")
+    if not built:
+        monkeypatch.setattr(_page_allocator, "_native", None)
+    check = {c.name: c for c in doctor_checks(facts=ROOMY, env={})}["page_allocator"]
+    if built:
+        assert (check.status, check.hint) == ("pass", "") and "the C helper" in check.finding
+    else:
+        assert check.status == "warn" and "torch fallback" in check.finding and "C compiler" in check.hint
 
 
 def test_plan_path_imports_no_torch_cuda_or_psutil():

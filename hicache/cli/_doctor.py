@@ -18,7 +18,7 @@ from hicache.plan import CapacityPlan
 from hicache.cli._doctor_context import Check, Context
 from hicache.cli._doctor_host import (  # noqa: F401 - host_copy_check, _buddyinfo, _numa: tests read them
     _binding, _buddyinfo, _cuda, _gpus, _host_copy, _hugepages, _kernel, _limits, _max_map_count, _memlock, _memory,
-    _numa, _pools, _thp, _transfer, _versions, host_copy_check, transfer_check,
+    _numa, _page_allocator, _pools, _thp, _transfer, _versions, host_copy_check, transfer_check,
 )
 from hicache.cli._doctor_services import _environment, _host_scope, _sglang, _store, _store_room
 
@@ -26,12 +26,12 @@ DESCRIPTION = (
     "Check this machine against a saved plan (or in general): kernel pin cap, the caps this "
     "machine plans with and where each comes from, hugepages, what host pools will do "
     "(HICACHE_PROGRESSIVE, HICACHE_HUGEPAGES), memlock, mappings, memory budget, "
-    "NUMA, the host copy path, CUDA, the SGLang plug-in and room for a node store (--store: an arena). "
+    "NUMA, the host copy path and page allocator, CUDA, the SGLang plug-in and room for a node store (--store: an arena). "
     "Exit 1 when a check fails. "
     "Example: hicache doctor --plan plan.json"
 )
 
-RULES = (_versions, _environment, _host_scope, _kernel, _limits, _thp, _hugepages, _pools, _buddyinfo, _memlock, _max_map_count, _memory, _numa, _host_copy, _transfer,
+RULES = (_versions, _environment, _host_scope, _kernel, _limits, _thp, _hugepages, _pools, _buddyinfo, _memlock, _max_map_count, _memory, _numa, _host_copy, _page_allocator, _transfer,
          _cuda, _binding, _gpus, _sglang, _store_room, _store)
 
 

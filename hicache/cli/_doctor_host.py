@@ -1,6 +1,6 @@
 """`hicache doctor`'s rules about the machine: the kernel's pin cap, the caps it plans with, huge
-pages, what the pools will do, memlock, mappings, memory, NUMA, the host copy path, versions,
-the CUDA binding, GPUs and CUDA itself. Each reads the `Context` and returns one `Check`.
+pages, what the pools will do, memlock, mappings, memory, NUMA, the host copy path, the page
+allocator, versions, the CUDA binding, GPUs and CUDA itself. Each reads the `Context` and returns one `Check`.
 """
 
 from __future__ import annotations
@@ -266,6 +266,20 @@ def host_copy_check(env) -> Check:
         return Check("host_copy", "warn", "native copy helper not built: CPU page copies use ctypes memmove (slower)",
                      "reinstall hicache where a C compiler (gcc/cc) is available")
     return Check("host_copy", "pass", f"ctypes memmove copies ({info.env_var})")
+
+
+#: what the host pools' page allocator runs on: `PageAllocator` takes the C helper where it was built
+ALLOCATOR_NATIVE = "host pools' page allocator: the C helper (a free-page stack, one call per alloc or free at any occupancy)"
+ALLOCATOR_FALLBACK = ("host pools' page allocator: the torch fallback - the C helper is not built (frees are merged by "
+                      "torch operations, slower as a pool fills)")
+
+
+def _page_allocator(c: Context) -> Check:
+    from hicache.pools import PageAllocator
+
+    if PageAllocator(1, 1).native:  # what every pool built here takes by default
+        return Check("page_allocator", "pass", ALLOCATOR_NATIVE)
+    return Check("page_allocator", "warn", ALLOCATOR_FALLBACK, "reinstall hicache where a C compiler (gcc/cc) is available")
 
 
 def _transfer(c: Context) -> Check:
