@@ -246,6 +246,15 @@ def test_doctor_says_what_the_pools_page_allocator_runs_on(monkeypatch, built):
         assert check.status == "warn" and "torch fallback" in check.finding and "C compiler" in check.hint
 
 
+def test_doctor_without_torch_says_the_pools_need_it_and_imports_no_pool():
+    """Without torch (the light install) the page_allocator rule says the pools need it instead of
+    importing them (which raises there); test_packaging runs the doctor in such an environment."""
+    from hicache.cli._doctor_host import _page_allocator
+
+    check = _page_allocator(None, installed=lambda name: name != "torch")
+    assert check.status == "pass" and "torch, which is not installed" in check.finding and "hicache[cuda]" in check.finding
+
+
 def test_plan_path_imports_no_torch_cuda_or_psutil():
     """`hicache plan` runs with torch, cuda and psutil blocked from import."""
     code = (

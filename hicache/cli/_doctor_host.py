@@ -268,18 +268,20 @@ def host_copy_check(env) -> Check:
     return Check("host_copy", "pass", f"ctypes memmove copies ({info.env_var})")
 
 
-#: what the host pools' page allocator runs on: `PageAllocator` takes the C helper where it was built
-ALLOCATOR_NATIVE = "host pools' page allocator: the C helper (a free-page stack, one call per alloc or free at any occupancy)"
-ALLOCATOR_FALLBACK = ("host pools' page allocator: the torch fallback - the C helper is not built (frees are merged by "
-                      "torch operations, slower as a pool fills)")
+def _page_allocator(c: Context, *, installed=None) -> Check:
+    """Which page allocator the host pools built here take (``installed``: name -> whether it imports)."""
+    import importlib.util
 
-
-def _page_allocator(c: Context) -> Check:
+    said = "host pools' page allocator: "
+    if not (installed or (lambda name: importlib.util.find_spec(name) is not None))("torch"):
+        return Check("page_allocator", "pass", said + "none yet - the pools need torch, which is not installed "
+                     "(pip install \"hicache[cuda]\")")
     from hicache.pools import PageAllocator
 
     if PageAllocator(1, 1).native:  # what every pool built here takes by default
-        return Check("page_allocator", "pass", ALLOCATOR_NATIVE)
-    return Check("page_allocator", "warn", ALLOCATOR_FALLBACK, "reinstall hicache where a C compiler (gcc/cc) is available")
+        return Check("page_allocator", "pass", said + "the C helper (a free-page stack, one call per alloc or free)")
+    return Check("page_allocator", "warn", said + "the torch fallback - the C helper is not built (frees are merged by "
+                 "torch operations, slower as a pool fills)", "reinstall hicache where a C compiler (gcc/cc) is available")
 
 
 def _transfer(c: Context) -> Check:
