@@ -49,6 +49,7 @@ class Publisher:
         self._woken = threading.Event()
         self._tickets = 0  # collects started: a write carries the number its collect began with
         self._written = -1  # the newest collect written so far
+        self._stopped = False  # stop() was called: the thread ends and start() starts none
 
     def _slot(self, typ: str, family: str, sample: str, labels: dict, documentation: str):
         key = (typ, family, sample, tuple(labels.items()))
@@ -109,7 +110,7 @@ class Publisher:
     def start(self, collect) -> None:
         """The daemon thread that writes ``collect()`` every `PUBLISH_EVERY_S` (once per process)."""
         with self.lock:
-            if self._thread is not None and self._thread.is_alive() and self.pid == os.getpid():
+            if self._stopped or (self._thread is not None and self._thread.is_alive() and self.pid == os.getpid()):
                 return
             self._thread = threading.Thread(target=self._run, args=(collect,), name="hicache-metrics", daemon=True)
             self._thread.start()
@@ -118,10 +119,23 @@ class Publisher:
         """Have the thread write now rather than at its next `PUBLISH_EVERY_S`."""
         self._woken.set()
 
+    def stop(self, timeout: float | None = None) -> bool:
+        """End the thread and wait for it (``timeout``); True once none runs. A test's teardown:
+        a server's publisher ends with its process, and one left running after its test writes
+        into value files that test has closed."""
+        with self.lock:
+            thread, self._stopped = self._thread, True
+        self._woken.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
     def _run(self, collect) -> None:
-        while True:  # a daemon: it ends with the process
+        while True:  # a daemon: it ends with the process, or at stop()
             self._woken.wait(PUBLISH_EVERY_S)
             self._woken.clear()
+            if self._stopped:
+                return
             publish(self, collect)
 
 

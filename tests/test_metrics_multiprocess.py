@@ -147,6 +147,30 @@ def test_values_collected_before_the_last_write_never_replace_it(multiprocess_va
     assert _served(multiprocess_values)[key] == 4096.0
 
 
+def test_a_stopped_publisher_ends_its_thread_and_starts_no_other():
+    """stop() ends the publisher's thread (it writes until then, when woken) and a later start()
+    starts none: a test's publisher no longer outlives it, writing into value files it closed."""
+    import threading
+
+    from hicache import _metrics_publish as mp
+
+    collected = threading.Event()
+
+    def collect():
+        collected.set()
+        return []
+
+    publisher = mp.Publisher()
+    publisher.start(collect)
+    publisher.wake()
+    assert collected.wait(60), "the thread never collected"  # a hang guard, not a timing
+    thread = publisher._thread
+    assert publisher.stop(60) and not thread.is_alive()
+    publisher.start(collect)
+    assert publisher._thread is thread and not thread.is_alive()
+    assert publisher.stop(0)  # a second stop: nothing left to end
+
+
 def test_a_failing_collect_is_a_log_line_never_the_callers(multiprocess_values, caplog):
     """A diagnostic never fails the work it observes: publish() swallows and logs."""
     from hicache import _metrics_publish as mp
@@ -177,7 +201,8 @@ def test_a_bring_up_writes_its_values_at_once_without_reading_smaps_and_the_thre
     from hicache.testing import FakeRuntime, MHADevicePool
 
     assert mp.active()
-    monkeypatch.setattr(mp, "PUBLISHER", mp.Publisher())  # its thread starts with this bring-up
+    publisher = mp.Publisher()
+    monkeypatch.setattr(mp, "PUBLISHER", publisher)  # its thread starts with this bring-up
     monkeypatch.setattr(mp, "PUBLISH_EVERY_S", 3600.0)  # so only the bring-up's wake makes it write
     written = threading.Event()
     real_publish = mp.publish
@@ -216,3 +241,5 @@ def test_a_bring_up_writes_its_values_at_once_without_reading_smaps_and_the_thre
         assert set(tiers) == {"hugetlb", "thp", "4k"} and sum(tiers.values()) >= pool._host.total_bytes
     finally:
         pool.destroy()
+        # else it outlives the test, writing every 5 s into the value files the fixture closes
+        assert publisher.stop(60), "the publisher's thread did not end"
