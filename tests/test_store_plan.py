@@ -14,6 +14,7 @@ from strategies import store_geometries
 from hicache.errors import ArenaError, ArenaGeometryError, PlanError
 from hicache.plan import plan_store
 from hicache.plan._store import (
+    CREATING,
     HEADER_BYTES,
     NAMESPACE_BYTES,
     NAMESPACE_ENTRIES,
@@ -56,6 +57,16 @@ def test_the_header_round_trips_and_any_flipped_byte_is_refused(geometry):
         flipped[at] ^= 0x40
         with pytest.raises(ArenaError):
             decode_header(bytes(flipped))
+
+
+@pytest.mark.parametrize("raw", [b"", CREATING, CREATING + bytes(200)], ids=["empty", "mark", "mark-and-zeros"])
+def test_an_arena_its_creator_has_not_finished_is_told_apart_from_a_foreign_file(raw):
+    """A file still marked by its creator (or empty) is refused as not finished - a creator still
+    pre-faulting, or one that died - naming what makes it afresh; other bytes are no arena."""
+    with pytest.raises(ArenaError, match="arena a: not finished .*`hicache store create` makes it afresh"):
+        decode_header(raw, where="arena a")
+    with pytest.raises(ArenaError, match="not a hicache store arena"):
+        decode_header(b"precious" + bytes(200), where="arena a")
 
 
 def test_a_record_is_one_cache_line():

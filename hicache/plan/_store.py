@@ -18,6 +18,9 @@ from hicache.errors import ArenaError, ArenaGeometryError, PlanError
 from hicache.plan._value import value_class
 
 MAGIC = b"HICSTORE"
+#: What a creator writes first (the header replaces it last): a file that starts with it, or an
+#: empty one, is an arena being made, or whose creator died - anything else at the path is never removed.
+CREATING = b"HICINIT\0"
 SCHEMA = 1  # of the plan's JSON (`StorePlan.to_jsonable`)
 #: The arena header's schema, and which page checksum each one's slots carry (the header says;
 #: hicache.effects' arena room computes it). Schema 1's four Fletcher lanes, folded as
@@ -156,6 +159,9 @@ def decode_header(raw: bytes, *, where: str = "arena") -> tuple[StorePlan, str]:
     """``(plan, label)`` from a header's bytes. Raises `ArenaError` for what is no arena header
     (magic, CRC), `ArenaGeometryError` for another schema or a geometry `plan_store` would not
     make - naming ``where`` and the field."""
+    if not raw or raw[:8] == CREATING:
+        raise ArenaError(f"{where}: not finished (no header yet): its creator is still pre-faulting it, or died "
+                         "before writing the header; `hicache store create` makes it afresh once no creator runs")
     if len(raw) < HEADER_LENGTH or raw[:8] != MAGIC:
         raise ArenaError(f"{where}: not a hicache store arena (no header: magic {bytes(raw[:8])!r})")
     body, (crc,) = raw[:_HEADER.size], struct.unpack_from("<I", raw, _HEADER.size)

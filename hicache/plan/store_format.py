@@ -5,6 +5,7 @@ record's fields and offsets, the namespace table - for the two layers that read 
 from hicache.plan._store import (
     COUNTERS,
     COUNTERS_OFFSET,
+    CREATING,
     DEPTH_OFFSET,
     GEN,
     HEADER_LENGTH,
@@ -27,7 +28,7 @@ from hicache.plan._store import (
     encode_header,
 )
 
-__all__ = ["COUNTERS", "COUNTERS_OFFSET", "DEPTH_OFFSET", "GEN", "HEADER_LENGTH", "KEY", "LENGTH_OFFSET",
+__all__ = ["COUNTERS", "COUNTERS_OFFSET", "CREATING", "DEPTH_OFFSET", "GEN", "HEADER_LENGTH", "KEY", "LENGTH_OFFSET",
            "NAMESPACE_BYTES", "NAMESPACE_ENTRIES", "NS_OFFSET", "RECORD", "RECORD_BYTES", "REF_OFFSET",
            "STAMP_OFFSET", "SUM1_OFFSET", "SUM2_OFFSET", "WRITER_OFFSET", "StorePlan", "check_geometry",
            "counter_offset", "decode_header", "encode_header"]

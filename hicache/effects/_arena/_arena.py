@@ -33,6 +33,7 @@ from hicache.effects._arena._slots import slot_ops, try_lock, unlock
 from hicache.plan.store_format import (
     COUNTERS,
     COUNTERS_OFFSET,
+    CREATING,
     HEADER_LENGTH,
     NAMESPACE_BYTES,
     StorePlan,
@@ -225,11 +226,6 @@ def _prefault(base: int, length: int, unit: int, *, threads: int, progress) -> N
         _run_workers(pool, workers, fault, offsets)
     finally:
         pool.shutdown(wait=True)
-
-
-#: What a creator writes first (the header replaces it last): a file that starts with it, or an
-#: empty one, is an arena whose creator died - anything else at the path is never removed.
-CREATING = b"HICINIT\0"
 
 
 def _incomplete(path: str, backing: Backing) -> bool:
