@@ -35,7 +35,6 @@ from hicache.plan.store_format import (
     COUNTERS_OFFSET,
     CREATING,
     HEADER_LENGTH,
-    NAMESPACE_BYTES,
     StorePlan,
     check_geometry,
     counter_offset,

@@ -28,7 +28,7 @@ from hicache.effects._host._threads import lower_priority, pin_thread
 from hicache.errors import HostOutOfMemoryError, HugepagesExhaustedError, PlanError, RegistrationStateError
 from hicache.plan.checks import check_int
 from hicache.effects._host._libc import madvise_function as _madvise
-from hicache.plan.settings import DEFAULT_HUGEPAGE_BYTES, HUGEPAGE_MODES, HUGETLBFS_MODES, check_hugepages  # noqa: F401 - used here and re-exported
+from hicache.plan.settings import DEFAULT_HUGEPAGE_BYTES, HUGETLBFS_MODES, check_hugepages
 
 MAP_HUGETLB, MAP_HUGE_SHIFT = 0x40000, 26  # linux/mman.h
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing data
