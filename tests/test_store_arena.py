@@ -285,7 +285,7 @@ def test_a_creator_killed_mid_way_leaves_no_arena_and_the_next_create_replaces_i
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
         child.stdout.close()
-    with pytest.raises(ArenaError, match="not finished .* its creator is still pre-faulting it, or died"):
+    with pytest.raises(ArenaError, match="not finished .* its creator died before writing it"):
         arena.attach_arena(path)
     fresh = arena.create_arena(path, _plan(), label="t")
     try:

@@ -265,7 +265,8 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     slot_bytes = check_int(PlanError, "open_store", "slot_bytes", slot_bytes)
     size_bytes = None if size_bytes is None else check_int(PlanError, "open_store", "size_bytes", size_bytes)
     if size_bytes is None:
-        arena = _arena.attach_arena(path, page_bytes=slot_bytes, ops=ops, root=root)
+        # an engine given no size: a node agent's `hicache store create` may still be pre-faulting it
+        arena = _arena.attach_arena(path, page_bytes=slot_bytes, ops=ops, root=root, wait_for_creator=True)
         return NodeStore(arena, fault_hook=fault_hook)
     backing = _arena.backing_of(path, root=root)
     plan = plan_store(size_bytes, slot_bytes=slot_bytes, unit_bytes=backing.unit_bytes, backing=backing.kind)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import stat
@@ -26,7 +27,7 @@ import time
 import attrs
 
 from hicache.errors import ArenaError, HostOutOfMemoryError
-from hicache.effects._arena._creators import CreatorsLock
+from hicache.effects._arena._creators import CreatorsLock, creator_at_work
 from hicache.effects._arena._mounts import Backing, backing_of, refuse_non_regular as _refuse_non_regular
 from hicache.effects._arena._records import Records
 from hicache.effects._arena._slots import slot_ops, try_lock, unlock
@@ -42,6 +43,7 @@ from hicache.plan.store_format import (
     encode_header,
 )
 
+log = logging.getLogger(__name__)
 PREFAULT_PIECE_BYTES = 64 * 2**20
 CREATE_WAIT_S = 600.0  # hang guard for the directory lock while another process creates
 
@@ -163,14 +165,20 @@ def _map(fd: int, plan: StorePlan, path: str) -> mmap.mmap:
 
 
 def attach_arena(path: str, *, page_bytes: int | None = None, total_bytes: int | None = None,
-                 ops=None, root: str = "/", uid: int | None = None, backing: Backing | None = None) -> Arena:
+                 ops=None, root: str = "/", uid: int | None = None, backing: Backing | None = None,
+                 wait_for_creator: bool = False, lock_dir=None) -> Arena:
     """Attach the arena at ``path``: `ArenaError` for a missing, foreign, exposed, corrupt or
     incomplete one, `ArenaGeometryError` when its slots cannot hold ``page_bytes`` or its size is
     not ``total_bytes`` (when given). Faults nothing in. ``uid``: whose it must be (this user's);
-    ``backing``: the path's, when the caller read it already."""
+    ``backing``: the path's, when the caller read it already. An arena a creator is still
+    making is waited for (its creators' lock, up to `CREATE_WAIT_S`; ``lock_dir`` as for
+    `create_arena`) when ``wait_for_creator`` - an engine starting beside a node agent's
+    `hicache store create` - else refused at once naming the creator's pid."""
     began = time.perf_counter()
     backing = backing_of(path, root=root) if backing is None else backing
     _refuse_non_regular(path)
+    if _incomplete(path, backing):
+        _await_creator(path, backing, wait_for_creator, lock_dir)
     try:  # O_NONBLOCK: a FIFO swapped in since the lstat opens at once (and fails the owner check)
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -246,6 +254,24 @@ def _incomplete(path: str, backing: Backing) -> bool:
         return first == CREATING or unmarked
     finally:
         os.close(fd)
+
+
+def _await_creator(path: str, backing: Backing, wait: bool, lock_dir) -> None:
+    """An unfinished arena at ``path``: return once no creator is at work on it (waiting for
+    one when ``wait``), so the attach reads what it made; `ArenaError` where its creator died
+    (the lock is free, the arena still unfinished) or is at work and ``wait`` is False."""
+    holder = creator_at_work(path, directory=lock_dir)
+    if holder is None:
+        if not _incomplete(path, backing):  # finished between the two looks
+            return
+        raise ArenaError(f"store arena {path}: not finished (no header): its creator died before writing it; "
+                         f"`hicache store create {path}` (or an engine given size_gb) makes it afresh")
+    if not wait:
+        raise ArenaError(f"store arena {path}: not finished: pid {holder} is still creating it (try again once "
+                         "it is done)")
+    log.warning("hicache: store arena %s is being created by pid %s; waiting up to %.0f s for it", path, holder,
+                CREATE_WAIT_S)
+    CreatorsLock(path, timeout_s=CREATE_WAIT_S, directory=lock_dir).close()
 
 
 def _mark_creating(fd: int, backing: Backing) -> None:

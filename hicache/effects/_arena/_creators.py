@@ -24,12 +24,7 @@ class CreatorsLock:
 
     def __init__(self, path: str, *, timeout_s: float, directory=None, clock=time.monotonic,
                  sleep=time.sleep) -> None:
-        try:
-            base = private_dir(runtime_dir() if directory is None else directory)
-        except LockDirectoryError as error:
-            raise ArenaError(f"store arena {path}: no private directory for the creators' lock ({error})") from None
-        name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:24]
-        self.path = str(base / f"arena-{name}.lock")
+        self.path = _lock_path(path, directory)
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         except OSError as error:
@@ -53,3 +48,33 @@ class CreatorsLock:
 
     def close(self) -> None:
         os.close(self.fd)  # drops the flock
+
+
+def creator_at_work(path: str, *, directory=None) -> str | None:
+    """The pid written in the creators' lock of ``path`` while a creator holds it; None when
+    none does (no lock file yet, or a free one: a creator that died dropped it). Probes without
+    waiting: the lock is taken and let go at once where it is free."""
+    try:
+        fd = os.open(_lock_path(path, directory), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise ArenaError(f"store arena {path}: cannot open its creators' lock ({error.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        return holder or "unknown"
+    os.close(fd)  # free: drops the probe's own flock
+    return None
+
+
+def _lock_path(path: str, directory) -> str:
+    """The creators' lock file of the arena at ``path`` (named after its absolute path) in the
+    private runtime directory (``directory``: its parent, default hicache's)."""
+    try:
+        base = private_dir(runtime_dir() if directory is None else directory)
+    except LockDirectoryError as error:
+        raise ArenaError(f"store arena {path}: no private directory for the creators' lock ({error})") from None
+    return str(base / f"arena-{hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:24]}.lock")

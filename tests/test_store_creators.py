@@ -1,0 +1,161 @@
+"""An arena attached while its creator is still at work, or after it died: an engine given no
+size (attach only) waits for a creator holding the arena's creators' lock - a node agent's
+`hicache store create` pre-faulting beside the engines' start - and attaches what it made;
+`hicache store status` and doctor (no wait) name the creator's pid at once; an arena whose
+creator died is refused as such, never waited for. Order is proved by events, never seconds."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import threading
+
+import pytest
+from store_support import ARENA_BYTES, shm_dir  # noqa: F401 - shm_dir: a fixture
+
+from hicache.effects import arena
+from hicache.errors import ArenaError
+from hicache.plan import plan_store
+from hicache.store import open_store
+
+pytestmark = pytest.mark.concurrency  # a creator and its waiters on threads: run again under load
+SLOT = 8192
+#: the creators' lock and its probe (no face names them: the arena room's own)
+CREATORS = sys.modules["hicache.effects._arena._creators"]
+ARENA_ROOM = "hicache.effects._arena._arena"
+
+
+class HeldCreator:
+    """A `create_arena` on a thread, stopped in its pre-fault (its creators' lock held, the file
+    still marked as being created) until `finish`."""
+
+    def __init__(self, path: str) -> None:
+        self.started, self.go = threading.Event(), threading.Event()
+        self.made: list = []
+        self.thread = threading.Thread(target=self._create, args=(path,), name="held-creator", daemon=True)
+        self.thread.start()
+        assert self.started.wait(60), "the creator never began its pre-fault"  # a hang guard
+
+    def _create(self, path: str) -> None:
+        def progress(done, total):
+            self.started.set()
+            assert self.go.wait(120), "never told to finish"
+
+        self.made.append(arena.create_arena(path, plan_store(ARENA_BYTES, slot_bytes=SLOT), label="agent",
+                                            progress=progress, threads=1))
+
+    def finish(self):
+        """Let the pre-fault end; the arena it made."""
+        self.go.set()
+        self.thread.join(120)
+        assert not self.thread.is_alive() and self.made, "the creator did not finish"
+        return self.made[0]
+
+
+def test_an_attach_only_engine_waits_for_the_creator_at_work_and_attaches_what_it_made(shm_dir, monkeypatch,
+                                                                                         caplog):
+    """open_store with no size, beside a creator still pre-faulting: it waits on the creators'
+    lock (seen: the lock's wait sleeps) with a warning naming the creator, and once the creator
+    ends it attaches the finished arena - not an error, not a second arena."""
+    path = str(shm_dir / "kv")
+    creator = HeldCreator(path)
+    waiting = threading.Event()
+
+    def noted_sleep(seconds):
+        waiting.set()
+        creator.go.wait(120)  # the lock is free only once the creator finishes
+
+    monkeypatch.setattr(f"{ARENA_ROOM}.CreatorsLock", functools.partial(CREATORS.CreatorsLock, sleep=noted_sleep))
+    opened: list = []
+    engine = threading.Thread(target=lambda: opened.append(open_store(path, size_bytes=None, slot_bytes=SLOT)),
+                              name="engine", daemon=True)
+    made = None
+    try:
+        with caplog.at_level(logging.WARNING, logger=ARENA_ROOM):
+            engine.start()
+            assert waiting.wait(60), "the engine did not wait for the creator"  # a hang guard
+            assert not opened
+            made = creator.finish()
+            engine.join(120)
+        assert opened, "the engine's attach failed"
+        store = opened[0]
+        assert not store.arena.created and store.arena.label == "agent" and store.arena.plan == made.plan
+        assert f"being created by pid {os.getpid()}" in caplog.text
+    finally:
+        made = made or creator.finish()  # a failed assertion above leaves no creator holding the lock
+        for held in opened + [made]:
+            held.close()
+
+
+def test_status_beside_a_creator_at_work_names_its_pid_at_once(shm_dir):
+    """attach_arena without waiting (status, doctor) refuses an arena still being made, naming
+    the creator's pid; once made, the same call attaches it."""
+    path = str(shm_dir / "kv")
+    creator = HeldCreator(path)
+    try:
+        with pytest.raises(ArenaError, match=f"not finished: pid {os.getpid()} is still creating it"):
+            arena.attach_arena(path)
+    finally:
+        made = creator.finish()
+    attached = arena.attach_arena(path)
+    try:
+        assert attached.label == "agent"
+    finally:
+        attached.close()
+        made.close()
+
+
+def test_a_creator_that_finishes_between_the_two_looks_is_attached_not_called_dead(shm_dir, monkeypatch):
+    """The attach saw the arena unfinished, then the creator finished and let its lock go before
+    the probe: the lock is free but the arena is whole - attached, not refused as a dead
+    creator's (the probe is made to finish the creator first)."""
+    path = str(shm_dir / "kv")
+    creator = HeldCreator(path)
+    finished: list = []
+
+    def finishing_probe(arena_path, *, directory=None):
+        finished.append(creator.finish())
+        return CREATORS.creator_at_work(arena_path, directory=directory)
+
+    monkeypatch.setattr(f"{ARENA_ROOM}.creator_at_work", finishing_probe)
+    attached = arena.attach_arena(path)
+    try:
+        assert attached.label == "agent" and finished
+    finally:
+        attached.close()
+        finished[0].close()
+
+
+@pytest.mark.parametrize("mark", [b"HICINIT\0", b""], ids=["marked", "empty"])
+def test_an_arena_whose_creator_died_is_refused_at_once_even_by_a_waiting_engine(shm_dir, mark):
+    """A file left marked (or empty) with its creators' lock free - its creator died - is refused
+    at once by an engine that would wait, saying what makes it afresh; create then replaces it."""
+    path = shm_dir / "kv"
+    path.write_bytes(mark + bytes(64 if mark else 0))
+    os.chmod(path, 0o600)
+    with pytest.raises(ArenaError, match="its creator died before writing it; `hicache store create"):
+        open_store(str(path), size_bytes=None, slot_bytes=SLOT)
+    with pytest.raises(ArenaError, match="its creator died"):
+        arena.attach_arena(str(path))
+    fresh = arena.create_arena(str(path), plan_store(ARENA_BYTES, slot_bytes=SLOT), label="again")
+    try:
+        assert fresh.created
+    finally:
+        fresh.close()
+
+
+def test_the_creator_probe_takes_no_lock_it_finds_free_and_names_a_holder(shm_dir, tmp_path):
+    """creator_at_work: None with no lock file or a free one (and leaves it free: a creator then
+    takes it without waiting), the holder's pid while a creator holds it."""
+    CreatorsLock, creator_at_work = CREATORS.CreatorsLock, CREATORS.creator_at_work
+    path = str(shm_dir / "kv")
+    assert creator_at_work(path, directory=tmp_path) is None
+    lock = CreatorsLock(path, timeout_s=60, directory=tmp_path)
+    try:
+        assert creator_at_work(path, directory=tmp_path) == str(os.getpid())
+    finally:
+        lock.close()
+    assert creator_at_work(path, directory=tmp_path) is None
+    CreatorsLock(path, timeout_s=0, directory=tmp_path).close()  # free after the probe: taken at once
