@@ -18,8 +18,11 @@ same as over SGLang's own `HiCacheFile` back end - for MHA, MLA, MLA with an MTP
 DeepSeek-V4 (seven pools; its KV anchor's pages are the store's markers), a Mamba2 hybrid, a sliding-window hybrid, one of both, layer_first and write_back (whose unevicted
 requests never reach L3; nor does SGLang fetch every short span of a sliding-window model: no
 whole-back law for those), over hicache's pools and over SGLang's own pools alike. (SGLang's own pools
-under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.) The first engine
-settles each step's writes before the next (`_written`). Needs `make sglang`."""
+under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.) Both engines
+settle each step's writes before the next (`_written`): unsettled, what the restarted engine's
+next request finds on host depends on when SGLang's write-back thread finished (one write_back
+traffic fetched 64 or 48 tokens for the same request over HiCacheFile and over the store alike,
+3 runs in 8 differing). Needs `make sglang`."""
 
 from __future__ import annotations
 
@@ -97,7 +100,7 @@ def _written(serving) -> None:
 
 def _restart(monkeypatch, pools: str, store: str, where, steps, family: str = "mha") -> tuple:
     """The first engine serves ``steps`` and waits for its L3 writes; a restarted one serves
-    every request the first completed. Returns those requests, the restarted engine's rows and
+    every request the first completed, waiting for its writes after each too. Returns those requests, the restarted engine's rows and
     the tokens storage gave it for each."""
     from sglang.srt.environ import envs
 
@@ -109,7 +112,10 @@ def _restart(monkeypatch, pools: str, store: str, where, steps, family: str = "m
         served = [tokens for tokens in _requests(steps, first.unit, first.vocab) if tokens is not None]
         completed = [tokens for tokens, row in zip(served, rows) if row[-1] != "no room"]
         with engine(monkeypatch, pools, *ENGINES[family], **_flags(store, where, family)) as restarted:
-            again = [restarted.serve(tokens) for tokens in completed]
+            again = []
+            for tokens in completed:  # each settled as the first engine's steps are: see `_written`
+                again.append(restarted.serve(tokens))
+                _written(restarted)
             return completed, again, restarted.fetched
 
 
