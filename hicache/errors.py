@@ -30,6 +30,7 @@ __all__ = [
     "StoreClosedError",
     "NamespaceTableFullError",
     "ArenaGeometryError",
+    "ArenaBeingCreatedError",
     "TraceOutputError",
     "caused_by_interrupt",
 ]
@@ -189,6 +190,16 @@ class ArenaError(HicacheError, ValueError):
 class ArenaGeometryError(ArenaError):
     """An arena exists but its geometry (slot bytes, size, schema) does not fit what this engine
     stores: the attach fails cleanly and the arena is untouched."""
+
+
+class ArenaBeingCreatedError(ArenaError):
+    """Another process is still creating the arena (it holds the arena's creators' lock, the file
+    has no header yet): an attach that does not wait for it is refused, naming the ``creator``'s
+    pid (a string, as its lock file holds it). Try again once that create has ended."""
+
+    def __init__(self, message: str, *, creator: str) -> None:
+        super().__init__(message)
+        self.creator = creator
 
 
 class NamespaceTableFullError(ArenaError):

@@ -16,7 +16,7 @@ import pytest
 from store_support import ARENA_BYTES, shm_dir  # noqa: F401 - shm_dir: a fixture
 
 from hicache.effects import arena
-from hicache.errors import ArenaError
+from hicache.errors import ArenaBeingCreatedError, ArenaError
 from hicache.plan import plan_store
 from hicache.store import open_store
 
@@ -95,8 +95,10 @@ def test_status_beside_a_creator_at_work_names_its_pid_at_once(shm_dir):
     path = str(shm_dir / "kv")
     creator = HeldCreator(path)
     try:
-        with pytest.raises(ArenaError, match=f"not finished: pid {os.getpid()} is still creating it"):
+        pid = os.getpid()
+        with pytest.raises(ArenaBeingCreatedError, match=f"not finished: pid {pid} is still creating it") as caught:
             arena.attach_arena(path)
+        assert caught.value.creator == str(os.getpid())
     finally:
         made = creator.finish()
     attached = arena.attach_arena(path)
@@ -105,6 +107,28 @@ def test_status_beside_a_creator_at_work_names_its_pid_at_once(shm_dir):
     finally:
         attached.close()
         made.close()
+
+
+def test_the_cli_beside_a_creator_at_work_says_so_and_what_to_wait_for(shm_dir, capsys):
+    """`hicache store status` is error[arena-being-created] with a hint naming the creator's pid;
+    `doctor --store` warns (the arena is not broken, only not made yet) with the same pid."""
+    import json
+
+    from hicache.cli import main
+
+    path = str(shm_dir / "kv")
+    creator = HeldCreator(path)
+    try:
+        code = main(["store", "status", path])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error[arena-being-created]:"), err
+        assert f"hint: wait for pid {os.getpid()}'s create to end" in err
+        code = main(["doctor", "--store", path, "--format", "json"])
+        check = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["store"]
+        assert check["status"] == "warn" and f"pid {os.getpid()} is still creating it" in check["finding"]
+        assert f"once pid {os.getpid()}'s create has ended" in check["hint"]
+    finally:
+        creator.finish().close()
 
 
 def test_a_creator_that_finishes_between_the_two_looks_is_attached_not_called_dead(shm_dir, monkeypatch):

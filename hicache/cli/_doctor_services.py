@@ -144,11 +144,13 @@ def _store(c: Context) -> Check:
     ops, status, hint = (SLOT_OPS_NATIVE, "pass", "") if native else (SLOT_OPS_FALLBACK, "warn", SLOT_OPS_HINT)
     if c.store is None:
         return Check("store", status, f"no arena given (--store PATH checks one); {ops}", hint)
-    from hicache.errors import ArenaError
+    from hicache.errors import ArenaBeingCreatedError, ArenaError
     from hicache.store import SlotIndex
 
     try:
         attached = arena.attach_arena(c.store, root=c.root)
+    except ArenaBeingCreatedError as error:
+        return Check("store", "warn", str(error), f"run doctor again once pid {error.creator}'s create has ended")
     except ArenaError as error:
         return Check("store", "fail", str(error), "hicache store create PATH makes one (docs/store.md)")
     try:

@@ -15,6 +15,7 @@ from hicache._extras import MissingExtraError
 from hicache.cli._common import CUDA_FAILURE, INFEASIBLE, INTERRUPTED, USAGE, CliError, Parser, fail
 from hicache.errors import (
     ApplyError,
+    ArenaBeingCreatedError,
     ArenaError,
     ArenaGeometryError,
     CapacityError,
@@ -176,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except CudaCallError as error:
         ref = "cuda-unavailable" if error.__class__.__name__ == "CudaUnavailableError" else "cuda-error"
         return fail(ref, str(error), "run `hicache doctor` on this machine", CUDA_FAILURE)
+    except ArenaBeingCreatedError as error:
+        return fail("arena-being-created", str(error),
+                    f"wait for pid {error.creator}'s create to end, then run this again", USAGE)
     except ArenaGeometryError as error:
         return fail("arena-geometry", str(error), "drop the arena (hicache store drop PATH) or match its geometry",
                     INFEASIBLE)

@@ -26,7 +26,7 @@ import time
 
 import attrs
 
-from hicache.errors import ArenaError, HostOutOfMemoryError
+from hicache.errors import ArenaBeingCreatedError, ArenaError, HostOutOfMemoryError
 from hicache.effects._arena._creators import CreatorsLock, creator_at_work
 from hicache.effects._arena._mounts import Backing, backing_of, refuse_non_regular as _refuse_non_regular
 from hicache.effects._arena._records import Records
@@ -259,7 +259,8 @@ def _incomplete(path: str, backing: Backing) -> bool:
 def _await_creator(path: str, backing: Backing, wait: bool, lock_dir) -> None:
     """An unfinished arena at ``path``: return once no creator is at work on it (waiting for
     one when ``wait``), so the attach reads what it made; `ArenaError` where its creator died
-    (the lock is free, the arena still unfinished) or is at work and ``wait`` is False."""
+    (the lock is free, the arena still unfinished), `ArenaBeingCreatedError` where one is at work and
+    ``wait`` is False."""
     holder = creator_at_work(path, directory=lock_dir)
     if holder is None:
         if not _incomplete(path, backing):  # finished between the two looks
@@ -267,8 +268,8 @@ def _await_creator(path: str, backing: Backing, wait: bool, lock_dir) -> None:
         raise ArenaError(f"store arena {path}: not finished (no header): its creator died before writing it; "
                          f"`hicache store create {path}` (or an engine given size_gb) makes it afresh")
     if not wait:
-        raise ArenaError(f"store arena {path}: not finished: pid {holder} is still creating it (try again once "
-                         "it is done)")
+        raise ArenaBeingCreatedError(f"store arena {path}: not finished: pid {holder} is still creating it (try "
+                                     "again once it is done)", creator=holder)
     log.warning("hicache: store arena %s is being created by pid %s; waiting up to %.0f s for it", path, holder,
                 CREATE_WAIT_S)
     CreatorsLock(path, timeout_s=CREATE_WAIT_S, directory=lock_dir).close()
