@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -169,6 +170,77 @@ def test_a_full_standard_output_is_an_error_line_not_a_traceback(fmt):
         result = _bounded_child(["plan", "--format", fmt], stdout=full)
     assert result.returncode == 2 and "error[bad-output]: cannot write to standard output" in result.stderr
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+
+
+def _out_targets(tmp_path) -> dict:
+    """What may sit at a --out path but a regular file: each with why it is refused."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    kept = tmp_path / "kept.json"
+    kept.write_text("theirs")
+    link = tmp_path / "link.json"
+    link.symlink_to(kept)
+    (tmp_path / "dir").mkdir()
+    return {"fifo": (fifo, "is a FIFO"), "symlink": (link, "is a symbolic link"),
+            "directory": (tmp_path / "dir", "is a directory"),
+            "missing dir": (tmp_path / "no" / "p.json", "does not exist")}
+
+
+@pytest.mark.parametrize("case", ["fifo", "symlink", "directory", "missing dir"])
+def test_plan_out_refuses_what_is_no_regular_file_and_writes_nothing_through_it(tmp_path, capsys, case):
+    """`plan --out` at a FIFO (which blocked the write until someone read it), a symlink (whose
+    target was overwritten), a directory or a missing directory: one error[bad-output] line
+    naming the path and why, exit 2; the node and what a link points at are as they were."""
+    path, why = _out_targets(tmp_path)[case]
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK) if case == "fifo" else None  # the old write then ends
+    try:
+        before = os.lstat(path) if os.path.lexists(path) else None
+        code = main(["plan", "--host-gb", "1", "--format", "json", "--out", str(path)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"error[bad-output]: output file {path}" in err and why in err, err
+        if reader is not None:
+            assert os.read(reader, 1) == b""  # nothing was written into the FIFO (no writer: end of file)
+    finally:
+        if reader is not None:
+            os.close(reader)
+    if before is not None:
+        assert os.lstat(path).st_mode == before.st_mode
+    assert (tmp_path / "kept.json").read_text() == "theirs"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_plan_out_replaces_a_file_whole_keeping_its_mode_and_a_new_one_is_private(tmp_path, capsys):
+    """An existing plan file is replaced by a rename (a new inode: a reader never sees half a
+    plan) and keeps its permissions; a new file is 0600; no temp file is left."""
+    old = tmp_path / "plan.json"
+    old.write_text("old plan")
+    os.chmod(old, 0o640)
+    inode = os.stat(old).st_ino
+    assert main(["plan", "--host-gb", "1", "--format", "json", "--out", str(old)]) == 0
+    assert json.loads(old.read_text())["kind"] == "capacity" and os.stat(old).st_ino != inode
+    assert stat.S_IMODE(os.stat(old).st_mode) == 0o640
+    new = tmp_path / "new.json"
+    assert main(["plan", "--host-gb", "1", "--format", "json", "--out", str(new)]) == 0
+    assert stat.S_IMODE(os.stat(new).st_mode) == 0o600 and json.loads(new.read_text())["kind"] == "capacity"
+    assert not list(tmp_path.rglob("*.tmp"))
+    capsys.readouterr()
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_temp_file(tmp_path):
+    """replace_file whose writer is interrupted half-way: the interrupt propagates, the old file
+    is whole, and the temp file is gone."""
+    from hicache._output_file import replace_file
+
+    old = tmp_path / "plan.json"
+    old.write_text("old plan")
+
+    def half_then_interrupt(handle):
+        handle.write("new pl")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        replace_file(str(old), half_then_interrupt, what="output file", error=ValueError)
+    assert old.read_text() == "old plan" and not list(tmp_path.rglob("*.tmp"))
 
 
 def test_sglangs_size_0_means_size_by_ratio(capsys):

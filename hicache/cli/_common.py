@@ -10,6 +10,7 @@ import os
 import sys
 from decimal import Decimal, InvalidOperation
 
+from hicache._output_file import check_output, replace_file
 from hicache.errors import PlanError
 from hicache.plan import parse_size
 
@@ -107,13 +108,14 @@ def size(text: str, flag: str, *, minimum: int = 1) -> int:
 
 
 def emit(text: str, out: str | None) -> None:
-    """Write ``text`` to ``out`` (a path) or stdout."""
+    """Write ``text`` to ``out`` (a path: a new or regular file, replaced whole - see
+    `hicache._output_file`) or stdout."""
     if out:
-        try:
-            with open(out, "w") as handle:
-                handle.write(text)
-        except OSError as error:
-            raise CliError("bad-output", f"cannot write {out}: {error.strerror}", "pass a writable --out path") from None
+        def refused(message):
+            return CliError("bad-output", message, "pass --out a new or regular file, or leave it out for standard output")
+
+        path = check_output(out, what="output file", error=refused)
+        replace_file(path, lambda handle: handle.write(text), what="output file", error=refused)
         print(f"wrote {out}", file=sys.stderr)
     else:
         try:

@@ -12,7 +12,7 @@ a regular file (checked again just before), and leaves no temp file on any failu
 cannot be written is a logged warning, never a failed bring-up. Times are the host's
 CLOCK_MONOTONIC (one clock for every process of the host) with the wall-clock time of its
 origin recorded, so the traces of all ranks merge into one timeline (`merge`, `hicache trace
-merge`). Imports hicache.errors only.
+merge`). Imports hicache.errors and the output-file leaf only.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import json
 import logging
 import os
 import socket
-import stat
-import tempfile
 import threading
 import time
 
+from hicache._output_file import check_output, replace_file
 from hicache.errors import TraceOutputError
 from hicache.plan.settings import env_value
 
@@ -35,69 +34,24 @@ CLOCK = "CLOCK_MONOTONIC"  # time.monotonic: one clock for every process of a ho
 _NULL = contextlib.nullcontext()
 logger = logging.getLogger("hicache.trace")
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
-
-
 def check_path(path) -> str:
     """``path`` as an absolute path a trace may be written to: an existing regular file this
     user may write (it is replaced), or a new file in an existing writable directory. Anything
     else - a symlink, a device, a FIFO, a directory, a missing or read-only directory - is a
-    `TraceOutputError` saying which, before anything is recorded."""
-    text = os.fspath(path)
-    if not text.strip():
-        raise TraceOutputError("trace file: an empty path")
-    absolute = os.path.abspath(text)
-    try:
-        info = os.lstat(absolute)
-    except FileNotFoundError:
-        info = None
-    except OSError as error:
-        raise TraceOutputError(f"trace file {text}: {error.strerror}") from None
-    if info is not None:
-        if stat.S_ISLNK(info.st_mode):
-            raise TraceOutputError(f"trace file {text} is a symbolic link: give the file's own path")
-        kind = next((name for test, name in _KINDS if test(info.st_mode)), None)
-        if kind is not None or not stat.S_ISREG(info.st_mode):
-            raise TraceOutputError(f"trace file {text} is {kind or 'not a regular file'}: a trace replaces only a "
-                                   "regular file")
-        if not os.access(absolute, os.W_OK):
-            raise TraceOutputError(f"trace file {text} is not writable")
-    directory = os.path.dirname(absolute)
-    if not os.path.isdir(directory):
-        raise TraceOutputError(f"trace file {text}: directory {directory} does not exist")
-    try:  # the one sure test (read-only mounts, /proc, root's permissions): make the temp file a write makes
-        fd, probe = tempfile.mkstemp(prefix=f".{os.path.basename(absolute)}.", suffix=".tmp", dir=directory)
-    except OSError as error:
-        raise TraceOutputError(f"trace file {text}: directory {directory} is not writable ({error.strerror})") from None
-    os.close(fd)
-    os.unlink(probe)
-    return absolute
+    `TraceOutputError` saying which, before anything is recorded (`hicache._output_file`)."""
+    return check_output(path, what="trace file", error=TraceOutputError)
 
 
 def write_json(path: str, data) -> bool:
-    """Write ``data`` to ``path`` through a private temp file in its directory, replacing only a
-    regular file (checked again just before the rename); True when written. A failure is a
-    logged warning and leaves no temp file; an interrupt still propagates (after the cleanup)."""
-    temporary = None
+    """Write ``data`` to ``path`` as `hicache._output_file.replace_file` writes (a private temp
+    file, then a rename onto a regular file only); True when written. A failure is a logged
+    warning and leaves no temp file; an interrupt still propagates (after the cleanup)."""
     try:
-        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                         dir=os.path.dirname(path))
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle)
-        check_path(path)  # a device or link put there since: not replaced
-        os.replace(temporary, path)  # a reader never sees half a file
-        temporary = None
+        replace_file(path, lambda handle: json.dump(data, handle), what="trace file", error=TraceOutputError)
         return True
-    except (OSError, ValueError, TypeError) as error:
+    except (TraceOutputError, ValueError, TypeError) as error:
         logger.warning("hicache: the trace %s was not written: %s", path, error)
         return False
-    finally:
-        if temporary is not None:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
 
 
 class _Recorder:
