@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hicache.errors import EnvError
@@ -303,7 +305,8 @@ def test_the_container_a_process_runs_in_is_read_from_the_marks_runtimes_leave(t
 def test_the_doctor_says_who_shares_the_budget_and_warns_in_a_container_on_the_default(tmp_path):
     """host_scope: the directory of the budget lock and where it came from; in a container with
     the default directory a warning that other containers' servers budget the host alone, with
-    the bind-mount remedy; a chosen HICACHE_RUNTIME_DIR, or no container, passes."""
+    the bind-mount remedy; a chosen HICACHE_RUNTIME_DIR, or no container, passes; one that cannot
+    hold the files (a FIFO) is left to the environment rule's FAIL, not named as the budget's home."""
     import attrs
 
     from hicache.cli._doctor import _host_scope
@@ -318,9 +321,17 @@ def test_the_doctor_says_who_shares_the_budget_and_warns_in_a_container_on_the_d
     assert alone.status == "warn" and "in a container (docker)" in alone.finding and "/tmp/hicache-1000 (the default)" \
         in alone.finding
     assert "bind-mount one host directory" in alone.hint and "HICACHE_RUNTIME_DIR" in alone.hint
-    chosen = scope("kubernetes", {"HICACHE_RUNTIME_DIR": "/shared/hicache"}, "/shared/hicache")
-    assert chosen.status == "pass" and "/shared/hicache (HICACHE_RUNTIME_DIR)" in chosen.finding
-    host = scope(None, {"XDG_RUNTIME_DIR": "/run/user/1000"}, "/run/user/1000/hicache")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    chosen = scope("kubernetes", {"HICACHE_RUNTIME_DIR": str(shared)}, str(shared))
+    assert chosen.status == "pass" and f"{shared} (HICACHE_RUNTIME_DIR)" in chosen.finding
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # read fine, but no directory: no budget lock can live there, so none is claimed to
+    named = scope("kubernetes", {"HICACHE_RUNTIME_DIR": str(fifo)}, str(fifo))
+    assert named.status == "pass" and named.finding == "the runtime directory: see HICACHE_RUNTIME_DIR above"
+    xdg = tmp_path / "run"
+    xdg.mkdir(mode=0o700)
+    host = scope(None, {"XDG_RUNTIME_DIR": str(xdg)}, str(xdg / "hicache"))
     assert host.status == "pass" and "($XDG_RUNTIME_DIR)" in host.finding
     assert scope("docker", {"HICACHE_RUNTIME_DIR": "\0"}, None).status == "pass"  # the environment rule names it
 

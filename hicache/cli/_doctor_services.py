@@ -43,8 +43,11 @@ def _host_scope(c: Context) -> Check:
     the same user. In a container the default directory is the container's own, so servers in
     other containers on the host budget its memory each alone - a warning unless
     HICACHE_RUNTIME_DIR was chosen."""
+    from hicache.effects import for_cli
+
     where = c.facts.runtime_dir
-    if where is None:  # HICACHE_RUNTIME_DIR cannot be read: the environment rule's FAIL line names it
+    # unreadable, or naming what cannot hold the files (a FIFO, another user's): the environment rule's FAIL says why
+    if where is None or any(p.name == "HICACHE_RUNTIME_DIR" for p in for_cli.environment_problems(c.env)):
         return Check("host_scope", "pass", "the runtime directory: see HICACHE_RUNTIME_DIR above")
     chosen = bool((c.env.get("HICACHE_RUNTIME_DIR") or "").strip())
     source = ("HICACHE_RUNTIME_DIR" if chosen else "$XDG_RUNTIME_DIR" if (c.env.get("XDG_RUNTIME_DIR") or "")
