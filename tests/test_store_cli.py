@@ -341,3 +341,17 @@ def test_drop_removes_ones_own_arena_of_any_mode_as_status_says(capsys, shm_dir)
     for action in ("drop", "status"):
         code, _, err = run(capsys, "store", action, path)
         assert code == 2 and err.startswith(f"error[arena]: store arena {path}: does not exist"), action
+
+
+def test_an_interrupted_create_says_no_arena_is_left_and_leaves_none(capsys, shm_dir, monkeypatch):
+    """Ctrl-C while `store create` pre-faults: error[interrupted], exit 130, a hint about the
+    arena (a store registers nothing: not apply's "nothing is left registered"), and no file."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("hicache.effects._arena._arena._prefault", interrupted)
+    path = shm_dir / "kv"
+    code, _, err = run(capsys, "store", "create", str(path), "--size-gb", "0.01", "--slot-bytes", "4096")
+    assert code == 130 and err.startswith("error[interrupted]:"), err
+    assert "hint: no unfinished arena is left behind" in err and "registered" not in err
+    assert not path.exists()

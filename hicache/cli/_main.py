@@ -79,6 +79,10 @@ def make_parser(only: str | None = None) -> Parser:
     return parser
 
 
+#: the hint after an interrupted `hicache store` command: a create removes its unfinished file
+STORE_LEFT = "no unfinished arena is left behind (an interrupted create removes its file)"
+
+
 def _what_is_left(error: BaseException | None) -> str:
     """The hint after an interrupt or failure: never "nothing is left" when a rollback leaked."""
     while error is not None:
@@ -126,6 +130,7 @@ _TORCH_NUMPY_WARNING = "Failed to initialize NumPy"
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hicache` and `python -m hicache`; returns the exit code."""
     warnings.filterwarnings("ignore", message=_TORCH_NUMPY_WARNING, category=UserWarning)
+    only = None
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
         only = argv[0] if argv and argv[0] in _COMMANDS else None
@@ -201,4 +206,5 @@ def main(argv: list[str] | None = None) -> int:
         said, code = _interrupted(interrupt)
         detail = interrupt.__cause__ or interrupt.__context__
         message = f"{said} ({detail})" if detail is not None else said
-        return fail("interrupted", message, _what_is_left(interrupt), code)
+        left = STORE_LEFT if only == "store" else _what_is_left(interrupt)  # a store registers nothing
+        return fail("interrupted", message, left, code)
