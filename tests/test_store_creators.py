@@ -1,8 +1,9 @@
 """An arena attached while its creator is still at work, or after it died: an engine given no
 size (attach only) waits for a creator holding the arena's creators' lock - a node agent's
 `hicache store create` pre-faulting beside the engines' start - and attaches what it made;
-`hicache store status` and doctor (no wait) name the creator's pid at once; an arena whose
-creator died is refused as such, never waited for. Order is proved by events, never seconds."""
+`hicache store status` and doctor (no wait) name the creator's pid at once, and `hicache store
+drop` leaves such an arena alone; an arena whose creator died is refused as such, never waited
+for. Order is proved by events, never seconds."""
 
 from __future__ import annotations
 
@@ -129,6 +130,29 @@ def test_the_cli_beside_a_creator_at_work_says_so_and_what_to_wait_for(shm_dir, 
         assert f"once pid {os.getpid()}'s create has ended" in check["hint"]
     finally:
         creator.finish().close()
+
+
+def test_drop_refuses_an_arena_its_creator_is_still_making_and_drops_it_once_made(shm_dir, capsys):
+    """`hicache store drop` beside a creator at work is error[arena-being-created] and leaves the
+    file (unlinked, the creator would finish an arena no engine finds and the next engine would
+    make a second one); once the create has ended the drop removes it. A dead creator's unfinished
+    file is dropped at once."""
+    from hicache.cli import main
+
+    path = str(shm_dir / "kv")
+    creator = HeldCreator(path)
+    try:
+        code = main(["store", "drop", path])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error[arena-being-created]:") and "not removed" in err, err
+        assert os.path.exists(path)
+    finally:
+        creator.finish().close()
+    assert arena.drop_arena(path) and not os.path.exists(path)
+    dead = shm_dir / "dead"
+    dead.write_bytes(b"HICINIT\0" + bytes(64))
+    os.chmod(dead, 0o600)
+    assert arena.drop_arena(str(dead)) and not dead.exists()
 
 
 def test_a_creator_that_finishes_between_the_two_looks_is_attached_not_called_dead(shm_dir, monkeypatch):

@@ -370,20 +370,27 @@ def _create(path, plan, label, backing, *, threads, progress, ops) -> Arena:
     return Arena(path, plan, label, backing, ops or slot_ops(), True, time.perf_counter() - began, fd, mapping)
 
 
-def drop_arena(path: str) -> bool:
+def drop_arena(path: str, *, lock_dir=None) -> bool:
     """Unlink the arena at ``path`` (its pages go when the last engine unmaps it). False when
-    there was none; `ArenaError` for what is not an arena of this user (never removed). Its mode
-    does not matter: one's own arena left open to others is exactly what status says to drop."""
+    there was none; `ArenaError` for what is not an arena of this user (never removed), and
+    `ArenaBeingCreatedError` for one a creator is still making (``lock_dir`` as for
+    `create_arena`): unlinked under it, the creator would finish an arena no engine can find,
+    and the next engine would make a second one. Its mode does not matter: one's own arena left
+    open to others is exactly what status says to drop."""
     info = _refuse_non_regular(path)
     if info is None:
         return False
     _check_owner(path, info, mode=False)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        if os.pread(fd, 8, 0) not in (b"HICSTORE", CREATING, b""):
-            raise ArenaError(f"store arena {path}: not a hicache store arena (its first bytes differ): not removed")
+        first = os.pread(fd, 8, 0)
     finally:
         os.close(fd)
+    if first not in (b"HICSTORE", CREATING, b""):
+        raise ArenaError(f"store arena {path}: not a hicache store arena (its first bytes differ): not removed")
+    if first != b"HICSTORE" and (holder := creator_at_work(path, directory=lock_dir)) is not None:
+        raise ArenaBeingCreatedError(f"store arena {path}: pid {holder} is still creating it: not removed (stop that "
+                                     "create instead: an interrupted create removes its file)", creator=holder)
     os.unlink(path)
     return True
 
