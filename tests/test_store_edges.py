@@ -570,11 +570,21 @@ def test_the_python_example_in_docs_store_md_runs_as_written(shm_dir):
     (lambda s, p: s.present(NS, [None]), "keys must be strings: key 0 is None (NoneType)"),
     (lambda s, p: s.put("kv", ["a", "b"], p.segments()), "namespace must be a hicache.store.Namespace, got 'kv'"),
     (lambda s, p: s.get(NS, ["a"], None), "pages must be a list of [(ptr, bytes), ...] per page, got None"),
-], ids=["str-keys", "bytes-keys", "int-key", "none-key", "namespace", "pages"])
+    (lambda s, p: s.exists(NS, None), "keys must be a list of strings, got NoneType None"),
+    (lambda s, p: s.put(NS, ["a"], [p.data[0]]), "page 0 is a Tensor (a page is a list of [(ptr, bytes), ...]: a "
+                                                 "tensor's data_ptr() and nbytes, not the tensor)"),
+    (lambda s, p: s.get(NS, ["a", "b"], p.data), "pages must be a list of [(ptr, bytes), ...] per page, got a Tensor"),
+    (lambda s, p: s.put(NS, ["a"], [None]), "page 0 must be a list of (ptr, bytes) segments, got NoneType None"),
+    (lambda s, p: s.put(NS, ["a"], [[(p.data[0].data_ptr(), PAGE, 0)]]), "page 0: a segment must be a (ptr, bytes) "
+                                                                         "pair, got tuple"),
+], ids=["str-keys", "bytes-keys", "int-key", "none-key", "namespace", "pages", "none-keys", "tensor-page",
+        "tensor-pages", "none-page", "triple-segment"])
 def test_a_batch_of_the_wrong_kind_is_refused_naming_it(shm_dir, call, refusal):
     """One string as the keys (it was read as one key per character: put "ab" stored pages under
-    "a" and "b"), a key that is no string, a namespace that is no Namespace, pages that are no
-    list: each a TransferError naming it (they were AttributeErrors and TypeErrors), nothing stored."""
+    "a" and "b"), None as the keys (read as none), a key that is no string, a namespace that is
+    no Namespace, pages that are no list, tensors given as pages, a segment that is no pair: each
+    a TransferError naming it (they were AttributeErrors and TypeErrors - "iteration over a 0-d
+    tensor"), nothing stored."""
     import re
 
     store, pages = _open(shm_dir, "python"), Pages(2)

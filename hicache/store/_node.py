@@ -232,9 +232,12 @@ class NodeStore:
 
 
 def _one_batch(keys) -> None:
-    """``keys`` is a batch: a str or bytes would be read as one key per character, silently."""
+    """``keys`` is a batch: a str or bytes would be read as one key per character, silently, and
+    None (or anything without a length) read as no keys at all."""
     if isinstance(keys, (str, bytes)):
         raise TransferError(f"keys must be a list of strings, got one {type(keys).__name__}: {keys[:40]!r}")
+    if not hasattr(keys, "__len__"):
+        raise TransferError(f"keys must be a list of strings, got {type(keys).__name__} {keys!r:.60}")
 
 
 def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str = "", progress=None,

@@ -35,26 +35,34 @@ class PageSegments:
         every page with as many segments as the first."""
         if isinstance(pages, PageSegments):
             return pages
+        if hasattr(pages, "data_ptr"):
+            raise TransferError(f"pages must be a list of [(ptr, bytes), ...] per page, got a {type(pages).__name__}"
+                                f"{_TENSOR_HINT}")
         try:
             pages = list(pages)
         except TypeError:
             raise TransferError(f"pages must be a list of [(ptr, bytes), ...] per page, got {pages!r}") from None
-        per_page = len(pages[0]) if pages else 1
+        per_page = _segment_count(pages[0], 0) if pages else 1
         for i, segments in enumerate(pages):
-            if len(segments) != per_page:
+            if _segment_count(segments, i) != per_page:
                 raise TransferError(f"page {i} has {len(segments)} segments, page 0 has {per_page}")
         if not per_page:
             raise TransferError("page 0 has no segments")
         try:
             ptrs = array("Q", [ptr for segments in pages for ptr, _ in segments])
             sizes = array("Q", [size for segments in pages for _, size in segments])
-        except (OverflowError, TypeError):  # a negative, huge or non-integer value: name it
+        except (OverflowError, TypeError, ValueError):  # a segment that is no pair, or no pointer and size: name it
             for i, segments in enumerate(pages):
-                for ptr, size in segments:
+                for segment in segments:
+                    try:
+                        ptr, size = segment
+                    except (TypeError, ValueError):
+                        raise TransferError(f"page {i}: a segment must be a (ptr, bytes) pair, got "
+                                            f"{_brief(segment)}{_TENSOR_HINT}") from None
                     if (not isinstance(ptr, int) or not isinstance(size, int) or ptr <= 0 or size <= 0 or ptr >= _TOP
                             or size >= _TOP):
-                        raise TransferError(f"page {i}: segment {ptr!r} + {size!r} bytes is not a pointer and a size "
-                                            "inside the address space") from None
+                        raise TransferError(f"page {i}: segment {_brief(ptr)} + {_brief(size)} bytes is not a "
+                                            "pointer and a size inside the address space") from None
             raise
         return cls(ptrs, sizes, per_page)
 
@@ -74,6 +82,27 @@ class PageSegments:
             ptrs.extend(self.ptrs[i * k:(i + 1) * k])
             sizes.extend(self.sizes[i * k:(i + 1) * k])
         return PageSegments(ptrs, sizes, k)
+
+
+#: pages are raw memory, never tensors: the store copies between the arena and the caller's buffers
+_TENSOR_HINT = " (a page is a list of [(ptr, bytes), ...]: a tensor's data_ptr() and nbytes, not the tensor)"
+
+
+def _segment_count(segments, i: int) -> int:
+    """How many segments page ``i`` has; a `TransferError` for what is no list of them."""
+    if hasattr(segments, "data_ptr"):  # a tensor has a length too: its elements are no segments
+        raise TransferError(f"page {i} is a {type(segments).__name__}{_TENSOR_HINT}")
+    try:
+        return len(segments)
+    except TypeError:
+        raise TransferError(f"page {i} must be a list of (ptr, bytes) segments, got {_brief(segments)}"
+                            f"{_TENSOR_HINT}") from None
+
+
+def _brief(value) -> str:
+    """``value`` for an error message: its type, and its repr when short."""
+    text = repr(value)
+    return f"{type(value).__name__} {text}" if len(text) <= 60 else f"a {type(value).__name__}"
 
 
 def check_pages(pages: PageSegments, *, count: int, page_bytes: int, arena: tuple[int, int], where: str,
