@@ -306,20 +306,22 @@ def _holder_script(directory: str) -> str:
 
 
 def test_a_creator_that_holds_the_lock_too_long_is_named_and_the_wait_ends(shm_dir, tmp_path):
-    """A waiter whose deadline passes (an injected clock) gives up with an error naming the
-    holder's pid and the lock file - it never waits for ever."""
+    """A waiter whose deadline passes (an injected clock) gives up with an ArenaBeingCreatedError
+    naming the holder's pid and the lock file - it never waits for ever."""
     import fcntl
 
     from hicache.effects._arena._creators import CreatorsLock as _CreatorsLock
-    from hicache.errors import ArenaError
+    from hicache.errors import ArenaBeingCreatedError
 
     lock_dir = tmp_path / "run"
     held = _CreatorsLock(str(shm_dir / "arena"), timeout_s=1, directory=lock_dir)
     ticks = iter(range(0, 1000))
     try:
-        with pytest.raises(ArenaError, match=rf"another creator \(pid {os.getpid()}\) held its lock .*arena-"):
+        with pytest.raises(ArenaBeingCreatedError, match=rf"another creator \(pid {os.getpid()}\) held its lock .*arena-") \
+                as caught:
             _CreatorsLock(str(shm_dir / "arena"), timeout_s=5, directory=lock_dir, clock=lambda: next(ticks),
                           sleep=lambda _: None)
+        assert caught.value.creator == str(os.getpid())
     finally:
         held.close()
     again = _CreatorsLock(str(shm_dir / "arena"), timeout_s=5, directory=lock_dir)  # released: taken at once

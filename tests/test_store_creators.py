@@ -14,7 +14,7 @@ import sys
 import threading
 
 import pytest
-from store_support import ARENA_BYTES, shm_dir  # noqa: F401 - shm_dir: a fixture
+from store_support import ARENA_BYTES, shm_dir, wait_until  # noqa: F401 - shm_dir: a fixture
 
 from hicache.effects import arena
 from hicache.errors import ArenaBeingCreatedError, ArenaError
@@ -153,6 +153,99 @@ def test_drop_refuses_an_arena_its_creator_is_still_making_and_drops_it_once_mad
     dead.write_bytes(b"HICINIT\0" + bytes(64))
     os.chmod(dead, 0o600)
     assert arena.drop_arena(str(dead)) and not dead.exists()
+
+
+def test_an_engine_that_would_create_waits_for_a_creator_without_holding_the_budget_lock(shm_dir, monkeypatch):
+    """open_store with a size, beside a creator at work: it waits on the arena's creators' lock
+    with the host-wide budget lock free (holding it, it would stall every pool bring-up of the
+    host for the create's length), then attaches - claiming nothing, as an attach needs no room."""
+    from machine import facts
+    from test_store_arena import RecordingLock
+
+    path = str(shm_dir / "kv")
+    creator = HeldCreator(path)
+    budget = RecordingLock()
+    held_while_waiting: list = []
+
+    def noted_sleep(seconds):
+        held_while_waiting.append(budget.held)
+        creator.go.wait(120)
+
+    monkeypatch.setattr(f"{ARENA_ROOM}.CreatorsLock", functools.partial(CREATORS.CreatorsLock, sleep=noted_sleep))
+    opened: list = []
+    engine = threading.Thread(target=lambda: opened.append(open_store(
+        path, size_bytes=ARENA_BYTES, slot_bytes=SLOT, lock=budget, machine=facts(available_bytes=ARENA_BYTES + 1))),
+        name="engine", daemon=True)
+    made = None
+    try:
+        engine.start()
+        wait_until(lambda: held_while_waiting)  # the engine waits on the creators' lock (a hang guard inside)
+        made = creator.finish()
+        engine.join(120)
+        assert opened and opened[0].arena.label == "agent" and not opened[0].arena.created
+        assert held_while_waiting == [False] and budget.events == []  # never held, nothing claimed
+    finally:
+        made = made or creator.finish()
+        for held in opened + [made]:
+            held.close()
+
+
+def test_a_creator_that_gives_up_before_its_file_leaves_the_engine_to_create_with_a_claim(shm_dir, monkeypatch):
+    """A creator holds the arena's lock but has made no file yet (the moment between the two):
+    an engine given a size waits for it with the budget lock free - it took the budget lock
+    first, and waited under it - and once that creator gives up, creates the arena itself under
+    the budget lock with a node claim."""
+    from machine import facts
+    from test_store_arena import RecordingLock
+
+    path = str(shm_dir / "kv")
+    other = CREATORS.CreatorsLock(path, timeout_s=60)  # another creator, before its file
+    released = threading.Event()
+    budget = RecordingLock()
+    held_while_waiting: list = []
+
+    def noted_sleep(seconds):
+        held_while_waiting.append(budget.held)
+        released.wait(120)
+
+    monkeypatch.setattr(f"{ARENA_ROOM}.CreatorsLock", functools.partial(CREATORS.CreatorsLock, sleep=noted_sleep))
+    opened: list = []
+    engine = threading.Thread(target=lambda: opened.append(open_store(
+        path, size_bytes=ARENA_BYTES, slot_bytes=SLOT, lock=budget, machine=facts(available_bytes=ARENA_BYTES + 1))),
+        name="engine", daemon=True)
+    try:
+        engine.start()
+        wait_until(lambda: held_while_waiting)  # the engine waits on the creators' lock (a hang guard inside)
+    finally:
+        other.close()  # that creator gives up
+        released.set()
+        engine.join(120)
+    try:
+        assert opened and opened[0].arena.created and held_while_waiting[0] is False
+        assert [e for e in budget.events if e not in ("enter", "exit")] == ["record", "forget"]
+    finally:
+        for held in opened:
+            held.close()
+
+
+def test_a_dead_creators_file_replaced_by_an_engine_is_claimed_like_any_new_arena(shm_dir):
+    """An unfinished file whose creator died, found by an engine given a size: the engine
+    replaces it under the budget lock with a node claim, recorded and given back as for any new
+    arena (it was replaced without one: the leftover read as an arena to attach)."""
+    from machine import facts
+    from test_store_arena import RecordingLock
+
+    path = shm_dir / "kv"
+    path.write_bytes(b"HICINIT\0" + bytes(64))
+    os.chmod(path, 0o600)
+    budget = RecordingLock()
+    store = open_store(str(path), size_bytes=ARENA_BYTES, slot_bytes=SLOT, lock=budget,
+                       machine=facts(available_bytes=ARENA_BYTES + 1))
+    try:
+        assert store.arena.created
+        assert [e for e in budget.events if e not in ("enter", "exit")] == ["record", "forget"]
+    finally:
+        store.close()
 
 
 def test_a_creator_that_finishes_between_the_two_looks_is_attached_not_called_dead(shm_dir, monkeypatch):

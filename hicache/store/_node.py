@@ -274,25 +274,26 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     backing = _arena.backing_of(path, root=root)
     plan = plan_store(size_bytes, slot_bytes=slot_bytes, unit_bytes=backing.unit_bytes, backing=backing.kind)
 
-    def create():
-        return _arena.create_arena(path, plan, label=label, threads=threads, progress=progress, page_bytes=slot_bytes,
-                                   total_bytes=size_bytes, ops=ops, root=root, backing=backing)
+    @contextmanager
+    def admitted():
+        """The creation's claim: under the budget lock (taken inside the arena's creators' lock,
+        never while waiting on it), held until the arena is resident - peers then see it as used."""
+        from hicache.effects import admission, probe_machine
 
-    if not budget or _arena.arena_present(path):  # attaching (or racing a creator: its lock orders us)
-        return NodeStore(create(), fault_hook=fault_hook)
-    from hicache.effects import admission, probe_machine
+        budget_lock = admission.budget_lock() if lock is None else lock
+        with budget_lock:
+            # the one admission (ranks admitted before us may still be pre-faulting: their claims
+            # decide, not their fill, issue #35), as a node claim: one rank, no reserve
+            node = admission.AdmissionPolicy(ranks_per_host=1, reserve_bytes=0)
+            claimed = admission.claim(plan.total_bytes, node, lock=budget_lock, owner=f"the node store {path}",
+                                      sample=lambda: probe_machine(root=root) if machine is None else machine)
+            try:
+                yield
+            finally:  # resident (the kernel counts the arena now) or failed: the claim goes either way
+                claimed.release()
 
-    lock = admission.budget_lock() if lock is None else lock
-    _arena.check_room(path, plan, backing)  # the mount's own limit first: the more telling error
-    with lock:  # held until the arena is resident: peers then see it as used
-        if _arena.arena_present(path):
-            return NodeStore(create(), fault_hook=fault_hook)
-        # the one admission (ranks admitted before us may still be pre-faulting: their claims
-        # decide, not their fill, issue #35), as a node claim: one rank, no reserve
-        node = admission.AdmissionPolicy(ranks_per_host=1, reserve_bytes=0)
-        claimed = admission.claim(plan.total_bytes, node, lock=lock, owner=f"the node store {path}",
-                                  sample=lambda: probe_machine(root=root) if machine is None else machine)
-        try:
-            return NodeStore(create(), fault_hook=fault_hook)
-        finally:  # resident (the kernel counts the arena now) or failed: the claim goes either way
-            claimed.release()
+    # attaching takes no claim: the arena is resident already; a creator at work is waited for
+    arena = _arena.create_arena(path, plan, label=label, threads=threads, progress=progress, page_bytes=slot_bytes,
+                                total_bytes=size_bytes, ops=ops, root=root, backing=backing,
+                                admit=admitted if budget else None)
+    return NodeStore(arena, fault_hook=fault_hook)

@@ -15,6 +15,7 @@ pre-fault, no CUDA registration: its cost does not grow with the arena.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -307,12 +308,16 @@ def check_room(path: str, plan: StorePlan, backing: Backing) -> None:
 def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None = None, progress=None,
                  exist_ok: bool = True, page_bytes: int | None = None, total_bytes: int | None = None,
                  ops=None, root: str = "/", wait_s: float = CREATE_WAIT_S, backing: Backing | None = None,
-                 lock_dir=None) -> Arena:
+                 lock_dir=None, admit=None) -> Arena:
     """Create the arena at ``path`` with ``plan`` and pre-fault it - or, when it exists already
     (``exist_ok``), attach it as `attach_arena` does with ``page_bytes``/``total_bytes``.
     Checks the mount and its room first: `ArenaError` before anything is allocated
     (``backing``: the path's, when the caller read it already; ``lock_dir``: where the creators'
-    lock lives, default hicache's private runtime directory)."""
+    lock lives, default hicache's private runtime directory). ``admit``: a context manager
+    factory entered around a creation only - never an attach - after the creators' lock is
+    taken and the room checked (the node store's budget claim: so nothing waits for another
+    creator while holding the host-wide budget lock, and a dead creator's file replaced is
+    claimed like any new arena)."""
     backing = backing_of(path, root=root) if backing is None else backing
     _refuse_non_regular(path)  # before any wait: a FIFO or a symlink is one error, not a hang
     if backing.kind != plan.backing or plan.unit_bytes != backing.unit_bytes:
@@ -332,7 +337,8 @@ def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None 
                 return attach_arena(path, page_bytes=page_bytes, total_bytes=total_bytes, ops=ops, root=root,
                                     backing=backing)
         check_room(path, plan, backing)
-        return _create(path, plan, label, backing, threads=threads, progress=progress, ops=ops)
+        with (admit() if admit is not None else contextlib.nullcontext()):
+            return _create(path, plan, label, backing, threads=threads, progress=progress, ops=ops)
     finally:
         lock.close()
 

@@ -12,7 +12,7 @@ import os
 import time
 
 from hicache.effects._hostwide._rundir import private_dir, runtime_dir
-from hicache.errors import ArenaError, LockDirectoryError
+from hicache.errors import ArenaBeingCreatedError, ArenaError, LockDirectoryError
 
 
 class CreatorsLock:
@@ -39,9 +39,10 @@ class CreatorsLock:
                 if clock() > deadline:  # a hang guard: creating even a TB arena takes minutes
                     holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
                     os.close(self.fd)
-                    raise ArenaError(f"store arena {path}: another creator (pid {holder}) held its lock {self.path} "
-                                     f"for {timeout_s:.0f} s; is it still pre-faulting? (hicache store status "
-                                     f"{path} once it is done)") from None
+                    raise ArenaBeingCreatedError(
+                        f"store arena {path}: another creator (pid {holder}) held its lock {self.path} for "
+                        f"{timeout_s:.0f} s; is it still pre-faulting? (hicache store status {path} once it is done)",
+                        creator=holder) from None
                 sleep(0.01)
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
