@@ -1,6 +1,6 @@
 """hicache.effects.arena: a sub-face for the node store (`hicache.store`) and its operators' CLI
 (issue #55 item 5): the arena file (create, attach, drop, room and mount checks), its mounts,
-whether a path holds one, and the slot protocol's word operations and per-slot locks (the C
+and the slot protocol's word operations and per-slot locks (the C
 helper's or the fallback's) with the outcomes a read reports. Each name lives in the arena room."""
 
 from hicache.effects._arena import (
@@ -11,7 +11,6 @@ from hicache.effects._arena import (
     Arena,
     NativeSlotOps,
     PythonSlotOps,
-    arena_present,
     attach_arena,
     backing_of,
     check_room,
@@ -27,5 +26,5 @@ from hicache.effects._arena import (
 )
 
 __all__ = ["Arena", "CORRUPT", "HIT", "NOT_FOUND", "NativeSlotOps", "PythonSlotOps", "TORN",
-           "arena_present", "attach_arena", "backing_of", "check_room", "create_arena", "drop_arena", "mount_of",
+           "attach_arena", "backing_of", "check_room", "create_arena", "drop_arena", "mount_of",
            "mounts", "parse_mountinfo", "slot_ops", "try_lock", "try_read_lock", "unlock"]

@@ -133,13 +133,6 @@ class Arena:
         os.close(self._fd)
 
 
-def arena_present(path: str) -> bool:
-    """Whether anything is at ``path`` (a dangling link included): a creator there, or an arena."""
-    return os.path.lexists(path)
-
-
-
-
 def _check_owner(path: str, info: os.stat_result, uid: int | None = None, *, mode: bool = True) -> None:
     """A regular file of this user (``uid``), and - unless ``mode`` is False (dropping one's own
     file) - open to nobody else: every group and other bit refused, read, write or execute."""
@@ -237,8 +230,9 @@ def _prefault(base: int, length: int, unit: int, *, threads: int, progress) -> N
 
 
 def _incomplete(path: str, backing: Backing) -> bool:
-    """A file at ``path`` a creator died making: empty, or still marked `CREATING` - or, on
-    hugetlbfs (`_mark_creating`), one hugepage of zeros: a creator that died before its mark."""
+    """A file at ``path`` not finished: empty, or still marked `CREATING` - or, on hugetlbfs
+    (`_mark_creating`), one hugepage of zeros: a creator that died before its mark. Its creator
+    is at work, or died (which one: the creators' lock says - under it, one that died)."""
     if _refuse_non_regular(path) is None:
         return False
     try:
@@ -260,8 +254,8 @@ def _incomplete(path: str, backing: Backing) -> bool:
 def _await_creator(path: str, backing: Backing, wait: bool, lock_dir) -> None:
     """An unfinished arena at ``path``: return once no creator is at work on it (waiting for
     one when ``wait``), so the attach reads what it made; `ArenaError` where its creator died
-    (the lock is free, the arena still unfinished), `ArenaBeingCreatedError` where one is at work and
-    ``wait`` is False."""
+    (the lock is free, the arena still unfinished), `ArenaBeingCreatedError` where one is at
+    work and ``wait`` is False."""
     holder = creator_at_work(path, directory=lock_dir)
     if holder is None:
         if not _incomplete(path, backing):  # finished between the two looks
