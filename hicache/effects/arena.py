@@ -1,5 +1,5 @@
 """hicache.effects.arena: a sub-face for the node store (`hicache.store`) and its operators' CLI
-(issue #55 item 5): the arena file (create, attach, drop, room and mount checks), its mounts,
+(issue #55 item 5): the arena file (create - its room checked first -, attach, drop, mount checks), its mounts,
 and the slot protocol's word operations and per-slot locks (the C
 helper's or the fallback's) with the outcomes a read reports. Each name lives in the arena room."""
 
@@ -13,7 +13,6 @@ from hicache.effects._arena import (
     PythonSlotOps,
     attach_arena,
     backing_of,
-    check_room,
     create_arena,
     drop_arena,
     mount_of,
@@ -26,5 +25,5 @@ from hicache.effects._arena import (
 )
 
 __all__ = ["Arena", "CORRUPT", "HIT", "NOT_FOUND", "NativeSlotOps", "PythonSlotOps", "TORN",
-           "attach_arena", "backing_of", "check_room", "create_arena", "drop_arena", "mount_of",
+           "attach_arena", "backing_of", "create_arena", "drop_arena", "mount_of",
            "mounts", "parse_mountinfo", "slot_ops", "try_lock", "try_read_lock", "unlock"]
