@@ -606,13 +606,17 @@ def test_a_batch_of_the_wrong_kind_is_refused_naming_it(shm_dir, call, refusal):
     (dict(size_bytes="16M"), "open_store.size_bytes must be an integer, got '16M' (str)"),
     (dict(slot_bytes=4096.0), "open_store.slot_bytes must be an integer, got 4096.0 (float)"),
     (dict(size_bytes=None, slot_bytes=None), "open_store.slot_bytes must be an integer, got None (NoneType)"),
+    (dict(ops="c"), "open_store.ops must be 'auto', 'native', 'python' or a slot-ops class, got 'c'"),
+    (dict(ops=42), "open_store.ops must be 'auto', 'native', 'python' or a slot-ops class, got 42"),
+    (dict(ops=dict), "open_store.ops must be 'auto', 'native', 'python' or a slot-ops class, got <class 'dict'>"),
 ], ids=["path", "label", "threads-str", "threads-0", "budget", "size-negative", "size-str", "slot-float",
-        "attach-slot-none"])
+        "attach-slot-none", "ops-name", "ops-int", "ops-class"])
 def test_open_stores_own_arguments_are_refused_before_any_file(shm_dir, kwargs, refusal):
     """A path that is no path, a label that is no string, a thread count that is no positive
-    integer, a budget switch that is no bool (``"no"`` was truthy), and sizes that are no positive
-    integers - named as the caller named them (the plan called ``size_bytes`` total_bytes): a
-    PlanError naming it, and no arena file made."""
+    integer, a budget switch that is no bool (``"no"`` was truthy), sizes that are no positive
+    integers - named as the caller named them (the plan called ``size_bytes`` total_bytes) - and
+    slot ops that are neither a name nor an ops class (``"python"``'s neighbours failed at the first
+    get, deep inside): a PlanError naming it, and no arena file made."""
     import os
     import re
 
@@ -622,4 +626,45 @@ def test_open_stores_own_arguments_are_refused_before_any_file(shm_dir, kwargs, 
     arguments = {"path": str(shm_dir / "arena"), "size_bytes": 1 << 24, "slot_bytes": PAGE, **kwargs}
     with pytest.raises(PlanError, match=re.escape(refusal)):
         open_store(arguments.pop("path"), **arguments)
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.parametrize("name", ["auto", "python", "native"])
+def test_open_store_takes_the_slot_ops_by_name(shm_dir, name):
+    """``ops="python"`` (or ``"native"``, ``"auto"``) is what `slot_ops` of that name gives - the
+    fallback forced by name, as a user reaches for it - for a creator and an attaching engine
+    alike, and a page goes round through it; before, the name was taken as the ops themselves and
+    the first put failed with an AttributeError from the segment check."""
+    import torch
+
+    from hicache.effects import arena
+    from hicache.store import open_store
+
+    if name == "native" and _slot_native is None:
+        pytest.skip("the C helper was not built here (no compiler): 'native' is its ImportError")
+    path = str(shm_dir / "arena")
+    page, out = Pages(1, seed=3), Pages(1)
+    with open_store(path, size_bytes=1 << 24, slot_bytes=PAGE, ops=name) as store, \
+            open_store(path, size_bytes=None, slot_bytes=PAGE, ops=name) as engine:
+        assert store.arena.ops is engine.arena.ops is arena.slot_ops(name)
+        assert store.put(NS, ["a"], page.segments()) == [True]
+        assert engine.get(NS, ["a"], out.segments()) == [True] and torch.equal(out.data, page.data)
+
+
+@pytest.mark.parametrize("call", ["attach_arena", "create_arena"])
+def test_the_arenas_own_calls_refuse_ops_they_cannot_use_before_any_file(shm_dir, call):
+    """`attach_arena` and `create_arena` check ``ops`` first, naming the call: a missing file is
+    not what they report, and nothing is made."""
+    import os
+
+    from hicache.effects import arena
+    from hicache.errors import PlanError
+    from hicache.plan import plan_store
+
+    path = str(shm_dir / "arena")
+    with pytest.raises(PlanError, match=f"{call}.ops must be 'auto', 'native', 'python' or a slot-ops class, got 7"):
+        if call == "attach_arena":
+            arena.attach_arena(path, page_bytes=PAGE, ops=7)
+        else:
+            arena.create_arena(path, plan_store(1 << 24, slot_bytes=PAGE), label="t", ops=7)
     assert os.listdir(shm_dir) == []

@@ -253,7 +253,8 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     pre-faulted, so a pool bring-up beside it samples memory with the arena already resident.
     An attach claims nothing: the arena's pages are resident already, seen as used by every
     process's probe. ``budget=False`` skips the claim (`hicache store create` on a node agent
-    that checked already)."""
+    that checked already). ``ops``: the slot operations, ``"auto"`` (the C helper where built),
+    ``"native"``, ``"python"`` (the fallback) or an ops class."""
     # open_store's own arguments, before any file is touched (they failed as a bare TypeError or
     # AttributeError, and budget="no" was truthy): a str path, or a PathLike giving one
     fspath = getattr(type(path), "__fspath__", None)
@@ -267,6 +268,7 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     # named as the caller named them (the plan's own check says total_bytes, a field it has)
     slot_bytes = check_int(PlanError, "open_store", "slot_bytes", slot_bytes)
     size_bytes = None if size_bytes is None else check_int(PlanError, "open_store", "size_bytes", size_bytes)
+    ops = _arena.slot_ops(ops, where="open_store")
     if size_bytes is None:
         # an engine given no size: a node agent's `hicache store create` may still be pre-faulting it
         arena = _arena.attach_arena(path, page_bytes=slot_bytes, ops=ops, root=root, wait_for_creator=True)

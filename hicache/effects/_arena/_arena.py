@@ -167,8 +167,10 @@ def attach_arena(path: str, *, page_bytes: int | None = None, total_bytes: int |
     ``backing``: the path's, when the caller read it already. An arena a creator is still
     making is waited for (its creators' lock, up to `CREATE_WAIT_S`; ``lock_dir`` as for
     `create_arena`) when ``wait_for_creator`` - an engine starting beside a node agent's
-    `hicache store create` - else refused at once naming the creator's pid."""
+    `hicache store create` - else refused at once naming the creator's pid. ``ops``: as `slot_ops`
+    takes them by name, or an ops class (default: the C helper where built)."""
     began = time.perf_counter()
+    ops = slot_ops(ops, where="attach_arena")
     backing = backing_of(path, root=root) if backing is None else backing
     _refuse_non_regular(path)
     if _incomplete(path, backing):
@@ -193,7 +195,7 @@ def attach_arena(path: str, *, page_bytes: int | None = None, total_bytes: int |
     except BaseException:
         os.close(fd)
         raise
-    return Arena(path, plan, label, backing, ops or slot_ops(), False, time.perf_counter() - began, fd, mapping)
+    return Arena(path, plan, label, backing, ops, False, time.perf_counter() - began, fd, mapping)
 
 
 def _prefault(base: int, length: int, unit: int, *, threads: int, progress) -> None:
@@ -311,7 +313,8 @@ def create_arena(path: str, plan: StorePlan, *, label: str, threads: int | None 
     factory entered around a creation only - never an attach - after the creators' lock is
     taken and the room checked (the node store's budget claim: so nothing waits for another
     creator while holding the host-wide budget lock, and a dead creator's file replaced is
-    claimed like any new arena)."""
+    claimed like any new arena). ``ops``: as `attach_arena` takes them."""
+    ops = slot_ops(ops, where="create_arena")
     backing = backing_of(path, root=root) if backing is None else backing
     _refuse_non_regular(path)  # before any wait: a FIFO or a symlink is one error, not a hang
     if backing.kind != plan.backing or plan.unit_bytes != backing.unit_bytes:
@@ -367,7 +370,7 @@ def _create(path, plan, label, backing, *, threads, progress, ops) -> Arena:
         os.close(fd)
         os.unlink(path)
         raise
-    return Arena(path, plan, label, backing, ops or slot_ops(), True, time.perf_counter() - began, fd, mapping)
+    return Arena(path, plan, label, backing, ops, True, time.perf_counter() - began, fd, mapping)
 
 
 def drop_arena(path: str, *, lock_dir=None) -> bool:

@@ -17,6 +17,7 @@ import fcntl
 import struct
 from array import array
 
+from hicache.errors import PlanError
 from hicache.plan import SlotView, victim_order, window_of
 from hicache.plan.store_format import DEPTH_OFFSET as _DEPTH
 from hicache.plan.store_format import LENGTH_OFFSET as _LENGTH
@@ -326,9 +327,18 @@ class PythonSlotOps:
     victims = staticmethod(_python_victims)
 
 
-def slot_ops(prefer: str = "auto"):
+def slot_ops(prefer="auto", *, where: str | None = None):
     """The operations to use: ``"native"`` (the C helper; an ImportError where it was not built),
-    ``"python"``, or ``"auto"`` (native where built)."""
+    ``"python"``, or ``"auto"`` (native where built). With ``where`` (a call's name) ``prefer``
+    is that call's ``ops`` argument: also None (auto) or an ops class itself, anything else a
+    PlanError naming ``where.ops`` - before the call touches a file."""
+    if where is not None:
+        if prefer is None:
+            prefer = "auto"
+        elif isinstance(prefer, type) and issubclass(prefer, (NativeSlotOps, PythonSlotOps)):
+            return prefer
+        if prefer not in ("auto", "native", "python"):
+            raise PlanError(f"{where}.ops must be 'auto', 'native', 'python' or a slot-ops class, got {prefer!r}")
     if prefer not in ("auto", "native", "python"):
         raise ValueError(f"slot ops must be auto, native or python, got {prefer!r}")
     if prefer == "python" or (prefer == "auto" and _native is None):
