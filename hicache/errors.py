@@ -11,6 +11,7 @@ __all__ = [
     "LayoutError",
     "PlanError",
     "CapacityError",
+    "CopyUnitOverCapError",
     "CudaCallError",
     "CudaUnavailableError",
     "HostAlreadyRegisteredError",
@@ -139,6 +140,17 @@ class RegistrationStateError(HicacheError, RuntimeError):
 
 class HostOutOfMemoryError(HicacheError, MemoryError):
     """The host could not provide the memory (mmap or pre-fault returned ENOMEM)."""
+
+
+class CopyUnitOverCapError(PlanError):
+    """A buffer's page-copy unit (``unit_bytes``) is larger than the per-call cap (``cap_bytes``,
+    decided by ``caps``: the names `Limits.binding_caps` gives): no call can hold one page copy,
+    so no split keeps every copy inside one registration. Raise that cap, or make the unit
+    smaller (fewer tokens a page, another layout)."""
+
+    def __init__(self, message: str, *, unit_bytes: int, cap_bytes: int, caps: tuple) -> None:
+        super().__init__(message)
+        self.unit_bytes, self.cap_bytes, self.caps = unit_bytes, cap_bytes, tuple(caps)
 
 
 class HugepageSizeError(PlanError):

@@ -134,6 +134,37 @@ def test_user_mistakes_print_one_error_line_and_a_hint(capsys, argv, ref, code):
 
 
 @pytest.mark.parametrize(
+    "argv, ref, code, hint",
+    [
+        (["--chunk-limit", "1MiB"], "infeasible-plan", 1,
+         "a page copy is 10 MiB: raise --chunk-limit to that or more (now 1 MiB, from --chunk-limit), "
+         "or use fewer tokens a page (--page-size)"),
+        (["--call-cap", "3MiB"], "infeasible-plan", 1,
+         "a page copy is 10 MiB: raise --call-cap to that or more (now 3 MiB, from --call-cap), "
+         "or use fewer tokens a page (--page-size)"),
+        (["--page-size", "100000", "--host-gb", "1"], "infeasible-plan", 1,
+         "a page copy is 15.26 GiB: raise --call-cap to that or more (now 4 GiB, from default), "
+         "or use fewer tokens a page (--page-size)"),
+        (["--chunk-limit", "8MiB", "--call-cap", "8MiB"], "infeasible-plan", 1,
+         "a page copy is 10 MiB: raise --chunk-limit and --call-cap to that or more (now 8 MiB, from "
+         "--chunk-limit and --call-cap), or use fewer tokens a page (--page-size)"),
+        (["--store-gb", "0.0001"], "bad-store-plan", 2,
+         "--store-gb: room for at least 16 slots (the message says how much); --store-slot-bytes: this "
+         "plan's largest page or more, a multiple of 8"),
+    ],
+    ids=["chunk-limit", "call-cap", "page-size-by-default-cap", "two-caps", "store-gb"],
+)
+def test_an_infeasible_plan_hints_at_the_flag_that_decides(capsys, argv, ref, code, hint):
+    """A page copy over the per-call cap names the flag of the cap that decides (all of them, where
+    two are equal) and its source - it said "raise --chunk-limit" whichever cap it was - and an
+    arena too small for `--store-gb` names the store's flags, not the registration caps."""
+    got, out, err = run(capsys, "plan", *argv)
+    lines = err.strip().splitlines()
+    assert got == code and lines[-2].startswith(f"error[{ref}]: "), err
+    assert lines[-1] == f"hint: {hint}"
+
+
+@pytest.mark.parametrize(
     "content, ref",
     [
         ("{not json", "bad-config"),

@@ -180,3 +180,21 @@ def test_fixed_width_integers_become_python_ints_and_cannot_overflow():
     assert type(limits.chunk_limit_bytes) is int and type(limits.hugepage_bytes) is int
     with pytest.raises(PlanError, match="must be an integer"):
         Limits(chunk_limit_bytes=True)
+
+
+def test_a_page_copy_over_the_call_cap_carries_its_numbers_and_the_caps_that_decide():
+    """A copy unit over the per-call cap is a `CopyUnitOverCapError` (a PlanError) carrying the
+    unit, the cap and every cap that decides - kept through `plan_pool`, which names the buffer
+    (it re-raised a bare PlanError, so no caller could tell which cap to raise)."""
+    from hicache.errors import CopyUnitOverCapError
+
+    limits = Limits(chunk_limit_bytes=2**20, call_cap_bytes=2**20)
+    with pytest.raises(CopyUnitOverCapError) as raised:
+        plan_registration(2**24, granularity_bytes=3 * 2**20, limits=limits)
+    assert (raised.value.unit_bytes, raised.value.cap_bytes, raised.value.caps) == (3 * 2**20, 2**20,
+                                                                                     ("chunk_limit", "call_cap"))
+    layout = MHALayout("page_first_direct", **{**MHA, "page_size": 2**16})  # a page copy of 2 x 2 x 4 x 2 x 64 Ki bytes
+    with pytest.raises(CopyUnitOverCapError, match=r"^buffer 'kv' \(page_first_direct\): granularity_bytes=") as raised:
+        plan_pool(layout, Limits(chunk_limit_bytes=2**20))
+    assert raised.value.caps == ("chunk_limit",) and raised.value.unit_bytes > raised.value.cap_bytes
+    assert isinstance(raised.value, PlanError)

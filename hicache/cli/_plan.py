@@ -82,6 +82,7 @@ def _with_store(text: str, plan, args) -> str:
     would refuse it."""
     import json
 
+    from hicache.errors import PlanError
     from hicache.plan import format_bytes, format_gb, plan_store
 
     size_bytes = int(positive_decimal(args.store_gb, "--store-gb") * 10**9)
@@ -93,7 +94,11 @@ def _with_store(text: str, plan, args) -> str:
         raise CliError("bad-value", f"--store-slot-bytes {slot} is below this plan's largest page: "
                        f"{largest.pool}'s {largest.page_bytes:,} bytes (an engine's attach refuses such an arena)",
                        f"--store-slot-bytes {need}")
-    store = plan_store(size_bytes, slot_bytes=slot)
+    try:
+        store = plan_store(size_bytes, slot_bytes=slot)
+    except PlanError as error:  # the store's own flags, not the registration caps the generic hint names
+        raise CliError("bad-store-plan", str(error), "--store-gb: room for at least 16 slots (the message says how "
+                       "much); --store-slot-bytes: this plan's largest page or more, a multiple of 8") from None
     by_tokens = [page.pool for page in pages if not page.per_request]
     token_pages = store.slots // len(by_tokens)
     per_request = [page.pool for page in pages if page.per_request]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 
-from hicache.cli._common import CONFIG_LIMIT_BYTES, CliError, positive_decimal, positive_int, read_json_file, size
-from hicache.errors import LayoutError
+from hicache.cli._common import (
+    CONFIG_LIMIT_BYTES, INFEASIBLE, CliError, positive_decimal, positive_int, read_json_file, size,
+)
+from hicache.errors import CopyUnitOverCapError, LayoutError
 from hicache.plan.settings import BY_NAME, size_in_range
 from hicache.plan import DEFAULT_CALL_CAP_BYTES
 from hicache.plan import (
@@ -176,6 +178,8 @@ def build_plan(args, resolved: ResolvedLimits | None = None) -> tuple[CapacityPl
         raise CliError("bad-config", str(error), "check --tp against the model's KV heads, or --kv-dtype") from None
     except LayoutError as error:
         raise CliError("unsupported-layout", str(error), "pick a --layout the model's pools support") from None
+    except CopyUnitOverCapError as error:
+        raise CliError("infeasible-plan", str(error), _unit_fix(error, resolved.sources), INFEASIBLE) from None
     _check_bounded(plan, args, ratio is not None, resolved.sources)
     return plan, _defaults_used(args, resolved.sources), resolved.sources
 
@@ -186,6 +190,22 @@ _CAP_FIXES = {
     "kernel_cap": "the kernel cap decides the call size: raise or unset HICACHE_KERNEL_PIN_CAP (or check --kernel-release)",
     "driver_ceiling": "the driver ceiling decides the call size: raise or unset HICACHE_DRIVER_CEILING",
 }
+
+
+#: what raises each cap, by the name `Limits.binding_caps` gives it
+_CAP_KNOBS = {"chunk_limit": "--chunk-limit", "call_cap": "--call-cap",
+              "kernel_cap": "HICACHE_KERNEL_PIN_CAP (or --kernel-release)", "driver_ceiling": "HICACHE_DRIVER_CEILING"}
+
+
+def _unit_fix(error, sources: dict) -> str:
+    """How to fit a page copy larger than the call cap: raise every cap that decides (raising
+    one of two equal ones changes nothing), or make the page smaller."""
+    def both(words):
+        return " and ".join(dict.fromkeys(words))
+
+    return (f"a page copy is {format_bytes(error.unit_bytes)}: raise {both(_CAP_KNOBS[c] for c in error.caps)} to that "
+            f"or more (now {format_bytes(error.cap_bytes)}, from {both(sources.get(c, 'default') for c in error.caps)}), "
+            "or use fewer tokens a page (--page-size)")
 
 
 def _cap_fix(limits, sources: dict) -> str:

@@ -14,7 +14,7 @@ from operator import itemgetter
 
 import attrs
 
-from hicache.errors import PlanError
+from hicache.errors import CopyUnitOverCapError, PlanError
 from hicache.plan.checks import as_tuple, check_int
 from hicache.plan._limits import Limits
 from hicache.plan._range import Range, Tiling, tiling
@@ -205,11 +205,10 @@ def plan_registration(
     )
     cap = limits.effective_cap_bytes
     if granularity > cap:
-        raise PlanError(
+        raise CopyUnitOverCapError(
             f"granularity_bytes={granularity} ({format_bytes(granularity)}) is larger than the "
             f"per-call cap {cap} ({format_bytes(cap)}, {' = '.join(limits.binding_caps())}): "
-            "no call can hold one page copy"
-        )
+            "no call can hold one page copy", unit_bytes=granularity, cap_bytes=cap, caps=limits.binding_caps())
     alignment, alignment_notes = _boundary_alignment(granularity, cap, limits)
     step = cap // alignment * alignment
     ranges = _tile(total, step)

@@ -77,7 +77,8 @@ def plan_pool(layout, limits: Limits) -> PoolPlan:
             plan = plan_registration(
                 spec.nbytes, granularity_bytes=spec.copy_unit_bytes, limits=limits
             )
-        except PlanError as error:
-            raise PlanError(f"buffer {spec.name!r} ({spec.layout}): {error}") from error
+        except PlanError as error:  # named by its buffer, its kind and data kept (CopyUnitOverCapError's caps)
+            error.args = (f"buffer {spec.name!r} ({spec.layout}): {error}",)
+            raise
         buffers.append(BufferPlan(spec, plan))
     return PoolPlan(layout, limits, tuple(buffers))
