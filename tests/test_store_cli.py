@@ -82,14 +82,18 @@ def test_drop_unlinks_and_a_second_drop_says_there_is_none(capsys, shm_dir):
     (["--size-gb", "0.01", "--slot-bytes", "12"], "bad-store-plan", 2),
     (["--size-gb", "0.000001", "--slot-bytes", "4096"], "bad-store-plan", 2),
     (["--size-gb", "0.01", "--slot-bytes", "lots"], "bad-number", 2),
+    (["--size-gb", "0.01", "--slot-bytes", "4096", "--label", "x" * 65], "bad-value", 2),
+    (["--size-gb", "0.01", "--slot-bytes", "4096", "--label", "a\tb"], "bad-value", 2),
 ])
 def test_bad_create_input_is_one_error_and_nothing_is_left(capsys, shm_dir, argv, ref, code):
     """A size beyond the free tmpfs, a negative size, slots not in 8-byte words, an arena too
-    small for its slots, a word for a number: its own error ref and exit code, a hint about the
-    store's own flags (a registration plan's --chunk-limit once), and the directory stays empty."""
+    small for its slots, a word for a number, a label the header cannot hold (too long, or not one
+    printable line): its own error ref and exit code, a hint about the flag at fault (a
+    registration plan's --chunk-limit once, the slot's for a label), and the directory stays empty."""
     got, out, err = run(capsys, "store", "create", str(shm_dir / "kv"), *argv)
     assert (got, out) == (code, "") and err.startswith(f"error[{ref}]:") and "\nhint: " in err
     assert "--chunk-limit" not in err and ("--slot-bytes" in err.split("hint: ", 1)[1] or ref != "bad-store-plan")
+    assert ("--label" in err) == ("--label" in argv)
     assert os.listdir(shm_dir) == []
 
 

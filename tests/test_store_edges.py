@@ -599,6 +599,8 @@ def test_a_batch_of_the_wrong_kind_is_refused_naming_it(shm_dir, call, refusal):
 @pytest.mark.parametrize("kwargs, refusal", [
     (dict(path=5), "open_store.path must be a path, got 5"),
     (dict(label=5), "open_store.label must be a string, got 5"),
+    (dict(label="x" * 65), "open_store.label must be at most 64 bytes of UTF-8, got 65"),
+    (dict(label="a\nb"), "open_store.label must be printable text, got 'a\\nb'"),
     (dict(threads="4"), "open_store.threads must be an integer, got '4'"),
     (dict(threads=0), "open_store.threads must be positive, got 0"),
     (dict(budget="no"), "open_store.budget must be True or False, got 'no'"),
@@ -609,7 +611,7 @@ def test_a_batch_of_the_wrong_kind_is_refused_naming_it(shm_dir, call, refusal):
     (dict(ops="c"), "open_store.ops must be 'auto', 'native', 'python' or a slot-ops class, got 'c'"),
     (dict(ops=42), "open_store.ops must be 'auto', 'native', 'python' or a slot-ops class, got 42"),
     (dict(ops=dict), "open_store.ops must be 'auto', 'native', 'python' or a slot-ops class, got <class 'dict'>"),
-], ids=["path", "label", "threads-str", "threads-0", "budget", "size-negative", "size-str", "slot-float",
+], ids=["path", "label", "label-long", "label-newline", "threads-str", "threads-0", "budget", "size-negative", "size-str", "slot-float",
         "attach-slot-none", "ops-name", "ops-int", "ops-class"])
 def test_open_stores_own_arguments_are_refused_before_any_file(shm_dir, kwargs, refusal):
     """A path that is no path, a label that is no string, a thread count that is no positive

@@ -9,10 +9,12 @@ import struct
 
 import pytest
 from hypothesis import example, given
+from hypothesis import strategies as st
 from strategies import store_geometries
 
 from hicache.errors import ArenaError, ArenaGeometryError, PlanError
 from hicache.plan import plan_store
+from hicache.plan.store_format import check_label, fitted_label
 from hicache.plan._store import (
     CREATING,
     HEADER_BYTES,
@@ -133,6 +135,26 @@ def test_a_header_naming_no_backing_this_hicache_knows_is_corrupt():
     raw[-4:] = struct.pack("<I", zlib.crc32(bytes(raw[:-4])))
     with pytest.raises(ArenaError, match="corrupt header .backing 7"):
         decode_header(bytes(raw))
+
+
+@given(st.text(max_size=200))
+@example("/models/huggingface/hub/models--meta-llama--Llama-3.1-70B-Instruct/snapshots/1605565b47bb9346c5515c34102e054115b4f98b")
+@example("é" * 33)
+@example("\ud800x\n")
+@example("a..." * 40)
+def test_a_fitted_label_is_one_the_header_takes_and_keeps_what_fits(text):
+    """`fitted_label` of any text (a served model's name) is a label `check_label` takes: the text
+    itself where it is one; else unprintables as ``?`` and, past 64 bytes, ``head...tail`` whose
+    head starts and whose tail ends the text, each at least 25 bytes - whole characters only."""
+    label = fitted_label(text)
+    assert check_label(label) == label.encode()
+    shown = "".join(c if c.isprintable() else "?" for c in text)
+    if len(shown.encode()) <= 64:
+        assert label == shown
+    else:
+        cuts = [k for k in range(len(label)) if label[k:k + 3] == "..." and shown.startswith(label[:k])
+                and shown.endswith(label[k + 3:])]  # the text may hold "..." itself
+        assert any(len(label[:k].encode()) >= 25 and len(label[k + 3:].encode()) >= 25 for k in cuts)
 
 
 def test_a_label_longer_than_its_field_is_refused_not_cut():

@@ -93,13 +93,21 @@ def test_sglangs_factory_builds_it_with_an_empty_kwargs_dict(sglang, shm_dir, po
     (dict(size_gb=-1), r"'size_gb' must be a positive number"),
     (dict(slot_bytes=1.5), r"'slot_bytes' must be a positive integer, got 1.5"),
     (dict(colour="blue"), r"unknown key\(s\) \['colour'\]"),
+    (dict(size_gb=float("inf")), r"'size_gb' must be a positive number of GB, got inf"),
+    (dict(prefault_threads=5000), r"'prefault_threads' must be at most 1024, got 5000"),
+    (dict(label="x" * 65), r"'label' must be at most 64 bytes of UTF-8, got 65"),
+    (dict(label="a\nb"), r"'label' must be printable text, got 'a\\nb'"),
+    (dict(label="\ud800"), r"'label' must be printable text"),
 ])
 def test_bad_extra_config_is_one_error_naming_the_key_before_anything_exists(sglang, shm_dir, extra, match):
-    """A bad extra_config key or value is one ArenaError naming it, and no arena file is made."""
+    """Each bad value (a missing or relative arena path, a size that is no positive finite number
+    - JSON's ``Infinity`` reaches here -, a fractional slot size, more pre-fault threads than
+    `open_store` takes, a label the arena's header cannot hold, an unknown key) is an ArenaError
+    from SGLang's factory naming its key, and no arena file is made. The last three failed only
+    when this engine came to create the arena, named as `open_store`'s or the header's fields -
+    and an attaching engine's bad label passed unseen."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    """Each bad value (a missing or relative arena path, a size that is no positive number, a
-    fractional slot size, an unknown key) is an ArenaError from SGLang's factory naming it."""
     config = _config(_extra(shm_dir / "arena", **extra))  # a None value drops the key
     with pytest.raises(ArenaError, match=match):
         StorageBackendFactory.create_backend("dynamic", config, None)
@@ -632,3 +640,44 @@ def test_ranks_share_a_namespace_exactly_where_sglangs_hicache_file_shares_a_fil
     assert len(by_suffix) > 20
     assert {s: shards for s, shards in by_suffix.items() if len(shards) > 1} == {}  # one file, two namespaces
     assert {s: suffixes for s, suffixes in by_shard.items() if len(suffixes) > 1} == {}  # one namespace, two files
+
+
+@pytest.mark.parametrize("model", [
+    "/models/huggingface/hub/models--meta-llama--Llama-3.1-70B-Instruct/snapshots/1605565b47bb9346c5515c34102e054115b4f98b",
+    "/srv/модели/" + "Ω" * 40,
+], ids=["hf-snapshot-path", "multibyte"])
+def test_a_long_served_model_name_labels_the_arena_shortened(sglang, shm_dir, pools, model):
+    """SGLang's served model name defaults to ``--model-path``, and a Hugging Face cache path is
+    longer than the header's 64-byte label: the engine creating the arena labels it with that
+    name shortened in the middle (whole characters, the head and tail kept) - it failed its
+    attach with ``store label must be at most 64 bytes``, so every engine on the node did."""
+    from hicache.effects import arena as effects_arena
+
+    store = _store(shm_dir / "arena", pools[0], model=model)
+    try:
+        assert store.batch_set_v1(["a"], torch.arange(0, PAGE)) == [True]
+    finally:
+        store.close()
+    attached = effects_arena.attach_arena(str(shm_dir / "arena"))
+    try:
+        label = attached.label
+    finally:
+        attached.close()
+    assert len(label.encode()) <= 64 and "..." in label
+    head, _, tail = label.partition("...")
+    assert model.startswith(head) and model.endswith(tail) and len(head) >= 10 and len(tail) >= 10
+
+
+def test_docs_store_md_lists_every_extra_config_key_as_the_code_says_it():
+    """docs/store.md's extra_config table is `CONFIG_KEYS`, row for row (backticks aside): what an
+    operator reads there is what the back end reads and checks (the two had drifted apart)."""
+    import pathlib
+    import re
+
+    from hicache.compat.sglang_store import CONFIG_KEYS
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "store.md").read_text()
+    table = text.split("### extra_config keys", 1)[1].split("\n\n(", 1)[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+) \|$", table, flags=re.M))
+    assert {key: meaning.replace("`", "") for key, meaning in rows.items()} == {
+        key: meaning.replace("`", "") for key, meaning in CONFIG_KEYS.items()}

@@ -14,12 +14,13 @@ import time
 
 from hicache.cli._common import USAGE, CliError, emit, positive_decimal, positive_int
 from hicache.errors import PlanError
+from hicache.plan import format_bytes, format_gb, format_progress
+from hicache.plan.store_format import check_label
 
 #: what to change when the store's geometry cannot be planned (the registration plan's hint,
 #: --chunk-limit, was given here once)
 STORE_PLAN_HINT = ("--slot-bytes: a multiple of 8 that holds the largest page an engine stores; --size-gb: room for "
                    "many slots of it (`hicache plan --store-gb N` sizes both for a model)")
-from hicache.plan import format_bytes, format_gb, format_progress
 
 DESCRIPTION = (
     "The node store's arena: one tmpfs (/dev/shm) or hugetlbfs file every SGLang engine on the node "
@@ -126,6 +127,10 @@ def run(args) -> int:
     size_bytes = int(positive_decimal(args.size_gb, "--size-gb") * 10**9)
     slot_bytes = positive_int(args.slot_bytes, "--slot-bytes")
     threads = positive_int(args.threads, "--threads") if args.threads else None
+    try:
+        check_label(args.label or "", where="--label")
+    except PlanError as error:
+        raise CliError("bad-value", str(error), "a name of at most 64 bytes of printable text") from None
     try:
         store = open_store(args.path, size_bytes=size_bytes, slot_bytes=slot_bytes, label=args.label or "",
                            threads=threads, progress=_Progress())

@@ -14,6 +14,7 @@ data pages. Only this module knows SGLang; the store itself is `hicache.store`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -25,8 +26,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache.compat._store_views import PoolView as _PoolView
 from hicache.compat._store_views import flat_segments as _flat_segments
-from hicache.errors import ArenaError, NamespaceTableFullError, StoreClosedError, TransferError
-from hicache.store import Namespace, open_store, shard_of
+from hicache.errors import ArenaError, NamespaceTableFullError, PlanError, StoreClosedError, TransferError
+from hicache.plan.store_format import check_label, fitted_label
+from hicache.store import MAX_PREFAULT_THREADS, Namespace, open_store, shard_of
 from hicache.plan.checks import is_integer, is_real
 
 logger = logging.getLogger(__name__)
@@ -36,10 +38,11 @@ logger = logging.getLogger(__name__)
 CONFIG_KEYS = {
     "arena": "path of the arena file on tmpfs (/dev/shm/...) or hugetlbfs (required)",
     "size_gb": "arena size in GB (10**9 bytes, as --hicache-size): create it when missing; "
-               "absent: attach an existing arena only",
+               "absent: attach an existing arena only (one a creator is still making is waited for)",
     "slot_bytes": "bytes per slot when this engine creates the arena (default: its largest page)",
-    "label": "a name for operators, shown by `hicache store status` (default: the model)",
-    "prefault_threads": "threads pre-faulting a new arena (default: the CPUs, at most 16)",
+    "label": "a name for operators, shown by `hicache store status`: at most 64 bytes of printable text "
+             "(default: the served model's name, shortened in the middle to fit)",
+    "prefault_threads": "threads pre-faulting a new arena, at most 1024 (default: the CPUs, at most 16)",
 }
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 GB = 10**9
@@ -56,14 +59,20 @@ def _check_config(extra: dict) -> dict:
     if not isinstance(arena, str) or not arena.startswith("/"):
         problems.append(f"'arena' must be an absolute path of the arena file, got {arena!r}")
     size = extra.get("size_gb")
-    if size is not None and not (is_real(size) and size > 0):
+    if size is not None and not (is_real(size) and math.isfinite(size) and size > 0):  # JSON reads Infinity
         problems.append(f"'size_gb' must be a positive number of GB, got {size!r}")
     for key in ("slot_bytes", "prefault_threads"):
         value = extra.get(key)
         if value is not None and not (is_integer(value) and value > 0):
             problems.append(f"{key!r} must be a positive integer, got {value!r}")
-    if extra.get("label") is not None and not isinstance(extra["label"], str):
-        problems.append(f"'label' must be a string, got {extra['label']!r}")
+    threads = extra.get("prefault_threads")
+    if is_integer(threads) and threads > MAX_PREFAULT_THREADS:
+        problems.append(f"'prefault_threads' must be at most {MAX_PREFAULT_THREADS}, got {threads!r}")
+    if extra.get("label") is not None:
+        try:
+            check_label(extra["label"], where="'label'")
+        except PlanError as error:
+            problems.append(str(error))
     if problems:
         raise ArenaError("HiCacheNodeStore extra_config: " + "; ".join(problems))
     return extra
@@ -170,8 +179,8 @@ class HiCacheNodeStore(HiCacheStorage):
                              f"page of {largest} bytes")
         began = time.perf_counter()
         self.store = open_store(self.path, size_bytes=None if size_gb is None else int(size_gb * GB),
-                                slot_bytes=slot_bytes, label=self.extra.get("label") or self.storage_config.model_name
-                                or "", threads=self.extra.get("prefault_threads"), progress=_LoggedProgress())
+                                slot_bytes=slot_bytes, label=self.extra.get("label")
+                                or fitted_label(self.storage_config.model_name or ""), threads=self.extra.get("prefault_threads"), progress=_LoggedProgress())
         try:
             if self.store.arena.plan.slot_bytes < largest:
                 raise ArenaError(f"HiCacheNodeStore: arena {self.path} has {self.store.arena.plan.slot_bytes}-byte "

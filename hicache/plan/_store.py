@@ -140,12 +140,37 @@ def plan_store(total_bytes: int, *, slot_bytes: int, unit_bytes: int = 4096, bac
                      data_offset=data_offset)
 
 
+def check_label(label, *, where: str = "store label") -> bytes:
+    """``label``'s UTF-8 bytes as the header holds them, or a `PlanError` naming ``where``: printable
+    text (`hicache store status` prints it on one line) of at most `LABEL_BYTES` bytes."""
+    if not isinstance(label, str):
+        raise PlanError(f"{where} must be a string, got {label!r}")
+    if not label.isprintable():  # a lone surrogate (JSON's "\ud800") is not printable, and has no UTF-8
+        raise PlanError(f"{where} must be printable text, got {label!r}")
+    raw = label.encode()
+    if len(raw) > LABEL_BYTES:
+        raise PlanError(f"{where} must be at most {LABEL_BYTES} bytes of UTF-8, got {len(raw)}: {label!r}")
+    return raw
+
+
+def fitted_label(text: str) -> str:
+    """``text`` made a label `check_label` takes: itself where it is one, else with anything
+    unprintable as ``?`` and shortened in the middle to ``head...tail`` of whole characters - a
+    default label from a model's name (SGLang serves a model under its path, often longer)."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    raw = text.encode()
+    if len(raw) <= LABEL_BYTES:
+        return text
+    keep = LABEL_BYTES - 3
+    head = raw[:keep // 2].decode(errors="ignore")  # a character cut in two is dropped whole
+    tail = raw[len(raw) - (keep - keep // 2):].decode(errors="ignore")
+    return f"{head}...{tail}"
+
+
 def encode_header(plan: StorePlan, *, label: str) -> bytes:
     """The header's bytes (written last when an arena is created: a file without them is no
-    arena yet). ``label`` names the arena for operators (at most 64 bytes of UTF-8)."""
-    raw_label = label.encode()
-    if len(raw_label) > LABEL_BYTES:
-        raise PlanError(f"store label must be at most {LABEL_BYTES} bytes of UTF-8, got {len(raw_label)}: {label!r}")
+    arena yet). ``label`` names the arena for operators (`check_label`)."""
+    raw_label = check_label(label)
     body = _HEADER.pack(MAGIC, ARENA_SCHEMA, HEADER_BYTES, plan.total_bytes, plan.slot_bytes, plan.slot_stride, plan.slots,
                         plan.unit_bytes, plan.window, BACKINGS.index(plan.backing), plan.namespace_offset,
                         plan.index_offset, plan.data_offset, raw_label)

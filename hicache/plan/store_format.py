@@ -23,12 +23,14 @@ from hicache.plan._store import (
     WRITER_OFFSET,
     StorePlan,
     check_geometry,
+    check_label,
     counter_offset,
     decode_header,
     encode_header,
+    fitted_label,
 )
 
 __all__ = ["COUNTERS", "COUNTERS_OFFSET", "CREATING", "DEPTH_OFFSET", "GEN", "HEADER_LENGTH", "KEY", "LENGTH_OFFSET",
            "NAMESPACE_BYTES", "NAMESPACE_ENTRIES", "NS_OFFSET", "RECORD", "RECORD_BYTES", "REF_OFFSET",
            "STAMP_OFFSET", "SUM1_OFFSET", "SUM2_OFFSET", "WRITER_OFFSET", "StorePlan", "check_geometry",
-           "counter_offset", "decode_header", "encode_header"]
+           "check_label", "counter_offset", "decode_header", "encode_header", "fitted_label"]

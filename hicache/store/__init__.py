@@ -13,8 +13,8 @@ from hicache.effects.arena import drop_arena
 from hicache.plan import StorePlan, plan_store
 from hicache.store._index import Census, SlotIndex
 from hicache.store._keys import Namespace, shard_of
-from hicache.store._node import NodeStore, StoreCounts, open_store
+from hicache.store._node import MAX_PREFAULT_THREADS, NodeStore, StoreCounts, open_store
 from hicache.store._pages import PageSegments
 
-__all__ = ["Census", "Namespace", "NodeStore", "PageSegments", "SlotIndex", "StoreCounts", "StorePlan", "drop_arena",
+__all__ = ["MAX_PREFAULT_THREADS", "Census", "Namespace", "NodeStore", "PageSegments", "SlotIndex", "StoreCounts", "StorePlan", "drop_arena",
            "open_store", "plan_store", "shard_of"]

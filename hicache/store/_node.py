@@ -16,6 +16,7 @@ from hicache.effects import arena as _arena
 from hicache.errors import ArenaGeometryError, PlanError, StoreClosedError, TransferError
 from hicache.plan import plan_store
 from hicache.plan.checks import check_bool, check_int
+from hicache.plan.store_format import check_label
 from hicache.store._index import NO_NAMESPACE, Census, SlotIndex
 from hicache.store._namespaces import BUSY
 from hicache.store._keys import Namespace, SlotKeyMemo
@@ -240,6 +241,10 @@ def _one_batch(keys) -> None:
         raise TransferError(f"keys must be a list of strings, got {type(keys).__name__} {keys!r:.60}")
 
 
+#: the most threads `open_store` pre-faults a new arena with (each is a thread of this process)
+MAX_PREFAULT_THREADS = 1024
+
+
 def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str = "", progress=None,
                threads: int | None = None, ops=None, fault_hook=None, root: str = "/", machine=None, lock=None,
                budget: bool = True) -> NodeStore:
@@ -261,9 +266,9 @@ def open_store(path: str, *, size_bytes: int | None, slot_bytes: int, label: str
     path = path if isinstance(path, str) or fspath is None else fspath(path)
     if not isinstance(path, str):
         raise PlanError(f"open_store.path must be a path, got {path!r}")
-    if not isinstance(label, str):
-        raise PlanError(f"open_store.label must be a string, got {label!r}")
-    threads = None if threads is None else check_int(PlanError, "open_store", "threads", threads, maximum=1024)
+    check_label(label, where="open_store.label")  # before any lock or claim: the header holds it
+    threads = None if threads is None else check_int(PlanError, "open_store", "threads", threads,
+                                                     maximum=MAX_PREFAULT_THREADS)
     budget = check_bool(PlanError, "open_store", "budget", budget)
     # named as the caller named them (the plan's own check says total_bytes, a field it has)
     slot_bytes = check_int(PlanError, "open_store", "slot_bytes", slot_bytes)
