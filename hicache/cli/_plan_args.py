@@ -43,22 +43,28 @@ MAX_FORCED_CALLS = 1_000_000  # ... and with it (its JSON is ~60 MB; past this, 
 
 
 def _model(args):
+    name = None
     if args.model_path:
         if args.config:
             raise CliError("conflicting-flags", "--model-path and --config both given", "pass one of them")
-        import os
+        if args.model:
+            raise CliError("conflicting-flags", "--model and --model-path both given", "pass one of them")
+        from hicache.cli._model_path import resolve_model_path
 
-        if not os.path.isdir(args.model_path):
-            raise CliError("bad-config", f"--model-path {args.model_path} is not a directory",
-                           "pass a local model directory holding config.json (or --config FILE)")
-        args.config = os.path.join(args.model_path, "config.json")
+        kind, found, said = resolve_model_path(args.model_path, PRESETS)
+        if kind == "preset":
+            import sys
+
+            print(f"hicache plan: {said}", file=sys.stderr)
+            return PRESETS[found]
+        args.config, name = found, said
     if args.config and args.model:
         raise CliError("conflicting-flags", "--model and --config both given", "pass one of them")
     if args.config:
         path = args.config
         data = read_json_file(path, "--config", CONFIG_LIMIT_BYTES, "pass the path of a HuggingFace config.json", "bad-config")
         try:
-            return model_from_hf_config(data, name=str(path))
+            return model_from_hf_config(data, name=name or str(path))
         except ConfigError as error:
             raise CliError("bad-config", str(error), "check the config.json, or use --model with a preset") from None
     name = args.model or CAPACITY_DEFAULTS["model"]
@@ -238,7 +244,8 @@ def add_plan_arguments(parser, *, budget_title: str = "budget (plan never reads 
     what = parser.add_argument_group("model and parallelism")
     what.add_argument("--model", help=f"embedded preset (default {CAPACITY_DEFAULTS['model']}; --list-models)")
     what.add_argument("--config", help="a HuggingFace config.json instead of a preset")
-    what.add_argument("--model-path", help="a local model directory holding config.json (SGLang's name)")
+    what.add_argument("--model-path", help="as SGLang's: a local model directory holding config.json, or a Hugging "
+                      "Face repo id - read offline from the Hugging Face cache, else the preset of that source")
     what.add_argument("--tp", "--tp-size", dest="tp",
                       help=f"tensor-parallel size (default {CAPACITY_DEFAULTS['tp']}, as SGLang's --tp-size)")
     what.add_argument("--page-size", help=f"tokens per page (default {CAPACITY_DEFAULTS['page_size']})")
