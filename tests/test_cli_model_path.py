@@ -53,7 +53,8 @@ def test_a_presets_repo_id_plans_that_preset_when_the_cache_lacks_it(capsys, tmp
 def test_a_cached_repo_is_read_at_refs_main_before_any_preset(capsys, tmp_path, monkeypatch):
     """A repo in the Hugging Face cache is planned from its config.json at the snapshot refs/main
     names (a symlink into blobs, as huggingface_hub leaves it), even where a preset has that
-    source: the cached config is the model SGLang would load. Named by its repo id."""
+    source: the cached config is the model SGLang would load. Named by its repo id, its source the
+    config read."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     _cache_repo(tmp_path, LLAMA, SMALL, extra=[("ffff0000" * 5, {**SMALL, "num_hidden_layers": 99})])
     code, plan, err = _plan(capsys, "--model-path", LLAMA)
@@ -62,6 +63,7 @@ def test_a_cached_repo_is_read_at_refs_main_before_any_preset(capsys, tmp_path, 
     config.write_text(json.dumps(SMALL))
     _, expected, _ = _plan(capsys, "--config", str(config))
     assert plan["pools"] == expected["pools"] and plan["model"]["name"] == LLAMA
+    assert plan["model"]["source"].endswith(os.path.join("snapshots", "0123abcd" * 5, "config.json"))
 
 
 def test_one_snapshot_without_refs_is_read_and_several_are_refused_naming_them(capsys, tmp_path, monkeypatch):

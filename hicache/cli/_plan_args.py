@@ -64,7 +64,7 @@ def _model(args):
         path = args.config
         data = read_json_file(path, "--config", CONFIG_LIMIT_BYTES, "pass the path of a HuggingFace config.json", "bad-config")
         try:
-            return model_from_hf_config(data, name=name or str(path))
+            return model_from_hf_config(data, name=name or str(path), source=str(path))
         except ConfigError as error:
             raise CliError("bad-config", str(error), "check the config.json, or use --model with a preset") from None
     name = args.model or CAPACITY_DEFAULTS["model"]

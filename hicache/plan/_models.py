@@ -87,8 +87,9 @@ from hicache.plan._layouts import MAX_LAYERS  # noqa: E402
 MAX_DIMENSION = 1_000_000
 
 
-def model_from_hf_config(config: dict, *, name: str = "config.json") -> ModelSpec:
-    """Read a HuggingFace ``config.json`` dict into a `ModelSpec`, naming any missing key.
+def model_from_hf_config(config: dict, *, name: str = "config.json", source: str | None = None) -> ModelSpec:
+    """Read a HuggingFace ``config.json`` dict into a `ModelSpec`, naming any missing key
+    (``source``: where it was read, default ``name``).
 
     head_dim absent -> hidden_size / num_attention_heads; MLA keys (kv_lora_rank) -> MLA;
     index keys (index_head_dim) -> DSA indexer too; linear-attention keys -> Mamba-style state.
@@ -126,7 +127,7 @@ def model_from_hf_config(config: dict, *, name: str = "config.json") -> ModelSpe
         if config.get("index_head_dim") is not None:
             facts["index_head_dim"] = config["index_head_dim"]
             kind = "mla_dsa"
-        return ModelSpec(name, name, kind, facts)
+        return ModelSpec(name, source or name, kind, facts)
     heads = config.get("num_attention_heads")
     facts["num_key_value_heads"] = _first(config, "num_key_value_heads") or heads or need("num_key_value_heads")
     if config.get("head_dim") is not None:
@@ -161,7 +162,7 @@ def model_from_hf_config(config: dict, *, name: str = "config.json") -> ModelSpe
                 swa_head_dim=config.get("swa_head_dim", facts["head_dim"]),
                 swa_v_head_dim=config.get("swa_v_head_dim", facts["v_head_dim"]),
             )
-    return ModelSpec(name, name, kind, facts)
+    return ModelSpec(name, source or name, kind, facts)
 
 
 def _sliding_layers(config: dict, name: str) -> int:
