@@ -176,6 +176,48 @@ def _checksum_copy(page_bytes: int) -> str:
                        times["ours"], "ctypes.memmove of the same pages", times["theirs"])
 
 
+def _torch_unique_first(keys):
+    """The census's de-duplication before 2026-12-07 (torch.unique over rows): the baseline."""
+    import torch
+
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((unique.shape[0],), keys.shape[0], dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(keys.shape[0]), reduce="amin")
+    return unique, first
+
+
+def _census(shm: str) -> str:
+    """A census of a many-slot arena (`hicache store status`, the metrics' scrape, `get_stats`
+    every 10 s) against the same census de-duplicating with torch.unique(dim=0) as it did."""
+    import torch
+
+    from hicache.store import Namespace, _index, open_store
+
+    store = open_store(f"{shm}/arena-census", size_bytes=GiB, slot_bytes=4096, budget=False)
+    try:
+        ns = Namespace(model="bench", dtype="uint8", page_tokens=1, layout="flat", pool="kv", page_bytes=4096)
+        page = torch.zeros(4096, dtype=torch.uint8)
+        live = store.arena.plan.slots * 2 // 5
+        for first in range(0, live, 512):
+            keys = [f"k{n}" for n in range(first, min(first + 512, live))]
+            store.put(ns, keys, [[(page.data_ptr(), 4096)]] * len(keys))
+        pages = store.census().pages
+        ours = _index._first_of_each
+
+        def theirs():
+            _index._first_of_each = _torch_unique_first
+            try:
+                store.census()
+            finally:
+                _index._first_of_each = ours
+
+        times = interleaved({"ours": store.census, "theirs": theirs}, rounds=max(ROUNDS, 7))
+        return median_line(f"store census of {store.arena.plan.slots:,} slots ({pages:,} pages)", times["ours"],
+                           "the same census de-duplicating with torch.unique(dim=0), as before", times["theirs"])
+    finally:
+        store.close()
+
+
 def _attach(shm: str) -> str:
     from hicache.effects import arena as effects_arena
     from hicache.plan import plan_store
@@ -248,6 +290,7 @@ def main() -> int:
             for kind in KINDS:
                 for line in _batches(kind, shm):
                     print(line, flush=True)
+        print(_census(shm), flush=True)
         print(_attach(shm), flush=True)
         print(_restart(shm), flush=True)
     finally:

@@ -13,7 +13,7 @@ import threading
 from array import array
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from store_support import MovedOnAfterLookup, arena_of, leave_torn, shm_dir  # noqa: F401 - shm_dir: a fixture
@@ -815,3 +815,23 @@ def test_a_written_record_holds_every_field_the_plan_gives_it(shm_dir, ops):
             assert record[WRITER] == os.getpid() & 0xFFFFFFFF and before <= record[STAMP] <= after
     finally:
         store.close()
+
+
+@given(st.lists(st.tuples(st.integers(-2**63, 2**63 - 1), st.integers(-2**63, 2**63 - 1)), max_size=60),
+       st.lists(st.tuples(st.integers(0, 59), st.integers(0, 59)), max_size=30))
+def test_the_first_of_each_key_is_what_torch_unique_finds(rows, copies):
+    """`_first_of_each` (the census's de-duplication of live slots' keys, now two stable sorts)
+    gives exactly the unique rows, in torch.unique's ascending order, and each one's first
+    index - held to torch.unique(dim=0) with a scatter of the lowest index as the oracle, over
+    keys with any number of repeats (``copies``: row a written over row b) and one-column ties."""
+    from hicache.store._index import _first_of_each
+
+    keys = torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+    for a, b in copies:
+        if a < len(rows) and b < len(rows):
+            keys[b] = keys[a]
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((unique.shape[0],), keys.shape[0], dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(keys.shape[0]), reduce="amin")
+    got_unique, got_first = _first_of_each(keys)
+    assert torch.equal(got_unique, unique) and torch.equal(got_first, first)

@@ -328,6 +328,34 @@ def test_get_stats_is_a_dict_and_sglangs_storage_metrics(sglang, shm_dir, pools)
         store.close()
 
 
+def test_get_stats_counts_the_arena_at_most_every_ten_seconds(sglang, shm_dir, pools, monkeypatch):
+    """SGLang calls `get_stats` on every scheduler step when --enable-metrics is on (its
+    `check_hicache_events`), and a census scans every slot of the arena (0.25 s at 516,000 slots):
+    the census is taken on the first call and again only once 10 s have passed on the store's
+    clock (injected); the step's own figures - pages moved, hits, misses - are fresh every call."""
+    store = _store(shm_dir / "arena", pools[0])
+    clock = [0.0]
+    monkeypatch.setattr(store, "clock", lambda: clock[0])
+    censuses = []
+    real = store.store.census
+    monkeypatch.setattr(store.store, "census", lambda: censuses.append(clock[0]) or real())
+    try:
+        store.batch_set_v1(["a"], torch.arange(0, PAGE))
+        assert store.get_stats()["pages"] == 1 and len(censuses) == 1
+        store.batch_set_v1(["b"], torch.arange(PAGE, 2 * PAGE))
+        store.batch_get_v1(["a", "c"], torch.arange(4 * PAGE, 6 * PAGE))
+        for step in range(50):
+            clock[0] = step * 0.199  # 50 scheduler steps within 10 s
+            stats = store.get_stats()
+            assert stats["pages"] == 1 and (stats["hits"], stats["misses"]) == (1, 1)
+            assert stats.backup_pgs == ([1] if step == 0 else []) and stats.prefetch_pgs == ([1] if step == 0 else [])
+        assert len(censuses) == 1
+        clock[0] = 10.0
+        assert store.get_stats()["pages"] == 2 and len(censuses) == 2
+    finally:
+        store.close()
+
+
 def test_clear_empties_this_engines_pages_only_and_close_is_idempotent(sglang, shm_dir, pools):
     """Two engines of different models share an arena: one clears, the other's pages stay.
     close() twice is fine; SGLang's detach calls it."""

@@ -2,8 +2,8 @@
 dynamic seam (`--hicache-storage-backend dynamic`, docs/store.md) - no patching.
 
 SGLang's factory constructs it as ``cls(storage_config, {})`` (`storage/backend_factory.py`);
-the arena comes from ``storage_config.extra_config`` (`CONFIG_KEYS`, checked here, before any
-memory is taken). Pools arrive through `register_mem_pool_host` / `register_mem_host_pool_v2`;
+the arena comes from ``storage_config.extra_config`` (`CONFIG_KEYS`, checked by
+`_store_config` before any memory is taken). Pools arrive through `register_mem_pool_host` / `register_mem_host_pool_v2`;
 `on_host_pools_registered` sizes each pool's page, opens (or creates) the arena and checks its
 geometry - raising there fails SGLang's attach cleanly. Pages move zero-copy between the pool's
 `get_page_buffer_meta` segments and the arena (every segment bounds-checked against the pool's
@@ -14,7 +14,6 @@ data pages. Only this module knows SGLang; the store itself is `hicache.store`.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -24,58 +23,21 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from hicache.compat._store_config import CONFIG_KEYS, check_config
 from hicache.compat._store_views import PoolView as _PoolView
 from hicache.compat._store_views import flat_segments as _flat_segments
-from hicache.errors import ArenaError, NamespaceTableFullError, PlanError, StoreClosedError, TransferError
-from hicache.plan.store_format import check_label, fitted_label
-from hicache.store import MAX_PREFAULT_THREADS, Namespace, open_store, shard_of
-from hicache.plan.checks import is_integer, is_real
+from hicache.errors import ArenaError, NamespaceTableFullError, StoreClosedError, TransferError
+from hicache.plan.store_format import fitted_label
+from hicache.store import Namespace, open_store, shard_of
+
+__all__ = ["CONFIG_KEYS", "HiCacheNodeStore"]  # CONFIG_KEYS: the extra_config table docs/store.md shows
 
 logger = logging.getLogger(__name__)
 
-#: extra_config keys this back end reads (beside SGLang's own backend_name/module_path/
-#: class_name/interface_v1), and what each means - docs/store.md renders this table.
-CONFIG_KEYS = {
-    "arena": "path of the arena file on tmpfs (/dev/shm/...) or hugetlbfs (required)",
-    "size_gb": "arena size in GB (10**9 bytes, as --hicache-size): create it when missing; "
-               "absent: attach an existing arena only (one a creator is still making is waited for)",
-    "slot_bytes": "bytes per slot when this engine creates the arena (default: its largest page)",
-    "label": "a name for operators, shown by `hicache store status`: at most 64 bytes of printable text "
-             "(default: the served model's name, shortened in the middle to fit)",
-    "prefault_threads": "threads pre-faulting a new arena, at most 1024 (default: the CPUs, at most 16)",
-}
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 GB = 10**9
-
-
-def _check_config(extra: dict) -> dict:
-    """The validated extra_config: every unknown key and bad value named, at once."""
-    problems = []
-    # file_storage_path: SGLang adds it to every back end's extra_config when --file-storage-path is set
-    unknown = sorted(set(extra) - set(CONFIG_KEYS) - set(SGLANG_KEYS) - {"file_storage_path"})
-    if unknown:
-        problems.append(f"unknown key(s) {unknown} (known: {sorted(CONFIG_KEYS)})")
-    arena = extra.get("arena")
-    if not isinstance(arena, str) or not arena.startswith("/"):
-        problems.append(f"'arena' must be an absolute path of the arena file, got {arena!r}")
-    size = extra.get("size_gb")
-    if size is not None and not (is_real(size) and math.isfinite(size) and size > 0):  # JSON reads Infinity
-        problems.append(f"'size_gb' must be a positive number of GB, got {size!r}")
-    for key in ("slot_bytes", "prefault_threads"):
-        value = extra.get(key)
-        if value is not None and not (is_integer(value) and value > 0):
-            problems.append(f"{key!r} must be a positive integer, got {value!r}")
-    threads = extra.get("prefault_threads")
-    if is_integer(threads) and threads > MAX_PREFAULT_THREADS:
-        problems.append(f"'prefault_threads' must be at most {MAX_PREFAULT_THREADS}, got {threads!r}")
-    if extra.get("label") is not None:
-        try:
-            check_label(extra["label"], where="'label'")
-        except PlanError as error:
-            problems.append(str(error))
-    if problems:
-        raise ArenaError("HiCacheNodeStore extra_config: " + "; ".join(problems))
-    return extra
+#: how old `get_stats`' census of the arena may be: SGLang asks on every scheduler step when
+#: --enable-metrics is on, and a census reads every slot's record
+CENSUS_MAX_AGE_S = 10.0
 
 
 def _make_stats():
@@ -115,7 +77,7 @@ class HiCacheNodeStore(HiCacheStorage):
 
     def __init__(self, storage_config, kwargs=None) -> None:
         self.storage_config = storage_config
-        self.extra = _check_config(dict(getattr(storage_config, "extra_config", None) or {}))
+        self.extra = check_config(dict(getattr(storage_config, "extra_config", None) or {}))
         self.path = self.extra["arena"]
         from hicache.effects import arena as _arena
 
@@ -128,6 +90,8 @@ class HiCacheNodeStore(HiCacheStorage):
         self._pending = {"prefetch_pgs": [], "prefetch_bandwidth": [], "backup_pgs": [], "backup_bandwidth": []}
         self._closed = False
         self.attach_s = None
+        self.clock = time.monotonic  # the census's age (tests put a stand-in here)
+        self._census = None  # (when, Census) of the last census get_stats took
 
     # -- registration ----------------------------------------------------------------------------
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -378,7 +342,7 @@ class HiCacheNodeStore(HiCacheStorage):
         if self.store is None or self._closed:
             stats.update(pages=0, bytes=0, hits=0, misses=0, torn=0, corrupt=0, evictions=0, writes=0)
             return stats
-        census = self.store.census()
+        census = self._recent_census()
         counts = self.store.counts
         stats.update(pages=census.pages, bytes=census.bytes, hits=counts.hits, misses=counts.misses,
                      torn=counts.torn, corrupt=counts.corrupt, evictions=counts.evictions, writes=counts.writes,
@@ -386,6 +350,13 @@ class HiCacheNodeStore(HiCacheStorage):
                      backing=self.store.arena.backing.kind, attach_s=self.store.arena.attach_s,
                      reclaimed=self.store.reclaimed)
         return stats
+
+    def _recent_census(self):
+        """The arena's census, taken again only once `CENSUS_MAX_AGE_S` have passed."""
+        now = self.clock()
+        if self._census is None or now - self._census[0] >= CENSUS_MAX_AGE_S:
+            self._census = (now, self.store.census())
+        return self._census[1]
 
     def close(self) -> None:
         """Unmap the arena once the transfers in flight on SGLang's other threads are done;
