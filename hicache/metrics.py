@@ -23,6 +23,8 @@ import logging
 import threading
 import weakref
 
+import attrs
+
 logger = logging.getLogger(__name__)
 
 from hicache._metrics_rows import (
@@ -46,6 +48,7 @@ class _Entry:
         self.ready_pages = _weakly(ready_pages) if ready_pages is not None else None
         self.phases = dict(phases or {})
         self.released = False
+        self.kept_tiers = None  # the page tiers once every byte is registered: pinned pages keep their backing
 
 
 class _State:
@@ -297,9 +300,15 @@ def _pool_scrape(*, tiers: bool = True) -> PoolScrape:
     for pool, entry in entries:
         handle = entry.handle()
         alive = handle is not None and not entry.released and handle.state != "released"
-        if tiers and alive and smaps is None and hasattr(handle, "read_smaps"):
+        read = tiers and entry.kept_tiers is None  # smaps walks every page table: kept tiers are not read again
+        if read and alive and smaps is None and hasattr(handle, "read_smaps"):
             smaps = handle.read_smaps()  # once per scrape, however many pools (it grows with the mappings)
-        record = handle.record(tiers=tiers, smaps_text=smaps) if alive else None  # the bring-up's own frozen record
+        record = handle.record(tiers=read, smaps_text=smaps) if alive else None  # the bring-up's own frozen record
+        if record and tiers:
+            if entry.kept_tiers is not None:
+                record = attrs.evolve(record, tiers=entry.kept_tiers)
+            elif record.total_bytes and record.registered_bytes == record.total_bytes and record.tiers:
+                entry.kept_tiers = record.tiers  # all pinned now: the kernel moves none of these pages
         if record:
             key = (pool, "ok")
             tally[key] = tally.get(key, 0) + record.calls
