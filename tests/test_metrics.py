@@ -109,11 +109,9 @@ def test_once_a_pool_is_all_registered_its_tiers_are_kept_and_smaps_is_read_no_m
     each scrape until its last call (its registration held at a gate: events, no timing)."""
     import threading
 
-    from hicache.effects._bringup import _handle
-
     reads: list = []
-    real = _handle.read_smaps
-    monkeypatch.setattr(_handle, "read_smaps", lambda: reads.append(1) or real())
+    real = sys.modules["hicache.effects._bringup._handle"].read_smaps
+    monkeypatch.setattr("hicache.effects._bringup._handle.read_smaps", lambda: reads.append(1) or real())
     runtime = FakeRuntime()
     gate = threading.Event()
     register = runtime.cudart.cudaHostRegister

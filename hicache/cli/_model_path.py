@@ -27,15 +27,15 @@ def hub_cache_dir(env, home: str) -> str:
     return os.path.join(cache, "huggingface", "hub")
 
 
-def resolve_model_path(value: str, presets, *, env=None, home: str | None = None):
+def resolve_model_path(value: str, presets, *, env, home: str | None = None):
     """What ``--model-path value`` names: ``("config", path, name)`` - a config.json to read and
-    the model's name - or ``("preset", key, note)``. A `CliError` naming every place looked."""
+    the model's name - or ``("preset", key, note)``. ``env``: the environment (the cache's
+    variables). A `CliError` naming every place looked."""
     hint = "pass a local model directory holding config.json (or --config FILE)"
     if os.path.isdir(value):
         return "config", os.path.join(value, "config.json"), value
     if not _REPO_ID.fullmatch(value):
         raise CliError("bad-config", f"--model-path {value} is not a directory", hint)
-    env = os.environ if env is None else env
     cache = hub_cache_dir(env, os.path.expanduser("~") if home is None else home)
     found = _cached_config(value, cache)
     if found is not None:

@@ -51,7 +51,7 @@ def _model(args):
             raise CliError("conflicting-flags", "--model and --model-path both given", "pass one of them")
         from hicache.cli._model_path import resolve_model_path
 
-        kind, found, said = resolve_model_path(args.model_path, PRESETS)
+        kind, found, said = resolve_model_path(args.model_path, PRESETS, env=os.environ)  # the HF cache's variables
         if kind == "preset":
             import sys
 
