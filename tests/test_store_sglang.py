@@ -32,11 +32,11 @@ def _extra(path, **more):
     return {k: v for k, v in extra.items() if v is not None}
 
 
-def _config(extra, *, model="m", mla=False, tp_rank=0, tp_size=1):
+def _config(extra, *, model="m", mla=False, tp_rank=0, tp_size=1, metrics=False):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
                                 is_page_first_layout=False, model_name=model, extra_config=extra)
 
 
@@ -313,7 +313,7 @@ def test_get_stats_is_a_dict_and_sglangs_storage_metrics(sglang, shm_dir, pools)
     its metrics collector asserts, carrying the pages each prefetch and backup moved."""
     from sglang.srt.observability.metrics_collector import StorageMetrics
 
-    store = _store(shm_dir / "arena", pools[0])
+    store = _store(shm_dir / "arena", pools[0], metrics=True)
     try:
         store.batch_set_v1(["a", "b"], torch.arange(0, 2 * PAGE))
         store.batch_get_v1(["a", "b", "c"], torch.arange(4 * PAGE, 7 * PAGE))
@@ -328,12 +328,41 @@ def test_get_stats_is_a_dict_and_sglangs_storage_metrics(sglang, shm_dir, pools)
         store.close()
 
 
+def test_the_pages_each_transfer_moved_are_kept_only_for_sglangs_metrics_and_boundedly(sglang, shm_dir, pools,
+                                                                                        monkeypatch):
+    """The pages and bandwidth of each prefetch and backup are what SGLang's storage metrics
+    drain through `get_stats` - and SGLang calls it only with --enable-metrics
+    (`enable_storage_metrics`, as its Mooncake store records them only then). Without it
+    nothing is kept: the lists grew by four entries a batch for the server's life, metrics
+    being off by default. With it, a caller that never drains them keeps the latest 4,096."""
+    from hicache.compat import sglang_store
+
+    quiet = _store(shm_dir / "arena", pools[0])
+    try:
+        for _ in range(20):
+            quiet.batch_set_v1(["a"], torch.arange(0, PAGE))
+            quiet.batch_get_v1(["a"], torch.arange(PAGE, 2 * PAGE))
+        stats = quiet.get_stats()
+        assert (stats.backup_pgs, stats.prefetch_pgs, stats.backup_bandwidth, stats.prefetch_bandwidth) == ([],) * 4
+        assert stats["hits"] == 20  # the store's own figures stay
+    finally:
+        quiet.close()
+    monkeypatch.setattr(sglang_store, "KEPT_TRANSFERS", 8)
+    counted = _store(shm_dir / "arena", pools[1], model="counted", metrics=True)
+    try:
+        for n in range(1, 13):  # batches of 1, 2, ... 12 pages
+            counted.batch_set_v1([f"k{n}-{i}" for i in range(n)], torch.arange(0, n * PAGE))
+        assert counted.get_stats().backup_pgs == list(range(5, 13))  # the latest 8 of 12
+    finally:
+        counted.close()
+
+
 def test_get_stats_counts_the_arena_at_most_every_ten_seconds(sglang, shm_dir, pools, monkeypatch):
     """SGLang calls `get_stats` on every scheduler step when --enable-metrics is on (its
     `check_hicache_events`), and a census scans every slot of the arena (0.25 s at 516,000 slots):
     the census is taken on the first call and again only once 10 s have passed on the store's
     clock (injected); the step's own figures - pages moved, hits, misses - are fresh every call."""
-    store = _store(shm_dir / "arena", pools[0])
+    store = _store(shm_dir / "arena", pools[0], metrics=True)
     clock = [0.0]
     monkeypatch.setattr(store, "clock", lambda: clock[0])
     censuses = []
@@ -702,7 +731,7 @@ def test_docs_store_md_lists_every_extra_config_key_as_the_code_says_it():
     import pathlib
     import re
 
-    from hicache.compat.sglang_store import CONFIG_KEYS
+    from hicache.compat._store_config import CONFIG_KEYS  # as sglang_store names it, without SGLang
 
     text = (pathlib.Path(__file__).parent.parent / "docs" / "store.md").read_text()
     table = text.split("### extra_config keys", 1)[1].split("\n\n(", 1)[0]

@@ -3,8 +3,8 @@ dynamic seam (`--hicache-storage-backend dynamic`, docs/store.md) - no patching.
 
 SGLang's factory constructs it as ``cls(storage_config, {})`` (`storage/backend_factory.py`);
 the arena comes from ``storage_config.extra_config`` (`CONFIG_KEYS`, checked by
-`_store_config` before any memory is taken). Pools arrive through `register_mem_pool_host` / `register_mem_host_pool_v2`;
-`on_host_pools_registered` sizes each pool's page, opens (or creates) the arena and checks its
+`_store_config` before any memory is taken). Pools arrive through `register_mem_pool_host` /
+`register_mem_host_pool_v2`; `on_host_pools_registered` sizes each pool's page, opens (or creates) the arena and checks its
 geometry - raising there fails SGLang's attach cleanly. Pages move zero-copy between the pool's
 `get_page_buffer_meta` segments and the arena (every segment bounds-checked against the pool's
 own buffers first); pools without those segments, and SGLang's legacy calls, go through its flat
@@ -13,6 +13,7 @@ data pages. Only this module knows SGLang; the store itself is `hicache.store`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -23,14 +24,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from hicache.compat._store_config import CONFIG_KEYS, check_config
+from hicache.compat._store_config import CONFIG_KEYS, check_config  # noqa: F401 - CONFIG_KEYS: docs/store.md's table
 from hicache.compat._store_views import PoolView as _PoolView
 from hicache.compat._store_views import flat_segments as _flat_segments
 from hicache.errors import ArenaError, NamespaceTableFullError, StoreClosedError, TransferError
 from hicache.plan.store_format import fitted_label
 from hicache.store import Namespace, open_store, shard_of
-
-__all__ = ["CONFIG_KEYS", "HiCacheNodeStore"]  # CONFIG_KEYS: the extra_config table docs/store.md shows
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +37,9 @@ GB = 10**9
 #: how old `get_stats`' census of the arena may be: SGLang asks on every scheduler step when
 #: --enable-metrics is on, and a census reads every slot's record
 CENSUS_MAX_AGE_S = 10.0
+#: each transfer's pages and bandwidth kept for SGLang's storage metrics until `get_stats` drains
+#: them (every scheduler step where they are on): the latest this many, should nothing drain them
+KEPT_TRANSFERS = 4096
 
 
 def _make_stats():
@@ -87,7 +89,10 @@ class HiCacheNodeStore(HiCacheStorage):
         self.pools: dict[str, _PoolView] = {}
         self.registered_pools = {}
         self.mem_pool_host = None
-        self._pending = {"prefetch_pgs": [], "prefetch_bandwidth": [], "backup_pgs": [], "backup_bandwidth": []}
+        # SGLang drains these through get_stats only under --enable-metrics (as its Mooncake store, kept only then)
+        self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._pending = {name: collections.deque(maxlen=KEPT_TRANSFERS)
+                         for name in ("prefetch_pgs", "prefetch_bandwidth", "backup_pgs", "backup_bandwidth")}
         self._closed = False
         self.attach_s = None
         self.clock = time.monotonic  # the census's age (tests put a stand-in here)
@@ -142,9 +147,10 @@ class HiCacheNodeStore(HiCacheStorage):
             raise ArenaError(f"HiCacheNodeStore extra_config: 'slot_bytes' {slot_bytes} is below this engine's largest "
                              f"page of {largest} bytes")
         began = time.perf_counter()
+        label = self.extra.get("label") or fitted_label(self.storage_config.model_name or "")
         self.store = open_store(self.path, size_bytes=None if size_gb is None else int(size_gb * GB),
-                                slot_bytes=slot_bytes, label=self.extra.get("label")
-                                or fitted_label(self.storage_config.model_name or ""), threads=self.extra.get("prefault_threads"), progress=_LoggedProgress())
+                                slot_bytes=slot_bytes, label=label, threads=self.extra.get("prefault_threads"),
+                                progress=_LoggedProgress())
         try:
             if self.store.arena.plan.slot_bytes < largest:
                 raise ArenaError(f"HiCacheNodeStore: arena {self.path} has {self.store.arena.plan.slot_bytes}-byte "
@@ -246,11 +252,12 @@ class HiCacheNodeStore(HiCacheStorage):
                 flats = [_flat_segments(view.staging_page()) for _ in starts]
                 ok = [hit and view.set_flat_page(start, tensor) for start, hit, (_, tensor)
                       in zip(starts, self.store.get(view.namespace, keys, [seg for seg, _ in flats]), flats)]
-        seconds = max(time.perf_counter() - began, 1e-9)
-        moved = sum(ok)
-        kind = "backup" if write else "prefetch"
-        self._pending[f"{kind}_pgs"].append(moved)
-        self._pending[f"{kind}_bandwidth"].append(moved * view.page_bytes / seconds / 2**30)
+        if self._metrics:
+            seconds = max(time.perf_counter() - began, 1e-9)
+            moved = sum(ok)
+            kind = "backup" if write else "prefetch"
+            self._pending[f"{kind}_pgs"].append(moved)
+            self._pending[f"{kind}_bandwidth"].append(moved * view.page_bytes / seconds / 2**30)
         return ok
 
     def _put(self, view: _PoolView, keys, pages, depth: int) -> list[bool]:
