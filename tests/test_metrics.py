@@ -106,12 +106,11 @@ def test_once_a_pool_is_all_registered_its_tiers_are_kept_and_smaps_is_read_no_m
     from the scrape that first saw it so: /proc/self/smaps walks every page table of the
     process under its mmap lock - 90 ms for 8 GiB of 4 KiB pages, over a second for a 100 GB
     pool - and the multiprocess publisher scraped every 5 s. A progressive pool's are read at
-    each scrape until its last call (its registration held at a gate: events, no timing)."""
+    each scrape until its last call (its registration held at a gate: events, no timing). Told
+    from this pool's own reads - the tiers its record is asked for - not from the process's
+    smaps reads, which a pool another test left behind may still need."""
     import threading
 
-    reads: list = []
-    real = sys.modules["hicache.effects._bringup._handle"].read_smaps
-    monkeypatch.setattr("hicache.effects._bringup._handle.read_smaps", lambda: reads.append(1) or real())
     runtime = FakeRuntime()
     gate = threading.Event()
     register = runtime.cudart.cudaHostRegister
@@ -124,21 +123,24 @@ def test_once_a_pool_is_all_registered_its_tiers_are_kept_and_smaps_is_read_no_m
     runtime.cudart.cudaHostRegister = gated
     pool = _pool("metrics-kept", runtime, tmp_path, tokens=256, chunk=16 * 1024, progressive=True, max_stall_s=None)
     name = pool.metrics_name
+    asked: list = []  # per scrape of this pool: whether its tiers were read from smaps
+    record = pool._host.record
+    monkeypatch.setattr(pool._host, "record", lambda **kw: asked.append(kw.get("tiers", True)) or record(**kw))
 
     def tiers():
         return {tier: _value("hicache_host_pool_bytes", pool=name, numa_node="none", tier=tier)
                 for tier in ("hugetlb", "thp", "4k")}
 
     try:
-        before = len(reads)
-        tiers(), tiers()
-        assert len(reads) - before >= 2  # registering still: read at every scrape
+        tiers()
+        assert asked and all(asked)  # registering still: read at every scrape
         gate.set()
         assert pool.wait_ready(timeout=30)
         first = tiers()
         assert sum(first.values()) >= pool._host.total_bytes
-        settled = len(reads)
-        assert [tiers() for _ in range(5)] == [first] * 5 and len(reads) == settled
+        settled = len(asked)
+        assert [tiers() for _ in range(5)] == [first] * 5
+        assert len(asked) > settled and not any(asked[settled:])  # scraped, its tiers kept: no smaps for it
     finally:
         gate.set()
         pool.destroy()
