@@ -55,7 +55,7 @@ def _model(args):
         if kind == "preset":
             import sys
 
-            print(f"hicache plan: {said}", file=sys.stderr)
+            print(f"hicache: {said}", file=sys.stderr)  # plan and apply both read --model-path here
             return PRESETS[found]
         args.config, name = found, said
     if args.config and args.model:
