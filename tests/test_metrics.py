@@ -99,16 +99,9 @@ def test_each_tier_is_reported_under_its_own_label(tmp_path, monkeypatch):
         pool.destroy()
 
 
-@pytest.mark.concurrency
-def test_once_a_pool_is_all_registered_its_tiers_are_kept_and_smaps_is_read_no_more(tmp_path, monkeypatch):
-    """Pinned pages keep their backing (the kernel neither migrates, collapses, splits nor
-    swaps a pinned page), so once every byte of a pool is registered its page tiers are kept
-    from the scrape that first saw it so: /proc/self/smaps walks every page table of the
-    process under its mmap lock - 90 ms for 8 GiB of 4 KiB pages, over a second for a 100 GB
-    pool - and the multiprocess publisher scraped every 5 s. A progressive pool's are read at
-    each scrape until its last call (its registration held at a gate: events, no timing). Told
-    from this pool's own reads - the tiers its record is asked for - not from the process's
-    smaps reads, which a pool another test left behind may still need."""
+def _gated_progressive_pool(label: str, tmp_path):
+    """A progressive pool whose background registration waits at a gate (an event: no timing)
+    until the test sets it: ``(pool, gate, runtime)``."""
     import threading
 
     runtime = FakeRuntime()
@@ -121,7 +114,21 @@ def test_once_a_pool_is_all_registered_its_tiers_are_kept_and_smaps_is_read_no_m
         return register(ptr, size, flags)
 
     runtime.cudart.cudaHostRegister = gated
-    pool = _pool("metrics-kept", runtime, tmp_path, tokens=256, chunk=16 * 1024, progressive=True, max_stall_s=None)
+    pool = _pool(label, runtime, tmp_path, tokens=256, chunk=16 * 1024, progressive=True, max_stall_s=None)
+    return pool, gate, runtime
+
+
+@pytest.mark.concurrency
+def test_once_a_pool_is_all_registered_its_tiers_are_kept_and_smaps_is_read_no_more(tmp_path, monkeypatch):
+    """Pinned pages keep their backing (the kernel neither migrates, collapses, splits nor
+    swaps a pinned page), so once every byte of a pool is registered its page tiers are kept
+    from the scrape that first saw it so: /proc/self/smaps walks every page table of the
+    process under its mmap lock - 90 ms for 8 GiB of 4 KiB pages, over a second for a 100 GB
+    pool - and the multiprocess publisher scraped every 5 s. A progressive pool's are read at
+    each scrape until its last call (its registration held at a gate: events, no timing). Told
+    from this pool's own reads - the tiers its record is asked for - not from the process's
+    smaps reads, which a pool another test left behind may still need."""
+    pool, gate, _ = _gated_progressive_pool("metrics-kept", tmp_path)
     name = pool.metrics_name
     asked: list = []  # per scrape of this pool: whether its tiers were read from smaps
     record = pool._host.record
@@ -150,19 +157,7 @@ def test_once_a_pool_is_all_registered_its_tiers_are_kept_and_smaps_is_read_no_m
 def test_a_progressive_pools_ready_pages_move_as_it_registers(tmp_path):
     """The gauge shows the head pages registered before the pool serves, while the background
     registration is held at a gate (an event: no timing), then every page once it is let go."""
-    import threading
-
-    runtime = FakeRuntime()
-    gate = threading.Event()
-    register = runtime.cudart.cudaHostRegister
-
-    def gated(ptr, size, flags):
-        if threading.current_thread() is not threading.main_thread():  # the background registration
-            assert gate.wait(60), "hang guard"
-        return register(ptr, size, flags)
-
-    runtime.cudart.cudaHostRegister = gated
-    pool = _pool("metrics-p", runtime, tmp_path, tokens=256, chunk=16 * 1024, progressive=True, max_stall_s=None)
+    pool, gate, runtime = _gated_progressive_pool("metrics-p", tmp_path)
     name = pool.metrics_name
     try:
         first = _value("hicache_ready_pages", pool=name)
