@@ -357,6 +357,38 @@ def test_the_pages_each_transfer_moved_are_kept_only_for_sglangs_metrics_and_bou
         counted.close()
 
 
+def test_a_full_namespace_table_is_logged_once_a_minute_not_once_a_batch(sglang, shm_dir, pools, monkeypatch, caplog):
+    """A write that finds the arena's namespace table full fails its pages (False) and logs an
+    error - once, then at most once a minute on the store's clock (injected), naming how many
+    batches failed since: SGLang's backup thread writes every step, and each one logged it (a
+    node past 256 namespaces filled the server's log)."""
+    import logging
+
+    from hicache.errors import NamespaceTableFullError
+
+    store = _store(shm_dir / "arena", pools[0])
+    clock = [0.0]
+    monkeypatch.setattr(store, "clock", lambda: clock[0])
+
+    def full(*args, **kwargs):
+        raise NamespaceTableFullError("all 256 namespace entries hold pages")
+
+    monkeypatch.setattr(store.store, "put", full)
+    try:
+        with caplog.at_level(logging.ERROR, logger="hicache.compat.sglang_store"):
+            for step in range(30):
+                clock[0] = step * 1.0
+                assert store.batch_set_v1(["a", "b"], torch.arange(0, 2 * PAGE)) == [False, False]
+            said = [r.getMessage() for r in caplog.records if r.name == "hicache.compat.sglang_store"]
+            assert len(said) == 1 and "all 256 namespace entries hold pages" in said[0]
+            clock[0] = 60.0
+            store.batch_set_v1(["c"], torch.arange(0, PAGE))
+            said = [r.getMessage() for r in caplog.records if r.name == "hicache.compat.sglang_store"]
+            assert len(said) == 2 and "30 batches" in said[1]
+    finally:
+        store.close()
+
+
 def test_get_stats_counts_the_arena_at_most_every_ten_seconds(sglang, shm_dir, pools, monkeypatch):
     """SGLang calls `get_stats` on every scheduler step when --enable-metrics is on (its
     `check_hicache_events`), and a census scans every slot of the arena (0.25 s at 516,000 slots):

@@ -4,11 +4,11 @@ dynamic seam (`--hicache-storage-backend dynamic`, docs/store.md) - no patching.
 SGLang's factory constructs it as ``cls(storage_config, {})`` (`storage/backend_factory.py`);
 the arena comes from ``storage_config.extra_config`` (`CONFIG_KEYS`, checked by
 `_store_config` before any memory is taken). Pools arrive through `register_mem_pool_host` /
-`register_mem_host_pool_v2`; `on_host_pools_registered` sizes each pool's page, opens (or creates) the arena and checks its
-geometry - raising there fails SGLang's attach cleanly. Pages move zero-copy between the pool's
-`get_page_buffer_meta` segments and the arena (every segment bounds-checked against the pool's
-own buffers first); pools without those segments, and SGLang's legacy calls, go through its flat
-data pages. Only this module knows SGLang; the store itself is `hicache.store`.
+`register_mem_host_pool_v2`; `on_host_pools_registered` sizes each pool's page, opens (or
+creates) the arena and checks its geometry - raising there fails SGLang's attach cleanly. Pages
+move zero-copy between the pool's `get_page_buffer_meta` segments and the arena (every segment
+bounds-checked against the pool's own buffers first); pools without those segments, and SGLang's
+legacy calls, go through its flat data pages. Only this module knows SGLang; the store itself is `hicache.store`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ CENSUS_MAX_AGE_S = 10.0
 #: each transfer's pages and bandwidth kept for SGLang's storage metrics until `get_stats` drains
 #: them (every scheduler step where they are on): the latest this many, should nothing drain them
 KEPT_TRANSFERS = 4096
+#: a full namespace table fails every backup batch: said once, then at most this often
+FULL_TABLE_LOG_EVERY_S = 60.0
 
 
 def _make_stats():
@@ -97,6 +99,8 @@ class HiCacheNodeStore(HiCacheStorage):
         self.attach_s = None
         self.clock = time.monotonic  # the census's age (tests put a stand-in here)
         self._census = None  # (when, Census) of the last census get_stats took
+        self._full_said = None  # when a full namespace table was last logged
+        self._full_batches = 0  # batches it refused since
 
     # -- registration ----------------------------------------------------------------------------
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -261,12 +265,18 @@ class HiCacheNodeStore(HiCacheStorage):
         return ok
 
     def _put(self, view: _PoolView, keys, pages, depth: int) -> list[bool]:
-        """Store pages; a full namespace table fails this batch's pages (False, logged), as
-        SGLang's backup expects of a store that cannot take them - it never crashes the thread."""
+        """Store pages; a full namespace table fails this batch's pages (False, logged once, then
+        at most every `FULL_TABLE_LOG_EVERY_S`), as SGLang's backup expects of a store that cannot
+        take them - it never crashes the thread."""
         try:
             return self.store.put(view.namespace, keys, pages, first_depth=depth)
         except NamespaceTableFullError as error:
-            logger.error("HiCacheNodeStore: %s", error)
+            self._full_batches += 1
+            now = self.clock()
+            if self._full_said is None or now - self._full_said >= FULL_TABLE_LOG_EVERY_S:
+                since = "" if self._full_said is None else f" ({self._full_batches} batches refused since last said)"
+                logger.error("HiCacheNodeStore: %s%s", error, since)
+                self._full_said, self._full_batches = now, 0
             return [False] * len(keys)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
