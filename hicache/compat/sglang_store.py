@@ -8,7 +8,8 @@ the arena comes from ``storage_config.extra_config`` (`CONFIG_KEYS`, checked by
 creates) the arena and checks its geometry - raising there fails SGLang's attach cleanly. Pages
 move zero-copy between the pool's `get_page_buffer_meta` segments and the arena (every segment
 bounds-checked against the pool's own buffers first); pools without those segments, and SGLang's
-legacy calls, go through its flat data pages. Only this module knows SGLang; the store itself is `hicache.store`.
+legacy calls, go through its flat data pages. Only this module knows SGLang; the store itself is
+`hicache.store`.
 """
 
 from __future__ import annotations
