@@ -205,10 +205,11 @@ def plan_registration(
     )
     cap = limits.effective_cap_bytes
     if granularity > cap:
+        binding = limits.binding_caps()
         raise CopyUnitOverCapError(
             f"granularity_bytes={granularity} ({format_bytes(granularity)}) is larger than the "
-            f"per-call cap {cap} ({format_bytes(cap)}, {' = '.join(limits.binding_caps())}): "
-            "no call can hold one page copy", unit_bytes=granularity, cap_bytes=cap, caps=limits.binding_caps())
+            f"per-call cap {cap} ({format_bytes(cap)}, {' = '.join(binding)}): "
+            "no call can hold one page copy", unit_bytes=granularity, cap_bytes=cap, caps=binding)
     alignment, alignment_notes = _boundary_alignment(granularity, cap, limits)
     step = cap // alignment * alignment
     ranges = _tile(total, step)

@@ -16,5 +16,5 @@ from hicache.store._keys import Namespace, shard_of
 from hicache.store._node import MAX_PREFAULT_THREADS, NodeStore, StoreCounts, open_store
 from hicache.store._pages import PageSegments
 
-__all__ = ["MAX_PREFAULT_THREADS", "Census", "Namespace", "NodeStore", "PageSegments", "SlotIndex", "StoreCounts", "StorePlan", "drop_arena",
-           "open_store", "plan_store", "shard_of"]
+__all__ = ["Census", "MAX_PREFAULT_THREADS", "Namespace", "NodeStore", "PageSegments", "SlotIndex", "StoreCounts",
+           "StorePlan", "drop_arena", "open_store", "plan_store", "shard_of"]
