@@ -186,7 +186,7 @@ def _torch_unique_first(keys):
     return unique, first
 
 
-def _census(shm: str) -> str:
+def _census(shm: str):
     """A census of a many-slot arena (`hicache store status`, the metrics' scrape, `get_stats`
     every 10 s) against the same census de-duplicating with torch.unique(dim=0) as it did."""
     import torch
@@ -212,10 +212,32 @@ def _census(shm: str) -> str:
                 _index._first_of_each = ours
 
         times = interleaved({"ours": store.census, "theirs": theirs}, rounds=max(ROUNDS, 7))
-        return median_line(f"store census of {store.arena.plan.slots:,} slots ({pages:,} pages)", times["ours"],
-                           "the same census de-duplicating with torch.unique(dim=0), as before", times["theirs"])
+        yield median_line(f"store census of {store.arena.plan.slots:,} slots ({pages:,} pages)", times["ours"],
+                          "the same census de-duplicating with torch.unique(dim=0), as before", times["theirs"])
+        yield _stale_step(store)
     finally:
         store.close()
+
+
+def _stale_step(store) -> str:
+    """What SGLang's scheduler step pays in `get_stats` when the census is 10 s old: the last
+    census at once, the next one taken beside it (`LatestCensus`, its teardown waits for that
+    untimed), against taking the census on the step, as before 2026-12-07."""
+    from hicache.compat._census_refresh import LatestCensus
+
+    now = [0.0]
+    latest = LatestCensus(store.census, max_age_s=10.0, clock=lambda: now[0])
+    latest.get()
+
+    def stale_step():
+        now[0] += 10.0
+        latest.get()
+        return latest.wait
+
+    times = interleaved({"ours": stale_step, "theirs": store.census}, rounds=max(ROUNDS, 7))
+    ms = {name: [t * 1e3 for t in each] for name, each in times.items()}
+    return median_line(f"get_stats on the step whose census is stale ({store.arena.plan.slots:,} slots)",
+                       ms["ours"], "the census taken on the step, as before", ms["theirs"], unit="ms")
 
 
 def _attach(shm: str) -> str:
@@ -290,7 +312,8 @@ def main() -> int:
             for kind in KINDS:
                 for line in _batches(kind, shm):
                     print(line, flush=True)
-        print(_census(shm), flush=True)
+        for line in _census(shm):
+            print(line, flush=True)
         print(_attach(shm), flush=True)
         print(_restart(shm), flush=True)
     finally:

@@ -412,8 +412,105 @@ def test_get_stats_counts_the_arena_at_most_every_ten_seconds(sglang, shm_dir, p
             assert stats.backup_pgs == ([1] if step == 0 else []) and stats.prefetch_pgs == ([1] if step == 0 else [])
         assert len(censuses) == 1
         clock[0] = 10.0
+        store.get_stats()  # starts the census beside this step
+        store.census_refresh.wait()
         assert store.get_stats()["pages"] == 2 and len(censuses) == 2
     finally:
+        store.close()
+
+
+def test_a_stale_census_is_retaken_beside_the_scheduler_step_never_on_it(sglang, shm_dir, pools, monkeypatch):
+    """A census of a production arena takes ~0.13 s (3 M slots), and SGLang's scheduler thread
+    calls `get_stats` between its steps: once the census is 10 s old the step gets the last one at
+    once while a thread of its own takes the next (here held until the test lets it go: the step
+    returned while it was still counting), one at a time however many steps ask; the next step
+    after it finishes sees the new count. Only the first call, with nothing older to show, waits."""
+    import threading
+
+    store = _store(shm_dir / "arena", pools[0], metrics=True)
+    clock = [0.0]
+    monkeypatch.setattr(store, "clock", lambda: clock[0])
+    real = store.store.census
+    held, counting, threads = threading.Event(), threading.Event(), []
+
+    step_thread = threading.current_thread()
+
+    def slow_census():
+        threads.append(threading.current_thread())
+        assert threads[-1] is not step_thread, "the census ran on the step's own thread"
+        counting.set()
+        assert held.wait(timeout=60), "the test never let the census go"
+        return real()
+
+    try:
+        store.batch_set_v1(["a"], torch.arange(0, PAGE))
+        assert store.get_stats()["pages"] == 1  # the first census, waited for
+        monkeypatch.setattr(store.store, "census", slow_census)
+        store.batch_set_v1(["b"], torch.arange(PAGE, 2 * PAGE))
+        clock[0] = 10.0
+        for _ in range(20):  # steps while the census counts: each gets the last one, none waits
+            assert store.get_stats()["pages"] == 1
+        assert counting.wait(timeout=60) and not held.is_set()
+        assert len(threads) == 1
+        held.set()
+        store.census_refresh.wait()
+        assert store.get_stats()["pages"] == 2 and len(threads) == 1
+    finally:
+        held.set()
+        store.close()
+
+
+def test_a_census_that_fails_keeps_the_last_and_close_waits_for_one_in_flight(sglang, shm_dir, pools, monkeypatch,
+                                                                              caplog):
+    """A census that raises on its thread is logged and the steps keep the last count (no
+    exception reaches SGLang's scheduler), tried again only once 10 s later; `close` while a census counts waits for it to finish
+    before the arena is unmapped, and `get_stats` after close reports an empty store."""
+    import logging
+    import threading
+
+    store = _store(shm_dir / "arena", pools[0], metrics=True)
+    clock = [0.0]
+    monkeypatch.setattr(store, "clock", lambda: clock[0])
+    real_store, real_index = store.store.census, store.store.index.census
+    store.batch_set_v1(["a"], torch.arange(0, PAGE))
+    assert store.get_stats()["pages"] == 1
+
+    broke = []
+
+    def broken():
+        broke.append(clock[0])
+        raise RuntimeError("a census that breaks")
+
+    monkeypatch.setattr(store.store, "census", broken)
+    clock[0] = 10.0
+    with caplog.at_level(logging.WARNING, logger="hicache.compat"):
+        for _ in range(5):
+            assert store.get_stats()["pages"] == 1
+            store.census_refresh.wait()
+    assert broke == [10.0]  # tried again once it is 10 s old, not on every step
+    assert [r for r in caplog.records if "a census that breaks" in r.getMessage()]
+    held, counting, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_census():  # the index's: inside the store's census, which holds the arena mapped
+        counting.set()
+        assert held.wait(timeout=60), "the test never let the census go"
+        return real_index()
+
+    monkeypatch.setattr(store.store, "census", real_store)
+    monkeypatch.setattr(store.store.index, "census", slow_census)
+    clock[0] = 30.0
+    try:
+        store.get_stats()
+        assert counting.wait(timeout=60)
+        closer = threading.Thread(target=lambda: (store.close(), closed.set()))
+        closer.start()
+        assert not closed.wait(timeout=0.2)  # a guard only: the census still holds the arena
+        held.set()
+        closer.join(timeout=60)
+        assert closed.is_set() and store.store.closed
+        assert store.get_stats()["pages"] == 0
+    finally:
+        held.set()
         store.close()
 
 

@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from hicache.compat._census_refresh import LatestCensus
 from hicache.compat._store_config import CONFIG_KEYS, check_config  # noqa: F401 - CONFIG_KEYS: docs/store.md's table
 from hicache.compat._store_views import PoolView as _PoolView
 from hicache.compat._store_views import flat_segments as _flat_segments
@@ -35,8 +36,8 @@ from hicache.store import Namespace, open_store, shard_of
 logger = logging.getLogger(__name__)
 
 GB = 10**9
-#: how old `get_stats`' census of the arena may be: SGLang asks on every scheduler step when
-#: --enable-metrics is on, and a census reads every slot's record
+#: how old `get_stats`' census of the arena may be before one is retaken (beside the caller:
+#: SGLang asks on every scheduler step when --enable-metrics is on, and a census reads every slot)
 CENSUS_MAX_AGE_S = 10.0
 #: each transfer's pages and bandwidth kept for SGLang's storage metrics until `get_stats` drains
 #: them (every scheduler step where they are on): the latest this many, should nothing drain them
@@ -99,7 +100,7 @@ class HiCacheNodeStore(HiCacheStorage):
         self._closed = False
         self.attach_s = None
         self.clock = time.monotonic  # the census's age (tests put a stand-in here)
-        self._census = None  # (when, Census) of the last census get_stats took
+        self.census_refresh = None  # the census get_stats reports (LatestCensus), once the arena is open
         self._full_said = None  # when a full namespace table was last logged
         self._full_batches = 0  # batches it refused since
 
@@ -357,10 +358,10 @@ class HiCacheNodeStore(HiCacheStorage):
         for name, values in self._pending.items():
             setattr(stats, name, list(values))
             values.clear()
-        if self.store is None or self._closed:
+        census = None if self.store is None or self._closed else self._recent_census()
+        if census is None:  # no arena (yet), or closed (under the census too)
             stats.update(pages=0, bytes=0, hits=0, misses=0, torn=0, corrupt=0, evictions=0, writes=0)
             return stats
-        census = self._recent_census()
         counts = self.store.counts
         stats.update(pages=census.pages, bytes=census.bytes, hits=counts.hits, misses=counts.misses,
                      torn=counts.torn, corrupt=counts.corrupt, evictions=counts.evictions, writes=counts.writes,
@@ -370,11 +371,11 @@ class HiCacheNodeStore(HiCacheStorage):
         return stats
 
     def _recent_census(self):
-        """The arena's census, taken again only once `CENSUS_MAX_AGE_S` have passed."""
-        now = self.clock()
-        if self._census is None or now - self._census[0] >= CENSUS_MAX_AGE_S:
-            self._census = (now, self.store.census())
-        return self._census[1]
+        """The arena's census, retaken beside the caller once `CENSUS_MAX_AGE_S` have passed."""
+        if self.census_refresh is None:
+            self.census_refresh = LatestCensus(lambda: self.store.census(), max_age_s=CENSUS_MAX_AGE_S,
+                                               clock=lambda: self.clock())
+        return self.census_refresh.get()
 
     def close(self) -> None:
         """Unmap the arena once the transfers in flight on SGLang's other threads are done;

@@ -1,0 +1,67 @@
+"""`LatestCensus`: the node store's census for `get_stats`, retaken beside SGLang's scheduler
+thread, never on it.
+
+SGLang 0.5.23 calls the L3 back end's `get_stats` on every scheduler step under
+--enable-metrics, and a census reads every slot's record (11 ms at 258,000 slots, ~0.13 s at
+3 M). Taken on that thread, it stalled one step in every `max_age_s` by that much. Here a census
+older than `max_age_s` is retaken on a thread of its own - one at a time - while the steps get the
+last one at once; only the first call, with nothing older to show, waits for it. The census's
+torch operations let go of the GIL, so the scheduler's own Python runs beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from hicache.errors import StoreClosedError
+
+logger = logging.getLogger(__name__)
+
+
+class LatestCensus:
+    """The latest finished census of ``take`` (a store's `census`), retaken once it is
+    ``max_age_s`` old on ``clock`` (the age counts from when a census started)."""
+
+    def __init__(self, take, *, max_age_s: float, clock) -> None:
+        self.take, self.max_age_s, self.clock = take, max_age_s, clock
+        self._lock = threading.Lock()
+        self._latest = None  # (when it started, Census)
+        self._tried = None  # when the latest census, finished or failed, started: one try per max_age_s
+        self._running: threading.Thread | None = None
+
+    def get(self):
+        """The latest census (None if none could be taken: the store closed under it); starts a
+        new one beside the caller when it is stale, waits only when there is none yet."""
+        now = self.clock()
+        with self._lock:
+            latest = self._latest
+            if (self._tried is None or now - self._tried >= self.max_age_s) and self._running is None:
+                self._tried = now
+                self._running = threading.Thread(target=self._refresh, args=(now,), daemon=True,
+                                                  name="hicache-store-census")
+                self._running.start()
+            running = self._running
+        if latest is None and running is not None:
+            running.join()
+            latest = self._latest
+        return None if latest is None else latest[1]
+
+    def wait(self) -> None:
+        """Until the census being taken now, if any, has finished."""
+        running = self._running
+        if running is not None:
+            running.join()
+
+    def _refresh(self, started: float) -> None:
+        try:
+            census = self.take()
+        except StoreClosedError:
+            census = None  # closed under it: get_stats reports the closed store
+        except Exception as error:  # noqa: BLE001 - the scheduler's stats must not die of it
+            logger.warning("node store census failed; get_stats keeps the last one: %s", error, exc_info=True)
+            census = None
+        with self._lock:
+            if census is not None:
+                self._latest = (started, census)
+            self._running = None
