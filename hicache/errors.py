@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "HicacheError",
     "LayoutError",
+    "NotServedError",
     "PlanError",
     "CapacityError",
     "CopyUnitOverCapError",
@@ -43,6 +44,12 @@ class HicacheError(Exception):
 
 class LayoutError(HicacheError, ValueError):
     """A layout descriptor is malformed: bad field value or unsupported family x layout pair."""
+
+
+class NotServedError(LayoutError):
+    """The pool's inputs are sound, but describe what SGLang's own host pool serves and hicache's
+    does not (KV scales, a relocatable device pool, layer-sharded MLA, ...): docs/sglang.md's list.
+    Raised before any memory is taken; under the plug-in's pools mode it names the switch."""
 
 
 class PlanError(HicacheError, ValueError):

@@ -913,7 +913,9 @@ def test_a_pools_signature_is_sglangs_plus_hicaches_own_keywords(sglang, kind):
 
 def _refused_inputs():
     """(family, what SGLang 0.5.23's device pool hands the host pool, changed in one way hicache's
-    pools do not serve, the error's words) - docs/sglang.md's "Layouts and backends" list."""
+    pools do not serve, the error's words, whether SGLang's own pool serves it - a
+    `NotServedError` - or nobody does: another family's description, layer slots that are not
+    the target's) - docs/sglang.md's "Layouts and backends" list."""
     from sglang.srt.mem_cache.device_pool_info import (
         KVBufferLayout, KVScaleBuffers, KVScaleLayout, MambaStateBufferInfo)
 
@@ -927,23 +929,23 @@ def _refused_inputs():
     states = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 16, 32), conv=(torch.zeros(2, 9, 8, 32),))
     return [
         ("mha", replace(mha, scales=KVScaleBuffers(k=scale, v=scale, layout=KVScaleLayout.TOKEN)), {},
-         "buffer_info.scales is set: hicache's MHA host pool does not copy KV scales"),
+         "buffer_info.scales is set: hicache's MHA host pool does not copy KV scales", True),
         ("mha", replace(mha, transfer_buffers=lambda: (mha.buffers.k[0], mha.buffers.v[0])), {},
-         "transfer_buffers (a relocatable device pool) is not supported"),
+         "transfer_buffers (a relocatable device pool) is not supported", True),
         ("mha", replace(mha, buffers=replace(mha.buffers, layout=KVBufferLayout.HND)), {},
-         "buffer_info.buffers.layout='hnd' is not supported"),
+         "buffer_info.buffers.layout='hnd' is not supported", True),
         ("mha", mla, {}, "the first argument must be an MHABufferInfo (SGLang 0.5.23) or a device pool (older "
-         "SGLang), got MLABufferInfo (no layer_num, head_num)"),
+         "SGLang), got MLABufferInfo (no layer_num, head_num)", False),
         ("mla", mha, {}, "the first argument must be an MLABufferInfo or MLAHostAllocation (SGLang 0.5.23) or a "
-         "device pool (older SGLang), got MHABufferInfo (no layer_num, kv_lora_rank, qk_rope_head_dim)"),
+         "device pool (older SGLang), got MHABufferInfo (no layer_num, kv_lora_rank, qk_rope_head_dim)", False),
         ("mamba", mha, {}, "the first argument must be a MambaStateBufferInfo (SGLang 0.5.23) or a device pool "
-         "(older SGLang), got MHABufferInfo (no mamba_cache)"),
+         "(older SGLang), got MHABufferInfo (no mamba_cache)", False),
         ("mla", replace(mla, scales=tuple(torch.zeros(TOKENS, 1, 4) for _ in range(LAYERS))), {},
-         "buffer_info.scales is set: packed FP4 payload and block scales cannot be restored"),
-        ("mla", mla, {"layer_shard_enabled": True}, "layer_shard_enabled=True (layer-sharded MLA device pools)"),
-        ("mla", mla, {"target_layer_num": LAYERS + 1}, f"{LAYERS} layer slots but target_layer_num={LAYERS + 1}"),
+         "buffer_info.scales is set: packed FP4 payload and block scales cannot be restored", True),
+        ("mla", mla, {"layer_shard_enabled": True}, "layer_shard_enabled=True (layer-sharded MLA device pools)", True),
+        ("mla", mla, {"target_layer_num": LAYERS + 1}, f"{LAYERS} layer slots but target_layer_num={LAYERS + 1}", False),
         ("mamba", replace(states, extra_checkpoint_buffers=(torch.zeros(9, 4),)), {},
-         "buffer_info.extra_checkpoint_buffers (per-slot side state) is not supported"),
+         "buffer_info.extra_checkpoint_buffers (per-slot side state) is not supported", True),
     ]
 
 
@@ -953,16 +955,18 @@ def test_what_sglang_serves_and_hicaches_pools_do_not_is_refused_by_name_before_
     another family's description, layer-sharded MLA, layer slots that are not the target's
     layers and Mamba's per-slot side state - and another family's description (it failed deep in
     the geometry as a bare AttributeError) - each a LayoutError naming it, raised before the pool
-    registers a byte (the fake driver sees no call)."""
-    from hicache.errors import LayoutError
+    registers a byte (the fake driver sees no call); a NotServedError exactly where SGLang's own
+    pool serves it."""
+    from hicache.errors import LayoutError, NotServedError
     from hicache.pools import MambaPoolHost
 
     cases = _refused_inputs()
     with fake_cuda() as fake:
-        for family, info, extra, words in cases:
-            with pytest.raises(LayoutError, match=re.escape(words)):
+        for family, info, extra, words, sglang_serves in cases:
+            with pytest.raises(NotServedError if sglang_serves else LayoutError, match=re.escape(words)) as caught:
                 if family == "mamba":
                     MambaPoolHost(info, 2.0, 0, device_capacity=8, layout="page_first", **ROOM)
                 else:
                     _build(_classes(family)[1], family, info, "page_first", hicache=True, **extra)
+            assert isinstance(caught.value, NotServedError) == sglang_serves, words
             assert fake.held() == set() and fake.cudart.register_calls == 0, words

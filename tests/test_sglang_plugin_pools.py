@@ -270,3 +270,45 @@ def test_hicache_pools_inside_sglangs_budget_scope_leave_no_claim_once_up(plugge
                 assert lock.pending_bytes() == 0 and os.getpid() not in lock.claims()
         finally:
             pool.destroy()
+
+
+def test_in_pools_mode_a_pool_hicache_does_not_serve_fails_sglangs_constructor_naming_the_switch(sglang,
+                                                                                                monkeypatch):
+    """HICACHE_SGLANG_POOLS=1 with a model whose pools hicache's classes do not serve (FP4 or
+    MXFP8 KV scales, a relocatable device pool, layer-sharded MLA, Mamba's per-slot side state):
+    SGLang's own constructor name - what its assembler calls - raises a `NotServedError` that
+    says why and names the switch that serves it (SGLang's own pools, still under hicache's
+    registration), before a byte is registered; bad inputs SGLang refuses too get no such hint,
+    and hicache's classes used directly (no plug-in) name no SGLang switch."""
+    import re
+
+    import sglang.srt.mem_cache.pool_host.mamba as smamba
+    import sglang.srt.mem_cache.pool_host.mha as smha
+    import sglang.srt.mem_cache.pool_host.mla as smla
+    from sglang_support import plug
+    from test_sglang_conformance import KW, LAYERS, PAGE, ROOM, _refused_inputs
+
+    import hicache.pools as pools
+    from hicache.compat.sglang_plugin import NOT_SERVED_HINT
+    from hicache.errors import LayoutError, NotServedError
+
+    plug(monkeypatch, pools=True)
+    names = {"mha": (smha.MHATokenToKVPoolHost, pools.MHATokenToKVPoolHost),
+             "mla": (smla.MLATokenToKVPoolHost, pools.MLATokenToKVPoolHost),
+             "mamba": (smamba.MambaPoolHost, pools.MambaPoolHost)}
+    assert all(theirs.__module__.startswith("hicache.") for theirs, _ in names.values())  # pools mode's classes
+    with fake_cuda() as fake:
+        for family, info, extra, words, sglang_serves in _refused_inputs():
+            for cls, plugged in zip(names[family], (True, False)):
+                kw = dict(extra) if family == "mamba" else dict(KW, **extra)
+                if family == "mla":
+                    kw.setdefault("target_layer_num", LAYERS)
+                with pytest.raises(LayoutError, match=re.escape(words)) as caught:
+                    with _budget():
+                        if family == "mamba":
+                            cls(info, 2.0, 0, device_capacity=8, layout="page_first", **kw, **ROOM)
+                        else:
+                            cls(info, 2.0, 0, PAGE, "page_first", **kw, **ROOM)
+                assert isinstance(caught.value, NotServedError) == sglang_serves, words
+                assert (NOT_SERVED_HINT in str(caught.value)) == (sglang_serves and plugged), (words, plugged)
+                assert fake.held() == set() and fake.cudart.register_calls == 0, words

@@ -154,38 +154,58 @@ def served_pool_classes() -> dict[str, type]:
     """SGLang's dotted name -> the hicache pool class SGLang builds there: `POOL_CLASSES`' own,
     each pool class through `hicache.pools.with_host` with SGLang's process as its setup's
     server (the chunk setting, PP sync, back ends' allocators and budget in force it asks); the
-    server's scope comes with the class, not a process-wide setting (issue #55 item 3)."""
+    server's scope comes with the class, not a process-wide setting (issue #55 item 3). A pool
+    hicache's class does not serve fails SGLang's start naming the switch (`NOT_SERVED_HINT`)."""
     import hicache.pools as pools
     from hicache.compat.sglang_process import SGLangProcess
     from hicache.effects import HostSetup
 
     setup = HostSetup(server=SGLangProcess())
     classes = {target: getattr(pools, name) for target, name in POOL_CLASSES.items()}
-    served = {target: pools.with_host(cls, setup) if issubclass(cls, pools.HostKVCache) else cls  # memoryless: as is
-              for target, cls in classes.items()}
-    for target, names in SGLANG_BUILT.items():
-        served[target] = _keeping_sglangs(target, served[target], names)
-    return served
+    return {target: _served(target, pools.with_host(cls, setup), SGLANG_BUILT.get(target, ()))
+            if issubclass(cls, pools.HostKVCache) else cls  # memoryless: as is
+            for target, cls in classes.items()}
 
 
-def _keeping_sglangs(target: str, cls: type, names: tuple) -> type:
-    """``cls``, except that a pool whose ``pool_name`` (first, or by keyword) is one of ``names``
-    is built as SGLang's own class at ``target`` (taken now, before the REPLACE; the seam pins it)."""
+#: what a pool hicache's class does not serve (`hicache.errors.NotServedError`) adds in pools mode
+NOT_SERVED_HINT = ("Start the server without HICACHE_SGLANG_POOLS=1: SGLang's own host pools serve it, and the "
+                   "plug-in still plans, registers and budgets their memory")
+
+
+def _served(target: str, cls: type, sglang_built: tuple) -> type:
+    """``cls`` as SGLang builds it at ``target``: a `NotServedError` from its constructor names
+    `NOT_SERVED_HINT`; a pool whose ``pool_name`` (first, or by keyword) is one of
+    ``sglang_built`` is built as SGLang's own class at ``target`` (taken now, before the REPLACE;
+    the seam pins it)."""
     import importlib
+    import inspect
 
-    module, name = target.rsplit(".", 1)
-    original = getattr(importlib.import_module(module), name)
-    if original.__module__.startswith("hicache."):  # already replaced (a second load): SGLang's is not at hand
-        raise RuntimeError(f"hicache: {target} is hicache's already: the plug-in was loaded twice without a reset")
+    from hicache.errors import NotServedError
 
-    def __new__(klass, *args, **kwargs):
-        if kwargs.get("pool_name", args[0] if args else None) in names:
-            return original(*args, **kwargs)  # not a ``klass``: Python runs no ``klass.__init__`` on it
-        return super(keeping, klass).__new__(klass)
+    def __init__(self, *args, **kwargs):
+        try:
+            cls.__init__(self, *args, **kwargs)
+        except NotServedError as error:
+            raise NotServedError(f"{error}. {NOT_SERVED_HINT}") from None
 
-    keeping = type(cls)(cls.__name__, (cls,), {"__new__": __new__, "__module__": cls.__module__,
-                                                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-    return keeping
+    __init__.__signature__, __init__.__doc__ = inspect.signature(cls.__init__), cls.__init__.__doc__  # SGLang's
+
+    namespace = {"__init__": __init__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "__doc__": cls.__doc__}
+    if sglang_built:
+        module, name = target.rsplit(".", 1)
+        original = getattr(importlib.import_module(module), name)
+        if original.__module__.startswith("hicache."):  # already replaced (a second load): SGLang's is not at hand
+            raise RuntimeError(f"hicache: {target} is hicache's already: the plug-in was loaded twice without a reset")
+
+        def __new__(klass, *args, **kwargs):
+            if kwargs.get("pool_name", args[0] if args else None) in sglang_built:
+                return original(*args, **kwargs)  # not a ``klass``: Python runs no ``klass.__init__`` on it
+            return super(served, klass).__new__(klass)
+
+        namespace["__new__"] = __new__
+    served = type(cls)(cls.__name__, (cls,), namespace)
+    return served
 
 
 def _register_pool_classes(registry, hook_type, settings) -> list[str]:

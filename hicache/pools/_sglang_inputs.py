@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import attrs
 
-from hicache.errors import LayoutError
+from hicache.errors import LayoutError, NotServedError
 
 #: KVBufferLayout values whose per-layer tensors are token rows (what hicache's copies address)
 _TOKEN_ROW_LAYOUTS = ("nhd",)
@@ -151,7 +151,7 @@ def _checked(owner: str, infos, drafts_field: str, kind: str, is_kind):
 def _check_token_rows(owner: str, info, name: str) -> None:
     layout = getattr(getattr(info.buffers, "layout", None), "value", "nhd")
     if layout not in _TOKEN_ROW_LAYOUTS:
-        raise LayoutError(f"{owner}: {name}.buffers.layout={layout!r} is not supported; hicache copies token rows "
+        raise NotServedError(f"{owner}: {name}.buffers.layout={layout!r} is not supported; hicache copies token rows "
                           f"(KVBufferLayout {', '.join(_TOKEN_ROW_LAYOUTS)})")
 
 
@@ -161,7 +161,7 @@ def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
     infos = (info, *drafts)
     for index, name, item in _checked(owner, infos, "draft_buffer_infos", "an MHABufferInfo", is_mha_info):
         if getattr(item, "scales", None) is not None:
-            raise LayoutError(f"{owner}: {name}.scales is set: hicache's MHA host pool does not copy KV scales")
+            raise NotServedError(f"{owner}: {name}.scales is set: hicache's MHA host pool does not copy KV scales")
         _check_token_rows(owner, item, name)
         if index:
             if len(item.buffers.k) != 1:
@@ -173,7 +173,7 @@ def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
                                   f"expected {expected}")
     transfer = getattr(info, "transfer_buffers", None)
     if transfer is not None:
-        raise LayoutError(f"{owner}: buffer_info.transfer_buffers (a relocatable device pool) is not supported; "
+        raise NotServedError(f"{owner}: buffer_info.transfer_buffers (a relocatable device pool) is not supported; "
                           "hicache copies the per-layer buffers")
     targets = len(info.buffers.k)
     return MHADeviceView(
@@ -191,7 +191,7 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
     packed drafts: host layer i holds the device slot ``layer_indices[i]``; drafts follow every
     device layer (controller ids ``device_layer_num + i``), as SGLang's MLA host pool maps them."""
     if layer_shard_enabled:
-        raise LayoutError(f"{owner}: layer_shard_enabled=True (layer-sharded MLA device pools) is not supported by "
+        raise NotServedError(f"{owner}: layer_shard_enabled=True (layer-sharded MLA device pools) is not supported by "
                           "hicache's MLA host pool; SGLang's own pool serves it")
     if is_mla_allocation(info):
         if drafts:
@@ -206,7 +206,7 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
                        lambda item: is_mla_info(item) and isinstance(getattr(item, "buffers", None), tuple))
     for index, name, item in checked:
         if getattr(item, "scales", None) is not None:
-            raise LayoutError(f"{owner}: {name}.scales is set: packed FP4 payload and block scales cannot be restored")
+            raise NotServedError(f"{owner}: {name}.scales is set: packed FP4 payload and block scales cannot be restored")
         if index and ((item.kv_cache_dim, item.dtype) != (info.kv_cache_dim, info.dtype) or len(item.layer_indices) != 1):
             raise LayoutError(f"{owner}: packed {name} must hold one layer of the target's row "
                               f"{(info.kv_cache_dim, info.dtype)}, got {len(item.layer_indices)} of "
@@ -236,7 +236,7 @@ def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> DeviceVie
     infos = (info, *drafts)
     for index, name, item in _checked(owner, infos, "mtp_draft_buffer_infos", "a MambaStateBufferInfo", is_mamba_info):
         if tuple(getattr(item, "extra_checkpoint_buffers", ()) or ()):
-            raise LayoutError(f"{owner}: {name}.extra_checkpoint_buffers (per-slot side state) is not supported by "
+            raise NotServedError(f"{owner}: {name}.extra_checkpoint_buffers (per-slot side state) is not supported by "
                               "hicache's Mamba host pool; SGLang's own pool serves it")
         if index:
             same = item.temporal.shape[0] == 1 and len(item.conv) == len(info.conv) and all(
@@ -262,7 +262,7 @@ def dsa_device(owner: str, decl, drafts, anchor_host) -> DeviceView:
     pool maps them (drafts come as ``device layer_num + depth``)."""
     device_pool = decl.device_pool
     if getattr(device_pool, "layer_shard_enabled", False):
-        raise LayoutError(f"{owner}: a layer-sharded DSA device pool is not supported by hicache's indexer host pool")
+        raise NotServedError(f"{owner}: a layer-sharded DSA device pool is not supported by hicache's indexer host pool")
     if decl.storage_info is None:
         raise LayoutError(f"{owner}: decl.storage_info is None (a layout root); the indexer needs its byte facts")
     declared = decl.owned_device_layers
