@@ -835,3 +835,32 @@ def test_the_first_of_each_key_is_what_torch_unique_finds(rows, copies):
     first.scatter_reduce_(0, inverse, torch.arange(keys.shape[0]), reduce="amin")
     got_unique, got_first = _first_of_each(keys)
     assert torch.equal(got_unique, unique) and torch.equal(got_first, first)
+
+
+_WORDS = st.lists(st.tuples(st.sampled_from([0, 1, 2, 3, 8, 9, 2**40]),  # generation: empty, odd (torn), even
+                            st.sampled_from([0, 5, -7, 2**62]), st.sampled_from([0, 5, -7, 2**62]),  # key halves
+                            st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1)),  # length and entry words
+                  max_size=40)
+
+
+@given(_WORDS, st.integers(1, 9))
+def test_the_census_counts_each_live_key_once_with_its_first_slot_in_any_chunking(slots, chunk):
+    """The census of index words (gen, key halves, ..., length word, entry word per slot),
+    read ``chunk`` slots at a time, against a plain loop over the slots: torn = odd
+    generations; live = even, non-zero generations with a key; each live key counted once, with
+    the length and entry of its first slot; keys drawn from a few values, so that many repeat and
+    many share one half - the census's quick check for repeats looks at one half first."""
+    from hicache.store._index import census_of
+
+    words = torch.zeros(len(slots), 8, dtype=torch.int64)
+    for i, (gen, k0, k1, length, entry) in enumerate(slots):
+        words[i, 0], words[i, 1], words[i, 2], words[i, 5], words[i, 6] = gen, k0, k1, length, entry
+    seen, pages, nbytes, by_namespace = set(), 0, 0, {}
+    for gen, k0, k1, length, entry in slots:
+        if gen and gen % 2 == 0 and (k0 or k1) and (k0, k1) not in seen:
+            seen.add((k0, k1))
+            pages, nbytes = pages + 1, nbytes + (length & 0xFFFFFFFF)
+            by_namespace[entry & 0xFFFF] = by_namespace.get(entry & 0xFFFF, 0) + 1
+    torn = sum(1 for gen, *_ in slots if gen % 2)
+    got = census_of(words, 100, chunk=chunk)
+    assert (got.slots, got.pages, got.bytes, got.torn, got.by_namespace) == (100, pages, nbytes, torn, by_namespace)
