@@ -60,7 +60,7 @@ class _State:
         self.last_pool: str | None = None  # its name: a scrape reads its rates again while it is tracked
         self.registered: set = set()  # ids of the registries the collector is in
         self.turnstile_waits = None  # the handles' reader of this process's turnstile waits
-        self.stores: dict[str, weakref.ref] = {}  # arena path -> this process's NodeStore over it
+        self.stores: dict[str, tuple] = {}  # arena path -> (this process's NodeStore over it, its census's source)
 
 
 _STATE = _State()
@@ -232,14 +232,18 @@ def released(pool: str, handle=None) -> None:
     _published()
 
 
-def track_store(arena: str, store) -> None:
+def track_store(arena: str, store, *, census=None) -> None:
     """Report ``store`` (a `hicache.store.NodeStore`, held weakly) as the node store over the
-    arena at ``arena`` from now on; its families read the arena and the store when scraped."""
+    arena at ``arena`` from now on; its families read the arena and the store when scraped.
+    ``census``: where a scrape gets the arena's census (a callable returning a `Census`, or None
+    to skip the store this time; a bound method is held weakly) - the SGLang L3 seam's, which
+    `get_stats` shares; default: the store's own `census()`, read at each scrape."""
     try:
         if not install():
             return
+        read = weakref.WeakMethod(census) if hasattr(census, "__self__") else (lambda: census)
         with _STATE.lock:
-            _STATE.stores[arena] = weakref.ref(store)
+            _STATE.stores[arena] = (weakref.ref(store), read)
     except Exception:  # metrics never fail the work they observe
         logger.exception("hicache metrics: could not track the store at %s", arena)
     _published()
@@ -274,14 +278,16 @@ def _store_views() -> list:
     with _STATE.lock:
         stores = list(_STATE.stores.items())
     views = []
-    for arena, ref in stores:
-        store = ref()
+    for arena, (ref, read) in stores:
+        store, census = ref(), read()
         if store is None or store.closed:
             continue
         try:
-            views.append(StoreView(arena, store, store.census()))
+            taken = census() if census is not None else store.census()
         except Exception:  # a store closing under the scrape: skip it this time
             continue
+        if taken is not None:
+            views.append(StoreView(arena, store, taken))
     return views
 
 

@@ -602,6 +602,44 @@ def test_metrics_report_the_arena_and_this_engines_counts(sglang, shm_dir, pools
     assert f'arena="{arena}"' not in prometheus_client.generate_latest(registry).decode()
 
 
+def test_the_metrics_scrape_and_get_stats_share_one_census_at_most_ten_seconds_old(sglang, shm_dir, pools,
+                                                                                    monkeypatch):
+    """Every rank's metrics publisher scrapes every 5 s and SGLang's scheduler asks `get_stats`
+    every step; a census reads every slot (170 ms and 245 MiB at 2.8 M slots). Both read the one
+    census of the L3 seam, retaken once it is 10 s old on the store's clock (injected): four
+    scrapes and a get_stats within 10 s take one census, the next after 10 s one more."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from hicache import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    assert metrics.install(registry)
+    store = _store(shm_dir / "arena", pools[0], metrics=True)
+    clock = [0.0]
+    monkeypatch.setattr(store, "clock", lambda: clock[0])
+    censuses = []
+    real = store.store.census
+    monkeypatch.setattr(store.store, "census", lambda: censuses.append(clock[0]) or real())
+    pages = f'hicache_store_pages{{arena="{shm_dir / "arena"}"}}'
+
+    def scraped() -> float:
+        text = prometheus_client.generate_latest(registry).decode()
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(pages))
+
+    try:
+        store.batch_set_v1(["a"], torch.arange(0, PAGE))
+        for step in range(4):
+            clock[0] = step * 2.0
+            assert scraped() == 1
+        assert store.get_stats()["pages"] == 1 and censuses == [0.0]
+        store.batch_set_v1(["b"], torch.arange(PAGE, 2 * PAGE))
+        clock[0] = 10.0
+        scraped()  # starts the next census beside the scrape
+        store.census_refresh.wait()
+        assert scraped() == 2 and store.get_stats()["pages"] == 2 and censuses == [0.0, 10.0]
+    finally:
+        store.close()
+
+
 def test_the_launch_flags_in_docs_store_md_build_the_store_through_sglangs_own_parsing(sglang, shm_dir, pools):
     """The --hicache-storage-backend-extra-config JSON docs/store.md shows, parsed by SGLang's
     own `parse_storage_backend_extra_config` (which takes its keys out) and handed to its factory

@@ -100,7 +100,7 @@ class HiCacheNodeStore(HiCacheStorage):
         self._closed = False
         self.attach_s = None
         self.clock = time.monotonic  # the census's age (tests put a stand-in here)
-        self.census_refresh = None  # the census get_stats reports (LatestCensus), once the arena is open
+        self.census_refresh = None  # the census get_stats and the metrics read (LatestCensus), once attached
         self._full_said = None  # when a full namespace table was last logged
         self._full_batches = 0  # batches it refused since
 
@@ -168,7 +168,9 @@ class HiCacheNodeStore(HiCacheStorage):
         self.attach_s = time.perf_counter() - began
         from hicache import metrics
 
-        metrics.track_store(self.path, self.store)
+        self.census_refresh = LatestCensus(lambda: self.store.census(), max_age_s=CENSUS_MAX_AGE_S,
+                                           clock=lambda: self.clock())
+        metrics.track_store(self.path, self.store, census=self._recent_census)  # one census for both
         logger.info("HiCacheNodeStore: %s arena %s (%d slots of %d bytes) in %.3f s", "created" if
                     self.store.arena.created else "attached", self.path, self.store.arena.plan.slots,
                     self.store.arena.plan.slot_bytes, self.attach_s)
@@ -358,7 +360,7 @@ class HiCacheNodeStore(HiCacheStorage):
         for name, values in self._pending.items():
             setattr(stats, name, list(values))
             values.clear()
-        census = None if self.store is None or self._closed else self._recent_census()
+        census = None if self.store is None else self._recent_census()
         if census is None:  # no arena (yet), or closed (under the census too)
             stats.update(pages=0, bytes=0, hits=0, misses=0, torn=0, corrupt=0, evictions=0, writes=0)
             return stats
@@ -371,11 +373,9 @@ class HiCacheNodeStore(HiCacheStorage):
         return stats
 
     def _recent_census(self):
-        """The arena's census, retaken beside the caller once `CENSUS_MAX_AGE_S` have passed."""
-        if self.census_refresh is None:
-            self.census_refresh = LatestCensus(lambda: self.store.census(), max_age_s=CENSUS_MAX_AGE_S,
-                                               clock=lambda: self.clock())
-        return self.census_refresh.get()
+        """The arena's census (get_stats' and the metrics scrape's), retaken beside the caller
+        once `CENSUS_MAX_AGE_S` have passed; None once closed."""
+        return None if self._closed or self.census_refresh is None else self.census_refresh.get()
 
     def close(self) -> None:
         """Unmap the arena once the transfers in flight on SGLang's other threads are done;
