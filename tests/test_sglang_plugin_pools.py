@@ -312,3 +312,36 @@ def test_in_pools_mode_a_pool_hicache_does_not_serve_fails_sglangs_constructor_n
                 assert isinstance(caught.value, NotServedError) == sglang_serves, words
                 assert (NOT_SERVED_HINT in str(caught.value)) == (sglang_serves and plugged), (words, plugged)
                 assert fake.held() == set() and fake.cudart.register_calls == 0, words
+
+
+def test_in_pools_mode_a_layer_sharded_dsa_indexer_fails_its_constructor_naming_the_switch(sglang, monkeypatch):
+    """HICACHE_SGLANG_POOLS=1 and a DSA model whose device pool is layer-sharded: SGLang's
+    `DSAIndexerPoolHost` name (hicache's class now) beside its MLA anchor raises a `NotServedError`
+    naming the sharding and the switch, registering nothing of its own; the anchor is unharmed."""
+    import sglang.srt.mem_cache.pool_host.dsa as sdsa
+    import sglang.srt.mem_cache.pool_host.mla as smla
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang_support import plug
+
+    from hicache.compat.sglang_plugin import NOT_SERVED_HINT
+    from hicache.errors import NotServedError
+
+    plug(monkeypatch, pools=True)
+    assert all(cls.__module__.startswith("hicache.") for cls in (sdsa.DSAIndexerPoolHost, smla.MLATokenToKVPoolHost))
+    with published(), fake_cuda() as fake:
+        device = DSATokenToKVPool(size=256, page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
+                                  layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
+                                  kv_cache_dim=80)
+        info = device.get_device_pool_infos()[0].buffer_info
+        with _budget():
+            anchor = smla.MLATokenToKVPoolHost(info, 2.0, 0, 64, "page_first", True, "cpu",
+                                               device_capacity_tokens=256, start_layer=0, end_layer=2,
+                                               target_layer_num=2)
+        held = fake.held()
+        device.layer_shard_enabled = True
+        with pytest.raises(NotServedError, match="layer-sharded DSA device pool") as caught:
+            with _budget():
+                sdsa.DSAIndexerPoolHost(sdsa.make_dsa_indexer_pool_decl(device), anchor)
+        assert NOT_SERVED_HINT in str(caught.value) and fake.held() == held
+        anchor.destroy()
+        assert fake.held() == set()
