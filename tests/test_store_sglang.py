@@ -905,3 +905,27 @@ def test_docs_store_md_lists_every_extra_config_key_as_the_code_says_it():
     rows = dict(re.findall(r"^\| `(\w+)` \| (.+) \|$", table, flags=re.M))
     assert {key: meaning.replace("`", "") for key, meaning in rows.items()} == {
         key: meaning.replace("`", "") for key, meaning in CONFIG_KEYS.items()}
+
+
+def test_a_census_is_taken_on_the_callers_thread_where_no_thread_can_start(sglang, shm_dir, pools, monkeypatch):
+    """Python refuses new threads once the interpreter is exiting (a last scrape or get_stats
+    from an atexit hook): a stale census is then taken on the caller's own thread, not lost to
+    a RuntimeError."""
+    import threading
+
+    store = _store(shm_dir / "arena", pools[0], metrics=True)
+    clock = [0.0]
+    monkeypatch.setattr(store, "clock", lambda: clock[0])
+    try:
+        store.batch_set_v1(["a"], torch.arange(0, PAGE))
+        assert store.get_stats()["pages"] == 1
+        store.batch_set_v1(["b"], torch.arange(PAGE, 2 * PAGE))
+
+        def refused(self):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+
+        monkeypatch.setattr(threading.Thread, "start", refused)
+        clock[0] = 10.0
+        assert store.get_stats()["pages"] == 2 and store.census_refresh._running is None
+    finally:
+        store.close()

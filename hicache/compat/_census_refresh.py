@@ -33,16 +33,22 @@ class LatestCensus:
     def get(self):
         """The latest census (None if none could be taken: the store closed under it); starts a
         new one beside the caller when it is stale, waits only when there is none yet."""
-        now = self.clock()
+        now, inline = self.clock(), False
         with self._lock:
             latest = self._latest
             if (self._tried is None or now - self._tried >= self.max_age_s) and self._running is None:
                 self._tried = now
-                self._running = threading.Thread(target=self._refresh, args=(now,), daemon=True,
-                                                  name="hicache-store-census")
-                self._running.start()
+                thread = threading.Thread(target=self._refresh, args=(now,), daemon=True, name="hicache-store-census")
+                try:
+                    thread.start()
+                    self._running = thread
+                except RuntimeError:  # no new threads once the interpreter is exiting: count here
+                    inline = True
             running = self._running
-        if latest is None and running is not None:
+        if inline:
+            self._refresh(now)
+            latest = self._latest
+        elif latest is None and running is not None:
             running.join()
             latest = self._latest
         return None if latest is None else latest[1]
