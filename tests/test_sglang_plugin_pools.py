@@ -110,22 +110,31 @@ def test_sglangs_mamba_pool(plugged, layout, monkeypatch):
         fake.check_valid()
 
 
+def _dsa_device_and_anchor(anchor_cls):
+    """SGLang's DSA device pool (2 layers, 64-token pages) and its MLA anchor host pool, built by
+    ``anchor_cls`` (SGLang's, or the name pools mode replaced) under SGLang's budget scope."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    device = DSATokenToKVPool(size=256, page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
+                              layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
+                              kv_cache_dim=80)
+    info = device.get_device_pool_infos()[0].buffer_info
+    with _budget():
+        anchor = anchor_cls(info, 2.0, 0, 64, "page_first", True, "cpu", device_capacity_tokens=256, start_layer=0,
+                            end_layer=2, target_layer_num=2)
+    return device, anchor
+
+
 def test_sglangs_dsa_indexer_pool_beside_its_mla_anchor(plugged, monkeypatch):
     """SGLang's DSA indexer pool beside its MLA anchor comes up and tears down through the plug-in,
     nothing left registered."""
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     cap = _small_cap(monkeypatch, "page_first", 64 * 1024)  # above its 20 KiB page
     with published(), fake_cuda() as fake:
-        device = DSATokenToKVPool(size=256, page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
-                                  layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
-                                  kv_cache_dim=80)
-        info = device.get_device_pool_infos()[0].buffer_info
+        device, anchor = _dsa_device_and_anchor(MLATokenToKVPoolHost)
         with _budget():
-            anchor = MLATokenToKVPoolHost(info, 2.0, 0, 64, "page_first", True, "cpu", device_capacity_tokens=256,
-                                          start_layer=0, end_layer=2, target_layer_num=2)
             indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor)
         _check_calls(fake, _tensors(anchor) + _tensors(indexer), plugged, cap)
         cuda_at_destroy(monkeypatch, "sglang.srt.mem_cache.pool_host.dsa")
@@ -320,7 +329,6 @@ def test_in_pools_mode_a_layer_sharded_dsa_indexer_fails_its_constructor_naming_
     naming the sharding and the switch, registering nothing of its own; the anchor is unharmed."""
     import sglang.srt.mem_cache.pool_host.dsa as sdsa
     import sglang.srt.mem_cache.pool_host.mla as smla
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang_support import plug
 
     from hicache.compat.sglang_plugin import NOT_SERVED_HINT
@@ -329,14 +337,7 @@ def test_in_pools_mode_a_layer_sharded_dsa_indexer_fails_its_constructor_naming_
     plug(monkeypatch, pools=True)
     assert all(cls.__module__.startswith("hicache.") for cls in (sdsa.DSAIndexerPoolHost, smla.MLATokenToKVPoolHost))
     with published(), fake_cuda() as fake:
-        device = DSATokenToKVPool(size=256, page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
-                                  layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
-                                  kv_cache_dim=80)
-        info = device.get_device_pool_infos()[0].buffer_info
-        with _budget():
-            anchor = smla.MLATokenToKVPoolHost(info, 2.0, 0, 64, "page_first", True, "cpu",
-                                               device_capacity_tokens=256, start_layer=0, end_layer=2,
-                                               target_layer_num=2)
+        device, anchor = _dsa_device_and_anchor(smla.MLATokenToKVPoolHost)
         held = fake.held()
         device.layer_shard_enabled = True
         with pytest.raises(NotServedError, match="layer-sharded DSA device pool") as caught:

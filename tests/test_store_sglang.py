@@ -389,17 +389,24 @@ def test_a_full_namespace_table_is_logged_once_a_minute_not_once_a_batch(sglang,
         store.close()
 
 
-def test_get_stats_counts_the_arena_at_most_every_ten_seconds(sglang, shm_dir, pools, monkeypatch):
-    """SGLang calls `get_stats` on every scheduler step when --enable-metrics is on (its
-    `check_hicache_events`), and a census scans every slot of the arena (0.25 s at 516,000 slots):
-    the census is taken on the first call and again only once 10 s have passed on the store's
-    clock (injected); the step's own figures - pages moved, hits, misses - are fresh every call."""
-    store = _store(shm_dir / "arena", pools[0], metrics=True)
+def _counted_store(shm_dir, pool, monkeypatch):
+    """(a store with SGLang's storage metrics on, its injected clock, the clock's time at each
+    census it takes)."""
+    store = _store(shm_dir / "arena", pool, metrics=True)
     clock = [0.0]
     monkeypatch.setattr(store, "clock", lambda: clock[0])
     censuses = []
     real = store.store.census
     monkeypatch.setattr(store.store, "census", lambda: censuses.append(clock[0]) or real())
+    return store, clock, censuses
+
+
+def test_get_stats_counts_the_arena_at_most_every_ten_seconds(sglang, shm_dir, pools, monkeypatch):
+    """SGLang calls `get_stats` on every scheduler step when --enable-metrics is on (its
+    `check_hicache_events`), and a census scans every slot of the arena (0.25 s at 516,000 slots):
+    the census is taken on the first call and again only once 10 s have passed on the store's
+    clock (injected); the step's own figures - pages moved, hits, misses - are fresh every call."""
+    store, clock, censuses = _counted_store(shm_dir, pools[0], monkeypatch)
     try:
         store.batch_set_v1(["a"], torch.arange(0, PAGE))
         assert store.get_stats()["pages"] == 1 and len(censuses) == 1
@@ -613,12 +620,7 @@ def test_the_metrics_scrape_and_get_stats_share_one_census_at_most_ten_seconds_o
 
     registry = prometheus_client.CollectorRegistry()
     assert metrics.install(registry)
-    store = _store(shm_dir / "arena", pools[0], metrics=True)
-    clock = [0.0]
-    monkeypatch.setattr(store, "clock", lambda: clock[0])
-    censuses = []
-    real = store.store.census
-    monkeypatch.setattr(store.store, "census", lambda: censuses.append(clock[0]) or real())
+    store, clock, censuses = _counted_store(shm_dir, pools[0], monkeypatch)
     pages = f'hicache_store_pages{{arena="{shm_dir / "arena"}"}}'
 
     def scraped() -> float:
