@@ -426,6 +426,7 @@ def test_get_stats_counts_the_arena_at_most_every_ten_seconds(sglang, shm_dir, p
         store.close()
 
 
+@pytest.mark.concurrency
 def test_a_stale_census_is_retaken_beside_the_scheduler_step_never_on_it(sglang, shm_dir, pools, monkeypatch):
     """A census of a production arena takes ~0.13 s (3 M slots), and SGLang's scheduler thread
     calls `get_stats` between its steps: once the census is 10 s old the step gets the last one at
@@ -467,6 +468,7 @@ def test_a_stale_census_is_retaken_beside_the_scheduler_step_never_on_it(sglang,
         store.close()
 
 
+@pytest.mark.concurrency
 def test_a_census_that_fails_keeps_the_last_and_close_waits_for_one_in_flight(sglang, shm_dir, pools, monkeypatch,
                                                                               caplog):
     """A census that raises on its thread is logged and the steps keep the last count (no
@@ -609,6 +611,7 @@ def test_metrics_report_the_arena_and_this_engines_counts(sglang, shm_dir, pools
     assert f'arena="{arena}"' not in prometheus_client.generate_latest(registry).decode()
 
 
+@pytest.mark.concurrency
 def test_the_metrics_scrape_and_get_stats_share_one_census_at_most_ten_seconds_old(sglang, shm_dir, pools,
                                                                                     monkeypatch):
     """Every rank's metrics publisher scrapes every 5 s and SGLang's scheduler asks `get_stats`
