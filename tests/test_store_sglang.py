@@ -328,6 +328,44 @@ def test_get_stats_is_a_dict_and_sglangs_storage_metrics(sglang, shm_dir, pools)
         store.close()
 
 
+def test_sglangs_own_storage_metrics_collector_logs_what_get_stats_returns(sglang, shm_dir, pools):
+    """SGLang's `StorageMetricsCollector.log_storage_metrics` - what its radix cache hands
+    `get_stats()`'s result to on every step under --enable-metrics - takes ours (it asserts
+    StorageMetrics) and records each prefetch's and backup's pages and bandwidth into its
+    histograms (here bound to a registry of the test's own through its DI hooks)."""
+    import functools
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from sglang.srt.observability.metrics_collector import StorageMetricsCollector
+
+    registry = prometheus_client.CollectorRegistry()
+
+    class Collector(StorageMetricsCollector):
+        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)
+        _gauge_cls = functools.partial(prometheus_client.Gauge, registry=registry)
+        _histogram_cls = functools.partial(prometheus_client.Histogram, registry=registry)
+
+    collector = Collector(labels={"tp_rank": "0"})
+    store = _store(shm_dir / "arena", pools[0], metrics=True)
+    try:
+        store.batch_set_v1(["a", "b", "c"], torch.arange(0, 3 * PAGE))
+        store.batch_get_v1(["a", "b"], torch.arange(4 * PAGE, 6 * PAGE))
+        stats = store.get_stats()
+        stats.prefetch_stats = {}  # what SGLang's radix cache sets where a back end has none
+        collector.log_storage_metrics(stats)
+        collector.log_storage_metrics(store.get_stats())  # drained: nothing more is recorded
+
+        def sample(name: str) -> float:
+            return registry.get_sample_value(name, {"tp_rank": "0"})
+
+        assert (sample("sglang:backup_pgs_sum"), sample("sglang:backup_pgs_count")) == (3, 1)
+        assert (sample("sglang:prefetch_pgs_sum"), sample("sglang:prefetch_pgs_count")) == (2, 1)
+        assert sample("sglang:backup_bandwidth_count") == 1 and sample("sglang:backup_bandwidth_sum") > 0
+        assert sample("sglang:prefetch_bandwidth_count") == 1 and sample("sglang:prefetch_bandwidth_sum") > 0
+    finally:
+        store.close()
+
+
 def test_the_pages_each_transfer_moved_are_kept_only_for_sglangs_metrics_and_boundedly(sglang, shm_dir, pools,
                                                                                         monkeypatch):
     """The pages and bandwidth of each prefetch and backup are what SGLang's storage metrics
