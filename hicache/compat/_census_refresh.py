@@ -2,8 +2,8 @@
 thread, never on it.
 
 SGLang 0.5.23 calls the L3 back end's `get_stats` on every scheduler step under
---enable-metrics, and a census reads every slot's record (11 ms at 258,000 slots, ~0.13 s at
-3 M). Taken on that thread, it stalled one step in every `max_age_s` by that much. Here a census
+--enable-metrics, and a census reads every slot's record (4-6 ms at 258,000 slots, 162-186 ms at
+2.8 M). Taken on that thread, it stalled one step in every `max_age_s` by that much. Here a census
 older than `max_age_s` is retaken on a thread of its own - one at a time - while the steps get the
 last one at once; only the first call, with nothing older to show, waits for it. The census's
 torch operations let go of the GIL, so the scheduler's own Python runs beside it.

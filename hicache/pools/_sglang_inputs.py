@@ -152,7 +152,7 @@ def _check_token_rows(owner: str, info, name: str) -> None:
     layout = getattr(getattr(info.buffers, "layout", None), "value", "nhd")
     if layout not in _TOKEN_ROW_LAYOUTS:
         raise NotServedError(f"{owner}: {name}.buffers.layout={layout!r} is not supported; hicache copies token rows "
-                          f"(KVBufferLayout {', '.join(_TOKEN_ROW_LAYOUTS)})")
+                             f"(KVBufferLayout {', '.join(_TOKEN_ROW_LAYOUTS)})")
 
 
 def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_layer: int) -> DeviceView:
@@ -174,7 +174,7 @@ def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
     transfer = getattr(info, "transfer_buffers", None)
     if transfer is not None:
         raise NotServedError(f"{owner}: buffer_info.transfer_buffers (a relocatable device pool) is not supported; "
-                          "hicache copies the per-layer buffers")
+                             "hicache copies the per-layer buffers")
     targets = len(info.buffers.k)
     return MHADeviceView(
         dtype=info.dtype, device=info.device, size=int(device_capacity_tokens), start_layer=start_layer,
@@ -192,7 +192,7 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
     device layer (controller ids ``device_layer_num + i``), as SGLang's MLA host pool maps them."""
     if layer_shard_enabled:
         raise NotServedError(f"{owner}: layer_shard_enabled=True (layer-sharded MLA device pools) is not supported by "
-                          "hicache's MLA host pool; SGLang's own pool serves it")
+                             "hicache's MLA host pool; SGLang's own pool serves it")
     if is_mla_allocation(info):
         if drafts:
             raise LayoutError(f"{owner}: an allocator-only MLAHostAllocation takes no draft_buffer_infos")
@@ -206,7 +206,8 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
                        lambda item: is_mla_info(item) and isinstance(getattr(item, "buffers", None), tuple))
     for index, name, item in checked:
         if getattr(item, "scales", None) is not None:
-            raise NotServedError(f"{owner}: {name}.scales is set: packed FP4 payload and block scales cannot be restored")
+            raise NotServedError(f"{owner}: {name}.scales is set: packed FP4 payload and block scales cannot be "
+                                 "restored")
         if index and ((item.kv_cache_dim, item.dtype) != (info.kv_cache_dim, info.dtype) or len(item.layer_indices) != 1):
             raise LayoutError(f"{owner}: packed {name} must hold one layer of the target's row "
                               f"{(info.kv_cache_dim, info.dtype)}, got {len(item.layer_indices)} of "
@@ -237,7 +238,7 @@ def mamba_device(owner: str, info, drafts, *, device_capacity: int) -> DeviceVie
     for index, name, item in _checked(owner, infos, "mtp_draft_buffer_infos", "a MambaStateBufferInfo", is_mamba_info):
         if tuple(getattr(item, "extra_checkpoint_buffers", ()) or ()):
             raise NotServedError(f"{owner}: {name}.extra_checkpoint_buffers (per-slot side state) is not supported by "
-                              "hicache's Mamba host pool; SGLang's own pool serves it")
+                                 "hicache's Mamba host pool; SGLang's own pool serves it")
         if index:
             same = item.temporal.shape[0] == 1 and len(item.conv) == len(info.conv) and all(
                 a.shape[1:] == b.shape[1:] and a.dtype == b.dtype for a, b in zip((*info.conv, info.temporal),
@@ -262,7 +263,8 @@ def dsa_device(owner: str, decl, drafts, anchor_host) -> DeviceView:
     pool maps them (drafts come as ``device layer_num + depth``)."""
     device_pool = decl.device_pool
     if getattr(device_pool, "layer_shard_enabled", False):
-        raise NotServedError(f"{owner}: a layer-sharded DSA device pool is not supported by hicache's indexer host pool")
+        raise NotServedError(f"{owner}: a layer-sharded DSA device pool is not supported by hicache's indexer "
+                             "host pool")
     if decl.storage_info is None:
         raise LayoutError(f"{owner}: decl.storage_info is None (a layout root); the indexer needs its byte facts")
     declared = decl.owned_device_layers
