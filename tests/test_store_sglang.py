@@ -950,6 +950,22 @@ def test_docs_store_md_lists_every_extra_config_key_as_the_code_says_it():
         key: meaning.replace("`", "") for key, meaning in CONFIG_KEYS.items()}
 
 
+def test_after_clear_the_next_census_starts_at_once_not_ten_seconds_later(sglang, shm_dir, pools, monkeypatch):
+    """SGLang's /clear_hicache_storage_backend calls `clear()`: the census of before is out of
+    date, so the next `get_stats` starts a new one beside it (the clock has not moved), and the
+    step after it sees the cleared store - not 10 s of pages that are gone."""
+    store, clock, censuses = _counted_store(shm_dir, pools[0], monkeypatch)
+    try:
+        store.batch_set_v1(["a", "b"], torch.arange(0, 2 * PAGE))
+        assert store.get_stats()["pages"] == 2
+        store.clear()
+        store.get_stats()
+        store.census_refresh.wait()
+        assert store.get_stats()["pages"] == 0 and censuses == [0.0, 0.0]
+    finally:
+        store.close()
+
+
 def test_a_census_is_taken_on_the_callers_thread_where_no_thread_can_start(sglang, shm_dir, pools, monkeypatch):
     """Python refuses new threads once the interpreter is exiting (a last scrape or get_stats
     from an atexit hook): a stale census is then taken on the caller's own thread, not lost to

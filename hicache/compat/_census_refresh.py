@@ -53,6 +53,12 @@ class LatestCensus:
             latest = self._latest
         return None if latest is None else latest[1]
 
+    def expire(self) -> None:
+        """The latest census is out of date (pages were cleared): the next `get` starts a new one
+        (or, where one is being taken, the `get` after it finishes)."""
+        with self._lock:
+            self._tried = None
+
     def wait(self) -> None:
         """Until the census being taken now, if any, has finished."""
         running = self._running

@@ -354,6 +354,8 @@ class HiCacheNodeStore(HiCacheStorage):
         """Empty this engine's pages (its namespaces); other engines' pages in the arena stay."""
         if self.store is not None and not self._closed:
             self.store.clear([view.namespace for view in self.pools.values()])
+            if self.census_refresh is not None:
+                self.census_refresh.expire()  # the next get_stats starts counting what is left
 
     def get_stats(self):
         stats = _make_stats()
