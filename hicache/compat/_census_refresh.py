@@ -26,7 +26,7 @@ class LatestCensus:
     def __init__(self, take, *, max_age_s: float, clock) -> None:
         self.take, self.max_age_s, self.clock = take, max_age_s, clock
         self._lock = threading.Lock()
-        self._latest = None  # (when it started, Census)
+        self._latest = None  # the latest finished Census
         self._tried = None  # when the latest census, finished or failed, started: one try per max_age_s
         self._running: threading.Thread | None = None
 
@@ -38,7 +38,7 @@ class LatestCensus:
             latest = self._latest
             if (self._tried is None or now - self._tried >= self.max_age_s) and self._running is None:
                 self._tried = now
-                thread = threading.Thread(target=self._refresh, args=(now,), daemon=True, name="hicache-store-census")
+                thread = threading.Thread(target=self._refresh, daemon=True, name="hicache-store-census")
                 try:
                     thread.start()
                     self._running = thread
@@ -46,12 +46,12 @@ class LatestCensus:
                     inline = True
             running = self._running
         if inline:
-            self._refresh(now)
+            self._refresh()
             latest = self._latest
         elif latest is None and running is not None:
             running.join()
             latest = self._latest
-        return None if latest is None else latest[1]
+        return latest
 
     def expire(self) -> None:
         """The latest census is out of date (pages were cleared): the next `get` starts a new one
@@ -65,7 +65,7 @@ class LatestCensus:
         if running is not None:
             running.join()
 
-    def _refresh(self, started: float) -> None:
+    def _refresh(self) -> None:
         try:
             census = self.take()
         except StoreClosedError:
@@ -75,5 +75,5 @@ class LatestCensus:
             census = None
         with self._lock:
             if census is not None:
-                self._latest = (started, census)
+                self._latest = census
             self._running = None
