@@ -48,7 +48,7 @@ class LayoutError(HicacheError, ValueError):
 
 class NotServedError(LayoutError):
     """The pool's inputs are sound, but describe what SGLang's own host pool serves and hicache's
-    does not (KV scales, a relocatable device pool, layer-sharded MLA, ...): docs/sglang.md's list.
+    does not (MXFP8 scales, a relocatable device pool, layer-sharded MLA, ...): docs/sglang.md's list.
     Raised before any memory is taken; under the plug-in's pools mode it names the switch."""
 
 

@@ -914,8 +914,10 @@ def test_a_pools_signature_is_sglangs_plus_hicaches_own_keywords(sglang, kind):
 def _refused_inputs():
     """(family, what SGLang 0.5.23's device pool hands the host pool, changed in one way hicache's
     pools do not serve, the error's words, whether SGLang's own pool serves it - a
-    `NotServedError` - or nobody does: another family's description, layer slots that are not
-    the target's) - docs/sglang.md's "Layouts and backends" list."""
+    `NotServedError` - or nobody does: another family's description, KV scales SGLang's own MHA
+    and MLA host pools refuse as well (its `token` layout, MLA's FP4)) - docs/sglang.md's
+    "Layouts and backends" list; `test_sglangs_own_pools_serve_exactly_what_is_called_not_served`
+    holds that flag to SGLang's own constructors."""
     from sglang.srt.mem_cache.device_pool_info import (
         KVBufferLayout, KVScaleBuffers, KVScaleLayout, MambaStateBufferInfo)
 
@@ -929,7 +931,9 @@ def _refused_inputs():
     states = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 16, 32), conv=(torch.zeros(2, 9, 8, 32),))
     return [
         ("mha", replace(mha, scales=KVScaleBuffers(k=scale, v=scale, layout=KVScaleLayout.TOKEN)), {},
-         "buffer_info.scales is set: hicache's MHA host pool does not copy KV scales", True),
+         "buffer_info.scales has layout 'token': no host pool of SGLang 0.5.23 copies KV scales", False),
+        ("mha", replace(mha, scales=KVScaleBuffers(k=scale, v=scale, layout=KVScaleLayout.MXFP8_INTERLEAVED)), {},
+         "buffer_info.scales is set (MXFP8): hicache's MHA host pool does not copy KV scales", True),
         ("mha", replace(mha, transfer_buffers=lambda: (mha.buffers.k[0], mha.buffers.v[0])), {},
          "transfer_buffers (a relocatable device pool) is not supported", True),
         ("mha", replace(mha, buffers=replace(mha.buffers, layout=KVBufferLayout.HND)), {},
@@ -941,9 +945,9 @@ def _refused_inputs():
         ("mamba", mha, {}, "the first argument must be a MambaStateBufferInfo (SGLang 0.5.23) or a device pool "
          "(older SGLang), got MHABufferInfo (no mamba_cache)", False),
         ("mla", replace(mla, scales=tuple(torch.zeros(TOKENS, 1, 4) for _ in range(LAYERS))), {},
-         "buffer_info.scales is set: packed FP4 payload and block scales cannot be restored", True),
+         "buffer_info.scales is set (FP4 KV): packed FP4 payload and block scales cannot be restored", False),
         ("mla", mla, {"layer_shard_enabled": True}, "layer_shard_enabled=True (layer-sharded MLA device pools)", True),
-        ("mla", mla, {"target_layer_num": LAYERS + 1}, f"{LAYERS} layer slots but target_layer_num={LAYERS + 1}", False),
+        ("mla", mla, {"target_layer_num": LAYERS + 1}, f"{LAYERS} layer slots but target_layer_num={LAYERS + 1}", True),
         ("mamba", replace(states, extra_checkpoint_buffers=(torch.zeros(9, 4),)), {},
          "buffer_info.extra_checkpoint_buffers (per-slot side state) is not supported", True),
     ]
@@ -970,3 +974,31 @@ def test_what_sglang_serves_and_hicaches_pools_do_not_is_refused_by_name_before_
                     _build(_classes(family)[1], family, info, "page_first", hicache=True, **extra)
             assert isinstance(caught.value, NotServedError) == sglang_serves, words
             assert fake.held() == set() and fake.cudart.register_calls == 0, words
+
+
+def test_sglangs_own_pools_serve_exactly_what_is_called_not_served(sglang):
+    """The oracle for `NotServedError`'s word "SGLang's own pool serves it": each refused input,
+    handed to SGLang 0.5.23's own host-pool class - as its assembler picks it
+    (`get_mha_host_pool_cls` routes MXFP8 scales to its MXFP8 pool) - is built exactly where
+    hicache's refusal is a `NotServedError`, and refused where it is not. MXFP8's pool needs
+    CUDA's write-back kernel to be built; on CPU its refusal must say so, and nothing else."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost as SGLangMamba
+    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+    from hicache.pools._sglang_inputs import is_mha_info
+
+    with fake_cuda():
+        for family, info, extra, words, sglang_serves in _refused_inputs():
+            try:
+                if family == "mamba":
+                    with host_memory_budget_scope(10**12):
+                        pool = SGLangMamba(info, 2.0, 0, device_capacity=8, layout="page_first", pin_memory=False)
+                else:
+                    cls = get_mha_host_pool_cls(info) if family == "mha" and is_mha_info(info) else _classes(family)[0]
+                    pool = _build(cls, family, info, "page_first", hicache=False, **extra)
+            except Exception as error:  # noqa: BLE001 - SGLang refuses with ValueError, AttributeError, ...
+                assert not sglang_serves or "MXFP8" in words and "CUDA" in str(error), (words, error)
+            else:
+                assert sglang_serves, words
+                pool.destroy()

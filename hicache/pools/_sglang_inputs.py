@@ -155,13 +155,26 @@ def _check_token_rows(owner: str, info, name: str) -> None:
                              f"(KVBufferLayout {', '.join(_TOKEN_ROW_LAYOUTS)})")
 
 
+def _check_mha_scales(owner: str, info, name: str) -> None:
+    """KV scales: MXFP8's interleaved ones SGLang's MXFP8 host pool serves (its assembler builds
+    that class for them, pools mode or not); SGLang's MHA host pool refuses any other layout."""
+    scales = getattr(info, "scales", None)
+    if scales is None:
+        return
+    layout = getattr(getattr(scales, "layout", None), "value", None)
+    if layout == "mxfp8_interleaved":
+        raise NotServedError(f"{owner}: {name}.scales is set (MXFP8): hicache's MHA host pool does not copy KV "
+                             "scales; SGLang's MHATokenToKVPoolMXFP8Host serves them")
+    raise LayoutError(f"{owner}: {name}.scales has layout {layout!r}: no host pool of SGLang 0.5.23 copies KV scales "
+                      "of that layout (its MHA host pool refuses them too)")
+
+
 def mha_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_layer: int) -> DeviceView:
     """A device view from an `MHABufferInfo` and its packed drafts (one layer each, same
     heads, widths, dtype and device), checked as SGLang's MHA host pool checks them."""
     infos = (info, *drafts)
     for index, name, item in _checked(owner, infos, "draft_buffer_infos", "an MHABufferInfo", is_mha_info):
-        if getattr(item, "scales", None) is not None:
-            raise NotServedError(f"{owner}: {name}.scales is set: hicache's MHA host pool does not copy KV scales")
+        _check_mha_scales(owner, item, name)
         _check_token_rows(owner, item, name)
         if index:
             if len(item.buffers.k) != 1:
@@ -205,16 +218,17 @@ def mla_device(owner: str, info, drafts, *, device_capacity_tokens: int, start_l
                        "(split NPU buffers are not supported)",
                        lambda item: is_mla_info(item) and isinstance(getattr(item, "buffers", None), tuple))
     for index, name, item in checked:
-        if getattr(item, "scales", None) is not None:
-            raise NotServedError(f"{owner}: {name}.scales is set: packed FP4 payload and block scales cannot be "
-                                 "restored")
+        if getattr(item, "scales", None) is not None:  # SGLang's MLA host pool refuses them too
+            raise LayoutError(f"{owner}: {name}.scales is set (FP4 KV): packed FP4 payload and block scales cannot be "
+                              "restored; no host pool of SGLang 0.5.23 serves it")
         if index and ((item.kv_cache_dim, item.dtype) != (info.kv_cache_dim, info.dtype) or len(item.layer_indices) != 1):
             raise LayoutError(f"{owner}: packed {name} must hold one layer of the target's row "
                               f"{(info.kv_cache_dim, info.dtype)}, got {len(item.layer_indices)} of "
                               f"{(item.kv_cache_dim, item.dtype)}")
     if len(info.layer_indices) != target_layer_num:
-        raise LayoutError(f"{owner}: buffer_info has {len(info.layer_indices)} layer slots but target_layer_num="
-                          f"{target_layer_num}; without layer sharding they must match")
+        raise NotServedError(f"{owner}: buffer_info has {len(info.layer_indices)} layer slots but target_layer_num="
+                             f"{target_layer_num}; hicache's MLA host pool maps them one to one without layer "
+                             "sharding (SGLang's accepts them)")
     host_layer = {slot: i for i, slot in enumerate(info.layer_indices)}
     return MLADeviceView(
         dtype=info.dtype, device=info.device, size=int(device_capacity_tokens), start_layer=start_layer,
