@@ -1,5 +1,5 @@
-"""`LatestCensus`: the node store's census for `get_stats`, retaken beside SGLang's scheduler
-thread, never on it.
+"""`LatestCensus`: the node store's census for `get_stats` and the metrics scrape (one for both),
+retaken beside SGLang's scheduler thread, never on it.
 
 SGLang 0.5.23 calls the L3 back end's `get_stats` on every scheduler step under
 --enable-metrics, and a census reads every slot's record (4-6 ms at 258,000 slots, 162-186 ms at
@@ -71,7 +71,7 @@ class LatestCensus:
         except StoreClosedError:
             census = None  # closed under it: get_stats reports the closed store
         except Exception as error:  # noqa: BLE001 - the scheduler's stats must not die of it
-            logger.warning("node store census failed; get_stats keeps the last one: %s", error, exc_info=True)
+            logger.warning("node store census failed; the last one is kept: %s", error, exc_info=True)
             census = None
         with self._lock:
             if census is not None:

@@ -99,7 +99,7 @@ class HiCacheNodeStore(HiCacheStorage):
                          for name in ("prefetch_pgs", "prefetch_bandwidth", "backup_pgs", "backup_bandwidth")}
         self._closed = False
         self.attach_s = None
-        self.clock = time.monotonic  # the census's age (tests put a stand-in here)
+        self.clock = time.monotonic  # the census's age, the full-table log's pace (tests put a stand-in here)
         self.census_refresh = None  # the census get_stats and the metrics read (LatestCensus), once attached
         self._full_said = None  # when a full namespace table was last logged
         self._full_batches = 0  # batches it refused since
