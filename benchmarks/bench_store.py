@@ -8,6 +8,8 @@ per-round min-max (issue #32).
   HiCacheNodeStore's zero-copy `batch_set_v1` / `batch_get_v1` vs HiCacheFile's `batch_set_v2` /
   `batch_get_v2` (a syscall and a staging copy per page). Target: >= 3x.
 - `batch_exists` of 128 keys (target <= 200 us), vs HiCacheFile's.
+- the census of a 258,000-slot arena vs the census as it was; `get_stats` on a stale step; and
+  `clear()` of 32,768 pages vs the clear as it was and vs HiCacheFile.clear of as many files.
 - attach of an arena of HICACHE_BENCH_STORE_ARENA_GIB (default 4; the README's figure: 16, whose
   creation alone took 25-40 s of `make bench`'s 10 minutes here) vs creating it.
 - the restart figure: seconds from a fresh `HybridCacheController` (a new process, SGLang's
@@ -219,8 +221,103 @@ def _census(shm: str):
         yield median_line(f"store census of {store.arena.plan.slots:,} slots ({census.pages:,} pages)", times["ours"],
                           "the census as before (the index copied whole, every key sorted twice)", times["theirs"])
         yield _stale_step(store)
+        yield from _clear(store, shm)
     finally:
         store.close()
+
+
+#: pages a clear empties in the clear rows (beside the census arena's other pages)
+CLEAR_PAGES = 32768
+
+
+def _clear_as_before(store, namespace) -> int:
+    """NodeStore.clear before 2026-12-07's change, the baseline: each live slot of the namespace
+    reclaimed from Python in turn (its OFD lock, generation, record and publish: 4.5 us a slot)."""
+    from hicache.effects import arena as effects_arena
+    from hicache.plan import published_generation, reclaimed_generation
+    from hicache.plan.store_format import RECORD_BYTES
+    from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY
+
+    index = store.index
+    entry = index.entry_of(store._digest(namespace))
+    columns = index._columns()
+    mine = (columns[:, 6] & 0xFFFF) == entry
+    live = (mine & (columns[:, 0] != 0) & ((columns[:, 1] != 0) | (columns[:, 2] != 0))).nonzero().flatten().tolist()
+    cleared = 0
+    for slot in live:
+        record = store.arena.record_addr(slot)
+        seen = index.ops.load(record)
+        if not index._writing.acquire(blocking=False):
+            continue
+        try:
+            offset = index.plan.record_offset(slot)
+            if not effects_arena.try_lock(index.arena.fd, offset, RECORD_BYTES):
+                continue
+            try:
+                if index.ops.load(record) != seen:
+                    continue
+                odd = reclaimed_generation(seen)
+                index.ops.store(record, odd)
+                index.records.write_fields(slot, (odd, ZERO_KEY, 0, 0, 0, 0, NO_NAMESPACE, 0, 0, 0))
+                index.ops.store(record, published_generation(odd))
+                cleared += 1
+            finally:
+                effects_arena.unlock(index.arena.fd, offset, RECORD_BYTES)
+        finally:
+            index._writing.release()
+    index.free_entries({entry})
+    return cleared
+
+
+def _clear(store, shm: str):
+    """`clear()` of CLEAR_PAGES pages of one namespace in an arena holding others' pages too
+    (SGLang's /clear_hicache_storage_backend, on its scheduler thread), against the clear as it was
+    (`_clear_as_before`) and against SGLang's HiCacheFile.clear over as many page files on
+    /dev/shm (one os.remove each). Each round stores the pages again first, untimed."""
+    import torch
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    from _timing import round_order
+    from hicache.store import Namespace
+
+    ns = Namespace(model="bench-clear", dtype="uint8", page_tokens=1, layout="flat", pool="kv", page_bytes=4096)
+    page = torch.zeros(4096, dtype=torch.uint8)
+    raw = page.numpy().tobytes()
+    file_dir = f"{shm}/file-clear"
+    theirs = HiCacheFile(_config("small", {}), file_path=file_dir)
+
+    keys = [f"c{n}" for n in range(CLEAR_PAGES)]
+
+    def fill_arena():
+        """The pages stored, and how many the arena holds (a full window evicts a few of them)."""
+        for first in range(0, CLEAR_PAGES, 512):
+            assert all(store.put(ns, keys[first:first + 512], [[(page.data_ptr(), 4096)]] * 512))
+        return sum(store.present(ns, keys))
+
+    def fill_files():
+        for key in keys:
+            with open(f"{file_dir}/{key}.bin", "wb") as out:
+                out.write(raw)
+        return True
+
+    runs = {"ours": (fill_arena, lambda: store.clear([ns])), "before": (fill_arena, lambda: _clear_as_before(store, ns)),
+            "HiCacheFile": (fill_files, theirs.clear)}
+    times: dict = {name: [] for name in runs}
+    for round_number in range(-1, max(ROUNDS, 5)):  # round -1: a warm-up, not counted
+        for name, (fill, clear) in round_order(list(runs.items()), max(round_number, 0)):
+            held = fill()
+            began = time.perf_counter()
+            cleared = clear()
+            took = time.perf_counter() - began
+            assert cleared == held and not any(store.present(ns, keys)), (name, cleared, held)
+            if round_number >= 0:
+                times[name].append(took * 1e3)
+    label = f"store clear() of {CLEAR_PAGES:,} pages ({store.arena.plan.slots:,} slots)"
+    yield median_line(label, times["ours"], "the clear as before (a slot at a time from Python)", times["before"],
+                      unit="ms")
+    yield median_line(label, times["ours"], "SGLang's HiCacheFile.clear of as many files on /dev/shm",
+                      times["HiCacheFile"], unit="ms")
 
 
 def _stale_step(store) -> str:

@@ -80,6 +80,36 @@ def write_until(say, *, path: str, size: int, batches: int, per_batch: int, seed
     return {"written": batches * per_batch}
 
 
+def clear_until(say, *, path: str, hooked_build: str, kill_at: int) -> dict:
+    """Clear the core namespace of the arena at ``path`` with the C helper's test build; at its
+    ``kill_at``-th slot (counting from 0), between the slot's odd generation and its empty record
+    (step "reclaiming"), say "at" with the slot and wait to be killed."""
+    import sys
+
+    from store_support import load_slotops
+
+    from hicache.effects import arena
+    from hicache.store import open_store
+
+    hooked = load_slotops(hooked_build, "hicache_step_hook._slotops")
+    sys.modules["hicache.effects._arena._slots"]._native = hooked  # this forked process's native slot ops
+    seen = []
+
+    def hook(stage: str, slot: int) -> None:
+        if stage == "reclaiming":
+            seen.append(slot)
+            if len(seen) == kill_at + 1:
+                say("at", slot)
+                while True:
+                    time.sleep(3600)
+
+    hooked.set_step_hook(hook)
+    store = open_store(path, size_bytes=None, slot_bytes=PAGE_BYTES, ops=arena.slot_ops("native"))
+    cleared = store.clear([core_namespace()])
+    store.close()
+    return {"cleared": cleared}
+
+
 def pressure_writer(say, *, path: str, chains: int, length: int, seed: int, go: str) -> dict:
     """After the ``go`` file appears, write ``chains`` chains of ``length`` pages (more than the
     arena holds: eviction all along)."""
@@ -135,7 +165,7 @@ def pressure_reader(say, *, path: str, chains: int, length: int, seed: int, stop
             "rounds": rounds}
 
 
-ROLES = {name: globals()[name] for name in ("write_until", "pressure_writer", "pressure_reader")}
+ROLES = {name: globals()[name] for name in ("write_until", "clear_until", "pressure_writer", "pressure_reader")}
 
 
 # -- SGLang 0.5.23's real pools, controller and factory (the zygote ran with --sglang) ------------

@@ -22,7 +22,8 @@ under HiCacheFile do not run on CPU: its dummy page asks for pinned memory.) Bot
 settle each step's writes before the next (`_written`): unsettled, what the restarted engine's
 next request finds on host depends on when SGLang's write-back thread finished (one write_back
 traffic fetched 64 or 48 tokens for the same request over HiCacheFile and over the store alike,
-3 runs in 8 differing). Needs `make sglang`."""
+3 runs in 8 differing). SGLang's own /clear_hicache_storage_backend path empties the store: a
+restart then fetches nothing. Needs `make sglang`."""
 
 from __future__ import annotations
 
@@ -172,3 +173,27 @@ def test_the_restart_fetches_from_storage(sglang, monkeypatch, roomy_psutil, shm
     assert [len(tokens) for tokens in completed] == [32, 48, 64, 48] and fetched == [32, 48, 32, 48], fetched
     assert sum(fetched) == len({token for tokens in completed for token in tokens})  # each stored token once
     assert all(row[2] + row[3] == len(tokens) for tokens, row in zip(completed, again))
+
+
+@pytest.mark.concurrency  # SGLang's storage threads, as above
+def test_sglangs_clear_storage_backend_empties_the_store_a_restart_then_fetches_nothing(sglang, monkeypatch,
+                                                                                      roomy_psutil, shm_dir):
+    """SGLang's /clear_hicache_storage_backend (its tree's `clear_storage_backend`, on the scheduler's
+    thread) over hicache's store, after the run above settled its writes: True, the arena keeps no
+    page of the engine, and the restarted engine fetches nothing from storage."""
+    from sglang.srt.environ import envs
+
+    steps = [("serve", 0, 1), ("serve", 0, 2), ("serve", 1, 4), ("serve", 0, 2), ("evict", 7, 0)]
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(shm_dir / "files")):
+        with engine(monkeypatch, "hicache", *ENGINES["mha"], **_flags("hicache", shm_dir, "mha")) as first:
+            traffic(first, steps, settle=_written)
+            store = first.cache.cache_controller.storage_backend
+            assert store.store.census().pages > 0
+            assert first.cache.clear_storage_backend() is True
+            assert store.store.census().pages == 0
+        completed = [tokens for tokens in _requests(steps, first.unit, first.vocab) if tokens is not None]
+        with engine(monkeypatch, "hicache", *ENGINES["mha"], **_flags("hicache", shm_dir, "mha")) as restarted:
+            for tokens in completed:
+                restarted.serve(tokens)
+                _written(restarted)
+            assert restarted.fetched == [0] * len(completed)

@@ -1,10 +1,11 @@
-"""The node store's C write, lookup and read stopped at each step of the slot protocol - the
+"""The node store's C write, lookup, read and clear stopped at each step of the slot protocol - the
 path a user's build runs, which the Python fault hook never reaches (a store given one writes
 step by step in Python). A test build of the C helper (`-DHICACHE_STEP_HOOK`, never setup.py's)
 calls a hook at the Python write's steps, between a lookup's generation and key reads, and
 between a read's copy and its re-check. A reader meeting a write stopped at any step sees a plain
-miss - not torn, not corrupt, never a wait; a lookup meeting a claim does not report it; a read
-whose slot is rewritten after it copied is torn, not returned; and a state machine stops writes
+miss - not torn, not corrupt, never a wait (a page being cleared too); a lookup meeting a claim
+does not report it; a read whose slot is rewritten after it copied is torn, not returned; and a
+state machine stops writes
 and reads anywhere among puts, gets, bit flips, dead writers and re-attaches: every hit is the
 key's own bytes. The multi-process kill -9 at each step is test_store_processes' (both paths)."""
 
@@ -150,6 +151,39 @@ def test_a_page_being_written_is_a_plain_miss_at_each_step(request, shm_dir, pat
         writer.let_go()
         writer_store.close()
         reader_store.close()
+
+
+def test_a_page_being_cleared_is_a_plain_miss_and_a_put_meanwhile_is_not_the_clears(c_path, shm_dir):
+    """A clear stopped in the C helper between one slot's odd generation and its empty record: another
+    open's get of that key is False at once (not torn, not corrupt), and a put of the same key then
+    stores it in another slot of the one-window arena. Once the clear goes on, it has emptied the 8
+    pages it saw, and the page put meanwhile reads back byte-exact - it was not there to be seen."""
+    ns = core_namespace()
+    keys = [f"k{i}" for i in range(8)]
+    pages = [page_bytes_of(6, i) for i in range(9)]
+    clearing_store = _open(shm_dir / "arena", arena_of(16, PAGE_BYTES))
+    other = _open(shm_dir / "arena")
+    landing, clearer = torch.zeros(PAGE_BYTES, dtype=torch.uint8), None
+    try:
+        assert clearing_store.put(ns, keys, [_segments(p) for p in pages[:8]]) == [True] * 8
+        slot = clearing_store.index.find(slot_keys(ns.digest, ["k3"]))[0][0]
+        clearer = Stopped(lambda: clearing_store.clear([ns]), "reclaiming", slot)
+        c_path.set_step_hook(clearer.hook)
+        assert clearer.start().stopped.is_set(), "hang guard"
+        assert other.get(ns, ["k3"], [_segments(landing)]) == [False]
+        assert clearer.thread.is_alive() and not clearer.release.is_set()  # the read did not wait for the clear
+        assert (other.counts.torn, other.counts.corrupt) == (0, 0)
+        assert other.put(ns, ["k3"], [_segments(pages[8])]) == [True]
+        assert other.index.find(slot_keys(ns.digest, ["k3"]))[0][0] != slot
+        assert clearer.go_on() == 8
+        assert other.present(ns, keys) == [key == "k3" for key in keys]
+        assert other.get(ns, ["k3"], [_segments(landing)]) == [True] and torch.equal(landing, pages[8])
+        assert other.census().torn == 0
+    finally:
+        if clearer is not None:
+            clearer.let_go()
+        clearing_store.close()
+        other.close()
 
 
 def test_a_lookup_never_finds_a_slot_claimed_between_its_generation_and_its_key(c_path, shm_dir):

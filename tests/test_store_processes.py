@@ -1,7 +1,7 @@
 """The node store across processes (one zygote forks them: tests/store_child.py): a writer
 kill -9ed at 50 points of its writes leaves every page `exists` reports byte-exact, its torn slots
 invisible and reclaimed - exactly as many as it had claimed and not published - on the next
-attach; and a writer evicting all along while another process reads never makes that reader see
+attach; a clearer kill -9ed at any slot leaves that one slot torn and every other page whole; and a writer evicting all along while another process reads never makes that reader see
 a wrong byte or wait. Order comes from the processes' own messages, never from time."""
 
 from __future__ import annotations
@@ -72,6 +72,40 @@ def test_a_writer_killed_at_any_of_50_points_leaves_only_whole_pages(request, zy
             assert store.get(ns, held, [_segments(t) for t in out]) == [True] * len(held)
             for key, got in zip(held, out):
                 assert torch.equal(got, page_bytes_of(n, int(key[1:]))), (batch, page, stage, key)
+            assert store.census().torn == 0
+        finally:
+            store.close()
+
+
+def test_a_clearer_killed_at_any_slot_leaves_one_torn_slot_and_the_rest_whole(request, zygote, shm_dir):
+    """A clear (the C helper a user's build runs, its test build's step hook) killed at each of 10
+    slots, between the slot's odd generation and its empty record: the next attach reclaims that
+    one slot; the slots cleared before it are empty, every page after it reads back byte-exact."""
+    from hicache.store._keys import slot_keys
+
+    build = request.getfixturevalue("hooked_build")
+    ns = core_namespace()
+    keys = [f"p{i}" for i in range(10)]
+    for n in range(10):
+        arena_file = str(shm_dir / f"arena{n}")
+        store = open_store(arena_file, size_bytes=4 << 20, slot_bytes=PAGE_BYTES)
+        pages = [page_bytes_of(n, i) for i in range(10)]  # held while the store copies them
+        assert store.put(ns, keys, [_segments(page) for page in pages]) == [True] * 10
+        slot_of = dict(zip(keys, store.index.find(slot_keys(ns.digest, keys))[0]))
+        store.close()
+        task = f"c{n}"
+        zygote.start(task, "clear_until", path=arena_file, hooked_build=build, kill_at=n)
+        killed_at = int(zygote.wait_for(task, "at")[1])
+        zygote.kill(task)
+        assert killed_at == sorted(slot_of.values())[n]  # a clear goes up the index
+        store = open_store(arena_file, size_bytes=None, slot_bytes=PAGE_BYTES)
+        try:
+            assert store.reclaimed == 1, n
+            left = [key for key in keys if slot_of[key] > killed_at]
+            assert store.present(ns, keys) == [key in left for key in keys], n
+            out = [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in left]
+            assert store.get(ns, left, [_segments(t) for t in out]) == [True] * len(left)
+            assert all(torch.equal(got, page_bytes_of(n, int(key[1:]))) for key, got in zip(left, out)), n
             assert store.census().torn == 0
         finally:
             store.close()

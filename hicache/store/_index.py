@@ -27,8 +27,8 @@ import threading
 import attrs
 
 from hicache.effects import arena as _arena
-from hicache.plan import claimed_generation, published_generation, reclaimed_generation
-from hicache.plan.store_format import GEN, KEY, RECORD_BYTES, SUM1_OFFSET, SUM2_OFFSET
+from hicache.plan import claimed_generation, published_generation
+from hicache.plan.store_format import GEN, KEY, RECORD, RECORD_BYTES, SUM1_OFFSET, SUM2_OFFSET
 from hicache.store._keys import DIGEST_BYTES
 from hicache.store._namespaces import NO_NAMESPACE, ZERO_KEY, NamespaceEntries
 from hicache.store._pages import PageSegments
@@ -202,29 +202,23 @@ class SlotIndex(NamespaceEntries):
     def _reclaim(self, slot: int, seen_gen: int | None = None) -> bool:
         """Empty a slot no live writer holds (its lock is free): torn, or corrupt as seen with
         ``seen_gen``. Its generation moves on (never back: a reader's re-check stays sound)."""
+        if seen_gen is None:  # torn: odd now, and still that odd generation under its lock
+            seen_gen = self.ops.load(self.arena.record_addr(slot))
+            if not seen_gen & 1:
+                return False
         if not self._writing.acquire(blocking=False):  # this process is writing: leave it to a later pass
             return False
         try:
-            return self._reclaim_locked(slot, seen_gen)
+            return self._empty([slot], [seen_gen]) == 1
         finally:
             self._writing.release()
 
-    def _reclaim_locked(self, slot: int, seen_gen: int | None) -> bool:
-        if not self._lock(slot):
-            return False
-        try:
-            gen = self.ops.load(self.arena.record_addr(slot))
-            if seen_gen is not None and gen != seen_gen:
-                return False
-            if seen_gen is None and not gen & 1:
-                return False
-            odd = reclaimed_generation(gen)
-            self.ops.store(self.arena.record_addr(slot), odd)
-            self.records.write_fields(slot, (odd, ZERO_KEY, 0, 0, 0, 0, NO_NAMESPACE, 0, 0, 0))
-            self.ops.store(self.arena.record_addr(slot), published_generation(odd))
-            return True
-        finally:
-            self._unlock(slot)
+    def _empty(self, slots, seen_gens) -> int:
+        """Empty each of ``slots`` (ascending) whose lock is free and whose generation is still
+        the one seen (the caller holds ``_writing``: OFD locks do not exclude this process's own
+        writers); returns how many."""
+        return self.ops.clear_slots(self.arena.base + self.plan.index_offset, self.arena.fd, self.plan.index_offset,
+                                    self.plan.slots, slots, seen_gens, EMPTY_RECORD)
 
     def _columns(self):
         """The records as int64 words (an unsigned field above 2**63 reads negative: mask with 2**64 - 1)."""
@@ -242,18 +236,30 @@ class SlotIndex(NamespaceEntries):
         return census_of(self._columns(), self.plan.slots)
 
     def clear(self, entries) -> int:
-        """Empty every published slot of the namespace ``entries`` this process can lock now;
-        returns how many."""
+        """Empty every slot of the namespace ``entries`` as it is now, `CLEAR_BATCH` at a time
+        (waiting, between batches, for this process's write in flight: SGLang backs up on a thread
+        of its own); returns how many. A slot another process is writing, or has written since
+        this looked (its generation moved on: another engine's page, maybe), stays."""
         import torch
 
         columns = self._columns()
         mine = torch.isin(columns[:, 6] & 0xFFFF, torch.tensor(sorted(entries), dtype=torch.int64))
-        live = (mine & (columns[:, 0] != 0) & ((columns[:, 1] != 0) | (columns[:, 2] != 0))).nonzero().flatten().tolist()
+        live = (mine & (columns[:, 0] != 0) & ((columns[:, 1] != 0) | (columns[:, 2] != 0))).nonzero().flatten()
+        seen = columns[live, 0].clone()  # a generation above 2**63 reads negative: as the ops' u64 below
         cleared = 0
-        for slot in live:
-            gen = self.ops.load(self.arena.record_addr(slot))
-            cleared += self._reclaim(slot, gen if not gen & 1 else None)
+        for start in range(0, live.numel(), CLEAR_BATCH):
+            slots = live[start:start + CLEAR_BATCH].tolist()
+            gens = [gen & 0xFFFFFFFFFFFFFFFF for gen in seen[start:start + CLEAR_BATCH].tolist()]
+            with self._writing:
+                cleared += self._empty(slots, gens)
         return cleared
+
+
+#: the record of an empty slot after its generation (no key, sums, length or depth, no namespace)
+EMPTY_RECORD = RECORD.pack(0, ZERO_KEY, 0, 0, 0, 0, NO_NAMESPACE, 0, 0, 0)[8:]
+#: slots a clear empties per call of the slot ops, holding this process's write lock: a backup
+#: on SGLang's other thread waits at most one batch (65,536 slots: about 10 ms in C)
+CLEAR_BATCH = 1 << 16
 
 
 #: slots a census copies at a time: its memory is this many records (16 MiB) plus 32 bytes a live

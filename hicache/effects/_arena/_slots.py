@@ -18,7 +18,7 @@ import struct
 from array import array
 
 from hicache.errors import PlanError
-from hicache.plan import SlotView, victim_order, window_of
+from hicache.plan import SlotView, published_generation, reclaimed_generation, victim_order, window_of
 from hicache.plan.store_format import DEPTH_OFFSET as _DEPTH
 from hicache.plan.store_format import LENGTH_OFFSET as _LENGTH
 from hicache.plan.store_format import NS_OFFSET, RECORD_BYTES, REF_OFFSET, STAMP_OFFSET, WRITER_OFFSET
@@ -40,6 +40,9 @@ _RECORD_LAYOUT = {"RECORD_BYTES": RECORD_BYTES, "OFF_SUM1": _SUM1, "OFF_SUM2": _
                   "OFF_STAMP": STAMP_OFFSET}
 if _native is not None and any(getattr(_native, name, None) != value for name, value in _RECORD_LAYOUT.items()):
     _native = None  # a stale build of another record layout: never read records through it (the fallback is right)
+#: slots within this many of a run's first that a clear locks with one OFD lock (a writer whose
+#: window is among them finds it busy for the few microseconds the run takes: its page goes unstored)
+CLEAR_RUN = 256
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock (x86-64 / aarch64): type, whence, start, len, pid
 
 
@@ -148,6 +151,16 @@ class NativeSlotOps:
                             seg_ptrs, seg_lens, per_page, array("Q", order), array("Q", seen),
                             array("Q", depths), namespace, pid, stamp, status, copy_workers(n * page_bytes))
         return list(status)
+
+    @staticmethod
+    def clear_slots(index_addr: int, fd: int, index_offset: int, nslots: int, slots, seen, empty: bytes) -> int:
+        """A clear's reclaims in one call (hicache.store._index's `_reclaim_locked` slot by slot,
+        which the fallback runs): each of ``slots`` (ascending) still at the generation it was
+        ``seen`` with is emptied to ``empty`` (its record after the generation); returns how many."""
+        if not hasattr(_native, "clear_slots"):  # a build that predates it
+            return _python_clear_slots(index_addr, fd, index_offset, nslots, slots, seen, empty)
+        return _native.clear_slots(index_addr, fd, index_offset, nslots, array("Q", slots), array("Q", seen), empty,
+                                   CLEAR_RUN)
 
     @staticmethod
     def read_pages(index_addr: int, data_addr: int, nslots: int, window: int, slot_stride: int, page_bytes: int,
@@ -265,6 +278,35 @@ def _python_read_pages(index_addr: int, data_addr: int, nslots: int, window: int
     return status, found, gens
 
 
+def _python_clear_slots(index_addr: int, fd: int, index_offset: int, nslots: int, slots, seen, empty: bytes) -> int:
+    """The C helper's `clear_slots` slot by slot: each slot (ascending, inside the arena) whose
+    record lock is free and whose generation is still the one seen is held odd while its record
+    becomes ``empty``, then published even; returns how many."""
+    slots, seen = list(slots), list(seen)
+    if len(seen) < len(slots) or len(empty) != RECORD_BYTES - 8:
+        raise ValueError("clear_slots: a generation for every slot, and a record's bytes after its generation")
+    if any(not 0 <= slot < nslots for slot in slots) or any(b <= a for a, b in zip(slots, slots[1:])):
+        raise ValueError(f"clear_slots: a slot past the arena's {nslots} or out of order")
+    cleared = 0
+    for slot, gen_seen in zip(slots, seen):
+        offset = index_offset + slot * RECORD_BYTES
+        if not try_lock(fd, offset, RECORD_BYTES):
+            continue
+        try:
+            record = index_addr + slot * RECORD_BYTES
+            gen = PythonSlotOps.load(record)
+            if gen != gen_seen:
+                continue
+            odd = reclaimed_generation(gen)
+            PythonSlotOps.store(record, odd)
+            ctypes.memmove(record + 8, empty, RECORD_BYTES - 8)
+            PythonSlotOps.store(record, published_generation(odd))
+            cleared += 1
+        finally:
+            unlock(fd, offset, RECORD_BYTES)
+    return cleared
+
+
 class PythonSlotOps:
     """The fallback: same results, no compiler."""
 
@@ -325,6 +367,7 @@ class PythonSlotOps:
 
     read_pages = staticmethod(_python_read_pages)
     victims = staticmethod(_python_victims)
+    clear_slots = staticmethod(_python_clear_slots)
 
 
 def slot_ops(prefer="auto", *, where: str | None = None):
