@@ -115,6 +115,42 @@ def test_a_slot_another_engine_rewrote_after_clear_looked_keeps_that_engines_pag
             theirs.close()
 
 
+def test_a_page_written_between_clears_reads_of_a_slots_namespace_and_generation_is_not_emptied(shm_dir, ops,
+                                                                                                monkeypatch):
+    """clear reads each slot's namespace and generation in passes over the index; another engine
+    evicts every page of the one-window arena for its own right after the namespace pass. The
+    generation clear keeps must be the one read first (the namespace then is that generation's):
+    read after, it was the other engine's, and clear emptied those 16 pages as its own."""
+    mine, theirs = _open(shm_dir, ops, total=arena_of(16, PAGE)), None
+    src, out = Pages(32, seed=5), Pages(16, seed=6)
+    other_keys = [f"o{i}" for i in range(16)]
+    try:
+        assert mine.put(NS, [f"k{i}" for i in range(16)], src.segments(range(16))) == [True] * 16
+        theirs = _attach(shm_dir, ops)
+        raced = []
+
+        class Racing(torch.Tensor):
+            """The index, but the other engine writes right after the namespace column is read."""
+
+            def __getitem__(self, where):
+                got = super().__getitem__(where)
+                if where == (slice(None), 6) and not raced:
+                    got = got.clone()
+                    raced.append(theirs.put(OTHER, other_keys, src.segments(range(16, 32))))
+                return got
+
+        real = mine.index._columns
+        monkeypatch.setattr(mine.index, "_columns", lambda: real().as_subclass(Racing))
+        assert mine.clear([NS]) == 0
+        assert raced == [[True] * 16]
+        assert theirs.get(OTHER, other_keys, out.segments()) == [True] * 16
+        assert torch.equal(out.data, src.data[16:])
+    finally:
+        mine.close()
+        if theirs is not None:
+            theirs.close()
+
+
 def test_a_slot_another_process_is_writing_stays_and_every_other_slot_is_emptied(shm_dir, ops, monkeypatch):
     """Another attach holds one record's lock (a writer of another process there now) in the middle
     of a run the C helper locks whole: that slot stays, every other page of the namespace goes

@@ -243,9 +243,14 @@ class SlotIndex(NamespaceEntries):
         import torch
 
         columns = self._columns()
+        # every generation first, then the namespaces: a slot still at the generation read (the
+        # C helper checks under its lock) was not written since, so its namespace read after is
+        # that generation's - read the other way round, a page another engine wrote in between
+        # was taken for this one's
+        gens = columns[:, 0].clone()  # a generation above 2**63 reads negative: as the ops' u64 below
         mine = torch.isin(columns[:, 6] & 0xFFFF, torch.tensor(sorted(entries), dtype=torch.int64))
-        live = (mine & (columns[:, 0] != 0) & ((columns[:, 1] != 0) | (columns[:, 2] != 0))).nonzero().flatten()
-        seen = columns[live, 0].clone()  # a generation above 2**63 reads negative: as the ops' u64 below
+        live = (mine & (gens != 0) & ((columns[:, 1] != 0) | (columns[:, 2] != 0))).nonzero().flatten()
+        seen = gens[live]
         cleared = 0
         for start in range(0, live.numel(), CLEAR_BATCH):
             slots = live[start:start + CLEAR_BATCH].tolist()
