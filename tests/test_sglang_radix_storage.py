@@ -23,7 +23,8 @@ settle each step's writes before the next (`_written`): unsettled, what the rest
 next request finds on host depends on when SGLang's write-back thread finished (one write_back
 traffic fetched 64 or 48 tokens for the same request over HiCacheFile and over the store alike,
 3 runs in 8 differing). SGLang's own /clear_hicache_storage_backend path empties the store: a
-restart then fetches nothing. Needs `make sglang`."""
+restart then fetches nothing; its PD role switch (store cleared, tree reset) leaves an engine
+that serves as a fresh one does. Needs `make sglang`."""
 
 from __future__ import annotations
 
@@ -197,3 +198,44 @@ def test_sglangs_clear_storage_backend_empties_the_store_a_restart_then_fetches_
                 restarted.serve(tokens)
                 _written(restarted)
             assert restarted.fetched == [0] * len(completed)
+
+
+@pytest.mark.concurrency  # SGLang's storage threads, as above
+@pytest.mark.parametrize("pools", ["hicache", "sglang"])
+def test_sglangs_role_switch_releases_tree_and_store_and_the_engine_serves_as_a_fresh_one(sglang, monkeypatch,
+                                                                                           roomy_psutil, shm_dir,
+                                                                                           pools):
+    """A PD role switch of an idle engine (SGLang's own `_release_prefix_cache_for_role_switch`:
+    the store cleared, the tree, its host pool and the allocators reset) over hicache's store,
+    with hicache's pools and with SGLang's: the store keeps none of its pages, and the same
+    requests then go exactly as on a fresh engine over an empty arena - nothing matched from
+    device, host or storage that the switch should have dropped."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.role_switch import _release_prefix_cache_for_role_switch
+    from sglang.srt.environ import envs
+
+    steps = [("serve", 0, 1), ("serve", 0, 2), ("serve", 1, 4), ("serve", 0, 2), ("evict", 7, 0)]
+    (shm_dir / "fresh").mkdir()
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(str(shm_dir / "files")):
+        with engine(monkeypatch, pools, *ENGINES["mha"], **_flags("hicache", shm_dir, "mha")) as switched:
+            traffic(switched, steps, settle=_written)
+            store = switched.cache.cache_controller.storage_backend
+            assert store.store.census().pages > 0
+            _release_prefix_cache_for_role_switch(SimpleNamespace(
+                disable_radix_cache=False, tree_cache=switched.cache,
+                req_to_token_pool=switched.cache.req_to_token_pool, token_to_kv_pool_allocator=switched.allocator))
+            assert store.store.census().pages == 0
+            completed = [tokens for tokens in _requests(steps, switched.unit, switched.vocab) if tokens is not None]
+            after = []
+            for tokens in completed:
+                after.append(switched.serve(tokens))
+                _written(switched)
+            after_fetched = switched.fetched[-len(completed):]
+        with engine(monkeypatch, pools, *ENGINES["mha"], **_flags("hicache", shm_dir / "fresh", "mha")) as fresh:
+            oracle = []
+            for tokens in completed:
+                oracle.append(fresh.serve(tokens))
+                _written(fresh)
+            assert (after, after_fetched) == (oracle, fresh.fetched)
+    assert tuple(after[0][2:4]) == (0, 0)  # the first request matched nothing
