@@ -91,13 +91,20 @@ def test_clear_waits_for_this_processs_write_in_flight_and_then_empties_every_pa
         store.close()
 
 
+def _read_back(store, keys, pages) -> None:
+    """Every one of ``keys`` of the other engine's namespace reads back from ``store`` as ``pages``."""
+    out = Pages(len(keys), seed=99)
+    assert store.get(OTHER, keys, out.segments()) == [True] * len(keys)
+    assert torch.equal(out.data, pages)
+
+
 def test_a_slot_another_engine_rewrote_after_clear_looked_keeps_that_engines_page(shm_dir, ops, monkeypatch):
     """clear reads the index, then empties what it read; in between another attach evicts every
     page of the one-window arena for 16 pages of another model. Those 16 stay, byte-exact: a
     slot whose generation moved on is not the clearing namespace's any more (clear re-read each
     generation just before emptying its slot and so emptied the other engine's pages)."""
     mine, theirs = _open(shm_dir, ops, total=arena_of(16, PAGE)), None
-    src, out = Pages(32, seed=3), Pages(16, seed=4)
+    src = Pages(32, seed=3)
     try:
         assert mine.census().slots == 16
         assert mine.put(NS, [f"k{i}" for i in range(16)], src.segments(range(16))) == [True] * 16
@@ -107,8 +114,7 @@ def test_a_slot_another_engine_rewrote_after_clear_looked_keeps_that_engines_pag
         assert theirs.put(OTHER, other_keys, src.segments(range(16, 32))) == [True] * 16
         monkeypatch.setattr(mine.index, "_columns", lambda: as_seen)
         assert mine.clear([NS]) == 0
-        assert theirs.get(OTHER, other_keys, out.segments()) == [True] * 16
-        assert torch.equal(out.data, src.data[16:])
+        _read_back(theirs, other_keys, src.data[16:])
     finally:
         mine.close()
         if theirs is not None:
@@ -122,7 +128,7 @@ def test_a_page_written_between_clears_reads_of_a_slots_namespace_and_generation
     generation clear keeps must be the one read first (the namespace then is that generation's):
     read after, it was the other engine's, and clear emptied those 16 pages as its own."""
     mine, theirs = _open(shm_dir, ops, total=arena_of(16, PAGE)), None
-    src, out = Pages(32, seed=5), Pages(16, seed=6)
+    src = Pages(32, seed=5)
     other_keys = [f"o{i}" for i in range(16)]
     try:
         assert mine.put(NS, [f"k{i}" for i in range(16)], src.segments(range(16))) == [True] * 16
@@ -143,8 +149,7 @@ def test_a_page_written_between_clears_reads_of_a_slots_namespace_and_generation
         monkeypatch.setattr(mine.index, "_columns", lambda: real().as_subclass(Racing))
         assert mine.clear([NS]) == 0
         assert raced == [[True] * 16]
-        assert theirs.get(OTHER, other_keys, out.segments()) == [True] * 16
-        assert torch.equal(out.data, src.data[16:])
+        _read_back(theirs, other_keys, src.data[16:])
     finally:
         mine.close()
         if theirs is not None:
