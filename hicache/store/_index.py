@@ -14,9 +14,9 @@ first, so leading-prefix hits survive).
 
 Who does what (issue #55 item 4): the window, the victim order and the generations' arithmetic
 are hicache.plan's slot policy; the words, locks, copies and clock are the arena room's (its
-slot ops run a whole read or write batch in one call of the C helper: `read_pages`,
-`write_pages`); this module orchestrates, and runs the write's steps one by one itself where the
-fallback or a test's fault hook asks for them.
+slot ops run a whole read or write batch, and a clear's reclaims, in one call of the C helper:
+`read_pages`, `write_pages`, `clear_slots`); this module orchestrates, and runs the write's
+steps one by one itself where the fallback or a test's fault hook asks for them.
 """
 
 from __future__ import annotations
