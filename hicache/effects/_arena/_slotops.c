@@ -560,17 +560,21 @@ static PyObject *victims(PyObject *self, PyObject *args) {
 #define OFF_WRITER 52
 #define OFF_STAMP 56
 
-/* an OFD lock (F_WRLCK) or unlock (F_UNLCK) of one record's bytes of the arena file, never waiting:
- * whether it was taken (hicache.effects._arena._slots.try_lock's lock, so either side sees the other's) */
-static int record_lock(int fd, uint64_t offset, short type) {
+/* an OFD lock (F_WRLCK) or unlock (F_UNLCK) of the records of `count` slots from `offset` of the
+ * arena file, never waiting: whether it was taken - only where no other open file holds a lock on
+ * any of them (hicache.effects._arena._slots.try_lock's lock, so either side sees the other's);
+ * record_lock: one record's */
+static int records_lock(int fd, uint64_t offset, uint64_t count, short type) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = type;
     fl.l_whence = SEEK_SET;
     fl.l_start = (off_t)offset;
-    fl.l_len = RECORD_BYTES;
+    fl.l_len = (off_t)(count * RECORD_BYTES);
     return fcntl(fd, F_OFD_SETLK, &fl) == 0;
 }
+
+static int record_lock(int fd, uint64_t offset, short type) { return records_lock(fd, offset, 1, type); }
 
 /* write_pages(index_addr, data_addr, fd, index_offset, nslots, window, slot_stride, page_bytes, keys,
  *             seg_ptrs, seg_lens, per_page, order, seen, depths, namespace, pid, stamp, status[, threads])
@@ -726,22 +730,10 @@ static PyObject *write_pages(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* an OFD lock (F_WRLCK) or unlock (F_UNLCK) of the records of `count` slots from `offset`, never
- * waiting: taken only where no other open file holds a lock on any of them */
-static int records_lock(int fd, uint64_t offset, uint64_t count, short type) {
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = type;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = (off_t)offset;
-    fl.l_len = (off_t)(count * RECORD_BYTES);
-    return fcntl(fd, F_OFD_SETLK, &fl) == 0;
-}
-
 /* clear_slots(index_addr, fd, index_offset, nslots, slots, seen, empty, run) -> how many emptied
- * A clear's reclaims in one call, without the GIL (hicache.store._index's `_reclaim_locked`, which
- * the fallback runs slot by slot: 4.5 us a slot, 10 s of SGLang's scheduler thread for 2.2 M
- * pages). `slots` ascending, each with the generation it was seen with (`seen`). The slots within
+ * A clear's reclaims in one call, without the GIL (hicache.effects._arena._slots's
+ * `_python_clear_slots`, the fallback, runs them slot by slot; a clear from Python took 4.5 us a
+ * slot, 10 s of SGLang's scheduler thread for 2.2 M pages). `slots` ascending, each with the generation it was seen with (`seen`). The slots within
  * `run` of a run's first are locked with one OFD lock over their records; where another writer
  * holds any of them, each is locked on its own (a busy one is left: that writer is storing a page
  * now). A locked slot whose generation is still the one seen is made odd (past an even one),

@@ -154,8 +154,8 @@ class NativeSlotOps:
 
     @staticmethod
     def clear_slots(index_addr: int, fd: int, index_offset: int, nslots: int, slots, seen, empty: bytes) -> int:
-        """A clear's reclaims in one call (hicache.store._index's `_reclaim_locked` slot by slot,
-        which the fallback runs): each of ``slots`` (ascending) still at the generation it was
+        """A clear's reclaims in one call (`_python_clear_slots`, the fallback, runs them slot by
+        slot): each of ``slots`` (ascending) still at the generation it was
         ``seen`` with is emptied to ``empty`` (its record after the generation); returns how many."""
         if not hasattr(_native, "clear_slots"):  # a build that predates it
             return _python_clear_slots(index_addr, fd, index_offset, nslots, slots, seen, empty)
