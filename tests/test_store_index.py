@@ -278,6 +278,45 @@ def test_a_dead_writers_torn_slot_is_invisible_and_reclaimed_by_the_next_attach(
         again.close()
 
 
+def _counting_ops(ops: str):
+    """The slot-ops class ``ops`` names, but logging each clear_slots call's slots; and that log."""
+    base, calls = arena.slot_ops(ops), []
+
+    class Counting(base):
+        @staticmethod
+        def clear_slots(*args):
+            calls.append(list(args[4]))
+            return base.clear_slots(*args)
+
+    return Counting, calls
+
+
+def test_a_dead_writers_whole_batch_of_torn_slots_is_reclaimed_a_batch_per_call(shm_dir, ops, monkeypatch):
+    """A writer killed mid-batch leaves many torn slots: the next attach reclaims every one in
+    ascending batches of CLEAR_BATCH slots, one call of the slot ops each (not one a slot), and
+    leaves the published pages around them byte-exact."""
+    monkeypatch.setattr("hicache.store._index.CLEAR_BATCH", 128)
+    store, src = _open(shm_dir, ops), Pages(400, seed=9)
+    keys = [f"k{i}" for i in range(400)]
+    assert store.put(NS, keys, src.segments()) == [True] * 400
+    slots = store.index.find(slot_keys(NS.digest, keys))[0]
+    torn = sorted(slots[:300])
+    for slot in torn:
+        leave_torn(store, slot)
+    assert store.census().torn == 300
+    store.close()
+    counting, cleared = _counting_ops(ops)
+    again = open_store(str(shm_dir / "arena"), size_bytes=None, slot_bytes=PAGE, ops=counting)
+    try:
+        assert again.reclaimed == 300 and again.census().torn == 0
+        assert cleared == [torn[:128], torn[128:256], torn[256:]]
+        dst = Pages(100, seed=10)
+        assert again.get(NS, keys[300:], dst.segments()) == [True] * 100 and dst.data.equal(src.data[300:])
+        assert again.exists(NS, keys[:300]) == 0
+    finally:
+        again.close()
+
+
 def test_a_live_writers_torn_slot_is_left_to_it_by_the_next_attach(shm_dir, ops):
     """An odd generation whose slot lock another open file still holds (its writer is alive, mid-
     write): the next attach leaves it torn - reclaiming it would wipe the writer's record under
