@@ -55,6 +55,8 @@ def test_each_rule_decides_its_own_pieces(enabled, free, brake, reference, trial
     everything else, each decision naming a rule of RULES and its figures."""
     decision = decide_piece(ThpSnapshot(enabled, free), PIECE, brake=brake, reference=reference, trial=trial)
     assert (decision.huge, decision.rule) == (huge, rule) and rule in RULES and decision.reason
+    if rule == "thp-off":
+        assert decision.reason == f"THP enabled: {enabled or 'unreadable'}"
 
 
 @pytest.mark.parametrize("huge_page, huge, rule", [
@@ -84,6 +86,9 @@ def test_auto_takes_thp_only_where_a_huge_page_is_2_mib(huge_page, huge, rule):
     (PieceFault(PIECE, 0.01, True, None), 2e9, False),  # huge pages unread: the rate alone
     (PieceFault(MiB, 0.0001, True, 0), 2e9, False),  # under one 2 MiB page: no huge page possible
     (PieceFault(PIECE, 1.0, False, 0), 2e9, False),  # a 4 KiB piece never engages it
+    (PieceFault(PIECE, PIECE / 2**31, True, PIECE), 2.0**31, False),  # exactly the 4 KiB rate: not slower
+    (PieceFault(PIECE, 0.0, True, PIECE), 2e9, False),  # no time measured (a coarse clock): no rate, no verdict
+    (PieceFault(THP_BYTES, 0.0001, True, 0), 2e9, True),  # one 2 MiB page's worth, none of it huge
 ])
 def test_the_brake_engages_on_a_slow_or_mostly_small_thp_piece(fault, rate_4k, engaged):
     """brake_reason: a THP piece slower than this bring-up's 4 KiB rate, or with under half its
@@ -95,7 +100,7 @@ def test_the_brake_engages_on_a_slow_or_mostly_small_thp_piece(fault, rate_4k, e
 
 
 @given(st.sampled_from([(4096, THP_BYTES), (16384, 32 * MiB), (65536, 512 * MiB)]),
-       st.integers(min_value=0, max_value=64), st.integers(min_value=0, max_value=5000))
+       st.integers(min_value=0, max_value=8192), st.integers(min_value=0, max_value=1 << 22))
 def test_the_huge_bytes_of_a_piece_follow_from_its_fault_count(sizes, huge, base):
     """huge_bytes_from_faults: a fresh range faulted as ``huge`` huge pages and ``base`` base pages
     (one fault each, in any page sizes a kernel pairs) gives back exactly the huge pages' bytes;
@@ -123,6 +128,8 @@ def test_a_fault_count_out_of_its_law_is_clamped_or_unknown(nbytes, faults, expe
     (8 * MiB / (3.4e9 / EARLY_MARGIN) * 1.01, 3.4e9, True),  # just past the margin
     (8 * MiB / (3.4e9 / EARLY_MARGIN) * 0.99, 3.4e9, False),  # just within it
     (0.0175, None, False),  # no 4 KiB piece measured yet: no early verdict
+    (8 * MiB * EARLY_MARGIN / 2**33, 2.0**33, False),  # exactly EARLY_MARGIN times slower: within it
+    (0.0, 3.4e9, False),  # no time measured (a coarse clock): no rate, no verdict
 ])
 def test_the_early_verdict_brakes_only_a_thp_step_far_slower_than_4k(seconds, rate_4k, engaged):
     """early_brake_reason on a THP piece's first 8 MiB: only more than EARLY_MARGIN times slower
@@ -131,6 +138,11 @@ def test_the_early_verdict_brakes_only_a_thp_step_far_slower_than_4k(seconds, ra
     reason = early_brake_reason(PieceFault(8 * MiB, seconds, True, None), rate_4k)
     assert (reason is not None) == engaged
     assert reason is None or ("GB/s" in reason and "first 8 MiB" in reason)
+
+
+def test_the_early_verdict_never_judges_a_4k_piece():
+    """early_brake_reason on a 4 KiB piece however slow: None (only THP steps are judged early)."""
+    assert early_brake_reason(PieceFault(8 * MiB, 10.0, False, None), 3.4e9) is None
 
 
 @pytest.mark.parametrize("seconds, engaged", [
@@ -164,6 +176,17 @@ def test_the_4k_rate_is_the_median_of_this_bring_ups_4k_pieces():
     """base_rate: the median of the measured 4 KiB pieces' rates; None before any."""
     assert base_rate([]) is None
     faults = [PieceFault(PIECE, s, False, 0) for s in (0.1, 0.02, 0.05)]
+    assert base_rate(faults) == PIECE / 0.05
+    five = [PieceFault(PIECE, s, False, 0) for s in (0.5, 0.1, 0.4, 0.2, 0.3)]
+    assert base_rate(five) == PIECE / 0.3
+
+
+def test_the_4k_rate_leaves_out_pieces_without_a_measured_time_or_bytes():
+    """base_rate: a piece of no measured time (a coarse clock) or of no bytes has no rate and
+    does not count - never a division by zero, never a rate of 0 that would brake every THP piece."""
+    assert base_rate([PieceFault(PIECE, 0.0, False, 0)]) is None
+    assert base_rate([PieceFault(0, 0.0, False, 0), PieceFault(0, 0.1, False, 0)]) is None
+    faults = [PieceFault(PIECE, 0.0, False, 0), PieceFault(0, 0.1, False, 0), PieceFault(PIECE, 0.05, False, 0)]
     assert base_rate(faults) == PIECE / 0.05
 
 
