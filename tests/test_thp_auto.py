@@ -5,6 +5,10 @@ to MADV_NOHUGEPAGE and the report naming why; the default everywhere it is promi
 
 from __future__ import annotations
 
+import mmap
+import os
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -298,13 +302,88 @@ def test_pieces_in_flight_count_against_the_free_blocks():
 
 
 def test_a_refused_madvise_falls_back_to_4k_and_says_so():
-    """A kernel refusing MADV_HUGEPAGE: the piece is advised 4 KiB instead and counted as such."""
-    host = _Host()
-    host.madvise = lambda ptr, length, *, huge: not huge
+    """A kernel refusing MADV_HUGEPAGE: the piece is advised 4 KiB instead and counted as such;
+    nothing was tried, so the next piece may try THP (it is not held as a trial in flight)."""
+    host, refusing = _Host(), [True]
+    host.madvise = lambda ptr, length, *, huge: not (huge and refusing[0])
     policy = host.policy()
     policy.before(0, 0, PIECE)
     decision = policy.before(0, PIECE, PIECE).decision
     assert (decision.huge, decision.rule, decision.reason) == (False, "thp-off", "madvise(MADV_HUGEPAGE) refused")
+    refusing[0] = False
+    assert policy.before(0, 2 * PIECE, PIECE).decision.rule == "free"
+
+
+@pytest.mark.parametrize("enabled, brake, pieces_before, reads", [
+    ("madvise", None, 1, 1),  # a piece after the reference: the blocks decide
+    ("madvise", None, 0, 0),  # the reference piece: 4 KiB whatever the blocks
+    ("never", None, 1, 0),  # THP off: no rule after it needs the blocks
+    ("madvise", "slow", 1, 0),  # the brake holds: likewise
+])
+def test_the_free_blocks_are_read_only_where_a_rule_needs_them(enabled, brake, pieces_before, reads):
+    """ThpAuto.before reads /proc/buddyinfo (the injected free_blocks) only for a piece whose
+    decision depends on it - not for the reference piece, under THP never or under the brake:
+    a read is a walk of every zone's free lists, on a pre-fault thread."""
+    host, calls = _Host(enabled=enabled), []
+    policy = _thp.ThpAuto(enabled=lambda: host.enabled, free_blocks=lambda: calls.append(1) or host.blocks,
+                          madvise=host.madvise, faults=host.faults, page_bytes=4096, huge_page_bytes=THP_BYTES,
+                          clock=host.clock)
+    for n in range(pieces_before):
+        policy.after(0, n * PIECE, PIECE, policy.before(0, n * PIECE, PIECE))
+    calls.clear()
+    policy.brake = brake
+    policy.before(0, 4 * PIECE, PIECE)
+    assert len(calls) == reads
+
+
+def _mapping_of(addr: int):
+    """(low, high, VmFlags) of this process's mapping that holds ``addr`` (/proc/self/smaps)."""
+    found = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                found = (low, high) if low <= addr < high else None
+            elif found and line.startswith("VmFlags:"):
+                return (*found, line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists(_thp.THP_ENABLED), reason="this kernel has no THP: MADV_HUGEPAGE is refused")
+def test_the_advice_marks_exactly_the_whole_pages_inside_its_range(monkeypatch):
+    """_madvise_range on this kernel: MADV_HUGEPAGE marks exactly the whole pages inside the
+    range (VmFlags "hg"; the mapping splits at their ends), MADV_NOHUGEPAGE marks them "nh" again;
+    a range holding no whole page makes no call and succeeds."""
+    page = mmap.PAGESIZE
+    buffer = allocate_host(8 * MiB, hugepages="auto")  # "nh" whole
+    try:
+        start = buffer.ptr + 2 * MiB
+        assert _thp._madvise_range(start + 100, 2 * MiB, huge=True)  # whole pages: [start + page, start + 2 MiB)
+        low, high, flags = _mapping_of(start + page)
+        assert (low, high) == (start + page, start + 2 * MiB) and "hg" in flags and "nh" not in flags
+        assert "nh" in _mapping_of(start)[2] and "nh" in _mapping_of(start + 2 * MiB)[2]
+        assert _thp._madvise_range(start + page, 2 * MiB - page, huge=False)
+        assert "nh" in _mapping_of(start + page)[2] and "hg" not in _mapping_of(start + page)[2]
+        calls = []
+        monkeypatch.setattr(_thp, "madvise_function", lambda: lambda *args: calls.append(args) or 0)
+        assert _thp._madvise_range(buffer.ptr + 10, page - 10, huge=True) and calls == []  # no whole page
+        assert _thp._madvise_range(buffer.ptr, page, huge=True) and calls == [(buffer.ptr, page, _thp.MADV_HUGEPAGE)]
+    finally:
+        buffer.free()
+
+
+def test_a_threads_fault_count_is_its_minor_and_major_faults(monkeypatch):
+    """thread_faults: getrusage(RUSAGE_THREAD)'s minor plus major faults; 0 where the platform
+    cannot say (no RUSAGE_THREAD, or refused) - never a guess that would read as huge pages."""
+    monkeypatch.setattr("resource.getrusage", lambda who: SimpleNamespace(ru_minflt=5, ru_majflt=2))
+    assert _thp.thread_faults() == 7
+
+    def refused(who):
+        raise OSError("no")
+
+    monkeypatch.setattr("resource.getrusage", refused)
+    assert _thp.thread_faults() == 0
 
 
 @pytest.mark.concurrency
