@@ -10,7 +10,9 @@ from hicache.plan import (
     Limits,
     MHALayout,
     Range,
+    RegistrationPlan,
     plan_pool,
+    pace,
     plan_registration,
     replan,
 )
@@ -143,3 +145,138 @@ def test_replan_halves_the_rest_on_copy_units():
     assert all(r.end % (300 * MiB) == 0 for r in retry.ranges[:-1])
     with pytest.raises(PlanError, match="cannot shrink"):
         replan(retry, failed_index=1)
+
+
+def test_the_largest_call_is_the_largest_range_and_an_empty_plan_has_none():
+    """largest_call_bytes: the biggest range (not the first or the last), 0 with no range."""
+    plan = plan_registration(2500 * MiB, granularity_bytes=300 * MiB, limits=Limits(chunk_limit_bytes=GiB))
+    assert plan.largest_call_bytes == 900 * MiB
+    assert plan_registration(0, granularity_bytes=4096, limits=Limits(chunk_limit_bytes=GiB)).largest_call_bytes == 0
+
+
+@pytest.mark.parametrize("unit", [4096, None])
+def test_a_zero_byte_buffer_says_so_and_a_one_byte_one_does_not(unit):
+    """Both planners note a zero-byte buffer (no call; without a unit step 0, with one the step
+    calls would have); a one-byte buffer is one call without that note."""
+    limits = Limits(chunk_limit_bytes=GiB)
+    empty, one = plan_registration(0, granularity_bytes=unit, limits=limits), plan_registration(
+        1, granularity_bytes=unit, limits=limits)
+    assert empty.ranges == () and "zero-byte buffer: nothing to register" in empty.notes
+    assert empty.step_bytes == (GiB if unit else 0)
+    assert one.ranges == (Range(0, 1),) and not any("zero-byte" in note for note in one.notes)
+
+
+def test_an_unsplittable_buffer_of_exactly_the_machines_cap_is_one_call():
+    """No copy unit: a buffer of exactly the hard cap is one call (the cap is inclusive), and
+    exactly the chunk limit draws no over-the-limit note; one byte more of each does."""
+    limits = Limits(chunk_limit_bytes=GiB, kernel_cap_bytes=2 * GiB)
+    assert plan_registration(2 * GiB, granularity_bytes=None, limits=limits).ranges == (Range(0, 2 * GiB),)
+    with pytest.raises(PlanError, match="at most 2147483648"):
+        plan_registration(2 * GiB + 1, granularity_bytes=None, limits=limits)
+    assert plan_registration(GiB, granularity_bytes=None, limits=limits).notes == ()
+    assert any("over the chunk limit" in note
+               for note in plan_registration(GiB + 1, granularity_bytes=None, limits=limits).notes)
+
+
+def test_a_chunk_limit_equal_to_the_ceiling_is_not_clamped():
+    """A chunk limit exactly at the driver ceiling draws no clamp note; one byte over does."""
+    at = plan_registration(GiB, granularity_bytes=MiB, limits=Limits(chunk_limit_bytes=DRIVER_CEILING_BYTES))
+    over = plan_registration(GiB, granularity_bytes=MiB, limits=Limits(chunk_limit_bytes=DRIVER_CEILING_BYTES + 1))
+    assert not any("clamped" in note for note in at.notes)
+    assert any("clamped to the driver ceiling" in note for note in over.notes)
+
+
+@pytest.mark.parametrize("ranges", [(Range(0, MiB), Range(MiB, MiB)), (Range(0, MiB), Range(MiB, MiB), Range(2 * MiB, 1))])
+def test_a_plan_without_a_copy_unit_is_one_range_or_none(ranges):
+    """A hand-built plan without a copy unit that splits its buffer (two ranges or more) is
+    refused: with no unit nothing says where a page copy may be cut."""
+    total = ranges[-1].end
+    with pytest.raises(PlanError, match="without a copy unit must be a single range"):
+        RegistrationPlan(total_bytes=total, granularity_bytes=None, step_bytes=MiB,
+                         limits=Limits(chunk_limit_bytes=GiB), ranges=ranges)
+
+
+@pytest.mark.parametrize("unit", [4096, None])
+def test_a_zero_byte_plan_with_a_range_is_refused(unit):
+    """A plan of a zero-byte buffer that still lists a range would register memory past it."""
+    with pytest.raises(PlanError, match=r"total_bytes is 0"):
+        RegistrationPlan(total_bytes=0, granularity_bytes=unit, step_bytes=4096,
+                         limits=Limits(chunk_limit_bytes=GiB), ranges=(Range(0, 4096),))
+
+
+@pytest.mark.parametrize("ranges, says", [
+    # short of the total, its end off the unit: the total is what is wrong, not the unit
+    ((Range(0, 8192), Range(8192, 100)), r"ranges cover \[0, 8292\) but total_bytes is 16384"),
+    # the range before the last ends off the unit: named as such, not as a coverage error
+    ((Range(0, 4096), Range(4096, 100), Range(4196, 8192)), r"ranges\[1\] \[4096, 4196\) ends at 4196, not a multiple"),
+])
+def test_a_bad_hand_built_plan_is_named_by_what_it_breaks(ranges, says):
+    """The walk that names a bad plan checks every interior end against the unit and only
+    those (the last range may end anywhere: at the total)."""
+    with pytest.raises(PlanError, match=says):
+        RegistrationPlan(total_bytes=16384 if ranges[-1].end == 8292 else ranges[-1].end, granularity_bytes=4096,
+                         step_bytes=4096, limits=Limits(chunk_limit_bytes=GiB), ranges=ranges)
+
+
+def test_a_base_aligned_below_the_hugepage_keeps_os_page_boundaries_with_a_note():
+    """A hugepage buffer whose base is known aligned to 4 KiB only: boundaries on the OS page
+    (hugepage-aligned offsets would not be hugepage boundaries), and a note says why."""
+    limits = Limits(chunk_limit_bytes=3 * MiB, hugepage_bytes=2 * MiB, base_alignment_bytes=4096)
+    plan = plan_registration(10 * MiB, granularity_bytes=4096, limits=limits)
+    assert plan.alignment_bytes == 4096 and plan.step_bytes == 3 * MiB
+    assert any("below the 2 MiB hugepage: boundaries not hugepage-aligned" in note for note in plan.notes)
+
+
+def test_an_alignment_exactly_the_cap_is_kept():
+    """The common multiple of unit and hugepage equal to the cap fits: kept, with no note."""
+    plan = plan_registration(10 * MiB, granularity_bytes=4096,
+                             limits=Limits(chunk_limit_bytes=2 * MiB, hugepage_bytes=2 * MiB))
+    assert plan.alignment_bytes == 2 * MiB and plan.notes == ()
+
+
+def test_a_one_call_plan_carries_no_alignment_note():
+    """Alignment given up matters only between calls: a plan of one call does not mention it."""
+    limits = Limits(chunk_limit_bytes=4 * MiB, hugepage_bytes=2 * MiB)
+    plan = plan_registration(3 * MiB, granularity_bytes=3 * 4096, limits=limits)
+    assert plan.call_count == 1 and plan.notes == ()
+
+
+def test_replan_refuses_an_index_past_the_plan_and_takes_the_last():
+    """replan's failed_index runs over the plan's ranges: one past them is a PlanError naming
+    it (not an IndexError); the last one is a valid retry."""
+    plan = plan_registration(2500 * MiB, granularity_bytes=300 * MiB, limits=Limits(chunk_limit_bytes=GiB))
+    with pytest.raises(PlanError, match="failed_index"):
+        replan(plan, failed_index=3)
+    assert sizes(replan(plan, failed_index=2))[2:] == [300 * MiB, 300 * MiB, 100 * MiB]
+
+
+@pytest.mark.parametrize("failed_mib, step_mib, dropped", [
+    (8, 4, False),  # half (4 MiB) is two hugepages: hugepage boundaries kept
+    (4, 2, False),  # half is exactly one hugepage: still kept
+    (2, 1, True),  # half is below one: copy-unit alignment, and the note says so
+])
+def test_replan_keeps_the_hugepage_alignment_while_half_a_call_holds_one(failed_mib, step_mib, dropped):
+    """replan halves the failed call on the plan's boundary alignment (hugepages here) as long
+    as half a call holds one aligned block, then on the copy unit - noted only then."""
+    limits = Limits(chunk_limit_bytes=failed_mib * MiB, hugepage_bytes=2 * MiB)
+    plan = plan_registration(4 * failed_mib * MiB, granularity_bytes=4096, limits=limits)
+    assert plan.alignment_bytes == 2 * MiB
+    retry = replan(plan, failed_index=0)
+    assert retry.step_bytes == step_mib * MiB
+    assert retry.alignment_bytes == (4096 if dropped else 2 * MiB)
+    assert ("aligned to the copy unit only" in retry.notes[-1]) == dropped
+
+
+def test_pace_splits_on_the_boundary_alignment_and_notes_only_a_budget_it_cannot_meet():
+    """pace cuts a call into multiples of the plan's boundary alignment (2 MiB hugepages here,
+    not the 4 KiB unit) at most the budget: a budget of exactly one block draws no note, one
+    below it gets blocks of that size and a note; an index past the plan is a PlanError."""
+    plan = plan_registration(16 * MiB, granularity_bytes=4096,
+                             limits=Limits(chunk_limit_bytes=16 * MiB, hugepage_bytes=2 * MiB))
+    assert plan.alignment_bytes == 2 * MiB and plan.call_count == 1
+    assert sizes(pace(plan, 0, 5 * MiB)) == [4 * MiB] * 4 and pace(plan, 0, 5 * MiB).notes == ()
+    assert sizes(pace(plan, 0, 2 * MiB)) == [2 * MiB] * 8 and pace(plan, 0, 2 * MiB).notes == ()
+    below = pace(plan, 0, MiB)
+    assert sizes(below) == [2 * MiB] * 8 and "below the 2 MiB boundary alignment" in below.notes[-1]
+    with pytest.raises(PlanError, match="index"):
+        pace(plan, 1, MiB)

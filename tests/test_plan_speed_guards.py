@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.errors import PlanError
 from hicache.plan import Limits, RegistrationPlan, plan_registration
@@ -74,6 +76,7 @@ def test_a_good_tiling_passes():
     [
         (tiling(8 * 2**20, 2 * 2**20), 8 * 2**20, "step over the cap"),
         (tiling(8 * 2**20, 2**20 - 512), 8 * 2**20, "step not a multiple of the unit"),
+        (tiling(2 * 2**20 - 1536, 2**20 - 512), 2 * 2**20 - 1536, "two ranges, the one boundary off the unit"),
         (tiling(8 * 2**20, 2**20), 9 * 2**20, "does not cover the total"),
     ],
 )
@@ -120,3 +123,62 @@ def test_a_listed_plan_past_the_buffer_or_over_the_cap_is_refused(ranges, total,
     """An explicit range list past the buffer's end or over the cap is refused saying which."""
     with pytest.raises(PlanError, match=says):
         _listed(ranges, total)
+
+
+def _lawful(ranges, total: int, unit: int | None, cap: int) -> bool:
+    """The plan laws written plainly (the oracle): Range values tiling ``[0, total)`` in order,
+    each within ``cap``, every interior end a multiple of ``unit``; without a unit one range."""
+    ranges = list(ranges)
+    if unit is None and len(ranges) > 1:
+        return False
+    position, ends = 0, []
+    for item in ranges:
+        if type(item) is not Range or item.offset != position or item.size > cap:
+            return False
+        position += item.size
+        ends.append(position)
+    return position == total and (unit is None or all(end % unit == 0 for end in ends[:-1]))
+
+
+TAMPERS = ("none", "listed", "shift", "resize", "drop-last", "drop-first", "plain-tuple", "one-more")
+
+
+@settings(max_examples=300)
+@given(steps=st.one_of(st.integers(1, 3), st.integers(1, 40)), last=st.integers(1, 40), step_units=st.integers(1, 300),
+       unit=st.sampled_from([512, 4096, 3 * 4096]), total_delta=st.sampled_from([0, 0, 0, -512, 512, 4096]),
+       tamper=st.sampled_from(("none",) * len(TAMPERS) + TAMPERS[1:]), where=st.integers(0, 10**6),
+       delta=st.sampled_from([-512, 1, 512, 4096]))
+def test_a_plan_is_accepted_exactly_when_its_ranges_keep_every_law(steps, last, step_units, unit, total_delta,
+                                                                   tamper, where, delta):
+    """Planner tilings of any step (within the cap or over it, on the unit or off it, one range,
+    two, many) and hand-built lists made from them, tampered or not: RegistrationPlan accepts
+    exactly what the plain statement of the laws accepts - the tiling's arithmetic check never
+    passes what the walk would refuse, and a refusal is a PlanError."""
+    cap = 2**20
+    step = step_units * 512 * (1 if steps % 3 else 9)  # now and then over the cap
+    total = (steps - 1) * step + min(last * 512, step)
+    ranges = tiling(total, step)
+    if tamper != "none":
+        ranges = list(ranges)
+        i = where % len(ranges)
+        if tamper == "shift":
+            ranges[i] = Range(ranges[i].offset + 512, ranges[i].size)
+        elif tamper == "resize" and ranges[i].size + delta > 0:
+            ranges[i] = Range(ranges[i].offset, ranges[i].size + delta)
+        elif tamper == "drop-last":
+            ranges.pop()
+        elif tamper == "drop-first":
+            ranges.pop(0)
+        elif tamper == "plain-tuple":
+            ranges[i] = tuple(ranges[i])
+        elif tamper == "one-more":
+            ranges.append(Range(total, 512))
+    plan_total = max(0, total + total_delta)
+    lawful = _lawful(ranges, plan_total, unit, cap)
+    try:
+        RegistrationPlan(total_bytes=plan_total, granularity_bytes=unit, step_bytes=step,
+                         limits=Limits(chunk_limit_bytes=cap), ranges=ranges)
+    except PlanError:
+        assert not lawful
+    else:
+        assert lawful

@@ -29,7 +29,6 @@ from hicache.plan._thp import (
     huge_bytes_from_faults,
     thp_steps,
 )
-from hicache.effects import HostSetup
 from hicache.effects._host import _thp
 from hicache.effects._host._memory import allocate_host, prefault
 
