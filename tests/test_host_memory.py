@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hicache.effects import HostLedger
 from hicache.effects._host import _memory as _host_memory, _release
 from hicache.effects._host._memory import PREFAULT_PIECE_BYTES, allocate_host, prefault, started_executor
-from hicache.effects._bringup._faulting import BACKGROUND_NICE, PIECE_BYTES, Prefaulter  # the pre-fault pool's internals, under test
+from hicache.effects._bringup._faulting import BACKGROUND_NICE, PIECE_BYTES, Prefaulter, _cpus_text  # the pre-fault pool's internals, under test
 from hicache.effects import apply_plan, os_page_bytes
 from hicache.errors import HostOutOfMemoryError, PlanError, RegistrationStateError
 from hicache.plan import Limits, plan_registration
@@ -703,3 +703,82 @@ def test_a_pool_freed_or_dropped_at_the_interpreter_s_exit_gives_its_pages_back_
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "failed" not in result.stderr, result.stderr
     assert result.stdout.strip() == "given back in [2, 2]", (result.stdout, result.stderr)
+
+
+def _span_buffers(*sizes):
+    """Stand-ins for HostBuffers as the pre-fault's planning reads them (sizes and pages only)."""
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(nbytes=size, page_bytes=4096, hugepage_bytes=None) for size in sizes]
+
+
+def test_the_pipelines_calls_share_each_span_among_its_threads_and_keep_an_empty_span():
+    """Prefaulter's calls: each span is cut into one share per thread (measured from the span's
+    own start, not the buffer's), at most PREFAULT_PIECE_BYTES each; an empty span is one empty
+    call, so progress passes it in order (without it the span would never count as done)."""
+    MiB = 2**20
+    faulter = Prefaulter(_span_buffers(64 * MiB), threads=4, order=[(0, 0, 0), (0, 16 * MiB, 32 * MiB)])
+    assert faulter._calls() == [(0, 0, 0, 0)] + [(1, 0, (16 + 8 * k) * MiB, 8 * MiB) for k in range(4)]
+    one = Prefaulter(_span_buffers(64 * MiB), threads=1)
+    assert [length for *_, length in one._calls()] == [PREFAULT_PIECE_BYTES] * 2
+
+
+@pytest.mark.parametrize("cpus, workers", [(64, 16), (3, 3), (None, 1)])
+def test_the_pipeline_takes_a_thread_a_cpu_up_to_16(monkeypatch, cpus, workers):
+    """Without ``threads`` the background pre-fault runs a thread per CPU, at most 16, and one
+    where the CPU count is unknown: seen as the shares its first span is cut into."""
+    monkeypatch.setattr("os.cpu_count", lambda: cpus)
+    faulter = Prefaulter(_span_buffers(PREFAULT_PIECE_BYTES))
+    assert len(faulter._calls()) == workers
+    assert faulter._thread.daemon  # a pre-fault never holds the interpreter's exit
+
+
+@pytest.mark.concurrency
+def test_the_pipelines_seconds_follow_its_clock_while_it_runs_and_once_it_ended(monkeypatch):
+    """elapsed(): 0 before the pre-fault starts, the clock since its start while it runs (a
+    progressive pool's metrics read it mid-way), and its whole time once it has ended - which
+    is also ``seconds``, the report's pre-fault figure (an injected clock: no time judged)."""
+    from types import SimpleNamespace
+
+    now, inside, go = [10.0], threading.Event(), threading.Event()
+    monkeypatch.setattr("hicache.effects._bringup._faulting.time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def on_piece(nbytes):
+        inside.set()
+        assert go.wait(60)
+
+    buffer = allocate_host(4 * os_page_bytes())
+    try:
+        faulter = Prefaulter([buffer], threads=1, on_piece=on_piece)
+        assert faulter.elapsed() == 0
+        faulter.start()
+        assert inside.wait(60)
+        now[0] = 13.0
+        assert faulter.elapsed() == 3.0
+        now[0] = 15.0
+        go.set()
+        faulter.join()
+        now[0] = 20.0
+        assert faulter.seconds == 5.0 and faulter.elapsed() == 5.0
+    finally:
+        go.set()
+        buffer.free()
+
+
+@pytest.mark.parametrize("cpus, text", [
+    ({0, 1, 2, 3, 8, 10, 11}, "0-3,8,10-11"),
+    ({5}, "5"),
+    ({0, 2, 4}, "0,2,4"),
+    ({7, 6, 5, 1}, "1,5-7"),
+])
+def test_the_traces_cpu_list_reads_as_the_kernel_writes_one(monkeypatch, cpus, text):
+    """A pre-fault span's trace names the CPUs it may run on as the kernel lists them (runs of
+    consecutive CPUs as a-b), whatever order the affinity set comes in; None where it is unknown."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: cpus)
+    assert _cpus_text() == text
+
+    def unknown(pid):
+        raise OSError("no")
+
+    monkeypatch.setattr("os.sched_getaffinity", unknown)
+    assert _cpus_text() is None
