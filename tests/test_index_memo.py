@@ -63,6 +63,25 @@ def test_a_check_returns_the_indices_given_checked_under_the_bounds_given(steps)
         assert _equal(got.dpages, aligned_pages(expected[1], page_size))
 
 
+@pytest.mark.parametrize("which", ["host", "device"])
+def test_a_hit_never_hands_out_a_change_made_in_place_after_the_check(which):
+    """The memo's checked indices are its own: the caller's int64 tensors changed in place after a
+    check (to an index past the pool, refused then), a new tensor of the checked values is a hit
+    that hands out those values - never the changed ones, which no check would pass (a copy
+    past the pool's buffer). Found by the law above: the checked indices were the caller's tensors."""
+    memo = IndexMemo()
+    host, device = torch.arange(8), torch.arange(8, 16)
+    first = memo.check(host, device, host_slots=16, device_slots=16, page_size=1)
+    changed = host if which == "host" else device
+    changed[0] = 24  # past both pools
+    with pytest.raises(TransferError):
+        memo.check(host, device, host_slots=16, device_slots=16, page_size=1)
+    again = memo.check(torch.arange(8), torch.arange(8, 16), host_slots=16, device_slots=16, page_size=1)
+    assert again is first  # a hit by value
+    assert again.hidx.tolist() == list(range(8)) and again.didx.tolist() == list(range(8, 16))
+    assert again.hpages.tolist() == list(range(8)) and again.dpages.tolist() == list(range(8, 16))
+
+
 def test_the_same_unchanged_tensors_are_a_hit_without_comparing_values(monkeypatch):
     """The common case - SGLang's same two tensors, layer after layer - reuses the last check by
     identity and version alone (no value comparison: that is the saving the memo is for)."""

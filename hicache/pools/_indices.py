@@ -109,8 +109,12 @@ class IndexMemo:
             if _same(last.host, host_indices) and _same(last.device, device_indices):
                 return last
         hidx, didx = check_indices(host_indices, device_indices, host_slots=host_slots, device_slots=device_slots)
+        host, device = host_indices.clone(), device_indices.clone()
+        # an int64 CPU tensor comes back from check_indices as the caller's very tensor: kept as
+        # it is, a change the caller makes in place would reach a later hit's indices unchecked
+        hidx, didx = (host if hidx is host_indices else hidx), (device if didx is device_indices else didx)
         entry = CheckedIndices(
-            host_indices.clone(), device_indices.clone(), bounds, hidx, didx,
+            host, device, bounds, hidx, didx,
             aligned_pages(hidx, page_size), aligned_pages(didx, page_size), {}, {},
             _seen(host_indices, device_indices),
         )
