@@ -629,18 +629,7 @@ def test_an_auto_mapping_starts_as_4k_pages_whole():
     "nh"): a 4 KiB piece then needs no call of its own, and only THP pieces are advised."""
     buffer = allocate_host(8 * MiB, hugepages="auto")
     try:
-        flags = None
-        with open("/proc/self/smaps") as smaps:
-            inside = False
-            for line in smaps:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    low, high = (int(x, 16) for x in head.split("-"))
-                    inside = low <= buffer.ptr < high
-                elif inside and line.startswith("VmFlags:"):
-                    flags = line.split()[1:]
-                    break
-        assert flags is not None and "nh" in flags
+        assert "nh" in _mapping_of(buffer.ptr)[2]
     finally:
         buffer.free()
 
