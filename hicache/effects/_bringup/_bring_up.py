@@ -54,7 +54,9 @@ class Progressive:
     """The progressive mode's settings: serve early, keep registering in the background.
 
     ``order``: the calls' chunks as ``(buffer index, offset, size)`` within the buffers (None:
-    every range of every plan, in plan order); ``key(position, done)``: which chunk goes next
+    every range of every plan, in plan order) - each buffer's entries, sorted, a legal plan of it
+    (they tile it once, cut it only on its copy unit, each within the caps: `bring_up` checks
+    before any memory is taken); ``key(position, done)``: which chunk goes next
     given its bytes registered so far (smallest first; a pool passes the page they reach);
     ``on_chunk(position, offset in chunk, size)``: after each call (from the background thread
     too); ``ready()``: register in the foreground until it is true (None: after the first
@@ -158,7 +160,33 @@ def _mode(mode, requests, allocator, device) -> str | Progressive:
                         f"(allocate_unfaulted) and device 'cpu', got {allocator!r} on {device!r}")
     if isinstance(mode, Progressive) and any(r.plan is None for r in requests):
         raise PlanError("bring_up(mode=Progressive(...)) registers every buffer: each request needs a plan")
+    if isinstance(mode, Progressive) and mode.order is not None:
+        _check_order(mode.order, requests)
     return mode
+
+
+def _check_order(order: tuple, requests) -> None:
+    """A progressive ``order`` is a registration plan of every buffer: its entries of each buffer,
+    sorted, must be ranges every law of `RegistrationPlan` holds for (they tile the buffer once,
+    cut it only on its copy unit, each within the caps) - else a page would straddle two calls,
+    or part of a buffer would stay unregistered under a handle that says it is up. Checked
+    before any memory is taken; the plan's own check says what is wrong."""
+    from hicache.plan import Range
+
+    ranges: list[list] = [[] for _ in requests]
+    for entry in order:
+        if len(entry) != 3:
+            raise PlanError(f"Progressive.order: {entry!r} is no (buffer index, offset, size)")
+        where = f"Progressive.order entry {entry!r}: "
+        index = check_int(PlanError, "", where + "buffer index", entry[0], minimum=0, maximum=len(requests) - 1)
+        offset = check_int(PlanError, "", where + "offset", entry[1], minimum=0)
+        ranges[index].append(Range(offset, check_int(PlanError, "", where + "size", entry[2])))
+    for request, mine in zip(requests, ranges):
+        try:
+            attrs.evolve(request.plan, ranges=sorted(mine, key=lambda item: item.offset))
+        except PlanError as error:
+            raise PlanError(f"Progressive.order does not register buffer {request.name!r} by its plan's laws "
+                            f"(its entries, sorted, as that plan's ranges: {error})") from None
 
 
 def _share(allocator, machine, ranks_per_host) -> FaultShare:

@@ -22,7 +22,6 @@ from hicache.effects._cuda._gate import Gate
 from hicache.effects._cuda._runtime import default_runtime
 from hicache.effects._host._numa import FaultShare
 from hicache.effects._interrupts import deferred_interrupts
-from hicache.errors import PlanError
 from hicache.plan import RegistrationPlan, plan_registration
 
 
@@ -179,13 +178,11 @@ def _progressive(run: _Run, settings) -> None:
     if order is None:
         order = [(index, item.offset, item.size) for index, request in enumerate(requests) for item in request.plan.ranges]
     chunks = []
-    for index, offset, size in order:
+    for index, offset, size in order:  # a legal plan of every buffer (`_bring_up._check_order`)
         request, tensor = requests[index], handle.tensors[index]
         plan = request.plan
-        if offset < 0 or size < 0 or offset + size > plan.total_bytes:
-            raise PlanError(f"Progressive.order: ({index}, {offset}, {size}) lies outside buffer {request.name!r} "
-                            f"of {plan.total_bytes} bytes")
         chunks.append(Chunk(request.name, tensor.data_ptr() + offset, size, plan.granularity_bytes, plan.limits))
+    buffer_of = [index for index, _, _ in order]
     handle.plans = [r.plan for r in requests]
 
     first_call = handle._first_call  # not the handle: the thread must not keep it alive
@@ -198,8 +195,8 @@ def _progressive(run: _Run, settings) -> None:
             first_call.append(time.perf_counter() - start)
         registered[0] += size
         if log is not None:
-            log(ProgressEvent(chunks[position].buffer, position, position + 1, len(chunks), registered[0], total,
-                              time.perf_counter() - start))
+            log(ProgressEvent(chunks[position].buffer, buffer_of[position], position + 1, len(chunks), registered[0],
+                              total, time.perf_counter() - start))
         if user_on_chunk is not None:
             user_on_chunk(position, done, size)
 
