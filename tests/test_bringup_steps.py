@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, HostSetup, HostTensorAllocator, Progressive, Report, bring_up
@@ -226,3 +228,54 @@ def test_a_ctrl_c_in_the_blocking_pre_fault_is_what_the_caller_gets_and_nothing_
         bring_up(_requests(8 * MiB), mode="blocking", host=_host(runtime, allocator))
     assert FailingAndInterrupted.interrupted
     assert runtime.held() == set() and runtime.cudart.log == [] and all(b.freed for b in allocator.owned())
+
+
+@st.composite
+def _orders(draw):
+    """An order over one buffer: the buffer cut every drawn piece (copy units, or 4 KiB pages) and
+    at up to two more 4 KiB points, then maybe an entry dropped, doubled or stretched; shuffled."""
+    total = draw(st.integers(1, 64)) * UNIT
+    piece = draw(st.sampled_from([UNIT, 2 * UNIT, 4 * UNIT, 16 * UNIT, 4096, 3 * 4096]))
+    extra = draw(st.lists(st.integers(1, total // 4096 - 1), max_size=1)) if total > 4096 else []
+    edges = sorted({*range(0, total, piece), *(cut * 4096 for cut in extra), total})
+    entries = [(0, lo, hi - lo) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+    change = draw(st.sampled_from(["none"] * 4 + ["drop", "double", "stretch"]))
+    if change != "none":
+        at = draw(st.integers(0, len(entries) - 1))
+        if change == "drop":
+            del entries[at]
+        elif change == "double":
+            entries.append(entries[at])
+        else:
+            entries[at] = (0, entries[at][1], entries[at][2] + UNIT)
+    return total, draw(st.permutations(entries))
+
+
+def _legal(total: int, entries, cap: int) -> bool:
+    """The oracle, said plainly: sorted, the entries start at 0, each where the last ended, each
+    within the cap, every one but the last ending on the copy unit, the last at the end."""
+    position = 0
+    for number, (_, offset, size) in enumerate(sorted(entries, key=lambda e: e[1])):
+        if offset != position or size > cap or (number < len(entries) - 1 and (offset + size) % UNIT):
+            return False
+        position = offset + size
+    return position == total
+
+
+@given(_orders(), st.sampled_from([UNIT, 4 * UNIT, 64 * UNIT]))
+@settings(deadline=None)
+def test_an_order_is_taken_exactly_when_it_is_a_legal_plan_of_its_buffer(drawn, cap):
+    """Over cut, dropped, doubled and stretched orders: the bring-up's check takes an order
+    exactly when the plain statement of the plan's laws holds for it."""
+    from hicache.effects._bringup._bring_up import _check_order
+
+    total, entries = drawn
+    plan = plan_registration(total, granularity_bytes=UNIT, limits=Limits(chunk_limit_bytes=cap))
+    request = BufferRequest("kv", (total,), None, plan)
+    try:
+        _check_order(tuple(entries), [request])
+        taken = True
+    except PlanError as refused:
+        assert "Progressive.order" in str(refused)
+        taken = False
+    assert taken == _legal(total, entries, plan.limits.effective_cap_bytes), (entries, total, cap)
