@@ -3,7 +3,9 @@ counts as holding something (a handle dropped holding nothing is let go without 
 server hearing that a failed bring-up failed, the release's seconds, the budget claims it reads,
 its record (page tiers by default, a progressive one's pre-fault and register seconds), the
 metrics told of a release only once it released, and detach - active and not progressive only,
-its metrics snapshot taken while the handle still held its memory."""
+its metrics snapshot taken while the handle still held its memory. And of `bring_up` around it: an
+unregistered buffer budgeted by its dtype's bytes, a progressive one refusing any unplanned buffer,
+its phases' seconds, the host's turnstile left as often as joined however the bring-up ends."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import types
 import warnings
 
+import attrs
 import pytest
 from machine import ROOMY
 
@@ -186,3 +189,77 @@ def test_a_handle_dropped_before_it_held_anything_is_let_go_without_a_word():
         del handle
         assert books.state == "released"
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+def test_an_unregistered_buffer_is_budgeted_by_its_dtypes_bytes(tmp_path):
+    """A request without a plan (allocated, not registered) counts its elements times its dtype's
+    size - a float16 buffer of 1,024 elements is 2,048 bytes to the budget, not 1,024."""
+    import torch
+
+    requests = [BufferRequest("half", (1024,), torch.float16, None), BufferRequest("bytes", (1024,), None, None)]
+    handle = bring_up(requests, mode="blocking", host=_host(tmp_path))
+    try:
+        assert handle.total_bytes == 3 * 1024 and handle.budget_claims().get(os.getpid()) == 3 * 1024
+    finally:
+        handle.release()
+
+
+def test_a_progressive_bring_up_with_any_buffer_unplanned_is_refused_before_any_memory(tmp_path):
+    """Progressive registers every buffer: one request without a plan among planned ones is a
+    PlanError saying so, before anything is mapped or registered."""
+    from hicache.errors import PlanError
+
+    runtime, allocator = FakeRuntime(), HostTensorAllocator()
+    requests = _requests() + [BufferRequest("plain", (4096,), None, None)]
+    with pytest.raises(PlanError, match="each request needs a plan"):
+        bring_up(requests, mode=Progressive(max_stall_s=None),
+                 host=HostSetup(runtime=runtime, machine=ROOMY, turnstile=None, allocator=allocator,
+                                lock=BudgetLock(tmp_path)))
+    assert runtime.cudart.log == [] and allocator.owned() == []
+
+
+def test_a_bring_up_says_how_long_its_phases_took(tmp_path):
+    """`allocate_prefault_s` and `ready_s` are seconds since the bring-up started: at least 0,
+    the first no more than the second, the second no more than the wall time around the call."""
+    before = time.perf_counter()
+    handle = bring_up(_requests(), mode="blocking", host=_host(tmp_path))
+    wall = time.perf_counter() - before
+    try:
+        assert 0 <= handle.timings["allocate_prefault_s"] <= handle.timings["ready_s"] <= wall
+    finally:
+        handle.release()
+
+
+def test_a_bring_up_leaves_the_hosts_turnstile_as_often_as_it_joined_however_it_ends(tmp_path, monkeypatch):
+    """With a turnstile, a bring-up is one of the host's registrants from its start (its transaction
+    too, inside it) and leaves once it is up - once, also when an interrupt lands after that (its
+    undo must not leave again: another process's pacing counts the members)."""
+    from hicache.effects._bringup import _report
+    from hicache.effects._hostwide._turnstile import Turnstile
+
+    log = []
+
+    class Counting(Turnstile):
+        def join(self):
+            log.append("join")
+            return super().join()
+
+        def leave(self):
+            log.append("leave")
+            return super().leave()
+
+    turnstile = Counting(tmp_path / "turns", poll_s=0.0005)
+    host = HostSetup(runtime=FakeRuntime(), machine=ROOMY, turnstile=turnstile, allocator=HostTensorAllocator(),
+                     lock=BudgetLock(tmp_path))
+    bring_up(_requests(), mode="blocking", host=host).release()
+    assert log == ["join", "join", "leave", "leave"]  # the bring-up, and inside it the transaction
+
+    def interrupted(report, handle):
+        raise KeyboardInterrupt  # a Ctrl-C after the bring-up left the turnstile, before it returned
+
+    monkeypatch.setattr(_report, "shown", interrupted)
+    log.clear()
+    runtime = FakeRuntime()
+    with pytest.raises(KeyboardInterrupt):
+        bring_up(_requests(), mode="blocking", host=attrs.evolve(host, runtime=runtime, allocator=HostTensorAllocator()))
+    assert log == ["join", "join", "leave", "leave"] and runtime.held() == set()
