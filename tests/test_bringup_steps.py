@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from machine import ROOMY
 
 from hicache.effects import BufferRequest, HostSetup, HostTensorAllocator, Progressive, Report, bring_up
+from hicache.effects._bringup import _bring_up, _faulting, _steps  # the rooms under test
 from hicache.errors import PlanError
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeCudart, FakeRuntime
@@ -122,13 +123,11 @@ def test_a_base_as_aligned_as_the_plan_assumed_keeps_the_very_plan_shown():
     """The plan `hicache plan` shows is the one applied wherever the memory's base is as aligned
     as the plan assumed (more aligned included); a less aligned base gets a plan re-made for the
     alignment it really has, every law intact."""
-    from hicache.effects._bringup._steps import _aligned_plan
-
     plan = plan_registration(8 * MiB, granularity_bytes=UNIT,
                              limits=Limits(chunk_limit_bytes=4 * MiB, base_alignment_bytes=2 * MiB))
     for base in (2 * MiB, 6 * MiB, 1 << 40, 0):
-        assert _aligned_plan(plan, base) is plan
-    less = _aligned_plan(plan, 2 * MiB + UNIT)
+        assert _steps._aligned_plan(plan, base) is plan
+    less = _steps._aligned_plan(plan, 2 * MiB + UNIT)
     assert less is not plan and less.limits.base_alignment_bytes == UNIT and less.ranges == plan.ranges
 
 
@@ -153,8 +152,6 @@ def test_the_blocking_pre_fault_runs_at_the_processs_own_priority(monkeypatch, m
     """Blocking: nothing of the bring-up runs beside its pre-fault, so its threads are not niced
     (the allocator's own faulting is not either); pipelined: nicer than the registering thread,
     by the pre-fault's default."""
-    from hicache.effects._bringup import _faulting, _steps
-
     made = []
 
     class Recording(_faulting.Prefaulter):
@@ -173,8 +170,6 @@ def test_a_progressive_bring_ups_events_count_its_calls_and_bytes_as_they_happen
     the calls' count, its buffer, the bytes registered so far (the sum of the calls made, up to
     the order's total) and the seconds since the bring-up started; its pre-fault reports pieces
     up to the same total."""
-    from hicache.effects._bringup import _bring_up
-
     events = []
 
     class Listening(_bring_up.ProgressLog):
@@ -209,8 +204,6 @@ def test_a_ctrl_c_in_the_blocking_pre_fault_is_what_the_caller_gets_and_nothing_
     """A Ctrl-C while the blocking bring-up waits for its pre-fault reaches the caller as the
     KeyboardInterrupt it is - a pre-fault thread's own failure meanwhile does not replace it -
     once the threads have ended; nothing stays mapped, registered or budgeted."""
-    from hicache.effects._bringup import _faulting, _steps
-
     class FailingAndInterrupted(_faulting.Prefaulter):
         interrupted = False
 
@@ -267,13 +260,11 @@ def _legal(total: int, entries, cap: int) -> bool:
 def test_an_order_is_taken_exactly_when_it_is_a_legal_plan_of_its_buffer(drawn, cap):
     """Over cut, dropped, doubled and stretched orders: the bring-up's check takes an order
     exactly when the plain statement of the plan's laws holds for it."""
-    from hicache.effects._bringup._bring_up import _check_order
-
     total, entries = drawn
     plan = plan_registration(total, granularity_bytes=UNIT, limits=Limits(chunk_limit_bytes=cap))
     request = BufferRequest("kv", (total,), None, plan)
     try:
-        _check_order(tuple(entries), [request])
+        _bring_up._check_order(tuple(entries), [request])
         taken = True
     except PlanError as refused:
         assert "Progressive.order" in str(refused)

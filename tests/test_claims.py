@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hicache.effects._hostwide._claim import AdmissionPolicy, Claim as HostClaim, claim
+from hicache.effects._hostwide._claim import AdmissionPolicy, Claim as HostClaim, Refused, claim
 from hicache.effects._hostwide._lock import BudgetLock, Entry as Claim
 
 
@@ -205,7 +205,6 @@ def test_a_servers_own_arithmetic_decides_and_a_refusal_carries_its_allowance(lo
     """``allowance``: the server's answer, asked under the lock with the pending claims; admitted
     only when ``0 < nbytes <= allowance``; a refusal records nothing and carries the answer; a
     request of 0 bytes is answered, not recorded."""
-    from hicache.effects._hostwide._claim import Refused
 
     asked = []
 

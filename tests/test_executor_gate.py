@@ -12,8 +12,7 @@ import time
 import pytest
 
 from hicache.effects import HostLedger, apply_plan, apply_pool_plan
-from hicache.effects._cuda._executor import _apply
-from hicache.effects._cuda._gate import Gate
+from hicache.effects._cuda import _executor, _gate  # the rooms under test
 from hicache.errors import ApplyError
 from hicache.plan import Limits, MambaLayout, plan_pool, plan_registration
 from hicache.testing import FakeRuntime
@@ -33,7 +32,7 @@ class _Turn:
         self.log.append(("turn released", nbytes))
 
 
-class RecordingGate(Gate):
+class RecordingGate(_gate.Gate):
     """A gate that logs, in one event list with the driver's calls, every wait for bytes, turn,
     join and leave."""
 
@@ -67,7 +66,7 @@ def test_each_call_waits_for_its_own_bytes_then_its_turn_and_gives_the_turn_back
     """Per call, in this order: wait until the buffer is resident up to the call's end, take the
     turn, register, release the turn with the call's bytes; the gate is joined once and left once."""
     log: list = []
-    registration = _apply([("kv", BASE, PLAN)], runtime=LoggingRuntime(log), flags=0, progress=None,
+    registration = _executor._apply([("kv", BASE, PLAN)], runtime=LoggingRuntime(log), flags=0, progress=None,
                           retry_halvings=0, ledger=HostLedger(), gate=RecordingGate(log))
     try:
         expected = [("join",)]
@@ -84,7 +83,8 @@ def test_a_failed_call_gives_its_turn_back_with_no_bytes():
     registration rate calls are paced by - and the transaction leaves the gate once."""
     log: list = []
     with pytest.raises(ApplyError):
-        _apply([("kv", BASE, PLAN)], runtime=LoggingRuntime(log, fail_register={1: 1}), flags=0, progress=None,
+        _executor._apply([("kv", BASE, PLAN)], runtime=LoggingRuntime(log, fail_register={1: 1}), flags=0,
+                         progress=None,
                retry_halvings=0, ledger=HostLedger(), gate=RecordingGate(log))
     releases = [entry for entry in log if entry[0] == "turn released"]
     assert releases == [("turn released", 2 * MiB), ("turn released", None)]
@@ -103,7 +103,7 @@ def test_a_ctrl_c_after_the_last_call_leaves_the_gate_once():
 
     runtime = LoggingRuntime(log)
     with pytest.raises(ApplyError, match="after the last call failed: KeyboardInterrupt") as rolled_back:
-        _apply([("kv", BASE, PLAN)], runtime=runtime, flags=0, progress=progress, retry_halvings=0,
+        _executor._apply([("kv", BASE, PLAN)], runtime=runtime, flags=0, progress=progress, retry_halvings=0,
                ledger=HostLedger(), gate=RecordingGate(log))
     assert isinstance(rolled_back.value.__cause__, KeyboardInterrupt)
     assert log.count(("join",)) == 1 and log.count(("leave",)) == 1
@@ -116,13 +116,13 @@ def test_a_budget_of_n_halvings_allows_n_retries(halvings, failures, succeeds):
     such retries in a buffer; the N+1st refusal is the transaction's error, everything undone."""
     runtime = FakeRuntime(fail_register={call: 1 for call in range(failures)})
     if succeeds:
-        registration = _apply([("kv", BASE, PLAN)], runtime=runtime, flags=0, progress=None,
+        registration = _executor._apply([("kv", BASE, PLAN)], runtime=runtime, flags=0, progress=None,
                               retry_halvings=halvings, ledger=HostLedger())
         assert registration.status().retries == failures
         registration.release()
     else:
         with pytest.raises(ApplyError):
-            _apply([("kv", BASE, PLAN)], runtime=runtime, flags=0, progress=None, retry_halvings=halvings,
+            _executor._apply([("kv", BASE, PLAN)], runtime=runtime, flags=0, progress=None, retry_halvings=halvings,
                    ledger=HostLedger())
     assert runtime.held() == set()
 
@@ -131,7 +131,7 @@ def test_progress_events_count_seconds_since_the_transaction_started():
     """Each event's seconds lie between 0 and the wall time around the call, never decreasing."""
     events: list = []
     before = time.perf_counter()
-    registration = _apply([("kv", BASE, PLAN)], runtime=FakeRuntime(), flags=0, progress=events.append,
+    registration = _executor._apply([("kv", BASE, PLAN)], runtime=FakeRuntime(), flags=0, progress=events.append,
                           retry_halvings=0, ledger=HostLedger())
     wall = time.perf_counter() - before
     registration.release()

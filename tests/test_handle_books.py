@@ -20,6 +20,8 @@ from machine import ROOMY
 
 from hicache.effects import BudgetLock, BufferRequest, HostLedger, HostSetup, HostTensorAllocator, Progressive
 from hicache.effects import bring_up
+from hicache.effects._bringup import _handle, _report  # the rooms under test
+from hicache.effects._hostwide import _turnstile
 from hicache.errors import ApplyError, RegistrationStateError, ReleaseError
 from hicache.plan import Limits, plan_registration
 from hicache.testing import FakeCudart, FakeRuntime
@@ -44,23 +46,21 @@ def test_what_counts_as_holding_something():
     """The books hold something exactly when they have a registration, a progressive one, tensors,
     a claim not yet given back or buffers the allocator owns - what decides whether a handle
     dropped on the floor is released with a warning or let go without a word."""
-    from hicache.effects._bringup._handle import _Books
-
     class Owning:
         def owned(self):
             return ["a buffer"]
 
-    books = _Books(HostTensorAllocator(), HostLedger(), True)
+    books = _handle._Books(HostTensorAllocator(), HostLedger(), True)
     assert not books.holds_anything()
     for field, value in (("registration", object()), ("progressive", object()), ("tensors", ["t"]),
                          ("claim", types.SimpleNamespace(closed=False))):
-        held = _Books(HostTensorAllocator(), HostLedger(), True)
+        held = _handle._Books(HostTensorAllocator(), HostLedger(), True)
         setattr(held, field, value)
         assert held.holds_anything(), field
-    given_back = _Books(HostTensorAllocator(), HostLedger(), True)
+    given_back = _handle._Books(HostTensorAllocator(), HostLedger(), True)
     given_back.claim = types.SimpleNamespace(closed=True)
     assert not given_back.holds_anything()
-    assert _Books(Owning(), HostLedger(), True).holds_anything()
+    assert _handle._Books(Owning(), HostLedger(), True).holds_anything()
 
 
 def test_a_failed_bring_up_is_settled_as_failed_with_the_servers_budget(tmp_path):
@@ -139,8 +139,6 @@ def test_a_record_reads_the_page_tiers_by_default_and_counts_a_progressive_ones_
 def test_the_metrics_hear_of_a_release_only_once_it_released(tmp_path, monkeypatch):
     """A release that leaves a range registered (its unregister failed) is not reported as
     released; the retry that unregisters it is, once."""
-    from hicache.effects._bringup import _report
-
     heard = []
     monkeypatch.setattr(_report, "released", lambda report, handle=None: heard.append(handle.state))
     handle = bring_up(_requests(), mode="blocking", host=_host(tmp_path, FakeRuntime(fail_unregister={0: 1})))
@@ -154,8 +152,6 @@ def test_the_metrics_hear_of_a_release_only_once_it_released(tmp_path, monkeypat
 def test_detach_hands_over_only_an_active_whole_registration_with_its_snapshot(tmp_path, monkeypatch):
     """detach() takes the metrics' snapshot while the handle still holds its memory and hands it
     on with the registration; a progressive handle, or one no longer active, is refused."""
-    from hicache.effects._bringup import _report
-
     snapshot, followed = object(), []
     monkeypatch.setattr(_report, "before_detach", lambda report, handle: snapshot if handle.tensors else None)
     monkeypatch.setattr(_report, "detached", lambda report, registration, taken: followed.append((registration, taken)))
@@ -180,11 +176,9 @@ def test_detach_hands_over_only_an_active_whole_registration_with_its_snapshot(t
 def test_a_handle_dropped_before_it_held_anything_is_let_go_without_a_word():
     """A handle collected while still bringing up but holding nothing yet is marked released and
     says nothing (one holding memory is released with a ResourceWarning: test_finalizer_threads)."""
-    from hicache.effects._bringup._handle import HostPools
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        handle = HostPools(_requests(), HostTensorAllocator(), HostLedger(), owns_memory=True, nbytes=[8 * MiB])
+        handle = _handle.HostPools(_requests(), HostTensorAllocator(), HostLedger(), owns_memory=True, nbytes=[8 * MiB])
         books = handle._books
         del handle
         assert books.state == "released"
@@ -234,12 +228,9 @@ def test_a_bring_up_leaves_the_hosts_turnstile_as_often_as_it_joined_however_it_
     """With a turnstile, a bring-up is one of the host's registrants from its start (its transaction
     too, inside it) and leaves once it is up - once, also when an interrupt lands after that (its
     undo must not leave again: another process's pacing counts the members)."""
-    from hicache.effects._bringup import _report
-    from hicache.effects._hostwide._turnstile import Turnstile
-
     log = []
 
-    class Counting(Turnstile):
+    class Counting(_turnstile.Turnstile):
         def join(self):
             log.append("join")
             return super().join()
@@ -261,5 +252,6 @@ def test_a_bring_up_leaves_the_hosts_turnstile_as_often_as_it_joined_however_it_
     log.clear()
     runtime = FakeRuntime()
     with pytest.raises(KeyboardInterrupt):
-        bring_up(_requests(), mode="blocking", host=attrs.evolve(host, runtime=runtime, allocator=HostTensorAllocator()))
+        bring_up(_requests(), mode="blocking",
+                 host=attrs.evolve(host, runtime=runtime, allocator=HostTensorAllocator()))
     assert log == ["join", "join", "leave", "leave"] and runtime.held() == set()

@@ -621,7 +621,7 @@ TESTS = Path(__file__).resolve().parent
 #: the tests' imports that reach into effects' rooms (issue #55 item 5: they were 146 before the
 #: names the faces export came from the faces); a test of a room's own internals may, but the
 #: count only shrinks - lower it when a reach goes
-ROOM_REACHES_LIMIT = 99
+ROOM_REACHES_LIMIT = 97
 
 
 def _room_reaches(source: str) -> int:

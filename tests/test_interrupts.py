@@ -22,23 +22,16 @@ from machine import ROOMY
 from hicache.effects import BudgetLock
 from hicache.effects import HostTensorAllocator, Registration, apply_plan, bring_up
 from hicache.effects import HostSetup
-from hicache.effects._interrupts import deferred_interrupts
 from hicache.effects import HostLedger
-from hicache.effects._bringup import _bring_up as _bringup
-from hicache.effects._bringup import _steps
-from hicache.effects._cuda import _executor
-from hicache.effects._bringup import _handle as _host_pools
 from hicache.effects import _interrupts
-from hicache.effects._bringup import _faulting as _pipeline
-from hicache.effects._cuda import _progressive
-from hicache.effects._cuda import _registration
+from hicache.effects._bringup import _bring_up as _bringup, _faulting as _pipeline, _handle as _host_pools, _steps
+from hicache.effects._cuda import _executor, _progressive, _registration
 from hicache.errors import RegistrationStateError, ReleaseError, RollbackError
 from hicache.plan import Limits, MHALayout, plan_pool
 from hicache.testing import FakeRuntime
 
 pytest.importorskip("torch")
-from hicache.effects._hostwide import _claim
-from hicache.effects._hostwide import _lock
+from hicache.effects._hostwide import _claim, _lock
 from hicache.pools import HostPoolOptions
 
 FILES = {m.__file__ for m in (_bringup, _steps, _executor, _host_pools, _registration, _interrupts, _progressive,
@@ -137,7 +130,7 @@ def _tracer(target: int, counter: list, where: list, files=FILES):
 def _deferring_caller(runtime, ledger, lock, allocator, holder: list):
     """A caller that stores the handle with Ctrl-C held, then releases in finally."""
     try:
-        with deferred_interrupts():
+        with _interrupts.deferred_interrupts():
             holder.append(bring_up(PLAN, host=HostSetup(runtime=runtime, machine=ROOMY, lock=lock, ledger=ledger,
                                                         allocator=allocator)))
     finally:
@@ -390,7 +383,7 @@ def test_a_second_interrupt_held_while_the_first_is_honoured_never_replaces_its_
 
     def leave_with(exception):
         with pytest.raises(BaseException) as caught:
-            with deferred_interrupts():
+            with _interrupts.deferred_interrupts():
                 os.kill(os.getpid(), signal.SIGINT)  # held: a second Ctrl-C during the rollback
                 raise exception
         return caught.value
