@@ -84,8 +84,7 @@ def test_a_failed_call_gives_its_turn_back_with_no_bytes():
     log: list = []
     with pytest.raises(ApplyError):
         _executor._apply([("kv", BASE, PLAN)], runtime=LoggingRuntime(log, fail_register={1: 1}), flags=0,
-                         progress=None,
-               retry_halvings=0, ledger=HostLedger(), gate=RecordingGate(log))
+                         progress=None, retry_halvings=0, ledger=HostLedger(), gate=RecordingGate(log))
     releases = [entry for entry in log if entry[0] == "turn released"]
     assert releases == [("turn released", 2 * MiB), ("turn released", None)]
     assert log.count(("leave",)) == 1
