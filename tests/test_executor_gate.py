@@ -2,7 +2,9 @@
 call waits for exactly its own bytes to be resident before it is made, releases its turn with the
 bytes it registered (a failed call with none: no rate sample), leaves the host's registrants once
 however it ends; a retry budget of N halvings allows N retries; progress events' seconds are
-since the start; `apply_plan` and `apply_pool_plan` register with cudaHostRegisterDefault."""
+since the start; `apply_plan` and `apply_pool_plan` register with cudaHostRegisterDefault. And of
+the `Registration` it returns (`_cuda._registration`): a rollback undoes the call an interrupt cut
+short first, its GB/s and seconds, its leak message."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 import pytest
 
 from hicache.effects import HostLedger, apply_plan, apply_pool_plan
-from hicache.effects._cuda import _executor, _gate  # the rooms under test
+from hicache.effects._cuda import _executor, _gate, _registration  # the rooms under test
 from hicache.errors import ApplyError
 from hicache.plan import Limits, MambaLayout, plan_pool, plan_registration
 from hicache.testing import FakeRuntime
@@ -150,3 +152,54 @@ def test_apply_plan_and_apply_pool_plan_register_with_cuda_host_register_default
     apply_pool_plan(pool, base_ptrs=bases, runtime=runtime, ledger=HostLedger()).release()
     flags = [entry[3] for entry in runtime.cudart.log if entry[0] == "register"]
     assert len(flags) > len(PLAN.ranges) and set(flags) == {0}
+
+
+def test_a_rollback_undoes_the_call_an_interrupt_cut_short_first():
+    """A Ctrl-C landing just after a register call took effect: the rollback unregisters that
+    call first - the newest - then the journal's calls newest first; nothing stays."""
+    runtime = FakeRuntime(interrupt_register={2: "after"})
+    with pytest.raises(BaseException) as interrupted:
+        _executor._apply([("kv", BASE, PLAN)], runtime=runtime, flags=0, progress=None, retry_halvings=0,
+                         ledger=HostLedger())
+    error = interrupted.value
+    assert isinstance(error, KeyboardInterrupt) or isinstance(error.__cause__, KeyboardInterrupt), error
+    undone = [entry[1] - BASE for entry in runtime.cudart.log if entry[0] == "unregister"]
+    assert undone == [4 * MiB, 2 * MiB, 0] and runtime.held() == set()
+
+
+def test_a_registrations_rates_and_seconds():
+    """`status()`: GB/s is the registered bytes over the register seconds (0.0, not a division
+    by zero, where a coarse clock measured none); the release's seconds lie within the wall time
+    around it."""
+    registration = _executor._apply([("kv", BASE, PLAN)], runtime=FakeRuntime(), flags=0, progress=None,
+                                    retry_halvings=0, ledger=HostLedger())
+    status = registration.status()
+    assert status.register_seconds > 0
+    assert status.register_gbps == pytest.approx(PLAN.total_bytes / status.register_seconds / 1e9)
+    before = time.perf_counter()
+    registration.release()
+    assert 0 <= registration.status().release_seconds <= time.perf_counter() - before
+
+
+def test_a_registration_measured_in_no_time_reports_no_rate(monkeypatch):
+    """A clock that did not move (a coarse one) gives register_seconds 0 and GB/s 0.0."""
+    import types
+
+    monkeypatch.setattr(_executor, "time", types.SimpleNamespace(perf_counter=lambda: 5.0))
+    registration = _executor._apply([("kv", BASE, PLAN)], runtime=FakeRuntime(), flags=0, progress=None,
+                                    retry_halvings=0, ledger=HostLedger())
+    try:
+        status = registration.status()
+        assert (status.register_seconds, status.register_gbps) == (0.0, 0.0)
+    finally:
+        registration.release()
+
+
+def test_a_leak_message_shows_the_first_eight_ranges_and_counts_the_rest():
+    """Eight leaked ranges are all shown; of nine or ten the first eight, and how many more."""
+    ranges = [(BASE + i * MiB, MiB) for i in range(10)]
+    eight = _registration._leak_message("release", ranges[:8])
+    assert "left 8 range(s)" in eight and eight.count("(0x") == 8 and "more" not in eight
+    nine = _registration._leak_message("release", ranges[:9])
+    assert nine.count("(0x") == 8 and "and 1 more" in nine
+    assert "and 2 more" in _registration._leak_message("release", ranges)

@@ -20,7 +20,7 @@ from machine import ROOMY
 
 from hicache.effects import BudgetLock, BufferRequest, HostLedger, HostSetup, HostTensorAllocator, Progressive
 from hicache.effects import bring_up
-from hicache.effects._bringup import _handle, _report  # the rooms under test
+from hicache.effects._bringup import _bring_up, _handle, _report  # the rooms under test
 from hicache.effects._hostwide import _turnstile
 from hicache.errors import ApplyError, RegistrationStateError, ReleaseError
 from hicache.plan import Limits, plan_registration
@@ -255,3 +255,23 @@ def test_a_bring_up_leaves_the_hosts_turnstile_as_often_as_it_joined_however_it_
         bring_up(_requests(), mode="blocking",
                  host=attrs.evolve(host, runtime=runtime, allocator=HostTensorAllocator()))
     assert log == ["join", "join", "leave", "leave"] and runtime.held() == set()
+
+
+def test_a_pool_bound_to_a_node_reads_its_cpus_where_the_machine_facts_lack_them(monkeypatch):
+    """Pre-fault placement (issue #35 item 2) with machine facts that do not list the nodes' CPUs:
+    a pool bound to node 1 reads them from sysfs and runs its threads on node 1's CPUs; a pool
+    bound nowhere reads nothing and is not pinned."""
+    from machine import facts
+
+    read = []
+
+    def node_cpus():
+        read.append(True)
+        return ((0, (0, 1)), (1, (2, 3)))
+
+    monkeypatch.setattr(_bring_up, "node_cpus", node_cpus)
+    machine = facts(numa_node_cpus=(), cpus=(0, 1, 2, 3), ranks_per_host=1)
+    bound = _bring_up._share(types.SimpleNamespace(numa_node=1, prefault_threads=None), machine, None)
+    assert (bound.node, bound.cpus, bound.threads) == (1, (2, 3), 2) and read == [True]
+    unbound = _bring_up._share(types.SimpleNamespace(numa_node=None, prefault_threads=None), machine, None)
+    assert (unbound.node, unbound.cpus, unbound.threads) == (None, None, 4) and read == [True]
