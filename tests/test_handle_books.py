@@ -66,23 +66,9 @@ def test_what_counts_as_holding_something():
 def test_a_failed_bring_up_is_settled_as_failed_with_the_servers_budget(tmp_path):
     """Under a server's budget scope, a bring-up whose register call fails is undone and the
     server hears that its booking failed (not that it came up)."""
+    from test_host_setup import _Server  # the suite's one stand-in for a server's scope
 
-    class Scope:
-        name = "test-server"
-
-        def __init__(self) -> None:
-            self.settled = []
-
-        def io_backend(self):
-            return None
-
-        def book_host_memory(self, nbytes):
-            return 10**12
-
-        def host_memory_settled(self, nbytes, *, up):
-            self.settled.append((nbytes, up))
-
-    scope, runtime = Scope(), FakeRuntime(fail_register={1: 1})
+    scope, runtime = _Server(allowance=10**12), FakeRuntime(fail_register={1: 1})
     with pytest.raises(ApplyError):
         bring_up(_requests(), mode="blocking", host=_host(tmp_path, runtime, server=scope))
     assert scope.settled == [(8 * MiB, False)] and runtime.held() == set()
