@@ -301,3 +301,95 @@ def test_the_creator_probe_takes_no_lock_it_finds_free_and_names_a_holder(shm_di
         lock.close()
     assert creator_at_work(path, directory=tmp_path) is None
     CreatorsLock(path, timeout_s=0, directory=tmp_path).close()  # free after the probe: taken at once
+
+
+def _descriptors_of(path: str) -> int:
+    """How many of this process's open files are ``path``."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}") == path
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            pass
+    return count
+
+
+def test_the_creators_lock_is_a_0600_file_and_a_symlink_or_an_open_directory_is_refused(shm_dir, tmp_path):
+    """The lock file is made 0600; a symlink at its path is never followed, by the lock or the
+    probe (an ArenaError naming the lock; the link's target untouched); a lock directory open to
+    others is refused by both, naming it."""
+    CreatorsLock, creator_at_work = CREATORS.CreatorsLock, CREATORS.creator_at_work
+    path = str(shm_dir / "kv")
+    lock = CreatorsLock(path, timeout_s=0, directory=tmp_path)
+    try:
+        assert os.stat(lock.path).st_mode & 0o777 == 0o600
+    finally:
+        lock.close()
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched")
+    linked = str(shm_dir / "linked")
+    os.symlink(target, CREATORS._lock_path(linked, tmp_path))
+    with pytest.raises(ArenaError, match=r"linked: cannot open its creators' lock .*arena-"):
+        CreatorsLock(linked, timeout_s=0, directory=tmp_path)
+    with pytest.raises(ArenaError, match=r"linked: cannot open its creators' lock"):
+        creator_at_work(linked, directory=tmp_path)
+    assert target.read_text() == "untouched"
+    exposed = tmp_path / "exposed"
+    exposed.mkdir()
+    exposed.chmod(0o755)
+    for call in (lambda: CreatorsLock(path, timeout_s=0, directory=exposed),
+                 lambda: creator_at_work(path, directory=exposed)):
+        with pytest.raises(ArenaError, match=rf"kv: no private directory for the creators' lock .*{exposed}"):
+            call()
+
+
+def test_a_waiter_gives_up_only_past_its_deadline_and_neither_it_nor_a_probe_keeps_a_descriptor(shm_dir, tmp_path):
+    """The deadline is inclusive (an injected clock: still trying when it reads exactly the
+    deadline, gone the tick after); a waiter that gives up and a probe that finds the lock held
+    each close their own open file of the lock, leaving only the holder's."""
+    CreatorsLock, creator_at_work = CREATORS.CreatorsLock, CREATORS.creator_at_work
+    path = str(shm_dir / "kv")
+    held = CreatorsLock(path, timeout_s=0, directory=tmp_path)
+    try:
+        assert _descriptors_of(held.path) == 1
+        ticks, slept = iter([0.0, 5.0, 6.0]), []
+        with pytest.raises(ArenaBeingCreatedError):
+            CreatorsLock(path, timeout_s=5, directory=tmp_path, clock=lambda: next(ticks), sleep=slept.append)
+        assert slept == [0.01]  # one more try at the deadline itself, none past it
+        assert _descriptors_of(held.path) == 1
+        assert creator_at_work(path, directory=tmp_path) == str(os.getpid())
+        assert _descriptors_of(held.path) == 1
+    finally:
+        held.close()
+    assert _descriptors_of(held.path) == 0
+
+
+def test_a_new_holder_names_only_itself_after_a_holder_with_a_longer_pid(shm_dir, tmp_path):
+    """The holder's pid replaces what the lock file held: after a holder whose pid had more
+    digits (the highest Linux gives, 4194304), a probe names exactly this one, no tail of the
+    last."""
+    CreatorsLock, creator_at_work = CREATORS.CreatorsLock, CREATORS.creator_at_work
+    path = str(shm_dir / "kv")
+    lock_path = CREATORS._lock_path(path, tmp_path)
+    with open(lock_path, "w") as earlier:
+        earlier.write("4194304\n")
+    os.chmod(lock_path, 0o600)
+    lock = CreatorsLock(path, timeout_s=0, directory=tmp_path)
+    try:
+        assert creator_at_work(path, directory=tmp_path) == str(os.getpid())
+        with open(lock_path) as file:
+            assert file.read() == f"{os.getpid()}\n"
+    finally:
+        lock.close()
+
+
+def test_the_creators_lock_of_a_path_has_one_name_across_versions(tmp_path, monkeypatch):
+    """Every hicache on a node must take the same lock for one arena path (else two versions'
+    creators would not exclude each other): its file is named from the first 24 hex digits of
+    the SHA-256 of the absolute path, so a relative path and its absolute one share it."""
+    import hashlib
+
+    expected = f"arena-{hashlib.sha256(b'/dev/shm/hicache-kv').hexdigest()[:24]}.lock"
+    assert CREATORS._lock_path("/dev/shm/hicache-kv", tmp_path) == str(tmp_path / expected)
+    monkeypatch.chdir("/dev/shm")
+    assert CREATORS._lock_path("hicache-kv", tmp_path) == str(tmp_path / expected)
