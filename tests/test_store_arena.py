@@ -43,6 +43,17 @@ MOUNTINFO = """\
 36 22 0:32 / /mnt/ends\\040 rw - tmpfs tmpfs rw
 a line cut short - ext4
 37 22 0:33 / /mnt/cut rw no-dash-here tmpfs
+38 22 0:34 / /mnt/hugek rw - hugetlbfs none rw,pagesize=2048k
+39 22 0:35 / /mnt/hugeg rw - hugetlbfs none rw,pagesize=1G
+40 22 0:36 / /mnt/a\\134b rw - tmpfs tmpfs rw
+41 22 0:37 / /mnt/end\\04 rw - tmpfs tmpfs rw
+42 22 0:38 / /mnt/b\\a12 rw - tmpfs tmpfs rw
+43 22 0:39 / /mnt/c\\04x rw - tmpfs tmpfs rw
+44 22 0:40 / /mnt/bare rw - tmpfs
+45 22 0:41 / /mnt/nosuper rw - tmpfs tmpfs
+46 22 0:42 / /mnt/dashlast rw -
+47 - 0:43 / /mnt/dashfirst rw tmpfs tmpfs rw
+48 22 0:44 / - tmpfs tmpfs rw
 """
 
 
@@ -56,6 +67,16 @@ a line cut short - ext4
     ("/mnt/hugebytes/x", "hugetlbfs", 2 * 2**20, "/mnt/hugebytes"),  # pagesize= in bytes, no suffix
     ("/mnt/ends /f", "tmpfs", None, "/mnt/ends "),  # an escape that ends the field
     ("/mnt/cut", "ext4", None, "/"),  # lines that are not mounts are skipped
+    ("/mnt/hugek/x", "hugetlbfs", 2 * 2**20, "/mnt/hugek"),  # pagesize= in KiB
+    ("/mnt/hugeg/x", "hugetlbfs", 2**30, "/mnt/hugeg"),  # and in GiB
+    ("/mnt/a\\b/x", "tmpfs", None, "/mnt/a\\b"),  # \134 is a backslash
+    ("/mnt/end\\04", "tmpfs", None, "/mnt/end\\04"),  # an escape cut short by the field's end stays as written
+    ("/mnt/b\\a12", "tmpfs", None, "/mnt/b\\a12"),  # a backslash without three octal digits too
+    ("/mnt/c\\04x", "tmpfs", None, "/mnt/c\\04x"),
+    ("/mnt/bare/x", "tmpfs", None, "/mnt/bare"),  # a type with no source or options after it: still a mount
+    ("/mnt/nosuper/x", "tmpfs", None, "/mnt/nosuper"),
+    ("/mnt/dashlast", "ext4", None, "/"),  # nothing after the separator: no type, not a mount
+    ("/mnt/dashfirst", "ext4", None, "/"),  # the separator before any mount point: not a mount
 ])
 def test_the_mount_of_a_directory_is_the_longest_point_holding_it(directory, fstype, pagesize, point):
     """Longest mount point wins (``/mnt/hugetlb`` is not under ``/mnt/huge``), escapes are
@@ -63,6 +84,14 @@ def test_the_mount_of_a_directory_is_the_longest_point_holding_it(directory, fst
     lines that are not mounts are skipped."""
     mount = arena.mount_of(directory, arena.parse_mountinfo(MOUNTINFO))
     assert (mount.fstype, mount.pagesize_bytes, mount.point) == (fstype, pagesize, point)
+
+
+def test_a_mount_without_super_options_has_none():
+    """A mount line ending at its type (or its source) has no options: () rather than an error;
+    one with nothing after the separator, or with it where the mount point belongs, is none."""
+    found = {m.point: m.options for m in arena.parse_mountinfo(MOUNTINFO)}
+    assert found["/mnt/bare"] == () and found["/mnt/nosuper"] == ()
+    assert "/mnt/dashlast" not in found and "/mnt/dashfirst" not in found and "-" not in found
 
 
 def test_a_mount_stacked_on_another_wins():
@@ -120,6 +149,25 @@ def test_a_mount_point_given_as_the_arena_path_is_refused_as_a_directory(shm_dir
     with pytest.raises(ArenaError, match=rf"store arena {shm_dir}: is a directory, not an arena file"):
         open_store(str(shm_dir), size_bytes=8 << 20, slot_bytes=8192)
     assert _listing(shm_dir) == []
+
+
+def test_a_hugetlbfs_mount_without_pagesize_has_the_default_hugepage_everywhere(shm_dir, tmp_path):
+    """A hugetlbfs mount that names no pagesize= (older kernels): its page is the default 2 MiB
+    both for the plan (`unit_bytes`) and for the room (free hugepages of that size), never 4 KiB
+    for one and 2 MiB for the other."""
+    root = fake_root(tmp_path, shm_dir, "hugetlbfs", "rw", free_hugepages=3)
+    backing = arena.backing_of(str(shm_dir / "kv"), root=root)
+    assert (backing.kind, backing.unit_bytes, backing.free_bytes) == ("hugetlbfs", 2 * 2**20, 3 * 2 * 2**20)
+
+
+def test_a_path_through_a_file_or_an_unreadable_mountinfo_is_refused_naming_why(shm_dir, tmp_path):
+    """A path whose directory part is a regular file ("Not a directory"), and a machine whose
+    /proc/self/mountinfo cannot be read: each an ArenaError naming the path and the reason."""
+    (shm_dir / "file").write_text("")
+    with pytest.raises(ArenaError, match=r"file/kv: cannot be read \(Not a directory\)"):
+        arena.backing_of(str(shm_dir / "file" / "kv"))
+    with pytest.raises(ArenaError, match=r"kv: cannot read /proc/self/mountinfo \(No such file or directory\)"):
+        arena.backing_of(str(shm_dir / "kv"), root=str(tmp_path / "no-proc"))
 
 
 def test_a_missing_directory_is_refused(shm_dir):

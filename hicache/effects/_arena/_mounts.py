@@ -18,6 +18,7 @@ import attrs
 from hicache.errors import ArenaError
 
 MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
+DEFAULT_HUGEPAGE_BYTES = 2 * 2**20  # a hugetlbfs mount without pagesize= has the default size (x86-64's)
 _SIZES = {"k": 2**10, "m": 2**20, "g": 2**30}
 
 
@@ -60,9 +61,11 @@ def parse_mountinfo(text: str) -> list[Mount]:
     mounts = []
     for line in text.splitlines():
         fields = line.split()
-        if "-" not in fields or len(fields) < 7:
+        if "-" not in fields:
             continue
         dash = fields.index("-")
+        if dash < 5 or dash + 1 >= len(fields):  # no mount point before it, or no type after it
+            continue
         point = _unescape(fields[4])
         fstype = fields[dash + 1]
         options = tuple(fields[dash + 3].split(",")) if len(fields) > dash + 3 else ()
@@ -100,7 +103,11 @@ class Backing:
 
     @property
     def unit_bytes(self) -> int:
-        return self.mount.pagesize_bytes or 4096
+        """The backing's page: hugetlbfs' ``pagesize=`` (the kernel's default hugepage size,
+        2 MiB on x86-64, where a mount names none), else 4 KiB."""
+        if self.mount.pagesize_bytes:
+            return self.mount.pagesize_bytes
+        return DEFAULT_HUGEPAGE_BYTES if self.kind == "hugetlbfs" else 4096
 
 
 def mounts(*, root: str = "/") -> list[Mount]:
@@ -150,12 +157,13 @@ def backing_of(path: str, *, root: str = "/") -> Backing:
         )
     stats = os.statvfs(directory)
     free = stats.f_bavail * stats.f_frsize
+    backing = Backing(directory, mount, free)
     if mount.fstype == "hugetlbfs":
         from hicache.effects._host._memory import free_hugepages
 
-        unit = mount.pagesize_bytes or 2 * 2**20
+        unit = backing.unit_bytes
         _, free_pages = free_hugepages(unit, root=root)
         pool_free = free_pages * unit
         # a hugetlbfs mount without size= reports no blocks: the pool's free pages are the room
-        free = min(free, pool_free) if stats.f_blocks else pool_free
-    return Backing(directory, mount, free)
+        backing = Backing(directory, mount, min(free, pool_free) if stats.f_blocks else pool_free)
+    return backing
