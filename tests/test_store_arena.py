@@ -587,3 +587,88 @@ def test_a_create_on_hugetlbfs_replaces_a_dead_creators_unmarked_page_and_serves
     again = arena.attach_arena(path, backing=hugetlbfs)
     assert (again.plan, again.label) == (plan, "h")
     again.close()
+
+
+# -- the creation's pre-fault ----------------------------------------------------------------------
+
+PIECE = 1 << 20  # the pre-fault's piece, made small here so an arena of a few MiB has several
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """The arena room's pre-fault in 1 MiB pieces (its 64 MiB would make an 8 MiB arena one piece)."""
+    monkeypatch.setattr("hicache.effects._arena._arena.PREFAULT_PIECE_BYTES", PIECE)
+
+
+def _madvise_calls(monkeypatch, *, refuse=None):
+    """Record each pre-fault madvise (thread name, offset, length) - or, with ``refuse`` (an
+    errno), refuse each as a kernel without MADV_POPULATE_WRITE does."""
+    import ctypes
+    import threading
+
+    real = sys.modules["hicache.effects._host._memory"]._madvise()
+    calls = []
+
+    def madvise(addr, length, advice):
+        calls.append((threading.current_thread().name, addr, length))
+        if refuse is not None:
+            ctypes.set_errno(refuse)
+            return -1
+        return real(addr, length, advice)
+
+    monkeypatch.setattr("hicache.effects._host._memory._madvise", lambda: madvise)
+    return calls
+
+
+def test_a_creation_pre_faults_every_piece_on_its_workers_and_reports_the_whole(shm_dir, small_pieces, monkeypatch):
+    """An arena of 8.5 pieces, four workers: every byte is resident when create returns (its
+    mapping's Rss), each piece faulted once on a pre-fault thread - the last one short, inside
+    the file - progress ends at (total, total), and no worker thread outlives the call."""
+    import threading
+
+    calls = _madvise_calls(monkeypatch)
+    seen = []
+    total = 8 * PIECE + PIECE // 2
+    made = arena.create_arena(str(shm_dir / "kv"), _plan(total=total), label="t", threads=4,
+                              progress=lambda done, whole: seen.append((done, whole)))
+    try:
+        assert made.plan.total_bytes == total and made.resident_bytes() == total
+        assert sorted((addr - made.base, length) for _, addr, length in calls) == \
+            [(i * PIECE, PIECE) for i in range(8)] + [(8 * PIECE, PIECE // 2)]
+        assert all(name.startswith("hicache-arena") for name, _, _ in calls)
+        assert len(seen) == 9 and seen[-1] == (total, total)
+        assert not [t for t in threading.enumerate() if t.name.startswith("hicache-arena")]
+    finally:
+        made.close()
+
+
+def test_one_piece_is_faulted_on_the_callers_thread(shm_dir, small_pieces, monkeypatch):
+    """A one-piece arena (or one worker) faults on the caller's own thread: no pool is started."""
+    import threading
+
+    calls = _madvise_calls(monkeypatch)
+    made = arena.create_arena(str(shm_dir / "kv"), _plan(total=PIECE), label="t", threads=4)
+    try:
+        assert [name for name, _, _ in calls] == [threading.current_thread().name]
+        assert made.resident_bytes() == PIECE
+    finally:
+        made.close()
+
+
+def test_on_a_kernel_without_populate_write_every_page_is_touched_instead(shm_dir, small_pieces, monkeypatch):
+    """madvise refusing MADV_POPULATE_WRITE (EINVAL: a kernel before 5.14): each piece's pages
+    are written one by one - the arena is as resident as with the call, and reads as zeros."""
+    import errno
+
+    _madvise_calls(monkeypatch, refuse=errno.EINVAL)
+    total = 2 * PIECE + PIECE // 2
+    made = arena.create_arena(str(shm_dir / "kv"), _plan(total=total), label="t", threads=2)
+    try:
+        assert made.resident_bytes() == total
+    finally:
+        made.close()
+    again = arena.attach_arena(str(shm_dir / "kv"))
+    try:
+        assert again.counters() == dict.fromkeys(again.counters(), 0)
+    finally:
+        again.close()
