@@ -190,3 +190,34 @@ def test_a_namespace_already_in_a_later_entry_is_held_there_and_the_free_one_lef
     finally:
         a.close()
         b.close()
+
+
+def test_a_freed_entry_is_all_zeros_and_an_entry_takes_no_more_than_it_holds(shm_dir, ops):
+    """Freeing an entry zeroes all 256 bytes - its digest and its description, so no earlier
+    engine's model name stays behind in the table - and the table's writer refuses a digest that
+    is not 16 bytes or a description over 240 (a ValueError, nothing written)."""
+    import ctypes
+
+    store, src = _open(shm_dir, ops), Pages(1)
+    kept = _namespace(1)
+    namespace = Namespace(model="m" * 300, dtype="torch.bfloat16", page_tokens=16, layout="page_first/segments",
+                          pool="kv", page_bytes=src.data.shape[1])  # a description filling its entry
+    try:
+        assert store.put(kept, ["k"], src.segments()) == [True]
+        assert store.put(namespace, ["k"], src.segments()) == [True]
+        entry = store.index.entry_of(namespace.digest)
+        address = store.arena.base + store.arena.plan.namespace_offset + entry * NAMESPACE_BYTES
+        assert ctypes.string_at(address + NAMESPACE_BYTES - 4, 4) == b"mmmm"
+        assert store.clear([namespace]) == 1
+        assert ctypes.string_at(address, NAMESPACE_BYTES) == bytes(NAMESPACE_BYTES)
+        assert list(store.index.namespaces().values()) == [kept.description]  # its neighbour whole
+        records = store.index.records
+        for digest, body in ((bytes(15), b"x"), (bytes(17), b"x"), (b"d" * 16, b"x" * 241)):
+            with pytest.raises(ValueError, match="16-byte digest and at most 240 bytes"):
+                records.write_namespace(entry, digest, body)
+        assert ctypes.string_at(address, NAMESPACE_BYTES) == bytes(NAMESPACE_BYTES)
+        records.write_namespace(entry, b"d" * 16, b"x" * 240)  # exactly full: taken
+        assert ctypes.string_at(address, NAMESPACE_BYTES) == b"d" * 16 + b"x" * 240
+        records.erase_namespace(entry)
+    finally:
+        store.close()
