@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hicache.effects._hostwide._claim import AdmissionPolicy, Claim as HostClaim, Refused, claim
+from hicache.effects._hostwide._claim import AdmissionPolicy, Claim as HostClaim, Refused, claim, fixed_room
 from hicache.effects._hostwide._lock import BudgetLock, Entry as Claim
 
 
@@ -243,3 +243,184 @@ def attrs_evolve(value, **changes):
     import attrs
 
     return attrs.evolve(value, **changes)
+
+
+class _Recording:
+    """A stand-in for the budget lock's file as a claim's faulting threads see it: records each
+    resident update (always free)."""
+
+    def __init__(self) -> None:
+        self.updates = []
+
+    def reopen(self):
+        return self
+
+    def try_add_resident(self, nbytes: int) -> bool:
+        self.updates.append(nbytes)
+        return True
+
+
+@pytest.mark.parametrize("nbytes, updates", [
+    (2 * 2**30, [2**27] * 16),  # a sixteenth of the claim: at most 16 rewrites of the file
+    (260 * 2**20, [64 * 2**20] * 4 + [4 * 2**20]),  # never under 64 MiB, then the end
+])
+def test_the_default_step_is_a_sixteenth_of_the_claim_and_never_under_64_mib(nbytes, updates):
+    """Filled a MiB at a time with no step given: the resident count is rewritten each time a
+    sixteenth of the claim (at least 64 MiB) has filled since the last update, and at the last
+    byte - each update exactly the bytes faulted since."""
+    file = _Recording()
+    fill = HostClaim(file, nbytes, AdmissionPolicy())
+    for done in range(2**20, nbytes + 1, 2**20):
+        fill.filled(done)
+    assert file.updates == updates and fill.written == nbytes and fill.pending == 0
+
+
+def test_a_claims_pending_bytes_are_what_the_file_does_not_count_yet_and_the_last_byte_counts(lock):
+    """``pending`` is the claim less what was counted resident; the fill's last event counts the
+    rest at once, even less than a step after the previous update (settle has nothing left)."""
+    fill = _claimed(lock, 1000, 100)
+    fill.filled(350)
+    assert (fill.written, fill.pending) == (350, 650)
+    fill.filled(960)
+    fill.filled(1000)  # 40 bytes since the last update: less than a step, but the end
+    assert (fill.written, fill.pending) == (1000, 0) and _peer_view(lock) == Claim(1000, 1000)
+    assert repr(fill) == "<Claim 1000 bytes, 1000 resident, filling>"
+    fill.settle()
+    assert repr(fill) == "<Claim 1000 bytes, 1000 resident, settled>" and fill.settled
+
+
+def test_an_admission_policy_takes_keywords_only_and_reserves_nothing_by_default(lock):
+    """AdmissionPolicy is keyword-only (a positional room would be read as another field); by
+    default it keeps no reserve: a request of exactly the measured room is admitted, a byte more
+    is not."""
+    from hicache.errors import CapacityError
+
+    with pytest.raises(TypeError):
+        AdmissionPolicy(10**9)
+    exact = claim(10 * GB, AdmissionPolicy(ranks_per_host=1), lock=lock, sample=lambda: _facts(available_bytes=10 * GB))
+    exact.abandon()
+    with pytest.raises(CapacityError, match=r"10.0 GB available - 0.0 GB reserve"):
+        claim(10 * GB + 1, AdmissionPolicy(ranks_per_host=1), lock=lock,
+              sample=lambda: _facts(available_bytes=10 * GB))
+
+
+def test_a_room_never_goes_below_zero_and_more_peers_than_ranks_share_the_last_ranks_room(lock, monkeypatch):
+    """Peers claiming more than the stated host memory leave it no room (0, not negative: nothing
+    admitted, not even a byte); claims still filling beyond the measured available memory leave
+    none either; and measured with more peers than stated ranks, a request is judged as the last
+    rank's - all of what is left - rather than failing the arithmetic."""
+    from hicache.errors import CapacityError
+
+    assert fixed_room(10, {1: 20}, ranks=4) == 0 and fixed_room(30, {1: 20}, ranks=4) == 10
+    filling = _claimed(lock, 12 * GB, GB)  # 12 GB claimed, none of it resident: pending
+    with pytest.raises(CapacityError, match=r"requested 0.0 GB per rank; 0.0 GB available"):
+        _admit(lock, 1, available_bytes=10 * GB)
+    filling.abandon()
+    peers = {os.getpid() + i: Claim(GB, GB) for i in (1, 2, 3)}
+    monkeypatch.setattr(lock, "claims", lambda: peers)  # three live peers, each with its pool resident
+    admitted = claim(4 * GB, AdmissionPolicy(ranks_per_host=2), lock=lock, sample=lambda: _facts(available_bytes=4 * GB))
+    assert admitted.nbytes == 4 * GB
+
+
+def test_a_refusal_by_the_servers_arithmetic_says_why_and_a_byte_is_a_request(lock):
+    """Refused carries its message (the requester, the bytes, the allowance); a 1-byte request
+    within the allowance is admitted and recorded; a 0-byte one is answered as a claim of
+    nothing - 0 bytes, already given back, nothing recorded."""
+    with pytest.raises(Refused, match=r"host memory budget refused: pool C requests .* the server's arithmetic allows"):
+        claim(10, AdmissionPolicy(allowance=lambda nbytes, pending: 5), lock=lock, owner="pool C")
+    one = claim(1, AdmissionPolicy(allowance=lambda nbytes, pending: 5), lock=lock)
+    assert _peer_view(lock) == Claim(1, 0)
+    one.abandon()
+    nothing = claim(0, AdmissionPolicy(allowance=lambda nbytes, pending: 5), lock=lock)
+    assert (nothing.nbytes, nothing.pending, nothing.closed) == (0, 0, True) and _peer_view(lock) == Claim(0, 0)
+
+
+def test_the_holder_gets_the_claim_before_it_is_recorded_and_a_scope_admits_its_exact_room(lock):
+    """``hold`` is called with the very claim returned, while the file does not list it yet (a
+    Ctrl-C between the two leaves it with its holder); a scope's booking is held the same way,
+    and a request of exactly the scope's room is admitted."""
+    held = []
+
+    def hold(admitted):  # under the lock, as the admission holds it: read through that same open file
+        held.append((admitted, (lock.claims().get(os.getpid(), Claim(0, 0)) if lock.held else None)))
+
+    admitted = claim(1000, AdmissionPolicy(host_memory_bytes=10**15, ranks_per_host=1), lock=lock, sample=_facts,
+                     hold=hold)
+    assert held == [(admitted, Claim(0, 0))] and _peer_view(lock) == Claim(1000, 0)
+    admitted.abandon()
+    scope = _Scope(4000)
+    booked = claim(4000, AdmissionPolicy(scope=scope), lock=lock, hold=hold)
+    assert held[-1][0] is booked and booked.nbytes == 4000
+    booked.up()
+    booked.release()
+    assert scope.settled == [(4000, True)]  # up settled it; the release said nothing more
+
+
+def _timers_of(fill) -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if isinstance(t, threading.Timer) and t.function == fill._expire]
+
+
+@pytest.mark.concurrency
+def test_an_expiry_timer_is_a_daemon_only_where_asked_and_ends_with_its_claim(lock, caplog):
+    """No timer without ``expire_s``; with one, a daemon timer (it must not hold the interpreter
+    at exit) that settle, release and join each end at once (joined here: a hang guard only);
+    an expiry landing after settle keeps the claim; an expiry of an unsettled claim warns and
+    gives it back."""
+    import logging
+
+    policy = AdmissionPolicy(host_memory_bytes=10**15, ranks_per_host=1, expire_s=3600)
+    plain = claim(10, attrs_evolve(policy, expire_s=None), lock=lock, sample=_facts)
+    assert _timers_of(plain) == []
+    plain.abandon()
+    for end in ("settle", "release", "join"):
+        fill = claim(10, policy, lock=lock, sample=_facts)
+        (timer,) = _timers_of(fill)
+        assert timer.daemon
+        if end == "join":
+            host = claim(10, attrs_evolve(policy, expire_s=None), lock=lock, sample=_facts)
+            assert host.join(fill) is True
+            host.abandon()
+        else:
+            getattr(fill, end)()
+        timer.join(60)  # a hang guard: a cancelled timer ends at once
+        assert not timer.is_alive(), end
+        fill.abandon()
+    settled = claim(10, policy, lock=lock, sample=_facts)
+    settled.settle()
+    settled._expire()  # a timer that fired as settle began: too late to drop it
+    assert not settled.closed and _peer_view(lock) == Claim(10, 10)
+    settled.release()
+    late = claim(10, policy, lock=lock, sample=_facts)
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        late._expire()
+    assert late.closed and "did not come up within 3600 s; dropping its claim" in caplog.text
+    assert _peer_view(lock) == Claim(0, 0)
+
+
+def test_only_a_fresh_unscoped_claim_may_be_joined_and_release_waits_by_default(lock):
+    """join refuses (ValueError naming both, nothing changed) a claim already counting resident
+    bytes, one given back, or a scope's booking on either side; a claim given back itself
+    answers False. release and abandon wait for the lock unless told not to (a finalizer's)."""
+    import inspect
+
+    policy = AdmissionPolicy(host_memory_bytes=10**15, ranks_per_host=1)
+    host = _claimed(lock, 1000, 100)
+    filling = _claimed(lock, 500, 100)
+    filling.filled(200)
+    gone = _claimed(lock, 300, 100)
+    gone.abandon()
+    scoped = claim(400, AdmissionPolicy(scope=_Scope(10_000)), lock=lock)
+    for other in (filling, gone, scoped):
+        with pytest.raises(ValueError, match="cannot join <Claim"):
+            host.join(other)
+        assert host.nbytes == 1000
+    with pytest.raises(ValueError, match="cannot join"):
+        scoped.join(claim(10, policy, lock=lock, sample=_facts))
+    host.abandon()
+    assert host.join(claim(10, policy, lock=lock, sample=_facts)) is False
+    for method in (HostClaim.release, HostClaim.abandon):
+        assert inspect.signature(method).parameters["wait"].default is True
+    filling.abandon()
+    scoped.abandon()
