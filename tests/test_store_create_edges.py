@@ -135,9 +135,13 @@ def test_a_creations_seconds_are_its_own(shm_dir):
         made.close()
 
 
-def test_drop_leaves_another_users_arena_alone(shm_dir, monkeypatch):
+def test_drop_leaves_another_users_arena_alone_and_no_descriptor_behind(shm_dir, monkeypatch):
     """An arena owned by another uid (this process seen as uid+1): drop refuses it naming both
-    uids and removes nothing."""
+    uids and removes nothing. A drop of one's own keeps no descriptor of the unlinked file (its
+    pages would stay held)."""
+    own = str(shm_dir / "own")
+    arena.create_arena(own, _plan(), label="t").close()
+    assert arena.drop_arena(own) and not os.path.lexists(own) and _descriptors_of(own) == 0
     path = str(shm_dir / "kv")
     arena.create_arena(path, _plan(), label="t").close()
     owner = os.stat(path).st_uid
