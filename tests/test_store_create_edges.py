@@ -12,6 +12,7 @@ import time
 
 import pytest
 from store_support import ARENA_BYTES, shm_dir  # noqa: F401 - shm_dir: a fixture
+from test_store_creators import _descriptors_of
 
 from hicache.effects import arena
 from hicache.errors import ArenaError, HostOutOfMemoryError
@@ -22,17 +23,6 @@ ARENA_ROOM = "hicache.effects._arena._arena"
 
 def _plan(total: int = ARENA_BYTES):
     return plan_store(total, slot_bytes=8192)
-
-
-def _descriptors_of(path: str) -> int:
-    """How many of this process's open files are ``path``, unlinked since or not."""
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{name}") in (path, f"{path} (deleted)")
-        except OSError:  # closed meanwhile (the listing's own descriptor among them)
-            pass
-    return count
 
 
 def test_an_arena_exactly_as_large_as_the_free_room_fits(shm_dir):

@@ -304,11 +304,11 @@ def test_the_creator_probe_takes_no_lock_it_finds_free_and_names_a_holder(shm_di
 
 
 def _descriptors_of(path: str) -> int:
-    """How many of this process's open files are ``path``."""
+    """How many of this process's open files are ``path``, unlinked since or not."""
     count = 0
     for name in os.listdir("/proc/self/fd"):
         try:
-            count += os.readlink(f"/proc/self/fd/{name}") == path
+            count += os.readlink(f"/proc/self/fd/{name}") in (path, f"{path} (deleted)")
         except OSError:  # closed meanwhile (the listing's own descriptor among them)
             pass
     return count
