@@ -11,20 +11,20 @@ import socket
 import time
 
 import pytest
-from store_support import ARENA_BYTES, shm_dir  # noqa: F401 - shm_dir: a fixture
+from store_support import shm_dir  # noqa: F401 - shm_dir: a fixture
+from test_store_arena import _plan
 from test_store_creators import _descriptors_of
 from test_store_index import NS, OPS, Pages, _open
 
 from hicache.effects import arena
 from hicache.errors import ArenaError, ArenaGeometryError
-from hicache.plan import plan_store
 from hicache.plan.store_format import COUNTERS, COUNTERS_OFFSET
 
 ARENA_ROOM = "hicache.effects._arena._arena"
 
 
 def _made(path: str) -> None:
-    arena.create_arena(path, plan_store(ARENA_BYTES, slot_bytes=8192), label="t").close()
+    arena.create_arena(path, _plan(), label="t").close()
 
 
 @pytest.fixture

@@ -11,18 +11,14 @@ import sys
 import time
 
 import pytest
-from store_support import ARENA_BYTES, shm_dir  # noqa: F401 - shm_dir: a fixture
+from store_support import shm_dir  # noqa: F401 - shm_dir: a fixture
+from test_store_arena import _plan
 from test_store_creators import _descriptors_of
 
 from hicache.effects import arena
 from hicache.errors import ArenaError, HostOutOfMemoryError
-from hicache.plan import plan_store
 
 ARENA_ROOM = "hicache.effects._arena._arena"
-
-
-def _plan(total: int = ARENA_BYTES):
-    return plan_store(total, slot_bytes=8192)
 
 
 def test_an_arena_exactly_as_large_as_the_free_room_fits(shm_dir):

@@ -16,9 +16,9 @@ from pathlib import Path
 import attrs
 
 from hicache.errors import ArenaError
+from hicache.plan.settings import DEFAULT_HUGEPAGE_BYTES  # a hugetlbfs mount without pagesize= has it
 
 MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
-DEFAULT_HUGEPAGE_BYTES = 2 * 2**20  # a hugetlbfs mount without pagesize= has the default size (x86-64's)
 _SIZES = {"k": 2**10, "m": 2**20, "g": 2**30}
 
 
