@@ -169,3 +169,125 @@ def test_the_creations_log_says_its_progress_every_five_seconds_and_at_the_end(c
                 said.append(done)
     assert said == [3, 5, 10]
     assert "pre-faulted" in caplog.records[-1].getMessage()
+
+
+def test_each_transfers_bandwidth_is_its_pages_bytes_over_its_time_in_binary_gb(sglang, shm_dir, pools):
+    """With storage metrics on, a transfer's bandwidth is the pages it moved times the page's
+    bytes over its time, over 2**30, as SGLang's Mooncake store computes it (``gb_per_page``);
+    its pages are the ones moved (a miss moves none). The stopwatch is a stand-in."""
+    store = _store(shm_dir / "arena", pools[0], metrics=True)
+    ticks = iter([10.0, 10.5, 20.0, 20.25])
+    store.stopwatch = lambda: next(ticks)
+    try:
+        page = store.pools["kv"].page_bytes
+        assert store.batch_set_v1(["a", "b"], torch.arange(0, 2 * PAGE)) == [True, True]
+        assert store.batch_get_v1(["a", "zz"], torch.arange(4 * PAGE, 6 * PAGE)) == [True, False]
+        stats = store.get_stats()
+        assert (stats.backup_pgs, stats.prefetch_pgs) == ([2], [1])
+        assert stats.backup_bandwidth == [pytest.approx(2 * page / 0.5 / 2**30)]
+        assert stats.prefetch_bandwidth == [pytest.approx(page / 0.25 / 2**30)]
+    finally:
+        store.close()
+
+
+def test_a_batch_records_each_pages_depth_in_its_chain_from_sglangs_prefix_keys(sglang, shm_dir, pools):
+    """SGLang's ``prefix_keys`` (the chain's keys before this batch) make the batch's first page
+    that deep, and each next one deeper - what eviction reads to drop chains' tails first; with
+    none, the batch starts at depth 0."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from hicache.plan._store import DEPTH
+    from hicache.store._keys import slot_keys
+
+    store = _store(shm_dir / "arena", pools[0])
+    try:
+        info = HiCacheStorageExtraInfo(prefix_keys=["p0", "p1", "p2"])
+        assert store.batch_set_v1(["a", "b"], torch.arange(0, 2 * PAGE), info) == [True, True]
+        assert store.batch_set_v1(["c"], torch.arange(0, PAGE), HiCacheStorageExtraInfo()) == [True]
+        namespace, index = store.pools["kv"].namespace, store.store.index
+        found, _ = index.find(slot_keys(namespace.digest, ["a", "b", "c"]))
+        assert [store.store.arena.records.record(slot)[DEPTH] for slot in found] == [3, 4, 0]
+    finally:
+        store.close()
+
+
+def test_an_arena_of_smaller_slots_is_refused_whether_or_not_a_size_is_given(sglang, shm_dir, pools):
+    """An arena made with slots smaller than this engine's pages: the attach is refused naming
+    both sizes, whether the engine only attaches (no ``size_gb``) or would have created it - and
+    the arena is left as it was."""
+    from hicache.errors import ArenaGeometryError
+    from hicache.store import open_store
+
+    path = shm_dir / "arena"
+    open_store(str(path), size_bytes=int(GB * 1e9), slot_bytes=1024).close()
+    before = path.read_bytes()[:4096]
+    for size_gb in (None, GB):
+        with pytest.raises(ArenaGeometryError, match="slots hold 1024 bytes, a page of this engine is"):
+            _store(path, pools[0], extra={"size_gb": size_gb})
+    assert path.read_bytes()[:4096] == before
+
+
+def test_a_pool_whose_pages_exactly_fill_the_slots_is_taken_after_the_attach(sglang, shm_dir, pools):
+    """A sidecar registered after the attach whose pages are exactly the slots' size fits (one
+    byte more would not): it stores and loads its pages."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    kv, swa, _ = pools
+    store = _store(shm_dir / "arena", kv)
+    try:
+        assert store.store.arena.plan.slot_bytes == store.pools["kv"].page_bytes
+        store.register_mem_host_pool_v2(swa, PoolName.SWA)
+        assert store.pools["swa"].page_bytes == store.store.arena.plan.slot_bytes
+        put = [PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, PAGE), keys=["s"])]
+        assert store.batch_set_v2(put) == {PoolName.SWA: [True]}
+    finally:
+        store.close()
+
+
+def test_zero_copy_is_off_unless_asked_and_sidecars_always_take_it(sglang, shm_dir, pools):
+    """Without ``interface_v1`` SGLang calls the legacy flat-page API, and the store's KV pages
+    go flat (docs/store.md); a sidecar pool has no legacy calls and moves its segments either way."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    store = _store(shm_dir / "arena", pools[0], sidecars=[(PoolName.SWA, pools[1])], extra={"interface_v1": None})
+    try:
+        assert not store.zero_copy and not store.pools["kv"].zero_copy and store.pools["swa"].zero_copy
+        assert store.batch_set([], []) is True  # HiCacheFile's answer for no keys
+    finally:
+        store.close()
+
+
+def test_clear_and_close_before_the_attach_and_clear_after_close_do_nothing(sglang, shm_dir):
+    """An engine torn down before its pools registered: ``get_stats`` counts nothing, ``clear``
+    and ``close`` (twice) neither raise nor make an arena; a ``clear`` after ``close`` is no
+    error either."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    store = StorageBackendFactory.create_backend("dynamic", _config(_extra(shm_dir / "arena")), None)
+    stats = store.get_stats()
+    assert {k: stats[k] for k in ("pages", "bytes", "hits", "misses", "torn", "corrupt", "evictions", "writes")} == \
+        dict.fromkeys(("pages", "bytes", "hits", "misses", "torn", "corrupt", "evictions", "writes"), 0)
+    store.clear()
+    store.close()
+    store.close()
+    store.clear()
+    assert os.listdir(shm_dir) == [] and store.store is None
+
+
+def test_a_bad_v2_transfer_is_logged_naming_the_call_and_fails_only_its_own_pages(sglang, shm_dir, pools, caplog):
+    """A v2 transfer whose host indices do not cover its keys: an error in SGLang's log naming
+    the call (as HiCacheFile logs its failures), all False for its pages, and the next transfer
+    of the same call still served."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    kv, swa, _ = pools
+    store = _store(shm_dir / "arena", kv, sidecars=[(PoolName.SWA, swa)])
+    try:
+        transfers = [PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, PAGE), keys=["a", "b"]),
+                     PoolTransfer(name=PoolName.KV, host_indices=torch.arange(0, PAGE), keys=["k"])]
+        with caplog.at_level(logging.ERROR, logger="hicache.compat.sglang_store"):
+            assert store.batch_set_v2(transfers) == {PoolName.SWA: [False, False], PoolName.KV: [True]}
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(said) == 1 and said[0].startswith("HiCacheNodeStore batch_set_v2: ")
+    finally:
+        store.close()

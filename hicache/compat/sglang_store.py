@@ -100,6 +100,7 @@ class HiCacheNodeStore(HiCacheStorage):
         self._closed = False
         self.attach_s = None
         self.clock = time.monotonic  # the census's age, the full-table log's pace (tests put a stand-in here)
+        self.stopwatch = time.perf_counter  # each transfer's time, for SGLang's bandwidth metric (tests put a stand-in here)
         self.census_refresh = None  # the census get_stats and the metrics read (LatestCensus), once attached
         self._full_said = None  # when a full namespace table was last logged
         self._full_batches = 0  # batches it refused since
@@ -156,15 +157,7 @@ class HiCacheNodeStore(HiCacheStorage):
         label = self.extra.get("label") or fitted_label(self.storage_config.model_name or "")
         self.store = open_store(self.path, size_bytes=None if size_gb is None else int(size_gb * GB),
                                 slot_bytes=slot_bytes, label=label, threads=self.extra.get("prefault_threads"),
-                                progress=_LoggedProgress())
-        try:
-            if self.store.arena.plan.slot_bytes < largest:
-                raise ArenaError(f"HiCacheNodeStore: arena {self.path} has {self.store.arena.plan.slot_bytes}-byte "
-                                 f"slots, this engine's largest page is {largest} bytes")
-        except BaseException:
-            self.store.close()
-            self.store = None
-            raise
+                                progress=_LoggedProgress())  # an arena of smaller slots: refused in there
         self.attach_s = time.perf_counter() - began
         from hicache import metrics
 
@@ -248,7 +241,7 @@ class HiCacheNodeStore(HiCacheStorage):
         if not keys:
             return []
         starts = view.starts(host_indices, len(keys))
-        began = time.perf_counter()
+        began = self.stopwatch()
         if view.zero_copy:  # the caller's indices, checked by starts(): no rebuilt index tensor
             pages = view.segments(starts, host_indices.reshape(-1))
             ok = (self._put(view, keys, pages, depth) if write else self.store.get(view.namespace, keys, pages))
@@ -261,7 +254,7 @@ class HiCacheNodeStore(HiCacheStorage):
                 ok = [hit and view.set_flat_page(start, tensor) for start, hit, (_, tensor)
                       in zip(starts, self.store.get(view.namespace, keys, [seg for seg, _ in flats]), flats)]
         if self._metrics:
-            seconds = max(time.perf_counter() - began, 1e-9)
+            seconds = max(self.stopwatch() - began, 1e-9)
             moved = sum(ok)
             kind = "backup" if write else "prefetch"
             self._pending[f"{kind}_pgs"].append(moved)
