@@ -17,7 +17,7 @@ IN_PROCESS_SGLANG = frozenset({
     "test_plan_matches_sglang.py", "test_pool_geometry.py", "test_sglang_conformance.py",
     "test_sglang_controller.py", "test_sglang_plugin.py", "test_sglang_plugin_pools.py",
     "test_sglang_progressive.py", "test_sglang_radix.py", "test_sglang_radix_storage.py", "test_sglang_storage.py",
-    "test_store_sglang.py",
+    "test_store_sglang.py", "test_store_sglang_edges.py",
 })
 
 #: The one work unit those files' tests form.
