@@ -152,9 +152,9 @@ def test_a_bad_arena_path_is_refused_when_sglang_builds_the_store(sglang, shm_di
     assert os.listdir(shm_dir) == ([] if where == "missing" else ["arena"])
 
 
-def test_the_creations_log_says_its_progress_every_five_seconds_and_at_the_end(caplog):
+def test_the_creations_log_says_its_progress_every_five_seconds_and_at_the_end(sglang, caplog):
     """The pre-fault's progress: a line once 5 s have passed since the last, none between, and
-    one at the end whatever the time (the clock is a stand-in)."""
+    one at the end whatever the time (the clock is a stand-in). The module imports SGLang."""
     from hicache.compat.sglang_store import _LoggedProgress
 
     now = [100.0]
