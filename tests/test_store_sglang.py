@@ -406,7 +406,7 @@ def test_a_full_namespace_table_is_logged_once_a_minute_not_once_a_batch(sglang,
 
     store = _store(shm_dir / "arena", pools[0])
     clock = [0.0]
-    monkeypatch.setattr(store, "clock", lambda: clock[0])
+    monkeypatch.setattr(store, "clock", lambda: 5000.0 + clock[0])  # a monotonic clock is never near 0
 
     def full(*args, **kwargs):
         raise NamespaceTableFullError("all 256 namespace entries hold pages")

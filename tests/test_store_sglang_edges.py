@@ -291,3 +291,44 @@ def test_a_bad_v2_transfer_is_logged_naming_the_call_and_fails_only_its_own_page
         assert len(said) == 1 and said[0].startswith("HiCacheNodeStore batch_set_v2: ")
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("swa_held, mamba_held, trailing, policy", [
+    ({0, 2, 3, 5}, {0, 1, 2, 4}, 1, "ALL_PAGES"),
+    ({1, 2, 4, 5}, {0, 1, 2, 3, 4, 5}, 2, "TRAILING_PAGES"),
+    ({0}, {1, 2}, 1, "ALL_PAGES"),
+    ({5}, {0}, 3, "TRAILING_PAGES"),
+])
+def test_batch_exists_v2_answers_as_hicache_file_at_the_edges(sglang, shm_dir, pools, swa_held, mamba_held,
+                                                              trailing, policy):
+    """Chosen holes (only the first page, only the last, gaps one page apart) under a trailing
+    window of 1-3 pages and either policy for the second pool: the same kv hit, per-pool hits and
+    restorable prefixes as SGLang's HiCacheFile - the random comparison rarely lands on these."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    kv, swa, mamba = pools
+    ours = _store(shm_dir / "arena", kv, sidecars=[(PoolName.SWA, swa), (PoolName.MAMBA, mamba)])
+    theirs = _file_backend(shm_dir / "file")
+    theirs.register_mem_pool_host(kv)
+    theirs.register_mem_host_pool_v2(swa, PoolName.SWA)
+    theirs.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    keys = [f"e{i}" for i in range(6)]
+    try:
+        assert all(ours.batch_set_v1(keys, torch.arange(0, 6 * PAGE)))
+        for i, key in enumerate(keys):
+            assert theirs.set(key, kv.get_data_page(i * PAGE, flat=True))
+        for name, held in ((PoolName.SWA, swa_held), (PoolName.MAMBA, mamba_held)):
+            chosen = sorted(held)
+            put = [PoolTransfer(name=name, host_indices=torch.cat([torch.arange(i * PAGE, (i + 1) * PAGE)
+                                                                   for i in chosen]), keys=[keys[i] for i in chosen])]
+            assert ours.batch_set_v2(put) == theirs.batch_set_v2(put)
+        queries = ([PoolTransfer(name=PoolName.SWA, keys=keys[-trailing:], hit_policy=PoolHitPolicy.TRAILING_PAGES)],
+                   [PoolTransfer(name=PoolName.MAMBA, keys=keys[-trailing:], hit_policy=PoolHitPolicy[policy])],
+                   [PoolTransfer(name=PoolName.SWA, keys=keys[-trailing:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+                    PoolTransfer(name=PoolName.MAMBA, keys=keys[-trailing:], hit_policy=PoolHitPolicy[policy])])
+        for transfers in queries:
+            a, b = ours.batch_exists_v2(keys, transfers), theirs.batch_exists_v2(keys, transfers)
+            assert (a.kv_hit_pages, a.extra_pool_hit_pages, a.restorable_prefix_pages) == \
+                   (b.kv_hit_pages, b.extra_pool_hit_pages, b.restorable_prefix_pages), transfers
+    finally:
+        ours.close()
