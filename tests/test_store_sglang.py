@@ -139,10 +139,17 @@ def test_a_geometry_that_does_not_fit_fails_sglangs_attach_cleanly(sglang, shm_d
     assert path.read_bytes()[:4096] == before
 
 
-def _file_backend(path):
+def _file_backend(path, kv=None, sidecars=()):
+    """SGLang's own HiCacheFile at ``path`` (the oracle), with ``kv`` and the ``(name, pool)``
+    sidecars registered as `_store` registers them."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-    return HiCacheFile(_config({}), file_path=str(path))
+    backend = HiCacheFile(_config({}), file_path=str(path))
+    if kv is not None:
+        backend.register_mem_pool_host(kv)
+    for name, side in sidecars:
+        backend.register_mem_host_pool_v2(side, name)
+    return backend
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -153,11 +160,8 @@ def test_batch_exists_v2_answers_as_sglangs_hicache_file(sglang, shm_dir, pools,
 
     rng = random.Random(seed)
     kv, swa, mamba = pools
-    ours = _store(shm_dir / "arena", kv, sidecars=[(PoolName.SWA, swa), (PoolName.MAMBA, mamba)])
-    theirs = _file_backend(shm_dir / "file")
-    theirs.register_mem_pool_host(kv)
-    theirs.register_mem_host_pool_v2(swa, PoolName.SWA)
-    theirs.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    sidecars = [(PoolName.SWA, swa), (PoolName.MAMBA, mamba)]
+    ours, theirs = _store(shm_dir / "arena", kv, sidecars=sidecars), _file_backend(shm_dir / "file", kv, sidecars)
     keys = [f"s{seed}-{i}" for i in range(8)]
     try:
         for name in (PoolName.KV, PoolName.SWA, PoolName.MAMBA):

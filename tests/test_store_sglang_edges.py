@@ -62,10 +62,8 @@ def test_empty_transfers_answer_as_hicache_file(sglang, shm_dir, pools):
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     kv, swa, _ = pools
-    ours = _store(shm_dir / "arena", kv, sidecars=[(PoolName.SWA, swa)])
-    theirs = _file_backend(shm_dir / "file")
-    theirs.register_mem_pool_host(kv)
-    theirs.register_mem_host_pool_v2(swa, PoolName.SWA)
+    sidecars = [(PoolName.SWA, swa)]
+    ours, theirs = _store(shm_dir / "arena", kv, sidecars=sidecars), _file_backend(shm_dir / "file", kv, sidecars)
     none = torch.arange(0, dtype=torch.int64)
     try:
         assert ours.batch_get_v1([], none) == [] and ours.batch_set_v1([], none) == []
@@ -307,11 +305,8 @@ def test_batch_exists_v2_answers_as_hicache_file_at_the_edges(sglang, shm_dir, p
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
     kv, swa, mamba = pools
-    ours = _store(shm_dir / "arena", kv, sidecars=[(PoolName.SWA, swa), (PoolName.MAMBA, mamba)])
-    theirs = _file_backend(shm_dir / "file")
-    theirs.register_mem_pool_host(kv)
-    theirs.register_mem_host_pool_v2(swa, PoolName.SWA)
-    theirs.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    sidecars = [(PoolName.SWA, swa), (PoolName.MAMBA, mamba)]
+    ours, theirs = _store(shm_dir / "arena", kv, sidecars=sidecars), _file_backend(shm_dir / "file", kv, sidecars)
     keys = [f"e{i}" for i in range(6)]
     try:
         assert all(ours.batch_set_v1(keys, torch.arange(0, 6 * PAGE)))
